@@ -1,0 +1,17 @@
+"""gradient-cache: take gradients off the device during backward, restore them for the step."""
+
+from .compression import GradientCompressor
+from .engine.config import EngineConfig
+from .engine.pool import HostMemoryError
+from .manager import GradientCacheHookManager, create_gradient_cache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EngineConfig",
+    "GradientCacheHookManager",
+    "GradientCompressor",
+    "HostMemoryError",
+    "__version__",
+    "create_gradient_cache",
+]

@@ -1,0 +1,229 @@
+"""Gradient codecs: top-k sparsification (exact or threshold) with error feedback.
+
+A codec turns a flat gradient into a payload (`DensePayload` or `SparsePayload`) and back.
+Everything here is plain tensor code that runs on whatever device its input lives on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# The threshold selection accepts a kept count within this band around the wanted count.
+THRESHOLD_TOLERANCE = 0.10
+# Sampled entries expected above the threshold: ~400 gives a count error of about 5%.
+_SAMPLE_HITS = 400
+_MIN_SAMPLE = 1 << 16
+
+
+@dataclass
+class DensePayload:
+    """A whole gradient, kept as it is."""
+
+    tensor: torch.Tensor  # flat, the gradient's dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class SparsePayload:
+    """Selected entries of a flat gradient: ``dense[indices] = values``, zero elsewhere."""
+
+    values: torch.Tensor  # [k], the gradient's dtype
+    indices: torch.Tensor  # [k], int32 where the tensor allows, else int64; unique
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            self.values.numel() * self.values.element_size()
+            + self.indices.numel() * self.indices.element_size()
+        )
+
+
+Payload = DensePayload | SparsePayload
+
+
+def keep_count(numel: int, ratio: float) -> int:
+    """How many entries ratio ``ratio`` keeps of ``numel``: ``ceil(numel / ratio)``.
+
+    The tiny shrink keeps float noise (1 / (1 - 0.99) is 99.999...) from adding one.
+    """
+    return max(1, min(numel, math.ceil(numel / ratio * (1 - 1e-12))))
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+
+
+class TopKSelector:
+    """Picks the indices of the largest-magnitude entries of a flat tensor.
+
+    Holds reusable scratch buffers (allocating 64 MB afresh costs more than the
+    selection itself on a CPU) and a seeded generator, so one selector must not be
+    used from two threads at once.
+    """
+
+    def __init__(self, *, method: str, seed: int = 0) -> None:
+        self.method = method
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._abs_buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._mask_buffers: dict[torch.device, torch.Tensor] = {}
+
+    def select(self, flat: torch.Tensor, k: int) -> torch.Tensor | None:
+        """Return int64 indices of about ``k`` largest |entries|, or None if any is not finite."""
+        scratch = self._scratch(self._abs_buffers, (flat.dtype, flat.device), flat)
+        magnitude = torch.abs(flat, out=scratch)
+        if self.method == "threshold" and flat.numel() > 2 * self._sample_size(flat.numel(), k):
+            indices = self._threshold(magnitude, k)
+        else:
+            indices = None
+        if indices is None:
+            # torch.topk ranks NaN above +inf, so a non-finite entry is always picked.
+            indices = torch.topk(magnitude, k, sorted=False).indices
+        if not bool(torch.isfinite(magnitude[indices]).all()):
+            return None
+        return indices
+
+    def _threshold(self, magnitude: torch.Tensor, k: int) -> torch.Tensor | None:
+        """Threshold from a random sample, corrected until the count is within tolerance.
+
+        Returns None when it cannot bracket ``k`` (exact selection then takes over).
+        """
+        n = magnitude.numel()
+        low = math.floor(k * (1 - THRESHOLD_TOLERANCE))
+        high = math.ceil(k * (1 + THRESHOLD_TOLERANCE))
+        sample_size = self._sample_size(n, k)
+        positions = torch.randint(
+            n, (sample_size,), generator=self._generator(magnitude.device), device=magnitude.device
+        )
+        sample = magnitude[positions]
+        expected_hits = k * sample_size / n
+        mask = self._scratch(self._mask_buffers, magnitude.device, magnitude, dtype=torch.bool)
+        # First aim at k, then at 2k if too few were found; trimming handles too many.
+        for widen in (1, 2):
+            hits = min(sample_size, max(1, round(widen * expected_hits)))
+            threshold = torch.kthvalue(sample, sample_size - hits + 1).values
+            # `not (x < t)` keeps NaN as well as every entry >= t, so no bad value hides.
+            torch.lt(magnitude, threshold, out=mask).logical_not_()
+            indices = torch.nonzero(mask).squeeze(1)
+            if indices.numel() > high:
+                kept = magnitude[indices]
+                if not bool(torch.isfinite(kept).all()):
+                    return indices
+                return indices[torch.topk(kept, k, sorted=False).indices]
+            if indices.numel() >= low:
+                return indices
+        return None
+
+    @staticmethod
+    def _sample_size(n: int, k: int) -> int:
+        return min(n, max(_MIN_SAMPLE, math.ceil(_SAMPLE_HITS * n / k)))
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generators[device]
+
+    @staticmethod
+    def _scratch(
+        cache: dict, key: object, like: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        dtype = dtype or like.dtype
+        buffer = cache.get(key)
+        if buffer is None or buffer.numel() < like.numel():
+            buffer = torch.empty(like.numel(), dtype=dtype, device=like.device)
+            cache[key] = buffer
+        return buffer[: like.numel()]
+
+
+class TopKEncoder:
+    """Encodes flat gradients at a fixed ratio, with optional error feedback.
+
+    Error feedback keeps, per tensor, the residual ``r``: each step encodes ``g + r`` and
+    sets ``r`` to what was not sent, so what is delivered plus the new residual always
+    equals the gradients seen plus the old residual. A non-finite gradient is sent
+    whole (so GradScaler sees it and skips the step) and resets that residual to zero.
+    """
+
+    def __init__(self, *, ratio: float, selection: str, seed: int = 0) -> None:
+        self.ratio = ratio
+        self.selector = TopKSelector(method=selection, seed=seed)
+
+    def encode(self, flat: torch.Tensor, residual: torch.Tensor | None = None) -> Payload:
+        k = keep_count(flat.numel(), self.ratio)
+        source = flat if residual is None else residual.add_(flat)
+        indices = self.selector.select(source, k)
+        if indices is None:
+            if residual is not None:
+                residual.zero_()
+            return DensePayload(flat)
+        selected = source[indices]
+        values = selected.to(flat.dtype)
+        if residual is not None:
+            # What rounding to the gradient's dtype lost stays in the residual too.
+            residual.index_put_((indices,), selected - values.to(residual.dtype))
+        return SparsePayload(values, indices.to(index_dtype(flat.numel())), flat.numel())
+
+
+def decode_into(payload: Payload, out: torch.Tensor) -> torch.Tensor:
+    """Add ``payload`` into the flat tensor ``out`` (on any device) and return it."""
+    if isinstance(payload, DensePayload):
+        return out.add_(payload.tensor.to(out.device, non_blocking=True))
+    values = payload.values.to(out.device, non_blocking=True)
+    indices = payload.indices.to(out.device, non_blocking=True)
+    return out.index_add_(0, indices, values.to(out.dtype))
+
+
+def merge(first: Payload, second: Payload) -> Payload:
+    """The payload of ``first + second`` (gradient accumulation), on the host."""
+    if isinstance(first, DensePayload):
+        return DensePayload(decode_into(second, first.tensor.clone()))
+    if isinstance(second, DensePayload):
+        return DensePayload(decode_into(first, second.tensor.clone()))
+    indices = torch.cat([first.indices, second.indices])
+    values = torch.cat([first.values, second.values])
+    unique, inverse = torch.unique(indices, return_inverse=True)
+    summed = torch.zeros(unique.numel(), dtype=values.dtype).index_add_(0, inverse, values)
+    return SparsePayload(summed, unique, first.numel)
+
+
+class GradientCompressor:
+    """Top-k compression of a single tensor, for use without the engine.
+
+    ``GradientCompressor(sparsity=0.99)`` keeps the largest-magnitude 1% of entries.
+    ``compress(grad)`` returns ``(values, indices)`` with int64 indices into the
+    flattened tensor; ``decompress(values, indices, shape)`` rebuilds the dense tensor.
+    """
+
+    def __init__(self, sparsity: float = 0.99, *, selection: str = "exact") -> None:
+        if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)):
+            raise TypeError(f"sparsity must be a number in [0, 1), got {sparsity!r}.")
+        if not 0 <= sparsity < 1:
+            raise ValueError(
+                f"Invalid sparsity: {sparsity!r}; expected 0 <= sparsity < 1 "
+                "(0.99 keeps the largest 1% of entries)."
+            )
+        if selection not in ("exact", "threshold"):
+            raise ValueError(f"Invalid selection: {selection!r}; expected 'exact' or 'threshold'.")
+        self.sparsity = float(sparsity)
+        self._selector = TopKSelector(method=selection)
+
+    def compress(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = grad.detach().reshape(-1)
+        k = keep_count(flat.numel(), 1 / (1 - self.sparsity))
+        indices = self._selector.select(flat, k)
+        if indices is None:  # non-finite entries: keep everything so they are not hidden
+            indices = torch.arange(flat.numel(), device=flat.device)
+        return flat[indices].clone(), indices
+
+    def decompress(
+        self, values: torch.Tensor, indices: torch.Tensor, shape: torch.Size | tuple[int, ...]
+    ) -> torch.Tensor:
+        dense = torch.zeros(math.prod(shape), dtype=values.dtype, device=values.device)
+        return dense.index_add_(0, indices.to(values.device), values).reshape(shape)

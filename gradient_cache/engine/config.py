@@ -1,0 +1,138 @@
+"""Engine options: one validated dataclass, every option documented once.
+
+`create_gradient_cache(model, **options)` maps its keyword options onto `EngineConfig`;
+`GradientCacheHookManager(model, config=EngineConfig(...))` takes it whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+SELECTIONS = ("threshold", "exact")
+RESIDUAL_LOCATIONS = ("host", "device")
+BACKENDS = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the offload engine groups, encodes and stores gradients.
+
+    Attributes:
+        bucket_size_mb: Dense gradient megabytes (2**20 bytes) gathered before a bucket is
+            encoded and sent off the device. Smaller buckets free memory sooner during
+            backward (the device holds about two buckets plus the largest gradient at
+            once) at the cost of more, smaller launches. Default 4.
+        selection: How top-k entries are chosen. ``"threshold"`` (default) estimates the
+            magnitude threshold from a random sample, keeps every entry at or above it
+            and trims or widens the pick until the count is within ``±10%`` of the
+            wanted count; what it keeps is always the largest-magnitude entries.
+            ``"exact"`` keeps exactly ``ceil(numel / ratio)`` entries with
+            ``torch.topk``: exact, and about 20x slower on a CPU.
+        error_feedback: Add what compression dropped back into the next gradient
+            (the residual), so that dropped mass is delayed, not lost. Default True:
+            see the README's measurement. No effect when nothing is compressed.
+        residual_location: Where the residual lives: ``"host"`` (default; no device
+            memory) or ``"device"`` (no host round trip; costs one dense fp32 copy of
+            every compressed gradient on the device, which undoes most of the saving).
+        min_compress_numel: Tensors with fewer elements travel uncompressed. Default
+            16384 (64 KiB of fp32): below it, keeping 1% saves under 64 KiB per tensor
+            while the selection's fixed cost stays, and biases and norm weights are
+            both small and sensitive to sparsification.
+        host_memory_fraction: Largest share of the host's available RAM (psutil, or the
+            cgroup limit where lower) the host store may need; the engine refuses to
+            start if its estimate is larger. Default 0.5.
+        backend: ``"auto"`` (default) picks by the parameters' device; ``"cpu"`` or
+            ``"cuda"`` insist on one.
+        cpu_worker_thread: On the CPU backend, encode buckets on one worker thread
+            while backward goes on (True) or inline in the backward hook (False,
+            default: on a few cores the worker competes with backward's own threads
+            and is slower; see perf/RESULTS.md).
+    """
+
+    bucket_size_mb: float = 4.0
+    selection: str = "threshold"
+    error_feedback: bool = True
+    residual_location: str = "host"
+    min_compress_numel: int = 16384
+    host_memory_fraction: float = 0.5
+    backend: str = "auto"
+    cpu_worker_thread: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive_number("bucket_size_mb", self.bucket_size_mb)
+        _check_choice("selection", self.selection, SELECTIONS)
+        _check_bool("error_feedback", self.error_feedback)
+        _check_choice("residual_location", self.residual_location, RESIDUAL_LOCATIONS)
+        if (
+            isinstance(self.min_compress_numel, bool)
+            or not isinstance(self.min_compress_numel, numbers.Integral)
+            or self.min_compress_numel < 1
+        ):
+            raise ValueError(
+                f"Invalid min_compress_numel: {self.min_compress_numel!r}; "
+                "expected an integer >= 1 (elements)."
+            )
+        _check_positive_number("host_memory_fraction", self.host_memory_fraction)
+        if self.host_memory_fraction > 1:
+            raise ValueError(
+                f"Invalid host_memory_fraction: {self.host_memory_fraction!r}; "
+                "expected a share of available RAM in (0, 1]."
+            )
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_bool("cpu_worker_thread", self.cpu_worker_thread)
+
+    @property
+    def bucket_size_bytes(self) -> int:
+        return max(1, int(self.bucket_size_mb * 2**20))
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> EngineConfig:
+        """Build a config from keyword options, naming any unknown one."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"Unknown engine option(s) {unknown}; accepted options are "
+                f"{sorted(known)} (see gradient_cache.EngineConfig)."
+            )
+        return cls(**options)
+
+
+def validate_compression_ratio(value: Any) -> float:
+    """Return ``value`` as a float, or raise naming what is accepted."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"compression_ratio must be a real number >= 1 (1 = lossless, 100 = keep 1%), "
+            f"got {type(value).__name__} {value!r}."
+        )
+    ratio = float(value)
+    if not math.isfinite(ratio) or ratio < 1:
+        raise ValueError(
+            f"Invalid compression_ratio: {value!r}; expected a finite number >= 1 "
+            "(1 = lossless offload, 100 = keep 1% of each gradient)."
+        )
+    return ratio
+
+
+def _check_positive_number(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"Invalid {name}: {value!r}; expected a finite number > 0.")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"Invalid {name}: {value!r}; expected one of {list(choices)}.")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")

@@ -1,0 +1,291 @@
+"""The public face: GradientCacheHookManager and create_gradient_cache."""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import warnings
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from .engine.config import EngineConfig, validate_compression_ratio
+from .engine.pipeline import Pipeline
+from .stats import compression_summary
+
+logger = logging.getLogger("gradient_cache")
+
+
+class GradientCacheHookManager:
+    """Offloads a model's gradients to host memory during backward and restores them.
+
+    Args:
+        model: the ``nn.Module`` whose trainable parameters are cached.
+        compression_ratio: 1 keeps gradients whole (lossless offload); r > 1 keeps about
+            ``numel / r`` largest-magnitude entries of each tensor of at least
+            ``config.min_compress_numel`` elements.
+        exclude_layers: substrings of parameter names whose gradients stay on the
+            device exactly as plain PyTorch leaves them (e.g. ``["lm_head", "norm"]``).
+        verbose: log a one-line summary at each restored step (logger ``gradient_cache``).
+        config: an ``EngineConfig``; the defaults when None.
+
+    Use ``compress_and_free_gradients()`` after backward and ``apply_gradients()`` before
+    ``optimizer.step()``, or ``step(optimizer)`` in place of both the restore and the
+    step. As a context manager it removes its hooks on exit.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        compression_ratio: float = 100,
+        exclude_layers: Sequence[str] | None = None,
+        verbose: bool = False,
+        config: EngineConfig | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model must be a torch.nn.Module, got {type(model).__name__}. Pass the model "
+                "itself, not its parameters or state_dict."
+            )
+        ratio = validate_compression_ratio(compression_ratio)
+        if config is None:
+            config = EngineConfig()
+        elif not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be a gradient_cache.EngineConfig, got {config!r}.")
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be True or False, got {verbose!r}.")
+        patterns = _validate_exclude_layers(exclude_layers)
+
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                f"{type(model).__name__} has no trainable parameters (none has "
+                "requires_grad=True), so there are no gradients to cache."
+            )
+        included = [(n, p) for n, p in trainable if not any(s in n for s in patterns)]
+        for pattern in patterns:
+            if not any(pattern in name for name, _ in trainable):
+                warnings.warn(
+                    f"exclude_layers entry {pattern!r} matches no trainable parameter name "
+                    f"of {type(model).__name__}; check model.named_parameters() for the names.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        if not included:
+            raise ValueError(
+                f"exclude_layers={list(patterns)} excludes every trainable parameter; "
+                "nothing would be cached."
+            )
+        self.compression_ratio = ratio
+        self.config = config
+        self.verbose = verbose
+        self._num_excluded = len(trainable) - len(included)
+        if verbose and not logger.handlers:
+            logger.addHandler(logging.StreamHandler())
+            logger.setLevel(logging.INFO)
+        self._pipeline: Pipeline | None = Pipeline(included, ratio=ratio, config=config)
+
+    # --- the training-loop calls --------------------------------------------------
+
+    def compress_and_free_gradients(self) -> None:
+        """Finish offloading this backward's gradients (call after ``loss.backward()``).
+
+        Backward already moved most of them; this encodes the last partial bucket and
+        waits until every gradient is in host memory. Calling it twice is harmless.
+        """
+        self._live().drain()
+
+    def apply_gradients(self) -> None:
+        """Put the cached gradients back into ``param.grad`` (call before the optimizer).
+
+        Drains first, so it also works without ``compress_and_free_gradients()``. A
+        gradient already present on the device (for instance, produced while the
+        manager was disabled) is added to, not overwritten.
+        """
+        pipeline = self._live()
+        pipeline.apply()
+        self._log_step()
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor | None:
+        """Restore and step bucket by bucket, so one bucket of dense gradients is on the device.
+
+        Equivalent to ``apply_gradients()`` then ``optimizer.step()`` for optimizers whose
+        update of a parameter reads only that parameter's gradient and state (SGD, Adam,
+        AdamW, ...): ``optimizer.step()`` is called once per bucket with only that
+        bucket's gradients set, then once for gradients that were never offloaded
+        (excluded layers). Step hooks therefore fire once per call. The restored
+        gradients are freed afterwards (``param.grad`` is None, as after
+        ``zero_grad()``); gradients of excluded layers are left as they were.
+
+        ``max_grad_norm`` clips the global gradient norm (``norm_type``, as
+        ``torch.nn.utils.clip_grad_norm_``), computed from the host copies and any
+        device gradients before anything is restored; the norm is returned.
+        For a GradScaler, use ``apply_gradients()`` and ``scaler.step(optimizer)``.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}.")
+        if max_grad_norm is not None and not _is_positive_number(max_grad_norm):
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0.")
+        if not (_is_positive_number(norm_type) or norm_type == math.inf):
+            raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
+        total_norm = self._live().step(
+            optimizer, max_grad_norm=max_grad_norm, norm_type=float(norm_type)
+        )
+        self._log_step()
+        return total_norm
+
+    def step_completed(self) -> None:
+        """Mark the end of a training step.
+
+        Restoring (``apply_gradients()`` or ``step()``) already records the step's
+        figures; this checks that nothing is left behind. Gradients still cached are
+        kept, with a warning, and delivered by the next restore.
+        """
+        pipeline = self._live()
+        pipeline.drain()
+        if len(pipeline.store):
+            warnings.warn(
+                f"step_completed() called with {len(pipeline.store)} gradients still cached; "
+                "they are kept and will be added by the next apply_gradients() or step().",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def get_compression_summary(self) -> dict[str, Any]:
+        """Figures of the last restored step, as a dict.
+
+        Keys: ``compression_ratio`` (configured), ``overall_compression_ratio`` (dense
+        gradient bytes over the bytes kept for them, indices included),
+        ``memory_saved_mb`` (dense gradient MiB taken off the device in the last step),
+        ``dense_gradient_mb``, ``stored_gradient_mb``, ``kept_fraction`` (entries kept
+        of the compressed tensors), ``residual_mb`` (error-feedback residuals),
+        ``process_rss_mb`` (psutil), ``steps`` (restores so far),
+        ``num_offloaded_parameters``, ``num_excluded_parameters`` and ``layers``:
+        per parameter name, ``numel``, ``dense_bytes``, ``stored_bytes``,
+        ``kept_fraction`` and ``compressed``.
+        """
+        return compression_summary(self._live(), num_excluded=self._num_excluded)
+
+    # --- switches and lifetime ----------------------------------------------------
+
+    def enable(self) -> None:
+        """Resume offloading in later backward passes."""
+        self._live().enabled = True
+
+    def disable(self) -> None:
+        """Leave later gradients on the device; what is already cached stays cached."""
+        self._live().enabled = False
+
+    def remove_hooks(self) -> None:
+        """Put any cached gradients back into ``param.grad`` and detach from the model.
+
+        The manager cannot be used afterwards; calling this twice is harmless.
+        """
+        if self._pipeline is None:
+            return
+        pipeline, self._pipeline = self._pipeline, None
+        try:
+            pipeline.drain()
+            pipeline.restore_all()
+        finally:
+            pipeline.close()
+
+    def __enter__(self) -> GradientCacheHookManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.remove_hooks()
+
+    # --- helpers ------------------------------------------------------------------
+
+    def _live(self) -> Pipeline:
+        if self._pipeline is None:
+            raise RuntimeError(
+                "This GradientCacheHookManager was closed by remove_hooks() (or by leaving "
+                "its with-block); create a new one with gradient_cache.create_gradient_cache."
+            )
+        return self._pipeline
+
+    def _log_step(self) -> None:
+        if self.verbose:
+            summary = self.get_compression_summary()
+            logger.info(
+                "gradient-cache step %d: %.1f MiB of gradients offloaded, stored in %.2f MiB "
+                "(%.1fx), kept fraction %.4f",
+                summary["steps"],
+                summary["memory_saved_mb"],
+                summary["stored_gradient_mb"],
+                summary["overall_compression_ratio"],
+                summary["kept_fraction"],
+            )
+
+
+def create_gradient_cache(
+    model: torch.nn.Module,
+    compression_ratio: float = 100,
+    verbose: bool = False,
+    *,
+    exclude_layers: Sequence[str] | None = None,
+    config: EngineConfig | None = None,
+    **options: Any,
+) -> GradientCacheHookManager:
+    """Attach a gradient cache to ``model`` and return its manager.
+
+    ``options`` are `EngineConfig` fields (``bucket_size_mb=8``, ``selection="exact"``,
+    ...); pass either them or a whole ``config``, not both.
+    """
+    if config is not None and options:
+        raise ValueError(
+            f"Pass engine options either as config= or as keywords, not both "
+            f"(got config and {sorted(options)})."
+        )
+    if config is None:
+        config = EngineConfig.from_options(options)
+    return GradientCacheHookManager(
+        model,
+        compression_ratio=compression_ratio,
+        exclude_layers=exclude_layers,
+        verbose=verbose,
+        config=config,
+    )
+
+
+def _validate_exclude_layers(exclude_layers: Any) -> tuple[str, ...]:
+    if exclude_layers is None:
+        return ()
+    if isinstance(exclude_layers, str) or not isinstance(exclude_layers, (list, tuple)):
+        raise TypeError(
+            f"exclude_layers must be a list of name substrings, e.g. ['lm_head'], got "
+            f"{exclude_layers!r}."
+        )
+    bad = [entry for entry in exclude_layers if not isinstance(entry, str) or not entry]
+    if bad:
+        raise TypeError(
+            f"exclude_layers entries must be non-empty strings (parameter-name substrings), "
+            f"got {bad!r}."
+        )
+    return tuple(exclude_layers)
+
+
+def _is_positive_number(value: Any) -> bool:
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )

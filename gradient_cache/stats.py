@@ -1,0 +1,50 @@
+"""The compression summary and the memory readings it carries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psutil
+
+from .engine.pipeline import Pipeline
+
+MIB = 2**20
+
+
+def process_rss_mb() -> float:
+    """Resident memory of this process (psutil), in MiB."""
+    return psutil.Process().memory_info().rss / MIB
+
+
+def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> dict[str, Any]:
+    """Figures of the last completed step; see GradientCacheHookManager.get_compression_summary."""
+    layers = pipeline.last_step.layers
+    dense = sum(layer.dense_bytes for layer in layers.values())
+    stored = sum(layer.stored_bytes for layer in layers.values())
+    compressed = [layer for layer in layers.values() if layer.compressed]
+    compressed_numel = sum(layer.numel for layer in compressed)
+    return {
+        "compression_ratio": pipeline.ratio,
+        "overall_compression_ratio": dense / stored if stored else 1.0,
+        "memory_saved_mb": dense / MIB,
+        "dense_gradient_mb": dense / MIB,
+        "stored_gradient_mb": stored / MIB,
+        "kept_fraction": (
+            sum(layer.kept for layer in compressed) / compressed_numel if compressed_numel else 1.0
+        ),
+        "residual_mb": pipeline.residual_bytes() / MIB,
+        "process_rss_mb": process_rss_mb(),
+        "steps": pipeline.steps,
+        "num_offloaded_parameters": len(pipeline.names),
+        "num_excluded_parameters": num_excluded,
+        "layers": {
+            name: {
+                "numel": layer.numel,
+                "dense_bytes": layer.dense_bytes,
+                "stored_bytes": layer.stored_bytes,
+                "kept_fraction": layer.kept / layer.numel,
+                "compressed": layer.compressed,
+            }
+            for name, layer in layers.items()
+        },
+    }

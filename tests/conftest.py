@@ -1,0 +1,108 @@
+"""Shared models and a reference training loop for comparing against plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import gradient_cache
+
+
+class TiedLM(nn.Module):
+    """Embedding, an MLP, a LayerNorm and an output head tied to the embedding."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, *, with_unused: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+        self.norm = nn.LayerNorm(width)
+        self.unused = nn.Linear(width, width) if with_unused else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)  # [batch, seq, width]
+        hidden = self.norm(hidden + self.mlp(hidden))
+        return hidden @ self.embed.weight.t()  # [batch, seq, vocab], tied head
+
+
+def make_model(seed: int = 0, **kwargs) -> TiedLM:
+    torch.manual_seed(seed)
+    return TiedLM(**kwargs)
+
+
+def batches(
+    steps: int, *, vocab: int = 64, seed: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(vocab, (4, 8), generator=generator),
+            torch.randint(vocab, (4, 8), generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def train(
+    model: nn.Module,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    manager: gradient_cache.GradientCacheHookManager | None = None,
+    make_optimizer: OptimizerFactory = adam,
+    micro_batches: int = 1,
+    fused_step: bool = False,
+    compress_each_micro_batch: bool = True,
+) -> list[float]:
+    """The user's loop: plain when ``manager`` is None, else with the cache's calls."""
+    optimizer = make_optimizer(list(model.parameters()))
+    losses = []
+    for tokens, targets in data:
+        for part in range(micro_batches):
+            rows = slice(
+                part * len(tokens) // micro_batches, (part + 1) * len(tokens) // micro_batches
+            )
+            loss = loss_of(model, tokens[rows], targets[rows]) / micro_batches
+            loss.backward()
+            losses.append(loss.item())
+            if manager is not None and compress_each_micro_batch:
+                manager.compress_and_free_gradients()
+        if manager is None:
+            optimizer.step()
+        elif fused_step:
+            manager.step(optimizer)
+        else:
+            manager.apply_gradients()
+            optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def assert_same_parameters(left: nn.Module, right: nn.Module, *, atol: float = 0.0) -> None:
+    for (name, a), (_, b) in zip(left.named_parameters(), right.named_parameters(), strict=True):
+        if atol == 0.0:
+            assert torch.equal(a, b), f"{name} differs by {(a - b).abs().max().item()}"
+        else:
+            torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=f"{name} differs")
+
+
+@pytest.fixture
+def twin_models() -> tuple[TiedLM, TiedLM]:
+    model = make_model()
+    return model, copy.deepcopy(model)

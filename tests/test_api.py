@@ -1,0 +1,225 @@
+"""The public surface: names, summary, bad input, calls out of order, lifetime."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import batches, loss_of, make_model
+
+import gradient_cache
+from gradient_cache import EngineConfig, GradientCacheHookManager
+
+
+def backward_once(model: torch.nn.Module, seed: int = 1) -> None:
+    tokens, targets = batches(1, seed=seed)[0]
+    loss_of(model, tokens, targets).backward()
+
+
+def test_public_names() -> None:
+    assert set(gradient_cache.__all__) >= {
+        "create_gradient_cache",
+        "GradientCacheHookManager",
+        "GradientCompressor",
+        "EngineConfig",
+        "__version__",
+    }
+    assert isinstance(gradient_cache.__version__, str)
+    manager = gradient_cache.create_gradient_cache(make_model())
+    assert isinstance(manager, GradientCacheHookManager)
+
+
+def test_summary_reports_real_figures() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=100, min_compress_numel=1
+    )
+    backward_once(model)
+    manager.apply_gradients()
+    summary = manager.get_compression_summary()
+    dense = sum(p.numel() * 4 for p in model.parameters())
+    layers = summary["layers"]
+    stored = sum(layer["stored_bytes"] for layer in layers.values())
+    assert summary["memory_saved_mb"] == pytest.approx(dense / 2**20)
+    assert summary["overall_compression_ratio"] == pytest.approx(dense / stored)
+    # fp32 values plus int32 indices: 1% kept costs 2% of the bytes, at best 50x.
+    assert 30 < summary["overall_compression_ratio"] <= 50
+    for name, p in model.named_parameters():
+        assert layers[name]["numel"] == p.numel()
+        assert layers[name]["kept_fraction"] == pytest.approx(-(-p.numel() // 100) / p.numel())
+    assert summary["steps"] == 1 and summary["process_rss_mb"] > 0
+    assert summary["residual_mb"] == pytest.approx(dense / 2**20)
+
+
+def test_small_tensors_travel_uncompressed() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=100, min_compress_numel=1000
+    )
+    backward_once(model)
+    manager.apply_gradients()
+    for name, layer in manager.get_compression_summary()["layers"].items():
+        assert layer["compressed"] == (layer["numel"] >= 1000), name
+        if not layer["compressed"]:
+            assert layer["kept_fraction"] == 1.0
+
+
+def test_summary_before_any_step_is_empty_not_an_error() -> None:
+    summary = gradient_cache.create_gradient_cache(make_model()).get_compression_summary()
+    assert summary["steps"] == 0 and summary["memory_saved_mb"] == 0 and summary["layers"] == {}
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0, -3, float("nan"), float("inf")])
+def test_bad_compression_ratio_values(ratio: float) -> None:
+    with pytest.raises(ValueError, match="compression_ratio"):
+        gradient_cache.create_gradient_cache(make_model(), compression_ratio=ratio)
+
+
+@pytest.mark.parametrize("ratio", ["100", None, True, [100]])
+def test_non_numeric_compression_ratio(ratio: object) -> None:
+    with pytest.raises(TypeError, match="compression_ratio"):
+        GradientCacheHookManager(make_model(), compression_ratio=ratio)
+
+
+def test_model_must_be_a_module() -> None:
+    model = make_model()
+    with pytest.raises(TypeError, match="nn.Module"):
+        gradient_cache.create_gradient_cache(list(model.parameters()))
+
+
+def test_model_without_trainable_parameters() -> None:
+    model = make_model().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        gradient_cache.create_gradient_cache(model)
+
+
+@pytest.mark.parametrize("exclude", ["norm", [3], ("norm", None), {"norm"}, [""]])
+def test_exclude_layers_must_be_a_list_of_strings(exclude: object) -> None:
+    with pytest.raises(TypeError, match="exclude_layers"):
+        GradientCacheHookManager(make_model(), exclude_layers=exclude)
+
+
+def test_exclude_layers_entry_that_matches_nothing_warns() -> None:
+    with pytest.warns(UserWarning, match="'decoder'"):
+        GradientCacheHookManager(make_model(), exclude_layers=["decoder", "norm"])
+
+
+def test_excluding_everything_is_an_error() -> None:
+    with pytest.raises(ValueError, match="excludes every trainable parameter"):
+        GradientCacheHookManager(make_model(), exclude_layers=["embed", "mlp", "norm"])
+
+
+def test_unknown_and_conflicting_options() -> None:
+    with pytest.raises(TypeError, match="bucket_size"):
+        gradient_cache.create_gradient_cache(make_model(), bucket_size=3)
+    with pytest.raises(ValueError, match="not both"):
+        gradient_cache.create_gradient_cache(make_model(), config=EngineConfig(), bucket_size_mb=1)
+    with pytest.raises(TypeError, match="EngineConfig"):
+        GradientCacheHookManager(make_model(), config={"bucket_size_mb": 1})
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(bucket_size_mb=0), "bucket_size_mb"),
+        (dict(bucket_size_mb=float("nan")), "bucket_size_mb"),
+        (dict(selection="fast"), "selection"),
+        (dict(error_feedback="yes"), "error_feedback"),
+        (dict(residual_location="gpu"), "residual_location"),
+        (dict(min_compress_numel=0), "min_compress_numel"),
+        (dict(min_compress_numel=2.5), "min_compress_numel"),
+        (dict(host_memory_fraction=1.5), "host_memory_fraction"),
+        (dict(backend="tpu"), "backend"),
+        (dict(cpu_worker_thread=1), "cpu_worker_thread"),
+    ],
+)
+def test_engine_config_validation(options: dict, match: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=match):
+        EngineConfig(**options)
+
+
+def test_cuda_backend_on_cpu_parameters_is_refused() -> None:
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        gradient_cache.create_gradient_cache(make_model(), backend="cuda")
+
+
+def test_step_validates_its_arguments() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="optimizer"):
+        manager.step(model)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        manager.step(optimizer, max_grad_norm=-1)
+    with pytest.raises(ValueError, match="norm_type"):
+        manager.step(optimizer, max_grad_norm=1.0, norm_type=0)
+
+
+def test_apply_without_compress_drains_first() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1, bucket_size_mb=1)
+    backward_once(model)  # one big bucket: nothing has been launched yet
+    manager.apply_gradients()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_compress_twice_and_apply_twice_are_harmless() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    backward_once(model)
+    manager.compress_and_free_gradients()
+    manager.compress_and_free_gradients()
+    manager.apply_gradients()
+    grads = [p.grad.clone() for p in model.parameters()]
+    manager.apply_gradients()  # nothing cached: changes nothing
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_disable_leaves_gradients_and_apply_adds_to_them() -> None:
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, compression_ratio=1)
+    backward_once(cached, seed=1)
+    manager.compress_and_free_gradients()
+    manager.disable()
+    backward_once(cached, seed=2)
+    assert all(p.grad is not None for p in cached.parameters())
+    manager.apply_gradients()
+    manager.enable()
+    backward_once(plain, seed=1)
+    backward_once(plain, seed=2)
+    for a, b in zip(plain.parameters(), cached.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_step_completed_warns_about_gradients_still_cached() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    backward_once(model)
+    with pytest.warns(UserWarning, match="still cached"):
+        manager.step_completed()
+    manager.apply_gradients()  # nothing was dropped
+    assert all(p.grad is not None for p in model.parameters())
+    manager.step_completed()  # nothing cached: no warning (warnings are errors here)
+
+
+def test_remove_hooks_restores_cached_gradients_and_closes() -> None:
+    model = make_model()
+    with gradient_cache.create_gradient_cache(model, compression_ratio=1) as manager:
+        backward_once(model)
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="remove_hooks"):
+        manager.apply_gradients()
+    manager.remove_hooks()  # twice is harmless
+    model.zero_grad()
+    backward_once(model)  # hooks are gone: gradients stay on the parameters
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_verbose_logs_a_line_per_step(caplog: pytest.LogCaptureFixture) -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=10, verbose=True)
+    backward_once(model)
+    with caplog.at_level(logging.INFO, logger="gradient_cache"):
+        manager.apply_gradients()
+    assert "gradient-cache step 1" in caplog.text

@@ -1,0 +1,165 @@
+"""The codecs on their own: what top-k keeps, error feedback, non-finite values, merging."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradient_cache import GradientCompressor
+from gradient_cache.compression import (
+    THRESHOLD_TOLERANCE,
+    DensePayload,
+    SparsePayload,
+    TopKEncoder,
+    TopKSelector,
+    decode_into,
+    keep_count,
+    merge,
+)
+
+
+def heavy_tailed(numel: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) ** 4
+
+
+def decode(payload, numel: int) -> torch.Tensor:
+    return decode_into(payload, torch.zeros(numel))
+
+
+def assert_is_top_magnitude(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor) -> None:
+    """Kept entries carry their true values and no dropped entry is larger than a kept one."""
+    assert torch.equal(values, x[indices.long()])
+    dropped = torch.ones(x.numel(), dtype=torch.bool)
+    dropped[indices.long()] = False
+    assert x[dropped].abs().max() <= values.abs().min()
+
+
+@pytest.mark.parametrize(
+    "numel,ratio", [(1000, 10), (300_000, 100), (1 << 20, 100), (1 << 20, 1000)]
+)
+def test_exact_selection_keeps_exactly_the_largest(numel: int, ratio: int) -> None:
+    x = heavy_tailed(numel)
+    payload = TopKEncoder(ratio=ratio, selection="exact").encode(x)
+    assert isinstance(payload, SparsePayload)
+    assert payload.values.numel() == math.ceil(numel / ratio)
+    assert_is_top_magnitude(payload.values, payload.indices, x)
+
+
+@pytest.mark.parametrize(
+    "numel,ratio", [(300_000, 10), (1 << 20, 100), (1 << 22, 100), (1 << 20, 1000)]
+)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_threshold_selection_keeps_the_largest_within_tolerance(numel, ratio, seed) -> None:
+    x = heavy_tailed(numel, seed)
+    payload = TopKEncoder(ratio=ratio, selection="threshold", seed=seed).encode(x)
+    k = keep_count(numel, ratio)
+    kept = payload.values.numel()
+    assert (1 - THRESHOLD_TOLERANCE) * k <= kept <= (1 + THRESHOLD_TOLERANCE) * k
+    assert_is_top_magnitude(payload.values, payload.indices, x)
+
+
+def test_threshold_selection_corrects_a_bad_sample() -> None:
+    """Many equal magnitudes make the sampled threshold keep far too many: it trims to k."""
+    x = torch.ones(1 << 20)
+    x[:5000] = torch.arange(5000, dtype=torch.float32) + 2
+    payload = TopKEncoder(ratio=100, selection="threshold").encode(x)
+    assert payload.values.numel() == keep_count(x.numel(), 100)
+    assert_is_top_magnitude(payload.values, payload.indices, x)
+
+
+@pytest.mark.parametrize("selection", ["exact", "threshold"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_gradient_is_sent_whole_and_resets_the_residual(selection, bad) -> None:
+    x = heavy_tailed(1 << 20)
+    x[12345] = bad
+    residual = torch.full((x.numel(),), 0.5)
+    payload = TopKEncoder(ratio=100, selection=selection).encode(x.clone(), residual)
+    assert isinstance(payload, DensePayload)
+    torch.testing.assert_close(payload.tensor, x, equal_nan=True, rtol=0, atol=0)
+    assert torch.count_nonzero(residual) == 0
+
+
+def test_all_nan_gradient_is_sent_whole() -> None:
+    x = torch.full((1 << 18,), float("nan"))
+    payload = TopKEncoder(ratio=100, selection="threshold").encode(x)
+    assert isinstance(payload, DensePayload) and payload.tensor.isnan().all()
+
+
+@pytest.mark.parametrize("selection", ["exact", "threshold"])
+def test_error_feedback_conserves_every_gradient(selection: str) -> None:
+    """Delivered sum plus the final residual equals the gradient sum, step after step."""
+    encoder = TopKEncoder(ratio=50, selection=selection)
+    numel = 1 << 18
+    residual = torch.zeros(numel)
+    delivered = torch.zeros(numel, dtype=torch.float64)
+    seen = torch.zeros(numel, dtype=torch.float64)
+    for step in range(5):
+        grad = heavy_tailed(numel, seed=step)
+        seen += grad.double()
+        payload = encoder.encode(grad, residual)
+        delivered += decode(payload, numel).double()
+    torch.testing.assert_close(delivered + residual.double(), seen, rtol=0, atol=1e-5)
+    assert torch.count_nonzero(residual) > 0  # something was really held back
+
+
+def test_error_feedback_keeps_bf16_rounding_in_the_residual() -> None:
+    encoder = TopKEncoder(ratio=10, selection="exact")
+    grad = heavy_tailed(100_000).to(torch.bfloat16)
+    residual = torch.full((grad.numel(),), 1e-3)
+    expected = grad.float() + residual
+    payload = encoder.encode(grad, residual)
+    assert payload.values.dtype == torch.bfloat16
+    delivered = decode_into(payload, torch.zeros(grad.numel()))
+    torch.testing.assert_close(delivered + residual, expected, rtol=0, atol=1e-7)
+
+
+def test_indices_are_int32_payload_bytes_are_counted() -> None:
+    payload = TopKEncoder(ratio=100, selection="exact").encode(heavy_tailed(100_000))
+    assert payload.indices.dtype == torch.int32
+    assert payload.nbytes == 1000 * (4 + 4)
+
+
+def test_merge_sums_sparse_and_dense_payloads() -> None:
+    numel = 10_000
+    a, b = heavy_tailed(numel, 0), heavy_tailed(numel, 1)
+    encoder = TopKEncoder(ratio=10, selection="exact")
+    pa, pb = encoder.encode(a), encoder.encode(b)
+    merged = merge(pa, pb)
+    assert isinstance(merged, SparsePayload)
+    assert merged.indices.unique().numel() == merged.indices.numel()
+    torch.testing.assert_close(decode(merged, numel), decode(pa, numel) + decode(pb, numel))
+    mixed = merge(DensePayload(a.clone()), pb)
+    torch.testing.assert_close(decode(mixed, numel), a + decode(pb, numel))
+    assert torch.equal(merge(DensePayload(a), DensePayload(b)).tensor, a + b)
+
+
+def test_gradient_compressor_round_trip() -> None:
+    grad = heavy_tailed(40_000).reshape(200, 200)
+    compressor = GradientCompressor(sparsity=0.99)
+    values, indices = compressor.compress(grad)
+    assert values.numel() == 400 and indices.dtype == torch.int64
+    restored = compressor.decompress(values, indices, grad.shape)
+    assert restored.shape == grad.shape
+    assert torch.count_nonzero(restored) == 400
+    assert_is_top_magnitude(values, indices, grad.reshape(-1))
+    lossless = GradientCompressor(sparsity=0.0)
+    assert torch.equal(lossless.decompress(*lossless.compress(grad), grad.shape), grad)
+
+
+@pytest.mark.parametrize("sparsity", [1.0, -0.1, 1.5, float("nan")])
+def test_gradient_compressor_rejects_bad_sparsity(sparsity: float) -> None:
+    with pytest.raises(ValueError, match="sparsity"):
+        GradientCompressor(sparsity=sparsity)
+    with pytest.raises(TypeError, match="sparsity"):
+        GradientCompressor(sparsity="0.9")
+
+
+def test_selector_reuses_its_scratch_buffers() -> None:
+    selector = TopKSelector(method="threshold")
+    selector.select(heavy_tailed(1 << 20), 1 << 13)
+    first = {key: buf.data_ptr() for key, buf in selector._abs_buffers.items()}
+    selector.select(heavy_tailed(1 << 19), 1 << 12)
+    assert first == {key: buf.data_ptr() for key, buf in selector._abs_buffers.items()}

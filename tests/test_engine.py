@@ -1,0 +1,139 @@
+"""Engine parts on their own: buckets, backends, host-memory budget."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import batches, loss_of, make_model
+
+import gradient_cache
+from gradient_cache import EngineConfig, HostMemoryError
+from gradient_cache.compression import DensePayload
+from gradient_cache.engine import pool
+from gradient_cache.engine.backend import ThreadedCPUBackend, parameter_device
+from gradient_cache.engine.buckets import BucketAssembler, chunk_by_bytes
+
+
+def test_bucket_assembler_fills_to_capacity_in_arrival_order() -> None:
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 20, 5, 40)]
+    assembler = BucketAssembler(capacity_bytes=100)
+    full = [assembler.add(p, torch.zeros(p.numel())) for p in params]
+    assert full[0] is None and full[1] is not None  # 40 B, then 120 B >= 100 B
+    assert [p for p, _ in full[1]] == params[:2]
+    assert full[2] is None and [p for p, _ in full[3]] == params[2:]
+    assert assembler.flush() is None
+
+
+def test_chunk_by_bytes() -> None:
+    assert list(chunk_by_bytes([3, 3, 3, 9, 1], 6, lambda x: x)) == [[3, 3], [3, 9], [1]]
+
+
+def test_buckets_follow_backward_order_and_launch_during_backward(monkeypatch) -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1, bucket_size_mb=1e-6)
+    pipeline = manager._pipeline
+    launched: list[list[str]] = []
+    grads_left: list[int] = []
+    original = pipeline._encode_bucket
+
+    def spy(bucket):
+        launched.append([pipeline.names[p] for p, _ in bucket])
+        grads_left.append(sum(p.grad is not None for p in model.parameters()))
+        return original(bucket)
+
+    monkeypatch.setattr(pipeline, "_encode_bucket", spy)
+    tokens, targets = batches(1)[0]
+    loss_of(model, tokens, targets).backward()
+    order = [names[0] for names in launched]
+    assert order.index("mlp.2.weight") < order.index("mlp.0.weight")  # backward order
+    assert all(left == 0 for left in grads_left)  # each freed as soon as it was ready
+
+
+def test_worker_thread_encodes_off_the_backward_thread(monkeypatch) -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, bucket_size_mb=1e-6, cpu_worker_thread=True
+    )
+    pipeline = manager._pipeline
+    assert isinstance(pipeline.backend, ThreadedCPUBackend)
+    threads = set()
+    original = pipeline._encode_bucket
+    monkeypatch.setattr(
+        pipeline,
+        "_encode_bucket",
+        lambda bucket: threads.add(threading.current_thread().name) or original(bucket),
+    )
+    tokens, targets = batches(1)[0]
+    loss_of(model, tokens, targets).backward()
+    manager.apply_gradients()
+    assert threads == {"gradient-cache-encode"}
+    manager.remove_hooks()
+    assert not pipeline.backend._thread.is_alive()
+
+
+def test_worker_thread_error_is_raised_at_the_drain() -> None:
+    backend = ThreadedCPUBackend(deliver=lambda param, payload: None)
+
+    def failing():
+        raise ValueError("boom")
+
+    backend.launch(failing)
+    with pytest.raises(RuntimeError, match="not kept") as info:
+        backend.wait()
+    assert isinstance(info.value.__cause__, ValueError)
+    delivered = []
+    backend = ThreadedCPUBackend(deliver=lambda param, payload: delivered.append(payload))
+    backend.launch(lambda: [(None, DensePayload(torch.ones(2)))])
+    backend.wait()
+    assert len(delivered) == 1
+    backend.close()
+
+
+def test_parameters_on_several_devices_are_refused() -> None:
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))]
+    with pytest.raises(ValueError, match=r"several devices \['cpu', 'meta'\]"):
+        parameter_device(params)
+
+
+def test_cgroup_headroom(tmp_path) -> None:
+    limit, usage = tmp_path / "max", tmp_path / "current"
+    usage.write_text("300\n")
+    limit.write_text("1000\n")
+    assert pool.cgroup_headroom_bytes([(str(limit), str(usage))]) == 700
+    limit.write_text("max\n")
+    assert pool.cgroup_headroom_bytes([(str(limit), str(usage))]) is None
+    assert pool.cgroup_headroom_bytes([(str(tmp_path / "absent"), str(usage))]) is None
+
+
+def test_available_host_bytes_is_capped_by_the_cgroup(monkeypatch) -> None:
+    monkeypatch.setattr(pool, "cgroup_headroom_bytes", lambda: 123)
+    assert pool.available_host_bytes() == 123
+
+
+def test_host_estimate_counts_payloads_and_residuals() -> None:
+    big, small = torch.nn.Parameter(torch.zeros(100_000)), torch.nn.Parameter(torch.zeros(10))
+    config = EngineConfig(min_compress_numel=1000)
+    with_payloads = pool.estimate_host_bytes(
+        [big, small], ratio=100, config=config, count_payloads=True
+    )
+    # 1000 kept (+10% band) x (4 B value + 4 B index), the small one dense, a 4 B/elt residual.
+    assert with_payloads == 1100 * 8 + 10 * 4 + 100_000 * 4
+    residual_only = pool.estimate_host_bytes(
+        [big, small], ratio=100, config=config, count_payloads=False
+    )
+    assert residual_only == 100_000 * 4
+    no_feedback = EngineConfig(min_compress_numel=1000, error_feedback=False)
+    assert pool.estimate_host_bytes([big], ratio=100, config=no_feedback, count_payloads=False) == 0
+
+
+def test_engine_refuses_to_start_when_the_host_cannot_hold_it(monkeypatch) -> None:
+    monkeypatch.setattr(pool, "available_host_bytes", lambda: 2**20)
+    model = torch.nn.Linear(1024, 1024)
+    with pytest.raises(HostMemoryError) as info:
+        gradient_cache.create_gradient_cache(model, compression_ratio=100)
+    message = str(info.value)
+    assert "needs about 4 MiB" in message and "may use 0 MiB" in message
+    assert "host_memory_fraction=0.5" in message and "error_feedback=False" in message
+    gradient_cache.create_gradient_cache(model, compression_ratio=100, error_feedback=False)

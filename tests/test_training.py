@@ -1,0 +1,263 @@
+"""Training with the cache against plain PyTorch: same seed, same data, stated tolerances."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same_parameters, batches, loss_of, make_model, train
+
+import gradient_cache
+
+# Lossless offload hands the optimizer the very same numbers, so weights match bit for bit.
+LOSSLESS = dict(compression_ratio=1)
+SMALL_BUCKETS = dict(bucket_size_mb=0.004)  # ~4 KiB: several buckets per backward
+
+
+def test_quick_start_verbatim() -> None:
+    """The README's loop, as users type it, trains like plain PyTorch at ratio 1."""
+    model = make_model()
+    reference = copy.deepcopy(model)
+    dataloader = [tokens for tokens, _ in batches(5)]
+
+    hook_manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    optimizer = torch.optim.Adam(model.parameters())
+    for batch in dataloader:
+        loss = model(batch).mean()
+        loss.backward()
+        hook_manager.compress_and_free_gradients()
+        hook_manager.apply_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    reference_optimizer = torch.optim.Adam(reference.parameters())
+    for batch in dataloader:
+        reference(batch).mean().backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    assert_same_parameters(model, reference)
+
+
+@pytest.mark.parametrize("worker_thread", [False, True])
+@pytest.mark.parametrize("fused_step", [False, True])
+def test_lossless_matches_plain_over_many_steps(worker_thread: bool, fused_step: bool) -> None:
+    plain, cached = make_model(), make_model()
+    data = batches(20)
+    manager = gradient_cache.create_gradient_cache(
+        cached, **LOSSLESS, cpu_worker_thread=worker_thread, **SMALL_BUCKETS
+    )
+    plain_losses = train(plain, data)
+    cached_losses = train(cached, data, manager=manager, fused_step=fused_step)
+    assert cached_losses == plain_losses
+    assert_same_parameters(plain, cached)
+
+
+def test_gradients_leave_the_parameters_during_backward() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, **LOSSLESS, **SMALL_BUCKETS)
+    tokens, targets = batches(1)[0]
+    loss_of(model, tokens, targets).backward()
+    manager.compress_and_free_gradients()
+    assert all(p.grad is None for p in model.parameters())
+    manager.apply_gradients()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("compress_each_micro_batch", [True, False])
+@pytest.mark.parametrize("worker_thread", [False, True])
+def test_gradient_accumulation_sums_exactly_when_lossless(
+    compress_each_micro_batch: bool, worker_thread: bool
+) -> None:
+    plain, cached = make_model(), make_model()
+    data = batches(6)
+    manager = gradient_cache.create_gradient_cache(
+        cached, **LOSSLESS, cpu_worker_thread=worker_thread, **SMALL_BUCKETS
+    )
+    train(plain, data, micro_batches=4)
+    train(
+        cached,
+        data,
+        manager=manager,
+        micro_batches=4,
+        compress_each_micro_batch=compress_each_micro_batch,
+    )
+    assert_same_parameters(plain, cached)
+
+
+def test_excluded_layers_keep_their_gradients_on_the_parameters() -> None:
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=100, exclude_layers=["norm", "mlp.2"], min_compress_numel=1
+    )
+    tokens, targets = batches(1)[0]
+    loss_of(plain, tokens, targets).backward()
+    loss_of(cached, tokens, targets).backward()
+    manager.compress_and_free_gradients()
+    excluded = {"norm.weight", "norm.bias", "mlp.2.weight", "mlp.2.bias"}
+    for (name, p_plain), (_, p_cached) in zip(plain.named_parameters(), cached.named_parameters()):
+        if name in excluded:
+            assert torch.equal(p_cached.grad, p_plain.grad), name
+        else:
+            assert p_cached.grad is None, name
+    manager.apply_gradients()
+    for (name, p_plain), (_, p_cached) in zip(plain.named_parameters(), cached.named_parameters()):
+        if name in excluded:
+            assert torch.equal(p_cached.grad, p_plain.grad), name
+    assert manager.get_compression_summary()["num_excluded_parameters"] == 4
+
+
+def test_unused_and_frozen_parameters_stay_as_plain_pytorch_leaves_them() -> None:
+    plain, cached = make_model(with_unused=True), make_model(with_unused=True)
+    for model in (plain, cached):
+        model.mlp[0].bias.requires_grad_(False)
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
+    data = batches(3)
+    train(plain, data)
+    train(cached, data, manager=manager)
+    assert_same_parameters(plain, cached)
+    tokens, targets = data[0]
+    loss_of(cached, tokens, targets).backward()
+    manager.apply_gradients()
+    assert cached.unused.weight.grad is None
+    assert cached.mlp[0].bias.grad is None
+    assert "unused.weight" not in manager.get_compression_summary()["layers"]
+
+
+def test_tied_weight_is_offloaded_once_with_both_contributions() -> None:
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS)
+    tokens, targets = batches(1)[0]
+    loss_of(plain, tokens, targets).backward()
+    loss_of(cached, tokens, targets).backward()
+    manager.apply_gradients()
+    assert torch.equal(cached.embed.weight.grad, plain.embed.weight.grad)
+    assert list(manager.get_compression_summary()["layers"]).count("embed.weight") == 1
+
+
+def test_bf16_parameters_round_trip_exactly_when_lossless() -> None:
+    plain, cached = make_model().to(torch.bfloat16), make_model().to(torch.bfloat16)
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
+    data = batches(5)
+    train(plain, data)
+    train(cached, data, manager=manager)
+    assert_same_parameters(plain, cached)
+    assert all(p.dtype == torch.bfloat16 for p in cached.parameters())
+
+
+def test_bf16_gradients_compress_and_restore_in_bf16() -> None:
+    model = make_model().to(torch.bfloat16)
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=10, min_compress_numel=1
+    )
+    tokens, targets = batches(1)[0]
+    loss_of(model, tokens, targets).float().backward()
+    manager.apply_gradients()
+    for p in model.parameters():
+        assert p.grad.dtype == torch.bfloat16
+        assert 0 < (p.grad != 0).sum() <= -(-p.numel() // 10) * 1.1 + 1
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    ],
+    ids=["sgd", "adam", "adamw"],
+)
+@pytest.mark.parametrize("ratio", [1, 20])
+def test_fused_step_equals_apply_then_step(make_optimizer, ratio: int) -> None:
+    """Bucket-by-bucket stepping changes nothing for per-parameter optimizers."""
+    applied, fused = make_model(), make_model()
+    options = dict(compression_ratio=ratio, min_compress_numel=1, **SMALL_BUCKETS)
+    data = batches(8)
+    train(
+        applied,
+        data,
+        manager=gradient_cache.create_gradient_cache(applied, **options),
+        make_optimizer=make_optimizer,
+    )
+    train(
+        fused,
+        data,
+        manager=gradient_cache.create_gradient_cache(fused, **options),
+        make_optimizer=make_optimizer,
+        fused_step=True,
+    )
+    assert_same_parameters(applied, fused)
+
+
+def test_fused_step_steps_excluded_layers_exactly_once() -> None:
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(
+        cached, **LOSSLESS, exclude_layers=["norm"], **SMALL_BUCKETS
+    )
+    data = batches(5)
+    train(plain, data)
+    train(cached, data, manager=manager, fused_step=True)
+    assert_same_parameters(plain, cached)
+
+
+def test_fused_step_frees_the_restored_gradients() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, **LOSSLESS, exclude_layers=["norm"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens, targets = batches(1)[0]
+    loss_of(model, tokens, targets).backward()
+    manager.step(optimizer)
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == name.startswith("norm"), name
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("ratio", [1, 20])
+def test_fused_step_clipping_matches_clip_grad_norm(norm_type: float, ratio: int) -> None:
+    reference, fused = make_model(), make_model()
+    options = dict(compression_ratio=ratio, min_compress_numel=1, exclude_layers=["norm"])
+    ref_manager = gradient_cache.create_gradient_cache(reference, **options)
+    fused_manager = gradient_cache.create_gradient_cache(fused, **options)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    fused_opt = torch.optim.SGD(fused.parameters(), lr=0.5)
+    for tokens, targets in batches(4):
+        loss_of(reference, tokens, targets).backward()
+        ref_manager.apply_gradients()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_of(fused, tokens, targets).backward()
+        total = fused_manager.step(fused_opt, max_grad_norm=0.05, norm_type=norm_type)
+        fused_opt.zero_grad()
+        torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+        assert expected > 0.05  # clipping really happened
+    assert_same_parameters(reference, fused, atol=1e-6)
+
+
+def test_compressed_training_still_learns() -> None:
+    """Ratio 100 with error feedback: loss falls, though not as far as plain."""
+    torch.manual_seed(0)
+    weight = torch.randn(256, 64)
+    inputs = torch.randn(512, 256)
+    targets = inputs @ weight
+
+    def fit(ratio: float | None) -> float:
+        torch.manual_seed(1)
+        model = torch.nn.Linear(256, 64)
+        manager = (
+            gradient_cache.create_gradient_cache(model, compression_ratio=ratio) if ratio else None
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for _ in range(300):
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()
+            if manager:
+                manager.apply_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+        return torch.nn.functional.mse_loss(model(inputs), targets).item()
+
+    torch.manual_seed(1)
+    start = torch.nn.functional.mse_loss(torch.nn.Linear(256, 64)(inputs), targets).item()
+    plain, compressed = fit(None), fit(100)
+    assert plain < compressed < 0.5 * start
