@@ -84,7 +84,7 @@ def test_non_numeric_compression_ratio(ratio: object) -> None:
 
 def test_model_must_be_a_module() -> None:
     model = make_model()
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         gradient_cache.create_gradient_cache(list(model.parameters()))
 
 
@@ -173,7 +173,7 @@ def test_compress_twice_and_apply_twice_are_harmless() -> None:
     manager.apply_gradients()
     grads = [p.grad.clone() for p in model.parameters()]
     manager.apply_gradients()  # nothing cached: changes nothing
-    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
 
 
 def test_disable_leaves_gradients_and_apply_adds_to_them() -> None:
@@ -188,7 +188,7 @@ def test_disable_leaves_gradients_and_apply_adds_to_them() -> None:
     manager.enable()
     backward_once(plain, seed=1)
     backward_once(plain, seed=2)
-    for a, b in zip(plain.parameters(), cached.parameters()):
+    for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 

@@ -95,13 +95,17 @@ def test_excluded_layers_keep_their_gradients_on_the_parameters() -> None:
     loss_of(cached, tokens, targets).backward()
     manager.compress_and_free_gradients()
     excluded = {"norm.weight", "norm.bias", "mlp.2.weight", "mlp.2.bias"}
-    for (name, p_plain), (_, p_cached) in zip(plain.named_parameters(), cached.named_parameters()):
+    for (name, p_plain), (_, p_cached) in zip(
+        plain.named_parameters(), cached.named_parameters(), strict=True
+    ):
         if name in excluded:
             assert torch.equal(p_cached.grad, p_plain.grad), name
         else:
             assert p_cached.grad is None, name
     manager.apply_gradients()
-    for (name, p_plain), (_, p_cached) in zip(plain.named_parameters(), cached.named_parameters()):
+    for (name, p_plain), (_, p_cached) in zip(
+        plain.named_parameters(), cached.named_parameters(), strict=True
+    ):
         if name in excluded:
             assert torch.equal(p_cached.grad, p_plain.grad), name
     assert manager.get_compression_summary()["num_excluded_parameters"] == 4
