@@ -8,8 +8,13 @@ Shapes in comments: B batch, T sequence length, C d_model, H heads, V vocab_size
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import inspect
 import math
 import numbers
+import string
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -166,3 +171,15 @@ def make_batches(
     offsets = starts.unsqueeze(1) + torch.arange(seq_len)  # [B, T]
     tokens = tokens.long()
     return tokens[offsets], tokens[offsets + 1]
+
+
+# Standard-library sources: text every Python install has, so nothing is downloaded.
+_CORPUS_MODULES = (argparse, dataclasses, string, textwrap)
+
+
+def byte_corpus(*, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte tokens (vocab 256) of a few stdlib modules' source: (train, validation)."""
+    text = "\n".join(inspect.getsource(module) for module in _CORPUS_MODULES)
+    tokens = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+    cut = int(tokens.numel() * (1 - val_fraction))
+    return tokens[:cut], tokens[cut:]
