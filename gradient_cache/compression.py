@@ -15,7 +15,8 @@ import torch
 THRESHOLD_TOLERANCE = 0.10
 # Sampled entries expected above the threshold: ~400 gives a count error of about 5%.
 _SAMPLE_HITS = 400
-_MIN_SAMPLE = 1 << 16
+_MIN_SAMPLE = 1 << 13
+SELECTIONS = ("threshold", "exact")
 
 
 @dataclass
@@ -69,6 +70,8 @@ class TopKSelector:
     """
 
     def __init__(self, *, method: str, seed: int = 0) -> None:
+        if method not in SELECTIONS:
+            raise ValueError(f"Invalid selection: {method!r}; expected one of {list(SELECTIONS)}.")
         self.method = method
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -104,14 +107,19 @@ class TopKSelector:
         )
         sample = magnitude[positions]
         expected_hits = k * sample_size / n
-        mask = self._scratch(self._mask_buffers, magnitude.device, magnitude, dtype=torch.bool)
+        # The mask is padded to whole 8-byte words for `_true_positions`; the pad stays False.
+        padded = -(-n // 8) * 8
+        mask = self._scratch(
+            self._mask_buffers, magnitude.device, magnitude, padded, dtype=torch.bool
+        )
+        mask[n:].zero_()
         # First aim at k, then at 2k if too few were found; trimming handles too many.
         for widen in (1, 2):
             hits = min(sample_size, max(1, round(widen * expected_hits)))
             threshold = torch.kthvalue(sample, sample_size - hits + 1).values
             # `not (x < t)` keeps NaN as well as every entry >= t, so no bad value hides.
-            torch.lt(magnitude, threshold, out=mask).logical_not_()
-            indices = torch.nonzero(mask).squeeze(1)
+            torch.lt(magnitude, threshold, out=mask[:n]).logical_not_()
+            indices = _true_positions(mask)
             if indices.numel() > high:
                 kept = magnitude[indices]
                 if not bool(torch.isfinite(kept).all()):
@@ -132,14 +140,31 @@ class TopKSelector:
 
     @staticmethod
     def _scratch(
-        cache: dict, key: object, like: torch.Tensor, dtype: torch.dtype | None = None
+        cache: dict,
+        key: object,
+        like: torch.Tensor,
+        numel: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        dtype = dtype or like.dtype
+        numel = like.numel() if numel is None else numel
         buffer = cache.get(key)
-        if buffer is None or buffer.numel() < like.numel():
-            buffer = torch.empty(like.numel(), dtype=dtype, device=like.device)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype or like.dtype, device=like.device)
             cache[key] = buffer
-        return buffer[: like.numel()]
+        return buffer[:numel]
+
+
+def _true_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Indices of the True entries of a sparse bool mask whose length is a multiple of 8.
+
+    torch.nonzero's cost grows with its input; scanning 8-byte words first and then only
+    the bytes of the words that hold a True is about twice as fast at 1% density.
+    """
+    words = mask.view(torch.int64)
+    hit_words = torch.nonzero(words).squeeze(1)
+    hit_bytes = torch.nonzero(words[hit_words].view(torch.uint8)).squeeze(1)
+    return hit_words[hit_bytes >> 3] * 8 + (hit_bytes & 7)
 
 
 class TopKEncoder:
@@ -209,8 +234,6 @@ class GradientCompressor:
                 f"Invalid sparsity: {sparsity!r}; expected 0 <= sparsity < 1 "
                 "(0.99 keeps the largest 1% of entries)."
             )
-        if selection not in ("exact", "threshold"):
-            raise ValueError(f"Invalid selection: {selection!r}; expected 'exact' or 'threshold'.")
         self.sparsity = float(sparsity)
         self._selector = TopKSelector(method=selection)
 

@@ -12,7 +12,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-SELECTIONS = ("threshold", "exact")
+from ..compression import SELECTIONS
+
 RESIDUAL_LOCATIONS = ("host", "device")
 BACKENDS = ("auto", "cpu", "cuda")
 
