@@ -53,7 +53,7 @@ FULL = Settings(
     model="small",
     batch_size=8,
     warmup_rounds=2,
-    rounds=7,
+    rounds=9,
 )
 QUICK = Settings(
     select_numel=2**20,
@@ -82,7 +82,7 @@ VARIANTS = (
     VariantSpec(name="cache r=100", ratio=100),
     VariantSpec(name="cache r=100 fused", ratio=100, fused=True),
     VariantSpec(name="cache r=100 worker thread", ratio=100, options={"cpu_worker_thread": True}),
-    VariantSpec(name="cache r=100 no error feedback", ratio=100, options={"error_feedback": False}),
+    VariantSpec(name="cache r=100 error feedback", ratio=100, options={"error_feedback": True}),
     VariantSpec(name="cache r=100 exact", ratio=100, options={"selection": "exact"}),
 )
 
@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             "selection": selection,
             "training": training,
         }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"figures written to {args.json}")
     return 0

@@ -33,7 +33,7 @@ def test_public_names() -> None:
 def test_summary_reports_real_figures() -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=100, min_compress_numel=1
+        model, compression_ratio=100, min_compress_numel=1, error_feedback=True
     )
     backward_once(model)
     manager.apply_gradients()

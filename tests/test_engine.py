@@ -114,7 +114,7 @@ def test_available_host_bytes_is_capped_by_the_cgroup(monkeypatch) -> None:
 
 def test_host_estimate_counts_payloads_and_residuals() -> None:
     big, small = torch.nn.Parameter(torch.zeros(100_000)), torch.nn.Parameter(torch.zeros(10))
-    config = EngineConfig(min_compress_numel=1000)
+    config = EngineConfig(min_compress_numel=1000, error_feedback=True)
     with_payloads = pool.estimate_host_bytes(
         [big, small], ratio=100, config=config, count_payloads=True
     )
@@ -132,7 +132,7 @@ def test_engine_refuses_to_start_when_the_host_cannot_hold_it(monkeypatch) -> No
     monkeypatch.setattr(pool, "available_host_bytes", lambda: 2**20)
     model = torch.nn.Linear(1024, 1024)
     with pytest.raises(HostMemoryError) as info:
-        gradient_cache.create_gradient_cache(model, compression_ratio=100)
+        gradient_cache.create_gradient_cache(model, compression_ratio=100, error_feedback=True)
     message = str(info.value)
     assert "needs about 4 MiB" in message and "may use 0 MiB" in message
     assert "host_memory_fraction=0.5" in message and "error_feedback=False" in message

@@ -1,0 +1,37 @@
+"""The example and the perf scripts run end to end (tiny settings), so they cannot rot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_example_trains_three_ways_and_lossless_matches_plain() -> None:
+    out = run("examples/train_small.py", "--steps", "5")
+    assert "cache r=100" in out
+    assert "max |weight(plain) - weight(cache r=1)| = 0" in out
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        ("perf/bench_core.py", "--quick"),
+        ("perf/error_feedback.py", "--steps", "3", "--seeds", "1"),
+    ],
+    ids=["bench_core", "error_feedback"],
+)
+def test_perf_scripts_print_their_tables(script: tuple[str, ...]) -> None:
+    assert "|---" in run(*script)
