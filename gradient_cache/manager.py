@@ -164,7 +164,9 @@ class GradientCacheHookManager:
     def get_compression_summary(self) -> dict[str, Any]:
         """Figures of the last restored step, as a dict.
 
-        Keys: ``compression_ratio`` (configured), ``overall_compression_ratio`` (dense
+        Keys: ``compression_ratio`` (configured), ``device`` (where the gradients were
+        made; on ``cpu`` the "device" is host RAM, so the offload moves gradients within
+        the same memory), ``overall_compression_ratio`` (dense
         gradient bytes over the bytes kept for them, indices included),
         ``memory_saved_mb`` (dense gradient MiB taken off the device in the last step),
         ``dense_gradient_mb``, ``stored_gradient_mb``, ``kept_fraction`` (entries kept

@@ -25,6 +25,7 @@ def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> dict[str, A
     compressed_numel = sum(layer.numel for layer in compressed)
     return {
         "compression_ratio": pipeline.ratio,
+        "device": str(pipeline.backend.device),
         "overall_compression_ratio": dense / stored if stored else 1.0,
         "memory_saved_mb": dense / MIB,
         "dense_gradient_mb": dense / MIB,

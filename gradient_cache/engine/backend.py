@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..compression import DensePayload, Payload, SparsePayload
+from ..compression import DensePayload, Payload, SparsePayload, decode_into
 from .config import EngineConfig
 
 Delivery = list[tuple[torch.nn.Parameter, Payload]]
@@ -50,6 +50,13 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release threads, streams or pools; the backend is not used afterwards."""
+
+    def restore(self, payload: Payload, param: torch.nn.Parameter) -> torch.Tensor:
+        """A fresh dense gradient for ``param`` from ``payload``, on the parameter's device."""
+        if isinstance(payload, DensePayload) and payload.tensor.device == param.device:
+            return payload.tensor.view_as(param)  # the CPU backend kept the tensor itself
+        dense = torch.zeros(param.numel(), dtype=param.dtype, device=param.device)
+        return decode_into(payload, dense).view_as(param)
 
 
 class InlineBackend(Backend):

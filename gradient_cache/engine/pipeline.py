@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..compression import DensePayload, Payload, SparsePayload, TopKEncoder, decode_into
+from ..compression import DensePayload, Payload, SparsePayload, TopKEncoder
 from .backend import Delivery, create_backend
 from .buckets import BucketAssembler, Item, chunk_by_bytes
 from .config import EngineConfig
@@ -182,7 +182,7 @@ class Pipeline:
 
     def _restore(self, param: torch.nn.Parameter, scale: torch.Tensor | None = None) -> None:
         payload = self.store.pop(param)
-        dense = _dense_on_device(payload, param)
+        dense = self.backend.restore(payload, param)
         if scale is not None:
             dense.mul_(scale.to(dense.device))
         if param.grad is None:
@@ -218,11 +218,3 @@ class Pipeline:
             handle.remove()
         self._handles = []
         self.backend.close()
-
-
-def _dense_on_device(payload: Payload, param: torch.nn.Parameter) -> torch.Tensor:
-    """A fresh dense gradient for ``param`` from ``payload``, on the parameter's device."""
-    if isinstance(payload, DensePayload) and payload.tensor.device == param.device:
-        return payload.tensor.view_as(param)  # the CPU backend kept the tensor itself
-    dense = torch.zeros(param.numel(), dtype=param.dtype, device=param.device)
-    return decode_into(payload, dense).view_as(param)
