@@ -7,6 +7,7 @@ from typing import Any
 import psutil
 
 from .engine.pipeline import Pipeline
+from .engine.pool import HostPool, available_host_bytes
 
 MIB = 2**20
 
@@ -35,6 +36,8 @@ def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> dict[str, A
         ),
         "residual_mb": pipeline.residual_bytes() / MIB,
         "process_rss_mb": process_rss_mb(),
+        "host_available_mb": available_host_bytes() / MIB,
+        "host_pool": _pool_figures(getattr(pipeline.backend, "pool", None)),
         "steps": pipeline.steps,
         "num_offloaded_parameters": len(pipeline.names),
         "num_excluded_parameters": num_excluded,
@@ -48,4 +51,16 @@ def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> dict[str, A
             }
             for name, layer in layers.items()
         },
+    }
+
+
+def _pool_figures(pool: HostPool | None) -> dict[str, Any] | None:
+    """The CUDA backend's pinned pool, or None where the backend has none."""
+    if pool is None:
+        return None
+    return {
+        "capacity_mb": pool.capacity_bytes / MIB,
+        "used_mb": pool.used_bytes / MIB,
+        "overflow_mb": pool.overflow_bytes / MIB,
+        "pinned": pool.pinned,
     }

@@ -50,6 +50,7 @@ def test_summary_reports_real_figures() -> None:
         assert layers[name]["kept_fraction"] == pytest.approx(-(-p.numel() // 100) / p.numel())
     assert summary["steps"] == 1 and summary["process_rss_mb"] > 0
     assert summary["device"] == "cpu"
+    assert summary["host_pool"] is None and summary["host_available_mb"] > 0
     assert summary["residual_mb"] == pytest.approx(dense / 2**20)
 
 

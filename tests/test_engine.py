@@ -79,13 +79,13 @@ def test_worker_thread_error_is_raised_at_the_drain() -> None:
     def failing():
         raise ValueError("boom")
 
-    backend.launch(failing)
+    backend.launch([], failing)
     with pytest.raises(RuntimeError, match="not kept") as info:
         backend.wait()
     assert isinstance(info.value.__cause__, ValueError)
     delivered = []
     backend = ThreadedCPUBackend(deliver=lambda param, payload: delivered.append(payload))
-    backend.launch(lambda: [(None, DensePayload(torch.ones(2)))])
+    backend.launch([], lambda: [(None, DensePayload(torch.ones(2)))])
     backend.wait()
     assert len(delivered) == 1
     backend.close()
@@ -137,3 +137,41 @@ def test_engine_refuses_to_start_when_the_host_cannot_hold_it(monkeypatch) -> No
     assert "needs about 4 MiB" in message and "may use 0 MiB" in message
     assert "host_memory_fraction=0.5" in message and "error_feedback=False" in message
     gradient_cache.create_gradient_cache(model, compression_ratio=100, error_feedback=False)
+
+
+def test_host_pool_hands_out_aligned_views_and_overflows_to_fresh_memory() -> None:
+    host_pool = pool.HostPool(1024, pin=False)
+    a = host_pool.take(10, torch.float32)
+    b = host_pool.take(3, torch.int32)
+    assert a.dtype == torch.float32 and a.numel() == 10 and b.numel() == 3
+    assert b.data_ptr() - a.data_ptr() == 64  # 40 bytes, rounded up to the alignment
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one slab
+    big = host_pool.take(1000, torch.float32)
+    assert big.numel() == 1000 and host_pool.overflow_bytes == 4000
+    assert big.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    host_pool.reset()
+    assert host_pool.take(10, torch.float32).data_ptr() == a.data_ptr()  # reused after reset
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works where CUDA is present")
+def test_host_pool_falls_back_to_pageable_memory_with_one_warning() -> None:
+    with pytest.warns(RuntimeWarning, match="could not pin host memory") as record:
+        host_pool = pool.HostPool(1024, pin=True)
+        host_pool.take(10_000, torch.float32)  # an overflow allocation does not warn again
+    assert len(record) == 1
+    assert not host_pool.pinned
+
+
+def test_cuda_backend_refuses_a_host_residual_before_touching_cuda() -> None:
+    from gradient_cache.engine.backend import _cuda_backend
+
+    config = EngineConfig(error_feedback=True)
+    with pytest.raises(ValueError, match="residual_location='device'"):
+        _cuda_backend([], config, lambda p, q: None, torch.device("cuda"), ratio=100)
+
+
+def test_auto_selection_depends_on_the_device() -> None:
+    config = EngineConfig()
+    assert config.selection_for(torch.device("cpu")) == "threshold"
+    assert config.selection_for(torch.device("cuda")) == "exact"
+    assert EngineConfig(selection="exact").selection_for(torch.device("cpu")) == "exact"

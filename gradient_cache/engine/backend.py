@@ -40,8 +40,12 @@ class Backend(ABC):
         self._deliver = deliver
 
     @abstractmethod
-    def launch(self, work: Work) -> None:
-        """Start encoding one bucket; its payloads are delivered by the next `wait()`."""
+    def launch(self, grads: Sequence[torch.Tensor], work: Work) -> None:
+        """Start encoding one bucket; its payloads are delivered by the next `wait()`.
+
+        ``grads`` are the device gradients ``work`` reads; the caller drops them after
+        this call, so a backend that reads them later must keep them alive.
+        """
 
     @abstractmethod
     def wait(self) -> None:
@@ -52,11 +56,20 @@ class Backend(ABC):
         """Release threads, streams or pools; the backend is not used afterwards."""
 
     def restore(self, payload: Payload, param: torch.nn.Parameter) -> torch.Tensor:
-        """A fresh dense gradient for ``param`` from ``payload``, on the parameter's device."""
-        if isinstance(payload, DensePayload) and payload.tensor.device == param.device:
-            return payload.tensor.view_as(param)  # the CPU backend kept the tensor itself
+        """A fresh dense gradient for ``param`` from ``payload``, on the parameter's device.
+
+        Copies are issued on the current stream without blocking (from pinned memory they
+        are asynchronous), so work queued after them on that stream sees the gradient.
+        """
+        if isinstance(payload, DensePayload):
+            # On the CPU backend this is the gradient tensor itself: no copy at all.
+            return payload.tensor.to(param.device, non_blocking=True).view_as(param)
         dense = torch.zeros(param.numel(), dtype=param.dtype, device=param.device)
         return decode_into(payload, dense).view_as(param)
+
+    def restored(self) -> None:
+        """Called when the store is empty: host memory holding payloads may be reused."""
+        return None
 
 
 class InlineBackend(Backend):
@@ -71,7 +84,7 @@ class InlineBackend(Backend):
         super().__init__(deliver)
         self.device = device
 
-    def launch(self, work: Work) -> None:
+    def launch(self, grads: Sequence[torch.Tensor], work: Work) -> None:
         for param, payload in work():
             self._deliver(param, payload_to_host(payload))
 
@@ -112,8 +125,8 @@ class ThreadedCPUBackend(Backend):
             finally:
                 self._queue.task_done()
 
-    def launch(self, work: Work) -> None:
-        self._queue.put(work)
+    def launch(self, grads: Sequence[torch.Tensor], work: Work) -> None:
+        self._queue.put(work)  # `work` holds the gradients until the worker is done
 
     def wait(self) -> None:
         self._queue.join()
@@ -143,7 +156,7 @@ def parameter_device(params: Sequence[torch.nn.Parameter]) -> torch.device:
 
 
 def create_backend(
-    params: Sequence[torch.nn.Parameter], config: EngineConfig, deliver: Deliver
+    params: Sequence[torch.nn.Parameter], config: EngineConfig, deliver: Deliver, *, ratio: float
 ) -> Backend:
     """Pick the backend for the parameters' device, honouring ``config.backend``."""
     device = parameter_device(params)
@@ -152,6 +165,34 @@ def create_backend(
             f"backend={config.backend!r} does not match the parameters' device {device}; "
             f"use backend='auto' or move the model to {config.backend}."
         )
+    if device.type == "cuda":
+        return _cuda_backend(params, config, deliver, device, ratio=ratio)
     if device.type == "cpu" and config.cpu_worker_thread:
         return ThreadedCPUBackend(deliver)
     return InlineBackend(deliver, device)
+
+
+def _cuda_backend(
+    params: Sequence[torch.nn.Parameter],
+    config: EngineConfig,
+    deliver: Deliver,
+    device: torch.device,
+    *,
+    ratio: float,
+) -> Backend:
+    from .cuda import CudaBackend  # imports torch.cuda machinery only when needed
+    from .pool import HostPool, estimate_host_bytes
+
+    if config.error_feedback and config.residual_location == "host":
+        raise ValueError(
+            "error_feedback=True with residual_location='host' is not supported on the CUDA "
+            "backend yet (the residual would cross PCIe densely twice a step). Use "
+            "residual_location='device' (one fp32 copy of each compressed gradient on the "
+            "device) or error_feedback=False."
+        )
+    if config.host_pool_mb is not None:
+        capacity = int(config.host_pool_mb * 2**20)
+    else:
+        capacity = estimate_host_bytes(params, ratio=ratio, config=config, count_payloads=True)
+    pool = HostPool(capacity, pin=config.pin_memory)
+    return CudaBackend(deliver, device, staging_depth=config.staging_depth, pool=pool)

@@ -12,6 +12,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..compression import SELECTIONS
 
 RESIDUAL_LOCATIONS = ("host", "device")
@@ -27,7 +29,9 @@ class EngineConfig:
             encoded and sent off the device. Smaller buckets free memory sooner during
             backward (the device holds about two buckets plus the largest gradient at
             once) at the cost of more, smaller launches. Default 4.
-        selection: How top-k entries are chosen. ``"threshold"`` (default) estimates the
+        selection: How top-k entries are chosen. ``"auto"`` (default) is ``"threshold"``
+            on the CPU and ``"exact"`` on CUDA, where ``torch.topk`` needs no host
+            synchronisation and the threshold's count does. ``"threshold"`` estimates the
             magnitude threshold from a random sample, keeps every entry at or above it
             and trims or widens the pick until the count is within ``±10%`` of the
             wanted count; what it keeps is always the largest-magnitude entries.
@@ -51,6 +55,16 @@ class EngineConfig:
             start if its estimate is larger. Default 0.5.
         backend: ``"auto"`` (default) picks by the parameters' device; ``"cpu"`` or
             ``"cuda"`` insist on one.
+        staging_depth: CUDA backend: how many buckets may be between encode and a
+            completed device-to-host copy at once. 2 (default) double-buffers: bucket
+            i+1 encodes while bucket i copies. Larger hides more latency and holds more
+            device memory; 1 serialises encode and copy.
+        pin_memory: CUDA backend: keep payloads in page-locked host memory, so copies run
+            without blocking. Default True; falls back to pageable memory, with one
+            warning, where pinning fails.
+        host_pool_mb: CUDA backend: size of the pinned pool, allocated once. None
+            (default) sizes it from the model and the ratio; payloads that do not fit
+            (gradient accumulation, say) take ordinary allocations.
         cpu_worker_thread: On the CPU backend, encode buckets on one worker thread
             while backward goes on (True) or inline in the backward hook (False,
             default: on a few cores the worker competes with backward's own threads
@@ -58,28 +72,23 @@ class EngineConfig:
     """
 
     bucket_size_mb: float = 4.0
-    selection: str = "threshold"
+    selection: str = "auto"
     error_feedback: bool = False
     residual_location: str = "host"
     min_compress_numel: int = 16384
     host_memory_fraction: float = 0.5
     backend: str = "auto"
     cpu_worker_thread: bool = False
+    staging_depth: int = 2
+    pin_memory: bool = True
+    host_pool_mb: float | None = None
 
     def __post_init__(self) -> None:
         _check_positive_number("bucket_size_mb", self.bucket_size_mb)
-        _check_choice("selection", self.selection, SELECTIONS)
+        _check_choice("selection", self.selection, ("auto", *SELECTIONS))
         _check_bool("error_feedback", self.error_feedback)
         _check_choice("residual_location", self.residual_location, RESIDUAL_LOCATIONS)
-        if (
-            isinstance(self.min_compress_numel, bool)
-            or not isinstance(self.min_compress_numel, numbers.Integral)
-            or self.min_compress_numel < 1
-        ):
-            raise ValueError(
-                f"Invalid min_compress_numel: {self.min_compress_numel!r}; "
-                "expected an integer >= 1 (elements)."
-            )
+        _check_positive_int("min_compress_numel", self.min_compress_numel)
         _check_positive_number("host_memory_fraction", self.host_memory_fraction)
         if self.host_memory_fraction > 1:
             raise ValueError(
@@ -88,10 +97,20 @@ class EngineConfig:
             )
         _check_choice("backend", self.backend, BACKENDS)
         _check_bool("cpu_worker_thread", self.cpu_worker_thread)
+        _check_positive_int("staging_depth", self.staging_depth)
+        _check_bool("pin_memory", self.pin_memory)
+        if self.host_pool_mb is not None:
+            _check_positive_number("host_pool_mb", self.host_pool_mb)
 
     @property
     def bucket_size_bytes(self) -> int:
         return max(1, int(self.bucket_size_mb * 2**20))
+
+    def selection_for(self, device: torch.device) -> str:
+        """The selection method used for gradients on ``device``."""
+        if self.selection != "auto":
+            return self.selection
+        return "exact" if device.type == "cuda" else "threshold"
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:
@@ -130,6 +149,11 @@ def _check_positive_number(name: str, value: Any) -> None:
         or value <= 0
     ):
         raise ValueError(f"Invalid {name}: {value!r}; expected a finite number > 0.")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"Invalid {name}: {value!r}; expected an integer >= 1.")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -51,7 +51,7 @@ class Pipeline:
         self.ratio = ratio
         self.names = {param: name for name, param in named_params}
         params = list(self.names)
-        self.backend = create_backend(params, config, self._deliver)
+        self.backend = create_backend(params, config, self._deliver, ratio=ratio)
         check_host_budget(
             estimate_host_bytes(
                 params,
@@ -62,7 +62,10 @@ class Pipeline:
             config,
         )
         self.store = HostStore()
-        self.encoder = TopKEncoder(ratio=ratio, selection=config.selection) if ratio > 1 else None
+        self.encoder = None
+        if ratio > 1:
+            selection = config.selection_for(self.backend.device)
+            self.encoder = TopKEncoder(ratio=ratio, selection=selection)
         self.residuals: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.buckets = BucketAssembler(config.bucket_size_bytes)
         self.enabled = True
@@ -82,7 +85,7 @@ class Pipeline:
             self._launch(bucket)
 
     def _launch(self, bucket: list[Item]) -> None:
-        self.backend.launch(lambda: self._encode_bucket(bucket))
+        self.backend.launch([grad for _, grad in bucket], lambda: self._encode_bucket(bucket))
 
     def _encode_bucket(self, bucket: list[Item]) -> Delivery:
         """Runs where the backend runs it; reads each gradient once and drops it."""
@@ -183,6 +186,8 @@ class Pipeline:
     def _restore(self, param: torch.nn.Parameter, scale: torch.Tensor | None = None) -> None:
         payload = self.store.pop(param)
         dense = self.backend.restore(payload, param)
+        if not len(self.store):
+            self.backend.restored()
         if scale is not None:
             dense.mul_(scale.to(dense.device))
         if param.grad is None:

@@ -7,6 +7,7 @@ psutil's and the cgroup's headroom where one is set.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -92,3 +93,65 @@ def check_host_budget(needed_bytes: int, config: EngineConfig) -> None:
             "error_feedback=False, list large layers in exclude_layers, or raise "
             "host_memory_fraction."
         )
+
+
+class HostPool:
+    """Host memory for payloads: one slab allocated once, handed out by bumping an offset.
+
+    The caching host allocator rounds every pinned request up to a power of two, so many
+    small pinned tensors waste up to half their memory; one slab does not. The slab is
+    reused every step: `reset()` (when the store is empty) records an event on the
+    current stream, and the next `take()` waits for it, so a host-to-device copy still
+    reading the slab finishes before its bytes are handed out again. Requests that do not
+    fit get an ordinary allocation of the same kind.
+    """
+
+    _ALIGN = 64  # bytes; keeps every view aligned for any dtype and for fast copies
+
+    def __init__(self, capacity_bytes: int, *, pin: bool) -> None:
+        self.pinned = pin
+        self.overflow_bytes = 0
+        self._slab = self._allocate(max(self._ALIGN, capacity_bytes))
+        self._offset = 0
+        self._released: torch.cuda.Event | None = None
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.pinned:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as error:  # no CUDA driver, or the OS refused to lock pages
+                warnings.warn(
+                    f"gradient-cache could not pin host memory ({error}); using pageable "
+                    "memory, so device-to-host copies will block. Set pin_memory=False to "
+                    "silence this.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                self.pinned = False
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._slab.numel()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._offset
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised flat host tensor of ``numel`` elements of ``dtype``."""
+        if self._released is not None:
+            self._released.synchronize()  # the last restore's copies have read the slab
+            self._released = None
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        start = -(-self._offset // self._ALIGN) * self._ALIGN
+        if start + nbytes > self._slab.numel():
+            self.overflow_bytes += nbytes
+            return self._allocate(nbytes).view(dtype)[:numel]
+        self._offset = start + nbytes
+        return self._slab[start : start + nbytes].view(dtype)
+
+    def reset(self, *, after: torch.cuda.Event | None = None) -> None:
+        """Hand the whole slab out again, once ``after`` (if given) has completed."""
+        self._offset = 0
+        self._released = after

@@ -1,0 +1,104 @@
+"""The CUDA backend: encode on a side stream, copy to pinned host memory on another.
+
+Per bucket, while backward keeps the compute stream busy:
+
+    compute stream ──(event: bucket's gradients written)──► encode stream: top-k / identity
+    encode stream  ──(event: payload written)──────────────► copy stream: D2H into the pool
+    copy stream    ──(event: copy done)────────────────────► host: payload may be read
+
+At most ``staging_depth`` buckets sit between encode and a finished copy, which bounds the
+device memory held by payloads in flight; `wait()` completes the rest. Restores are issued
+on the compute stream, so the optimizer, which runs there too, reads them in order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from ..compression import DensePayload, Payload, SparsePayload
+from .backend import Backend, Deliver, Delivery, Work
+from .pool import HostPool
+
+
+class CudaBackend(Backend):
+    """Overlaps encoding and device-to-host copies with backward on one CUDA device."""
+
+    def __init__(
+        self, deliver: Deliver, device: torch.device, *, staging_depth: int, pool: HostPool
+    ) -> None:
+        super().__init__(deliver)
+        self.device = device
+        self.pool = pool
+        self.staging_depth = staging_depth
+        # Persistent streams: creating streams per step would cost more than the work.
+        self.encode_stream = torch.cuda.Stream(device=device)
+        self.copy_stream = torch.cuda.Stream(device=device)
+        self._in_flight: deque[tuple[torch.cuda.Event, Delivery]] = deque()
+
+    def launch(self, grads: Sequence[torch.Tensor], work: Work) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        # Guarantees the encode stream starts only after backward has written these grads.
+        self.encode_stream.wait_stream(compute)
+        with torch.cuda.stream(self.encode_stream):
+            delivery = work()
+        for grad in grads:
+            # The caching allocator may otherwise reuse a freed gradient's memory for the
+            # compute stream while the encode stream is still reading it.
+            grad.record_stream(self.encode_stream)
+        encoded = torch.cuda.Event()
+        encoded.record(self.encode_stream)
+
+        while len(self._in_flight) >= self.staging_depth:
+            self._complete_oldest()  # bounds the device memory held by payloads in flight
+        # Guarantees the copy reads a payload only after the encode stream wrote it.
+        self.copy_stream.wait_event(encoded)
+        host_delivery: Delivery = []
+        with torch.cuda.stream(self.copy_stream):
+            for param, payload in delivery:
+                host_delivery.append((param, self._copy_to_host(payload)))
+        copied = torch.cuda.Event()
+        copied.record(self.copy_stream)
+        self._in_flight.append((copied, host_delivery))
+
+    def _copy_to_host(self, payload: Payload) -> Payload:
+        """Issue a non-blocking D2H copy of ``payload`` on the current (copy) stream."""
+        if isinstance(payload, DensePayload):
+            return DensePayload(self._host_copy(payload.tensor))
+        return SparsePayload(
+            self._host_copy(payload.values), self._host_copy(payload.indices), payload.numel
+        )
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        host = self.pool.take(tensor.numel(), tensor.dtype)
+        host.copy_(tensor, non_blocking=self.pool.pinned)
+        # The device tensor is dropped after this call; keep its memory from the allocator
+        # until the copy stream has read it.
+        tensor.record_stream(self.copy_stream)
+        return host
+
+    def _complete_oldest(self) -> None:
+        copied, delivery = self._in_flight.popleft()
+        copied.synchronize()  # a non-blocking D2H copy is readable only after its event
+        for param, payload in delivery:
+            self._deliver(param, payload)
+
+    def wait(self) -> None:
+        while self._in_flight:
+            self._complete_oldest()
+
+    def restore(self, payload: Payload, param: torch.nn.Parameter) -> torch.Tensor:
+        # Issued on the compute stream: H2D from pinned memory does not block the host, and
+        # the optimizer, on the same stream, sees the gradient after the copy and decode.
+        return super().restore(payload, param)
+
+    def restored(self) -> None:
+        """Every payload has been restored: the pool may be reused after those copies."""
+        released = torch.cuda.Event()
+        released.record(torch.cuda.current_stream(self.device))
+        self.pool.reset(after=released)
+
+    def close(self) -> None:
+        self.wait()

@@ -1,0 +1,152 @@
+"""The CUDA backend against plain PyTorch on a GPU; skipped where CUDA is absent.
+
+These have not run on a GPU yet (see the README): the CI machines have none.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import assert_same_parameters, batches, loss_of, make_model, train
+
+import gradient_cache
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def on_gpu(model: torch.nn.Module) -> torch.nn.Module:
+    return model.cuda()
+
+
+def gpu_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(x.cuda(), y.cuda()) for x, y in batches(steps)]
+
+
+class ManyThinLayers(torch.nn.Module):
+    """Low arithmetic intensity: gradients arrive fast, so a missing wait shows up."""
+
+    def __init__(self, width: int = 256, depth: int = 48) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x
+
+
+def test_backend_is_the_cuda_backend_with_a_pinned_pool() -> None:
+    from gradient_cache.engine.cuda import CudaBackend
+
+    manager = gradient_cache.create_gradient_cache(on_gpu(make_model()), compression_ratio=1)
+    backend = manager._pipeline.backend
+    assert isinstance(backend, CudaBackend)
+    assert backend.pool.pinned
+
+
+@pytest.mark.parametrize("fused_step", [False, True])
+def test_lossless_matches_plain_over_many_steps(fused_step: bool) -> None:
+    plain, cached = on_gpu(make_model()), on_gpu(make_model())
+    data = gpu_batches(30)
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=1, bucket_size_mb=0.004
+    )
+    assert train(plain, data) == train(cached, data, manager=manager, fused_step=fused_step)
+    assert_same_parameters(plain, cached)
+
+
+def test_gradient_accumulation_on_gpu_is_exact() -> None:
+    plain, cached = on_gpu(make_model()), on_gpu(make_model())
+    data = gpu_batches(5)
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=1, bucket_size_mb=0.004
+    )
+    train(plain, data, micro_batches=4)
+    train(cached, data, manager=manager, micro_batches=4, compress_each_micro_batch=False)
+    assert_same_parameters(plain, cached)
+
+
+@pytest.mark.parametrize("staging_depth", [1, 2, 4])
+def test_race_detector_many_small_buckets_bit_for_bit(staging_depth: int) -> None:
+    torch.manual_seed(0)
+    plain = ManyThinLayers().cuda()
+    cached = copy.deepcopy(plain)
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=1, bucket_size_mb=0.25, staging_depth=staging_depth
+    )
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (plain, cached)]
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(150):
+        x = torch.randn(512, 256, device="cuda", generator=generator)
+        for model, optimizer in zip((plain, cached), optimizers, strict=True):
+            model(x).square().mean().backward()
+            if model is cached:
+                manager.compress_and_free_gradients()
+                manager.apply_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_same_parameters(plain, cached)
+
+
+def test_compressed_gradients_keep_the_true_top_entries() -> None:
+    plain, cached = on_gpu(make_model()), on_gpu(make_model())
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=10, min_compress_numel=1
+    )
+    tokens, targets = gpu_batches(1)[0]
+    loss_of(plain, tokens, targets).backward()
+    loss_of(cached, tokens, targets).backward()
+    manager.apply_gradients()
+    for p_plain, p_cached in zip(plain.parameters(), cached.parameters(), strict=True):
+        kept = p_cached.grad != 0
+        assert torch.equal(p_cached.grad[kept], p_plain.grad[kept])
+        assert p_plain.grad[~kept].abs().max() <= p_plain.grad[kept].abs().min()
+
+
+def dense_gradient_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_device_memory_after_backward_and_at_the_fused_step() -> None:
+    torch.manual_seed(0)
+    plain = ManyThinLayers(width=1024, depth=16).cuda()
+    cached = copy.deepcopy(plain)
+    dense = dense_gradient_bytes(plain)
+    x = torch.randn(64, 1024, device="cuda")
+
+    def backward_peak(model, manager=None) -> tuple[int, int]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        model(x).square().mean().backward()
+        if manager is not None:
+            manager.compress_and_free_gradients()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+
+    manager = gradient_cache.create_gradient_cache(cached, compression_ratio=1, bucket_size_mb=1)
+    after_plain, peak_plain = backward_peak(plain)
+    plain.zero_grad()
+    after_cached, peak_cached = backward_peak(cached, manager)
+    assert after_plain - after_cached >= 0.9 * dense
+    assert peak_cached < peak_plain
+
+    # Step peaks: plain holds every gradient plus Adam's update temporaries.
+    plain_opt = torch.optim.Adam(plain.parameters())
+    cached_opt = torch.optim.Adam(cached.parameters())
+    for opt in (plain_opt, cached_opt):  # create Adam state outside the measurement
+        for p in opt.param_groups[0]["params"]:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+    backward_peak(plain)
+    torch.cuda.reset_peak_memory_stats()
+    plain_opt.step()
+    step_plain = torch.cuda.max_memory_allocated()
+    plain_opt.zero_grad()
+    backward_peak(cached, manager)
+    torch.cuda.reset_peak_memory_stats()
+    manager.step(cached_opt)
+    step_cached = torch.cuda.max_memory_allocated()
+    assert step_cached < step_plain
