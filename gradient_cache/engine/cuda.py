@@ -37,13 +37,22 @@ class CudaBackend(Backend):
         self.encode_stream = torch.cuda.Stream(device=device)
         self.copy_stream = torch.cuda.Stream(device=device)
         self._in_flight: deque[tuple[torch.cuda.Event, Delivery]] = deque()
+        # Set to [] to record (encode start, encode end, copy start, copy end) per bucket;
+        # perf/gpu_report.py does, to measure how much of this work backward hides.
+        self.timings: list[tuple[torch.cuda.Event, ...]] | None = None
 
     def launch(self, grads: Sequence[torch.Tensor], work: Work) -> None:
         compute = torch.cuda.current_stream(self.device)
         # Guarantees the encode stream starts only after backward has written these grads.
         self.encode_stream.wait_stream(compute)
+        timed = self.timings is not None
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else []
         with torch.cuda.stream(self.encode_stream):
+            if timed:
+                marks[0].record()
             delivery = work()
+            if timed:
+                marks[1].record()
         for grad in grads:
             # The caching allocator may otherwise reuse a freed gradient's memory for the
             # compute stream while the encode stream is still reading it.
@@ -57,8 +66,13 @@ class CudaBackend(Backend):
         self.copy_stream.wait_event(encoded)
         host_delivery: Delivery = []
         with torch.cuda.stream(self.copy_stream):
+            if timed:
+                marks[2].record()
             for param, payload in delivery:
                 host_delivery.append((param, self._copy_to_host(payload)))
+            if timed:
+                marks[3].record()
+                self.timings.append(tuple(marks))
         copied = torch.cuda.Event()
         copied.record(self.copy_stream)
         self._in_flight.append((copied, host_delivery))

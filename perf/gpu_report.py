@@ -1,0 +1,306 @@
+"""One-shot GPU report: memory, step time, hidden work, encode throughput, largest batch.
+
+    python perf/gpu_report.py [--json perf/results/gpu_report.json] [--quick]
+
+Builds a GPT-2-small-shaped TinyGPT (124M parameters) in code and prints markdown tables:
+
+* peak device memory: plain vs cache at ratio 1 and 100, with `apply_gradients()` and with
+  the fused `step()`, with and without 4-micro-batch gradient accumulation;
+* step time against plain, and the share of encode and copy time hidden under backward
+  (from CUDA event timings of the side streams);
+* encode throughput of the threshold selection, `torch.topk` and a device memcpy;
+* the largest batch that trains under a fixed memory cap, plain vs cache.
+
+Each section catches its own failure and reports it, so one broken section still leaves the
+others' figures. Needs CUDA; `--quick` shrinks everything for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import statistics
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import gradient_cache
+from gradient_cache.compression import TopKSelector, keep_count
+from gradient_cache.models import GPTConfig, TinyGPT
+
+GPT2_SMALL = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12)
+QUICK = GPTConfig(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=4)
+MIB = 2**20
+
+
+def make_model(config: GPTConfig) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(config).cuda()
+
+
+def batch(config: GPTConfig, size: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(config.vocab_size, (size, seq + 1), device="cuda")
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def one_step(
+    model: TinyGPT,
+    optimizer: torch.optim.Optimizer,
+    manager: gradient_cache.GradientCacheHookManager | None,
+    data: tuple[torch.Tensor, torch.Tensor],
+    *,
+    micro_batches: int,
+    fused: bool,
+) -> None:
+    x, y = data
+    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+        model(xs, ys)[1].div(micro_batches).backward()
+        if manager is not None:
+            manager.compress_and_free_gradients()
+    if manager is None:
+        optimizer.step()
+    elif fused:
+        manager.step(optimizer)
+    else:
+        manager.apply_gradients()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def variants() -> list[tuple[str, float | None, bool]]:
+    return [
+        ("plain", None, False),
+        ("cache r=1 apply", 1, False),
+        ("cache r=1 fused", 1, True),
+        ("cache r=100 apply", 100, False),
+        ("cache r=100 fused", 100, True),
+    ]
+
+
+def peak_memory(config: GPTConfig, size: int, seq: int) -> list[dict[str, Any]]:
+    rows = []
+    for micro_batches in (1, 4):
+        for name, ratio, fused in variants():
+            model = make_model(config)
+            manager = (
+                gradient_cache.create_gradient_cache(model, compression_ratio=ratio)
+                if ratio
+                else None
+            )
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            data = batch(config, size, seq)
+            one_step(model, optimizer, manager, data, micro_batches=micro_batches, fused=fused)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            one_step(model, optimizer, manager, data, micro_batches=micro_batches, fused=fused)
+            torch.cuda.synchronize()
+            rows.append(
+                {
+                    "variant": name,
+                    "micro_batches": micro_batches,
+                    "peak_mib": torch.cuda.max_memory_allocated() / MIB,
+                }
+            )
+            if manager is not None:
+                manager.remove_hooks()
+            del model, optimizer, manager
+            torch.cuda.empty_cache()
+    return rows
+
+
+def backward_only(
+    model: TinyGPT,
+    manager: gradient_cache.GradientCacheHookManager | None,
+    data: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """Forward and backward, plus the cache's drain: what the side streams must hide under."""
+    model(*data)[1].backward()
+    if manager is not None:
+        manager.compress_and_free_gradients()
+    model.zero_grad(set_to_none=True)
+
+
+def cuda_ms(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def step_time(config: GPTConfig, size: int, seq: int, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    plain_backward = None
+    for name, ratio, fused in variants():
+        model = make_model(config)
+        manager = (
+            gradient_cache.create_gradient_cache(model, compression_ratio=ratio) if ratio else None
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        data = batch(config, size, seq)
+
+        step = functools.partial(
+            one_step, model, optimizer, manager, data, micro_batches=1, fused=fused
+        )
+        backward = functools.partial(backward_only, model, manager, data)
+
+        for _ in range(3):
+            step()
+        step_ms = cuda_ms(step, repeats)
+        row: dict[str, Any] = {"variant": name, "step_ms": step_ms}
+        backend = manager._pipeline.backend if manager is not None else None
+        if backend is not None:
+            backend.timings = []
+        backward_ms = cuda_ms(backward, repeats)
+        row["forward_backward_ms"] = backward_ms
+        if plain_backward is None:
+            plain_backward = backward_ms
+        if backend is not None and backend.timings:
+            side_ms = (
+                sum(e0.elapsed_time(e1) + c0.elapsed_time(c1) for e0, e1, c0, c1 in backend.timings)
+                / repeats
+            )
+            exposed = max(0.0, backward_ms - plain_backward)
+            row["encode_copy_ms"] = side_ms
+            row["hidden_share"] = 1 - min(1.0, exposed / side_ms) if side_ms else None
+            backend.timings = None
+        rows.append(row)
+        if manager is not None:
+            manager.remove_hooks()
+        del model, optimizer, manager
+        torch.cuda.empty_cache()
+    plain = rows[0]["step_ms"]
+    for row in rows:
+        row["vs_plain"] = row["step_ms"] / plain
+    return rows
+
+
+def encode_throughput(numel: int, repeats: int) -> list[dict[str, Any]]:
+    x = torch.randn(numel, device="cuda")
+    k = keep_count(numel, 100)
+    out = torch.empty_like(x)
+    gigabytes = numel * 4 / 1e9
+    cases = {
+        "threshold selection": lambda: TopKSelector(method="threshold").select(x, k),
+        "exact (torch.topk of |x|)": lambda: TopKSelector(method="exact").select(x, k),
+        "torch.topk(x.abs(), k)": lambda: torch.topk(x.abs(), k, sorted=False),
+        "device memcpy": lambda: out.copy_(x),
+    }
+    rows = []
+    for name, fn in cases.items():
+        fn()
+        ms = cuda_ms(fn, repeats)
+        rows.append({"method": name, "ms": ms, "gb_per_s": gigabytes / (ms / 1e3)})
+    return rows
+
+
+def largest_batch(config: GPTConfig, seq: int, cap_fraction: float, limit: int) -> dict[str, Any]:
+    torch.cuda.set_per_process_memory_fraction(cap_fraction)
+    try:
+        found = {}
+        for name, ratio, fused in (("plain", None, False), ("cache r=100 fused", 100, True)):
+            best = 0
+            size = 1
+            while size <= limit:
+                model = make_model(config)
+                manager = (
+                    gradient_cache.create_gradient_cache(model, compression_ratio=ratio)
+                    if ratio
+                    else None
+                )
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                try:
+                    for _ in range(2):
+                        one_step(
+                            model,
+                            optimizer,
+                            manager,
+                            batch(config, size, seq),
+                            micro_batches=1,
+                            fused=fused,
+                        )
+                    torch.cuda.synchronize()
+                    best = size
+                    size *= 2
+                except torch.cuda.OutOfMemoryError:
+                    break
+                finally:
+                    if manager is not None:
+                        manager.remove_hooks()
+                    del model, optimizer, manager
+                    torch.cuda.empty_cache()
+            found[name] = best
+        return {"cap_fraction": cap_fraction, "largest_batch_power_of_two": found}
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def section(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+    try:
+        report[name] = fn()
+    except Exception:  # a broken section must not hide the others' figures
+        report[name] = {"error": traceback.format_exc()}
+    print(f"\n## {name}\n")
+    print(to_markdown(report[name]), flush=True)
+
+
+def to_markdown(figures: Any) -> str:
+    if isinstance(figures, dict) and "error" in figures:
+        return "```\n" + figures["error"] + "```"
+    rows = figures if isinstance(figures, list) else [figures]
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=Path("perf/results/gpu_report.json"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_report.py needs a CUDA device.")
+        return 2
+    config, size, seq = (QUICK, 4, 128) if args.quick else (GPT2_SMALL, 8, 1024)
+    repeats = 3 if args.quick else 10
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "gradient_cache": gradient_cache.__version__,
+        "model_parameters": TinyGPT(config).num_parameters(),
+        "batch": [size, seq],
+    }
+    print(f"# gradient-cache GPU report\n\n{json.dumps(report, indent=1)}")
+    section(report, "peak device memory", lambda: peak_memory(config, size, seq))
+    section(report, "step time", lambda: step_time(config, size, seq, repeats))
+    section(
+        report,
+        "encode throughput (16M fp32, ratio 100)",
+        lambda: encode_throughput(1 << 24 if not args.quick else 1 << 20, repeats),
+    )
+    section(
+        report,
+        "largest batch under a memory cap",
+        lambda: largest_batch(config, seq, 0.25, 4 if args.quick else 256),
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nfigures written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
