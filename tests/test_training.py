@@ -273,3 +273,27 @@ def test_compressed_training_still_learns(
     plain, compressed = fit(None), fit(100)
     assert plain < compressed < start
     assert (compressed < 0.5 * start) == most_of_the_loss_gone
+
+
+@pytest.mark.parametrize("ratio", [1, 100])
+def test_grad_scaler_skips_a_step_whose_gradients_overflowed(ratio: int) -> None:
+    """An overflowing gradient survives compression, so GradScaler skips the step."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=ratio)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    scaler.scale(model(torch.full((2, 256), 1e36)).sum()).backward()
+    manager.apply_gradients()
+    scaler.step(optimizer)
+    scaler.update()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == 2.0**15
+
+    optimizer.zero_grad()
+    scaler.scale(model(torch.ones(2, 256)).sum()).backward()
+    manager.apply_gradients()
+    scaler.step(optimizer)
+    scaler.update()
+    assert not torch.equal(before[0], model[0].weight)  # a finite step goes through
