@@ -3,6 +3,7 @@
 from .compression import GradientCompressor
 from .engine.config import EngineConfig
 from .engine.pool import HostMemoryError
+from .integrations.decorator import optimize
 from .manager import GradientCacheHookManager, create_gradient_cache
 
 __version__ = "0.1.0"
@@ -14,4 +15,5 @@ __all__ = [
     "HostMemoryError",
     "__version__",
     "create_gradient_cache",
+    "optimize",
 ]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .engine.config import EngineConfig, validate_compression_ratio
+from .engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
 from .engine.pipeline import Pipeline
 from .stats import compression_summary
 
@@ -58,7 +58,7 @@ class GradientCacheHookManager:
             raise TypeError(f"config must be a gradient_cache.EngineConfig, got {config!r}.")
         if not isinstance(verbose, bool):
             raise TypeError(f"verbose must be True or False, got {verbose!r}.")
-        patterns = _validate_exclude_layers(exclude_layers)
+        patterns = validate_exclude_layers(exclude_layers)
 
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not trainable:
@@ -107,8 +107,9 @@ class GradientCacheHookManager:
         manager was disabled) is added to, not overwritten.
         """
         pipeline = self._live()
+        steps = pipeline.steps
         pipeline.apply()
-        self._log_step()
+        self._log_step(steps)
 
     def step(
         self,
@@ -138,10 +139,12 @@ class GradientCacheHookManager:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0.")
         if not (_is_positive_number(norm_type) or norm_type == math.inf):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
-        total_norm = self._live().step(
+        pipeline = self._live()
+        steps = pipeline.steps
+        total_norm = pipeline.step(
             optimizer, max_grad_norm=max_grad_norm, norm_type=float(norm_type)
         )
-        self._log_step()
+        self._log_step(steps)
         return total_norm
 
     def step_completed(self) -> None:
@@ -225,8 +228,9 @@ class GradientCacheHookManager:
             )
         return self._pipeline
 
-    def _log_step(self) -> None:
-        if self.verbose:
+    def _log_step(self, steps_before: int) -> None:
+        """Log the step just restored, if there was one (a restore may find nothing)."""
+        if self.verbose and self._live().steps > steps_before:
             summary = self.get_compression_summary()
             logger.info(
                 "gradient-cache step %d: %.1f MiB of gradients offloaded, stored in %.2f MiB "
@@ -267,23 +271,6 @@ def create_gradient_cache(
         verbose=verbose,
         config=config,
     )
-
-
-def _validate_exclude_layers(exclude_layers: Any) -> tuple[str, ...]:
-    if exclude_layers is None:
-        return ()
-    if isinstance(exclude_layers, str) or not isinstance(exclude_layers, (list, tuple)):
-        raise TypeError(
-            f"exclude_layers must be a list of name substrings, e.g. ['lm_head'], got "
-            f"{exclude_layers!r}."
-        )
-    bad = [entry for entry in exclude_layers if not isinstance(entry, str) or not entry]
-    if bad:
-        raise TypeError(
-            f"exclude_layers entries must be non-empty strings (parameter-name substrings), "
-            f"got {bad!r}."
-        )
-    return tuple(exclude_layers)
 
 
 def _is_positive_number(value: Any) -> bool:

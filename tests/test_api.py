@@ -224,4 +224,6 @@ def test_verbose_logs_a_line_per_step(caplog: pytest.LogCaptureFixture) -> None:
     backward_once(model)
     with caplog.at_level(logging.INFO, logger="gradient_cache"):
         manager.apply_gradients()
+        manager.apply_gradients()  # nothing cached: nothing restored, nothing logged
     assert "gradient-cache step 1" in caplog.text
+    assert caplog.text.count("gradient-cache step") == 1

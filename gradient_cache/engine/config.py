@@ -141,6 +141,24 @@ def validate_compression_ratio(value: Any) -> float:
     return ratio
 
 
+def validate_exclude_layers(exclude_layers: Any) -> tuple[str, ...]:
+    """Return ``exclude_layers`` (None or a list of name substrings) as a tuple, or raise."""
+    if exclude_layers is None:
+        return ()
+    if isinstance(exclude_layers, str) or not isinstance(exclude_layers, (list, tuple)):
+        raise TypeError(
+            f"exclude_layers must be a list of name substrings, e.g. ['lm_head'], got "
+            f"{exclude_layers!r}."
+        )
+    bad = [entry for entry in exclude_layers if not isinstance(entry, str) or not entry]
+    if bad:
+        raise TypeError(
+            f"exclude_layers entries must be non-empty strings (parameter-name substrings), "
+            f"got {bad!r}."
+        )
+    return tuple(exclude_layers)
+
+
 def _check_positive_number(name: str, value: Any) -> None:
     if (
         isinstance(value, bool)

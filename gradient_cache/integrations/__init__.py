@@ -1,0 +1,57 @@
+"""Integrations that attach the cache for you: `optimize` (a decorator) and, in
+`gradient_cache.integrations.lightning`, a Lightning callback.
+
+Both take the same arguments and check them once, when they are created, through
+`CacheOptions`, so a typo fails at decoration or callback construction, not mid-training.
+Lightning is imported only by its own module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
+from ..manager import GradientCacheHookManager
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """The validated arguments of an integration; makes one manager per model."""
+
+    compression_ratio: float
+    exclude_layers: tuple[str, ...]
+    verbose: bool
+    config: EngineConfig
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        compression_ratio: Any,
+        exclude_layers: Any,
+        verbose: Any,
+        options: dict[str, Any],
+    ) -> CacheOptions:
+        """Check every argument, naming the bad one, before anything is attached."""
+        ratio = validate_compression_ratio(compression_ratio)
+        patterns = validate_exclude_layers(exclude_layers)
+        if not isinstance(verbose, bool):
+            raise TypeError(f"verbose must be True or False, got {verbose!r}.")
+        return cls(ratio, patterns, verbose, EngineConfig.from_options(options))
+
+    def create_manager(
+        self, model: torch.nn.Module, *, exclude_layers: Sequence[str] | None = None
+    ) -> GradientCacheHookManager:
+        """A manager for ``model``; ``exclude_layers`` overrides the configured patterns."""
+        patterns = self.exclude_layers if exclude_layers is None else exclude_layers
+        return GradientCacheHookManager(
+            model,
+            compression_ratio=self.compression_ratio,
+            exclude_layers=list(patterns),
+            verbose=self.verbose,
+            config=self.config,
+        )

@@ -1,0 +1,282 @@
+"""`@gradient_cache.optimize`: the cache for every model trained inside one function call.
+
+While the decorated function runs, two process-wide PyTorch hooks are in place:
+
+* a module forward pre-hook attaches a `GradientCacheHookManager` to each root model the
+  first time it runs a forward pass with gradients enabled;
+* an optimizer step pre-hook puts every cached gradient back into ``param.grad`` before
+  any ``torch.optim.Optimizer`` steps.
+
+When the function returns or raises, both hooks are removed and every manager is
+detached, which puts any gradient still cached back into ``param.grad``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..manager import GradientCacheHookManager
+from . import CacheOptions
+
+F = TypeVar("F", bound=Callable[..., Any])
+logger = logging.getLogger("gradient_cache")
+
+#: The name of the Metaflow artifact that holds the summaries of a decorated step.
+FLOW_ARTIFACT = "gradient_cache_summaries"
+
+_active_lock = threading.Lock()
+_active: _Session | None = None  # the hooks are process-wide, so one session at a time
+
+
+def optimize(
+    compression_ratio: float = 100,
+    *,
+    exclude_layers: Sequence[str] | None = None,
+    verbose: bool = False,
+    **options: Any,
+) -> Callable[[F], F]:
+    """Cache the gradients of every model trained inside the decorated function.
+
+    The function needs no change: a loop of ``loss.backward()``, ``optimizer.step()``
+    and ``optimizer.zero_grad()`` trains as without the decorator (bit for bit at
+    ``compression_ratio=1``), with each gradient held in host memory from the moment
+    backward produces it until the next ``optimizer.step()`` of any optimizer.
+    Gradient accumulation (several backward passes per step) and closures
+    (``optimizer.step(closure)``, e.g. LBFGS) work as in plain PyTorch.
+
+    Args:
+        compression_ratio, exclude_layers, verbose, options: as for
+            `gradient_cache.create_gradient_cache`, applied to every model.
+            ``exclude_layers`` entries are matched against each model's own parameter
+            names; an entry that matches no model's parameter is warned about when the
+            function returns.
+
+    Which models: a root model is the first module of a call chain that runs a forward
+    pass with gradients enabled, together with all its submodules; one manager is
+    attached per root. Models used only under ``torch.no_grad()`` or
+    ``torch.inference_mode()``, and models without trainable parameters, are left
+    alone. A model's trainable parameters are taken when it is first seen; if a
+    submodule ran on its own first, its manager is replaced by its parent's.
+
+    Limits, because ``.grad`` is empty between ``backward()`` and ``optimizer.step()``:
+    code that reads or changes gradients there (``clip_grad_norm_``, a ``GradScaler``,
+    gradient logging, a ``zero_grad()`` that skips a step) sees none. Use
+    `create_gradient_cache` and ``apply_gradients()`` before such code, or with
+    Lightning the `GradientCacheCallback`. Only one decorated function may run at a
+    time in a process (the hooks are process-wide), and models wrapped in
+    ``DistributedDataParallel`` are refused.
+
+    Summaries: after each call, ``wrapper.last_summaries`` is a list with one dict per
+    cached model, in the order the models were first seen: ``"model"`` (the class name)
+    plus the keys of ``get_compression_summary()``. It is set even if the function
+    raised. Under Metaflow (``@step`` above ``@optimize(...)``), where each step runs in
+    its own process, the same list is stored on the flow as the artifact
+    ``gradient_cache_summaries``.
+
+    Example::
+
+        @gradient_cache.optimize(compression_ratio=100)
+        def train(model, data):
+            optimizer = torch.optim.AdamW(model.parameters())
+            for x, y in data:
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+        train(model, data)
+        print(train.last_summaries[0]["memory_saved_mb"])
+    """
+    if callable(compression_ratio):
+        raise TypeError(
+            "optimize must be called with its options: write @gradient_cache.optimize() or "
+            "@gradient_cache.optimize(compression_ratio=100), not @gradient_cache.optimize."
+        )
+    settings = CacheOptions.from_arguments(
+        compression_ratio=compression_ratio,
+        exclude_layers=exclude_layers,
+        verbose=verbose,
+        options=options,
+    )
+
+    def decorate(func: F) -> F:
+        if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
+            raise TypeError(
+                f"optimize cannot decorate {func.__qualname__}: it is a generator or async "
+                "function, whose body runs after the call returns, when the cache's hooks "
+                "are already gone. Decorate the function that runs the training loop."
+            )
+
+        # functools.wraps sets __wrapped__, through which Metaflow reads the step's source.
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            session = _Session(settings, func.__qualname__)
+            try:
+                with session:
+                    return func(*args, **kwargs)
+            finally:
+                wrapper.last_summaries = session.summaries  # type: ignore[attr-defined]
+                _store_on_flow(args, session.summaries)
+
+        wrapper.last_summaries = []  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+class _Session:
+    """One call of a decorated function: its global hooks, root models and managers."""
+
+    def __init__(self, settings: CacheOptions, name: str) -> None:
+        self.settings = settings
+        self.name = name
+        self.managers: dict[torch.nn.Module, GradientCacheHookManager] = {}
+        self.summaries: list[dict[str, Any]] = []
+        # Every module already handled (cached, skipped, or inside one of those). Weak,
+        # so modules built on the fly inside a forward are not kept alive.
+        self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._matched_patterns: set[str] = set()
+        self._handles: list[Any] = []
+
+    # --- lifetime -----------------------------------------------------------------
+
+    def __enter__(self) -> _Session:
+        global _active
+        with _active_lock:
+            if _active is not None:
+                raise RuntimeError(
+                    f"{self.name} is decorated with gradient_cache.optimize and was called while "
+                    f"{_active.name}, also decorated, is running. The cache's hooks are global "
+                    "to the process, so only one decorated function may run at a time: keep "
+                    "the decorator on the outermost training function only."
+                )
+            _active = self
+        self._handles = [
+            register_module_forward_pre_hook(self._on_forward),
+            register_optimizer_step_pre_hook(self._before_step),
+        ]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        global _active
+        try:
+            for handle in self._handles:
+                handle.remove()
+            self.summaries = [
+                {"model": type(root).__name__, **manager.get_compression_summary()}
+                for root, manager in self.managers.items()
+            ]
+        finally:
+            try:
+                self._detach_all()
+            finally:
+                _active = None
+        unmatched = [p for p in self.settings.exclude_layers if p not in self._matched_patterns]
+        if unmatched and self.managers and exc_type is None:
+            models = sorted({type(root).__name__ for root in self.managers})
+            warnings.warn(
+                f"exclude_layers entries {unmatched} matched no trainable parameter name of the "
+                f"models trained in {self.name} ({', '.join(models)}); check "
+                "model.named_parameters() for the names.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _detach_all(self) -> None:
+        """Detach every manager (each puts its cached gradients back), even if one fails."""
+        managers = list(self.managers.values())
+        error: BaseException | None = None
+        for manager in managers:
+            try:
+                manager.remove_hooks()
+            except BaseException as caught:  # detach the rest, then re-raise the first
+                error = error or caught
+        if error is not None:
+            raise error
+
+    # --- the global hooks ---------------------------------------------------------
+
+    def _on_forward(self, module: torch.nn.Module, inputs: Any) -> None:
+        """Fires for every module call; attaches to roots not seen before."""
+        if not torch.is_grad_enabled() or module in self._seen:
+            return
+        # The outermost module of a forward pass fires first, so its submodules are
+        # marked seen before they run.
+        modules = set(module.modules())
+        self._seen.update(modules)
+        if any(isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in modules):
+            raise TypeError(
+                f"gradient_cache.optimize does not support DistributedDataParallel models "
+                f"(found in {type(module).__name__}): DDP reduces gradients after the backward "
+                "hook the cache uses, so the cached gradients would not be averaged. Remove "
+                "the decorator for distributed training."
+            )
+        trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+        patterns = [p for p in self.settings.exclude_layers if any(p in n for n in trainable)]
+        self._matched_patterns.update(patterns)
+        if all(any(p in name for p in patterns) for name in trainable):
+            return  # nothing to cache: frozen, parameter-free, or wholly excluded
+        for inner in [root for root in self.managers if root in modules]:
+            # A submodule that ran on its own first: its parent's manager replaces it.
+            self.managers.pop(inner).remove_hooks()
+        self.managers[module] = self.settings.create_manager(module, exclude_layers=patterns)
+        if self.settings.verbose:
+            logger.info(
+                "gradient-cache: caching %s (%d trainable parameters) in %s",
+                type(module).__name__,
+                len(trainable),
+                self.name,
+            )
+
+    def _before_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Restore before any optimizer steps; with a closure, also after it ran."""
+        # Every model, not only the optimizer's: a backward through two models (a GAN's
+        # generator loss through its discriminator) leaves gradients on both, and plain
+        # PyTorch would show them in .grad until the other optimizer's zero_grad().
+        self._restore_all()
+        # args holds the optimizer itself, then step's own arguments: step(closure=None).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            return None
+
+        def closure_then_restore() -> Any:
+            loss = closure()
+            self._restore_all()  # the closure's backward was cached; the step reads .grad next
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_restore}
+        return (args[0], closure_then_restore, *args[2:]), kwargs
+
+    def _restore_all(self) -> None:
+        for manager in self.managers.values():
+            manager.apply_gradients()
+
+
+def _store_on_flow(args: tuple[Any, ...], summaries: list[dict[str, Any]]) -> None:
+    """Under Metaflow, keep the summaries as an artifact of the decorated step."""
+    if not args or "metaflow" not in sys.modules:
+        return  # a FlowSpec cannot exist without metaflow imported
+    from metaflow import FlowSpec
+
+    if isinstance(args[0], FlowSpec):
+        setattr(args[0], FLOW_ARTIFACT, summaries)

@@ -1,0 +1,147 @@
+"""`GradientCacheCallback`: the cache for a `lightning.pytorch.Trainer`, no model changes.
+
+Where Lightning touches gradients in one optimizer step (automatic optimization):
+
+    per micro-batch:  training_step → backward → on_after_backward
+    last micro-batch: ... → on_after_backward → [16-mixed: scaler.unscale_]
+                      → on_before_optimizer_step → gradient clipping → optimizer.step
+
+The callback offloads during every backward, drains in every ``on_after_backward`` (so
+nothing lingers between micro-batches) and restores in the ``on_after_backward`` of the
+micro-batch that is followed by a step: the last place that runs before a GradScaler
+unscales, ``on_before_optimizer_step`` hooks and clipping read the gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from ..manager import GradientCacheHookManager
+from . import CacheOptions
+
+#: Summary fields logged at every optimizer step, under ``gradient_cache/<field>``.
+LOGGED_FIELDS = (
+    "memory_saved_mb",
+    "stored_gradient_mb",
+    "overall_compression_ratio",
+    "kept_fraction",
+    "residual_mb",
+)
+
+
+class GradientCacheCallback(pl.Callback):
+    """Offloads the LightningModule's gradients to host memory between backward and step.
+
+    Args:
+        compression_ratio, exclude_layers, verbose, options: as for
+            `gradient_cache.create_gradient_cache`; checked here, applied to the
+            LightningModule when fitting starts.
+
+    Supported: a single device (``strategy="auto"`` with one device, or a
+    ``SingleDeviceStrategy``), automatic optimization, any ``accumulate_grad_batches``,
+    ``gradient_clip_val`` (clipping sees the restored gradients) and precision
+    ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (gradients are back before the
+    GradScaler unscales them). Manual optimization and multi-device strategies (DDP,
+    FSDP, DeepSpeed) are refused in ``setup`` with the reason.
+
+    At every optimizer step the figures in ``LOGGED_FIELDS`` are logged through the
+    LightningModule's ``log`` (so every logger of the trainer, at ``log_every_n_steps``)
+    as ``gradient_cache/<field>``; ``last_summary`` holds the whole
+    ``get_compression_summary()`` of the latest step, and stays after ``fit`` returns.
+
+    Gradients are empty in ``.grad`` during the micro-batches that accumulate: hooks
+    that read them there (``on_after_backward`` of those micro-batches) see None;
+    ``on_before_optimizer_step`` sees them all.
+    """
+
+    def __init__(
+        self,
+        compression_ratio: float = 100,
+        *,
+        exclude_layers: Sequence[str] | None = None,
+        verbose: bool = False,
+        **options: Any,
+    ) -> None:
+        self._options = CacheOptions.from_arguments(
+            compression_ratio=compression_ratio,
+            exclude_layers=exclude_layers,
+            verbose=verbose,
+            options=options,
+        )
+        self._manager: GradientCacheHookManager | None = None
+        self.last_summary: dict[str, Any] | None = None
+
+    # --- checks and lifetime ------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                f"GradientCacheCallback needs automatic optimization, but "
+                f"{type(pl_module).__name__}.automatic_optimization is False (manual "
+                "optimization, e.g. for several optimizers): the callback cannot know when "
+                "you step. Remove the callback and, in training_step, create the cache with "
+                "gradient_cache.create_gradient_cache(self) and call "
+                "hook_manager.apply_gradients() after self.manual_backward(loss) and before "
+                "clipping or opt.step()."
+            )
+        strategy = trainer.strategy
+        if not isinstance(strategy, SingleDeviceStrategy):
+            raise ValueError(
+                f"GradientCacheCallback supports one device, got strategy "
+                f"{type(strategy).__name__}: data-parallel strategies reduce gradients "
+                "after the backward hook the cache uses, so the cached gradients would not "
+                "be averaged. Train on one device (devices=1) or remove the callback."
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Not in setup: configure_model and the move to the device come after it.
+        self._detach()
+        self._manager = self._options.create_manager(pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._detach()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._detach()  # Lightning skips teardown hooks when fit raises
+
+    def _detach(self) -> None:
+        """Put back anything still cached and remove the hooks from the model."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.remove_hooks()
+
+    # --- the training step --------------------------------------------------------
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._manager is None:
+            return
+        # Lightning's own ThroughputMonitor asks the fit loop the same question.
+        if trainer.fit_loop._should_accumulate():
+            self._manager.compress_and_free_gradients()
+        else:
+            self._manager.apply_gradients()
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._manager is None:
+            return
+        # Normally a no-op: on_after_backward restored. Not when the step's own
+        # training_step returned None (no backward) after micro-batches that did run.
+        self._manager.apply_gradients()
+        summary = self._manager.get_compression_summary()
+        self.last_summary = summary
+        pl_module.log_dict(
+            {f"gradient_cache/{field}": float(summary[field]) for field in LOGGED_FIELDS},
+            on_step=True,
+            on_epoch=False,
+        )

@@ -1,0 +1,277 @@
+"""@gradient_cache.optimize against the same code undecorated: models, hooks, summaries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_parameters, batches, loss_of, make_model
+from torch import nn
+from torch.nn.modules.module import _global_forward_pre_hooks
+from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+import gradient_cache
+from gradient_cache.integrations import decorator
+
+LOSSLESS = dict(compression_ratio=1, bucket_size_mb=0.004)  # several buckets per backward
+
+
+def train_loop(model: nn.Module, steps: int = 6, micro_batches: int = 1) -> list[bool]:
+    """The user's plain loop; returns, per backward, whether .grad was empty right after it."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    emptied = []
+    for tokens, targets in batches(steps):
+        for part in range(micro_batches):
+            rows = slice(part * 4 // micro_batches, (part + 1) * 4 // micro_batches)
+            (loss_of(model, tokens[rows], targets[rows]) / micro_batches).backward()
+            emptied.append(all(p.grad is None for p in model.parameters()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return emptied
+
+
+def global_hooks() -> tuple[list[int], list[int]]:
+    return list(_global_forward_pre_hooks), list(_global_optimizer_pre_hooks)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_lossless_training_matches_the_undecorated_function(micro_batches: int) -> None:
+    plain, cached = make_model(), make_model()
+    hooks_before = global_hooks()
+    plain_emptied = train_loop(plain, micro_batches=micro_batches)
+    cached_train = gradient_cache.optimize(**LOSSLESS)(train_loop)
+    cached_emptied = cached_train(cached, micro_batches=micro_batches)
+
+    assert_same_parameters(plain, cached)
+    assert not any(plain_emptied) and all(cached_emptied)  # the cache really held them
+    assert global_hooks() == hooks_before
+    (summary,) = cached_train.last_summaries
+    assert summary["model"] == "TiedLM" and summary["steps"] == 6
+    assert set(summary["layers"]) == {name for name, _ in cached.named_parameters()}
+
+
+def test_works_on_a_method_and_keeps_functools_metadata() -> None:
+    class Experiment:
+        def __init__(self) -> None:
+            self.model = make_model()
+
+        @gradient_cache.optimize(**LOSSLESS)
+        def fit(self, steps: int) -> str:
+            """Train the model."""
+            train_loop(self.model, steps)
+            return "done"
+
+    plain, experiment = make_model(), Experiment()
+    train_loop(plain, 3)
+    assert experiment.fit(3) == "done"
+    assert_same_parameters(plain, experiment.model)
+    assert Experiment.fit.__name__ == "fit" and Experiment.fit.__doc__ == "Train the model."
+    assert Experiment.fit.__wrapped__.__name__ == "fit"
+    assert [s["steps"] for s in experiment.fit.last_summaries] == [3]
+
+
+def test_raising_removes_every_hook_and_gives_back_cached_gradients() -> None:
+    plain, cached = make_model(), make_model()
+    tokens, targets = batches(1)[0]
+    hooks_before = global_hooks()
+
+    @gradient_cache.optimize(**LOSSLESS)
+    def backward_then_fail(model: nn.Module) -> None:
+        loss_of(model, tokens, targets).backward()
+        assert all(p.grad is None for p in model.parameters())
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        backward_then_fail(cached)
+    assert global_hooks() == hooks_before
+    loss_of(plain, tokens, targets).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), cached.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+    # The model is free of the cache: another backward accumulates on the device as usual.
+    loss_of(cached, tokens, targets).backward()
+    assert all(p.grad is not None for p in cached.parameters())
+    assert backward_then_fail.last_summaries[0]["steps"] == 0
+
+
+class TwoTowers(nn.Module):
+    """Nested submodules two levels deep, and a tower that runs on its own first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = make_model(seed=2)
+        self.right = nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.ReLU(), nn.Linear(64, 64)))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.right(self.left(tokens))
+
+
+def test_one_manager_per_root_model_with_nested_and_separate_models() -> None:
+    """Roots: TwoTowers (after its own tower ran alone first), a model made mid-function,
+    and a model only evaluated under no_grad, which is left alone."""
+
+    def run(models: dict[str, nn.Module]) -> None:
+        towers = models["towers"]
+        optimizer = torch.optim.SGD(towers.parameters(), lr=0.1, momentum=0.9)
+        for tokens, targets in batches(3):
+            loss_of(towers.left, tokens, targets).backward()  # the submodule alone first
+            loss_of(towers, tokens, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                models["evaluated"](tokens)
+        models["late"] = late = make_model(seed=3)
+        train_loop(late, 2)
+
+    plain = {"towers": TwoTowers(), "evaluated": make_model(seed=4)}
+    cached = {"towers": TwoTowers(), "evaluated": make_model(seed=4)}
+    run(plain)
+    optimized = gradient_cache.optimize(**LOSSLESS)(run)
+    optimized(cached)
+
+    for key in ("towers", "late", "evaluated"):
+        assert_same_parameters(plain[key], cached[key])
+    towers, late = optimized.last_summaries
+    assert (towers["model"], towers["steps"]) == ("TwoTowers", 3)
+    assert set(towers["layers"]) == {n for n, _ in cached["towers"].named_parameters()}
+    assert (late["model"], late["steps"]) == ("TiedLM", 2)
+
+
+def test_two_models_two_optimizers_and_zero_grad_between_them() -> None:
+    """A GAN-like loop: the generator's loss backpropagates through the critic too, and
+    the critic's optimizer clears those gradients later; the cache must not keep them."""
+
+    def run(generator: nn.Module, critic: nn.Module) -> None:
+        g_opt = torch.optim.Adam(generator.parameters(), lr=1e-2)
+        c_opt = torch.optim.Adam(critic.parameters(), lr=1e-2)
+        for tokens, _ in batches(4):
+            fake = generator(tokens).softmax(-1)  # [batch, seq, vocab]
+            c_opt.zero_grad()
+            critic(fake.detach()).mean().backward()
+            c_opt.step()
+            g_opt.zero_grad()
+            (-critic(fake).mean()).backward()  # leaves gradients on the critic as well
+            g_opt.step()
+
+    def models() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(5)
+        return make_model(), nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    plain, cached = models(), models()
+    run(*plain)
+    gradient_cache.optimize(**LOSSLESS)(run)(*cached)
+    for a, b in zip(plain, cached, strict=True):
+        assert_same_parameters(a, b)
+
+
+def test_closure_optimizers_see_the_closure_gradients() -> None:
+    def run(model: nn.Module) -> None:
+        optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+        tokens, targets = batches(1)[0]
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = loss_of(model, tokens, targets)
+            loss.backward()
+            return loss
+
+        for _ in range(2):
+            optimizer.step(closure)
+
+    plain, cached = make_model(), make_model()
+    run(plain)
+    gradient_cache.optimize(**LOSSLESS)(run)(cached)
+    assert_same_parameters(plain, cached)
+
+
+def test_compressed_training_learns_and_reports_its_compression() -> None:
+    @gradient_cache.optimize(compression_ratio=100, min_compress_numel=1)
+    def run(model: nn.Module) -> list[float]:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        tokens, targets = batches(1)[0]
+        losses = []
+        for _ in range(30):
+            loss = loss_of(model, tokens, targets)
+            losses.append(loss.item())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses
+
+    losses = run(make_model())
+    assert losses[-1] < 0.9 * losses[0]
+    (summary,) = run.last_summaries
+    assert summary["steps"] == 30 and 10 < summary["overall_compression_ratio"] <= 50
+
+
+def test_excluded_layers_keep_their_gradients_and_unmatched_entries_warn() -> None:
+    seen = {}
+
+    @gradient_cache.optimize(compression_ratio=1, exclude_layers=["norm", "no_such_layer"])
+    def run(model: nn.Module) -> None:
+        loss_of(model, *batches(1)[0]).backward()
+        seen.update({name: p.grad is not None for name, p in model.named_parameters()})
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+    with pytest.warns(UserWarning, match=r"\['no_such_layer'\] matched no trainable parameter"):
+        run(make_model())
+    assert seen == {name: name.startswith("norm") for name in seen}
+    assert run.last_summaries[0]["num_excluded_parameters"] == 2
+
+
+def test_frozen_models_are_left_alone() -> None:
+    frozen = make_model().requires_grad_(False)
+
+    @gradient_cache.optimize()
+    def run() -> None:
+        frozen(batches(1)[0][0]).sum()
+
+    run()
+    assert run.last_summaries == []
+
+
+def test_nested_decorated_calls_are_refused_and_clean_up() -> None:
+    hooks_before = global_hooks()
+
+    @gradient_cache.optimize()
+    def inner() -> None:
+        pass
+
+    @gradient_cache.optimize()
+    def outer() -> None:
+        inner()
+
+    with pytest.raises(RuntimeError, match="only one decorated function may run at a time"):
+        outer()
+    assert global_hooks() == hooks_before
+    assert decorator._active is None
+    inner()  # usable again afterwards
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(compression_ratio=0.5), ValueError, "Invalid compression_ratio: 0.5"),
+        (dict(exclude_layers="norm"), TypeError, "exclude_layers must be a list"),
+        (dict(verbose="yes"), TypeError, "verbose must be True or False"),
+        (dict(bucket_size=4), TypeError, r"Unknown engine option\(s\) \['bucket_size'\]"),
+        (dict(selection="best"), ValueError, "Invalid selection: 'best'"),
+    ],
+)
+def test_bad_arguments_fail_at_decoration(kwargs: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        gradient_cache.optimize(**kwargs)
+
+
+def test_bare_decorator_says_how_to_call_it() -> None:
+    with pytest.raises(TypeError, match=r"write @gradient_cache.optimize\(\)"):
+
+        @gradient_cache.optimize
+        def run() -> None:
+            pass
+
+
+def test_generator_functions_are_refused() -> None:
+    def batches_of_training():
+        yield
+
+    with pytest.raises(TypeError, match="generator or async function"):
+        gradient_cache.optimize()(batches_of_training)

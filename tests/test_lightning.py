@@ -1,0 +1,210 @@
+"""GradientCacheCallback in a real lightning.pytorch.Trainer on the CPU, against plain runs."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+L = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
+
+import gradient_cache  # noqa: E402
+from gradient_cache.integrations.lightning import GradientCacheCallback  # noqa: E402
+
+# Lightning 2.6 on torch 2.13 warns about its own use of a deprecated pytree class.
+pytestmark = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`")
+BATCHES = 12
+LOSSLESS = dict(compression_ratio=1, bucket_size_mb=0.004)  # several buckets per backward
+
+
+class Regressor(L.LightningModule):
+    """A small MLP that records what its own hooks see of the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+        self.emptied_after_backward: list[bool] = []
+        self.norms_before_step: list[float] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.mse_loss(self.net(inputs), targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    # LightningModule hooks run after the callbacks' hooks of the same name.
+    def on_after_backward(self) -> None:
+        self.emptied_after_backward.append(all(p.grad is None for p in self.parameters()))
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.norms_before_step.append(torch.nn.utils.get_total_norm(grads).item())
+
+
+def loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(8 * BATCHES, 16, generator=generator)
+    return DataLoader(TensorDataset(inputs, torch.randn(8 * BATCHES, 4, generator=generator)), 8)
+
+
+def fit(model: L.LightningModule, callbacks: list[L.Callback], **trainer_kwargs: Any) -> L.Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer = L.Trainer(callbacks=callbacks, **{**options, **trainer_kwargs})
+    trainer.fit(model, loader())
+    return trainer
+
+
+def same_weights(left: nn.Module, right: nn.Module) -> bool:
+    pairs = zip(left.parameters(), right.parameters(), strict=True)
+    return all(torch.equal(a, b) for a, b in pairs)
+
+
+def fp16_with_grad_scaler() -> dict[str, Any]:
+    """precision="16-mixed" on the CPU: Lightning turns the flag into bf16 there, so pass
+    its 16-mixed plugin with a CPU GradScaler. The large initial scale overflows fp16 in
+    the first steps, so the scaler skips steps and backs off, as it does on a GPU."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    return dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+
+
+PRECISIONS = {
+    "32-true": dict,
+    "bf16-mixed": lambda: dict(precision="bf16-mixed"),
+    "16-mixed": fp16_with_grad_scaler,
+}
+
+
+@pytest.mark.parametrize(
+    "precision,accumulate,clip",
+    [
+        ("32-true", 1, None),
+        ("32-true", 3, 0.05),
+        ("bf16-mixed", 3, 0.05),
+        ("16-mixed", 1, None),
+        ("16-mixed", 3, 0.05),
+    ],
+)
+def test_lossless_callback_ends_with_the_weights_of_a_plain_run(
+    precision: str, accumulate: int, clip: float | None
+) -> None:
+    settings = dict(accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    plain, cached = Regressor(), Regressor()
+    plain_trainer = fit(plain, [], **settings, **PRECISIONS[precision]())
+    callback = GradientCacheCallback(**LOSSLESS)
+    cached_trainer = fit(cached, [callback], **settings, **PRECISIONS[precision]())
+
+    assert same_weights(cached, plain)
+    assert not same_weights(plain, Regressor())  # it trained
+    # Every optimizer step saw the plain run's gradients, before clipping cut them.
+    torch.testing.assert_close(  # NaN where fp16 overflowed and the scaler skipped the step
+        cached.norms_before_step, plain.norms_before_step, rtol=0, atol=0, equal_nan=True
+    )
+    if clip is not None:
+        finite = [norm for norm in plain.norms_before_step if math.isfinite(norm)]
+        assert finite and min(finite) > clip  # so clipping changed every step
+    # The cache held the gradients between the micro-batches of each step.
+    assert not any(plain.emptied_after_backward)
+    assert cached.emptied_after_backward == ([True] * (accumulate - 1) + [False]) * (
+        BATCHES // accumulate
+    )
+    assert callback.last_summary["steps"] == BATCHES // accumulate
+    assert callback.last_summary["memory_saved_mb"] > 0
+    if precision == "16-mixed":
+        scales = [t.precision_plugin.scaler.get_scale() for t in (plain_trainer, cached_trainer)]
+        assert scales[0] == scales[1] < 2.0**20  # the same overflow steps were skipped
+    for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)  # the last step's gradients, as Lightning leaves them
+
+
+def test_summary_is_logged_through_the_trainer_logger(tmp_path: Path) -> None:
+    model = Regressor()
+    callback = GradientCacheCallback(compression_ratio=10, min_compress_numel=1)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    fit(model, [callback], logger=logger, log_every_n_steps=1)
+
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("gradient_cache/kept_fraction")]
+    assert len(rows) == BATCHES
+    for row in rows:
+        assert 4 < float(row["gradient_cache/overall_compression_ratio"]) <= 5  # 10%, int32 idx
+        assert float(row["gradient_cache/memory_saved_mb"]) > 0
+    assert callback.last_summary["overall_compression_ratio"] == pytest.approx(
+        float(rows[-1]["gradient_cache/overall_compression_ratio"])
+    )
+
+
+def test_manual_optimization_is_refused_with_the_fix() -> None:
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    model = Manual()
+    with pytest.raises(ValueError, match=r"automatic_optimization is False.*apply_gradients"):
+        fit(model, [GradientCacheCallback()])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_multi_device_strategies_are_refused_in_setup() -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    with pytest.raises(ValueError, match="supports one device, got strategy DDPStrategy"):
+        GradientCacheCallback().setup(trainer, Regressor(), stage="fit")
+
+
+def test_bad_arguments_fail_when_the_callback_is_made() -> None:
+    with pytest.raises(ValueError, match="Invalid compression_ratio: 0"):
+        GradientCacheCallback(compression_ratio=0)
+    with pytest.raises(TypeError, match=r"Unknown engine option\(s\) \['bucket_mb'\]"):
+        GradientCacheCallback(bucket_mb=1)
+
+
+class SeedReadmePattern(Regressor):
+    """The seed README: compress in on_after_backward, restore in optimizer_step."""
+
+    def on_fit_start(self) -> None:
+        self.hook_manager = gradient_cache.create_gradient_cache(self, compression_ratio=1)
+
+    def on_after_backward(self) -> None:
+        self.hook_manager.compress_and_free_gradients()
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, closure: Any) -> None:
+        self.hook_manager.apply_gradients()
+        optimizer.step(closure=closure)
+
+
+class RestoreInsideTheClosure(SeedReadmePattern):
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, closure: Any) -> None:
+        def closure_then_restore() -> Any:
+            loss = closure()
+            self.hook_manager.apply_gradients()
+            return loss
+
+        optimizer.step(closure=closure_then_restore)
+
+
+def test_seed_readme_pattern_never_trains_restoring_inside_the_closure_does() -> None:
+    """Lightning runs the step's backward inside optimizer.step(closure), after
+    optimizer_step began: restoring there comes too early and the step finds no gradients."""
+    plain, seed, fixed = Regressor(), SeedReadmePattern(), RestoreInsideTheClosure()
+    for model in (plain, seed, fixed):
+        fit(model, [], accumulate_grad_batches=3, gradient_clip_val=0.05)
+    assert same_weights(seed, Regressor())  # still the initial weights
+    assert same_weights(fixed, plain)
