@@ -18,6 +18,10 @@ THRESHOLD_TOLERANCE = 0.10
 _SAMPLE_HITS = 200
 _MIN_SAMPLE = 1 << 13
 SELECTIONS = ("threshold", "exact")
+# Signed integers of each float width, to compare magnitudes by their bit patterns.
+_BITS_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Elements per |x| pass of the threshold selection on a CPU (1 MiB of fp32).
+_CPU_CHUNK = 1 << 18
 
 
 @dataclass
@@ -86,51 +90,68 @@ class TopKSelector:
         one of them is among the indices: callers detect non-finite input by checking
         the selected values alone.
         """
-        scratch = self._scratch(self._abs_buffers, (flat.dtype, flat.device), flat)
-        magnitude = torch.abs(flat, out=scratch)
         if self.method == "threshold" and flat.numel() > 2 * self._sample_size(flat.numel(), k):
-            indices = self._threshold(magnitude, k)
-        else:
-            indices = None
-        if indices is None:
-            indices = torch.topk(magnitude, k, sorted=False).indices  # ranks NaN above inf
-        return indices
+            indices = self._threshold(flat, k)
+            if indices is not None:
+                return indices
+        return torch.topk(flat.abs(), k, sorted=False).indices  # ranks NaN above inf
 
-    def _threshold(self, magnitude: torch.Tensor, k: int) -> torch.Tensor | None:
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """The scratch buffers held between calls (memory accounting counts them)."""
+        return [*self._abs_buffers.values(), *self._mask_buffers.values()]
+
+    def _threshold(self, flat: torch.Tensor, k: int) -> torch.Tensor | None:
         """Threshold from a random sample, corrected until the count is within tolerance.
 
         Returns None when it cannot bracket ``k`` (exact selection then takes over).
         """
-        n = magnitude.numel()
+        n = flat.numel()
         low = math.floor(k * (1 - THRESHOLD_TOLERANCE))
         high = math.ceil(k * (1 + THRESHOLD_TOLERANCE))
         sample_size = self._sample_size(n, k)
         positions = torch.randint(
-            n, (sample_size,), generator=self._generator(magnitude.device), device=magnitude.device
+            n, (sample_size,), generator=self._generator(flat.device), device=flat.device
         )
-        sample = magnitude[positions]
-        if not bool(torch.isfinite(sample).all()):
+        sample = flat.index_select(0, positions).abs_()  # index_select: ~2x faster than []
+        if not bool(sample.amax() < math.inf):  # amax propagates NaN
             return positions[~torch.isfinite(sample)]  # non-finite: the caller sends it whole
         expected_hits = k * sample_size / n
-        # The mask is padded to whole 8-byte words for `_true_positions`; the pad stays False.
-        padded = -(-n // 8) * 8
-        mask = self._scratch(
-            self._mask_buffers, magnitude.device, magnitude, padded, dtype=torch.bool
-        )
-        mask[n:].zero_()
         # First aim at k, then at 2k if too few were found; trimming handles too many.
         for widen in (1, 2):
             hits = min(sample_size, max(1, round(widen * expected_hits)))
-            threshold = torch.kthvalue(sample, sample_size - hits + 1).values
-            # `not (x < t)` keeps NaN as well as every entry >= t, so no bad value hides.
-            torch.lt(magnitude, threshold, out=mask[:n]).logical_not_()
-            indices = _true_positions(mask)
+            # The hits-th largest sampled magnitude: topk(hits) is ~2x faster than kthvalue
+            # on 20k samples and ~7x on 200k (ratio 1000).
+            threshold = torch.topk(sample, hits).values[-1]
+            indices = self._at_least(flat, threshold)
             if indices.numel() > high:
                 # Trim to exactly k; topk keeps any NaN or inf among the candidates.
-                return indices[torch.topk(magnitude[indices], k, sorted=False).indices]
+                candidates = flat.index_select(0, indices).abs_()
+                return indices.index_select(0, torch.topk(candidates, k, sorted=False).indices)
             if indices.numel() >= low:
                 return indices
         return None
+
+    def _at_least(self, flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        """Indices of the entries with ``|x| >= threshold``, and of any NaN."""
+        n = flat.numel()
+        # On a CPU |x| is taken a chunk at a time: the chunk is still in cache when it is
+        # compared, and the |x| scratch stays at 1 MiB whatever the tensor's size.
+        # Elsewhere each chunk costs kernel launches, so one pass takes the whole tensor.
+        chunk = min(n, _CPU_CHUNK) if flat.device.type == "cpu" else n
+        magnitude = self._scratch(self._abs_buffers, (flat.dtype, flat.device), flat, chunk)
+        # Non-negative floats order like their bit patterns, and NaN's bits sort above inf's:
+        # one integer `>=` keeps NaN as well as every entry >= t, so no bad value hides.
+        bits = magnitude.view(_BITS_DTYPES[flat.element_size()])
+        limit = threshold.view(bits.dtype)
+        # The mask is padded to whole 8-byte words for `_true_positions`; the pad stays False.
+        padded = -(-n // 8) * 8
+        mask = self._scratch(self._mask_buffers, flat.device, flat, padded, dtype=torch.bool)
+        mask[n:].zero_()
+        for part, part_mask in zip(flat.split(chunk), mask[:n].split(chunk), strict=True):
+            size = part.numel()
+            torch.abs(part, out=magnitude[:size])
+            torch.ge(bits[:size], limit, out=part_mask)
+        return _true_positions(mask)
 
     @staticmethod
     def _sample_size(n: int, k: int) -> int:
@@ -166,8 +187,8 @@ def _true_positions(mask: torch.Tensor) -> torch.Tensor:
     """
     words = mask.view(torch.int64)
     hit_words = torch.nonzero(words).squeeze(1)
-    hit_bytes = torch.nonzero(words[hit_words].view(torch.uint8)).squeeze(1)
-    return hit_words[hit_bytes >> 3] * 8 + (hit_bytes & 7)
+    hit_bytes = torch.nonzero(words.index_select(0, hit_words).view(torch.uint8)).squeeze(1)
+    return hit_words.index_select(0, hit_bytes >> 3) * 8 + (hit_bytes & 7)
 
 
 class TopKEncoder:
@@ -187,8 +208,8 @@ class TopKEncoder:
         k = keep_count(flat.numel(), self.ratio)
         source = flat if residual is None else residual.add_(flat)
         indices = self.selector.select(source, k)
-        selected = source[indices]
-        if not bool(torch.isfinite(selected).all()):
+        selected = source.index_select(0, indices)
+        if not bool(selected.abs().amax() < math.inf):  # amax propagates NaN
             if residual is not None:
                 residual.zero_()
             return DensePayload(flat)

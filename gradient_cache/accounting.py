@@ -1,0 +1,379 @@
+"""Device-memory accounting: the peak of device-resident bytes over the phases of a step.
+
+On a CUDA device the caching allocator keeps the figures: `CudaMemoryMeter` reads
+``torch.cuda.max_memory_allocated`` per phase. On a CPU-only run "device" and host are the
+same RAM and no allocator counts for us, so `TensorMemoryTracker` counts tensor storages
+itself: a TorchDispatchMode sees every operator, registers each storage it touches (a
+weakref drops it when it is freed) and, after each operator, takes
+
+    device bytes = bytes of live storages - bytes the gradient cache holds as host copies
+
+so the figures mean what they would on a GPU. `device_memory_meter` picks the meter.
+
+Limits of the CPU tracker: it sees operators run on the thread that entered it (measure
+the CPU backend without its worker thread), only storages that an operator touched or that
+it was told about (parameters, gradients, optimizer state, the cache's tensors), and not
+the scratch memory an operator frees before it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .compression import DensePayload
+
+if TYPE_CHECKING:
+    from .manager import GradientCacheHookManager
+
+MIB = 2**20
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATE = "optimizer state"
+ENGINE_SCRATCH = "engine scratch"
+OTHER = "activations and other"
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ENGINE_SCRATCH, OTHER)
+
+TensorSource = Callable[[], Iterable[torch.Tensor]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryReading:
+    """Device-resident bytes at one moment, and the host-store bytes beside them."""
+
+    device_bytes: int
+    host_bytes: int
+    #: Device bytes per entry of CATEGORIES; empty where the meter cannot tell (CUDA).
+    by_category: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhasePeak:
+    """The device peak of one phase, and each category's own maximum over it."""
+
+    peak: MemoryReading
+    #: Per category, the most device bytes it held at any moment of the phase (CPU only).
+    max_by_category: dict[str, int] = field(default_factory=dict)
+
+
+class DeviceMemoryMeter(ABC):
+    """Measures device memory over named phases: ``with meter, meter.phase("backward"): ...``.
+
+    ``peaks[name]`` holds each finished phase's `PhasePeak`; ``reading()`` is the state now.
+    Phases do not nest (the CUDA allocator keeps one peak counter).
+    """
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, PhasePeak] = {}
+        self._in_phase = False
+
+    @abstractmethod
+    def reading(self) -> MemoryReading:
+        """Device-resident bytes now."""
+
+    @abstractmethod
+    def _begin_phase(self) -> None: ...
+
+    @abstractmethod
+    def _end_phase(self) -> PhasePeak: ...
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Record the device peak of the enclosed code as ``peaks[name]``."""
+        if self._in_phase:
+            raise RuntimeError(f"Phase {name!r} started inside another phase; phases do not nest.")
+        self._in_phase = True
+        self._begin_phase()
+        try:
+            yield
+        finally:
+            self._in_phase = False
+            self.peaks[name] = self._end_phase()
+
+    def __enter__(self) -> DeviceMemoryMeter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, TensorSource]:
+    """(host tensors, device scratch tensors) of a GradientCacheHookManager.
+
+    Host: the payloads in the host store and the error-feedback residuals kept on the host.
+    Scratch: the selector's reusable buffers. Reads the engine's internals until it
+    exposes them itself.
+    """
+
+    def host() -> Iterator[torch.Tensor]:
+        pipeline = cache._pipeline
+        if pipeline is None:  # closed: everything went back to param.grad
+            return
+        for _, payload in pipeline.store.items():
+            if isinstance(payload, DensePayload):
+                yield payload.tensor
+            else:
+                yield from (payload.values, payload.indices)
+        if pipeline.config.residual_location == "host":
+            yield from pipeline.residuals.values()
+
+    def scratch() -> list[torch.Tensor]:
+        pipeline = cache._pipeline
+        if pipeline is None or pipeline.encoder is None:
+            return []
+        return pipeline.encoder.selector.scratch_tensors()
+
+    return host, scratch
+
+
+def device_memory_meter(
+    model: torch.nn.Module,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    cache: GradientCacheHookManager | None = None,
+) -> DeviceMemoryMeter:
+    """The meter for the device ``model`` lives on; ``cache`` is its GradientCacheHookManager."""
+    device = next(model.parameters()).device
+    host, scratch = cache_tensors(cache) if cache is not None else (_nothing, _nothing)
+    if device.type == "cuda":
+        return CudaMemoryMeter(device=device, host=host)
+    if device.type == "cpu":
+        return TensorMemoryTracker(
+            params=list(model.parameters()), optimizer=optimizer, host=host, scratch=scratch
+        )
+    raise ValueError(f"No device-memory meter for {device}; expected a cpu or cuda model.")
+
+
+def _nothing() -> tuple[torch.Tensor, ...]:
+    return ()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
+    storages = {id(s): s.nbytes() for s in map(torch.Tensor.untyped_storage, tensors)}
+    return sum(storages.values())
+
+
+class CudaMemoryMeter(DeviceMemoryMeter):
+    """Device figures from the CUDA caching allocator; the host store read at each phase end.
+
+    Counts every tensor of the process on ``device``, not only one model's.
+    """
+
+    def __init__(self, *, device: torch.device, host: TensorSource = _nothing) -> None:
+        super().__init__()
+        self.device = device
+        self._host = host
+
+    def reading(self) -> MemoryReading:
+        torch.cuda.synchronize(self.device)
+        return MemoryReading(
+            device_bytes=torch.cuda.memory_allocated(self.device),
+            host_bytes=storage_bytes(self._host()),
+        )
+
+    def _begin_phase(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _end_phase(self) -> PhasePeak:
+        torch.cuda.synchronize(self.device)
+        return PhasePeak(
+            peak=MemoryReading(
+                device_bytes=torch.cuda.max_memory_allocated(self.device),
+                host_bytes=storage_bytes(self._host()),
+            )
+        )
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    category: str
+    ref: weakref.ref
+
+
+class _OperatorObserver(TorchDispatchMode):
+    """Calls ``on_operator(func, args, kwargs)``, which runs the operator, for each one."""
+
+    def __init__(self, on_operator: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> None:
+        super().__init__()
+        self._on_operator = on_operator
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return self._on_operator(func, args, kwargs or {})
+
+
+class TensorMemoryTracker(DeviceMemoryMeter):
+    """Counts live CPU tensor storages by category, leaving out the host store.
+
+    Args:
+        params: the model's parameters; their storages count as parameters, and their
+            gradients as gradients: ``param.grad``, and each gradient as backward hands it
+            over, before a post-accumulate-grad hook (the cache's) can take it away.
+        optimizer: its state tensors count as optimizer state (tagged on entry and at each
+            phase start: run one step before measuring, so the state exists).
+        host: the tensors held as host copies right now, read before every operator. An
+            operator's new output counts as host too when all its tensor inputs do (the
+            store merging two payloads), as it would run on the host of a GPU machine.
+        scratch: the engine's reusable device buffers (tagged like the optimizer state).
+    """
+
+    def __init__(
+        self,
+        *,
+        params: Sequence[torch.nn.Parameter] = (),
+        optimizer: torch.optim.Optimizer | None = None,
+        host: TensorSource = _nothing,
+        scratch: TensorSource = _nothing,
+    ) -> None:
+        super().__init__()
+        self._params = [p for p in params if p.requires_grad]
+        self._optimizer = optimizer
+        self._host = host
+        self._scratch = scratch
+        self._entries: dict[int, _Entry] = {}  # by id() of the live storage object
+        self._host_made: set[int] = set()  # entries made from host tensors only
+        self._by_category = dict.fromkeys(CATEGORIES, 0)
+        self._observer = _OperatorObserver(self._run_operator)
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._peak = MemoryReading(device_bytes=0, host_bytes=0)
+        self._max_by_category: dict[str, int] = {}
+
+    # --- lifetime -----------------------------------------------------------------
+
+    def __enter__(self) -> TensorMemoryTracker:
+        self._tag(self._params, PARAMETERS)
+        self._tag_state()
+        self._tag_gradients()
+        self._hooks = [p.register_hook(self._on_gradient) for p in self._params]
+        self._observer.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._observer.__exit__(None, None, None)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _run_operator(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        host_ids = self._host_ids()
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        from_host = bool(inputs) and all(self._is_host(t, host_ids) for t in inputs)
+        out = func(*args, **kwargs)
+        for tensor in inputs:
+            self._register(tensor, OTHER)
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                key = self._register(tensor, OTHER)
+                if from_host:
+                    self._host_made.add(key)
+        if self._in_phase:
+            self._sample(host_ids)
+        return out
+
+    # --- readings -----------------------------------------------------------------
+
+    def reading(self) -> MemoryReading:
+        self._tag_gradients()
+        return self._measure(self._host_ids())
+
+    def _begin_phase(self) -> None:
+        self._tag_state()
+        self._peak = self.reading()
+        self._max_by_category = dict(self._peak.by_category)
+
+    def _end_phase(self) -> PhasePeak:
+        self._sample(self._host_ids())
+        return PhasePeak(peak=self._peak, max_by_category=self._max_by_category)
+
+    def _sample(self, host_ids: set[int]) -> None:
+        self._tag_gradients()
+        now = self._measure(host_ids)
+        if now.device_bytes > self._peak.device_bytes:
+            self._peak = now
+        for name, nbytes in now.by_category.items():
+            self._max_by_category[name] = max(self._max_by_category[name], nbytes)
+
+    def _measure(self, host_ids: set[int]) -> MemoryReading:
+        by_category = dict(self._by_category)
+        host_bytes = 0
+        for key in host_ids | self._host_made:
+            entry = self._entries.get(key)
+            if entry is not None:
+                host_bytes += entry.nbytes
+                by_category[entry.category] -= entry.nbytes
+        return MemoryReading(
+            device_bytes=sum(by_category.values()), host_bytes=host_bytes, by_category=by_category
+        )
+
+    # --- storages -----------------------------------------------------------------
+
+    def _register(self, tensor: torch.Tensor, category: str) -> int:
+        """The key of ``tensor``'s storage, counted as ``category`` if it is new."""
+        storage = tensor.untyped_storage()
+        key = id(storage)  # stable while the storage lives: torch keeps one Python object
+        if key not in self._entries:
+            ref = weakref.ref(storage, functools.partial(self._forget, key))
+            self._entries[key] = _Entry(nbytes=storage.nbytes(), category=category, ref=ref)
+            self._by_category[category] += storage.nbytes()
+        return key
+
+    def _forget(self, key: int, _ref: weakref.ref) -> None:
+        entry = self._entries.pop(key, None)
+        self._host_made.discard(key)
+        if entry is not None:
+            self._by_category[entry.category] -= entry.nbytes
+
+    def _tag(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """Count ``tensors``' storages as device ``category`` from now on."""
+        for tensor in tensors:
+            key = self._register(tensor, category)
+            entry = self._entries[key]
+            if entry.category != category:
+                self._by_category[entry.category] -= entry.nbytes
+                self._by_category[category] += entry.nbytes
+                entry.category = category
+            self._host_made.discard(key)  # a gradient restored from the store is back
+
+    def _tag_state(self) -> None:
+        if self._optimizer is not None:
+            self._tag(
+                (
+                    value
+                    for state in self._optimizer.state.values()
+                    for value in state.values()
+                    if isinstance(value, torch.Tensor)
+                ),
+                OPTIMIZER_STATE,
+            )
+        self._tag(self._scratch(), ENGINE_SCRATCH)
+
+    def _tag_gradients(self) -> None:
+        self._tag((p.grad for p in self._params if p.grad is not None), GRADIENTS)
+
+    def _on_gradient(self, grad: torch.Tensor) -> None:
+        # A tensor hook on a leaf runs before its gradient is accumulated into .grad.
+        self._tag([grad], GRADIENTS)
+
+    def _host_ids(self) -> set[int]:
+        return {id(t.untyped_storage()) for t in self._host()}
+
+    def _is_host(self, tensor: torch.Tensor, host_ids: set[int]) -> bool:
+        key = id(tensor.untyped_storage())
+        return key in host_ids or key in self._host_made

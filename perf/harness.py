@@ -1,0 +1,76 @@
+"""What the perf tests share: run mode, the rows they record, and the markdown tables.
+
+The tests record one row per measurement with `record`; at the end of a run with
+benchmarks enabled, perf/conftest.py prints the tables `render` makes from them, ready
+for perf/RESULTS.md. With benchmarks disabled (the default) every test runs once on tiny
+sizes as a smoke test and nothing is printed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from perf import memory_report
+
+MIB = 2**20
+GB = 1e9
+
+ROWS: dict[str, list[dict[str, Any]]] = defaultdict(list)
+
+
+def benchmarks_enabled(config: pytest.Config) -> bool:
+    """pytest-benchmark's own rule: ``--benchmark-enable`` overrides ``--benchmark-disable``."""
+    return not config.getoption("benchmark_disable") or config.getoption("benchmark_enable")
+
+
+def record(table: str, **row: Any) -> None:
+    ROWS[table].append(row)
+
+
+def render() -> str:
+    """Markdown tables of everything recorded, in a fixed order."""
+    parts = [renderer(ROWS[name]) for name, renderer in _RENDERERS.items() if ROWS.get(name)]
+    return "\n\n".join(parts)
+
+
+def _codec(rows: list[dict[str, Any]]) -> str:
+    """Throughput per operation, size and ratio, with the speed-up over torch.topk."""
+    topk = {(r["op"], r["numel"], r["ratio"]): r["ms"] for r in rows if r["method"] == "torch.topk"}
+    lines = [
+        "| op | method | elements | ratio | median ms | GB/s | vs torch.topk |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        reference = topk.get((r["op"], r["numel"], r["ratio"]))
+        speedup = f"{reference / r['ms']:.1f}x" if reference and r["ratio"] else ""
+        ratio = r["ratio"] or ""
+        lines.append(
+            f"| {r['op']} | {r['method']} | {r['numel']:,} | {ratio} | {r['ms']:.2f} | "
+            f"{r['gb_per_s']:.2f} | {speedup} |"
+        )
+    return "\n".join(lines)
+
+
+def _steps(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| variant | median ms | paired plain ms | paired ratio (median) | ratio range "
+        "| host store MiB | process RSS MiB |",
+        "|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['ms']:.1f} | {r['plain_ms']:.1f} | {r['ratio']:.3f}x | "
+            f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['host_store_mib']:.2f} | "
+            f"{r['rss_mib']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _memory(rows: list[dict[str, Any]]) -> str:
+    return memory_report.markdown([memory_report.MemoryFigures(**row) for row in rows])
+
+
+_RENDERERS = {"codec": _codec, "step": _steps, "memory": _memory}

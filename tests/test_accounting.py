@@ -1,0 +1,200 @@
+"""Device-memory accounting: what the CPU tracker counts, and cache against plain PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradient_cache
+from gradient_cache.accounting import (
+    ENGINE_SCRATCH,
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    OTHER,
+    PARAMETERS,
+    CudaMemoryMeter,
+    MemoryReading,
+    PhasePeak,
+    TensorMemoryTracker,
+    device_memory_meter,
+    storage_bytes,
+)
+
+MIB = 2**20
+
+
+def test_counts_an_allocation_once_with_its_views_until_it_is_freed() -> None:
+    with TensorMemoryTracker() as tracker:
+        before = tracker.reading().device_bytes
+        with tracker.phase("allocate"):
+            x = torch.empty(MIB // 4)
+            y = x.view(512, 512)[::2]  # a view: no new storage
+            assert tracker.reading().device_bytes - before == MIB
+            del x, y
+        after = tracker.reading().device_bytes
+    assert tracker.peaks["allocate"].peak.device_bytes - before == MIB
+    assert after == before
+
+
+def test_phases_do_not_nest() -> None:
+    tracker = TensorMemoryTracker()
+    outer, inner = tracker.phase("outer"), tracker.phase("inner")
+    with tracker, outer, pytest.raises(RuntimeError, match="nest"), inner:
+        pass
+
+
+def mlp(layers: int = 6, width: int = 256) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+
+
+def dense_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_parameters_gradients_and_optimizer_state_are_told_apart() -> None:
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    train_step(model, optimizer)  # creates the optimizer state
+    dense = dense_bytes(model)
+    with device_memory_meter(model, optimizer=optimizer) as meter:
+        model(torch.randn(2, 256)).sum().backward()
+        reading = meter.reading()
+    by_category = reading.by_category
+    assert by_category[PARAMETERS] == dense
+    assert by_category[GRADIENTS] == dense
+    steps = 4 * len(list(model.parameters()))  # Adam's 0-dim fp32 step counters
+    assert by_category[OPTIMIZER_STATE] == 2 * dense + steps
+    assert reading.device_bytes == sum(by_category.values())
+    assert reading.host_bytes == 0
+
+
+def test_host_copies_and_what_is_made_from_them_alone_count_apart() -> None:
+    host = torch.ones(MIB // 4)
+    with TensorMemoryTracker(host=lambda: [host]) as tracker:
+        device = torch.ones(MIB // 4)
+        merged = host.clone()  # made from host tensors only: host memory on a GPU machine too
+        mixed = host + device  # reads a device tensor: runs on the device
+        reading = tracker.reading()
+    assert reading.host_bytes == 2 * MIB
+    assert reading.by_category[OTHER] == 2 * MIB  # device and mixed
+    assert merged.numel() == mixed.numel()
+
+
+def cached_and_plain(ratio: float, **options: object):
+    plain, cached = mlp(), mlp()
+    cache = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=ratio, bucket_size_mb=0.25, **options
+    )
+    plain_optimizer = torch.optim.Adam(plain.parameters())
+    cached_optimizer = torch.optim.Adam(cached.parameters())
+    train_step(plain, plain_optimizer)
+    cached(torch.randn(2, 256)).sum().backward()
+    cache.step(cached_optimizer)
+    return (plain, plain_optimizer), (cached, cached_optimizer, cache)
+
+
+def measure(
+    model, optimizer, cache=None, *, fused: bool
+) -> tuple[dict[str, PhasePeak], MemoryReading]:
+    """Peaks of two micro-batches' backward and of the step; the reading between them."""
+    meter = device_memory_meter(model, optimizer=optimizer, cache=cache)
+    with meter:
+        for name in ("backward 1", "backward 2"):
+            loss = model(torch.randn(2, 256)).sum()
+            with meter.phase(name):
+                loss.backward()
+                if cache is not None:
+                    cache.compress_and_free_gradients()
+            if name == "backward 1":
+                between = meter.reading()
+        with meter.phase("step"):
+            if cache is None:
+                optimizer.step()
+            elif fused:
+                cache.step(optimizer)
+            else:
+                cache.apply_gradients()
+                optimizer.step()
+        optimizer.zero_grad()
+    return meter.peaks, between
+
+
+@pytest.mark.parametrize("ratio", [1, 100])
+def test_cache_holds_far_fewer_gradient_bytes_than_plain(ratio: float) -> None:
+    (plain, plain_optimizer), (cached, cached_optimizer, cache) = cached_and_plain(ratio)
+    dense = dense_bytes(plain)
+    expected, expected_between = measure(plain, plain_optimizer, fused=False)
+    got, between = measure(cached, cached_optimizer, cache, fused=True)
+    # Backward holds about a bucket (0.25 MiB) of the 1.5 MiB of gradients at once; at
+    # ratio 100 the selector's scratch (a fifth of dense here) stays on the device too.
+    for name in ("backward 1", "backward 2"):
+        assert got[name].peak.device_bytes <= expected[name].peak.device_bytes - 0.4 * dense
+        assert got[name].max_by_category[GRADIENTS] <= 0.5 * dense
+        # Plain ends backward holding every gradient (and, briefly, a transposed weight
+        # gradient and its contiguous copy at once).
+        assert expected[name].max_by_category[GRADIENTS] >= dense
+    saved = expected_between.device_bytes - between.device_bytes
+    assert saved >= 0.99 * dense - between.by_category[ENGINE_SCRATCH]
+    assert between.by_category[GRADIENTS] == 0
+    if ratio == 1:
+        assert between.host_bytes == dense  # the same tensors, now counted as host
+    else:
+        assert 0 < between.host_bytes < 0.1 * dense
+    assert got["step"].peak.device_bytes <= expected["step"].peak.device_bytes - 0.6 * dense
+
+
+def test_apply_gradients_brings_the_step_peak_back() -> None:
+    (plain, plain_optimizer), (cached, cached_optimizer, cache) = cached_and_plain(1)
+    expected = measure(plain, plain_optimizer, fused=False)[0]["step"].peak
+    got = measure(cached, cached_optimizer, cache, fused=False)[0]["step"].peak
+    assert got.device_bytes == expected.device_bytes
+    assert got.by_category[GRADIENTS] == dense_bytes(plain)
+
+
+def test_storage_bytes_counts_shared_storage_once() -> None:
+    x = torch.empty(1000)
+    assert storage_bytes([x, x[10:], x.view(10, 100)]) == 4000
+
+
+def test_meter_follows_the_model_device() -> None:
+    assert isinstance(device_memory_meter(mlp()), TensorMemoryTracker)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_meter_reads_the_allocator() -> None:
+    device = torch.device("cuda")
+    model = mlp().to(device)
+    meter = device_memory_meter(model)
+    assert isinstance(meter, CudaMemoryMeter)
+    with meter:
+        before = meter.reading().device_bytes
+        with meter.phase("allocate"):
+            x = torch.empty(MIB // 4, device=device)
+            del x
+    assert meter.peaks["allocate"].peak.device_bytes - before >= MIB
+
+
+def test_gradients_the_cache_holds_on_the_device_count_as_gradients() -> None:
+    """With a bucket larger than the model, every gradient waits in the open bucket."""
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    cache = gradient_cache.create_gradient_cache(model, compression_ratio=1, bucket_size_mb=64)
+    with device_memory_meter(model, optimizer=optimizer, cache=cache) as meter:
+        loss = model(torch.randn(2, 256)).sum()
+        with meter.phase("backward"):
+            loss.backward()
+        waiting = meter.reading()
+        cache.compress_and_free_gradients()
+        offloaded = meter.reading()
+    assert meter.peaks["backward"].max_by_category[GRADIENTS] >= dense_bytes(model)
+    assert waiting.by_category[GRADIENTS] == dense_bytes(model)
+    assert offloaded.by_category[GRADIENTS] == 0
+    assert offloaded.host_bytes == dense_bytes(model)
