@@ -1,0 +1,186 @@
+"""What `gradient-cache demo` hands back: the printed table, report.json and report.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .demo import FINAL_LOSS_STEPS, PHASES, DemoResult, RunResult
+from .stats import MIB
+
+MATPLOTLIB_MISSING = (
+    "gradient-cache demo draws report.png with matplotlib, which is not installed. "
+    "Install it with: pip install 'gradient-cache[demo]'"
+)
+
+
+def check_matplotlib() -> None:
+    """Raise ImportError with the install command if matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise ImportError(MATPLOTLIB_MISSING) from error
+
+
+def format_table(result: DemoResult) -> str:
+    """A markdown table of the runs, then what the figures mean."""
+    header = (
+        "| run | peak device MiB | optimizer-step peak MiB | gradients offloaded MiB "
+        "| host store MiB | peak RSS MiB | median step ms | train loss | val loss "
+        "| max abs weight diff vs plain |"
+    )
+    rows = [header, "|---|" + "---:|" * 9]
+    for run in result.runs:
+        figures = _figures(result, run)
+        difference = "-" if run.ratio is None else f"{figures['max_abs_weight_diff_vs_plain']:.3g}"
+        rows.append(
+            f"| {run.name} | {figures['peak_device_mb']:.1f} "
+            f"| {figures['phase_peak_mb']['optimizer']:.1f} "
+            f"| {figures['offloaded_gradient_mb']:.1f} | {figures['stored_gradient_mb']:.2f} "
+            f"| {figures['peak_rss_mb']:.0f} | {figures['median_step_ms']:.0f} "
+            f"| {figures['final_train_loss']:.3f} | {figures['val_loss']:.3f} | {difference} |"
+        )
+    settings, model, plain = result.settings, result.model, result.runs[0]
+    measured = [m.step for m in plain.memory]
+    notes = [
+        "",
+        f"TinyGPT {settings.model_size!r}: {model['parameters'] / 1e6:.2f}M parameters, "
+        f"{model['gradient_bytes'] / MIB:.1f} MiB of gradients; {settings.steps} steps of "
+        f"batch {model['batch_size']} on {settings.device}, seed {settings.seed}.",
+        f"Device memory: {result.memory_method}"
+        + ("" if len(measured) == settings.steps else f", on steps {', '.join(map(str, measured))}")
+        + ".",
+        "Peak device memory falls only where gradients were part of it: the cache takes them "
+        "off the device during backward, and its fused step restores one bucket at a time.",
+        "Gradients offloaded: dense bytes taken off the device each step; host store: what "
+        "they take there. Peak RSS: each run's own process.",
+        f"Train loss: mean of the last {min(settings.steps, FINAL_LOSS_STEPS)} steps. "
+        "Step time: median over "
+        + (
+            "every step." if plain.timed_steps == measured else "the steps not measured for memory."
+        ),
+    ]
+    return "\n".join(rows + notes)
+
+
+def report_dict(result: DemoResult, *, args: dict[str, Any]) -> dict[str, Any]:
+    """Every figure of the demo, JSON-ready."""
+    lossless = result.runs[1]
+    return {
+        "args": args,
+        "machine": result.machine,
+        "model": result.model,
+        "memory_method": result.memory_method,
+        "phases": list(PHASES),
+        "lossless_max_abs_weight_diff": result.weight_difference(lossless),
+        "wall_seconds": result.wall_seconds,
+        "runs": [_figures(result, run) | _series(run) for run in result.runs],
+    }
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def write_plot(result: DemoResult, path: Path) -> None:
+    """report.png: device memory over one step per run (left) and the loss curves (right)."""
+    check_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(13, 5), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)  # Agg, without touching pyplot's global backend
+    memory_axes, loss_axes = figure.subplots(1, 2)
+    for index, phase in enumerate(PHASES):
+        memory_axes.axvspan(index, index + 1, color=f"C{7 + index % 2}", alpha=0.08, lw=0)
+        memory_axes.text(
+            index + 0.5, 0.4, phase, ha="center", transform=memory_axes.get_xaxis_transform()
+        )
+    # Lossless training repeats plain's curves exactly: distinct styles keep both visible.
+    styles = ({"lw": 4, "alpha": 0.5}, {"lw": 1.5, "ls": "--"}, {"lw": 1.5})
+    for run, style in zip(result.runs, styles, strict=True):
+        step = run.memory[-1]  # the last measured step: optimizer state exists by then
+        xs, ys = [0.0], [step.start_bytes / MIB]
+        for index, phase in enumerate(PHASES):
+            xs += [index + 0.5, index + 1.0]
+            ys += [step.phases[phase].peak_bytes / MIB, step.phases[phase].end_bytes / MIB]
+        line = memory_axes.plot(xs, ys, marker="o", label=f"{run.name} (step {step.step})", **style)
+        color = line[0].get_color()
+        loss_axes.plot(range(1, len(run.losses) + 1), run.losses, label=run.name, **style)
+        loss_axes.scatter(  # plain's circle stays visible around the lossless run's cross
+            [len(run.losses)],
+            [run.val_loss],
+            s=80,
+            **(
+                {"marker": "o", "facecolors": "none", "edgecolors": color}
+                if run.ratio is None
+                else {"marker": "x", "color": color}
+            ),
+        )
+    where = "CUDA allocator" if result.settings.device.type == "cuda" else "accounted on the CPU"
+    memory_axes.set(
+        title=f"Device memory over one training step ({where})",
+        xticks=[i / 2 for i in range(2 * len(PHASES) + 1)],
+        xticklabels=["start", *["peak", "end"] * len(PHASES)],
+        ylabel="MiB",
+        xlim=(0, len(PHASES)),
+    )
+    memory_axes.set_ylim(bottom=0)
+    memory_axes.legend(loc="lower left")
+    loss_axes.set(
+        title="Training loss per step (marker: validation loss at the end)",
+        xlabel="step",
+        ylabel="cross-entropy",
+    )
+    loss_axes.legend()
+    figure.suptitle(
+        f"gradient-cache demo: TinyGPT {result.settings.model_size!r}, "
+        f"{result.settings.steps} steps on {result.settings.device}"
+    )
+    figure.savefig(path)
+
+
+def _figures(result: DemoResult, run: RunResult) -> dict[str, Any]:
+    summary = run.summary or {}
+    return {
+        "name": run.name,
+        "compression_ratio": run.ratio,
+        "peak_device_bytes": run.peak_device_bytes,
+        "peak_device_mb": run.peak_device_bytes / MIB,
+        "phase_peak_bytes": {p: run.phase_peak_bytes(p) for p in PHASES},
+        "phase_peak_mb": {p: run.phase_peak_bytes(p) / MIB for p in PHASES},
+        "offloaded_gradient_bytes": run.offloaded_gradient_bytes,
+        "offloaded_gradient_mb": summary.get("memory_saved_mb", 0.0),
+        "stored_gradient_mb": summary.get("stored_gradient_mb", 0.0),
+        "process_rss_mb": run.process_rss_mb,
+        "peak_rss_mb": run.peak_rss_mb,
+        "median_step_ms": run.median_step_ms,
+        "final_train_loss": run.final_train_loss,
+        "val_loss": run.val_loss,
+        "max_abs_weight_diff_vs_plain": result.weight_difference(run),
+    }
+
+
+def _series(run: RunResult) -> dict[str, Any]:
+    return {
+        "losses": run.losses,
+        "step_ms": [s * 1e3 for s in run.step_seconds],
+        "timed_steps": run.timed_steps,
+        "memory": [
+            {
+                "step": m.step,
+                "start_bytes": m.start_bytes,
+                "phases": {
+                    name: {
+                        "peak_bytes": p.peak_bytes,
+                        "end_bytes": p.end_bytes,
+                        "peak_by_category_bytes": p.peak_by_category,
+                    }
+                    for name, p in m.phases.items()
+                },
+            }
+            for m in run.memory
+        ],
+        "compression_summary": run.summary,
+    }

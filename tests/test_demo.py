@@ -1,0 +1,200 @@
+"""`gradient-cache demo`: the main job runs end to end, and its figures are the true ones."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradient_cache import cli
+
+SCRIPT = Path(sys.executable).parent / "gradient-cache"
+STEPS = 10
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str, str]:
+    """One default run of the console script: (report.json, out folder, stdout, stderr)."""
+    out = tmp_path_factory.mktemp("demo")
+    result = subprocess.run(
+        [str(SCRIPT), "demo", "--steps", str(STEPS), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "report.json").read_text())
+    return report, out, result.stdout, result.stderr
+
+
+def runs_by_name(report: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    plain, lossless, compressed = report["runs"]
+    assert (plain["name"], lossless["name"], compressed["name"]) == (
+        "plain",
+        "cache r=1",
+        "cache r=100",
+    )
+    return plain, lossless, compressed
+
+
+def test_prints_the_table_and_a_few_progress_lines(demo: tuple) -> None:
+    _, _, stdout, stderr = demo
+    assert "| run | peak device MiB |" in stdout
+    for name in ("plain", "cache r=1", "cache r=100"):
+        assert f"| {name} |" in stdout
+    # stderr is not a terminal here: a line per quarter of each run, no carriage returns.
+    assert "\r" not in stderr
+    progress = [line for line in stderr.splitlines() if f"/{STEPS} " in line]
+    assert 3 <= len(progress) <= 3 * 4, stderr
+
+
+def test_report_holds_sane_figures(demo: tuple) -> None:
+    report, _, _, _ = demo
+    plain, lossless, compressed = runs_by_name(report)
+    gradient_bytes = report["model"]["gradient_bytes"]
+    assert gradient_bytes == report["model"]["parameters"] * 4  # fp32
+    for run in (plain, lossless, compressed):
+        assert len(run["losses"]) == STEPS
+        for loss in [*run["losses"], run["final_train_loss"], run["val_loss"]]:
+            assert math.isfinite(loss) and loss > 0, run["name"]
+        assert run["median_step_ms"] > 0
+        assert run["peak_device_bytes"] > 0
+        assert run["peak_rss_mb"] > 0
+    assert plain["offloaded_gradient_bytes"] == 0
+    assert lossless["offloaded_gradient_bytes"] == gradient_bytes
+    assert compressed["offloaded_gradient_bytes"] == gradient_bytes
+    # Lossless: the very same gradients come back, so training is bit for bit plain's.
+    assert report["lossless_max_abs_weight_diff"] == 0
+    assert lossless["losses"] == plain["losses"]
+    assert compressed["max_abs_weight_diff_vs_plain"] > 0
+    # Ratio 100 keeps 1% of each large tensor, at 8 bytes an entry: about 1/50 of the bytes.
+    assert compressed["stored_gradient_mb"] < lossless["stored_gradient_mb"] / 20
+
+
+def test_optimizer_step_holds_one_bucket_of_gradients_not_all(demo: tuple) -> None:
+    """Plain PyTorch holds every dense gradient at its step; the fused step of the cache
+    restores one bucket (4 MiB, or one larger tensor) at a time, so its peak there falls
+    by most of the gradient bytes (53.6 MiB on the small model)."""
+    report, _, _, _ = demo
+    plain, lossless, compressed = runs_by_name(report)
+    gradient_bytes = report["model"]["gradient_bytes"]
+    for cache in (lossless, compressed):
+        saved = plain["phase_peak_bytes"]["optimizer"] - cache["phase_peak_bytes"]["optimizer"]
+        assert saved > gradient_bytes / 2, (cache["name"], saved / MIB)
+
+
+def test_cpu_memory_figures_follow_from_the_accounting(demo: tuple) -> None:
+    """On the CPU the tracker counts tensor storages, so several figures are exact.
+
+    Forward creates the same tensors in every run, and between steps the cache keeps
+    nothing on the device but its top-k selector's scratch buffers (none at ratio 1).
+    After backward the lossless cache has moved every gradient's storage to the host.
+    Over a run the cache adds the scratch buffers and removes gradients; the peak comes
+    at the start of backward, before any gradient exists, so it moves by the scratch only.
+    """
+    report, _, _, _ = demo
+    if report["machine"]["device"] != "cpu":
+        pytest.skip("exact figures hold for the CPU tracker, not the CUDA allocator")
+    plain, lossless, compressed = runs_by_name(report)
+    gradient_bytes = report["model"]["gradient_bytes"]
+    for p, r1, r100 in zip(plain["memory"], lossless["memory"], compressed["memory"], strict=True):
+        assert p["step"] == r1["step"] == r100["step"]
+        forward = [m["phases"]["forward"]["peak_bytes"] for m in (p, r1, r100)]
+        backward_end = [m["phases"]["backward"]["end_bytes"] for m in (p, r1, r100)]
+        scratch_now = scratch(r100, "forward")  # made by the first backward, then kept
+        scratch_after = scratch(r100, "optimizer")
+        assert scratch_after > 0
+        assert forward[1] == forward[0]
+        assert forward[2] == forward[0] + scratch_now
+        assert backward_end[0] - backward_end[1] == gradient_bytes
+        assert backward_end[2] == backward_end[1] + scratch_after
+        plain_optimizer = p["phases"]["optimizer"]["peak_by_category_bytes"]["gradients"]
+        assert plain_optimizer == gradient_bytes
+    assert lossless["peak_device_bytes"] <= plain["peak_device_bytes"]
+    largest_scratch = max(scratch(m, "optimizer") for m in compressed["memory"])
+    assert compressed["peak_device_bytes"] <= plain["peak_device_bytes"] + largest_scratch
+
+
+def scratch(step_memory: dict[str, Any], phase: str) -> int:
+    return step_memory["phases"][phase]["peak_by_category_bytes"]["engine scratch"]
+
+
+def test_png_is_a_real_image(demo: tuple) -> None:
+    image_module = pytest.importorskip("matplotlib.image")
+    _, out, _, _ = demo
+    path = out / "report.png"
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    height, width, channels = image_module.imread(path).shape
+    assert height >= 300 and width >= 600 and channels in (3, 4)
+
+
+def test_python_dash_m_runs_the_same_command() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gradient_cache", "demo", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--model-size" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--device", "tpu"], ["--device", "'tpu'", "'cpu'", "'cuda'"]),
+        (["--steps", "0"], ["--steps", "'0'", ">= 1"]),
+        (["--steps", "ten"], ["--steps", "'ten'", ">= 1"]),
+        (["--ratio", "0.5"], ["--ratio", "'0.5'", ">= 1"]),
+        (["--ratio", "nan"], ["--ratio", "'nan'", "finite"]),
+        (["--model-size", "huge"], ["--model-size", "'huge'", "'small'", "'tiny'"]),
+        (["--seed", "-1"], ["--seed", "'-1'"]),
+    ],
+)
+def test_bad_arguments_name_the_option_the_value_and_what_is_accepted(
+    args: list[str], expected: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", *args])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    for fragment in expected:
+        assert fragment in message, message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_says_what_to_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--device", "cuda", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "--device" in message and "cuda" in message and "--device cpu" in message
+
+
+def test_out_that_is_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--out", str(taken)])
+    assert exit_info.value.code == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_says_how_to_install_it_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    assert cli.main(["demo", "--device", "cpu", "--out", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "pip install 'gradient-cache[demo]'" in captured.err
+    assert "plain" not in captured.err  # no run started
