@@ -2,4 +2,5 @@
 
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # run as `python -m gradient_cache`, not on import
+    raise SystemExit(main())

@@ -26,10 +26,11 @@ MAX_SEED = 2**63 - 1
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (``sys.argv[1:]`` when None); return the exit status."""
-    parser = _parser()
+    parser, demo_parser = _parsers()
     args = parser.parse_args(argv)
-    device = _resolve_device(parser, args.device)
-    out = _output_folder(parser, args.out)
+    # Errors found after parsing come with the demo's usage, as argparse's own do.
+    device = _resolve_device(demo_parser, args.device)
+    out = _output_folder(demo_parser, args.out)
     try:
         check_matplotlib()  # before training, not after two minutes of it
     except ImportError as error:
@@ -72,7 +73,8 @@ def _demo(args: argparse.Namespace, *, device: torch.device, out: Path) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `gradient-cache` parser and its `demo` subparser."""
     parser = argparse.ArgumentParser(
         prog="gradient-cache",
         description="gradient-cache: offload gradients to host memory during backward.",
@@ -122,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--seed", type=_seed, default=0, help="seed of the weights and batches (default 0)"
     )
-    return parser
+    return parser, demo
 
 
 def _positive_int(text: str) -> int:

@@ -109,7 +109,7 @@ def write_plot(result: DemoResult, path: Path) -> None:
         color = line[0].get_color()
         loss_axes.plot(range(1, len(run.losses) + 1), run.losses, label=run.name, **style)
         loss_axes.scatter(  # plain's circle stays visible around the lossless run's cross
-            [len(run.losses)],
+            [len(run.losses) * 1.03 + 0.5],  # just right of the curves' ends
             [run.val_loss],
             s=80,
             **(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from gradient_cache import cli
+from gradient_cache.demo import ProgressBar
 
 SCRIPT = Path(sys.executable).parent / "gradient-cache"
 STEPS = 10
@@ -198,3 +200,35 @@ def test_missing_matplotlib_says_how_to_install_it_before_training(
     captured = capsys.readouterr()
     assert "pip install 'gradient-cache[demo]'" in captured.err
     assert "plain" not in captured.err  # no run started
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_redraws_in_place_on_a_terminal() -> None:
+    stream = FakeTerminal()
+    bar = ProgressBar("plain", 3, stream=stream)
+    for step in (1, 2, 3):
+        bar.update(step, loss=2.5)
+    bar.close()
+    text = stream.getvalue()
+    assert text.startswith("\r") and text.endswith("\n")
+    assert text.count("\n") == 1  # one line, redrawn; the newline comes at the end
+    assert "[########################] 3/3" in text
+
+
+def test_progress_bar_writes_a_line_per_quarter_elsewhere() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar("plain", 100, stream=stream)
+    for step in range(1, 101):
+        bar.update(step, loss=2.5)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert [line.split("]")[1].split()[0] for line in lines] == [
+        "25/100",
+        "50/100",
+        "75/100",
+        "100/100",
+    ]
