@@ -13,13 +13,15 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import pickle
 import platform
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any, TextIO
 
 import psutil
@@ -168,10 +170,43 @@ def run_demo(settings: DemoSettings) -> DemoResult:
 
 
 def _in_fresh_process(function: Callable[..., RunResult], *args: Any) -> RunResult:
+    """``function(*args)`` in a new process, which exits when it returns; its error is
+    raised here, with the traceback from that process as the cause."""
     # spawn, not fork: CUDA and OpenMP thread pools do not survive a fork.
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(function, *args).result()
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_reply, args=(sender, function, *args))
+    process.start()
+    sender.close()  # the child holds its own end: if it dies, recv() sees the end of file
+    try:
+        error, value = pickle.loads(receiver.recv_bytes())
+    except EOFError:
+        process.join()
+        raise RuntimeError(
+            f"A demo run's process ended with exit code {process.exitcode} before reporting "
+            "(a negative code is the signal that stopped it: -9 is often the out-of-memory "
+            "killer)."
+        ) from None
+    process.join()
+    if error is not None:
+        raise value from _RemoteTraceback(error)
+    return value
+
+
+class _RemoteTraceback(Exception):
+    """The traceback text of an error raised in a run's process."""
+
+
+def _reply(sender: Connection, function: Callable[..., RunResult], *args: Any) -> None:
+    try:
+        reply = (None, function(*args))
+    except KeyboardInterrupt:
+        return  # Ctrl-C reached the main process as well, which reports it
+    except Exception as error:
+        reply = (traceback.format_exc(), error)
+    # Plain pickle copies the tensors into the message: multiprocessing's own pickler would
+    # share them through file descriptors that vanish when this process exits.
+    sender.send_bytes(pickle.dumps(reply))
 
 
 def measured_steps(steps: int, device: torch.device) -> list[int]:
@@ -202,7 +237,10 @@ def _train(name: str, ratio: float | None, settings: DemoSettings) -> RunResult:
     measured = measured_steps(settings.steps, device)
     losses, seconds, memory = [], [], []
     bar = ProgressBar(name, settings.steps, stream=sys.stderr)
+    parent = multiprocessing.parent_process()  # None when called in the main process
     for step in range(1, settings.steps + 1):
+        if parent is not None and not parent.is_alive():
+            raise SystemExit(f"{name}: the demo that started this run has ended; stopping.")
         x, y = make_batches(
             train_tokens, batch_size=BATCH_SIZE, seq_len=config.seq_len, generator=generator
         )
