@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from perf.bench_core import cpu_model
-from perf.harness import benchmarks_enabled, render
+from perf.harness import benchmarks_enabled, cpu_snapshot, others_share, render
+
+_SESSION_START = cpu_snapshot()
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +30,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if benchmarks_enabled(config) and tables:
         terminalreporter.write_sep("=", "gradient-cache perf tables (markdown)")
         terminalreporter.write_line(tables)
+        share = others_share(_SESSION_START, cpu_snapshot())
+        terminalreporter.write_line(
+            f"\nOther processes used {share:.0%} of this machine's CPU during the run."
+        )

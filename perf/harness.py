@@ -8,9 +8,12 @@ sizes as a smoke test and nothing is printed.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import pytest
 
 from perf import memory_report
@@ -24,6 +27,29 @@ ROWS: dict[str, list[dict[str, Any]]] = defaultdict(list)
 def benchmarks_enabled(config: pytest.Config) -> bool:
     """pytest-benchmark's own rule: ``--benchmark-enable`` overrides ``--benchmark-disable``."""
     return not config.getoption("benchmark_disable") or config.getoption("benchmark_enable")
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    wall: float
+    machine_busy: float  # CPU seconds of every process since boot
+    own: float  # CPU seconds of this process
+
+
+def cpu_snapshot() -> CpuSnapshot:
+    machine, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    busy = machine.user + machine.nice + machine.system + machine.irq + machine.softirq
+    return CpuSnapshot(time.perf_counter(), busy + machine.steal, own.user + own.system)
+
+
+def others_share(start: CpuSnapshot, end: CpuSnapshot) -> float:
+    """Share of the machine's CPU capacity other processes used between two snapshots.
+
+    On a shared machine this says whether a timing was taken alone (near 0) or not.
+    """
+    capacity = (end.wall - start.wall) * (psutil.cpu_count() or 1)
+    others = (end.machine_busy - start.machine_busy) - (end.own - start.own)
+    return min(1.0, max(0.0, others / capacity)) if capacity > 0 else 0.0
 
 
 def record(table: str, **row: Any) -> None:
@@ -40,8 +66,8 @@ def _codec(rows: list[dict[str, Any]]) -> str:
     """Throughput per operation, size and ratio, with the speed-up over torch.topk."""
     topk = {(r["op"], r["numel"], r["ratio"]): r["ms"] for r in rows if r["method"] == "torch.topk"}
     lines = [
-        "| op | method | elements | ratio | median ms | GB/s | vs torch.topk |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| op | method | elements | ratio | median ms | GB/s | vs torch.topk | others' CPU |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         reference = topk.get((r["op"], r["numel"], r["ratio"]))
@@ -49,7 +75,7 @@ def _codec(rows: list[dict[str, Any]]) -> str:
         ratio = r["ratio"] or ""
         lines.append(
             f"| {r['op']} | {r['method']} | {r['numel']:,} | {ratio} | {r['ms']:.2f} | "
-            f"{r['gb_per_s']:.2f} | {speedup} |"
+            f"{r['gb_per_s']:.2f} | {speedup} | {r['others_cpu']:.0%} |"
         )
     return "\n".join(lines)
 
@@ -57,14 +83,14 @@ def _codec(rows: list[dict[str, Any]]) -> str:
 def _steps(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| variant | median ms | paired plain ms | paired ratio (median) | ratio range "
-        "| host store MiB | process RSS MiB |",
-        "|---|---:|---:|---:|---|---:|---:|",
+        "| host store MiB | process RSS MiB | others' CPU |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['ms']:.1f} | {r['plain_ms']:.1f} | {r['ratio']:.3f}x | "
             f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f} | {r['host_store_mib']:.2f} | "
-            f"{r['rss_mib']:.0f} |"
+            f"{r['rss_mib']:.0f} | {r['others_cpu']:.0%} |"
         )
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gradient_cache.compression import SparsePayload, TopKEncoder, decode_into, keep_count
-from perf.harness import GB, benchmarks_enabled, record
+from perf.harness import GB, benchmarks_enabled, cpu_snapshot, others_share, record
 
 FULL_SIZES = {"1M": 2**20, "16M": 16 * 2**20, "64M": 64 * 2**20}
 SMOKE_SIZES = {"1M": 2**20}
@@ -35,7 +35,9 @@ def gradient(numel: int) -> torch.Tensor:
 
 def run(benchmark, fn: Callable[[], object], *, numel: int) -> float | None:
     """Benchmark ``fn``; its median seconds, or None when benchmarks are disabled."""
+    start = cpu_snapshot()
     benchmark.pedantic(fn, rounds=ROUNDS[numel], warmup_rounds=1)
+    benchmark.extra_info["others_cpu"] = others_share(start, cpu_snapshot())
     return benchmark.stats.stats.median if benchmark.enabled else None
 
 
@@ -43,7 +45,8 @@ def report(benchmark, seconds: float | None, **row: object) -> None:
     gb_per_s = row["bytes"] / seconds / GB if seconds else None
     benchmark.extra_info.update(row, gb_per_s=gb_per_s)
     if seconds:
-        record("codec", **row, ms=seconds * 1e3, gb_per_s=gb_per_s)
+        others = benchmark.extra_info["others_cpu"]
+        record("codec", **row, ms=seconds * 1e3, gb_per_s=gb_per_s, others_cpu=others)
 
 
 def topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from gradient_cache.models import TinyGPT
-from perf.harness import MIB, record
+from perf.harness import MIB, cpu_snapshot, others_share, record
 from perf.steps import STEP_VARIANTS, Batch, StepVariant, Trainer, batch_stream, build, gpt
 
 FULL = {"model": "small", "batch_size": 8, "rounds": 9, "warmup_rounds": 2}
@@ -55,9 +55,13 @@ def test_step(
     next_batch = batch_stream(base, batch_size=settings["batch_size"])
     plain_times: list[float] = []
     variant_times: list[float] = []
+    shares: list[float] = []  # of the machine's CPU taken by other processes, per round
+    round_start = cpu_snapshot()
 
     def plain_round() -> tuple[Batch, dict]:
+        nonlocal round_start
         batch = next_batch()
+        round_start = cpu_snapshot()
         start = time.perf_counter()
         plain.step(*batch)
         plain_times.append(time.perf_counter() - start)
@@ -67,6 +71,7 @@ def test_step(
         start = time.perf_counter()
         trainer.step(x, y)
         variant_times.append(time.perf_counter() - start)
+        shares.append(others_share(round_start, cpu_snapshot()))
 
     benchmark.pedantic(
         variant_round,
@@ -86,6 +91,7 @@ def test_step(
         "ratio_max": max(ratios),
         "host_store_mib": summary["stored_gradient_mb"] + summary["residual_mb"] if summary else 0,
         "rss_mib": psutil.Process().memory_info().rss / MIB,
+        "others_cpu": statistics.median(shares[skip:]),
         "parameters": base.num_parameters(),
     }
     benchmark.extra_info.update(row)
