@@ -22,6 +22,9 @@ SELECTIONS = ("threshold", "exact")
 _BITS_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Elements per |x| pass of the threshold selection on a CPU (1 MiB of fp32).
 _CPU_CHUNK = 1 << 18
+# Up to this kept fraction, scanning the mask word by word first pays (`_true_positions`):
+# 1.8x faster than torch.nonzero at 1%, 1.6x slower at 10% (16M elements).
+_WORD_SCAN_MAX_DENSITY = 1 / 25
 
 
 @dataclass
@@ -122,7 +125,9 @@ class TopKSelector:
             # The hits-th largest sampled magnitude: topk(hits) is ~2x faster than kthvalue
             # on 20k samples and ~7x on 200k (ratio 1000).
             threshold = torch.topk(sample, hits).values[-1]
-            indices = self._at_least(flat, threshold)
+            indices = self._at_least(
+                flat, threshold, word_scan=hits <= sample_size * _WORD_SCAN_MAX_DENSITY
+            )
             if indices.numel() > high:
                 # Trim to exactly k; topk keeps any NaN or inf among the candidates.
                 candidates = flat.index_select(0, indices).abs_()
@@ -131,7 +136,9 @@ class TopKSelector:
                 return indices
         return None
 
-    def _at_least(self, flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    def _at_least(
+        self, flat: torch.Tensor, threshold: torch.Tensor, *, word_scan: bool
+    ) -> torch.Tensor:
         """Indices of the entries with ``|x| >= threshold``, and of any NaN."""
         n = flat.numel()
         # On a CPU |x| is taken a chunk at a time: the chunk is still in cache when it is
@@ -151,7 +158,7 @@ class TopKSelector:
             size = part.numel()
             torch.abs(part, out=magnitude[:size])
             torch.ge(bits[:size], limit, out=part_mask)
-        return _true_positions(mask)
+        return _true_positions(mask) if word_scan else torch.nonzero(mask[:n]).squeeze(1)
 
     @staticmethod
     def _sample_size(n: int, k: int) -> int:

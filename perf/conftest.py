@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from perf.bench_core import cpu_model
-from perf.harness import benchmarks_enabled, cpu_snapshot, others_share, render
+from perf.harness import ROWS, benchmarks_enabled, cpu_snapshot, others_share, render
 
 _SESSION_START = cpu_snapshot()
 
@@ -23,6 +23,13 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
     machine_info["torch"] = torch.__version__
     machine_info["torch_threads"] = torch.get_num_threads()
     machine_info["cpu_model"] = cpu_model()
+
+
+def pytest_benchmark_update_json(
+    config: pytest.Config, benchmarks: list, output_json: dict
+) -> None:
+    # The rows behind the printed tables, memory figures included (they are not timings).
+    output_json["gradient_cache_tables"] = dict(ROWS)
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

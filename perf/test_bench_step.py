@@ -4,13 +4,15 @@ Every round runs one plain step (in pytest-benchmark's untimed setup, timed here
 one step of the variant (timed by pytest-benchmark), on the same batch. The ratio reported
 is the median over rounds of variant / plain: drift of this shared machine hits both
 halves of a round alike. The "plain" variant, paired with another plain model, shows the
-noise floor. extra_info adds the host store and the process RSS (psutil).
+noise floor. extra_info adds the host store, the process RSS (psutil) and the share of the
+machine's CPU that other processes took during the rounds (near 0: the timing ran alone).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import psutil
 import pytest
@@ -19,18 +21,27 @@ from gradient_cache.models import TinyGPT
 from perf.harness import MIB, cpu_snapshot, others_share, record
 from perf.steps import STEP_VARIANTS, Batch, StepVariant, Trainer, batch_stream, build, gpt
 
-FULL = {"model": "small", "batch_size": 8, "rounds": 9, "warmup_rounds": 2}
-SMOKE = {"model": "tiny", "batch_size": 2, "rounds": 1, "warmup_rounds": 0}
+
+@dataclass(frozen=True, kw_only=True)
+class StepSettings:
+    model: str
+    batch_size: int
+    rounds: int
+    warmup_rounds: int
+
+
+FULL = StepSettings(model="small", batch_size=8, rounds=9, warmup_rounds=2)
+SMOKE = StepSettings(model="tiny", batch_size=2, rounds=1, warmup_rounds=0)
 
 
 @pytest.fixture(scope="module")
-def settings(full_run: bool) -> dict:
+def settings(full_run: bool) -> StepSettings:
     return FULL if full_run else SMOKE
 
 
 @pytest.fixture(scope="module")
-def base(settings: dict) -> TinyGPT:
-    return gpt(settings["model"])
+def base(settings: StepSettings) -> TinyGPT:
+    return gpt(settings.model)
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +55,15 @@ def test_step(
     benchmark,
     variant: StepVariant,
     base: TinyGPT,
-    settings: dict,
+    settings: StepSettings,
     plain_trainers: dict[StepVariant, Trainer],
 ) -> None:
-    benchmark.group = f"step: TinyGPT {settings['model']}, batch {settings['batch_size']}"
+    benchmark.group = f"step: TinyGPT {settings.model}, batch {settings.batch_size}"
     trainer = build(variant, base)
     if variant.baseline not in plain_trainers:
         plain_trainers[variant.baseline] = build(variant.baseline, base)
     plain = plain_trainers[variant.baseline]
-    next_batch = batch_stream(base, batch_size=settings["batch_size"])
+    next_batch = batch_stream(base, batch_size=settings.batch_size)
     plain_times: list[float] = []
     variant_times: list[float] = []
     shares: list[float] = []  # of the machine's CPU taken by other processes, per round
@@ -76,10 +87,10 @@ def test_step(
     benchmark.pedantic(
         variant_round,
         setup=plain_round,
-        rounds=settings["rounds"],
-        warmup_rounds=settings["warmup_rounds"],
+        rounds=settings.rounds,
+        warmup_rounds=settings.warmup_rounds,
     )
-    skip = settings["warmup_rounds"] if benchmark.enabled else 0
+    skip = settings.warmup_rounds if benchmark.enabled else 0
     ratios = [v / p for v, p in zip(variant_times[skip:], plain_times[skip:], strict=True)]
     summary = trainer.cache.get_compression_summary() if trainer.cache else None
     row = {
