@@ -73,8 +73,8 @@ class TopKSelector:
     """Picks the indices of the largest-magnitude entries of a flat tensor.
 
     Holds reusable scratch buffers (allocating 64 MB afresh costs more than the
-    selection itself on a CPU) and a seeded generator, so one selector must not be
-    used from two threads at once.
+    selection itself on a CPU) until `release_scratch()`, and a seeded generator, so
+    one selector must not be used from two threads at once.
     """
 
     def __init__(self, *, method: str, seed: int = 0) -> None:
@@ -103,6 +103,11 @@ class TopKSelector:
         """The scratch buffers held between calls (memory accounting counts them)."""
         return [*self._abs_buffers.values(), *self._mask_buffers.values()]
 
+    def release_scratch(self) -> None:
+        """Drop the scratch buffers (the engine does after each backward's last bucket)."""
+        self._abs_buffers.clear()
+        self._mask_buffers.clear()
+
     def _threshold(self, flat: torch.Tensor, k: int) -> torch.Tensor | None:
         """Threshold from a random sample, corrected until the count is within tolerance.
 
@@ -117,7 +122,7 @@ class TopKSelector:
         )
         sample = flat.index_select(0, positions).abs_()  # index_select: ~2x faster than []
         if not bool(sample.amax() < math.inf):  # amax propagates NaN
-            return positions[~torch.isfinite(sample)]  # non-finite: the caller sends it whole
+            return positions[~torch.isfinite(sample)].unique()  # non-finite: they must be kept
         expected_hits = k * sample_size / n
         # First aim at k, then at 2k if too few were found; trimming handles too many.
         for widen in (1, 2):
@@ -203,8 +208,9 @@ class TopKEncoder:
 
     Error feedback keeps, per tensor, the residual ``r``: each step encodes ``g + r`` and
     sets ``r`` to what was not sent, so what is delivered plus the new residual always
-    equals the gradients seen plus the old residual. A non-finite gradient is sent
-    whole (so GradScaler sees it and skips the step) and resets that residual to zero.
+    equals the gradients seen plus the old residual. NaN and inf outrank every finite
+    magnitude, so they are always kept and delivered (GradScaler sees them and skips the
+    step); they reset that tensor's residual to zero.
     """
 
     def __init__(self, *, ratio: float, selection: str, seed: int = 0) -> None:
@@ -216,14 +222,14 @@ class TopKEncoder:
         source = flat if residual is None else residual.add_(flat)
         indices = self.selector.select(source, k)
         selected = source.index_select(0, indices)
-        if not bool(selected.abs().amax() < math.inf):  # amax propagates NaN
-            if residual is not None:
-                residual.zero_()
-            return DensePayload(flat)
         values = selected.to(flat.dtype)
         if residual is not None:
             # What rounding to the gradient's dtype lost stays in the residual too.
             residual.index_put_((indices,), selected - values.to(residual.dtype))
+            # Non-finite input is always among the selected entries (see `select`). Such a
+            # step is skipped or ruined, so the residual restarts from zero. The 0-dim mask
+            # stays on the device: no host sync, which would stall backward on a GPU.
+            residual.masked_fill_(~torch.isfinite(selected).all(), 0)
         return SparsePayload(values, indices.to(index_dtype(flat.numel())), flat.numel())
 
 

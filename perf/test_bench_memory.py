@@ -45,8 +45,7 @@ def test_offload_empties_the_device_between_micro_batches(
     figures: dict[str, MemoryFigures], name: str
 ) -> None:
     plain, f = figures["plain"], figures[name]
-    # Ratio 100 keeps the selector's scratch on the device; it is small next to dense.
-    assert plain.between_micro_batches - f.between_micro_batches >= 0.8 * f.dense_gradients
+    assert plain.between_micro_batches - f.between_micro_batches >= 0.99 * f.dense_gradients
     assert plain.accumulation_peak - f.accumulation_peak >= 0.8 * f.dense_gradients
 
 

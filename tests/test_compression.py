@@ -72,20 +72,36 @@ def test_threshold_selection_corrects_a_bad_sample() -> None:
 
 @pytest.mark.parametrize("selection", ["exact", "threshold"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_gradient_is_sent_whole_and_resets_the_residual(selection, bad) -> None:
+def test_non_finite_entry_is_always_delivered_and_resets_the_residual(selection, bad) -> None:
     x = heavy_tailed(1 << 20)
     x[12345] = bad
     residual = torch.full((x.numel(),), 0.5)
     payload = TopKEncoder(ratio=100, selection=selection).encode(x.clone(), residual)
-    assert isinstance(payload, DensePayload)
-    torch.testing.assert_close(payload.tensor, x, equal_nan=True, rtol=0, atol=0)
+    assert isinstance(payload, SparsePayload)
+    restored = decode_into(payload, torch.zeros_like(x))
+    torch.testing.assert_close(restored[12345], x[12345], equal_nan=True, rtol=0, atol=0)
     assert torch.count_nonzero(residual) == 0
 
 
-def test_all_nan_gradient_is_sent_whole() -> None:
+def test_non_finite_residual_entries_never_survive() -> None:
+    """An overflow resets the residual even where the gradient itself was finite."""
+    encoder = TopKEncoder(ratio=100, selection="exact")
+    residual = torch.zeros(1 << 16)
+    encoder.encode(heavy_tailed(1 << 16), residual)
+    assert torch.count_nonzero(residual) > 0
+    overflow = heavy_tailed(1 << 16)
+    overflow[7] = float("inf")
+    encoder.encode(overflow, residual)
+    assert torch.count_nonzero(residual) == 0
+    encoder.encode(heavy_tailed(1 << 16), residual)
+    assert torch.isfinite(residual).all() and torch.count_nonzero(residual) > 0
+
+
+def test_all_nan_gradient_is_delivered_as_nan() -> None:
     x = torch.full((1 << 18,), float("nan"))
     payload = TopKEncoder(ratio=100, selection="threshold").encode(x)
-    assert isinstance(payload, DensePayload) and payload.tensor.isnan().all()
+    assert payload.values.numel() > 0 and payload.values.isnan().all()
+    assert payload.indices.unique().numel() == payload.indices.numel()
 
 
 @pytest.mark.parametrize("selection", ["exact", "threshold"])

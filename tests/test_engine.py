@@ -27,7 +27,8 @@ def test_bucket_assembler_fills_to_capacity_in_arrival_order() -> None:
 
 
 def test_chunk_by_bytes() -> None:
-    assert list(chunk_by_bytes([3, 3, 3, 9, 1], 6, lambda x: x)) == [[3, 3], [3, 9], [1]]
+    chunks = list(chunk_by_bytes([3, 3, 3, 9, 1, 2, 4], 6, lambda x: x))
+    assert chunks == [[3, 3], [3], [9], [1, 2], [4]]
 
 
 def test_buckets_follow_backward_order_and_launch_during_backward(monkeypatch) -> None:

@@ -10,6 +10,8 @@ from conftest import assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
 # Lossless offload hands the optimizer the very same numbers, so weights match bit for bit.
 LOSSLESS = dict(compression_ratio=1)
 SMALL_BUCKETS = dict(bucket_size_mb=0.004)  # ~4 KiB: several buckets per backward
@@ -215,25 +217,35 @@ def test_fused_step_frees_the_restored_gradients() -> None:
         assert (p.grad is not None) == name.startswith("norm"), name
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 @pytest.mark.parametrize("ratio", [1, 20])
-def test_fused_step_clipping_matches_clip_grad_norm(norm_type: float, ratio: int) -> None:
-    reference, fused = make_model(), make_model()
-    options = dict(compression_ratio=ratio, min_compress_numel=1, exclude_layers=["norm"])
+def test_fused_step_clipping_matches_clip_grad_norm(
+    norm_type: float, ratio: int, device: str
+) -> None:
+    """Many small buckets, so each is restored while the one before steps (on CUDA)."""
+    reference, fused = make_model().to(device), make_model().to(device)
+    options = dict(
+        compression_ratio=ratio,
+        min_compress_numel=1,
+        exclude_layers=["norm"],
+        **SMALL_BUCKETS,
+    )
     ref_manager = gradient_cache.create_gradient_cache(reference, **options)
     fused_manager = gradient_cache.create_gradient_cache(fused, **options)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     fused_opt = torch.optim.SGD(fused.parameters(), lr=0.5)
     for tokens, targets in batches(4):
+        tokens, targets = tokens.to(device), targets.to(device)
         loss_of(reference, tokens, targets).backward()
         ref_manager.apply_gradients()
-        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type)
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type).cpu()
         ref_opt.step()
         ref_opt.zero_grad()
         loss_of(fused, tokens, targets).backward()
         total = fused_manager.step(fused_opt, max_grad_norm=0.05, norm_type=norm_type)
         fused_opt.zero_grad()
-        torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+        torch.testing.assert_close(total.cpu(), expected, rtol=1e-5, atol=0)
         assert expected > 0.05  # clipping really happened
     assert_same_parameters(reference, fused, atol=1e-6)
 

@@ -12,6 +12,8 @@ import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,11 +25,28 @@ Work = Callable[[], Delivery]
 Deliver = Callable[[torch.nn.Parameter, Payload], None]
 
 
+@dataclass
+class Restoring:
+    """One bucket on its way back to the device; `Backend.ready` hands out its gradients."""
+
+    items: Delivery
+    scale: torch.Tensor | None
+    grads: list[tuple[torch.nn.Parameter, torch.Tensor]] | None = None  # once started
+    done: Any = None  # the backend's completion marker (a CUDA event), if any
+
+
 def payload_to_host(payload: Payload) -> Payload:
     """Synchronous copy to host memory; a no-op for CPU tensors."""
     if isinstance(payload, DensePayload):
         return DensePayload(payload.tensor.cpu())
     return SparsePayload(payload.values.cpu(), payload.indices.cpu(), payload.numel)
+
+
+def fill_from(payload: Payload, out: torch.Tensor) -> torch.Tensor:
+    """Overwrite the flat tensor ``out`` (on any device) with ``payload``'s gradient."""
+    if isinstance(payload, DensePayload):
+        return out.copy_(payload.tensor, non_blocking=True)
+    return decode_into(payload, out.zero_())
 
 
 class Backend(ABC):
@@ -64,8 +83,25 @@ class Backend(ABC):
         if isinstance(payload, DensePayload):
             # On the CPU backend this is the gradient tensor itself: no copy at all.
             return payload.tensor.to(param.device, non_blocking=True).view_as(param)
-        dense = torch.zeros(param.numel(), dtype=param.dtype, device=param.device)
-        return decode_into(payload, dense).view_as(param)
+        dense = torch.empty(param.numel(), dtype=param.dtype, device=param.device)
+        return fill_from(payload, dense).view_as(param)
+
+    def restore_ahead(self, items: Delivery, *, scale: torch.Tensor | None) -> Restoring:
+        """Start restoring one bucket (times ``scale``, if given) for a later `ready()`.
+
+        Here nothing starts: with no stream to overlap on, restoring early would only
+        hold one more bucket in memory. The CUDA backend restores it on a side stream
+        while the optimizer steps the bucket before.
+        """
+        return Restoring(items, scale)
+
+    def ready(self, restoring: Restoring) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """The bucket's gradients, safe for work queued from now on to read."""
+        grads = []
+        for param, payload in restoring.items:
+            dense = self.restore(payload, param)
+            grads.append((param, dense if restoring.scale is None else dense.mul_(restoring.scale)))
+        return grads
 
     def restored(self) -> None:
         """Called when the store is empty: host memory holding payloads may be reused."""

@@ -43,14 +43,19 @@ class BucketAssembler:
 def chunk_by_bytes(
     items: Iterable[T], capacity_bytes: int, size_of: Callable[[T], int]
 ) -> Iterator[list[T]]:
-    """Split ``items`` in order into runs of about ``capacity_bytes`` (at least one item each)."""
+    """Split ``items`` in order into runs of at most ``capacity_bytes``.
+
+    An item larger than that gets a run of its own, so no run holds more than
+    ``max(capacity_bytes, largest item)``: the fused step's bound on restored gradients.
+    """
     chunk: list[T] = []
     total = 0
     for item in items:
-        chunk.append(item)
-        total += size_of(item)
-        if total >= capacity_bytes:
+        size = size_of(item)
+        if chunk and total + size > capacity_bytes:
             yield chunk
             chunk, total = [], 0
+        chunk.append(item)
+        total += size
     if chunk:
         yield chunk

@@ -7,8 +7,12 @@ Per bucket, while backward keeps the compute stream busy:
     copy stream    ──(event: copy done)────────────────────► host: payload may be read
 
 At most ``staging_depth`` buckets sit between encode and a finished copy, which bounds the
-device memory held by payloads in flight; `wait()` completes the rest. Restores are issued
-on the compute stream, so the optimizer, which runs there too, reads them in order.
+device memory held by payloads in flight; `wait()` completes the rest. `apply()` restores
+on the compute stream, so the optimizer, which runs there too, reads them in order. The
+fused `step()` restores bucket i+1 on a restore stream while the optimizer steps bucket i:
+
+    compute stream ──(wait: work queued so far)──► restore stream: H2D + decode of i+1
+    restore stream ──(event: bucket i+1 written)──► compute stream: optimizer on i+1
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ..compression import DensePayload, Payload, SparsePayload
-from .backend import Backend, Deliver, Delivery, Work
+from .backend import Backend, Deliver, Delivery, Restoring, Work, fill_from
 from .pool import HostPool
 
 
@@ -36,6 +40,8 @@ class CudaBackend(Backend):
         # Persistent streams: creating streams per step would cost more than the work.
         self.encode_stream = torch.cuda.Stream(device=device)
         self.copy_stream = torch.cuda.Stream(device=device)
+        # `step()` restores bucket i+1 here while the optimizer steps bucket i.
+        self.restore_stream = torch.cuda.Stream(device=device)
         self._in_flight: deque[tuple[torch.cuda.Event, Delivery]] = deque()
         # Set to [] to record (encode start, encode end, copy start, copy end) per bucket;
         # perf/gpu_report.py does, to measure how much of this work backward hides.
@@ -108,10 +114,36 @@ class CudaBackend(Backend):
         # the optimizer, on the same stream, sees the gradient after the copy and decode.
         return super().restore(payload, param)
 
+    def restore_ahead(self, items: Delivery, *, scale: torch.Tensor | None) -> Restoring:
+        compute = torch.cuda.current_stream(self.device)
+        # Allocated for the compute stream, which reads and frees them: the allocator then
+        # reuses their memory in compute-stream order, as for any gradient.
+        outs = [torch.empty(p.numel(), dtype=p.dtype, device=self.device) for p, _ in items]
+        # Guarantees the restore stream writes these blocks only after the compute-stream
+        # work queued so far (which may have used them before they were freed) is done.
+        self.restore_stream.wait_stream(compute)
+        with torch.cuda.stream(self.restore_stream):
+            for (_, payload), out in zip(items, outs, strict=True):
+                fill_from(payload, out)
+                if scale is not None:
+                    out.mul_(scale)
+        restored = torch.cuda.Event()
+        restored.record(self.restore_stream)
+        grads = [(p, out.view_as(p)) for (p, _), out in zip(items, outs, strict=True)]
+        return Restoring(items, scale, grads, restored)
+
+    def ready(self, restoring: Restoring) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        # Guarantees the optimizer, queued next on the compute stream, reads the gradients
+        # only after the restore stream has written them.
+        torch.cuda.current_stream(self.device).wait_event(restoring.done)
+        return restoring.grads
+
     def restored(self) -> None:
         """Every payload has been restored: the pool may be reused after those copies."""
+        # Guarantees the event follows the H2D copies of both streams that read the pool.
+        self.restore_stream.wait_stream(torch.cuda.current_stream(self.device))
         released = torch.cuda.Event()
-        released.record(torch.cuda.current_stream(self.device))
+        released.record(self.restore_stream)
         self.pool.reset(after=released)
 
     def close(self) -> None:

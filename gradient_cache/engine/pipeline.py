@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compression import DensePayload, Payload, SparsePayload, TopKEncoder
-from .backend import Delivery, create_backend
+from .backend import Delivery, Restoring, create_backend
 from .buckets import BucketAssembler, Item, chunk_by_bytes
 from .config import EngineConfig
 from .pool import check_host_budget, estimate_host_bytes
@@ -117,6 +117,9 @@ class Pipeline:
         if bucket is not None:
             self._launch(bucket)
         self.backend.wait()
+        if self.encoder is not None:
+            # Reused across one backward's tensors; between steps nothing stays behind.
+            self.encoder.selector.release_scratch()
 
     def apply(self) -> None:
         """Drain, then put every stored gradient back into ``param.grad``."""
@@ -151,21 +154,35 @@ class Pipeline:
         if max_grad_norm is not None:
             total_norm = self._total_norm(list(held.values()), norm_type)
             scale = torch.clamp(max_grad_norm / (total_norm + 1e-6), max=1.0)
+            scale = scale.to(self.backend.device)
         for param in held:
             param.grad = None  # hidden from the bucket steps, stepped once at the end
         stored = [param for param, _ in self.store.items()]
         size_of = lambda p: p.numel() * p.element_size()  # noqa: E731
-        for chunk in chunk_by_bytes(stored, self.config.bucket_size_bytes, size_of):
-            for param in chunk:
-                self._restore(param, scale)
+        chunks = list(chunk_by_bytes(stored, self.config.bucket_size_bytes, size_of))
+        ahead = self._restore_ahead(chunks[0], scale) if chunks else None
+        for i, chunk in enumerate(chunks):
+            current = ahead
+            if i + 1 < len(chunks):
+                ahead = self._restore_ahead(chunks[i + 1], scale)  # overlaps this step
+            for param, grad in self.backend.ready(current):
+                param.grad = grad
             optimizer.step()
             for param in chunk:
                 param.grad = None  # only this bucket's dense gradients were on the device
+        if chunks:
+            self.backend.restored()  # after the last bucket's ready(): every copy is queued
         if held:
             for param, grad in held.items():
                 param.grad = grad if scale is None else grad.mul_(scale.to(grad.device))
             optimizer.step()
         return total_norm
+
+    def _restore_ahead(
+        self, params: list[torch.nn.Parameter], scale: torch.Tensor | None
+    ) -> Restoring:
+        items = [(param, self.store.pop(param)) for param in params]
+        return self.backend.restore_ahead(items, scale=scale)
 
     def _total_norm(self, device_grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         """The global gradient norm, from the host copies plus any device gradients.
@@ -183,13 +200,11 @@ class Pipeline:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
-    def _restore(self, param: torch.nn.Parameter, scale: torch.Tensor | None = None) -> None:
+    def _restore(self, param: torch.nn.Parameter) -> None:
         payload = self.store.pop(param)
         dense = self.backend.restore(payload, param)
         if not len(self.store):
             self.backend.restored()
-        if scale is not None:
-            dense.mul_(scale.to(dense.device))
         if param.grad is None:
             param.grad = dense
         else:
