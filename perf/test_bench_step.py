@@ -30,7 +30,7 @@ class StepSettings:
     warmup_rounds: int
 
 
-FULL = StepSettings(model="small", batch_size=8, rounds=9, warmup_rounds=2)
+FULL = StepSettings(model="small", batch_size=8, rounds=15, warmup_rounds=3)
 SMOKE = StepSettings(model="tiny", batch_size=2, rounds=1, warmup_rounds=0)
 
 
