@@ -147,6 +147,16 @@ class GradientCacheHookManager:
         self._log_step(steps)
         return total_norm
 
+    def discard_gradients(self) -> None:
+        """Drop every cached gradient, as ``optimizer.zero_grad()`` drops device ones.
+
+        ``zero_grad()`` cannot reach the gradients the cache holds; call this too when
+        a step is skipped (a bad batch, a NaN loss), or they are added into the next
+        step. Error-feedback residuals are kept: they still hold what compression held
+        back from earlier gradients, the discarded ones included.
+        """
+        self._live().discard()
+
     def step_completed(self) -> None:
         """Mark the end of a training step.
 

@@ -194,6 +194,25 @@ def test_disable_leaves_gradients_and_apply_adds_to_them() -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("ratio", [1, 100])
+def test_discarded_gradients_never_reach_the_next_step(ratio: int) -> None:
+    """A skipped step: zero_grad() plus discard_gradients() leave nothing behind."""
+    plain, cached = make_model(), make_model()
+    options = dict(compression_ratio=ratio, min_compress_numel=1, selection="exact")
+    manager = gradient_cache.create_gradient_cache(cached, **options)
+    backward_once(cached, seed=1)  # the batch whose step is skipped
+    cached.zero_grad()
+    manager.discard_gradients()
+    assert manager.get_compression_summary()["steps"] == 0
+    backward_once(cached, seed=2)
+    manager.apply_gradients()
+    compare = gradient_cache.create_gradient_cache(plain, **options)
+    backward_once(plain, seed=2)
+    compare.apply_gradients()
+    for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_step_completed_warns_about_gradients_still_cached() -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)

@@ -15,6 +15,7 @@ from gradient_cache.compression import (
     TopKEncoder,
     TopKSelector,
     decode_into,
+    fill_from,
     keep_count,
     merge,
 )
@@ -179,3 +180,14 @@ def test_selector_reuses_its_scratch_buffers() -> None:
     first = {key: buf.data_ptr() for key, buf in selector._abs_buffers.items()}
     selector.select(heavy_tailed(1 << 19), 1 << 12)
     assert first == {key: buf.data_ptr() for key, buf in selector._abs_buffers.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fill_from_overwrites_whatever_the_buffer_held(dtype: torch.dtype) -> None:
+    x = heavy_tailed(1 << 16).to(dtype)
+    sparse = TopKEncoder(ratio=100, selection="exact").encode(x)
+    for payload in (sparse, DensePayload(x)):
+        garbage = torch.full((x.numel(),), 7.0, dtype=dtype)
+        expected = decode_into(payload, torch.zeros(x.numel(), dtype=dtype))
+        assert torch.equal(fill_from(payload, garbage), expected)
+    assert torch.count_nonzero(expected) == x.numel()  # the dense payload is all of x

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,17 @@ def test_example_trains_three_ways_and_lossless_matches_plain() -> None:
 )
 def test_perf_scripts_print_their_tables(script: tuple[str, ...]) -> None:
     assert "|---" in run(*script)
+
+
+def test_step_phases_times_every_phase_and_the_encoding(tmp_path: Path) -> None:
+    out_json = tmp_path / "phases.json"
+    out = run(
+        "-m", "perf.step_phases", "--model", "tiny", "--batch-size", "2", "--rounds", "1",
+        "--warmup", "0", "--json", str(out_json),
+    )  # fmt: skip
+    medians = json.loads(out_json.read_text())
+    assert "| cache r=100, fused step |" in out
+    assert medians["plain"]["encode"] == 0
+    assert medians["cache r=1"]["encode"] > 0 and medians["cache r=100"]["encode"] > 0
+    for phases in medians.values():
+        assert phases["total"] >= phases["backward"] + phases["drain"] >= phases["encode"]

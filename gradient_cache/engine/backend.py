@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..compression import DensePayload, Payload, SparsePayload, decode_into
+from ..compression import DensePayload, Payload, SparsePayload, fill_from
 from .config import EngineConfig
 
 Delivery = list[tuple[torch.nn.Parameter, Payload]]
@@ -40,13 +40,6 @@ def payload_to_host(payload: Payload) -> Payload:
     if isinstance(payload, DensePayload):
         return DensePayload(payload.tensor.cpu())
     return SparsePayload(payload.values.cpu(), payload.indices.cpu(), payload.numel)
-
-
-def fill_from(payload: Payload, out: torch.Tensor) -> torch.Tensor:
-    """Overwrite the flat tensor ``out`` (on any device) with ``payload``'s gradient."""
-    if isinstance(payload, DensePayload):
-        return out.copy_(payload.tensor, non_blocking=True)
-    return decode_into(payload, out.zero_())
 
 
 class Backend(ABC):

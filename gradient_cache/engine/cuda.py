@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..compression import DensePayload, Payload, SparsePayload
-from .backend import Backend, Deliver, Delivery, Restoring, Work, fill_from
+from ..compression import DensePayload, Payload, SparsePayload, fill_from
+from .backend import Backend, Deliver, Delivery, Restoring, Work
 from .pool import HostPool
 
 

@@ -121,6 +121,13 @@ class Pipeline:
             # Reused across one backward's tensors; between steps nothing stays behind.
             self.encoder.selector.release_scratch()
 
+    def discard(self) -> None:
+        """Wait for launched buckets, then drop every stored gradient."""
+        self.drain()
+        if len(self.store):
+            self.store.clear()
+            self.backend.restored()  # nothing will read the host payloads any more
+
     def apply(self) -> None:
         """Drain, then put every stored gradient back into ``param.grad``."""
         self.drain()

@@ -25,6 +25,9 @@ class HostStore:
     def pop(self, param: torch.nn.Parameter) -> Payload:
         return self._payloads.pop(param)
 
+    def clear(self) -> None:
+        self._payloads.clear()
+
     def items(self) -> list[tuple[torch.nn.Parameter, Payload]]:
         return list(self._payloads.items())
 

@@ -1,0 +1,140 @@
+"""Where the cache's step time goes: each phase of a training step, plain against the cache.
+
+    python -m perf.step_phases [--rounds 12] [--warmup 3] [--model small] [--json PATH]
+
+Trains copies of one TinyGPT with Adam, interleaved round robin on the same batches, and
+prints the median milliseconds of each phase per variant: forward, backward, drain
+(`compress_and_free_gradients`), restore (`apply_gradients`) and the optimizer step (for the
+fused `step()`, restore and optimizer together). "encode" is the cache's encoding, timed
+apart: it runs inside backward (full buckets) and the drain (the last, partial bucket).
+A CPU measurement; on a GPU the phases overlap and host timers would not separate them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from perf.steps import STEP_VARIANTS, StepVariant, Trainer, batch_stream, build, gpt
+
+PHASES = ("forward", "backward", "encode", "drain", "restore", "optimizer", "total")
+FUSED_ADAM_PLAIN = StepVariant(name="plain, Adam(fused=True)", fused_adam=True)
+VARIANTS = [v for v in STEP_VARIANTS if not v.naive] + [FUSED_ADAM_PLAIN]
+
+
+def timed_encoding(trainer: Trainer) -> Callable[[], float]:
+    """Wrap the cache's bucket encoding with a timer; returns a read-and-reset function."""
+    spent = [0.0]
+    pipeline = trainer.cache._pipeline
+    encode_bucket = pipeline._encode_bucket
+
+    def timed(bucket: list) -> list:
+        start = time.perf_counter()
+        try:
+            return encode_bucket(bucket)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    pipeline._encode_bucket = timed
+
+    def take() -> float:
+        value, spent[0] = spent[0], 0.0
+        return value
+
+    return take
+
+
+def one_step(
+    trainer: Trainer, variant: StepVariant, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, float]:
+    marks = [time.perf_counter()]
+    _, loss = trainer.model(x, y)
+    marks.append(time.perf_counter())
+    loss.backward()
+    marks.append(time.perf_counter())
+    cache = trainer.cache
+    if cache is not None:
+        cache.compress_and_free_gradients()
+    marks.append(time.perf_counter())
+    if cache is not None and not variant.fused_step:
+        cache.apply_gradients()
+    marks.append(time.perf_counter())
+    if cache is not None and variant.fused_step:
+        cache.step(trainer.optimizer)
+    else:
+        trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    marks.append(time.perf_counter())
+    spans = [b - a for a, b in itertools.pairwise(marks)]
+    names = ("forward", "backward", "drain", "restore", "optimizer")
+    return {**dict(zip(names, spans, strict=True)), "total": marks[-1] - marks[0]}
+
+
+def measure(*, model: str, rounds: int, warmup: int, batch_size: int) -> dict[str, dict]:
+    base = gpt(model)
+    trainers = {v.name: build(v, base) for v in VARIANTS}
+    encoders = {
+        v.name: timed_encoding(trainers[v.name]) for v in VARIANTS if trainers[v.name].cache
+    }
+    next_batch = batch_stream(base, batch_size=batch_size)
+    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for round_index in range(warmup + rounds):
+        x, y = next_batch()
+        for variant in VARIANTS:
+            phases = one_step(trainers[variant.name], variant, x, y)
+            phases["encode"] = encoders[variant.name]() if variant.name in encoders else 0.0
+            if round_index >= warmup:
+                for name, seconds in phases.items():
+                    samples[variant.name][name].append(seconds * 1e3)
+    return {
+        name: {phase: statistics.median(values) for phase, values in by_phase.items()}
+        for name, by_phase in samples.items()
+    }
+
+
+def table(medians: dict[str, dict]) -> str:
+    """Markdown rows; "vs plain" compares totals with plain PyTorch on the same optimizer."""
+    header = "| variant | " + " | ".join(PHASES) + " | vs plain |"
+    lines = [header, "|---|" + "---:|" * (len(PHASES) + 1)]
+    for variant in VARIANTS:
+        phases = medians[variant.name]
+        plain = medians[FUSED_ADAM_PLAIN.name if variant.fused_adam else "plain"]["total"]
+        cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
+        lines.append(f"| {variant.name} | {cells} | {phases['total'] / plain:.3f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="small", choices=["tiny", "small"])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    medians = measure(
+        model=args.model, rounds=args.rounds, warmup=args.warmup, batch_size=args.batch_size
+    )
+    print(
+        f"## Step phases: TinyGPT {args.model!r}, batch {args.batch_size}, Adam, "
+        f"median ms of {args.rounds} interleaved rounds\n"
+    )
+    print(table(medians))
+    print(
+        "\nencode is spent inside backward and drain; total is the whole step. "
+        "Medians of each column are taken separately, so they need not add up."
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps(medians, indent=2))
+
+
+if __name__ == "__main__":
+    main()
