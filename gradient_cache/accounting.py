@@ -163,6 +163,11 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def view_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors`` themselves: host payloads are views of one pinned slab."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class CudaMemoryMeter(DeviceMemoryMeter):
     """Device figures from the CUDA caching allocator; the host store read at each phase end.
 
@@ -178,7 +183,7 @@ class CudaMemoryMeter(DeviceMemoryMeter):
         torch.cuda.synchronize(self.device)
         return MemoryReading(
             device_bytes=torch.cuda.memory_allocated(self.device),
-            host_bytes=storage_bytes(self._host()),
+            host_bytes=view_bytes(self._host()),
         )
 
     def _begin_phase(self) -> None:
@@ -190,7 +195,7 @@ class CudaMemoryMeter(DeviceMemoryMeter):
         return PhasePeak(
             peak=MemoryReading(
                 device_bytes=torch.cuda.max_memory_allocated(self.device),
-                host_bytes=storage_bytes(self._host()),
+                host_bytes=view_bytes(self._host()),
             )
         )
 

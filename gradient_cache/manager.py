@@ -118,7 +118,7 @@ class GradientCacheHookManager:
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
     ) -> torch.Tensor | None:
-        """Restore and step bucket by bucket, so one bucket of dense gradients is on the device.
+        """Restore and step bucket by bucket: at most two buckets of dense gradients on the device.
 
         Equivalent to ``apply_gradients()`` then ``optimizer.step()`` for optimizers whose
         update of a parameter reads only that parameter's gradient and state (SGD, Adam,

@@ -60,7 +60,7 @@ def _pool_figures(pool: HostPool | None) -> dict[str, Any] | None:
         return None
     return {
         "capacity_mb": pool.capacity_bytes / MIB,
-        "used_mb": pool.used_bytes / MIB,
-        "overflow_mb": pool.overflow_bytes / MIB,
+        "used_mb": pool.step_used_bytes / MIB,  # by the last restored step
+        "overflow_mb": pool.step_overflow_bytes / MIB,
         "pinned": pool.pinned,
     }

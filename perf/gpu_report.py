@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gc
 import json
 import statistics
 import traceback
@@ -109,8 +110,18 @@ def peak_memory(config: GPTConfig, size: int, seq: int) -> list[dict[str, Any]]:
             if manager is not None:
                 manager.remove_hooks()
             del model, optimizer, manager
-            torch.cuda.empty_cache()
+            release_device_memory()
     return rows
+
+
+def release_device_memory() -> None:
+    """Free what the last variant held before the next is measured.
+
+    gc first: a closed manager's objects can sit in a reference cycle until the next full
+    collection, and would count against the next variant's peak.
+    """
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def backward_only(
@@ -122,6 +133,7 @@ def backward_only(
     model(*data)[1].backward()
     if manager is not None:
         manager.compress_and_free_gradients()
+        manager.discard_gradients()  # else later repeats time merging into the store
     model.zero_grad(set_to_none=True)
 
 
@@ -177,7 +189,7 @@ def step_time(config: GPTConfig, size: int, seq: int, repeats: int) -> list[dict
         if manager is not None:
             manager.remove_hooks()
         del model, optimizer, manager
-        torch.cuda.empty_cache()
+        release_device_memory()
     plain = rows[0]["step_ms"]
     for row in rows:
         row["vs_plain"] = row["step_ms"] / plain
@@ -237,7 +249,7 @@ def largest_batch(config: GPTConfig, seq: int, cap_fraction: float, limit: int) 
                     if manager is not None:
                         manager.remove_hooks()
                     del model, optimizer, manager
-                    torch.cuda.empty_cache()
+                    release_device_memory()
             found[name] = best
         return {"cap_fraction": cap_fraction, "largest_batch_power_of_two": found}
     finally:
@@ -257,10 +269,11 @@ def to_markdown(figures: Any) -> str:
     if isinstance(figures, dict) and "error" in figures:
         return "```\n" + figures["error"] + "```"
     rows = figures if isinstance(figures, list) else [figures]
-    keys = list(rows[0])
+    keys = list(dict.fromkeys(key for row in rows for key in row))  # rows differ in keys
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
-        cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()]
+        values = [row.get(key, "") for key in keys]
+        cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in values]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

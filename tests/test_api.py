@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -246,3 +248,19 @@ def test_verbose_logs_a_line_per_step(caplog: pytest.LogCaptureFixture) -> None:
         manager.apply_gradients()  # nothing cached: nothing restored, nothing logged
     assert "gradient-cache step 1" in caplog.text
     assert caplog.text.count("gradient-cache step") == 1
+
+
+def test_a_closed_manager_lets_the_model_go_without_a_gc_pass() -> None:
+    """No reference cycle: on a GPU a model kept alive until the next full gc holds memory."""
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=100)
+    backward_once(model)
+    manager.apply_gradients()
+    weight = weakref.ref(next(model.parameters()))
+    gc.disable()
+    try:
+        manager.remove_hooks()
+        del model, manager
+        assert weight() is None
+    finally:
+        gc.enable()

@@ -158,3 +158,22 @@ def test_discarding_releases_the_pool(fake_cuda: FakeCuda) -> None:
     manager.discard_gradients()
     assert pool.used_bytes == 0
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("ratio", [1, 20])
+def test_pool_sized_from_the_model_holds_odd_sized_payloads(
+    fake_cuda: FakeCuda, ratio: int
+) -> None:
+    """Each pool view starts on a 64-byte boundary; the sizing must count that padding."""
+    model = torch.nn.Sequential(torch.nn.Linear(7, 3), torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=ratio, min_compress_numel=1
+    )
+    pool = manager._pipeline.backend.pool
+    for _ in range(2):
+        model(torch.randn(4, 7)).sum().backward()
+        manager.apply_gradients()
+        assert pool.step_overflow_bytes == 0
+        assert 0 < pool.step_used_bytes <= pool.capacity_bytes
+    summary = manager.get_compression_summary()["host_pool"]
+    assert summary["used_mb"] == pool.step_used_bytes / 2**20 and summary["overflow_mb"] == 0

@@ -119,8 +119,10 @@ def test_host_estimate_counts_payloads_and_residuals() -> None:
     with_payloads = pool.estimate_host_bytes(
         [big, small], ratio=100, config=config, count_payloads=True
     )
-    # 1000 kept (+10% band) x (4 B value + 4 B index), the small one dense, a 4 B/elt residual.
-    assert with_payloads == 1100 * 8 + 10 * 4 + 100_000 * 4
+    # 1000 kept (+10% band): 4400 B of values and 4400 B of indices, each padded to the
+    # pool's 64-byte alignment (4416 B); the small one dense (40 B, padded to 64 B); a
+    # 4 B/elt residual.
+    assert with_payloads == 2 * 4416 + 64 + 100_000 * 4
     residual_only = pool.estimate_host_bytes(
         [big, small], ratio=100, config=config, count_payloads=False
     )

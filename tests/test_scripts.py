@@ -50,3 +50,12 @@ def test_step_phases_times_every_phase_and_the_encoding(tmp_path: Path) -> None:
     assert medians["cache r=1"]["encode"] > 0 and medians["cache r=100"]["encode"] > 0
     for phases in medians.values():
         assert phases["total"] >= phases["backward"] + phases["drain"] >= phases["encode"]
+
+
+def test_gpu_report_tables_align_rows_with_different_columns() -> None:
+    from perf.gpu_report import to_markdown
+
+    table = to_markdown([{"variant": "plain", "ms": 1.0}, {"variant": "cache", "ms": 2.0, "x": 3}])
+    header, _, plain, cache = table.splitlines()
+    assert header == "| variant | ms | x |"
+    assert plain == "| plain | 1.000 |  |" and cache == "| cache | 2.000 | 3 |"

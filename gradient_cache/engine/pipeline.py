@@ -51,7 +51,10 @@ class Pipeline:
         self.ratio = ratio
         self.names = {param: name for name, param in named_params}
         params = list(self.names)
-        self.backend = create_backend(params, config, self._deliver, ratio=ratio)
+        self.store = HostStore()
+        # The backend delivers straight into the store: no reference back to the pipeline,
+        # so a closed manager's model is freed at once, not at the next full gc.
+        self.backend = create_backend(params, config, self.store.add, ratio=ratio)
         check_host_budget(
             estimate_host_bytes(
                 params,
@@ -61,7 +64,6 @@ class Pipeline:
             ),
             config,
         )
-        self.store = HostStore()
         self.encoder = None
         if ratio > 1:
             selection = config.selection_for(self.backend.device)
@@ -105,9 +107,6 @@ class Pipeline:
 
     def _compresses(self, param: torch.nn.Parameter) -> bool:
         return self.encoder is not None and param.numel() >= self.config.min_compress_numel
-
-    def _deliver(self, param: torch.nn.Parameter, payload: Payload) -> None:
-        self.store.add(param, payload)
 
     # --- drain and restore (runs between backward and the optimizer) --------------
 

@@ -52,6 +52,11 @@ def available_host_bytes() -> int:
     return available if headroom is None else min(available, headroom)
 
 
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` as `HostPool.take` lays it out: each view starts on a 64-byte boundary."""
+    return -(-nbytes // HostPool.ALIGN) * HostPool.ALIGN
+
+
 def estimate_host_bytes(
     params: Sequence[torch.nn.Parameter],
     *,
@@ -73,9 +78,9 @@ def estimate_host_bytes(
             if compressed:
                 kept = math.ceil(keep_count(numel, ratio) * (1 + THRESHOLD_TOLERANCE))
                 index_size = torch.empty((), dtype=index_dtype(numel)).element_size()
-                total += kept * (param.element_size() + index_size)
+                total += _aligned(kept * param.element_size()) + _aligned(kept * index_size)
             else:
-                total += numel * param.element_size()
+                total += _aligned(numel * param.element_size())
         if compressed and config.error_feedback and config.residual_location == "host":
             total += numel * 4  # fp32 residual
     return total
@@ -106,12 +111,13 @@ class HostPool:
     fit get an ordinary allocation of the same kind.
     """
 
-    _ALIGN = 64  # bytes; keeps every view aligned for any dtype and for fast copies
+    ALIGN = 64  # bytes; keeps every view aligned for any dtype and for fast copies
 
     def __init__(self, capacity_bytes: int, *, pin: bool) -> None:
         self.pinned = pin
-        self.overflow_bytes = 0
-        self._slab = self._allocate(max(self._ALIGN, capacity_bytes))
+        self.overflow_bytes = 0  # since the last reset
+        self.step_used_bytes = self.step_overflow_bytes = 0  # of the last completed step
+        self._slab = self._allocate(max(self.ALIGN, capacity_bytes))
         self._offset = 0
         self._released: torch.cuda.Event | None = None
 
@@ -144,7 +150,7 @@ class HostPool:
             self._released.synchronize()  # the last restore's copies have read the slab
             self._released = None
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        start = -(-self._offset // self._ALIGN) * self._ALIGN
+        start = -(-self._offset // self.ALIGN) * self.ALIGN
         if start + nbytes > self._slab.numel():
             self.overflow_bytes += nbytes
             return self._allocate(nbytes).view(dtype)[:numel]
@@ -152,6 +158,12 @@ class HostPool:
         return self._slab[start : start + nbytes].view(dtype)
 
     def reset(self, *, after: torch.cuda.Event | None = None) -> None:
-        """Hand the whole slab out again, once ``after`` (if given) has completed."""
+        """Hand the whole slab out again, once ``after`` (if given) has completed.
+
+        What the step that ends here used is kept in ``step_used_bytes`` and
+        ``step_overflow_bytes`` for the summary.
+        """
+        self.step_used_bytes, self.step_overflow_bytes = self._offset, self.overflow_bytes
         self._offset = 0
+        self.overflow_bytes = 0
         self._released = after
