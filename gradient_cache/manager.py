@@ -185,8 +185,9 @@ class GradientCacheHookManager:
         ``dense_gradient_mb``, ``stored_gradient_mb``, ``kept_fraction`` (entries kept
         of the compressed tensors), ``residual_mb`` (error-feedback residuals),
         ``process_rss_mb`` (psutil), ``host_available_mb`` (psutil, capped by the cgroup),
-        ``host_pool`` (CUDA backend: the pinned pool's ``capacity_mb``, ``used_mb``,
-        ``overflow_mb`` and ``pinned``; None elsewhere), ``steps`` (restores so far),
+        ``host_pool`` (CUDA backend: the pinned pool's ``capacity_mb``, the last step's
+        ``used_mb`` and ``overflow_mb``, and ``pinned``; None elsewhere), ``steps``
+        (restores so far),
         ``num_offloaded_parameters``, ``num_excluded_parameters`` and ``layers``:
         per parameter name, ``numel``, ``dense_bytes``, ``stored_bytes``,
         ``kept_fraction`` and ``compressed``.
