@@ -73,6 +73,17 @@ def one_step(
     optimizer.zero_grad(set_to_none=True)
 
 
+def build(
+    config: GPTConfig, ratio: float | None
+) -> tuple[TinyGPT, gradient_cache.GradientCacheHookManager | None, torch.optim.Optimizer]:
+    """A fresh model, its cache (None for plain PyTorch) and AdamW."""
+    model = make_model(config)
+    manager = (
+        gradient_cache.create_gradient_cache(model, compression_ratio=ratio) if ratio else None
+    )
+    return model, manager, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
 def variants() -> list[tuple[str, float | None, bool]]:
     return [
         ("plain", None, False),
@@ -87,13 +98,7 @@ def peak_memory(config: GPTConfig, size: int, seq: int) -> list[dict[str, Any]]:
     rows = []
     for micro_batches in (1, 4):
         for name, ratio, fused in variants():
-            model = make_model(config)
-            manager = (
-                gradient_cache.create_gradient_cache(model, compression_ratio=ratio)
-                if ratio
-                else None
-            )
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            model, manager, optimizer = build(config, ratio)
             data = batch(config, size, seq)
             one_step(model, optimizer, manager, data, micro_batches=micro_batches, fused=fused)
             torch.cuda.synchronize()
@@ -117,8 +122,8 @@ def peak_memory(config: GPTConfig, size: int, seq: int) -> list[dict[str, Any]]:
 def release_device_memory() -> None:
     """Free what the last variant held before the next is measured.
 
-    gc first: a closed manager's objects can sit in a reference cycle until the next full
-    collection, and would count against the next variant's peak.
+    gc first: anything of the last variant left in a reference cycle would otherwise count
+    against the next variant's peak until the next full collection.
     """
     gc.collect()
     torch.cuda.empty_cache()
@@ -153,11 +158,7 @@ def step_time(config: GPTConfig, size: int, seq: int, repeats: int) -> list[dict
     rows = []
     plain_backward = None
     for name, ratio, fused in variants():
-        model = make_model(config)
-        manager = (
-            gradient_cache.create_gradient_cache(model, compression_ratio=ratio) if ratio else None
-        )
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, manager, optimizer = build(config, ratio)
         data = batch(config, size, seq)
 
         step = functools.partial(
@@ -223,13 +224,7 @@ def largest_batch(config: GPTConfig, seq: int, cap_fraction: float, limit: int) 
             best = 0
             size = 1
             while size <= limit:
-                model = make_model(config)
-                manager = (
-                    gradient_cache.create_gradient_cache(model, compression_ratio=ratio)
-                    if ratio
-                    else None
-                )
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                model, manager, optimizer = build(config, ratio)
                 try:
                     for _ in range(2):
                         one_step(
