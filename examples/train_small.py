@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gradient_cache import GradientCacheHookManager, create_gradient_cache
-from gradient_cache.models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
+from gradient_cache.demo.models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
 
 VAL_BATCHES = 8
 # r=1 moves the very same gradient tensors, so the weights should match bit for bit.

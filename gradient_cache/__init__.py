@@ -2,7 +2,7 @@
 
 from .compression import GradientCompressor
 from .engine.config import EngineConfig
-from .engine.pool import HostMemoryError
+from .engine.hostmem import HostMemoryError
 from .integrations.decorator import optimize
 from .manager import GradientCacheHookManager, create_gradient_cache
 

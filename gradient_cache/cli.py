@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from .demo import DemoSettings, run_demo
-from .demo_report import check_matplotlib, format_table, report_dict, write_json, write_plot
-from .engine.pool import HostMemoryError
-from .models import GPT_SIZES
+from .demo.models import GPT_SIZES
+from .demo.report import check_matplotlib, format_table, report_dict, write_json, write_plot
+from .demo.run import DemoSettings, run_demo
+from .engine.hostmem import HostMemoryError
 
 DEVICES = ("auto", "cpu", "cuda")
 # Chosen so that the defaults finish in under 2 minutes on a 2-core CPU.

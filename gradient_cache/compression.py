@@ -7,6 +7,7 @@ Everything here is plain tensor code that runs on whatever device its input live
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -217,52 +218,58 @@ class TopKEncoder:
         self.ratio = ratio
         self.selector = TopKSelector(method=selection, seed=seed)
 
-    def encode(self, flat: torch.Tensor, residual: torch.Tensor | None = None) -> Payload:
+    def encode(
+        self, flat: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[SparsePayload, torch.Tensor | None]:
+        """The payload of ``flat`` (plus ``residual``) and the new residual.
+
+        ``residual`` is read, never written: the new one is a fresh tensor, so a failure
+        halfway (an out-of-memory error, say) leaves the old residual as it was.
+        """
         k = keep_count(flat.numel(), self.ratio)
-        source = flat if residual is None else residual.add_(flat)
+        source = flat if residual is None else residual + flat  # fp32 with a residual
         indices = self.selector.select(source, k)
         selected = source.index_select(0, indices)
         values = selected.to(flat.dtype)
         if residual is not None:
             # What rounding to the gradient's dtype lost stays in the residual too.
-            residual.index_put_((indices,), selected - values.to(residual.dtype))
+            source.index_put_((indices,), selected - values.to(source.dtype))
             # Non-finite input is always among the selected entries (see `select`). Such a
             # step is skipped or ruined, so the residual restarts from zero. The 0-dim mask
             # stays on the device: no host sync, which would stall backward on a GPU.
-            residual.masked_fill_(~torch.isfinite(selected).all(), 0)
-        return SparsePayload(values, indices.to(index_dtype(flat.numel())), flat.numel())
+            source.masked_fill_(~torch.isfinite(selected).all(), 0)
+        payload = SparsePayload(values, indices.to(index_dtype(flat.numel())), flat.numel())
+        return payload, (None if residual is None else source)
 
 
-def decode_into(payload: Payload, out: torch.Tensor) -> torch.Tensor:
-    """Add ``payload`` into the flat tensor ``out`` (on any device) and return it."""
+def add_into(flat: torch.Tensor, payload: Payload) -> torch.Tensor:
+    """``flat + payload`` (``payload`` on ``flat``'s device): in place if dense, else new.
+
+    Gradient accumulation adds the cached payload into the next micro-batch's gradient.
+    ``new + old`` gives the bits of plain PyTorch's ``old + new``: float addition commutes.
+    """
     if isinstance(payload, DensePayload):
-        return out.add_(payload.tensor.to(out.device, non_blocking=True))
-    values = payload.values.to(out.device, non_blocking=True)
-    indices = payload.indices.to(out.device, non_blocking=True)
-    return out.index_add_(0, indices, values.to(out.dtype))
+        return flat.add_(payload.tensor)
+    return flat.index_add(0, payload.indices.long(), payload.values.to(flat.dtype))
 
 
 def fill_from(payload: Payload, out: torch.Tensor) -> torch.Tensor:
-    """Overwrite the flat tensor ``out`` (on any device) with ``payload``'s gradient."""
+    """Overwrite the flat tensor ``out`` with ``payload``'s gradient.
+
+    A dense payload may be in (pinned) host memory: the copy moves it. A sparse one must
+    be on ``out``'s device already.
+    """
     if isinstance(payload, DensePayload):
         return out.copy_(payload.tensor, non_blocking=True)
-    values = payload.values.to(out.device, non_blocking=True)
-    indices = payload.indices.to(out.device, non_blocking=True)
     # Indices are unique, so a copy does: 3x faster than index_add_ on a CPU.
-    return out.zero_().index_copy_(0, indices.long(), values.to(out.dtype))
+    return out.zero_().index_copy_(0, payload.indices.long(), payload.values.to(out.dtype))
 
 
-def merge(first: Payload, second: Payload) -> Payload:
-    """The payload of ``first + second`` (gradient accumulation), on the host."""
-    if isinstance(first, DensePayload):
-        return DensePayload(decode_into(second, first.tensor.clone()))
-    if isinstance(second, DensePayload):
-        return DensePayload(decode_into(first, second.tensor.clone()))
-    indices = torch.cat([first.indices, second.indices])
-    values = torch.cat([first.values, second.values])
-    unique, inverse = torch.unique(indices, return_inverse=True)
-    summed = torch.zeros(unique.numel(), dtype=values.dtype).index_add_(0, inverse, values)
-    return SparsePayload(summed, unique, first.numel)
+def moved(payload: Payload, move: Callable[[torch.Tensor], torch.Tensor]) -> Payload:
+    """``payload`` with ``move`` applied to each of its tensors."""
+    if isinstance(payload, DensePayload):
+        return DensePayload(move(payload.tensor))
+    return SparsePayload(move(payload.values), move(payload.indices), payload.numel)
 
 
 class GradientCompressor:

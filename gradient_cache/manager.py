@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .engine import fused_step
 from .engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
 from .engine.pipeline import Pipeline
 from .stats import compression_summary
@@ -126,12 +127,20 @@ class GradientCacheHookManager:
         bucket's gradients set, then once for gradients that were never offloaded
         (excluded layers). Step hooks therefore fire once per call. The restored
         gradients are freed afterwards (``param.grad`` is None, as after
-        ``zero_grad()``); gradients of excluded layers are left as they were.
+        ``zero_grad()``); gradients of excluded layers are left as they were. Cached
+        gradients of parameters ``optimizer`` does not own stay cached, for another
+        optimizer's ``step()`` or for ``apply_gradients()``.
 
-        ``max_grad_norm`` clips the global gradient norm (``norm_type``, as
-        ``torch.nn.utils.clip_grad_norm_``), computed from the host copies and any
-        device gradients before anything is restored; the norm is returned.
+        ``max_grad_norm`` clips the global norm of the optimizer's gradients
+        (``norm_type``, as ``torch.nn.utils.clip_grad_norm_``), computed from the host
+        copies and any device gradients before anything is restored; the norm is returned.
         For a GradScaler, use ``apply_gradients()`` and ``scaler.step(optimizer)``.
+
+        If ``optimizer.step()`` raises (an out-of-memory error you catch, say), the
+        buckets not yet stepped stay cached and the device gradients stay in place:
+        calling ``step(optimizer)`` again completes the step as if nothing had failed,
+        with the first attempt's clip factor. This holds when the failing call raised
+        before it changed anything, as PyTorch's optimizers do on an allocation failure.
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}.")
@@ -141,8 +150,8 @@ class GradientCacheHookManager:
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         pipeline = self._live()
         steps = pipeline.steps
-        total_norm = pipeline.step(
-            optimizer, max_grad_norm=max_grad_norm, norm_type=float(norm_type)
+        total_norm = fused_step.step(
+            pipeline, optimizer, max_grad_norm=max_grad_norm, norm_type=float(norm_type)
         )
         self._log_step(steps)
         return total_norm
@@ -166,9 +175,9 @@ class GradientCacheHookManager:
         """
         pipeline = self._live()
         pipeline.drain()
-        if len(pipeline.store):
+        if pipeline.cached:
             warnings.warn(
-                f"step_completed() called with {len(pipeline.store)} gradients still cached; "
+                f"step_completed() called with {len(pipeline.cached)} gradients still cached; "
                 "they are kept and will be added by the next apply_gradients() or step().",
                 UserWarning,
                 stacklevel=2,
@@ -185,8 +194,8 @@ class GradientCacheHookManager:
         ``dense_gradient_mb``, ``stored_gradient_mb``, ``kept_fraction`` (entries kept
         of the compressed tensors), ``residual_mb`` (error-feedback residuals),
         ``process_rss_mb`` (psutil), ``host_available_mb`` (psutil, capped by the cgroup),
-        ``host_pool`` (CUDA backend: the pinned pool's ``capacity_mb``, the last step's
-        ``used_mb`` and ``overflow_mb``, and ``pinned``; None elsewhere), ``steps``
+        ``host_pool`` (CUDA backend: the pool's ``capacity_mb``, one slot per parameter
+        allocated once, and whether it is ``pinned``; None elsewhere), ``steps``
         (restores so far),
         ``num_offloaded_parameters``, ``num_excluded_parameters`` and ``layers``:
         per parameter name, ``numel``, ``dense_bytes``, ``stored_bytes``,
@@ -214,7 +223,7 @@ class GradientCacheHookManager:
         pipeline, self._pipeline = self._pipeline, None
         try:
             pipeline.drain()
-            pipeline.restore_all()
+            pipeline.restore_into_grads(list(pipeline.cached))
         finally:
             pipeline.close()
 

@@ -6,8 +6,9 @@ from typing import Any
 
 import psutil
 
+from .engine.hostmem import available_host_bytes
 from .engine.pipeline import Pipeline
-from .engine.pool import HostPool, available_host_bytes
+from .engine.pool import HostPool
 
 MIB = 2**20
 
@@ -59,8 +60,6 @@ def _pool_figures(pool: HostPool | None) -> dict[str, Any] | None:
     if pool is None:
         return None
     return {
-        "capacity_mb": pool.capacity_bytes / MIB,
-        "used_mb": pool.step_used_bytes / MIB,  # by the last restored step
-        "overflow_mb": pool.step_overflow_bytes / MIB,
+        "capacity_mb": pool.capacity_bytes / MIB,  # a fixed slot per parameter; never grows
         "pinned": pool.pinned,
     }

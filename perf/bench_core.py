@@ -28,7 +28,7 @@ import torch
 import gradient_cache
 from gradient_cache import create_gradient_cache
 from gradient_cache.compression import TopKSelector, keep_count
-from gradient_cache.models import GPT_SIZES, GPTConfig, TinyGPT, make_batches
+from gradient_cache.demo.models import GPT_SIZES, GPTConfig, TinyGPT, make_batches
 
 SEED = 0
 
@@ -81,7 +81,6 @@ VARIANTS = (
     VariantSpec(name="cache r=1", ratio=1),
     VariantSpec(name="cache r=100", ratio=100),
     VariantSpec(name="cache r=100 fused", ratio=100, fused=True),
-    VariantSpec(name="cache r=100 worker thread", ratio=100, options={"cpu_worker_thread": True}),
     VariantSpec(name="cache r=100 error feedback", ratio=100, options={"error_feedback": True}),
     VariantSpec(name="cache r=100 exact", ratio=100, options={"selection": "exact"}),
 )

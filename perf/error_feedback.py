@@ -16,7 +16,7 @@ import statistics
 import torch
 
 from gradient_cache import create_gradient_cache
-from gradient_cache.models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
+from gradient_cache.demo.models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
 
 BATCH_SIZE = 8
 VAL_BATCHES = 16

@@ -8,7 +8,7 @@ For each variant, one step after a warm-up step: the device peak during the firs
 micro-batch's backward (with the cache's drain), the device bytes left resident between
 micro-batches, the peak over the later micro-batches, and the peak of the optimizer step
 (apply_gradients + step, or the fused step). On the CPU the figures come from
-gradient_cache.accounting.TensorMemoryTracker (method and limits: perf/README.md); on CUDA
+gradient_cache.demo.accounting.TensorMemoryTracker (method and limits: perf/README.md); on CUDA
 from torch.cuda.max_memory_allocated. Prints markdown tables.
 """
 
@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from gradient_cache import create_gradient_cache
-from gradient_cache.accounting import GRADIENTS, MIB, MemoryReading, device_memory_meter
+from gradient_cache.demo.accounting import GRADIENTS, MIB, MemoryReading, device_memory_meter
 from perf.steps import batch_stream, gpt
 
 

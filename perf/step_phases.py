@@ -31,19 +31,19 @@ VARIANTS = [v for v in STEP_VARIANTS if not v.naive] + [FUSED_ADAM_PLAIN]
 
 
 def timed_encoding(trainer: Trainer) -> Callable[[], float]:
-    """Wrap the cache's bucket encoding with a timer; returns a read-and-reset function."""
+    """Wrap the cache's bucket launch with a timer; returns a read-and-reset function."""
     spent = [0.0]
     pipeline = trainer.cache._pipeline
-    encode_bucket = pipeline._encode_bucket
+    launch = pipeline._launch
 
-    def timed(bucket: list) -> list:
+    def timed(items: list) -> None:
         start = time.perf_counter()
         try:
-            return encode_bucket(bucket)
+            launch(items)
         finally:
             spent[0] += time.perf_counter() - start
 
-    pipeline._encode_bucket = timed
+    pipeline._launch = timed
 
     def take() -> float:
         value, spent[0] = spent[0], 0.0

@@ -16,7 +16,7 @@ import torch
 
 from gradient_cache import GradientCacheHookManager, create_gradient_cache
 from gradient_cache.compression import keep_count
-from gradient_cache.models import GPT_SIZES, TinyGPT, make_batches
+from gradient_cache.demo.models import GPT_SIZES, TinyGPT, make_batches
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Step = Callable[[torch.Tensor, torch.Tensor], None]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from gradient_cache.models import TinyGPT
+from gradient_cache.demo.models import TinyGPT
 from perf.harness import MIB, cpu_snapshot, others_share, record
 from perf.steps import STEP_VARIANTS, Batch, StepVariant, Trainer, batch_stream, build, gpt
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gradient_cache
-from gradient_cache.accounting import (
+from gradient_cache.demo.accounting import (
     ENGINE_SCRATCH,
     GRADIENTS,
     OPTIMIZER_STATE,

@@ -1,4 +1,4 @@
-"""The codecs on their own: what top-k keeps, error feedback, non-finite values, merging."""
+"""The codecs on their own: what top-k keeps, error feedback, non-finite values, accumulation."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from gradient_cache.compression import (
     SparsePayload,
     TopKEncoder,
     TopKSelector,
-    decode_into,
+    add_into,
     fill_from,
     keep_count,
-    merge,
 )
 
 
@@ -27,7 +26,7 @@ def heavy_tailed(numel: int, seed: int = 0) -> torch.Tensor:
 
 
 def decode(payload, numel: int) -> torch.Tensor:
-    return decode_into(payload, torch.zeros(numel))
+    return fill_from(payload, torch.zeros(numel))
 
 
 def assert_is_top_magnitude(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor) -> None:
@@ -43,7 +42,7 @@ def assert_is_top_magnitude(values: torch.Tensor, indices: torch.Tensor, x: torc
 )
 def test_exact_selection_keeps_exactly_the_largest(numel: int, ratio: int) -> None:
     x = heavy_tailed(numel)
-    payload = TopKEncoder(ratio=ratio, selection="exact").encode(x)
+    payload = TopKEncoder(ratio=ratio, selection="exact").encode(x)[0]
     assert isinstance(payload, SparsePayload)
     assert payload.values.numel() == math.ceil(numel / ratio)
     assert_is_top_magnitude(payload.values, payload.indices, x)
@@ -55,7 +54,7 @@ def test_exact_selection_keeps_exactly_the_largest(numel: int, ratio: int) -> No
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_threshold_selection_keeps_the_largest_within_tolerance(numel, ratio, seed) -> None:
     x = heavy_tailed(numel, seed)
-    payload = TopKEncoder(ratio=ratio, selection="threshold", seed=seed).encode(x)
+    payload = TopKEncoder(ratio=ratio, selection="threshold", seed=seed).encode(x)[0]
     k = keep_count(numel, ratio)
     kept = payload.values.numel()
     assert (1 - THRESHOLD_TOLERANCE) * k <= kept <= (1 + THRESHOLD_TOLERANCE) * k
@@ -66,7 +65,7 @@ def test_threshold_selection_corrects_a_bad_sample() -> None:
     """Many equal magnitudes make the sampled threshold keep far too many: it trims to k."""
     x = torch.ones(1 << 20)
     x[:5000] = torch.arange(5000, dtype=torch.float32) + 2
-    payload = TopKEncoder(ratio=100, selection="threshold").encode(x)
+    payload = TopKEncoder(ratio=100, selection="threshold").encode(x)[0]
     assert payload.values.numel() == keep_count(x.numel(), 100)
     assert_is_top_magnitude(payload.values, payload.indices, x)
 
@@ -77,30 +76,31 @@ def test_non_finite_entry_is_always_delivered_and_resets_the_residual(selection,
     x = heavy_tailed(1 << 20)
     x[12345] = bad
     residual = torch.full((x.numel(),), 0.5)
-    payload = TopKEncoder(ratio=100, selection=selection).encode(x.clone(), residual)
+    payload, new_residual = TopKEncoder(ratio=100, selection=selection).encode(x, residual)
     assert isinstance(payload, SparsePayload)
-    restored = decode_into(payload, torch.zeros_like(x))
+    restored = fill_from(payload, torch.zeros_like(x))
     torch.testing.assert_close(restored[12345], x[12345], equal_nan=True, rtol=0, atol=0)
-    assert torch.count_nonzero(residual) == 0
+    assert torch.count_nonzero(new_residual) == 0
+    assert torch.equal(residual, torch.full((x.numel(),), 0.5))  # the old one is only read
 
 
 def test_non_finite_residual_entries_never_survive() -> None:
     """An overflow resets the residual even where the gradient itself was finite."""
     encoder = TopKEncoder(ratio=100, selection="exact")
     residual = torch.zeros(1 << 16)
-    encoder.encode(heavy_tailed(1 << 16), residual)
+    _, residual = encoder.encode(heavy_tailed(1 << 16), residual)
     assert torch.count_nonzero(residual) > 0
     overflow = heavy_tailed(1 << 16)
     overflow[7] = float("inf")
-    encoder.encode(overflow, residual)
+    _, residual = encoder.encode(overflow, residual)
     assert torch.count_nonzero(residual) == 0
-    encoder.encode(heavy_tailed(1 << 16), residual)
+    _, residual = encoder.encode(heavy_tailed(1 << 16), residual)
     assert torch.isfinite(residual).all() and torch.count_nonzero(residual) > 0
 
 
 def test_all_nan_gradient_is_delivered_as_nan() -> None:
     x = torch.full((1 << 18,), float("nan"))
-    payload = TopKEncoder(ratio=100, selection="threshold").encode(x)
+    payload = TopKEncoder(ratio=100, selection="threshold").encode(x)[0]
     assert payload.values.numel() > 0 and payload.values.isnan().all()
     assert payload.indices.unique().numel() == payload.indices.numel()
 
@@ -116,7 +116,7 @@ def test_error_feedback_conserves_every_gradient(selection: str) -> None:
     for step in range(5):
         grad = heavy_tailed(numel, seed=step)
         seen += grad.double()
-        payload = encoder.encode(grad, residual)
+        payload, residual = encoder.encode(grad, residual)
         delivered += decode(payload, numel).double()
     torch.testing.assert_close(delivered + residual.double(), seen, rtol=0, atol=1e-5)
     assert torch.count_nonzero(residual) > 0  # something was really held back
@@ -127,30 +127,28 @@ def test_error_feedback_keeps_bf16_rounding_in_the_residual() -> None:
     grad = heavy_tailed(100_000).to(torch.bfloat16)
     residual = torch.full((grad.numel(),), 1e-3)
     expected = grad.float() + residual
-    payload = encoder.encode(grad, residual)
+    payload, residual = encoder.encode(grad, residual)
     assert payload.values.dtype == torch.bfloat16
-    delivered = decode_into(payload, torch.zeros(grad.numel()))
+    delivered = fill_from(payload, torch.zeros(grad.numel()))
     torch.testing.assert_close(delivered + residual, expected, rtol=0, atol=1e-7)
 
 
 def test_indices_are_int32_payload_bytes_are_counted() -> None:
-    payload = TopKEncoder(ratio=100, selection="exact").encode(heavy_tailed(100_000))
+    payload = TopKEncoder(ratio=100, selection="exact").encode(heavy_tailed(100_000))[0]
     assert payload.indices.dtype == torch.int32
     assert payload.nbytes == 1000 * (4 + 4)
 
 
-def test_merge_sums_sparse_and_dense_payloads() -> None:
+def test_add_into_adds_a_cached_payload_to_the_next_gradient() -> None:
+    """Gradient accumulation: dense in place (plain PyTorch's bits), sparse out of place."""
     numel = 10_000
     a, b = heavy_tailed(numel, 0), heavy_tailed(numel, 1)
-    encoder = TopKEncoder(ratio=10, selection="exact")
-    pa, pb = encoder.encode(a), encoder.encode(b)
-    merged = merge(pa, pb)
-    assert isinstance(merged, SparsePayload)
-    assert merged.indices.unique().numel() == merged.indices.numel()
-    torch.testing.assert_close(decode(merged, numel), decode(pa, numel) + decode(pb, numel))
-    mixed = merge(DensePayload(a.clone()), pb)
-    torch.testing.assert_close(decode(mixed, numel), a + decode(pb, numel))
-    assert torch.equal(merge(DensePayload(a), DensePayload(b)).tensor, a + b)
+    sparse = TopKEncoder(ratio=10, selection="exact").encode(a)[0]
+    summed = add_into(b.clone(), sparse)
+    torch.testing.assert_close(summed, b + decode(sparse, numel), rtol=0, atol=0)
+    target = b.clone()
+    assert add_into(target, DensePayload(a)) is target
+    assert torch.equal(target, a + b)  # plain PyTorch accumulates old + new
 
 
 def test_gradient_compressor_round_trip() -> None:
@@ -185,9 +183,9 @@ def test_selector_reuses_its_scratch_buffers() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fill_from_overwrites_whatever_the_buffer_held(dtype: torch.dtype) -> None:
     x = heavy_tailed(1 << 16).to(dtype)
-    sparse = TopKEncoder(ratio=100, selection="exact").encode(x)
+    sparse = TopKEncoder(ratio=100, selection="exact").encode(x)[0]
     for payload in (sparse, DensePayload(x)):
         garbage = torch.full((x.numel(),), 7.0, dtype=dtype)
-        expected = decode_into(payload, torch.zeros(x.numel(), dtype=dtype))
+        expected = add_into(torch.zeros(x.numel(), dtype=dtype), payload)
         assert torch.equal(fill_from(payload, garbage), expected)
     assert torch.count_nonzero(expected) == x.numel()  # the dense payload is all of x

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gradient_cache import cli
-from gradient_cache.demo import ProgressBar
+from gradient_cache.demo.run import ProgressBar
 
 SCRIPT = Path(sys.executable).parent / "gradient-cache"
 STEPS = 10

@@ -6,14 +6,15 @@ import threading
 
 import pytest
 import torch
-from conftest import batches, loss_of, make_model
+from conftest import assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
 from gradient_cache import EngineConfig, HostMemoryError
-from gradient_cache.compression import DensePayload
-from gradient_cache.engine import pool
-from gradient_cache.engine.backend import ThreadedCPUBackend, parameter_device
-from gradient_cache.engine.buckets import BucketAssembler, chunk_by_bytes
+from gradient_cache.engine import hostmem, pool
+from gradient_cache.engine.backend import CpuBackend
+from gradient_cache.engine.bucket import BucketAssembler
+from gradient_cache.engine.cuda import CudaBackend
+from gradient_cache.engine.pipeline import build_cuda_backend, parameter_device
 
 
 def test_bucket_assembler_fills_to_capacity_in_arrival_order() -> None:
@@ -26,70 +27,107 @@ def test_bucket_assembler_fills_to_capacity_in_arrival_order() -> None:
     assert assembler.flush() is None
 
 
-def test_chunk_by_bytes() -> None:
-    chunks = list(chunk_by_bytes([3, 3, 3, 9, 1, 2, 4], 6, lambda x: x))
-    assert chunks == [[3, 3], [3], [9], [1, 2], [4]]
+def test_a_second_gradient_for_a_waiting_parameter_is_added_to_it() -> None:
+    param = torch.nn.Parameter(torch.zeros(3))
+    assembler = BucketAssembler(capacity_bytes=100)
+    first, second = torch.tensor([0.1, 0.2, 0.3]), torch.tensor([1e-8, 5.0, -0.3])
+    expected = first + second  # plain PyTorch's accumulation
+    assert assembler.add(param, first) is None and assembler.add(param, second) is None
+    [(held, grad)] = assembler.flush()
+    assert held is param and torch.equal(grad, expected)
 
 
 def test_buckets_follow_backward_order_and_launch_during_backward(monkeypatch) -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(model, compression_ratio=1, bucket_size_mb=1e-6)
     pipeline = manager._pipeline
-    launched: list[list[str]] = []
+    launched: list[str] = []
     grads_left: list[int] = []
-    original = pipeline._encode_bucket
+    original = pipeline._encode
 
-    def spy(bucket):
-        launched.append([pipeline.names[p] for p, _ in bucket])
+    def spy(param, grad):
+        launched.append(pipeline.names[param])
         grads_left.append(sum(p.grad is not None for p in model.parameters()))
-        return original(bucket)
+        return original(param, grad)
 
-    monkeypatch.setattr(pipeline, "_encode_bucket", spy)
+    monkeypatch.setattr(pipeline, "_encode", spy)
     tokens, targets = batches(1)[0]
     loss_of(model, tokens, targets).backward()
-    order = [names[0] for names in launched]
-    assert order.index("mlp.2.weight") < order.index("mlp.0.weight")  # backward order
+    assert launched.index("mlp.2.weight") < launched.index("mlp.0.weight")  # backward order
     assert all(left == 0 for left in grads_left)  # each freed as soon as it was ready
 
 
-def test_worker_thread_encodes_off_the_backward_thread(monkeypatch) -> None:
-    model = make_model()
-    manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=1, bucket_size_mb=1e-6, cpu_worker_thread=True
-    )
-    pipeline = manager._pipeline
-    assert isinstance(pipeline.backend, ThreadedCPUBackend)
-    threads = set()
-    original = pipeline._encode_bucket
-    monkeypatch.setattr(
-        pipeline,
-        "_encode_bucket",
-        lambda bucket: threads.add(threading.current_thread().name) or original(bucket),
-    )
+def test_cpu_worker_thread_is_deprecated_and_starts_no_thread() -> None:
+    threads = threading.active_count()
+    with pytest.warns(DeprecationWarning, match="cpu_worker_thread is deprecated"):
+        manager = gradient_cache.create_gradient_cache(
+            make_model(), compression_ratio=1, cpu_worker_thread=True
+        )
+    assert isinstance(manager._pipeline.backend, CpuBackend)
+    assert threading.active_count() == threads
+
+
+def fail_on(pipeline, name: str, monkeypatch) -> None:
+    """Make the encode of parameter ``name`` raise an out-of-memory error, once."""
+    original = pipeline._encode
+    state = {"armed": True}
+
+    def encode(param, grad):
+        if state["armed"] and pipeline.names[param] == name:
+            state["armed"] = False
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return original(param, grad)
+
+    monkeypatch.setattr(pipeline, "_encode", encode)
+
+
+@pytest.mark.parametrize("ratio", [1, 20])
+def test_an_encode_failure_at_the_drain_loses_no_gradient(monkeypatch, ratio: int) -> None:
+    """Gradients not yet encoded go back to the parameters, whole; the rest stay cached."""
+    options = dict(compression_ratio=ratio, min_compress_numel=1, selection="exact")
+    plain, reference, failing = make_model(), make_model(), make_model()
+    ref_manager = gradient_cache.create_gradient_cache(reference, **options)
+    manager = gradient_cache.create_gradient_cache(failing, **options)
     tokens, targets = batches(1)[0]
-    loss_of(model, tokens, targets).backward()
+    for model in (plain, reference):
+        loss_of(model, tokens, targets).backward()
+    ref_manager.apply_gradients()
+    loss_of(failing, tokens, targets).backward()  # one bucket, waiting for the drain
+    waiting = [manager._pipeline.names[p] for p in manager._pipeline.assembler._items]
+    fail_on(manager._pipeline, waiting[2], monkeypatch)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.compress_and_free_gradients()
+    given_back = {n for n, p in failing.named_parameters() if p.grad is not None}
+    assert given_back == set(waiting[2:])  # the first two were cached
     manager.apply_gradients()
-    assert threads == {"gradient-cache-encode"}
-    manager.remove_hooks()
-    assert not pipeline.backend._thread.is_alive()
+    for name, param in failing.named_parameters():
+        expected = plain if name in given_back else reference  # whole, or as cached
+        assert torch.equal(param.grad, expected.get_parameter(name).grad), name
 
 
-def test_worker_thread_error_is_raised_at_the_drain() -> None:
-    backend = ThreadedCPUBackend(deliver=lambda param, payload: None)
-
-    def failing():
-        raise ValueError("boom")
-
-    backend.launch([], failing)
-    with pytest.raises(RuntimeError, match="not kept") as info:
-        backend.wait()
-    assert isinstance(info.value.__cause__, ValueError)
-    delivered = []
-    backend = ThreadedCPUBackend(deliver=lambda param, payload: delivered.append(payload))
-    backend.launch([], lambda: [(None, DensePayload(torch.ones(2)))])
-    backend.wait()
-    assert len(delivered) == 1
-    backend.close()
+def test_an_encode_failure_in_backward_leaves_a_usable_manager(monkeypatch) -> None:
+    """Backward raises; the user skips the batch; training then matches plain PyTorch."""
+    data = batches(4)
+    plain = make_model()
+    train(plain, [data[0], *data[2:]])
+    cached = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=1, bucket_size_mb=0.004
+    )
+    optimizer = torch.optim.Adam(cached.parameters(), lr=1e-2)
+    for i, (tokens, targets) in enumerate(data):
+        if i == 1:
+            fail_on(manager._pipeline, "mlp.0.weight", monkeypatch)
+            with pytest.raises(torch.OutOfMemoryError):
+                loss_of(cached, tokens, targets).backward()
+            manager.discard_gradients()
+            optimizer.zero_grad()
+            continue
+        loss_of(cached, tokens, targets).backward()
+        manager.apply_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_same_parameters(plain, cached)
 
 
 def test_parameters_on_several_devices_are_refused() -> None:
@@ -98,83 +136,104 @@ def test_parameters_on_several_devices_are_refused() -> None:
         parameter_device(params)
 
 
-def test_cgroup_headroom(tmp_path) -> None:
-    limit, usage = tmp_path / "max", tmp_path / "current"
-    usage.write_text("300\n")
-    limit.write_text("1000\n")
-    assert pool.cgroup_headroom_bytes([(str(limit), str(usage))]) == 700
-    limit.write_text("max\n")
-    assert pool.cgroup_headroom_bytes([(str(limit), str(usage))]) is None
-    assert pool.cgroup_headroom_bytes([(str(tmp_path / "absent"), str(usage))]) is None
+def write_cgroup(root, path: str, files: dict[str, str]) -> None:
+    directory = root / path.lstrip("/")
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(text + "\n")
+
+
+def test_cgroup_headroom_is_the_smallest_of_the_process_cgroup_and_its_ancestors(
+    tmp_path,
+) -> None:
+    root = tmp_path / "fs"
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/outer/inner\n")
+    write_cgroup(root, "/outer", {"memory.max": "1000", "memory.current": "900"})
+    write_cgroup(root, "/outer/inner", {"memory.max": "max", "memory.current": "500"})
+    assert hostmem.cgroup_headroom_bytes(proc, root) == 100  # the parent's limit binds
+    write_cgroup(root, "/outer/inner", {"memory.max": "550", "memory.current": "500"})
+    assert hostmem.cgroup_headroom_bytes(proc, root) == 50
+    write_cgroup(root, "/outer", {"memory.max": "max", "memory.current": "900"})
+    write_cgroup(root, "/outer/inner", {"memory.max": "max", "memory.current": "500"})
+    assert hostmem.cgroup_headroom_bytes(proc, root) is None
+    assert hostmem.cgroup_headroom_bytes(tmp_path / "absent", root) is None
+
+
+def test_cgroup_v1_memory_hierarchy(tmp_path) -> None:
+    root = tmp_path / "fs"
+    proc = tmp_path / "cgroup"
+    proc.write_text("12:cpu,cpuacct:/job\n4:memory:/job/step\n")
+    limits = {"memory.limit_in_bytes": "9223372036854771712", "memory.usage_in_bytes": "5"}
+    write_cgroup(root, "/memory/job/step", limits)
+    write_cgroup(
+        root, "/memory/job", {"memory.limit_in_bytes": "2000", "memory.usage_in_bytes": "1500"}
+    )
+    assert hostmem.cgroup_headroom_bytes(proc, root) == 500
 
 
 def test_available_host_bytes_is_capped_by_the_cgroup(monkeypatch) -> None:
-    monkeypatch.setattr(pool, "cgroup_headroom_bytes", lambda: 123)
-    assert pool.available_host_bytes() == 123
-
-
-def test_host_estimate_counts_payloads_and_residuals() -> None:
-    big, small = torch.nn.Parameter(torch.zeros(100_000)), torch.nn.Parameter(torch.zeros(10))
-    config = EngineConfig(min_compress_numel=1000, error_feedback=True)
-    with_payloads = pool.estimate_host_bytes(
-        [big, small], ratio=100, config=config, count_payloads=True
-    )
-    # 1000 kept (+10% band): 4400 B of values and 4400 B of indices, each padded to the
-    # pool's 64-byte alignment (4416 B); the small one dense (40 B, padded to 64 B); a
-    # 4 B/elt residual.
-    assert with_payloads == 2 * 4416 + 64 + 100_000 * 4
-    residual_only = pool.estimate_host_bytes(
-        [big, small], ratio=100, config=config, count_payloads=False
-    )
-    assert residual_only == 100_000 * 4
-    no_feedback = EngineConfig(min_compress_numel=1000, error_feedback=False)
-    assert pool.estimate_host_bytes([big], ratio=100, config=no_feedback, count_payloads=False) == 0
+    monkeypatch.setattr(hostmem, "cgroup_headroom_bytes", lambda: 123)
+    assert hostmem.available_host_bytes() == 123
 
 
 def test_engine_refuses_to_start_when_the_host_cannot_hold_it(monkeypatch) -> None:
-    monkeypatch.setattr(pool, "available_host_bytes", lambda: 2**20)
+    monkeypatch.setattr(hostmem, "available_host_bytes", lambda: 2**20)
     model = torch.nn.Linear(1024, 1024)
     with pytest.raises(HostMemoryError) as info:
         gradient_cache.create_gradient_cache(model, compression_ratio=100, error_feedback=True)
     message = str(info.value)
     assert "needs about 4 MiB" in message and "may use 0 MiB" in message
     assert "host_memory_fraction=0.5" in message and "error_feedback=False" in message
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
     gradient_cache.create_gradient_cache(model, compression_ratio=100, error_feedback=False)
 
 
-def test_host_pool_hands_out_aligned_views_and_overflows_to_fresh_memory() -> None:
-    host_pool = pool.HostPool(1024, pin=False)
-    a = host_pool.take(10, torch.float32)
-    b = host_pool.take(3, torch.int32)
-    assert a.dtype == torch.float32 and a.numel() == 10 and b.numel() == 3
-    assert b.data_ptr() - a.data_ptr() == 64  # 40 bytes, rounded up to the alignment
-    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one slab
-    big = host_pool.take(1000, torch.float32)
-    assert big.numel() == 1000 and host_pool.overflow_bytes == 4000
-    assert big.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
-    host_pool.reset()
-    assert host_pool.take(10, torch.float32).data_ptr() == a.data_ptr()  # reused after reset
+def test_host_pool_lays_out_one_aligned_slot_per_parameter() -> None:
+    big, small = torch.nn.Parameter(torch.zeros(100_000)), torch.nn.Parameter(torch.zeros(10))
+    layout = {
+        p: pool.slot_spec(p, ratio=100, min_compress_numel=1000, host_residual=True)
+        for p in (big, small)
+    }
+    host_pool = pool.HostPool(layout, allocate_pinned=None)
+    slot, dense = host_pool.slots[big], host_pool.slots[small]
+    assert slot.values.numel() == slot.indices.numel() == 1000
+    assert slot.indices.dtype == torch.int32 and slot.residual.numel() == 100_000
+    assert torch.count_nonzero(slot.residual) == 0  # a new residual is zero
+    assert dense.indices is None and dense.residual is None and dense.values.numel() == 10
+    starts = [t.data_ptr() for t in (slot.values, slot.indices, slot.residual, dense.values)]
+    assert all(start % pool.ALIGN == 0 for start in starts)
+    # 4000 B of values and of indices, each padded to 4032; 400 kB of residual; the small
+    # one's 40 B padded to 64.
+    assert host_pool.capacity_bytes == 4032 + 4032 + 400_000 + 64
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works where CUDA is present")
 def test_host_pool_falls_back_to_pageable_memory_with_one_warning() -> None:
+    def refuse(nbytes: int) -> torch.Tensor:
+        raise RuntimeError("no CUDA driver")
+
+    param = torch.nn.Parameter(torch.zeros(10))
+    layout = {param: pool.slot_spec(param, ratio=1, min_compress_numel=1, host_residual=False)}
     with pytest.warns(RuntimeWarning, match="could not pin host memory") as record:
-        host_pool = pool.HostPool(1024, pin=True)
-        host_pool.take(10_000, torch.float32)  # an overflow allocation does not warn again
-    assert len(record) == 1
-    assert not host_pool.pinned
+        host_pool = pool.HostPool(layout, allocate_pinned=refuse)
+    assert len(record) == 1 and not host_pool.pinned
 
 
-def test_cuda_backend_refuses_a_host_residual_before_touching_cuda() -> None:
-    from gradient_cache.engine.backend import _cuda_backend
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(selection="threshold"), "selection='threshold' is not supported on CUDA"),
+        (dict(host_pool_mb=0.001), r"host_pool_mb=0.001 is below the 4.0 MiB"),
+    ],
+)
+def test_cuda_backend_refusals_come_before_touching_cuda(options: dict, match: str) -> None:
+    params = [torch.nn.Parameter(torch.zeros(1024, 1024))]
+    with pytest.raises(ValueError, match=match):
+        build_cuda_backend(params, EngineConfig(**options), torch.device("cuda"), ratio=1)
 
-    config = EngineConfig(error_feedback=True)
-    with pytest.raises(ValueError, match="residual_location='device'"):
-        _cuda_backend([], config, lambda p, q: None, torch.device("cuda"), ratio=100)
 
-
-def test_auto_selection_depends_on_the_device() -> None:
-    config = EngineConfig()
-    assert config.selection_for(torch.device("cpu")) == "threshold"
-    assert config.selection_for(torch.device("cuda")) == "exact"
-    assert EngineConfig(selection="exact").selection_for(torch.device("cpu")) == "exact"
+def test_auto_selection_depends_on_the_backend() -> None:
+    assert CpuBackend.default_selection == "threshold"
+    assert CudaBackend.default_selection == "exact"  # torch.topk: no host sync
+    manager = gradient_cache.create_gradient_cache(make_model(), compression_ratio=10)
+    assert manager._pipeline.encoder.selector.method == "threshold"

@@ -41,14 +41,11 @@ def test_quick_start_verbatim() -> None:
     assert_same_parameters(model, reference)
 
 
-@pytest.mark.parametrize("worker_thread", [False, True])
 @pytest.mark.parametrize("fused_step", [False, True])
-def test_lossless_matches_plain_over_many_steps(worker_thread: bool, fused_step: bool) -> None:
+def test_lossless_matches_plain_over_many_steps(fused_step: bool) -> None:
     plain, cached = make_model(), make_model()
     data = batches(20)
-    manager = gradient_cache.create_gradient_cache(
-        cached, **LOSSLESS, cpu_worker_thread=worker_thread, **SMALL_BUCKETS
-    )
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
     plain_losses = train(plain, data)
     cached_losses = train(cached, data, manager=manager, fused_step=fused_step)
     assert cached_losses == plain_losses
@@ -67,15 +64,12 @@ def test_gradients_leave_the_parameters_during_backward() -> None:
 
 
 @pytest.mark.parametrize("compress_each_micro_batch", [True, False])
-@pytest.mark.parametrize("worker_thread", [False, True])
 def test_gradient_accumulation_sums_exactly_when_lossless(
-    compress_each_micro_batch: bool, worker_thread: bool
+    compress_each_micro_batch: bool,
 ) -> None:
     plain, cached = make_model(), make_model()
     data = batches(6)
-    manager = gradient_cache.create_gradient_cache(
-        cached, **LOSSLESS, cpu_worker_thread=worker_thread, **SMALL_BUCKETS
-    )
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
     train(plain, data, micro_batches=4)
     train(
         cached,

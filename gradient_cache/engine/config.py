@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from ..compression import SELECTIONS
 
@@ -31,10 +30,12 @@ class EngineConfig:
             once) at the cost of more, smaller launches. Default 4.
         selection: How top-k entries are chosen. ``"auto"`` (default) is ``"threshold"``
             on the CPU and ``"exact"`` on CUDA, where ``torch.topk`` needs no host
-            synchronisation and the threshold's count does. ``"threshold"`` estimates the
-            magnitude threshold from a random sample, keeps every entry at or above it
-            and trims or widens the pick until the count is within ``±10%`` of the
-            wanted count; what it keeps is always the largest-magnitude entries.
+            synchronisation and the threshold's count does (so CUDA refuses
+            ``"threshold"``: nothing in a backward hook may wait on the host).
+            ``"threshold"`` estimates the magnitude threshold from a random sample, keeps
+            every entry at or above it and trims or widens the pick until the count is
+            within ``±10%`` of the wanted count; what it keeps is always the
+            largest-magnitude entries.
             ``"exact"`` keeps exactly ``ceil(numel / ratio)`` entries with
             ``torch.topk``: exact, and about 20x slower on a CPU.
         error_feedback: Add what compression dropped back into the next gradient (the
@@ -43,9 +44,12 @@ class EngineConfig:
             higher validation loss than plain top-k at ratio 100 every time; only at
             ratio 1000 over 1000 steps was it better. Its fp32 residual costs host memory
             equal to the dense gradient. No effect when nothing is compressed.
-        residual_location: Where the residual lives: ``"host"`` (default; no device
-            memory) or ``"device"`` (no host round trip; costs one dense fp32 copy of
-            every compressed gradient on the device, which undoes most of the saving).
+        residual_location: Where the residual lives on the CUDA backend: ``"host"``
+            (default; a pinned slot per compressed tensor, no device memory kept, but it
+            crosses PCIe densely twice a step: in for the encode, out after it) or
+            ``"device"`` (no round trip; one dense fp32 copy of every compressed gradient
+            stays on the device, which undoes most of the saving). On the CPU backend the
+            device is the host: both choices keep the residual in host RAM.
         min_compress_numel: Tensors with fewer elements travel uncompressed. Default
             16384 (64 KiB of fp32): below it, keeping 1% saves under 64 KiB per tensor
             while the selection's fixed cost stays, and biases and norm weights are
@@ -62,13 +66,14 @@ class EngineConfig:
         pin_memory: CUDA backend: keep payloads in page-locked host memory, so copies run
             without blocking. Default True; falls back to pageable memory, with one
             warning, where pinning fails.
-        host_pool_mb: CUDA backend: size of the pinned pool, allocated once. None
-            (default) sizes it from the model and the ratio; payloads that do not fit
-            (gradient accumulation, say) take ordinary allocations.
-        cpu_worker_thread: On the CPU backend, encode buckets on one worker thread
-            while backward goes on (True) or inline in the backward hook (False,
-            default: on a few cores the worker competes with backward's own threads
-            and is slower; see perf/RESULTS.md).
+        host_pool_mb: CUDA backend: the most the pinned pool may take. The pool holds one
+            slot per parameter, sized for its largest payload (and its host residual),
+            allocated once before training; construction fails, naming the size
+            needed, if that exceeds ``host_pool_mb``. None (default): no cap beyond
+            ``host_memory_fraction``.
+        cpu_worker_thread: Deprecated, ignored (a DeprecationWarning says so); will be
+            removed in the next release. The worker thread it enabled never beat inline
+            encoding (perf/RESULTS.md) and was removed.
     """
 
     bucket_size_mb: float = 4.0
@@ -97,6 +102,14 @@ class EngineConfig:
             )
         _check_choice("backend", self.backend, BACKENDS)
         _check_bool("cpu_worker_thread", self.cpu_worker_thread)
+        if self.cpu_worker_thread:
+            warnings.warn(
+                "cpu_worker_thread is deprecated and ignored: encoding runs inline on the CPU "
+                "(a worker thread was slower, see perf/RESULTS.md). Remove the option; it "
+                "will be refused in the next release.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         _check_positive_int("staging_depth", self.staging_depth)
         _check_bool("pin_memory", self.pin_memory)
         if self.host_pool_mb is not None:
@@ -105,12 +118,6 @@ class EngineConfig:
     @property
     def bucket_size_bytes(self) -> int:
         return max(1, int(self.bucket_size_mb * 2**20))
-
-    def selection_for(self, device: torch.device) -> str:
-        """The selection method used for gradients on ``device``."""
-        if self.selection != "auto":
-            return self.selection
-        return "exact" if device.type == "cuda" else "threshold"
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> EngineConfig:

@@ -1,150 +1,174 @@
-"""The CUDA backend: encode on a side stream, copy to pinned host memory on another.
+"""The CUDA backend: encode on a side stream, copy into pinned slots on another.
 
-Per bucket, while backward keeps the compute stream busy:
+Per bucket, while backward keeps the compute stream busy (docs/ARCHITECTURE.md has the
+whole picture and the reasons):
 
-    compute stream ──(event: bucket's gradients written)──► encode stream: top-k / identity
-    encode stream  ──(event: payload written)──────────────► copy stream: D2H into the pool
-    copy stream    ──(event: copy done)────────────────────► host: payload may be read
+    compute ──(wait_stream)──► encode stream: top-k / identity, + residual
+    encode  ──(event `encoded`)──► copy stream: D2H into each parameter's pinned slot
+    copy    ──(event `copied`)──► host: `wait()` synchronizes, the one host wait
 
-At most ``staging_depth`` buckets sit between encode and a finished copy, which bounds the
-device memory held by payloads in flight; `wait()` completes the rest. `apply()` restores
-on the compute stream, so the optimizer, which runs there too, reads them in order. The
-fused `step()` restores bucket i+1 on a restore stream while the optimizer steps bucket i:
+At most ``staging_depth`` buckets are between launch and a known-finished copy: launching
+one more makes the compute stream wait on the oldest bucket's `copied` event, then drops
+that bucket's device tensors. The caching allocator reuses a freed block on the host's
+say-so, so only this host-side bound limits device memory; no `record_stream` is needed.
 
-    compute stream ──(wait: work queued so far)──► restore stream: H2D + decode of i+1
-    restore stream ──(event: bucket i+1 written)──► compute stream: optimizer on i+1
+Restores run on a restore stream into blocks allocated on the compute stream:
+
+    compute ──(wait_stream)──► restore stream: H2D + decode (+ clip scale)
+    restore ──(event `done`)──► compute: the optimizer reads the gradients
+
+`torch.cuda` is reached through ``cuda`` (and pinned memory through ``allocate_pinned``),
+so tests/test_stream_order.py can run this very code on CPU tensors with stand-in
+streams and events and check every ordering.
 """
 
 from __future__ import annotations
 
+import contextlib
+import types
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..compression import DensePayload, Payload, SparsePayload, fill_from
-from .backend import Backend, Deliver, Delivery, Restoring, Work
+from ..compression import DensePayload, Payload, SparsePayload, fill_from, moved
+from .backend import Backend, Encoded, Items, Restore
+from .bucket import Bucket
 from .pool import HostPool
 
 
 class CudaBackend(Backend):
     """Overlaps encoding and device-to-host copies with backward on one CUDA device."""
 
+    restore_ahead = 1
+    default_selection = "exact"  # torch.topk needs no host sync; the threshold's count does
+
     def __init__(
-        self, deliver: Deliver, device: torch.device, *, staging_depth: int, pool: HostPool
+        self,
+        device: torch.device,
+        pool: HostPool,
+        *,
+        staging_depth: int,
+        cuda: types.ModuleType | object = torch.cuda,
     ) -> None:
-        super().__init__(deliver)
         self.device = device
         self.pool = pool
         self.staging_depth = staging_depth
+        self.cuda = cuda
         # Persistent streams: creating streams per step would cost more than the work.
-        self.encode_stream = torch.cuda.Stream(device=device)
-        self.copy_stream = torch.cuda.Stream(device=device)
-        # `step()` restores bucket i+1 here while the optimizer steps bucket i.
-        self.restore_stream = torch.cuda.Stream(device=device)
-        self._in_flight: deque[tuple[torch.cuda.Event, Delivery]] = deque()
-        # Set to [] to record (encode start, encode end, copy start, copy end) per bucket;
-        # perf/gpu_report.py does, to measure how much of this work backward hides.
-        self.timings: list[tuple[torch.cuda.Event, ...]] | None = None
+        self.encode_stream = cuda.Stream(device=device)
+        self.copy_stream = cuda.Stream(device=device)
+        self.restore_stream = cuda.Stream(device=device)
+        self._in_flight: deque[Bucket] = deque()
+        # The `copied` event of the last copy into each slot not yet waited for by the host.
+        self._unwaited: dict[torch.nn.Parameter, object] = {}
 
-    def launch(self, grads: Sequence[torch.Tensor], work: Work) -> None:
-        compute = torch.cuda.current_stream(self.device)
-        # Guarantees the encode stream starts only after backward has written these grads.
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        # An explicit H2D copy on the current stream, into a block allocated for it.
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+        return out.copy_(tensor, non_blocking=self.pool.pinned)
+
+    def host_residuals(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        return {p: s.residual for p, s in self.pool.slots.items() if s.residual is not None}
+
+    @contextlib.contextmanager
+    def encoding(self, reads_host: Sequence[torch.nn.Parameter]) -> Iterator[None]:
+        compute = self.cuda.current_stream(self.device)
+        retired = None
+        if len(self._in_flight) >= self.staging_depth:
+            retired = self._in_flight.popleft()
+            # Guarantees compute-stream work queued from now on (which may reuse the
+            # retired bucket's freed gradients) starts after its copy has read them.
+            compute.wait_event(retired.copied)
+        # Guarantees the encode reads gradients only after backward has written them, and
+        # (through the wait above) reuses the retired bucket's blocks only after its copy.
         self.encode_stream.wait_stream(compute)
-        timed = self.timings is not None
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if timed else []
-        with torch.cuda.stream(self.encode_stream):
-            if timed:
-                marks[0].record()
-            delivery = work()
-            if timed:
-                marks[1].record()
-        for grad in grads:
-            # The caching allocator may otherwise reuse a freed gradient's memory for the
-            # compute stream while the encode stream is still reading it.
-            grad.record_stream(self.encode_stream)
-        encoded = torch.cuda.Event()
-        encoded.record(self.encode_stream)
+        if retired is not None:
+            retired.device_tensors = []  # safe now: both allocating streams are past the copy
+        for copied in {id(e): e for p in reads_host if (e := self._unwaited.get(p))}.values():
+            # Guarantees the encode reads a slot (an accumulated payload, a host residual)
+            # only after the copy that wrote it, which the host has not waited for.
+            self.encode_stream.wait_event(copied)
+        with (
+            torch.profiler.record_function("gradient_cache.encode"),
+            self.cuda.stream(self.encode_stream),
+        ):
+            yield
 
-        while len(self._in_flight) >= self.staging_depth:
-            self._complete_oldest()  # bounds the device memory held by payloads in flight
-        # Guarantees the copy reads a payload only after the encode stream wrote it.
-        self.copy_stream.wait_event(encoded)
-        host_delivery: Delivery = []
-        with torch.cuda.stream(self.copy_stream):
-            if timed:
-                marks[2].record()
-            for param, payload in delivery:
-                host_delivery.append((param, self._copy_to_host(payload)))
-            if timed:
-                marks[3].record()
-                self.timings.append(tuple(marks))
-        copied = torch.cuda.Event()
+    def store(self, bucket: Bucket, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
+        encoded_event = self.cuda.Event()
+        encoded_event.record(self.encode_stream)
+        # Guarantees the copy reads payloads only after the encode stream wrote them.
+        self.copy_stream.wait_event(encoded_event)
+        kept: list[torch.Tensor] = list(grads)
+        with (
+            torch.profiler.record_function("gradient_cache.copy"),
+            self.cuda.stream(self.copy_stream),
+        ):
+            for item in encoded:
+                slot = self.pool.slots[item.param]
+                bucket.payloads[item.param] = self._copy_payload(item.payload, slot)
+                kept += _tensors(item.payload)
+                if slot.residual is not None and item.residual is not None:
+                    slot.residual.copy_(item.residual, non_blocking=self.pool.pinned)
+                    kept.append(item.residual)
+        copied = self.cuda.Event()
         copied.record(self.copy_stream)
-        self._in_flight.append((copied, host_delivery))
+        bucket.copied = copied
+        bucket.device_tensors = kept
+        for item in encoded:
+            self._unwaited[item.param] = copied
+        self._in_flight.append(bucket)
 
-    def _copy_to_host(self, payload: Payload) -> Payload:
-        """Issue a non-blocking D2H copy of ``payload`` on the current (copy) stream."""
+    def _copy_payload(self, payload: Payload, slot) -> Payload:
+        """Issue the D2H copies of ``payload`` into ``slot`` on the current (copy) stream."""
+        blocking = not self.pool.pinned
         if isinstance(payload, DensePayload):
-            return DensePayload(self._host_copy(payload.tensor))
-        return SparsePayload(
-            self._host_copy(payload.values), self._host_copy(payload.indices), payload.numel
-        )
-
-    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = self.pool.take(tensor.numel(), tensor.dtype)
-        host.copy_(tensor, non_blocking=self.pool.pinned)
-        # The device tensor is dropped after this call; keep its memory from the allocator
-        # until the copy stream has read it.
-        tensor.record_stream(self.copy_stream)
-        return host
-
-    def _complete_oldest(self) -> None:
-        copied, delivery = self._in_flight.popleft()
-        copied.synchronize()  # a non-blocking D2H copy is readable only after its event
-        for param, payload in delivery:
-            self._deliver(param, payload)
+            return DensePayload(slot.values.copy_(payload.tensor, non_blocking=not blocking))
+        kept = payload.values.numel()  # exact selection: always the slot's size
+        values = slot.values[:kept].copy_(payload.values, non_blocking=not blocking)
+        indices = slot.indices[:kept].copy_(payload.indices, non_blocking=not blocking)
+        return SparsePayload(values, indices, payload.numel)
 
     def wait(self) -> None:
         while self._in_flight:
-            self._complete_oldest()
+            bucket = self._in_flight.popleft()
+            bucket.copied.synchronize()  # a non-blocking D2H copy is readable only after this
+            bucket.device_tensors = []
+        self._unwaited.clear()
 
-    def restore(self, payload: Payload, param: torch.nn.Parameter) -> torch.Tensor:
-        # Issued on the compute stream: H2D from pinned memory does not block the host, and
-        # the optimizer, on the same stream, sees the gradient after the copy and decode.
-        return super().restore(payload, param)
-
-    def restore_ahead(self, items: Delivery, *, scale: torch.Tensor | None) -> Restoring:
-        compute = torch.cuda.current_stream(self.device)
+    def start_restore(self, items: Items, *, scale: torch.Tensor | None) -> Restore:
+        compute = self.cuda.current_stream(self.device)
         # Allocated for the compute stream, which reads and frees them: the allocator then
-        # reuses their memory in compute-stream order, as for any gradient.
+        # reuses their blocks in compute-stream order, as for any gradient.
         outs = [torch.empty(p.numel(), dtype=p.dtype, device=self.device) for p, _ in items]
-        # Guarantees the restore stream writes these blocks only after the compute-stream
-        # work queued so far (which may have used them before they were freed) is done.
+        # Guarantees the restore writes these blocks (and reads ``scale``) only after the
+        # compute-stream work queued so far, which may have used the blocks before.
         self.restore_stream.wait_stream(compute)
-        with torch.cuda.stream(self.restore_stream):
+        with self.cuda.stream(self.restore_stream):
             for (_, payload), out in zip(items, outs, strict=True):
-                fill_from(payload, out)
+                # A dense payload's copy moves it; a sparse one is moved, then scattered.
+                sparse = isinstance(payload, SparsePayload)
+                fill_from(moved(payload, self.to_device) if sparse else payload, out)
                 if scale is not None:
                     out.mul_(scale)
-        restored = torch.cuda.Event()
-        restored.record(self.restore_stream)
-        grads = [(p, out.view_as(p)) for (p, _), out in zip(items, outs, strict=True)]
-        return Restoring(items, scale, grads, restored)
+        done = self.cuda.Event()
+        done.record(self.restore_stream)
+        return Restore([(p, out.view_as(p)) for (p, _), out in zip(items, outs, strict=True)], done)
 
-    def ready(self, restoring: Restoring) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        # Guarantees the optimizer, queued next on the compute stream, reads the gradients
-        # only after the restore stream has written them.
-        torch.cuda.current_stream(self.device).wait_event(restoring.done)
-        return restoring.grads
+    def finish_restore(self, restore: Restore) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        # Guarantees work queued next on the current stream (the optimizer; or the free of
+        # an abandoned restore's blocks) starts after the restore stream wrote them.
+        self.cuda.current_stream(self.device).wait_event(restore.done)
+        return restore.grads
 
-    def restored(self) -> None:
-        """Every payload has been restored: the pool may be reused after those copies."""
-        # Guarantees the event follows the H2D copies of both streams that read the pool.
-        self.restore_stream.wait_stream(torch.cuda.current_stream(self.device))
-        released = torch.cuda.Event()
-        released.record(self.restore_stream)
-        self.pool.reset(after=released)
 
-    def close(self) -> None:
-        self.wait()
+def _tensors(payload: Payload) -> list[torch.Tensor]:
+    if isinstance(payload, DensePayload):
+        return [payload.tensor]
+    return [payload.values, payload.indices]
+
+
+def allocate_pinned(nbytes: int) -> torch.Tensor:
+    """A pinned host slab (the caller falls back to pageable memory if this raises)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -1,24 +1,25 @@
-"""The engine: hooks → buckets → encode → host store → restore.
+"""The engine: hooks → buckets → encode → host slots → restore.
 
 Backward's post-accumulate-grad hook takes each gradient as soon as it is complete,
-frees it from the parameter and adds it to the open bucket; a full bucket is handed to
-the backend to encode and move to the host while backward goes on. `drain()` flushes
-the partial bucket and waits; `apply()` and `step()` restore from the store.
+frees it from the parameter and adds it to the open bucket; a full bucket is encoded and
+sent to host memory while backward goes on. `drain()` flushes the partial bucket and
+waits; `apply()` and `fused_step.step()` restore, walking the same buckets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..compression import DensePayload, Payload, SparsePayload, TopKEncoder
-from .backend import Delivery, Restoring, create_backend
-from .buckets import BucketAssembler, Item, chunk_by_bytes
+from ..compression import DensePayload, Payload, SparsePayload, TopKEncoder, add_into, moved
+from .backend import Backend, CpuBackend, Encoded
+from .bucket import Bucket, BucketAssembler, Item
 from .config import EngineConfig
-from .pool import check_host_budget, estimate_host_bytes
-from .store import HostStore
+from .cuda import CudaBackend, allocate_pinned
+from .hostmem import check_host_budget
+from .pool import HostPool, slot_spec
 
 
 @dataclass
@@ -51,28 +52,26 @@ class Pipeline:
         self.ratio = ratio
         self.names = {param: name for name, param in named_params}
         params = list(self.names)
-        self.store = HostStore()
-        # The backend delivers straight into the store: no reference back to the pipeline,
-        # so a closed manager's model is freed at once, not at the next full gc.
-        self.backend = create_backend(params, config, self.store.add, ratio=ratio)
-        check_host_budget(
-            estimate_host_bytes(
-                params,
-                ratio=ratio,
-                config=config,
-                count_payloads=self.backend.device.type != "cpu",
-            ),
-            config,
-        )
+        # Checks the host budget before it allocates anything; no hook exists yet either.
+        self.backend = create_backend(params, config, ratio=ratio)
         self.encoder = None
         if ratio > 1:
-            selection = config.selection_for(self.backend.device)
+            selection = config.selection
+            if selection == "auto":
+                selection = self.backend.default_selection
             self.encoder = TopKEncoder(ratio=ratio, selection=selection)
-        self.residuals: dict[torch.nn.Parameter, torch.Tensor] = {}
-        self.buckets = BucketAssembler(config.bucket_size_bytes)
+        # Each compressed parameter's error-feedback residual: a device tensor, or its
+        # host slot, which the backend rewrites (`Backend.host_residuals`).
+        self.residuals: dict[torch.nn.Parameter, torch.Tensor] = self.backend.host_residuals()
+        self._residuals_on_host = bool(self.residuals)
+        self.assembler = BucketAssembler(config.bucket_size_bytes)
+        self.buckets: list[Bucket] = []  # launched, in arrival order
+        self.cached: dict[torch.nn.Parameter, Bucket] = {}  # where each payload is
         self.enabled = True
         self.last_step = StepRecord()
         self.steps = 0
+        # (total norm, clip scale) of a fused step that raised; its retry reuses them.
+        self.interrupted_clip: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     # --- capture (runs inside backward) -------------------------------------------
@@ -82,28 +81,67 @@ class Pipeline:
         if not self.enabled or grad is None or grad.is_sparse:
             return  # sparse (nn.Embedding(sparse=True)) gradients stay where they are
         param.grad = None
-        bucket = self.buckets.add(param, grad)
-        if bucket is not None:
-            self._launch(bucket)
+        items = self.assembler.add(param, grad)
+        if items is not None:
+            self._launch(items)
 
-    def _launch(self, bucket: list[Item]) -> None:
-        self.backend.launch([grad for _, grad in bucket], lambda: self._encode_bucket(bucket))
+    def _launch(self, items: list[Item]) -> None:
+        """Encode ``items`` and send them to host memory, one parameter at a time.
 
-    def _encode_bucket(self, bucket: list[Item]) -> Delivery:
-        """Runs where the backend runs it; reads each gradient once and drops it."""
-        return [(param, self._encode(param, grad)) for param, grad in bucket]
+        If encoding fails (out of memory, say), the parameters not yet encoded get their
+        gradients back in ``param.grad`` and the error propagates: nothing is lost or
+        counted twice, and the next restore adds the cached part to them.
+        """
+        bucket = Bucket()
+        reads_host = [p for p, _ in items if p in self.cached or p in self._host_residual_params]
+        encoded: list[Encoded] = []
+        try:
+            with self.backend.encoding(reads_host):
+                for param, grad in items:
+                    encoded.append(self._encode(param, grad))
+        except BaseException:
+            for param, grad in items[len(encoded) :]:
+                param.grad = grad
+            raise
+        finally:
+            self._commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])
 
-    def _encode(self, param: torch.nn.Parameter, grad: torch.Tensor) -> Payload:
+    @property
+    def _host_residual_params(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        return self.residuals if self._residuals_on_host else {}
+
+    def _encode(self, param: torch.nn.Parameter, grad: torch.Tensor) -> Encoded:
+        """Runs where the backend's `encoding` puts it; reads but never changes cached state."""
         flat = grad.detach().reshape(-1)
+        held = self.cached.get(param)
+        if held is not None:  # gradient accumulation: the cached part joins this one
+            flat = add_into(flat, moved(held.payloads[param], self.backend.to_device))
         if not self._compresses(param):
-            return DensePayload(flat)
+            return Encoded(param, DensePayload(flat), None)
         residual = None
         if self.config.error_feedback:
             residual = self.residuals.get(param)
             if residual is None:
                 residual = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-                self.residuals[param] = residual
-        return self.encoder.encode(flat, residual)
+            else:
+                residual = self.backend.to_device(residual)
+        payload, new_residual = self.encoder.encode(flat, residual)
+        return Encoded(param, payload, new_residual)
+
+    def _commit(self, bucket: Bucket, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
+        """Make ``encoded`` the cached state: payloads in ``bucket``, new residuals kept."""
+        if not encoded:
+            return
+        self.backend.store(bucket, encoded, grads)
+        for item in encoded:
+            previous = self.cached.get(item.param)
+            if previous is not None:
+                del previous.payloads[item.param]
+            self.cached[item.param] = bucket
+            if item.residual is not None and not self._residuals_on_host:
+                self.residuals[item.param] = item.residual
+        self.buckets = [b for b in self.buckets if len(b)]
+        self.buckets.append(bucket)
 
     def _compresses(self, param: torch.nn.Parameter) -> bool:
         return self.encoder is not None and param.numel() >= self.config.min_compress_numel
@@ -111,119 +149,49 @@ class Pipeline:
     # --- drain and restore (runs between backward and the optimizer) --------------
 
     def drain(self) -> None:
-        """Encode the partial bucket and wait until the store holds every gradient."""
-        bucket = self.buckets.flush()
-        if bucket is not None:
-            self._launch(bucket)
+        """Encode the partial bucket and wait until host memory holds every gradient."""
+        items = self.assembler.flush()
+        if items is not None:
+            self._launch(items)
         self.backend.wait()
         if self.encoder is not None:
             # Reused across one backward's tensors; between steps nothing stays behind.
             self.encoder.selector.release_scratch()
 
     def discard(self) -> None:
-        """Wait for launched buckets, then drop every stored gradient."""
+        """Wait for launched buckets, then drop every cached gradient."""
         self.drain()
-        if len(self.store):
-            self.store.clear()
-            self.backend.restored()  # nothing will read the host payloads any more
+        self.buckets = []
+        self.cached = {}
+        self.interrupted_clip = None
 
     def apply(self) -> None:
-        """Drain, then put every stored gradient back into ``param.grad``."""
+        """Drain, then put every cached gradient back into ``param.grad``."""
         self.drain()
-        self._record_step()
-        self.restore_all()
+        self.interrupted_clip = None
+        self.record_step(self.cached)
+        self.restore_into_grads(list(self.cached))
 
-    def restore_all(self) -> None:
-        """Put every stored gradient back into ``param.grad`` (added to any already there)."""
-        for param, _ in self.store.items():
-            self._restore(param)
-
-    def step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        max_grad_norm: float | None = None,
-        norm_type: float = 2.0,
-    ) -> torch.Tensor | None:
-        """Restore and step bucket by bucket; see GradientCacheHookManager.step."""
-        self.drain()
-        self._record_step()
-        in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
-        # A stored gradient that also has a device part, or that the optimizer does not
-        # own, is restored in full first: it then behaves like any device gradient.
-        for param, _ in self.store.items():
-            if param.grad is not None or param not in in_optimizer:
-                self._restore(param)
-        held = {p: p.grad for p in in_optimizer if p.grad is not None}
-        total_norm = None
-        scale = None
-        if max_grad_norm is not None:
-            total_norm = self._total_norm(list(held.values()), norm_type)
-            scale = torch.clamp(max_grad_norm / (total_norm + 1e-6), max=1.0)
-            scale = scale.to(self.backend.device)
-        for param in held:
-            param.grad = None  # hidden from the bucket steps, stepped once at the end
-        stored = [param for param, _ in self.store.items()]
-        size_of = lambda p: p.numel() * p.element_size()  # noqa: E731
-        chunks = list(chunk_by_bytes(stored, self.config.bucket_size_bytes, size_of))
-        ahead = self._restore_ahead(chunks[0], scale) if chunks else None
-        for i, chunk in enumerate(chunks):
-            current = ahead
-            if i + 1 < len(chunks):
-                ahead = self._restore_ahead(chunks[i + 1], scale)  # overlaps this step
-            for param, grad in self.backend.ready(current):
-                param.grad = grad
-            optimizer.step()
-            for param in chunk:
-                param.grad = None  # only this bucket's dense gradients were on the device
-        if chunks:
-            self.backend.restored()  # after the last bucket's ready(): every copy is queued
-        if held:
-            for param, grad in held.items():
-                param.grad = grad if scale is None else grad.mul_(scale.to(grad.device))
-            optimizer.step()
-        return total_norm
-
-    def _restore_ahead(
-        self, params: list[torch.nn.Parameter], scale: torch.Tensor | None
-    ) -> Restoring:
-        items = [(param, self.store.pop(param)) for param in params]
-        return self.backend.restore_ahead(items, scale=scale)
-
-    def _total_norm(self, device_grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """The global gradient norm, from the host copies plus any device gradients.
-
-        A sparse payload's norm is the norm of its values: the zeros add nothing.
-        """
-        norms = []
-        for _, payload in self.store.items():
-            kept = payload.tensor if isinstance(payload, DensePayload) else payload.values
-            norms.append(torch.linalg.vector_norm(kept, norm_type, dtype=torch.float32))
-        norms += [
-            torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).cpu() for g in device_grads
-        ]
-        if not norms:
-            return torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-
-    def _restore(self, param: torch.nn.Parameter) -> None:
-        payload = self.store.pop(param)
-        dense = self.backend.restore(payload, param)
-        if not len(self.store):
-            self.backend.restored()
-        if param.grad is None:
-            param.grad = dense
-        else:
-            param.grad.add_(dense)
+    def restore_into_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Put the cached gradients of ``params`` into ``param.grad`` (added to any there)."""
+        wanted = set(params)
+        for bucket in self.buckets:
+            part = [p for p in bucket.payloads if p in wanted]
+            if not part:
+                continue
+            restore = self.backend.start_restore(bucket.take(part), scale=None)
+            for param, grad in self.backend.finish_restore(restore):
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+                del self.cached[param]
+        self.buckets = [b for b in self.buckets if len(b)]
 
     # --- bookkeeping --------------------------------------------------------------
 
-    def _record_step(self) -> None:
-        """Keep what the store holds now as the figures of the step being completed."""
-        if not len(self.store):
-            return
+    def record_step(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Keep the cached figures of ``params`` as those of the step being completed."""
         record = StepRecord()
-        for param, payload in self.store.items():
+        for param in params:
+            payload: Payload = self.cached[param].payloads[param]
             record.layers[self.names[param]] = LayerRecord(
                 numel=param.numel(),
                 dense_bytes=param.numel() * param.element_size(),
@@ -233,8 +201,9 @@ class Pipeline:
                 ),
                 compressed=self._compresses(param),
             )
-        self.last_step = record
-        self.steps += 1
+        if record.layers:
+            self.last_step = record
+            self.steps += 1
 
     def residual_bytes(self) -> int:
         return sum(r.numel() * r.element_size() for r in self.residuals.values())
@@ -244,3 +213,81 @@ class Pipeline:
             handle.remove()
         self._handles = []
         self.backend.close()
+
+
+def parameter_device(params: Sequence[torch.nn.Parameter]) -> torch.device:
+    """The one device all ``params`` live on, or a ValueError naming them all."""
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) != 1:
+        raise ValueError(
+            f"The cached parameters live on several devices {devices}; one manager serves "
+            "one device. Create one manager per device, or list the other device's layers "
+            "in exclude_layers."
+        )
+    return torch.device(devices[0])
+
+
+def create_backend(
+    params: Sequence[torch.nn.Parameter], config: EngineConfig, *, ratio: float
+) -> Backend:
+    """The backend for the parameters' device, after checking the host budget."""
+    device = parameter_device(params)
+    if config.backend != "auto" and config.backend != device.type:
+        raise ValueError(
+            f"backend={config.backend!r} does not match the parameters' device {device}; "
+            f"use backend='auto' or move the model to {config.backend}."
+        )
+    if device.type == "cuda":
+        return build_cuda_backend(params, config, device, ratio=ratio)
+    # The CPU's payloads replace the gradients plain PyTorch would hold: only residuals add.
+    residual_bytes = sum(
+        4 * p.numel()
+        for p in params
+        if config.error_feedback and ratio > 1 and p.numel() >= config.min_compress_numel
+    )
+    check_host_budget(
+        residual_bytes, fraction=config.host_memory_fraction, what="error-feedback residuals"
+    )
+    return CpuBackend(device)
+
+
+def build_cuda_backend(
+    params: Sequence[torch.nn.Parameter],
+    config: EngineConfig,
+    device: torch.device,
+    *,
+    ratio: float,
+    cuda: object = torch.cuda,
+    allocate: object = allocate_pinned,
+) -> CudaBackend:
+    """A `CudaBackend` whose pinned pool has a slot for every parameter.
+
+    ``cuda`` and ``allocate`` stand in for `torch.cuda` and pinned allocation in tests.
+    """
+    if config.selection == "threshold":
+        raise ValueError(
+            "selection='threshold' is not supported on CUDA: counting the entries above the "
+            "threshold needs a host sync inside backward. Use selection='auto' or 'exact'."
+        )
+    host_residual = config.error_feedback and config.residual_location == "host"
+    layout = {
+        p: slot_spec(
+            p,
+            ratio=ratio,
+            min_compress_numel=config.min_compress_numel,
+            host_residual=host_residual,
+        )
+        for p in params
+    }
+    needed = sum(spec.nbytes for spec in layout.values())
+    if config.host_pool_mb is not None and needed > config.host_pool_mb * 2**20:
+        raise ValueError(
+            f"host_pool_mb={config.host_pool_mb} is below the {needed / 2**20:.1f} MiB the "
+            "pool needs (one slot per parameter, sized for its largest payload). Raise "
+            "host_pool_mb, raise compression_ratio, or leave host_pool_mb=None."
+        )
+    check_host_budget(
+        needed, fraction=config.host_memory_fraction, what="the host pool of payload slots"
+    )
+    pool = HostPool(layout, allocate_pinned=allocate if config.pin_memory else None)
+    return CudaBackend(device, pool, staging_depth=config.staging_depth, cuda=cuda)

@@ -1,137 +1,128 @@
-"""Host memory: how much the engine will need, and whether the host can give it.
+"""The host pool: one pinned slab, cut once into a fixed slot per parameter.
 
-psutil does not see container (cgroup) limits, so the available figure is the lower of
-psutil's and the cgroup's headroom where one is set.
+Every parameter's payload has a largest size known before training starts (the dense
+gradient, or ``keep_count`` values and indices: the CUDA backend selects exactly), so
+the slab is laid out at construction and never grows: a backward hook never allocates
+host memory, and a full pool cannot happen. A slot is rewritten by the next
+device-to-host copy of its parameter; see docs/ARCHITECTURE.md for what orders that copy
+after the slot's last restore.
+
+The caching host allocator rounds each pinned request up to a power of two, so one slab
+wastes nothing where many small pinned tensors would waste up to half.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
-import psutil
 import torch
 
-from ..compression import THRESHOLD_TOLERANCE, index_dtype, keep_count
-from .config import EngineConfig
+from ..compression import index_dtype, keep_count
 
-MIB = 2**20
-_CGROUP_FILES = (
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
-    (
-        "/sys/fs/cgroup/memory/memory.limit_in_bytes",  # cgroup v1
-        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-    ),
-)
+ALIGN = 64  # bytes: every slot starts on a 64-byte boundary, fast copies for any dtype
 
 
-class HostMemoryError(MemoryError):
-    """The host store would not fit in the host memory the engine may use."""
+@dataclass
+class Slot:
+    """One parameter's host memory: its payload, and its error-feedback residual if kept here."""
+
+    values: torch.Tensor  # dense: numel of the gradient's dtype; compressed: keep_count of it
+    indices: torch.Tensor | None  # compressed only: keep_count indices
+    residual: torch.Tensor | None  # fp32 numel, when the residual lives on the host
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(t) for t in (self.values, self.indices, self.residual) if t is not None)
 
 
-def cgroup_headroom_bytes(files: Sequence[tuple[str, str]] = _CGROUP_FILES) -> int | None:
-    """Bytes left under this process's cgroup memory limit, or None if it has none."""
-    for limit_file, usage_file in files:
-        try:
-            limit = Path(limit_file).read_text().strip()
-            usage = int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or int(limit) >= 2**60:  # v1 reports "no limit" as a huge number
-            return None
-        return max(0, int(limit) - usage)
-    return None
-
-
-def available_host_bytes() -> int:
-    """Host RAM this process can still take: psutil's figure, capped by the cgroup."""
-    available = psutil.virtual_memory().available
-    headroom = cgroup_headroom_bytes()
-    return available if headroom is None else min(available, headroom)
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _aligned(nbytes: int) -> int:
-    """``nbytes`` as `HostPool.take` lays it out: each view starts on a 64-byte boundary."""
-    return -(-nbytes // HostPool.ALIGN) * HostPool.ALIGN
+    return -(-nbytes // ALIGN) * ALIGN
 
 
-def estimate_host_bytes(
-    params: Sequence[torch.nn.Parameter],
-    *,
-    ratio: float,
-    config: EngineConfig,
-    count_payloads: bool,
-) -> int:
-    """Host bytes the engine holds for one step of ``params``.
+@dataclass(frozen=True)
+class SlotSpec:
+    """What one parameter's slot holds: its payload and, optionally, its residual."""
 
-    ``count_payloads`` is False when the host is the device (the CPU backend): the
-    stored gradients then replace the ones plain PyTorch would hold, and only the
-    error-feedback residuals are extra.
-    """
-    total = 0
-    for param in params:
-        numel = param.numel()
-        compressed = ratio > 1 and numel >= config.min_compress_numel
-        if count_payloads:
-            if compressed:
-                kept = math.ceil(keep_count(numel, ratio) * (1 + THRESHOLD_TOLERANCE))
-                index_size = torch.empty((), dtype=index_dtype(numel)).element_size()
-                total += _aligned(kept * param.element_size()) + _aligned(kept * index_size)
-            else:
-                total += _aligned(numel * param.element_size())
-        if compressed and config.error_feedback and config.residual_location == "host":
-            total += numel * 4  # fp32 residual
-    return total
+    numel: int
+    dtype: torch.dtype
+    kept: int | None  # entries of a compressed payload; None: the payload is dense
+    host_residual: bool
+
+    def shapes(self) -> list[tuple[int, torch.dtype]]:
+        """(numel, dtype) of values, then indices if compressed, then the residual if kept."""
+        shapes = [(self.numel if self.kept is None else self.kept, self.dtype)]
+        if self.kept is not None:
+            shapes.append((self.kept, index_dtype(self.numel)))
+        if self.host_residual:
+            shapes.append((self.numel, torch.float32))
+        return shapes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_aligned(n * _element_size(d)) for n, d in self.shapes())
 
 
-def check_host_budget(needed_bytes: int, config: EngineConfig) -> None:
-    """Raise HostMemoryError, with the figures and the remedies, if the store will not fit."""
-    available = available_host_bytes()
-    allowed = int(available * config.host_memory_fraction)
-    if needed_bytes > allowed:
-        raise HostMemoryError(
-            f"gradient-cache needs about {needed_bytes / MIB:.0f} MiB of host memory but may "
-            f"use {allowed / MIB:.0f} MiB (host_memory_fraction={config.host_memory_fraction} "
-            f"of {available / MIB:.0f} MiB available). Raise compression_ratio, set "
-            "error_feedback=False, list large layers in exclude_layers, or raise "
-            "host_memory_fraction."
-        )
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def slot_spec(
+    param: torch.nn.Parameter, *, ratio: float, min_compress_numel: int, host_residual: bool
+) -> SlotSpec:
+    """The slot ``param`` needs: dense below ``min_compress_numel`` or at ratio 1."""
+    numel = param.numel()
+    kept = None if ratio <= 1 or numel < min_compress_numel else keep_count(numel, ratio)
+    return SlotSpec(numel, param.dtype, kept, host_residual and kept is not None)
 
 
 class HostPool:
-    """Host memory for payloads: one slab allocated once, handed out by bumping an offset.
+    """The slab and its per-parameter slots, laid out by ``layout``.
 
-    The caching host allocator rounds every pinned request up to a power of two, so many
-    small pinned tensors waste up to half their memory; one slab does not. The slab is
-    reused every step: `reset()` (when the store is empty) records an event on the
-    current stream, and the next `take()` waits for it, so a host-to-device copy still
-    reading the slab finishes before its bytes are handed out again. Requests that do not
-    fit get an ordinary allocation of the same kind.
+    ``allocate_pinned(nbytes)`` gives a pinned slab; where it raises (a CPU-only torch,
+    or an OS that refuses to lock pages) the pool warns once and uses pageable memory,
+    whose copies block. Host residual slots start at zero, as a new residual does.
     """
 
-    ALIGN = 64  # bytes; keeps every view aligned for any dtype and for fast copies
+    def __init__(
+        self,
+        layout: dict[torch.nn.Parameter, SlotSpec],
+        *,
+        allocate_pinned: Callable[[int], torch.Tensor] | None,
+    ) -> None:
+        nbytes = max(ALIGN, sum(spec.nbytes for spec in layout.values()))
+        self.pinned = allocate_pinned is not None
+        self._slab = self._allocate(nbytes, allocate_pinned)
+        self.slots: dict[torch.nn.Parameter, Slot] = {}
+        offset = 0
+        for param, spec in layout.items():
+            views = []
+            for numel, dtype in spec.shapes():
+                nbytes = numel * _element_size(dtype)
+                views.append(self._slab[offset : offset + nbytes].view(dtype))
+                offset += _aligned(nbytes)
+            indices = views[1] if spec.kept is not None else None
+            residual = views[-1].zero_() if spec.host_residual else None
+            self.slots[param] = Slot(views[0], indices, residual)
 
-    def __init__(self, capacity_bytes: int, *, pin: bool) -> None:
-        self.pinned = pin
-        self.overflow_bytes = 0  # since the last reset
-        self.step_used_bytes = self.step_overflow_bytes = 0  # of the last completed step
-        self._slab = self._allocate(max(self.ALIGN, capacity_bytes))
-        self._offset = 0
-        self._released: torch.cuda.Event | None = None
-
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        if self.pinned:
+    def _allocate(
+        self, nbytes: int, allocate_pinned: Callable[[int], torch.Tensor] | None
+    ) -> torch.Tensor:
+        if allocate_pinned is not None:
             try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            except RuntimeError as error:  # no CUDA driver, or the OS refused to lock pages
+                return allocate_pinned(nbytes)
+            except RuntimeError as error:
                 warnings.warn(
                     f"gradient-cache could not pin host memory ({error}); using pageable "
                     "memory, so device-to-host copies will block. Set pin_memory=False to "
                     "silence this.",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 self.pinned = False
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -139,31 +130,3 @@ class HostPool:
     @property
     def capacity_bytes(self) -> int:
         return self._slab.numel()
-
-    @property
-    def used_bytes(self) -> int:
-        return self._offset
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised flat host tensor of ``numel`` elements of ``dtype``."""
-        if self._released is not None:
-            self._released.synchronize()  # the last restore's copies have read the slab
-            self._released = None
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        start = -(-self._offset // self.ALIGN) * self.ALIGN
-        if start + nbytes > self._slab.numel():
-            self.overflow_bytes += nbytes
-            return self._allocate(nbytes).view(dtype)[:numel]
-        self._offset = start + nbytes
-        return self._slab[start : start + nbytes].view(dtype)
-
-    def reset(self, *, after: torch.cuda.Event | None = None) -> None:
-        """Hand the whole slab out again, once ``after`` (if given) has completed.
-
-        What the step that ends here used is kept in ``step_used_bytes`` and
-        ``step_overflow_bytes`` for the summary.
-        """
-        self.step_used_bytes, self.step_overflow_bytes = self._offset, self.overflow_bytes
-        self._offset = 0
-        self.overflow_bytes = 0
-        self._released = after

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .demo import FINAL_LOSS_STEPS, PHASES, DemoResult, RunResult
-from .stats import MIB
+from ..stats import MIB
+from .run import FINAL_LOSS_STEPS, PHASES, DemoResult, RunResult
 
 MATPLOTLIB_MISSING = (
     "gradient-cache demo draws report.png with matplotlib, which is not installed. "

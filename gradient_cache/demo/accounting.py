@@ -10,8 +10,8 @@ weakref drops it when it is freed) and, after each operator, takes
 
 so the figures mean what they would on a GPU. `device_memory_meter` picks the meter.
 
-Limits of the CPU tracker: it sees operators run on the thread that entered it (measure
-the CPU backend without its worker thread), only storages that an operator touched or that
+Limits of the CPU tracker: it sees operators run on the thread that entered it, only
+storages that an operator touched or that
 it was told about (parameters, gradients, optimizer state, the cache's tensors), and not
 the scratch memory an operator frees before it returns.
 """
@@ -30,10 +30,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .compression import DensePayload
+from ..compression import DensePayload
 
 if TYPE_CHECKING:
-    from .manager import GradientCacheHookManager
+    from ..manager import GradientCacheHookManager
 
 MIB = 2**20
 PARAMETERS = "parameters"
@@ -109,7 +109,7 @@ class DeviceMemoryMeter(ABC):
 def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, TensorSource]:
     """(host tensors, device scratch tensors) of a GradientCacheHookManager.
 
-    Host: the payloads in the host store and the error-feedback residuals kept on the host.
+    Host: the cached payloads and the error-feedback residuals kept on the host.
     Scratch: the selector's reusable buffers. Reads the engine's internals until it
     exposes them itself.
     """
@@ -118,7 +118,8 @@ def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, Tensor
         pipeline = cache._pipeline
         if pipeline is None:  # closed: everything went back to param.grad
             return
-        for _, payload in pipeline.store.items():
+        payloads = [p for bucket in pipeline.buckets for p in bucket.payloads.values()]
+        for payload in payloads:
             if isinstance(payload, DensePayload):
                 yield payload.tensor
             else:

@@ -4,7 +4,7 @@ Plain PyTorch, the cache lossless (ratio 1) and the cache at a chosen ratio trai
 built-in TinyGPT on the embedded byte corpus from the same initial weights and batches.
 Each run records its loss and time per step and, per phase of a step (forward, backward,
 optimizer), device memory: on CUDA from the caching allocator on every step; on the CPU
-from `gradient_cache.accounting`'s tensor tracker on a few designated steps only, because
+from `gradient_cache.demo.accounting`'s tensor tracker on a few designated steps only, because
 its dispatch mode slows a step down (about 1.5x on the small model, 3x on the tiny one).
 """
 
@@ -27,11 +27,11 @@ from typing import Any, TextIO
 import psutil
 import torch
 
-from . import __version__
+from .. import __version__
+from ..manager import GradientCacheHookManager, create_gradient_cache
+from ..stats import MIB, process_rss_mb
 from .accounting import DeviceMemoryMeter, device_memory_meter
-from .manager import GradientCacheHookManager, create_gradient_cache
 from .models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
-from .stats import MIB, process_rss_mb
 
 PHASES = ("forward", "backward", "optimizer")
 BATCH_SIZE = 4
@@ -161,7 +161,7 @@ def run_demo(settings: DemoSettings) -> DemoResult:
         memory_method=(
             "torch.cuda.max_memory_allocated, reset at each phase of every step"
             if settings.device.type == "cuda"
-            else "tensor storages counted by gradient_cache.accounting (on a CPU, device "
+            else "tensor storages counted by gradient_cache.demo.accounting (on a CPU, device "
             "and host are the same RAM; this counts what would live on a device)"
         ),
         runs=runs,

@@ -1,0 +1,114 @@
+"""The fused step: restore and step one bucket at a time, safe to retry after an error.
+
+Only one bucket's dense gradients (plus the one restoring ahead, on CUDA) are on the
+device at once. A bucket's payloads leave the cache only after its ``optimizer.step()``
+returned, so if a step raises before changing anything (an injected failure, an OOM the
+user catches), calling `step` again finishes the job with plain PyTorch's result: the
+buckets already stepped are not stepped twice, and the clip scale of the first attempt
+is reused.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..compression import DensePayload
+from .backend import Restore, scaled
+from .pipeline import Pipeline
+
+
+def step(
+    pipeline: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    *,
+    max_grad_norm: float | None,
+    norm_type: float,
+) -> torch.Tensor | None:
+    """Restore and step bucket by bucket; see GradientCacheHookManager.step."""
+    pipeline.drain()
+    owned = {p for group in optimizer.param_groups for p in group["params"]}
+    retry = pipeline.interrupted_clip is not None
+    if not retry:
+        pipeline.record_step([p for p in pipeline.cached if p in owned])
+    # A cached gradient that also has a device part is restored whole first: it then
+    # behaves like any device gradient. Parameters of other optimizers stay cached.
+    pipeline.restore_into_grads([p for p in pipeline.cached if p in owned and p.grad is not None])
+    held = {p: p.grad for p in owned if p.grad is not None}
+    if retry:
+        total_norm, scale = pipeline.interrupted_clip
+    else:
+        total_norm, scale = _clip_scale(pipeline, owned, held, max_grad_norm, norm_type)
+    parts = [(bucket, [p for p in bucket.payloads if p in owned]) for bucket in pipeline.buckets]
+    parts = [(bucket, params) for bucket, params in parts if params]
+    for param in held:
+        param.grad = None  # hidden from the bucket steps, stepped once at the end
+    ahead: deque[Restore] = deque()
+    try:
+        for i, (bucket, params) in enumerate(parts):
+            while len(ahead) <= pipeline.backend.restore_ahead and i + len(ahead) < len(parts):
+                later_bucket, later_params = parts[i + len(ahead)]
+                items = [(p, later_bucket.payloads[p]) for p in later_params]
+                ahead.append(pipeline.backend.start_restore(items, scale=scale))
+            grads = pipeline.backend.finish_restore(ahead.popleft())
+            _step_with(optimizer, grads)
+            bucket.take(params)  # stepped: the payloads are spent
+            for param in params:
+                del pipeline.cached[param]
+        if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
+            for param, grad in held.items():
+                param.grad = scaled(grad, scale)
+            optimizer.step()
+    except BaseException:
+        for restore in ahead:
+            pipeline.backend.finish_restore(restore)  # before its blocks are freed
+        for param, grad in held.items():
+            param.grad = grad
+        pipeline.interrupted_clip = (total_norm, scale)
+        raise
+    finally:
+        pipeline.buckets = [b for b in pipeline.buckets if len(b)]
+    pipeline.interrupted_clip = None
+    return total_norm
+
+
+def _step_with(
+    optimizer: torch.optim.Optimizer, grads: list[tuple[torch.nn.Parameter, torch.Tensor]]
+) -> None:
+    """``optimizer.step()`` with exactly ``grads`` set; ``param.grad`` is None afterwards."""
+    for param, grad in grads:
+        param.grad = grad
+    try:
+        optimizer.step()
+    finally:
+        for param, _ in grads:
+            param.grad = None
+
+
+def _clip_scale(
+    pipeline: Pipeline,
+    owned: set[torch.nn.Parameter],
+    held: dict[torch.nn.Parameter, torch.Tensor],
+    max_grad_norm: float | None,
+    norm_type: float,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The global norm of the optimizer's gradients and the clip factor, or (None, None).
+
+    Read from the host payloads (complete after the drain) and the device gradients; a
+    sparse payload's norm is that of its values, the zeros adding nothing.
+    """
+    if max_grad_norm is None:
+        return None, None
+    norms = []
+    for bucket in pipeline.buckets:  # arrival order: the same sum, bit for bit, every run
+        for param, payload in bucket.payloads.items():
+            if param in owned:
+                kept = payload.tensor if isinstance(payload, DensePayload) else payload.values
+                norms.append(torch.linalg.vector_norm(kept, norm_type, dtype=torch.float32))
+    norms += [
+        torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).cpu() for g in held.values()
+    ]
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
+    scale = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(pipeline.backend.device)
+    return total, scale

@@ -1,0 +1,99 @@
+"""Host memory: how much this process may still take, and the engine's budget check.
+
+psutil does not see container limits, so the available figure is the lower of psutil's
+and the smallest headroom of this process's own cgroup and every cgroup above it (a limit
+set on a parent caps its children). `check_host_budget` runs before the engine allocates,
+pins or starts anything, so a refused construction leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+
+MIB = 2**20
+# cgroup v1 reports "no limit" as a huge number (the page-rounded maximum of a signed 64-bit).
+_NO_LIMIT = 2**60
+
+
+class HostMemoryError(MemoryError):
+    """The engine's host memory would not fit in what the host lets it use."""
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= _NO_LIMIT else value
+
+
+def _headrooms(directory: Path, stop: Path, limit_file: str, usage_file: str) -> list[int]:
+    """Headroom (limit - usage) of ``directory`` and each parent up to ``stop``, where set."""
+    found = []
+    while True:
+        limit = _read_int(directory / limit_file)
+        usage = _read_int(directory / usage_file)
+        if limit is not None and usage is not None:
+            found.append(max(0, limit - usage))
+        if directory == stop or stop not in directory.parents:
+            return found
+        directory = directory.parent
+
+
+def cgroup_headroom_bytes(
+    proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup"
+) -> int | None:
+    """Smallest headroom of this process's memory cgroup and its ancestors, or None.
+
+    ``/proc/self/cgroup`` names the process's cgroup: ``0::/path`` under cgroup v2
+    (``memory.max`` / ``memory.current``), ``N:...memory...:/path`` under v1
+    (``memory.limit_in_bytes`` / ``memory.usage_in_bytes`` below ``root/memory``).
+    """
+    root = Path(root)
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    found: list[int] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            base, files = root, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        found += _headrooms(base / path.lstrip("/"), base, *files)
+    return min(found) if found else None
+
+
+def available_host_bytes() -> int:
+    """Host RAM this process can still take: psutil's figure, capped by the cgroups."""
+    available = psutil.virtual_memory().available
+    headroom = cgroup_headroom_bytes()
+    return available if headroom is None else min(available, headroom)
+
+
+def check_host_budget(needed_bytes: int, *, fraction: float, what: str) -> None:
+    """Raise HostMemoryError, with the figures and the remedies, if ``needed_bytes`` won't fit."""
+    available = available_host_bytes()
+    allowed = int(available * fraction)
+    if needed_bytes > allowed:
+        raise HostMemoryError(
+            f"gradient-cache needs about {needed_bytes / MIB:.0f} MiB of host memory ({what}) "
+            f"but may use {allowed / MIB:.0f} MiB (host_memory_fraction={fraction} of "
+            f"{available / MIB:.0f} MiB available). Raise compression_ratio, set "
+            "error_feedback=False, list large layers in exclude_layers, or raise "
+            "host_memory_fraction."
+        )

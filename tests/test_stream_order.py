@@ -1,0 +1,313 @@
+"""The CUDA backend's stream ordering, proven on the CPU.
+
+The real `CudaBackend` runs on CPU tensors with stand-in streams and events
+(tests/stream_checker.py); the checker sees every tensor operation and fails a test on any
+access a GPU could run out of order, any block the allocator could reuse too early, and
+any host wait inside a backward hook. `../shared/tools/mutate_waits.py` deletes each wait
+in gradient_cache/engine/ in turn: every deletion must make this file fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_parameters, batches, loss_of, make_model, train
+from stream_checker import FakeCuda, StreamChecker
+
+import gradient_cache
+from gradient_cache.engine import pipeline as pipeline_module
+from gradient_cache.engine.cuda import CudaBackend
+from gradient_cache.engine.pipeline import build_cuda_backend
+
+SMALL = 0.004  # MiB: several buckets per backward for these models
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch):
+    """Managers built in the test get a CudaBackend on CPU tensors, under the checker."""
+    checker = StreamChecker()
+    cuda = FakeCuda(checker)
+    cpu_backend = pipeline_module.create_backend
+
+    def create_backend(params, config, *, ratio):
+        if config.backend == "cpu":  # the reference runs
+            return cpu_backend(params, config, ratio=ratio)
+        backend = build_cuda_backend(
+            params,
+            config,
+            torch.device("cpu"),
+            ratio=ratio,
+            cuda=cuda,
+            allocate=cuda.allocate_pinned,
+        )
+        checker.watched |= {backend.encode_stream.name, backend.copy_stream.name}
+        return backend
+
+    monkeypatch.setattr(pipeline_module, "create_backend", create_backend)
+    with checker:
+        yield cuda
+
+
+def cpu_backend_run(data, options, *, fused_step=False, micro_batches=1, each=True):
+    """The same training on the CPU backend: what the CUDA path must reproduce exactly."""
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, **options, backend="cpu")
+    train(
+        model,
+        data,
+        manager=manager,
+        fused_step=fused_step,
+        micro_batches=micro_batches,
+        compress_each_micro_batch=each,
+    )
+    return model
+
+
+def layers(n: int = 8, width: int = 32) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(n)])
+
+
+# --- the checker itself fails on what it must catch --------------------------------------
+
+
+def test_checker_flags_an_unordered_read_and_an_early_free() -> None:
+    checker = StreamChecker()
+    cuda = FakeCuda(checker)
+    side = cuda.Stream()
+    with checker:
+        grad = torch.ones(1000)  # written on the compute stream
+        with cuda.stream(side):
+            grad.sum()  # no wait: a race
+        assert any("race" in v for v in checker.violations)
+        checker.violations.clear()
+        side.wait_stream(cuda.compute)
+        with cuda.stream(side):
+            grad.sum()
+        assert not checker.violations
+        del grad  # freed for the compute stream while the side stream may still read it
+        torch.zeros(1)
+        assert any("freed" in v for v in checker.violations)
+
+
+def test_checker_flags_host_reads_before_the_copy_and_waits_inside_hooks() -> None:
+    checker = StreamChecker()
+    cuda = FakeCuda(checker)
+    copy = cuda.Stream()
+    with checker:
+        slot = cuda.allocate_pinned(64).view(torch.float32)
+        grad = torch.ones(16)
+        copy.wait_stream(cuda.compute)
+        with cuda.stream(copy):
+            slot.copy_(grad, non_blocking=True)
+        done = cuda.Event()
+        done.record(copy)
+        slot.sum()  # the host reads before synchronizing
+        assert any("race: host reads" in v for v in checker.violations)
+        checker.violations.clear()
+        done.synchronize()
+        slot.sum()
+        assert not checker.violations
+        weight = torch.nn.Parameter(torch.ones(3))
+
+        def syncing_hook(param: torch.nn.Parameter) -> None:
+            param.grad.sum().item()
+
+        weight.register_post_accumulate_grad_hook(syncing_hook)
+        (weight * 2).sum().backward()
+        assert any("inside a backward hook" in v for v in checker.violations)
+
+
+# --- the engine ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused_step", [False, True])
+@pytest.mark.parametrize("staging_depth", [1, 2, 3])
+def test_lossless_training_is_exact_and_every_access_ordered(
+    fake_cuda: FakeCuda, fused_step: bool, staging_depth: int
+) -> None:
+    data = batches(4)
+    plain = make_model()
+    train(plain, data)
+    cached = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=1, bucket_size_mb=SMALL, staging_depth=staging_depth
+    )
+    assert isinstance(manager._pipeline.backend, CudaBackend)
+    train(cached, data, manager=manager, fused_step=fused_step)
+    assert_same_parameters(plain, cached)
+    fake_cuda.checker.assert_clean()
+    assert fake_cuda.pinned_allocations == 1  # one slab, at construction
+
+
+@pytest.mark.parametrize("staging_depth", [1, 2])
+def test_device_memory_in_flight_is_bounded_by_the_staging_depth(
+    fake_cuda: FakeCuda, staging_depth: int
+) -> None:
+    model = layers()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, bucket_size_mb=SMALL, staging_depth=staging_depth
+    )
+    model(torch.randn(4, 32)).sum().backward()
+    manager.apply_gradients()
+    fake_cuda.checker.assert_clean()
+    capacity = manager.config.bucket_size_bytes
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    bound = staging_depth * (capacity + largest)
+    assert bound < total  # holding every bucket would break the bound
+    assert 0 < fake_cuda.checker.peak_watched_bytes <= bound
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(compression_ratio=1),
+        dict(compression_ratio=20, error_feedback=True, residual_location="host"),
+        dict(compression_ratio=20, error_feedback=True, residual_location="device"),
+    ],
+    ids=["lossless", "ef-host", "ef-device"],
+)
+def test_accumulation_without_a_drain_matches_the_cpu_backend(
+    fake_cuda: FakeCuda, options: dict
+) -> None:
+    """Micro-batches back to back: the encode reads slots whose copy the host never awaited."""
+    options = dict(options, bucket_size_mb=SMALL, staging_depth=16, min_compress_numel=1)
+    options["selection"] = "exact"
+    data = batches(3)
+    with fake_cuda.checker.disabled():
+        reference = cpu_backend_run(data, options, micro_batches=3, each=False)
+    cached = make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **options)
+    train(cached, data, manager=manager, micro_batches=3, compress_each_micro_batch=False)
+    assert_same_parameters(reference, cached)
+    fake_cuda.checker.assert_clean()
+
+
+@pytest.mark.parametrize("fused_step", [False, True])
+@pytest.mark.parametrize("location", ["host", "device"])
+def test_error_feedback_matches_the_cpu_backend(
+    fake_cuda: FakeCuda, fused_step: bool, location: str
+) -> None:
+    options = dict(
+        compression_ratio=20,
+        error_feedback=True,
+        residual_location=location,
+        selection="exact",
+        min_compress_numel=1,
+        bucket_size_mb=SMALL,
+    )
+    data = batches(4)
+    with fake_cuda.checker.disabled():
+        reference = cpu_backend_run(data, options, fused_step=fused_step)
+    cached = make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **options)
+    train(cached, data, manager=manager, fused_step=fused_step)
+    assert_same_parameters(reference, cached)
+    on_host = manager._pipeline.backend.host_residuals()
+    assert bool(on_host) == (location == "host")
+    fake_cuda.checker.assert_clean()
+
+
+@pytest.mark.parametrize("ratio", [1, 20])
+def test_fused_step_with_clipping_matches_apply_and_clip_grad_norm(
+    fake_cuda: FakeCuda, ratio: int
+) -> None:
+    options = dict(
+        compression_ratio=ratio, min_compress_numel=1, selection="exact", bucket_size_mb=SMALL
+    )
+    reference, fused = make_model(), make_model()
+    ref_manager = gradient_cache.create_gradient_cache(reference, **options)
+    fused_manager = gradient_cache.create_gradient_cache(fused, **options)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    fused_opt = torch.optim.SGD(fused.parameters(), lr=0.5)
+    for tokens, targets in batches(3):
+        loss_of(reference, tokens, targets).backward()
+        ref_manager.apply_gradients()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_of(fused, tokens, targets).backward()
+        total = fused_manager.step(fused_opt, max_grad_norm=0.05)
+        fused_opt.zero_grad()
+        torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+    assert_same_parameters(reference, fused, atol=1e-6)
+    fake_cuda.checker.assert_clean()
+
+
+class FailsOnce:
+    """Once armed, makes the ``nth`` next ``optimizer.step()`` raise before changing anything."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.calls = 0
+        self.fail_at = None
+        optimizer.register_step_pre_hook(self)
+
+    def arm(self, nth: int) -> None:
+        self.fail_at = self.calls + nth
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise torch.OutOfMemoryError("injected: out of memory")
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_failed_fused_step_retried_gives_the_plain_result(
+    fake_cuda: FakeCuda, nth: int, clip: float | None
+) -> None:
+    """Bucket ``nth`` fails with the next bucket restoring ahead; the retry finishes the step."""
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=1, bucket_size_mb=SMALL, exclude_layers=["norm"]
+    )
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.Adam(cached.parameters(), lr=1e-2)
+    failure = FailsOnce(cached_opt)
+    for i, (tokens, targets) in enumerate(batches(3)):
+        loss_of(plain, tokens, targets).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        loss_of(cached, tokens, targets).backward()
+        if i == 1:
+            failure.arm(nth)
+            with pytest.raises(torch.OutOfMemoryError):
+                manager.step(cached_opt, max_grad_norm=clip)
+        manager.step(cached_opt, max_grad_norm=clip)
+        cached_opt.zero_grad()
+    assert_same_parameters(plain, cached, atol=0 if clip is None else 1e-6)
+    fake_cuda.checker.assert_clean()
+
+
+def test_discard_then_train_on(fake_cuda: FakeCuda) -> None:
+    """Discarded payloads are never read; the slots are rewritten by the next step."""
+    data = batches(3)
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=1, bucket_size_mb=SMALL
+    )
+    loss_of(cached, *data[0]).backward()
+    manager.discard_gradients()
+    assert not manager._pipeline.cached and all(p.grad is None for p in cached.parameters())
+    train(plain, data[1:])
+    train(cached, data[1:], manager=manager)
+    assert_same_parameters(plain, cached)
+    fake_cuda.checker.assert_clean()
+
+
+def test_refused_construction_leaves_no_pinned_memory_or_hook(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pipeline_module, "check_host_budget", _refuse)
+    model = make_model()
+    with pytest.raises(gradient_cache.HostMemoryError):
+        gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    assert fake_cuda.pinned_allocations == 0
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def _refuse(needed_bytes: int, **_: object) -> None:
+    raise gradient_cache.HostMemoryError(f"refused {needed_bytes}")
