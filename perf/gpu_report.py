@@ -7,7 +7,8 @@ Builds a GPT-2-small-shaped TinyGPT (124M parameters) in code and prints markdow
 * peak device memory: plain vs cache at ratio 1 and 100, with `apply_gradients()` and with
   the fused `step()`, with and without 4-micro-batch gradient accumulation;
 * step time against plain, and the share of encode and copy time hidden under backward
-  (from CUDA event timings of the side streams);
+  (CUDA events recorded by wrappers this report puts around the backend's `encoding` and
+  `store`: each bucket's span from encode start to copy end; the engine has no timing code);
 * encode throughput of the threshold selection, `torch.topk` and a device memcpy;
 * the largest batch that trains under a fixed memory cap, plain vs cache.
 
@@ -18,13 +19,14 @@ others' figures. Needs CUDA; `--quick` shrinks everything for a smoke run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import gc
 import json
 import statistics
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +156,43 @@ def cuda_ms(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def side_stream_spans(backend: Any) -> Iterator[list[tuple[torch.cuda.Event, torch.cuda.Event]]]:
+    """(encode start, copy end) CUDA events of each bucket launched inside the block.
+
+    Wraps the backend's `encoding` and `store` on the instance: the start is recorded on
+    the encode stream after its waits, the end on the copy stream after the copies. None
+    (plain PyTorch) records nothing.
+    """
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    if backend is None:
+        yield spans
+        return
+    starts: list[torch.cuda.Event] = []
+    encoding, store = backend.encoding, backend.store
+
+    @contextlib.contextmanager
+    def timed_encoding(reads_host):
+        with encoding(reads_host):  # the encode stream is current in here
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            starts.append(start)
+            yield
+
+    def timed_store(bucket, encoded, grads) -> None:
+        store(bucket, encoded, grads)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(backend.copy_stream)
+        spans.append((starts.pop(0), end))
+
+    backend.encoding, backend.store = timed_encoding, timed_store
+    try:
+        yield spans
+    finally:
+        del backend.encoding, backend.store  # the class's methods again
+        torch.cuda.synchronize()
+
+
 def step_time(config: GPTConfig, size: int, seq: int, repeats: int) -> list[dict[str, Any]]:
     rows = []
     plain_backward = None
@@ -171,21 +210,16 @@ def step_time(config: GPTConfig, size: int, seq: int, repeats: int) -> list[dict
         step_ms = cuda_ms(step, repeats)
         row: dict[str, Any] = {"variant": name, "step_ms": step_ms}
         backend = manager._pipeline.backend if manager is not None else None
-        if backend is not None:
-            backend.timings = []
-        backward_ms = cuda_ms(backward, repeats)
+        with side_stream_spans(backend) as spans:
+            backward_ms = cuda_ms(backward, repeats)
         row["forward_backward_ms"] = backward_ms
         if plain_backward is None:
             plain_backward = backward_ms
-        if backend is not None and backend.timings:
-            side_ms = (
-                sum(e0.elapsed_time(e1) + c0.elapsed_time(c1) for e0, e1, c0, c1 in backend.timings)
-                / repeats
-            )
+        if spans:
+            side_ms = sum(start.elapsed_time(end) for start, end in spans) / repeats
             exposed = max(0.0, backward_ms - plain_backward)
             row["encode_copy_ms"] = side_ms
             row["hidden_share"] = 1 - min(1.0, exposed / side_ms) if side_ms else None
-            backend.timings = None
         rows.append(row)
         if manager is not None:
             manager.remove_hooks()

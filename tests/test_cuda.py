@@ -1,10 +1,13 @@
 """The CUDA backend against plain PyTorch on a GPU; skipped where CUDA is absent.
 
-These have not run on a GPU yet (see the README): the CI machines have none.
+These have not run on a GPU yet (see the README): the CI machines have none, and no task
+was lent one since they were written. perf/gpu_check.sh runs them, also under
+TORCH_CUDA_SANITIZER=1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -150,3 +153,115 @@ def test_device_memory_after_backward_and_at_the_fused_step() -> None:
     manager.step(cached_opt)
     step_cached = torch.cuda.max_memory_allocated()
     assert step_cached < step_plain
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@pytest.fixture
+def no_host_wait_in_hooks(monkeypatch: pytest.MonkeyPatch):
+    """Event/Stream.synchronize and pinned allocation raise inside backward (the calls
+    `set_sync_debug_mode("error")` does not check)."""
+
+    def guard(original):
+        def guarded(*args, **kwargs):
+            if in_backward():
+                raise AssertionError(f"{original.__qualname__} inside a backward hook")
+            return original(*args, **kwargs)
+
+        return guarded
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", guard(torch.cuda.Event.synchronize))
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", guard(torch.cuda.Stream.synchronize))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", guard(torch.Tensor.pin_memory))
+    empty = torch.empty
+
+    def unpinned_empty(*args, **kwargs):
+        if kwargs.get("pin_memory") and in_backward():
+            raise AssertionError("pinned host memory allocated inside a backward hook")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", unpinned_empty)
+    yield
+
+
+def backward_raising_on_syncs(loss: torch.Tensor) -> None:
+    """``loss.backward()`` with every synchronising call PyTorch knows of raising."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(compression_ratio=1),
+        dict(compression_ratio=100, min_compress_numel=1),
+        dict(compression_ratio=100, min_compress_numel=1, error_feedback=True),
+        dict(
+            compression_ratio=100,
+            min_compress_numel=1,
+            error_feedback=True,
+            residual_location="device",
+        ),
+    ],
+    ids=["lossless", "topk", "ef-host", "ef-device"],
+)
+def test_backward_hooks_never_wait_on_the_host(options: dict, no_host_wait_in_hooks) -> None:
+    model = ManyThinLayers(width=256, depth=8).cuda()
+    manager = gradient_cache.create_gradient_cache(model, bucket_size_mb=0.25, **options)
+    x = torch.randn(64, 256, device="cuda")
+    for micro_batches in (1, 3):  # accumulation reads slots the host has not waited for
+        for _ in range(micro_batches):
+            backward_raising_on_syncs(model(x).square().mean())
+        manager.apply_gradients()  # the drain: the one place the host waits
+        model.zero_grad()
+
+
+SLEEP_CYCLES = 2_000_000  # about a millisecond: long enough to expose a missing wait
+
+
+@pytest.mark.parametrize("ratio", [1, 100])
+def test_widened_race_windows_still_give_the_reference_result(
+    monkeypatch: pytest.MonkeyPatch, ratio: int
+) -> None:
+    """Sleep kernels delay the compute stream before each launch, the encode stream before
+    its encode and the copy stream after its copies: a missing wait then reads stale data."""
+    torch.manual_seed(0)
+    reference = ManyThinLayers(width=256, depth=16).cuda()
+    slowed = copy.deepcopy(reference)
+    options = dict(compression_ratio=ratio, min_compress_numel=1, bucket_size_mb=0.25)
+    ref_manager = gradient_cache.create_gradient_cache(reference, **options)
+    manager = gradient_cache.create_gradient_cache(slowed, **options)
+    backend = manager._pipeline.backend
+    encoding, store = backend.encoding, backend.store
+
+    @contextlib.contextmanager
+    def slow_encoding(reads_host):
+        torch.cuda._sleep(SLEEP_CYCLES)  # on the compute stream, before the encode's wait
+        with encoding(reads_host):
+            torch.cuda._sleep(SLEEP_CYCLES)  # on the encode stream
+            yield
+
+    def slow_store(bucket, encoded, grads) -> None:
+        store(bucket, encoded, grads)
+        with torch.cuda.stream(backend.copy_stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+
+    monkeypatch.setattr(backend, "encoding", slow_encoding)
+    monkeypatch.setattr(backend, "store", slow_store)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (reference, slowed)]
+    for step in range(6):
+        x = torch.randn(
+            256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step)
+        )
+        for model, cache, optimizer in zip(
+            (reference, slowed), (ref_manager, manager), optimizers, strict=True
+        ):
+            model(x).square().mean().backward()
+            cache.step(optimizer) if step % 2 else (cache.apply_gradients(), optimizer.step())
+            optimizer.zero_grad()
+    assert_same_parameters(reference, slowed)
