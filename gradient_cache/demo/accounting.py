@@ -11,9 +11,9 @@ weakref drops it when it is freed) and, after each operator, takes
 so the figures mean what they would on a GPU. `device_memory_meter` picks the meter.
 
 Limits of the CPU tracker: it sees operators run on the thread that entered it, only
-storages that an operator touched or that
-it was told about (parameters, gradients, optimizer state, the cache's tensors), and not
-the scratch memory an operator frees before it returns.
+storages that an operator touched or that it was told about (parameters, gradients,
+optimizer state, the cache's tensors), and not the scratch memory an operator frees before
+it returns.
 """
 
 from __future__ import annotations
