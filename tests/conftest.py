@@ -106,3 +106,20 @@ def assert_same_parameters(left: nn.Module, right: nn.Module, *, atol: float = 0
 def twin_models() -> tuple[TiedLM, TiedLM]:
     model = make_model()
     return model, copy.deepcopy(model)
+
+
+class FailsOnce:
+    """Once armed, makes the ``nth`` next ``optimizer.step()`` raise before changing anything."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.calls = 0
+        self.fail_at = None
+        optimizer.register_step_pre_hook(self)
+
+    def arm(self, nth: int) -> None:
+        self.fail_at = self.calls + nth
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise torch.OutOfMemoryError("injected: out of memory")

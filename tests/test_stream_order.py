@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_parameters, batches, loss_of, make_model, train
+from conftest import FailsOnce, assert_same_parameters, batches, loss_of, make_model, train
 from stream_checker import FakeCuda, StreamChecker
 
 import gradient_cache
@@ -233,23 +233,6 @@ def test_fused_step_with_clipping_matches_apply_and_clip_grad_norm(
         torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
     assert_same_parameters(reference, fused, atol=1e-6)
     fake_cuda.checker.assert_clean()
-
-
-class FailsOnce:
-    """Once armed, makes the ``nth`` next ``optimizer.step()`` raise before changing anything."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.calls = 0
-        self.fail_at = None
-        optimizer.register_step_pre_hook(self)
-
-    def arm(self, nth: int) -> None:
-        self.fail_at = self.calls + nth
-
-    def __call__(self, optimizer, args, kwargs) -> None:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise torch.OutOfMemoryError("injected: out of memory")
 
 
 @pytest.mark.parametrize("nth", [1, 2, 3])

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_parameters, batches, loss_of, make_model, train
+from conftest import FailsOnce, assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
 
@@ -63,13 +63,17 @@ def test_gradients_leave_the_parameters_during_backward() -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+# 64 MiB: no bucket fills, so later micro-batches add into gradients waiting in the open one.
+@pytest.mark.parametrize("bucket_size_mb", [0.004, 64])
 @pytest.mark.parametrize("compress_each_micro_batch", [True, False])
 def test_gradient_accumulation_sums_exactly_when_lossless(
-    compress_each_micro_batch: bool,
+    compress_each_micro_batch: bool, bucket_size_mb: float
 ) -> None:
     plain, cached = make_model(), make_model()
     data = batches(6)
-    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
+    manager = gradient_cache.create_gradient_cache(
+        cached, **LOSSLESS, bucket_size_mb=bucket_size_mb
+    )
     train(plain, data, micro_batches=4)
     train(
         cached,
@@ -303,3 +307,28 @@ def test_grad_scaler_skips_a_step_whose_gradients_overflowed(ratio: int) -> None
     scaler.step(optimizer)
     scaler.update()
     assert not torch.equal(before[0], model[0].weight)  # a finite step goes through
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_failed_fused_step_retried_gives_the_plain_result(clip: float | None) -> None:
+    """CPU backend: the second bucket's optimizer.step() raises once; the retry completes."""
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.Adam(cached.parameters(), lr=1e-2)
+    failure = FailsOnce(cached_opt)
+    for i, (tokens, targets) in enumerate(batches(3)):
+        loss_of(plain, tokens, targets).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        loss_of(cached, tokens, targets).backward()
+        if i == 1:
+            failure.arm(2)
+            with pytest.raises(torch.OutOfMemoryError):
+                manager.step(cached_opt, max_grad_norm=clip)
+            assert manager._pipeline.cached  # the buckets not yet stepped are kept
+        manager.step(cached_opt, max_grad_norm=clip)
+        cached_opt.zero_grad()
+    assert_same_parameters(plain, cached, atol=0 if clip is None else 1e-6)
