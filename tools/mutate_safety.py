@@ -1,0 +1,131 @@
+# ruff: noqa: E501 - the mutants are exact source snippets
+"""Mutation check of the engine's safety mechanisms other than stream waits.
+
+    python tools/mutate_safety.py [PYTHON]     (from the project root)
+
+Each mutant deletes or reorders one mechanism (a rollback, a give-back, a release, a budget
+check, an accumulation) in a copy of the checkout and runs the tests that guard it; every
+mutant must be killed. The stream waits have their own tool: ../shared/tools/mutate_waits.py.
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path.cwd()
+PY = sys.argv[1] if len(sys.argv) > 1 else sys.executable
+MUTANTS = [
+    (
+        "fused step: device gradients put back on failure",
+        "gradient_cache/engine/fused_step.py",
+        "        for param, grad in held.items():\n            param.grad = grad\n        pipeline.interrupted_clip",
+        "        pipeline.interrupted_clip",
+        "tests/test_stream_order.py::test_a_failed_fused_step_retried_gives_the_plain_result",
+    ),
+    (
+        "fused step: clip factor kept for the retry",
+        "gradient_cache/engine/fused_step.py",
+        "        pipeline.interrupted_clip = (total_norm, scale)\n",
+        "",
+        "tests/test_training.py::test_a_failed_fused_step_retried_gives_the_plain_result",
+    ),
+    (
+        "fused step: wait for the prefetched restore before freeing",
+        "gradient_cache/engine/fused_step.py",
+        "            pipeline.backend.finish_restore(restore)  # before its blocks are freed",
+        "            pass",
+        "tests/test_stream_order.py::test_a_failed_fused_step_retried_gives_the_plain_result",
+    ),
+    (
+        "fused step: payloads leave only after their step (take before step)",
+        "gradient_cache/engine/fused_step.py",
+        "            grads = pipeline.backend.finish_restore(ahead.popleft())\n            _step_with(optimizer, grads)\n            bucket.take(params)  # stepped: the payloads are spent",
+        "            grads = pipeline.backend.finish_restore(ahead.popleft())\n            bucket.take(params)\n            _step_with(optimizer, grads)",
+        "tests/test_training.py::test_a_failed_fused_step_retried_gives_the_plain_result",
+    ),
+    (
+        "launch: give gradients back on an encode failure",
+        "gradient_cache/engine/pipeline.py",
+        "            for param, grad in items[len(encoded) :]:\n                param.grad = grad\n",
+        "",
+        "tests/test_engine.py",
+    ),
+    (
+        "launch: commit what was encoded before the failure",
+        "gradient_cache/engine/pipeline.py",
+        "        finally:\n            self._commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])",
+        "        else:\n            self._commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])",
+        "tests/test_engine.py",
+    ),
+    (
+        "cuda: drop the retired bucket's device tensors (memory bound)",
+        "gradient_cache/engine/cuda.py",
+        "            retired.device_tensors = []  # safe now",
+        "            pass  # safe now",
+        "tests/test_stream_order.py::test_device_memory_in_flight_is_bounded_by_the_staging_depth",
+    ),
+    (
+        "budget checked before the pool is allocated",
+        "gradient_cache/engine/pipeline.py",
+        '    check_host_budget(\n        needed, fraction=config.host_memory_fraction, what="the host pool of payload slots"\n    )\n    pool = HostPool(layout, allocate_pinned=allocate if config.pin_memory else None)',
+        '    pool = HostPool(layout, allocate_pinned=allocate if config.pin_memory else None)\n    check_host_budget(\n        needed, fraction=config.host_memory_fraction, what="the host pool of payload slots"\n    )',
+        "tests/test_stream_order.py::test_refused_construction_leaves_no_pinned_memory_or_hook",
+    ),
+    (
+        "cgroup: ancestors' limits count",
+        "gradient_cache/engine/hostmem.py",
+        "        directory = directory.parent",
+        "        return found",
+        "tests/test_engine.py",
+    ),
+    (
+        "accumulation: a waiting gradient is added, not replaced",
+        "gradient_cache/engine/bucket.py",
+        "            self._items[param] = grad.add_(waiting)",
+        "            self._items[param] = grad",
+        "tests/test_training.py",
+    ),
+    (
+        "accumulation: the cached payload joins the next gradient",
+        "gradient_cache/engine/pipeline.py",
+        "            flat = add_into(flat, moved(held.payloads[param], self.backend.to_device))",
+        "            pass",
+        "tests/test_training.py tests/test_stream_order.py",
+    ),
+]
+
+
+def main() -> int:
+    survived = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        work = pathlib.Path(tmp) / "w"
+        shutil.copytree(
+            ROOT, work, ignore=shutil.ignore_patterns(".git", ".venv", "*.pyc", "__pycache__")
+        )
+        for label, rel, old, new, tests in MUTANTS:
+            target = work / rel
+            original = target.read_text()
+            if old not in original:
+                print(f"NOT FOUND: {label}")
+                survived += 1
+                continue
+            target.write_text(original.replace(old, new, 1))
+            r = subprocess.run(
+                [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()],
+                cwd=work,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONPATH": str(work)},
+            )
+            target.write_text(original)
+            last = (r.stdout.strip().splitlines() or ["?"])[-1]
+            survived += r.returncode == 0
+            print(f"{'killed' if r.returncode else 'SURVIVED'}: {label} [{tests}] -> {last}")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
