@@ -63,7 +63,7 @@ class Pipeline:
         # Each compressed parameter's error-feedback residual: a device tensor, or its
         # host slot, which the backend rewrites (`Backend.host_residuals`).
         self.residuals: dict[torch.nn.Parameter, torch.Tensor] = self.backend.host_residuals()
-        self._residuals_on_host = bool(self.residuals)
+        self._host_residuals = set(self.residuals)
         self.assembler = BucketAssembler(config.bucket_size_bytes)
         self.buckets: list[Bucket] = []  # launched, in arrival order
         self.cached: dict[torch.nn.Parameter, Bucket] = {}  # where each payload is
@@ -93,7 +93,7 @@ class Pipeline:
         counted twice, and the next restore adds the cached part to them.
         """
         bucket = Bucket()
-        reads_host = [p for p, _ in items if p in self.cached or p in self._host_residual_params]
+        reads_host = [p for p, _ in items if p in self.cached or p in self._host_residuals]
         encoded: list[Encoded] = []
         try:
             with self.backend.encoding(reads_host):
@@ -105,10 +105,6 @@ class Pipeline:
             raise
         finally:
             self._commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])
-
-    @property
-    def _host_residual_params(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        return self.residuals if self._residuals_on_host else {}
 
     def _encode(self, param: torch.nn.Parameter, grad: torch.Tensor) -> Encoded:
         """Runs where the backend's `encoding` puts it; reads but never changes cached state."""
@@ -123,7 +119,7 @@ class Pipeline:
             residual = self.residuals.get(param)
             if residual is None:
                 residual = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-            else:
+            elif param in self._host_residuals:
                 residual = self.backend.to_device(residual)
         payload, new_residual = self.encoder.encode(flat, residual)
         return Encoded(param, payload, new_residual)
@@ -138,7 +134,7 @@ class Pipeline:
             if previous is not None:
                 del previous.payloads[item.param]
             self.cached[item.param] = bucket
-            if item.residual is not None and not self._residuals_on_host:
+            if item.residual is not None and item.param not in self._host_residuals:
                 self.residuals[item.param] = item.residual
         self.buckets = [b for b in self.buckets if len(b)]
         self.buckets.append(bucket)
