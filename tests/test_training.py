@@ -332,3 +332,32 @@ def test_a_failed_fused_step_retried_gives_the_plain_result(clip: float | None) 
         manager.step(cached_opt, max_grad_norm=clip)
         cached_opt.zero_grad()
     assert_same_parameters(plain, cached, atol=0 if clip is None else 1e-6)
+
+
+def test_fused_steps_of_two_optimizers_each_restore_only_their_own_parameters() -> None:
+    """Buckets are restored in parts: step(opt1) leaves opt2's gradients cached."""
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
+
+    def two_optimizers(model):
+        mlp = list(model.mlp.parameters())
+        rest = [p for p in model.parameters() if all(p is not q for q in mlp)]
+        return torch.optim.Adam(mlp, lr=1e-2), torch.optim.SGD(rest, lr=0.1)
+
+    plain_opts, cached_opts = two_optimizers(plain), two_optimizers(cached)
+    for tokens, targets in batches(3):
+        loss_of(plain, tokens, targets).backward()
+        norms = [
+            torch.nn.utils.clip_grad_norm_(o.param_groups[0]["params"], 0.05) for o in plain_opts
+        ]
+        for optimizer in plain_opts:
+            optimizer.step()
+            optimizer.zero_grad()
+        loss_of(cached, tokens, targets).backward()
+        first = manager.step(cached_opts[0], max_grad_norm=0.05)
+        still_cached = set(manager._pipeline.cached)
+        assert still_cached == set(cached_opts[1].param_groups[0]["params"])
+        second = manager.step(cached_opts[1], max_grad_norm=0.05)
+        assert not manager._pipeline.cached
+        torch.testing.assert_close(torch.stack([first, second]), torch.stack(norms))
+    assert_same_parameters(plain, cached, atol=1e-6)
