@@ -13,13 +13,16 @@ import torch
 
 from .demo.models import GPT_SIZES
 from .demo.report import check_matplotlib, format_table, report_dict, write_json, write_plot
-from .demo.run import DemoSettings, run_demo
+from .demo.run import LEARNING_RATE, DemoSettings, run_demo
 from .engine.hostmem import HostMemoryError
 
 DEVICES = ("auto", "cpu", "cuda")
 # Chosen so that the defaults finish in under 2 minutes on a 2-core CPU.
 DEFAULT_STEPS = 50
 DEFAULT_MODEL_SIZE = "small"
+# A lost or doubled gradient moves a weight by about the learning rate in one AdamW step;
+# rounding differences stay far below that (4.9e-5 after 10 steps, the largest seen).
+LOSSLESS_TOLERANCE = LEARNING_RATE / 10
 # torch seeds are 64-bit; the validation batches use seed + 1.
 MAX_SEED = 2**63 - 1
 
@@ -62,13 +65,26 @@ def _demo(args: argparse.Namespace, *, device: torch.device, out: Path) -> int:
     write_plot(result, out / "report.png")
     print(format_table(result))
     print(f"\nWrote {out / 'report.json'} and {out / 'report.png'}.")
-    difference = report["lossless_max_abs_weight_diff"]
-    if difference != 0 and device.type == "cpu":
-        # CPU kernels are deterministic, so a lossless offload must change nothing. On CUDA
-        # some backward kernels accumulate with atomics: two plain runs may differ there too.
+    return check_lossless(report["lossless_max_abs_weight_diff"])
+
+
+def check_lossless(difference: float) -> int:
+    """Say how far the lossless run ended from plain PyTorch; 1 if beyond rounding."""
+    if difference == 0:
+        print("The lossless cache (r=1) ended bit for bit on plain PyTorch's weights.")
+    elif difference <= LOSSLESS_TOLERANCE:
+        # Last-bit differences: CUDA backward kernels that accumulate with atomics, or CPU
+        # kernels whose rounding depends on memory alignment, compounded by AdamW.
+        print(
+            f"The lossless cache (r=1) ended {difference:.3g} away from plain PyTorch's "
+            f"weights: within the {LOSSLESS_TOLERANCE:g} that kernel rounding can explain "
+            "(docs/ARCHITECTURE.md, Traps)."
+        )
+    else:
         return _fail(
             f"the lossless cache (r=1) ended {difference:.3g} away from plain PyTorch's "
-            "weights; it should match them exactly. Please report this."
+            f"weights, more than the {LOSSLESS_TOLERANCE:g} that kernel rounding can explain; "
+            "a gradient was lost or applied twice. Please report this."
         )
     return 0
 

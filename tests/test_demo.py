@@ -227,3 +227,19 @@ def test_progress_bar_writes_a_line_per_quarter_elsewhere() -> None:
         "75/100",
         "100/100",
     ]
+
+
+@pytest.mark.parametrize(
+    ("difference", "status", "says"),
+    [
+        (0.0, 0, "bit for bit"),
+        (4.86e-05, 0, "within the 0.0001 that kernel rounding can explain"),
+        (3e-3, 1, "a gradient was lost or applied twice"),
+    ],
+)
+def test_lossless_check_reports_rounding_and_fails_beyond_it(
+    difference: float, status: int, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.check_lossless(difference) == status
+    captured = capsys.readouterr()
+    assert says in captured.out + captured.err
