@@ -53,6 +53,18 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> to
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+# Bit-for-bit comparisons need one intra-op thread count: LayerNorm's CPU backward sums
+# per-thread partial results, so other counts give other bits (4e-5 after 10 AdamW steps).
+# Lightning's launcher may lower the process-wide count; every test starts from this one.
+THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def fixed_thread_count():
+    torch.set_num_threads(THREADS)
+    yield
+
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 

@@ -56,6 +56,9 @@ class DemoSettings:
     model_size: str
     device: torch.device
     seed: int
+    # Every run uses the parent's intra-op thread count: a CPU kernel that sums per-thread
+    # partial results (LayerNorm's backward does) gives other bits with other counts.
+    threads: int = field(default_factory=torch.get_num_threads)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +222,7 @@ def measured_steps(steps: int, device: torch.device) -> list[int]:
 
 def _train(name: str, ratio: float | None, settings: DemoSettings) -> RunResult:
     """One run, in its own process: train, evaluate, and hand back figures and weights."""
+    torch.set_num_threads(settings.threads)
     device = settings.device
     config = GPT_SIZES[settings.model_size]
     train_tokens, val_tokens = byte_corpus()

@@ -28,7 +28,9 @@ def step(
 ) -> torch.Tensor | None:
     """Restore and step bucket by bucket; see GradientCacheHookManager.step."""
     pipeline.drain()
-    owned = {p for group in optimizer.param_groups for p in group["params"]}
+    # A dict, not a set: its order (the optimizer's) fixes the order norms are summed in,
+    # so the clip factor has the same bits in every process.
+    owned = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
     retry = pipeline.interrupted_clip is not None
     if not retry:
         pipeline.record_step([p for p in pipeline.cached if p in owned])
@@ -88,7 +90,7 @@ def _step_with(
 
 def _clip_scale(
     pipeline: Pipeline,
-    owned: set[torch.nn.Parameter],
+    owned: dict[torch.nn.Parameter, None],
     held: dict[torch.nn.Parameter, torch.Tensor],
     max_grad_norm: float | None,
     norm_type: float,
