@@ -32,14 +32,6 @@ class Slot:
     indices: torch.Tensor | None  # compressed only: keep_count indices
     residual: torch.Tensor | None  # fp32 numel, when the residual lives on the host
 
-    @property
-    def nbytes(self) -> int:
-        return sum(_nbytes(t) for t in (self.values, self.indices, self.residual) if t is not None)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
