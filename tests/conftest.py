@@ -135,3 +135,34 @@ class FailsOnce:
         self.calls += 1
         if self.calls == self.fail_at:
             raise torch.OutOfMemoryError("injected: out of memory")
+
+
+def train_through_a_failed_step(
+    plain: nn.Module,
+    cached: nn.Module,
+    manager: gradient_cache.GradientCacheHookManager,
+    *,
+    nth: int,
+    clip: float | None,
+) -> None:
+    """Three Adam steps, plain against the cache's fused step. In the second, the cache's
+    ``nth`` ``optimizer.step()`` raises once; the user calls ``step`` again."""
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.Adam(cached.parameters(), lr=1e-2)
+    failure = FailsOnce(cached_opt)
+    for i, (tokens, targets) in enumerate(batches(3)):
+        loss_of(plain, tokens, targets).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        loss_of(cached, tokens, targets).backward()
+        if i == 1:
+            failure.arm(nth)
+            with pytest.raises(torch.OutOfMemoryError):
+                manager.step(cached_opt, max_grad_norm=clip)
+            # What was not stepped is kept: cached buckets, or device gradients put back.
+            kept = any(p.grad is not None for p in cached.parameters())
+            assert manager._pipeline.cached or kept
+        manager.step(cached_opt, max_grad_norm=clip)
+        cached_opt.zero_grad()

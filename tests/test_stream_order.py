@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FailsOnce, assert_same_parameters, batches, loss_of, make_model, train
+from conftest import (
+    assert_same_parameters,
+    batches,
+    loss_of,
+    make_model,
+    train,
+    train_through_a_failed_step,
+)
 from stream_checker import FakeCuda, StreamChecker
 
 import gradient_cache
@@ -245,22 +252,7 @@ def test_a_failed_fused_step_retried_gives_the_plain_result(
     manager = gradient_cache.create_gradient_cache(
         cached, compression_ratio=1, bucket_size_mb=SMALL, exclude_layers=["norm"]
     )
-    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
-    cached_opt = torch.optim.Adam(cached.parameters(), lr=1e-2)
-    failure = FailsOnce(cached_opt)
-    for i, (tokens, targets) in enumerate(batches(3)):
-        loss_of(plain, tokens, targets).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
-        plain_opt.step()
-        plain_opt.zero_grad()
-        loss_of(cached, tokens, targets).backward()
-        if i == 1:
-            failure.arm(nth)
-            with pytest.raises(torch.OutOfMemoryError):
-                manager.step(cached_opt, max_grad_norm=clip)
-        manager.step(cached_opt, max_grad_norm=clip)
-        cached_opt.zero_grad()
+    train_through_a_failed_step(plain, cached, manager, nth=nth, clip=clip)
     assert_same_parameters(plain, cached, atol=0 if clip is None else 1e-6)
     fake_cuda.checker.assert_clean()
 

@@ -6,7 +6,14 @@ import copy
 
 import pytest
 import torch
-from conftest import FailsOnce, assert_same_parameters, batches, loss_of, make_model, train
+from conftest import (
+    assert_same_parameters,
+    batches,
+    loss_of,
+    make_model,
+    train,
+    train_through_a_failed_step,
+)
 
 import gradient_cache
 
@@ -314,23 +321,7 @@ def test_a_failed_fused_step_retried_gives_the_plain_result(clip: float | None) 
     """CPU backend: the second bucket's optimizer.step() raises once; the retry completes."""
     plain, cached = make_model(), make_model()
     manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
-    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
-    cached_opt = torch.optim.Adam(cached.parameters(), lr=1e-2)
-    failure = FailsOnce(cached_opt)
-    for i, (tokens, targets) in enumerate(batches(3)):
-        loss_of(plain, tokens, targets).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
-        plain_opt.step()
-        plain_opt.zero_grad()
-        loss_of(cached, tokens, targets).backward()
-        if i == 1:
-            failure.arm(2)
-            with pytest.raises(torch.OutOfMemoryError):
-                manager.step(cached_opt, max_grad_norm=clip)
-            assert manager._pipeline.cached  # the buckets not yet stepped are kept
-        manager.step(cached_opt, max_grad_norm=clip)
-        cached_opt.zero_grad()
+    train_through_a_failed_step(plain, cached, manager, nth=2, clip=clip)
     assert_same_parameters(plain, cached, atol=0 if clip is None else 1e-6)
 
 

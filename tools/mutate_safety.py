@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path.cwd()
-PY = sys.argv[1] if len(sys.argv) > 1 else sys.executable
+PY = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else sys.executable
 MUTANTS = [
     (
         "fused step: device gradients put back on failure",
