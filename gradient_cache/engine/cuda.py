@@ -34,7 +34,7 @@ import torch
 from ..compression import DensePayload, Payload, SparsePayload, fill_from, moved
 from .backend import Backend, Encoded, Items, Restore
 from .bucket import Bucket
-from .pool import HostPool
+from .pool import HostPool, Slot
 
 
 class CudaBackend(Backend):
@@ -120,14 +120,14 @@ class CudaBackend(Backend):
             self._unwaited[item.param] = copied
         self._in_flight.append(bucket)
 
-    def _copy_payload(self, payload: Payload, slot) -> Payload:
+    def _copy_payload(self, payload: Payload, slot: Slot) -> Payload:
         """Issue the D2H copies of ``payload`` into ``slot`` on the current (copy) stream."""
-        blocking = not self.pool.pinned
+        pinned = self.pool.pinned  # pageable memory: the copy blocks the host
         if isinstance(payload, DensePayload):
-            return DensePayload(slot.values.copy_(payload.tensor, non_blocking=not blocking))
+            return DensePayload(slot.values.copy_(payload.tensor, non_blocking=pinned))
         kept = payload.values.numel()  # exact selection: always the slot's size
-        values = slot.values[:kept].copy_(payload.values, non_blocking=not blocking)
-        indices = slot.indices[:kept].copy_(payload.indices, non_blocking=not blocking)
+        values = slot.values[:kept].copy_(payload.values, non_blocking=pinned)
+        indices = slot.indices[:kept].copy_(payload.indices, non_blocking=pinned)
         return SparsePayload(values, indices, payload.numel)
 
     def wait(self) -> None:
