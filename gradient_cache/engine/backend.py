@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..compression import DensePayload, Payload, fill_from
-from .bucket import Bucket
+from .bucket import Bucket, Items
 
 
 @dataclass
@@ -35,9 +35,6 @@ class Restore:
 
     grads: list[tuple[torch.nn.Parameter, torch.Tensor]]
     done: Any = None  # the backend's event: the gradients are written
-
-
-Items = Sequence[tuple[torch.nn.Parameter, Payload]]
 
 
 def scaled(grad: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -38,9 +38,7 @@ class Bucket:
         self.device_tensors: list[torch.Tensor] = []
         self.copied: Any = None  # the backend's event: payloads complete in host memory
 
-    def take(
-        self, params: Iterable[torch.nn.Parameter]
-    ) -> list[tuple[torch.nn.Parameter, Payload]]:
+    def take(self, params: Iterable[torch.nn.Parameter]) -> Items:
         """Remove and return the payloads of ``params`` (all of them must be here)."""
         return [(param, self.payloads.pop(param)) for param in params]
 
@@ -78,6 +76,3 @@ class BucketAssembler:
         """Return the partial bucket's items (None if empty) and start a new one."""
         items, self._items, self._bytes = list(self._items.items()), {}, 0
         return items or None
-
-    def __contains__(self, param: torch.nn.Parameter) -> bool:
-        return param in self._items

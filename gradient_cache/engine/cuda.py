@@ -32,8 +32,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..compression import DensePayload, Payload, SparsePayload, fill_from, moved
-from .backend import Backend, Encoded, Items, Restore
-from .bucket import Bucket
+from .backend import Backend, Encoded, Restore
+from .bucket import Bucket, Items
 from .pool import HostPool, Slot
 
 

@@ -70,7 +70,7 @@ def step(
         pipeline.interrupted_clip = (total_norm, scale)
         raise
     finally:
-        pipeline.buckets = [b for b in pipeline.buckets if len(b)]
+        pipeline.drop_empty_buckets()
     pipeline.interrupted_clip = None
     return total_norm
 

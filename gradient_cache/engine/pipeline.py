@@ -136,7 +136,7 @@ class Pipeline:
             self.cached[item.param] = bucket
             if item.residual is not None and item.param not in self._host_residuals:
                 self.residuals[item.param] = item.residual
-        self.buckets = [b for b in self.buckets if len(b)]
+        self.drop_empty_buckets()
         self.buckets.append(bucket)
 
     def _compresses(self, param: torch.nn.Parameter) -> bool:
@@ -179,6 +179,10 @@ class Pipeline:
             for param, grad in self.backend.finish_restore(restore):
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
                 del self.cached[param]
+        self.drop_empty_buckets()
+
+    def drop_empty_buckets(self) -> None:
+        """Forget buckets whose payloads were all restored or moved on (accumulation)."""
         self.buckets = [b for b in self.buckets if len(b)]
 
     # --- bookkeeping --------------------------------------------------------------
