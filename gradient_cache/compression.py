@@ -6,6 +6,7 @@ Everything here is plain tensor code that runs on whatever device its input live
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,7 +56,45 @@ class SparsePayload:
         )
 
 
-Payload = DensePayload | SparsePayload
+@dataclass
+class QuantizedPayload:
+    """Kept entries stored as int8 codes with a per-block scale (`int8_blocks_encode`).
+
+    ``indices`` None: every entry, in order (a dense gradient); else as `SparsePayload`.
+    """
+
+    packed: torch.Tensor  # uint8: `int8_blocks_encode` of the kept values
+    indices: torch.Tensor | None
+    numel: int
+    count: int  # values packed
+    dtype: torch.dtype  # the gradient's
+
+    @property
+    def nbytes(self) -> int:
+        index_bytes = (
+            0 if self.indices is None else self.indices.numel() * self.indices.element_size()
+        )
+        return self.packed.numel() + index_bytes
+
+
+Payload = DensePayload | SparsePayload | QuantizedPayload
+
+
+class DeviceGenerators:
+    """One seeded generator per device, so random draws never touch the global RNG."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def uniform_like(self, x: torch.Tensor) -> torch.Tensor:
+        """Uniform noise in [0, 1) shaped like ``x``, on its device, in fp32."""
+        return torch.rand(x.shape, generator=self(x.device), device=x.device)
 
 
 def keep_count(numel: int, ratio: float) -> int:
@@ -82,8 +121,7 @@ class TopKSelector:
         if method not in SELECTIONS:
             raise ValueError(f"Invalid selection: {method!r}; expected one of {list(SELECTIONS)}.")
         self.method = method
-        self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._generators = DeviceGenerators(seed)
         self._abs_buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._mask_buffers: dict[torch.device, torch.Tensor] = {}
 
@@ -119,7 +157,7 @@ class TopKSelector:
         high = math.ceil(k * (1 + THRESHOLD_TOLERANCE))
         sample_size = self._sample_size(n, k)
         positions = torch.randint(
-            n, (sample_size,), generator=self._generator(flat.device), device=flat.device
+            n, (sample_size,), generator=self._generators(flat.device), device=flat.device
         )
         sample = flat.index_select(0, positions).abs_()  # index_select: ~2x faster than []
         if not bool(sample.amax() < math.inf):  # amax propagates NaN
@@ -170,11 +208,6 @@ class TopKSelector:
     def _sample_size(n: int, k: int) -> int:
         return min(n, max(_MIN_SAMPLE, math.ceil(_SAMPLE_HITS * n / k)))
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
-        return self._generators[device]
-
     @staticmethod
     def _scratch(
         cache: dict,
@@ -204,42 +237,224 @@ def _true_positions(mask: torch.Tensor) -> torch.Tensor:
     return hit_words.index_select(0, hit_bytes >> 3) * 8 + (hit_bytes & 7)
 
 
+RESIDUAL_DTYPES = ("float32", "bfloat16", "int8")
+# Entries per scale of the int8 residual: 64 keeps the scales at 1/16 of the int8 bytes.
+INT8_BLOCK = 64
+
+
+def int8_blocks_bytes(numel: int) -> int:
+    """Bytes of `int8_blocks_encode`'s output: a code per entry in whole blocks, a scale each."""
+    blocks = -(-numel // INT8_BLOCK)
+    return blocks * INT8_BLOCK + 4 * blocks
+
+
+def int8_blocks_encode(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Flat fp32 ``x`` as int8 codes per block of `INT8_BLOCK`, times the block's scale.
+
+    The scale is the block's largest magnitude / 127; ``noise`` (uniform in [0, 1), like
+    ``x``) rounds each code stochastically, so decoding is unbiased and off by less than
+    the scale. Codes and fp32 scales are packed into one uint8 tensor.
+    """
+    numel = x.numel()
+    blocks = -(-numel // INT8_BLOCK)
+    padded = torch.nn.functional.pad(x, (0, blocks * INT8_BLOCK - numel)).view(blocks, INT8_BLOCK)
+    scales = padded.abs().amax(dim=1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    noise = torch.nn.functional.pad(noise, (0, blocks * INT8_BLOCK - numel))
+    # |x / s| <= 127 and noise < 1, so floor stays within [-127, 127].
+    codes = torch.floor(padded / safe.unsqueeze(1) + noise.view(blocks, INT8_BLOCK))
+    packed = torch.empty(int8_blocks_bytes(numel), dtype=torch.uint8, device=x.device)
+    packed[: blocks * INT8_BLOCK].view(torch.int8).copy_(codes.view(-1))
+    packed[blocks * INT8_BLOCK :].view(torch.float32).copy_(scales)
+    return packed
+
+
+def int8_blocks_decode(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The fp32 values `int8_blocks_encode` packed (a new tensor)."""
+    blocks = -(-numel // INT8_BLOCK)
+    codes = packed[: blocks * INT8_BLOCK].view(torch.int8).view(blocks, INT8_BLOCK)
+    scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
+    return (codes.float() * scales.unsqueeze(1)).reshape(-1)[:numel]
+
+
+class ResidualCodec:
+    """How an error-feedback residual is stored between steps: fp32, bf16 or int8.
+
+    The residual is computed in fp32 and stored as one flat tensor (``stored_shape``):
+    ``"float32"`` as it is (4 bytes an entry); ``"bfloat16"`` rounded stochastically
+    (2 bytes); ``"int8"`` as blocks of `INT8_BLOCK` entries, each an int8 code times the
+    block's fp32 scale (its largest magnitude / 127), rounded stochastically, packed with
+    the scales into one uint8 tensor (1.0625 bytes). Stochastic rounding keeps the stored
+    residual unbiased: ``E[decode(encode(x))] == x``, so what compression holds back
+    drifts by no systematic amount, however small each step's addition is.
+    Error bounds per entry: bf16 below one bf16 unit in the last place of the entry,
+    int8 below its block's scale.
+
+    Random draws come from the codec's own generator (seeded), never the global one.
+    """
+
+    def __init__(self, dtype: str, *, seed: int = 0) -> None:
+        if dtype not in RESIDUAL_DTYPES:
+            raise ValueError(
+                f"Invalid residual_dtype: {dtype!r}; expected one of {list(RESIDUAL_DTYPES)}."
+            )
+        self.dtype = dtype
+        self._generators = DeviceGenerators(seed)
+
+    def stored_shape(self, numel: int) -> tuple[int, torch.dtype]:
+        """(numel, dtype) of the flat tensor that stores a residual of ``numel`` entries."""
+        if self.dtype == "float32":
+            return numel, torch.float32
+        if self.dtype == "bfloat16":
+            return numel, torch.bfloat16
+        return int8_blocks_bytes(numel), torch.uint8
+
+    def stored_bytes(self, numel: int) -> int:
+        count, dtype = self.stored_shape(numel)
+        return count * torch.empty((), dtype=dtype).element_size()
+
+    def zeros(self, numel: int, device: torch.device) -> torch.Tensor:
+        count, dtype = self.stored_shape(numel)
+        return torch.zeros(count, dtype=dtype, device=device)  # all-zero bytes decode to 0
+
+    def decode(self, stored: torch.Tensor, numel: int) -> torch.Tensor:
+        """The fp32 residual (a new tensor when stored in another dtype)."""
+        if self.dtype != "int8":
+            return stored.float()
+        return int8_blocks_decode(stored, numel)
+
+    def encode(self, residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` (flat fp32, which this may overwrite) in its stored form."""
+        if self.dtype == "float32":
+            return residual
+        noise = self._generators.uniform_like(residual)
+        if self.dtype == "bfloat16":
+            # Adding uniform noise below the 16 bits bf16 drops, then truncating, rounds
+            # up with probability equal to the dropped fraction (on the magnitude: the
+            # sign bit is untouched, so negative values round without bias too).
+            bits = residual.view(torch.int32)
+            bits.add_((noise * 65536).to(torch.int32)).bitwise_and_(-65536)
+            return residual.to(torch.bfloat16)  # exact: the low 16 bits are zero
+        return int8_blocks_encode(residual, noise)
+
+
+class Int8Quantizer:
+    """Stores a payload's values as `int8_blocks_encode` codes: about a quarter of fp32.
+
+    Rounding is stochastic (unbiased), from the quantizer's own seeded generator.
+    """
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self._generators = DeviceGenerators(seed)
+
+    def quantize(self, payload: DensePayload | SparsePayload) -> QuantizedPayload:
+        if isinstance(payload, DensePayload):
+            values, indices, numel = payload.tensor, None, payload.tensor.numel()
+        else:
+            values, indices, numel = payload.values, payload.indices, payload.numel
+        wide = values.float()
+        packed = int8_blocks_encode(wide, self._generators.uniform_like(wide))
+        return QuantizedPayload(packed, indices, numel, values.numel(), values.dtype)
+
+
 class TopKEncoder:
     """Encodes flat gradients at a fixed ratio, with optional error feedback.
 
     Error feedback keeps, per tensor, the residual ``r``: each step encodes ``g + r`` and
     sets ``r`` to what was not sent, so what is delivered plus the new residual always
-    equals the gradients seen plus the old residual. NaN and inf outrank every finite
-    magnitude, so they are always kept and delivered (GradScaler sees them and skips the
-    step); they reset that tensor's residual to zero.
+    equals the gradients seen plus the old residual (exactly in fp32; on average with a
+    bf16 or int8 residual, whose rounding is stochastic). NaN and inf outrank every
+    finite magnitude, so they are always kept and delivered (GradScaler sees them and
+    skips the step); they reset that tensor's residual to zero.
     """
 
-    def __init__(self, *, ratio: float, selection: str, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        ratio: float,
+        selection: str,
+        residual_dtype: str = "float32",
+        residual_decay: float = 1.0,
+        release_fraction: float = 1.0,
+        seed: int = 0,
+    ) -> None:
         self.ratio = ratio
         self.selector = TopKSelector(method=selection, seed=seed)
+        self.residual_codec = ResidualCodec(residual_dtype, seed=seed)
+        self.residual_decay = residual_decay
+        self.release_fraction = release_fraction
 
     def encode(
-        self, flat: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        flat: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        *,
+        loss_scale: torch.Tensor | None = None,
     ) -> tuple[SparsePayload, torch.Tensor | None]:
-        """The payload of ``flat`` (plus ``residual``) and the new residual.
+        """The payload of ``flat`` (plus ``residual``, stored form) and the new residual.
 
         ``residual`` is read, never written: the new one is a fresh tensor, so a failure
         halfway (an out-of-memory error, say) leaves the old residual as it was.
+        ``loss_scale`` (a GradScaler's current scale, a 0-dim tensor): ``flat`` is scaled
+        by it, so the residual is kept unscaled, multiplied by the scale of the gradient
+        it joins and divided by it again when stored. A scale change then leaves the
+        held-back gradient's weight as it was.
         """
         k = keep_count(flat.numel(), self.ratio)
-        source = flat if residual is None else residual + flat  # fp32 with a residual
+        source = flat
+        if residual is not None:  # fp32, a new tensor
+            held = self.residual_codec.decode(residual, flat.numel())
+            if self.residual_decay != 1:
+                held.mul_(self.residual_decay)
+            if loss_scale is not None:
+                held.mul_(loss_scale)
+            source = held + flat
         indices = self.selector.select(source, k)
         selected = source.index_select(0, indices)
-        values = selected.to(flat.dtype)
-        if residual is not None:
-            # What rounding to the gradient's dtype lost stays in the residual too.
-            source.index_put_((indices,), selected - values.to(source.dtype))
-            # Non-finite input is always among the selected entries (see `select`). Such a
-            # step is skipped or ruined, so the residual restarts from zero. The 0-dim mask
-            # stays on the device: no host sync, which would stall backward on a GPU.
-            source.masked_fill_(~torch.isfinite(selected).all(), 0)
+        sent = (
+            selected
+            if residual is None or self.release_fraction == 1
+            else selected * self.release_fraction
+        )
+        values = sent.to(flat.dtype)
         payload = SparsePayload(values, indices.to(index_dtype(flat.numel())), flat.numel())
-        return payload, (None if residual is None else source)
+        if residual is None:
+            return payload, None
+        # What rounding to the gradient's dtype lost stays in the residual too.
+        source.index_put_((indices,), selected - values.to(source.dtype))
+        # Non-finite input is always among the selected entries (see `select`). Such a
+        # step is skipped or ruined, so the residual restarts from zero. The 0-dim mask
+        # stays on the device: no host sync, which would stall backward on a GPU.
+        source.masked_fill_(~torch.isfinite(selected).all(), 0)
+        if loss_scale is not None:
+            source.div_(loss_scale)
+        return payload, self.residual_codec.encode(source)
+
+
+def kept_values(payload: Payload) -> torch.Tensor:
+    """The values a payload keeps (decoded if quantized), in its indices' order."""
+    if isinstance(payload, DensePayload):
+        return payload.tensor
+    if isinstance(payload, SparsePayload):
+        return payload.values
+    return int8_blocks_decode(payload.packed, payload.count).to(payload.dtype)
+
+
+def entries_kept(payload: Payload) -> int:
+    if isinstance(payload, DensePayload):
+        return payload.tensor.numel()
+    if isinstance(payload, SparsePayload):
+        return payload.values.numel()
+    return payload.count
+
+
+def payload_tensors(payload: Payload) -> list[torch.Tensor]:
+    """The tensors a payload is made of (what a copy reads, what memory accounting counts)."""
+    if isinstance(payload, DensePayload):
+        return [payload.tensor]
+    if isinstance(payload, SparsePayload):
+        return [payload.values, payload.indices]
+    return [payload.packed] + ([] if payload.indices is None else [payload.indices])
 
 
 def add_into(flat: torch.Tensor, payload: Payload) -> torch.Tensor:
@@ -250,26 +465,35 @@ def add_into(flat: torch.Tensor, payload: Payload) -> torch.Tensor:
     """
     if isinstance(payload, DensePayload):
         return flat.add_(payload.tensor)
-    return flat.index_add(0, payload.indices.long(), payload.values.to(flat.dtype))
+    values = kept_values(payload).to(flat.dtype)
+    if payload.indices is None:
+        return flat + values
+    return flat.index_add(0, payload.indices.long(), values)
 
 
 def fill_from(payload: Payload, out: torch.Tensor) -> torch.Tensor:
     """Overwrite the flat tensor ``out`` with ``payload``'s gradient.
 
-    A dense payload may be in (pinned) host memory: the copy moves it. A sparse one must
-    be on ``out``'s device already.
+    A dense payload may be in (pinned) host memory: the copy moves it. Any other must be
+    on ``out``'s device already.
     """
     if isinstance(payload, DensePayload):
         return out.copy_(payload.tensor, non_blocking=True)
+    values = kept_values(payload).to(out.dtype)
+    if payload.indices is None:
+        return out.copy_(values)
     # Indices are unique, so a copy does: 3x faster than index_add_ on a CPU.
-    return out.zero_().index_copy_(0, payload.indices.long(), payload.values.to(out.dtype))
+    return out.zero_().index_copy_(0, payload.indices.long(), values)
 
 
 def moved(payload: Payload, move: Callable[[torch.Tensor], torch.Tensor]) -> Payload:
     """``payload`` with ``move`` applied to each of its tensors."""
     if isinstance(payload, DensePayload):
         return DensePayload(move(payload.tensor))
-    return SparsePayload(move(payload.values), move(payload.indices), payload.numel)
+    if isinstance(payload, SparsePayload):
+        return SparsePayload(move(payload.values), move(payload.indices), payload.numel)
+    indices = None if payload.indices is None else move(payload.indices)
+    return dataclasses.replace(payload, packed=move(payload.packed), indices=indices)
 
 
 class GradientCompressor:

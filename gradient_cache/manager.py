@@ -32,6 +32,10 @@ class GradientCacheHookManager:
             device exactly as plain PyTorch leaves them (e.g. ``["lm_head", "norm"]``).
         verbose: log a one-line summary at each restored step (logger ``gradient_cache``).
         config: an ``EngineConfig``; the defaults when None.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any. With error
+            feedback the residual is then kept unscaled, so that the scaler's scale changes
+            do not re-weight what compression held back. Without it, a scaled run with
+            error feedback mixes gradients of different scales in the residual.
 
     Use ``compress_and_free_gradients()`` after backward and ``apply_gradients()`` before
     ``optimizer.step()``, or ``step(optimizer)`` in place of both the restore and the
@@ -46,6 +50,7 @@ class GradientCacheHookManager:
         exclude_layers: Sequence[str] | None = None,
         verbose: bool = False,
         config: EngineConfig | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -60,6 +65,11 @@ class GradientCacheHookManager:
         if not isinstance(verbose, bool):
             raise TypeError(f"verbose must be True or False, got {verbose!r}.")
         patterns = validate_exclude_layers(exclude_layers)
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"grad_scaler must be a torch.amp.GradScaler (the one that scales the loss), "
+                f"got {type(grad_scaler).__name__}."
+            )
 
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not trainable:
@@ -89,6 +99,7 @@ class GradientCacheHookManager:
             logger.addHandler(logging.StreamHandler())
             logger.setLevel(logging.INFO)
         self._pipeline: Pipeline | None = Pipeline(included, ratio=ratio, config=config)
+        self._pipeline.grad_scaler = grad_scaler
 
     # --- the training-loop calls --------------------------------------------------
 
@@ -192,7 +203,11 @@ class GradientCacheHookManager:
         gradient bytes over the bytes kept for them, indices included),
         ``memory_saved_mb`` (dense gradient MiB taken off the device in the last step),
         ``dense_gradient_mb``, ``stored_gradient_mb``, ``kept_fraction`` (entries kept
-        of the compressed tensors), ``residual_mb`` (error-feedback residuals),
+        of the compressed tensors: what ``compression_ratio`` sets, 1/100 at ratio 100),
+        ``stored_fraction`` (bytes kept of all cached gradients, indices included: 2% at
+        ratio 100 for fp32 gradients with int32 indices, more where small tensors or a
+        warm-up step travel dense), ``residual_mb`` (error-feedback residuals, as
+        stored), ``host_held_mb`` (stored gradients plus residuals),
         ``process_rss_mb`` (psutil), ``host_available_mb`` (psutil, capped by the cgroup),
         ``host_pool`` (CUDA backend: the pool's ``capacity_mb``, one slot per parameter
         allocated once, and whether it is ``pinned``; None elsewhere), ``steps``
@@ -270,6 +285,7 @@ def create_gradient_cache(
     *,
     exclude_layers: Sequence[str] | None = None,
     config: EngineConfig | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
     **options: Any,
 ) -> GradientCacheHookManager:
     """Attach a gradient cache to ``model`` and return its manager.
@@ -290,6 +306,7 @@ def create_gradient_cache(
         exclude_layers=exclude_layers,
         verbose=verbose,
         config=config,
+        grad_scaler=grad_scaler,
     )
 
 

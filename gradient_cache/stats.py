@@ -35,7 +35,9 @@ def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> dict[str, A
         "kept_fraction": (
             sum(layer.kept for layer in compressed) / compressed_numel if compressed_numel else 1.0
         ),
+        "stored_fraction": stored / dense if dense else 1.0,
         "residual_mb": pipeline.residual_bytes() / MIB,
+        "host_held_mb": (stored + pipeline.residual_bytes()) / MIB,
         "process_rss_mb": process_rss_mb(),
         "host_available_mb": available_host_bytes() / MIB,
         "host_pool": _pool_figures(getattr(pipeline.backend, "pool", None)),

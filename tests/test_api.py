@@ -54,6 +54,27 @@ def test_summary_reports_real_figures() -> None:
     assert summary["device"] == "cpu"
     assert summary["host_pool"] is None and summary["host_available_mb"] > 0
     assert summary["residual_mb"] == pytest.approx(dense / 2**20)
+    assert summary["stored_fraction"] == pytest.approx(stored / dense)
+    assert summary["host_held_mb"] == pytest.approx((stored + dense) / 2**20)
+
+
+@pytest.mark.parametrize("residual_dtype", ["bfloat16", "int8"])
+def test_summary_counts_the_residual_as_stored(residual_dtype: str) -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        model,
+        compression_ratio=100,
+        error_feedback=True,
+        residual_dtype=residual_dtype,
+        min_compress_numel=1,
+    )
+    backward_once(model)
+    manager.apply_gradients()
+    if residual_dtype == "bfloat16":
+        expected = sum(2 * p.numel() for p in model.parameters())
+    else:  # a byte per entry in whole blocks of 64, and a 4-byte scale per block
+        expected = sum((64 + 4) * -(-p.numel() // 64) for p in model.parameters())
+    assert manager.get_compression_summary()["residual_mb"] == pytest.approx(expected / 2**20)
 
 
 def test_small_tensors_travel_uncompressed() -> None:

@@ -10,6 +10,7 @@ from conftest import assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
 from gradient_cache import EngineConfig, HostMemoryError
+from gradient_cache.compression import ResidualCodec
 from gradient_cache.engine import hostmem, pool
 from gradient_cache.engine.backend import CpuBackend
 from gradient_cache.engine.bucket import BucketAssembler
@@ -192,7 +193,9 @@ def test_engine_refuses_to_start_when_the_host_cannot_hold_it(monkeypatch) -> No
 def test_host_pool_lays_out_one_aligned_slot_per_parameter() -> None:
     big, small = torch.nn.Parameter(torch.zeros(100_000)), torch.nn.Parameter(torch.zeros(10))
     layout = {
-        p: pool.slot_spec(p, ratio=100, min_compress_numel=1000, host_residual=True)
+        p: pool.slot_spec(
+            p, ratio=100, min_compress_numel=1000, residual_codec=ResidualCodec("float32")
+        )
         for p in (big, small)
     }
     host_pool = pool.HostPool(layout, allocate_pinned=None)
@@ -208,12 +211,36 @@ def test_host_pool_lays_out_one_aligned_slot_per_parameter() -> None:
     assert host_pool.capacity_bytes == 4032 + 4032 + 400_000 + 64
 
 
+@pytest.mark.parametrize(
+    ("residual_dtype", "warmup", "expected"),
+    [
+        # int8: 100,000 codes padded to 100,032 (whole blocks of 64) + 1,563 fp32 scales.
+        ("int8", False, 4032 + 4032 + 100_032 + 6_272),
+        ("bfloat16", False, 4032 + 4032 + 200_000),
+        # A warm-up sends the first steps dense: the values take the dense size.
+        ("int8", True, 400_000 + 4032 + 100_032 + 6_272),
+    ],
+)
+def test_host_pool_sizes_residual_and_warmup_slots(
+    residual_dtype: str, warmup: bool, expected: int
+) -> None:
+    big = torch.nn.Parameter(torch.zeros(100_000))
+    codec = ResidualCodec(residual_dtype)
+    spec = pool.slot_spec(
+        big, ratio=100, min_compress_numel=1000, residual_codec=codec, warmup=warmup
+    )
+    host_pool = pool.HostPool({big: spec}, allocate_pinned=None)
+    assert host_pool.capacity_bytes == expected
+    residual = host_pool.slots[big].residual
+    assert torch.count_nonzero(codec.decode(residual, big.numel())) == 0
+
+
 def test_host_pool_falls_back_to_pageable_memory_with_one_warning() -> None:
     def refuse(nbytes: int) -> torch.Tensor:
         raise RuntimeError("no CUDA driver")
 
     param = torch.nn.Parameter(torch.zeros(10))
-    layout = {param: pool.slot_spec(param, ratio=1, min_compress_numel=1, host_residual=False)}
+    layout = {param: pool.slot_spec(param, ratio=1, min_compress_numel=1, residual_codec=None)}
     with pytest.warns(RuntimeWarning, match="could not pin host memory") as record:
         host_pool = pool.HostPool(layout, allocate_pinned=refuse)
     assert len(record) == 1 and not host_pool.pinned

@@ -208,3 +208,18 @@ def test_seed_readme_pattern_never_trains_restoring_inside_the_closure_does() ->
         fit(model, [], accumulate_grad_batches=3, gradient_clip_val=0.05)
     assert same_weights(seed, Regressor())  # still the initial weights
     assert same_weights(fixed, plain)
+
+
+def test_callback_hands_the_trainers_grad_scaler_to_the_cache() -> None:
+    """16-mixed scales the loss; error feedback must know the scale to keep its residual."""
+    callback = GradientCacheCallback(
+        compression_ratio=10, error_feedback=True, min_compress_numel=1
+    )
+    seen = []
+
+    class Spy(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            seen.append(callback._manager._pipeline.grad_scaler)
+
+    trainer = fit(Regressor(), [callback, Spy()], **fp16_with_grad_scaler())
+    assert seen and all(s is trainer.precision_plugin.scaler for s in seen)

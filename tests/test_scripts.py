@@ -30,12 +30,45 @@ def test_example_trains_three_ways_and_lossless_matches_plain() -> None:
     "script",
     [
         ("perf/bench_core.py", "--quick"),
-        ("perf/error_feedback.py", "--steps", "3", "--seeds", "1"),
+        (
+            "-m",
+            "perf.quality",
+            "--time",
+            "--settings",
+            "plain",
+            "r100",
+            "--rounds",
+            "1",
+            "--time-steps",
+            "2",
+        ),
     ],
-    ids=["bench_core", "error_feedback"],
+    ids=["bench_core", "quality_timing"],
 )
 def test_perf_scripts_print_their_tables(script: tuple[str, ...]) -> None:
     assert "|---" in run(*script)
+
+
+def test_quality_benchmark_pairs_seeds_and_counts_bytes(tmp_path: Path) -> None:
+    """A few steps of the quality benchmark: lossless equals plain, bytes follow the recipe."""
+    out_json = tmp_path / "quality.json"
+    out = run(
+        "-m", "perf.quality", "--settings", "r1", "r100-ef-int8", "--optimizers", "adamw",
+        "sgd", "--seeds", "0", "1", "--steps", "3", "--jobs", "2", "--any-corpus",
+        "--out", str(out_json),
+    )  # fmt: skip
+    report = json.loads(out_json.read_text())
+    assert len(report["runs"]) == 2 * 2 * 3  # plain is always run, to pair with
+    rows = {(row["optimizer"], row["setting"]): row for row in report["rows"]}
+    for optimizer in ("adamw", "sgd"):
+        assert rows[(optimizer, "r1")]["gap_mean"] == 0  # lossless offload is plain, bit for bit
+        assert rows[(optimizer, "r1")]["host_bytes"] >= rows[(optimizer, "r1")]["dense_bytes"]
+        compressed = rows[(optimizer, "r100-ef-int8")]
+        assert compressed["gap_mean"] != 0 and compressed["gap_std"] is not None
+        # An int8 residual (1.0625 B an entry) and 1% payloads: about 30% of lossless.
+        assert 0.25 < compressed["host_bytes"] / compressed["dense_bytes"] < 0.35
+        assert compressed["device_bytes"] == 0
+    assert "| adamw | r100-ef-int8 |" in out
 
 
 def test_step_phases_times_every_phase_and_the_encoding(tmp_path: Path) -> None:

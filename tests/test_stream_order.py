@@ -191,10 +191,44 @@ def test_accumulation_without_a_drain_matches_the_cpu_backend(
     fake_cuda.checker.assert_clean()
 
 
+RECIPES = {
+    "fp32": {},
+    "int8+warmup": dict(residual_dtype="int8", warmup_steps=2),
+    "bf16+decay+release": dict(residual_dtype="bfloat16", residual_decay=0.9, release_fraction=0.5),
+    "int8 values": dict(value_dtype="int8", residual_dtype="int8"),
+}
+
+
+@pytest.mark.parametrize("ratio", [1, 20])
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_int8_values_match_the_cpu_backend(
+    fake_cuda: FakeCuda, ratio: int, micro_batches: int
+) -> None:
+    options = dict(
+        compression_ratio=ratio,
+        value_dtype="int8",
+        selection="exact",
+        min_compress_numel=1,
+        bucket_size_mb=SMALL,
+    )
+    data = batches(3)
+    with fake_cuda.checker.disabled():
+        reference = cpu_backend_run(data, options, micro_batches=micro_batches)
+    cached = make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **options)
+    train(cached, data, manager=manager, micro_batches=micro_batches)
+    assert_same_parameters(reference, cached)
+    summary = manager.get_compression_summary()
+    if ratio == 1:  # a byte per entry and a 4-byte scale per 64: about a quarter of fp32
+        assert 0.26 < summary["stored_fraction"] < 0.28
+    fake_cuda.checker.assert_clean()
+
+
 @pytest.mark.parametrize("fused_step", [False, True])
 @pytest.mark.parametrize("location", ["host", "device"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_error_feedback_matches_the_cpu_backend(
-    fake_cuda: FakeCuda, fused_step: bool, location: str
+    fake_cuda: FakeCuda, fused_step: bool, location: str, recipe: str
 ) -> None:
     options = dict(
         compression_ratio=20,
@@ -203,8 +237,9 @@ def test_error_feedback_matches_the_cpu_backend(
         selection="exact",
         min_compress_numel=1,
         bucket_size_mb=SMALL,
+        **RECIPES[recipe],
     )
-    data = batches(4)
+    data = batches(5)
     with fake_cuda.checker.disabled():
         reference = cpu_backend_run(data, options, fused_step=fused_step)
     cached = make_model()
@@ -213,6 +248,20 @@ def test_error_feedback_matches_the_cpu_backend(
     assert_same_parameters(reference, cached)
     on_host = manager._pipeline.backend.host_residuals()
     assert bool(on_host) == (location == "host")
+    assert not manager._pipeline.backend.pool.warmup_sized  # shrunk once warm-up ended
+    fake_cuda.checker.assert_clean()
+
+
+def test_the_pool_has_room_for_warmup_then_shrinks(fake_cuda: FakeCuda) -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=20, warmup_steps=1, min_compress_numel=1
+    )
+    pool = manager._pipeline.backend.pool
+    dense = sum(4 * p.numel() for p in model.parameters())
+    assert pool.capacity_bytes > dense  # dense values and room for indices
+    train(model, batches(2), manager=manager)
+    assert manager._pipeline.backend.pool.capacity_bytes < dense / 5
     fake_cuda.checker.assert_clean()
 
 

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..compression import DensePayload
+from ..compression import payload_tensors
 
 if TYPE_CHECKING:
     from ..manager import GradientCacheHookManager
@@ -120,10 +120,7 @@ def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, Tensor
             return
         payloads = [p for bucket in pipeline.buckets for p in bucket.payloads.values()]
         for payload in payloads:
-            if isinstance(payload, DensePayload):
-                yield payload.tensor
-            else:
-                yield from (payload.values, payload.indices)
+            yield from payload_tensors(payload)
         if pipeline.config.residual_location == "host":
             yield from pipeline.residuals.values()
 

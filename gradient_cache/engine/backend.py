@@ -72,6 +72,9 @@ class Backend(ABC):
         later keeps them alive.
         """
 
+    def end_warmup(self) -> None:  # noqa: B027 - only a pool sized for warm-up shrinks
+        """Release host memory kept for warm-up steps' dense payloads (nothing is cached)."""
+
     def wait(self) -> None:  # noqa: B027 - nothing to wait for where host memory is the device's
         """Block until every stored bucket's payloads are complete in host memory."""
 

@@ -13,9 +13,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..compression import SELECTIONS
+from ..compression import RESIDUAL_DTYPES, SELECTIONS
 
 RESIDUAL_LOCATIONS = ("host", "device")
+VALUE_DTYPES = ("int8",)
 BACKENDS = ("auto", "cpu", "cuda")
 
 
@@ -39,11 +40,35 @@ class EngineConfig:
             ``"exact"`` keeps exactly ``ceil(numel / ratio)`` entries with
             ``torch.topk``: exact, and about 20x slower on a CPU.
         error_feedback: Add what compression dropped back into the next gradient (the
-            residual), so that dropped mass is delayed, not lost. Default False: in
-            ``perf/error_feedback.py`` (tiny GPT, AdamW and SGD with momentum) it gave a
-            higher validation loss than plain top-k at ratio 100 every time; only at
-            ratio 1000 over 1000 steps was it better. Its fp32 residual costs host memory
-            equal to the dense gradient. No effect when nothing is compressed.
+            residual), so that dropped mass is delayed, not lost. Default False, for
+            now: the screening in perf/RESULTS.md ("Compression recipes") found it better
+            than without at 1,000 steps with AdamW and SGD at ratio 100; the defaults
+            change only once the full 1,500-step, 3-seed table is measured. No effect
+            when nothing is selected (ratio 1).
+        residual_dtype: How the residual is stored between steps: ``"float32"`` (4 bytes
+            an entry: as much host memory as lossless offload, and on CUDA twice its PCIe
+            traffic), ``"bfloat16"`` (2 bytes) or ``"int8"`` (1.0625 bytes: an int8 code
+            per entry and an fp32 scale per block of 64). bf16 and int8 round
+            stochastically, so the stored residual is unbiased (compression.ResidualCodec).
+            int8 trained as well as fp32 in the screening at under a third of its bytes.
+        residual_decay: Factor the residual is multiplied by each step before it joins the
+            new gradient: 1 (default) keeps everything held back; below 1 forgets old
+            held-back mass (no longer conserving it).
+        release_fraction: Share of each selected entry (gradient plus residual) that is
+            sent; the rest stays in the residual, so a coordinate's held-back gradient
+            reaches the optimizer over several steps instead of at once. Default 1.
+        warmup_steps: Optimizer steps sent uncompressed at the start of training, as
+            Deep Gradient Compression does, while gradients change fastest. Default 0.
+            On CUDA each compressed slot of the pinned pool then has room for the dense
+            gradient, so the pool is as large as lossless offload's for the whole run.
+        value_dtype: How kept values are stored: None (default) as the gradient's dtype,
+            or ``"int8"``: an int8 code per value and an fp32 scale per block of 64 values,
+            rounded stochastically (unbiased; off by less than the block's largest
+            magnitude / 127), about a quarter of fp32's bytes. It applies to every tensor
+            of at least ``min_compress_numel`` entries, at any ``compression_ratio``:
+            with ``compression_ratio=1`` every entry is kept, quantized (no longer
+            lossless); with top-k it shrinks the kept values. Not yet measured in
+            perf/quality.py (``--settings int8``).
         residual_location: Where the residual lives on the CUDA backend: ``"host"``
             (default; a pinned slot per compressed tensor, no device memory kept, but it
             crosses PCIe densely twice a step: in for the encode, out after it) or
@@ -79,6 +104,11 @@ class EngineConfig:
     bucket_size_mb: float = 4.0
     selection: str = "auto"
     error_feedback: bool = False
+    residual_dtype: str = "float32"
+    residual_decay: float = 1.0
+    release_fraction: float = 1.0
+    warmup_steps: int = 0
+    value_dtype: str | None = None
     residual_location: str = "host"
     min_compress_numel: int = 16384
     host_memory_fraction: float = 0.5
@@ -92,6 +122,22 @@ class EngineConfig:
         _check_positive_number("bucket_size_mb", self.bucket_size_mb)
         _check_choice("selection", self.selection, ("auto", *SELECTIONS))
         _check_bool("error_feedback", self.error_feedback)
+        _check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+        _check_positive_number("residual_decay", self.residual_decay)
+        if self.residual_decay > 1:
+            raise ValueError(
+                f"Invalid residual_decay: {self.residual_decay!r}; expected a factor in (0, 1] "
+                "(1 keeps everything compression held back)."
+            )
+        _check_positive_number("release_fraction", self.release_fraction)
+        if self.release_fraction > 1:
+            raise ValueError(
+                f"Invalid release_fraction: {self.release_fraction!r}; expected a share in "
+                "(0, 1] of each selected entry to send (1 sends it whole)."
+            )
+        _check_non_negative_int("warmup_steps", self.warmup_steps)
+        if self.value_dtype is not None:
+            _check_choice("value_dtype", self.value_dtype, VALUE_DTYPES)
         _check_choice("residual_location", self.residual_location, RESIDUAL_LOCATIONS)
         _check_positive_int("min_compress_numel", self.min_compress_numel)
         _check_positive_number("host_memory_fraction", self.host_memory_fraction)
@@ -179,6 +225,11 @@ def _check_positive_number(name: str, value: Any) -> None:
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"Invalid {name}: {value!r}; expected an integer >= 1.")
+
+
+def _check_non_negative_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"Invalid {name}: {value!r}; expected an integer >= 0.")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

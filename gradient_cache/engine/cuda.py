@@ -25,13 +25,22 @@ streams and events and check every ordering.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from collections import deque
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..compression import DensePayload, Payload, SparsePayload, fill_from, moved
+from ..compression import (
+    DensePayload,
+    Payload,
+    QuantizedPayload,
+    SparsePayload,
+    fill_from,
+    moved,
+    payload_tensors,
+)
 from .backend import Backend, Encoded, Restore
 from .bucket import Bucket, Items
 from .pool import HostPool, Slot
@@ -108,7 +117,7 @@ class CudaBackend(Backend):
             for item in encoded:
                 slot = self.pool.slots[item.param]
                 bucket.payloads[item.param] = self._copy_payload(item.payload, slot)
-                kept += _tensors(item.payload)
+                kept += payload_tensors(item.payload)
                 if slot.residual is not None and item.residual is not None:
                     slot.residual.copy_(item.residual, non_blocking=self.pool.pinned)
                     kept.append(item.residual)
@@ -125,6 +134,13 @@ class CudaBackend(Backend):
         pinned = self.pool.pinned  # pageable memory: the copy blocks the host
         if isinstance(payload, DensePayload):
             return DensePayload(slot.values.copy_(payload.tensor, non_blocking=pinned))
+        if isinstance(payload, QuantizedPayload):
+            region = slot.values.view(torch.uint8)[: payload.packed.numel()]
+            packed = region.copy_(payload.packed, non_blocking=pinned)
+            indices = payload.indices
+            if indices is not None:
+                indices = slot.indices[: payload.count].copy_(indices, non_blocking=pinned)
+            return dataclasses.replace(payload, packed=packed, indices=indices)
         kept = payload.values.numel()  # exact selection: always the slot's size
         values = slot.values[:kept].copy_(payload.values, non_blocking=pinned)
         indices = slot.indices[:kept].copy_(payload.indices, non_blocking=pinned)
@@ -137,6 +153,17 @@ class CudaBackend(Backend):
             bucket.device_tensors = []
         self._unwaited.clear()
 
+    def end_warmup(self) -> None:
+        """Shrink the pool once warm-up steps (dense payloads) are over.
+
+        The old slab is freed once no payload views it, while restores may still copy
+        from it: the caching host allocator keeps a pinned block that non-blocking
+        copies read from reuse until their streams have passed those copies.
+        """
+        if self.pool.warmup_sized:
+            self.wait()
+            self.pool = self.pool.without_warmup_room()
+
     def start_restore(self, items: Items, *, scale: torch.Tensor | None) -> Restore:
         compute = self.cuda.current_stream(self.device)
         # Allocated for the compute stream, which reads and frees them: the allocator then
@@ -147,9 +174,9 @@ class CudaBackend(Backend):
         self.restore_stream.wait_stream(compute)
         with self.cuda.stream(self.restore_stream):
             for (_, payload), out in zip(items, outs, strict=True):
-                # A dense payload's copy moves it; a sparse one is moved, then scattered.
-                sparse = isinstance(payload, SparsePayload)
-                fill_from(moved(payload, self.to_device) if sparse else payload, out)
+                # A dense payload's copy moves it; any other is moved, then decoded.
+                dense = isinstance(payload, DensePayload)
+                fill_from(payload if dense else moved(payload, self.to_device), out)
                 if scale is not None:
                     out.mul_(scale)
         done = self.cuda.Event()
@@ -161,12 +188,6 @@ class CudaBackend(Backend):
         # an abandoned restore's blocks) starts after the restore stream wrote them.
         self.cuda.current_stream(self.device).wait_event(restore.done)
         return restore.grads
-
-
-def _tensors(payload: Payload) -> list[torch.Tensor]:
-    if isinstance(payload, DensePayload):
-        return [payload.tensor]
-    return [payload.values, payload.indices]
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:

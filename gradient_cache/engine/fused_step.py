@@ -14,7 +14,7 @@ from collections import deque
 
 import torch
 
-from ..compression import DensePayload
+from ..compression import kept_values
 from .backend import Restore, scaled
 from .pipeline import Pipeline
 
@@ -72,6 +72,7 @@ def step(
     finally:
         pipeline.drop_empty_buckets()
     pipeline.interrupted_clip = None
+    pipeline.end_warmup_when_done()
     return total_norm
 
 
@@ -106,7 +107,7 @@ def _clip_scale(
     for bucket in pipeline.buckets:  # arrival order: the same sum, bit for bit, every run
         for param, payload in bucket.payloads.items():
             if param in owned:
-                kept = payload.tensor if isinstance(payload, DensePayload) else payload.values
+                kept = kept_values(payload)
                 norms.append(torch.linalg.vector_norm(kept, norm_type, dtype=torch.float32))
     norms += [
         torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).cpu() for g in held.values()

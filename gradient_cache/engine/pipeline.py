@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..compression import DensePayload, Payload, SparsePayload, TopKEncoder, add_into, moved
+from ..compression import (
+    DensePayload,
+    Int8Quantizer,
+    Payload,
+    ResidualCodec,
+    TopKEncoder,
+    add_into,
+    entries_kept,
+    moved,
+)
 from .backend import Backend, CpuBackend, Encoded
 from .bucket import Bucket, BucketAssembler, Item
 from .config import EngineConfig
@@ -54,20 +63,32 @@ class Pipeline:
         params = list(self.names)
         # Checks the host budget before it allocates anything; no hook exists yet either.
         self.backend = create_backend(params, config, ratio=ratio)
-        self.encoder = None
+        self.encoder = None  # top-k selection, with error feedback
+        self.quantizer = Int8Quantizer() if config.value_dtype == "int8" else None
         if ratio > 1:
             selection = config.selection
             if selection == "auto":
                 selection = self.backend.default_selection
-            self.encoder = TopKEncoder(ratio=ratio, selection=selection)
+            self.encoder = TopKEncoder(
+                ratio=ratio,
+                selection=selection,
+                residual_dtype=config.residual_dtype,
+                residual_decay=config.residual_decay,
+                release_fraction=config.release_fraction,
+            )
         # Each compressed parameter's error-feedback residual: a device tensor, or its
         # host slot, which the backend rewrites (`Backend.host_residuals`).
         self.residuals: dict[torch.nn.Parameter, torch.Tensor] = self.backend.host_residuals()
         self._host_residuals = set(self.residuals)
+        self._warming_up = config.warmup_steps > 0 and (
+            self.encoder is not None or self.quantizer is not None
+        )
         self.assembler = BucketAssembler(config.bucket_size_bytes)
         self.buckets: list[Bucket] = []  # launched, in arrival order
         self.cached: dict[torch.nn.Parameter, Bucket] = {}  # where each payload is
         self.enabled = True
+        # Error feedback keeps its residual unscaled by this GradScaler's current scale.
+        self.grad_scaler: torch.amp.GradScaler | None = None
         self.last_step = StepRecord()
         self.steps = 0
         # (total norm, clip scale) of a fused step that raised; its retry reuses them.
@@ -114,15 +135,27 @@ class Pipeline:
             flat = add_into(flat, moved(held.payloads[param], self.backend.to_device))
         if not self._compresses(param):
             return Encoded(param, DensePayload(flat), None)
+        if self.encoder is None:  # every entry kept, quantized
+            return Encoded(param, self.quantizer.quantize(DensePayload(flat)), None)
         residual = None
         if self.config.error_feedback:
             residual = self.residuals.get(param)
             if residual is None:
-                residual = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+                residual = self.encoder.residual_codec.zeros(flat.numel(), flat.device)
             elif param in self._host_residuals:
                 residual = self.backend.to_device(residual)
-        payload, new_residual = self.encoder.encode(flat, residual)
+        payload, new_residual = self.encoder.encode(flat, residual, loss_scale=self._loss_scale())
+        if self.quantizer is not None:
+            payload = self.quantizer.quantize(payload)
         return Encoded(param, payload, new_residual)
+
+    def _loss_scale(self) -> torch.Tensor | None:
+        """The GradScaler's scale as a device tensor (no host sync), or None if unscaled."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        # GradScaler has no public sync-free getter; get_scale() would sync the host.
+        return scaler._get_scale_async()
 
     def _commit(self, bucket: Bucket, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
         """Make ``encoded`` the cached state: payloads in ``bucket``, new residuals kept."""
@@ -140,7 +173,12 @@ class Pipeline:
         self.buckets.append(bucket)
 
     def _compresses(self, param: torch.nn.Parameter) -> bool:
-        return self.encoder is not None and param.numel() >= self.config.min_compress_numel
+        """Whether this step sends ``param`` compressed: large enough, and past the warm-up."""
+        return (
+            (self.encoder is not None or self.quantizer is not None)
+            and param.numel() >= self.config.min_compress_numel
+            and self.steps >= self.config.warmup_steps
+        )
 
     # --- drain and restore (runs between backward and the optimizer) --------------
 
@@ -167,6 +205,7 @@ class Pipeline:
         self.interrupted_clip = None
         self.record_step(self.cached)
         self.restore_into_grads(list(self.cached))
+        self.end_warmup_when_done()
 
     def restore_into_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Put the cached gradients of ``params`` into ``param.grad`` (added to any there)."""
@@ -180,6 +219,17 @@ class Pipeline:
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
                 del self.cached[param]
         self.drop_empty_buckets()
+
+    def end_warmup_when_done(self) -> None:
+        """After the last warm-up step's restore, give back the host memory it needed.
+
+        Runs after a restore, never in a backward hook (a new pinned pool is allocated).
+        Payloads still cached (another optimizer's) keep the old slab alive until restored.
+        """
+        if self._warming_up and self.steps >= self.config.warmup_steps:
+            self.backend.end_warmup()  # host residuals are still zero: nothing to carry over
+            self.residuals.update(self.backend.host_residuals())
+            self._warming_up = False
 
     def drop_empty_buckets(self) -> None:
         """Forget buckets whose payloads were all restored or moved on (accumulation)."""
@@ -196,9 +246,7 @@ class Pipeline:
                 numel=param.numel(),
                 dense_bytes=param.numel() * param.element_size(),
                 stored_bytes=payload.nbytes,
-                kept=(
-                    payload.values.numel() if isinstance(payload, SparsePayload) else param.numel()
-                ),
+                kept=entries_kept(payload),
                 compressed=self._compresses(param),
             )
         if record.layers:
@@ -240,8 +288,9 @@ def create_backend(
     if device.type == "cuda":
         return build_cuda_backend(params, config, device, ratio=ratio)
     # The CPU's payloads replace the gradients plain PyTorch would hold: only residuals add.
+    codec = ResidualCodec(config.residual_dtype)
     residual_bytes = sum(
-        4 * p.numel()
+        codec.stored_bytes(p.numel())
         for p in params
         if config.error_feedback and ratio > 1 and p.numel() >= config.min_compress_numel
     )
@@ -275,7 +324,9 @@ def build_cuda_backend(
             p,
             ratio=ratio,
             min_compress_numel=config.min_compress_numel,
-            host_residual=host_residual,
+            residual_codec=ResidualCodec(config.residual_dtype) if host_residual else None,
+            warmup=config.warmup_steps > 0,
+            quantized=config.value_dtype == "int8",
         )
         for p in params
     }

@@ -13,13 +13,14 @@ wastes nothing where many small pinned tensors would waste up to half.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..compression import index_dtype, keep_count
+from ..compression import ResidualCodec, index_dtype, int8_blocks_bytes, keep_count
 
 ALIGN = 64  # bytes: every slot starts on a 64-byte boundary, fast copies for any dtype
 
@@ -30,7 +31,7 @@ class Slot:
 
     values: torch.Tensor  # dense: numel of the gradient's dtype; compressed: keep_count of it
     indices: torch.Tensor | None  # compressed only: keep_count indices
-    residual: torch.Tensor | None  # fp32 numel, when the residual lives on the host
+    residual: torch.Tensor | None  # stored form (`ResidualCodec`), when kept on the host
 
 
 def _aligned(nbytes: int) -> int:
@@ -44,15 +45,24 @@ class SlotSpec:
     numel: int
     dtype: torch.dtype
     kept: int | None  # entries of a compressed payload; None: the payload is dense
-    host_residual: bool
+    residual: tuple[int, torch.dtype] | None  # the host residual's stored (numel, dtype)
+    dense_first: bool = False  # compressed, but warm-up steps store it dense first
+    quantized: bool = False  # values stored as int8 blocks (`int8_blocks_encode`)
 
     def shapes(self) -> list[tuple[int, torch.dtype]]:
         """(numel, dtype) of values, then indices if compressed, then the residual if kept."""
-        shapes = [(self.numel if self.kept is None else self.kept, self.dtype)]
+        count = self.numel if self.kept is None else self.kept
+        if self.dense_first or (self.kept is None and not self.quantized):
+            values = (self.numel, self.dtype)  # room for a dense, exact payload
+        elif self.quantized:
+            values = (int8_blocks_bytes(count), torch.uint8)
+        else:
+            values = (count, self.dtype)
+        shapes = [values]
         if self.kept is not None:
             shapes.append((self.kept, index_dtype(self.numel)))
-        if self.host_residual:
-            shapes.append((self.numel, torch.float32))
+        if self.residual is not None:
+            shapes.append(self.residual)
         return shapes
 
     @property
@@ -65,12 +75,34 @@ def _element_size(dtype: torch.dtype) -> int:
 
 
 def slot_spec(
-    param: torch.nn.Parameter, *, ratio: float, min_compress_numel: int, host_residual: bool
+    param: torch.nn.Parameter,
+    *,
+    ratio: float,
+    min_compress_numel: int,
+    residual_codec: ResidualCodec | None,
+    warmup: bool = False,
+    quantized: bool = False,
 ) -> SlotSpec:
-    """The slot ``param`` needs: dense below ``min_compress_numel`` or at ratio 1."""
+    """The slot ``param`` needs: exact and dense below ``min_compress_numel``.
+
+    ``residual_codec``: the host residual's format, None where it is not kept on the host;
+    ``warmup``: dense warm-up steps come first, so a compressed slot holds a dense payload;
+    ``quantized``: values are stored as int8 blocks.
+    """
     numel = param.numel()
-    kept = None if ratio <= 1 or numel < min_compress_numel else keep_count(numel, ratio)
-    return SlotSpec(numel, param.dtype, kept, host_residual and kept is not None)
+    encoded = numel >= min_compress_numel and (ratio > 1 or quantized)
+    kept = keep_count(numel, ratio) if encoded and ratio > 1 else None
+    residual = None
+    if residual_codec is not None and kept is not None:
+        residual = residual_codec.stored_shape(numel)
+    return SlotSpec(
+        numel,
+        param.dtype,
+        kept,
+        residual,
+        dense_first=warmup and encoded,
+        quantized=quantized and encoded,
+    )
 
 
 class HostPool:
@@ -88,6 +120,8 @@ class HostPool:
         allocate_pinned: Callable[[int], torch.Tensor] | None,
     ) -> None:
         nbytes = max(ALIGN, sum(spec.nbytes for spec in layout.values()))
+        self.layout = layout
+        self._allocate_pinned = allocate_pinned
         self.pinned = allocate_pinned is not None
         self._slab = self._allocate(nbytes, allocate_pinned)
         self.slots: dict[torch.nn.Parameter, Slot] = {}
@@ -99,7 +133,7 @@ class HostPool:
                 views.append(self._slab[offset : offset + nbytes].view(dtype))
                 offset += _aligned(nbytes)
             indices = views[1] if spec.kept is not None else None
-            residual = views[-1].zero_() if spec.host_residual else None
+            residual = views[-1].zero_() if spec.residual is not None else None
             self.slots[param] = Slot(views[0], indices, residual)
 
     def _allocate(
@@ -118,6 +152,16 @@ class HostPool:
                 )
                 self.pinned = False
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    @property
+    def warmup_sized(self) -> bool:
+        """Whether compressed slots still have room for a warm-up step's dense payload."""
+        return any(spec.dense_first for spec in self.layout.values())
+
+    def without_warmup_room(self) -> HostPool:
+        """A new pool of the same slots, sized for compressed payloads only."""
+        layout = {p: dataclasses.replace(s, dense_first=False) for p, s in self.layout.items()}
+        return HostPool(layout, allocate_pinned=self._allocate_pinned)
 
     @property
     def capacity_bytes(self) -> int:

@@ -44,7 +44,11 @@ class CacheOptions:
         return cls(ratio, patterns, verbose, EngineConfig.from_options(options))
 
     def create_manager(
-        self, model: torch.nn.Module, *, exclude_layers: Sequence[str] | None = None
+        self,
+        model: torch.nn.Module,
+        *,
+        exclude_layers: Sequence[str] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> GradientCacheHookManager:
         """A manager for ``model``; ``exclude_layers`` overrides the configured patterns."""
         patterns = self.exclude_layers if exclude_layers is None else exclude_layers
@@ -54,4 +58,5 @@ class CacheOptions:
             exclude_layers=list(patterns),
             verbose=self.verbose,
             config=self.config,
+            grad_scaler=grad_scaler,
         )

@@ -103,7 +103,9 @@ class GradientCacheCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Not in setup: configure_model and the move to the device come after it.
         self._detach()
-        self._manager = self._options.create_manager(pl_module)
+        # 16-mixed's GradScaler: error feedback then keeps its residual unscaled.
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._manager = self._options.create_manager(pl_module, grad_scaler=scaler)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._detach()
