@@ -134,7 +134,16 @@ SETTINGS: dict[str, dict | None] = {
     "r100": {"compression_ratio": 100},
     "r10": {"compression_ratio": 10},
 }
-DEFAULT_SETTINGS = ("plain", "r10", "r100", "r10-old", "r100-old")
+# The table `python -m perf.quality` prints: today's defaults against the best screened
+# recipes (perf/RESULTS.md, "Compression recipes").
+DEFAULT_SETTINGS = (
+    "plain",
+    "r10-old",
+    "r100-old",
+    "r10-ef-int8-warm150",
+    "r100-ef-int8-warm300",
+    "int8",
+)
 
 
 def corpus(*, check_hash: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
