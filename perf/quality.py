@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from gradient_cache import EngineConfig, create_gradient_cache
-from gradient_cache.compression import ResidualCodec, index_dtype
+from gradient_cache.compression import ResidualCodec, index_dtype, int8_blocks_bytes
 from gradient_cache.demo.models import GPTConfig, TinyGPT, make_batches
 from gradient_cache.engine.pool import slot_spec
 
@@ -242,15 +242,15 @@ def offload_bytes(setting: str) -> dict[str, float]:
             ratio=ratio,
             min_compress_numel=config.min_compress_numel,
             residual_codec=codec if host_residual else None,
+            quantized=config.value_dtype == "int8",
         )
         pool += spec.nbytes
         warmup_pool += dataclasses.replace(spec, dense_first=spec.kept is not None).nbytes
         # The steady-state payload: the dense gradient, or kept values and indices.
-        if spec.kept is None:
-            payload += dense_of(param)
-        else:
-            index_bytes = torch.empty((), dtype=index_dtype(param.numel())).element_size()
-            payload += spec.kept * (param.element_size() + index_bytes)
+        count = param.numel() if spec.kept is None else spec.kept
+        value_bytes = int8_blocks_bytes(count) if spec.quantized else count * param.element_size()
+        index_bytes = torch.empty((), dtype=index_dtype(param.numel())).element_size()
+        payload += value_bytes + (0 if spec.kept is None else spec.kept * index_bytes)
         if residual_here and spec.kept is not None:
             residual += codec.stored_bytes(param.numel())
     host_kept = residual if host_residual else 0
