@@ -98,8 +98,9 @@ class GradientCacheHookManager:
         if verbose and not logger.handlers:
             logger.addHandler(logging.StreamHandler())
             logger.setLevel(logging.INFO)
-        self._pipeline: Pipeline | None = Pipeline(included, ratio=ratio, config=config)
-        self._pipeline.grad_scaler = grad_scaler
+        self._pipeline: Pipeline | None = Pipeline(
+            included, ratio=ratio, config=config, grad_scaler=grad_scaler
+        )
 
     # --- the training-loop calls --------------------------------------------------
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from gradient_cache import EngineConfig, create_gradient_cache
+from gradient_cache import EngineConfig, GradientCacheHookManager, create_gradient_cache
 from gradient_cache.compression import ResidualCodec, index_dtype, int8_blocks_bytes
 from gradient_cache.demo.models import GPTConfig, TinyGPT, make_batches
 from gradient_cache.engine.pool import slot_spec
@@ -183,6 +183,22 @@ def validation_loss(model: TinyGPT, val: torch.Tensor) -> float:
         )
 
 
+def train_step(
+    model: TinyGPT,
+    manager: GradientCacheHookManager | None,
+    optimizer: torch.optim.Optimizer,
+    train: torch.Tensor,
+    generator: torch.Generator,
+) -> None:
+    """One step of the user's loop: plain when ``manager`` is None."""
+    x, y = make_batches(train, batch_size=BATCH_SIZE, seq_len=MODEL.seq_len, generator=generator)
+    model(x, y)[1].backward()
+    if manager is not None:
+        manager.apply_gradients()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def train_run(job: dict) -> dict:
     """One training run; ``job``: setting, optimizer, seed, steps, lr, check_hash."""
     torch.set_num_threads(1)
@@ -196,14 +212,7 @@ def train_run(job: dict) -> dict:
     curve = {}
     started = time.perf_counter()
     for step in range(1, job["steps"] + 1):
-        x, y = make_batches(
-            train, batch_size=BATCH_SIZE, seq_len=MODEL.seq_len, generator=generator
-        )
-        model(x, y)[1].backward()
-        if manager is not None:
-            manager.apply_gradients()
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step(model, manager, optimizer, train, generator)
         if step % EVAL_EVERY == 0 or step == job["steps"]:
             curve[step] = validation_loss(model, val)
     if manager is not None:
@@ -264,10 +273,6 @@ def offload_bytes(setting: str) -> dict[str, float]:
         "dense_bytes": dense,
         "payload_bytes": payload,
     }
-
-
-def dense_of(param: torch.nn.Parameter) -> int:
-    return param.numel() * param.element_size()
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -335,14 +340,7 @@ def time_steps(settings: list[str], *, rounds: int, steps: int) -> dict[str, flo
         for setting, (model, manager, optimizer) in runners.items():
             started = time.perf_counter()
             for _ in range(steps):
-                x, y = make_batches(
-                    train, batch_size=BATCH_SIZE, seq_len=MODEL.seq_len, generator=generator
-                )
-                model(x, y)[1].backward()
-                if manager is not None:
-                    manager.apply_gradients()
-                optimizer.step()
-                optimizer.zero_grad()
+                train_step(model, manager, optimizer, train, generator)
             if round_index:
                 timings[setting].append((time.perf_counter() - started) / steps)
     return {s: statistics.median(t) for s, t in timings.items()}

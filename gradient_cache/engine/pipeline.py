@@ -56,6 +56,7 @@ class Pipeline:
         *,
         ratio: float,
         config: EngineConfig,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         self.config = config
         self.ratio = ratio
@@ -88,7 +89,7 @@ class Pipeline:
         self.cached: dict[torch.nn.Parameter, Bucket] = {}  # where each payload is
         self.enabled = True
         # Error feedback keeps its residual unscaled by this GradScaler's current scale.
-        self.grad_scaler: torch.amp.GradScaler | None = None
+        self.grad_scaler = grad_scaler
         self.last_step = StepRecord()
         self.steps = 0
         # (total norm, clip scale) of a fused step that raised; its retry reuses them.
