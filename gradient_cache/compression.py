@@ -374,15 +374,11 @@ class TopKEncoder:
         ratio: float,
         selection: str,
         residual_dtype: str = "float32",
-        residual_decay: float = 1.0,
-        release_fraction: float = 1.0,
         seed: int = 0,
     ) -> None:
         self.ratio = ratio
         self.selector = TopKSelector(method=selection, seed=seed)
         self.residual_codec = ResidualCodec(residual_dtype, seed=seed)
-        self.residual_decay = residual_decay
-        self.release_fraction = release_fraction
 
     def encode(
         self,
@@ -404,19 +400,12 @@ class TopKEncoder:
         source = flat
         if residual is not None:  # fp32, a new tensor
             held = self.residual_codec.decode(residual, flat.numel())
-            if self.residual_decay != 1:
-                held.mul_(self.residual_decay)
             if loss_scale is not None:
                 held.mul_(loss_scale)
             source = held + flat
         indices = self.selector.select(source, k)
         selected = source.index_select(0, indices)
-        sent = (
-            selected
-            if residual is None or self.release_fraction == 1
-            else selected * self.release_fraction
-        )
-        values = sent.to(flat.dtype)
+        values = selected.to(flat.dtype)
         payload = SparsePayload(values, indices.to(index_dtype(flat.numel())), flat.numel())
         if residual is None:
             return payload, None

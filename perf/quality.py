@@ -111,18 +111,6 @@ SETTINGS: dict[str, dict | None] = {
         "residual_dtype": "int8",
         "min_compress_numel": 65536,
     },
-    "r100-ef-int8-decay0.9": {
-        "compression_ratio": 100,
-        "error_feedback": True,
-        "residual_dtype": "int8",
-        "residual_decay": 0.9,
-    },
-    "r100-ef-int8-release0.5": {
-        "compression_ratio": 100,
-        "error_feedback": True,
-        "residual_dtype": "int8",
-        "release_fraction": 0.5,
-    },
     "r10-ef-int8": {"compression_ratio": 10, "error_feedback": True, "residual_dtype": "int8"},
     "r10-ef-int8-warm150": {
         "compression_ratio": 10,

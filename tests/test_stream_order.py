@@ -194,7 +194,7 @@ def test_accumulation_without_a_drain_matches_the_cpu_backend(
 RECIPES = {
     "fp32": {},
     "int8+warmup": dict(residual_dtype="int8", warmup_steps=2),
-    "bf16+decay+release": dict(residual_dtype="bfloat16", residual_decay=0.9, release_fraction=0.5),
+    "bf16": dict(residual_dtype="bfloat16"),
     "int8 values": dict(value_dtype="int8", residual_dtype="int8"),
 }
 

@@ -51,12 +51,6 @@ class EngineConfig:
             per entry and an fp32 scale per block of 64). bf16 and int8 round
             stochastically, so the stored residual is unbiased (compression.ResidualCodec).
             int8 trained as well as fp32 in the screening at under a third of its bytes.
-        residual_decay: Factor the residual is multiplied by each step before it joins the
-            new gradient: 1 (default) keeps everything held back; below 1 forgets old
-            held-back mass (no longer conserving it).
-        release_fraction: Share of each selected entry (gradient plus residual) that is
-            sent; the rest stays in the residual, so a coordinate's held-back gradient
-            reaches the optimizer over several steps instead of at once. Default 1.
         warmup_steps: Optimizer steps sent uncompressed at the start of training, as
             Deep Gradient Compression does, while gradients change fastest. Default 0.
             On CUDA each compressed slot of the pinned pool then has room for the dense
@@ -105,8 +99,6 @@ class EngineConfig:
     selection: str = "auto"
     error_feedback: bool = False
     residual_dtype: str = "float32"
-    residual_decay: float = 1.0
-    release_fraction: float = 1.0
     warmup_steps: int = 0
     value_dtype: str | None = None
     residual_location: str = "host"
@@ -123,18 +115,6 @@ class EngineConfig:
         _check_choice("selection", self.selection, ("auto", *SELECTIONS))
         _check_bool("error_feedback", self.error_feedback)
         _check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
-        _check_positive_number("residual_decay", self.residual_decay)
-        if self.residual_decay > 1:
-            raise ValueError(
-                f"Invalid residual_decay: {self.residual_decay!r}; expected a factor in (0, 1] "
-                "(1 keeps everything compression held back)."
-            )
-        _check_positive_number("release_fraction", self.release_fraction)
-        if self.release_fraction > 1:
-            raise ValueError(
-                f"Invalid release_fraction: {self.release_fraction!r}; expected a share in "
-                "(0, 1] of each selected entry to send (1 sends it whole)."
-            )
         _check_non_negative_int("warmup_steps", self.warmup_steps)
         if self.value_dtype is not None:
             _check_choice("value_dtype", self.value_dtype, VALUE_DTYPES)

@@ -74,8 +74,6 @@ class Pipeline:
                 ratio=ratio,
                 selection=selection,
                 residual_dtype=config.residual_dtype,
-                residual_decay=config.residual_decay,
-                release_fraction=config.release_fraction,
             )
         # Each compressed parameter's error-feedback residual: a device tensor, or its
         # host slot, which the backend rewrites (`Backend.host_residuals`).
