@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -240,6 +240,9 @@ def _true_positions(mask: torch.Tensor) -> torch.Tensor:
 RESIDUAL_DTYPES = ("float32", "bfloat16", "int8")
 # Entries per scale of the int8 residual: 64 keeps the scales at 1/16 of the int8 bytes.
 INT8_BLOCK = 64
+# Entries the residual and value codecs work on at a time (a multiple of INT8_BLOCK): their
+# fp32 temporaries stay within a few MiB of device memory however large the tensor.
+CODEC_CHUNK = 1 << 20
 
 
 def int8_blocks_bytes(numel: int) -> int:
@@ -248,33 +251,52 @@ def int8_blocks_bytes(numel: int) -> int:
     return blocks * INT8_BLOCK + 4 * blocks
 
 
-def int8_blocks_encode(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def _chunks(numel: int) -> Iterator[tuple[int, int]]:
+    """(start, stop) of consecutive `CODEC_CHUNK`-entry slices covering ``numel`` entries."""
+    for start in range(0, numel, CODEC_CHUNK):
+        yield start, min(start + CODEC_CHUNK, numel)
+
+
+def int8_blocks_encode(x: torch.Tensor, generators: DeviceGenerators) -> torch.Tensor:
     """Flat fp32 ``x`` as int8 codes per block of `INT8_BLOCK`, times the block's scale.
 
-    The scale is the block's largest magnitude / 127; ``noise`` (uniform in [0, 1), like
-    ``x``) rounds each code stochastically, so decoding is unbiased and off by less than
-    the scale. Codes and fp32 scales are packed into one uint8 tensor.
+    The scale is the block's largest magnitude / 127; uniform noise from ``generators``
+    rounds each code stochastically, so decoding is unbiased and off by less than the
+    scale. Codes and fp32 scales are packed into one uint8 tensor. Works through ``x`` a
+    chunk at a time, so its fp32 temporaries stay a few MiB however large ``x`` is.
     """
     numel = x.numel()
     blocks = -(-numel // INT8_BLOCK)
-    padded = torch.nn.functional.pad(x, (0, blocks * INT8_BLOCK - numel)).view(blocks, INT8_BLOCK)
-    scales = padded.abs().amax(dim=1) / 127
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    noise = torch.nn.functional.pad(noise, (0, blocks * INT8_BLOCK - numel))
-    # |x / s| <= 127 and noise < 1, so floor stays within [-127, 127].
-    codes = torch.floor(padded / safe.unsqueeze(1) + noise.view(blocks, INT8_BLOCK))
     packed = torch.empty(int8_blocks_bytes(numel), dtype=torch.uint8, device=x.device)
-    packed[: blocks * INT8_BLOCK].view(torch.int8).copy_(codes.view(-1))
-    packed[blocks * INT8_BLOCK :].view(torch.float32).copy_(scales)
+    codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
+    scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
+    for start, stop in _chunks(numel):
+        part_blocks = -(-(stop - start) // INT8_BLOCK)
+        padded = torch.nn.functional.pad(
+            x[start:stop], (0, part_blocks * INT8_BLOCK - stop + start)
+        )
+        padded = padded.view(part_blocks, INT8_BLOCK)  # a copy: free to scale in place
+        part_scales = padded.abs().amax(dim=1).div_(127)
+        safe = torch.where(part_scales > 0, part_scales, torch.ones_like(part_scales))
+        # |x / s| <= 127 and noise < 1, so floor stays within [-127, 127].
+        padded.div_(safe.unsqueeze(1)).add_(generators.uniform_like(padded)).floor_()
+        codes[start : start + padded.numel()].copy_(padded.view(-1))
+        scales[start // INT8_BLOCK : start // INT8_BLOCK + part_blocks].copy_(part_scales)
     return packed
 
 
 def int8_blocks_decode(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """The fp32 values `int8_blocks_encode` packed (a new tensor)."""
+    """The fp32 values `int8_blocks_encode` packed (a new tensor), a chunk at a time."""
     blocks = -(-numel // INT8_BLOCK)
-    codes = packed[: blocks * INT8_BLOCK].view(torch.int8).view(blocks, INT8_BLOCK)
+    codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
     scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
-    return (codes.float() * scales.unsqueeze(1)).reshape(-1)[:numel]
+    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    for start, stop in _chunks(numel):
+        part_blocks = -(-(stop - start) // INT8_BLOCK)
+        part = codes[start : start + part_blocks * INT8_BLOCK].view(part_blocks, INT8_BLOCK)
+        part_scales = scales[start // INT8_BLOCK : start // INT8_BLOCK + part_blocks]
+        out[start:stop] = (part.float() * part_scales.unsqueeze(1)).view(-1)[: stop - start]
+    return out
 
 
 class ResidualCodec:
@@ -318,8 +340,10 @@ class ResidualCodec:
         return torch.zeros(count, dtype=dtype, device=device)  # all-zero bytes decode to 0
 
     def decode(self, stored: torch.Tensor, numel: int) -> torch.Tensor:
-        """The fp32 residual (a new tensor when stored in another dtype)."""
-        if self.dtype != "int8":
+        """The fp32 residual, always a new tensor (the caller may write to it)."""
+        if self.dtype == "float32":
+            return stored.clone()
+        if self.dtype == "bfloat16":
             return stored.float()
         return int8_blocks_decode(stored, numel)
 
@@ -327,15 +351,16 @@ class ResidualCodec:
         """``residual`` (flat fp32, which this may overwrite) in its stored form."""
         if self.dtype == "float32":
             return residual
-        noise = self._generators.uniform_like(residual)
-        if self.dtype == "bfloat16":
-            # Adding uniform noise below the 16 bits bf16 drops, then truncating, rounds
-            # up with probability equal to the dropped fraction (on the magnitude: the
-            # sign bit is untouched, so negative values round without bias too).
-            bits = residual.view(torch.int32)
-            bits.add_((noise * 65536).to(torch.int32)).bitwise_and_(-65536)
-            return residual.to(torch.bfloat16)  # exact: the low 16 bits are zero
-        return int8_blocks_encode(residual, noise)
+        if self.dtype == "int8":
+            return int8_blocks_encode(residual, self._generators)
+        # Adding uniform noise below the 16 bits bf16 drops, then truncating, rounds up
+        # with probability equal to the dropped fraction (on the magnitude: the sign bit
+        # is untouched, so negative values round without bias too).
+        bits = residual.view(torch.int32)
+        for start, stop in _chunks(residual.numel()):
+            noise = self._generators.uniform_like(bits[start:stop]).mul_(65536)
+            bits[start:stop].add_(noise.to(torch.int32)).bitwise_and_(-65536)
+        return residual.to(torch.bfloat16)  # exact: the low 16 bits are zero
 
 
 class Int8Quantizer:
@@ -352,8 +377,7 @@ class Int8Quantizer:
             values, indices, numel = payload.tensor, None, payload.tensor.numel()
         else:
             values, indices, numel = payload.values, payload.indices, payload.numel
-        wide = values.float()
-        packed = int8_blocks_encode(wide, self._generators.uniform_like(wide))
+        packed = int8_blocks_encode(values.float(), self._generators)
         return QuantizedPayload(packed, indices, numel, values.numel(), values.dtype)
 
 
@@ -399,10 +423,10 @@ class TopKEncoder:
         k = keep_count(flat.numel(), self.ratio)
         source = flat
         if residual is not None:  # fp32, a new tensor
-            held = self.residual_codec.decode(residual, flat.numel())
+            source = self.residual_codec.decode(residual, flat.numel())
             if loss_scale is not None:
-                held.mul_(loss_scale)
-            source = held + flat
+                source.mul_(loss_scale)
+            source.add_(flat)
         indices = self.selector.select(source, k)
         selected = source.index_select(0, indices)
         values = selected.to(flat.dtype)

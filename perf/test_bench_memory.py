@@ -46,7 +46,12 @@ def test_offload_empties_the_device_between_micro_batches(
 ) -> None:
     plain, f = figures["plain"], figures[name]
     assert plain.between_micro_batches - f.between_micro_batches >= 0.99 * f.dense_gradients
-    assert plain.accumulation_peak - f.accumulation_peak >= 0.8 * f.dense_gradients
+    # While the next micro-batch's backward runs, the device holds one bucket of gradients
+    # and the encoder's scratch for one tensor: its gradient, the sum of gradient and
+    # residual (error feedback) and the residual codec's temporaries, each at most the
+    # largest gradient's size.
+    scratch = f.bucket + 4 * f.largest_gradient
+    assert plain.accumulation_peak - f.accumulation_peak >= f.dense_gradients - scratch
 
 
 @pytest.mark.parametrize("ratio", [1, 100])
@@ -65,4 +70,6 @@ def test_host_store_holds_what_left_the_device(figures: dict[str, MemoryFigures]
     compressed = figures["cache r=100, apply + step"]
     assert figures["plain"].host_store == 0
     assert lossless.host_store == lossless.dense_gradients
-    assert 0 < compressed.host_store < 0.1 * compressed.dense_gradients
+    # At ratio 100 the payloads take about 2% of the dense bytes; the default int8
+    # error-feedback residual takes 1.0625 of fp32's 4 bytes an entry.
+    assert 0 < compressed.host_store < (0.05 + 1.0625 / 4) * compressed.dense_gradients

@@ -129,7 +129,10 @@ def measure(
 
 @pytest.mark.parametrize("ratio", [1, 100])
 def test_cache_holds_far_fewer_gradient_bytes_than_plain(ratio: float) -> None:
-    (plain, plain_optimizer), (cached, cached_optimizer, cache) = cached_and_plain(ratio)
+    # The offload alone; error feedback's scratch is the next test's.
+    (plain, plain_optimizer), (cached, cached_optimizer, cache) = cached_and_plain(
+        ratio, error_feedback=False
+    )
     dense = dense_bytes(plain)
     expected, expected_between = measure(plain, plain_optimizer, fused=False)
     got, between = measure(cached, cached_optimizer, cache, fused=True)
@@ -147,8 +150,30 @@ def test_cache_holds_far_fewer_gradient_bytes_than_plain(ratio: float) -> None:
     if ratio == 1:
         assert between.host_bytes == dense  # the same tensors, now counted as host
     else:
-        assert 0 < between.host_bytes < 0.1 * dense
+        assert 0 < between.host_bytes < 0.05 * dense  # payloads: about 2% of dense
     assert got["step"].peak.device_bytes <= expected["step"].peak.device_bytes - 0.6 * dense
+
+
+def test_error_feedback_adds_a_few_gradients_of_scratch_and_keeps_its_residual_on_the_host() -> (
+    None
+):
+    """Encoding with a residual needs gradient + residual in fp32 and the int8 codec's
+    temporaries, each at most the largest gradient (the codec works in chunks); the
+    residual itself stays in host memory between steps."""
+    figures = {}
+    for error_feedback in (False, True):
+        _, (cached, optimizer, cache) = cached_and_plain(
+            100, error_feedback=error_feedback, selection="exact"
+        )
+        figures[error_feedback] = measure(cached, optimizer, cache, fused=True)
+    largest = max(p.numel() * 4 for p in cached.parameters())
+    (without, between_without), (with_ef, between_with) = figures[False], figures[True]
+    for name in ("backward 1", "backward 2"):
+        extra = with_ef[name].peak.device_bytes - without[name].peak.device_bytes
+        assert 0 < extra <= 3 * largest
+    assert between_with.device_bytes == between_without.device_bytes
+    residual = sum(-(-p.numel() // 64) * 68 for p in cached.parameters() if p.numel() >= 16384)
+    assert between_with.host_bytes == between_without.host_bytes + residual
 
 
 def test_apply_gradients_brings_the_step_peak_back() -> None:

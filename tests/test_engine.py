@@ -182,7 +182,7 @@ def test_engine_refuses_to_start_when_the_host_cannot_hold_it(monkeypatch) -> No
     monkeypatch.setattr(hostmem, "available_host_bytes", lambda: 2**20)
     model = torch.nn.Linear(1024, 1024)
     with pytest.raises(HostMemoryError) as info:
-        gradient_cache.create_gradient_cache(model, compression_ratio=100, error_feedback=True)
+        gradient_cache.create_gradient_cache(model, compression_ratio=100, residual_dtype="float32")
     message = str(info.value)
     assert "needs about 4 MiB" in message and "may use 0 MiB" in message
     assert "host_memory_fraction=0.5" in message and "error_feedback=False" in message

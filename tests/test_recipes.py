@@ -9,6 +9,7 @@ import torch
 from conftest import assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
+from gradient_cache import compression
 from gradient_cache.compression import INT8_BLOCK, ResidualCodec, TopKEncoder, fill_from
 
 
@@ -28,9 +29,14 @@ def rounding_bound(dtype: str, x: torch.Tensor) -> torch.Tensor:
     return scale.expand_as(padded).reshape(-1)[: x.numel()]
 
 
+@pytest.mark.parametrize("chunk", [compression.CODEC_CHUNK, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_stored_residual_is_within_its_bound_and_unbiased(dtype: str) -> None:
-    """Stochastic rounding: every entry within one step, and right on average."""
+def test_stored_residual_is_within_its_bound_and_unbiased(
+    dtype: str, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stochastic rounding: every entry within one step, and right on average, also when
+    the codec works through the tensor in chunks (the last one partial)."""
+    monkeypatch.setattr(compression, "CODEC_CHUNK", chunk)
     codec = ResidualCodec(dtype, seed=3)
     x = heavy_tailed(1000)  # not a whole number of int8 blocks: the padding is exercised
     bound = rounding_bound(dtype, x)
@@ -77,7 +83,10 @@ def test_error_feedback_conserves_each_step_up_to_the_stored_rounding(dtype: str
     for step in range(4):
         grad = heavy_tailed(numel, seed=step)
         expected = grad + codec.decode(residual, numel)
-        payload, residual = encoder.encode(grad, residual)
+        old = residual.clone()
+        payload, new = encoder.encode(grad, residual)
+        assert torch.equal(residual, old)  # read, never written: a failed step keeps it
+        residual = new
         held = codec.decode(residual, numel)
         delivered = fill_from(payload, torch.zeros(numel))
         error = (delivered + held - expected).abs()

@@ -40,29 +40,32 @@ class EngineConfig:
             ``"exact"`` keeps exactly ``ceil(numel / ratio)`` entries with
             ``torch.topk``: exact, and about 20x slower on a CPU.
         error_feedback: Add what compression dropped back into the next gradient (the
-            residual), so that dropped mass is delayed, not lost. Default False, for
-            now: the screening in perf/RESULTS.md ("Compression recipes") found it better
-            than without at 1,000 steps with AdamW and SGD at ratio 100; the defaults
-            change only once the full 1,500-step, 3-seed table is measured. No effect
-            when nothing is selected (ratio 1).
-        residual_dtype: How the residual is stored between steps: ``"float32"`` (4 bytes
-            an entry: as much host memory as lossless offload, and on CUDA twice its PCIe
-            traffic), ``"bfloat16"`` (2 bytes) or ``"int8"`` (1.0625 bytes: an int8 code
-            per entry and an fp32 scale per block of 64). bf16 and int8 round
-            stochastically, so the stored residual is unbiased (compression.ResidualCodec).
-            int8 trained as well as fp32 in the screening at under a third of its bytes.
+            residual), so that dropped mass is delayed, not lost. Default True: in the
+            1,500-step, 3-seed table of perf/RESULTS.md ("Compression recipes") it trained
+            better than top-k alone at ratios 10 and 100, with AdamW and with SGD. No
+            effect when nothing is selected (ratio 1). Its cost: the residual's host
+            memory and PCIe traffic (``residual_dtype``) and, while a tensor is encoded, a
+            dense fp32 copy of it (gradient plus residual) on the device.
+        residual_dtype: How the residual is stored between steps: ``"int8"`` (default;
+            1.0625 bytes an entry: an int8 code per entry and an fp32 scale per block of
+            64), ``"bfloat16"`` (2 bytes) or ``"float32"`` (4 bytes an entry: as much host
+            memory as lossless offload, and on CUDA twice its PCIe traffic). bf16 and
+            int8 round stochastically, so the stored residual is unbiased
+            (compression.ResidualCodec); int8 trained as well as fp32 in the screening.
         warmup_steps: Optimizer steps sent uncompressed at the start of training, as
-            Deep Gradient Compression does, while gradients change fastest. Default 0.
-            On CUDA each compressed slot of the pinned pool then has room for the dense
-            gradient, so the pool is as large as lossless offload's for the whole run.
+            Deep Gradient Compression does, while gradients change fastest. Default 0: a
+            good length depends on the run (300 of 1,500 steps was the best screened,
+            perf/RESULTS.md), and while it lasts host memory and PCIe traffic are those of
+            lossless offload (on CUDA the pinned pool is sized for dense gradients until
+            the warm-up ends, then rebuilt smaller).
         value_dtype: How kept values are stored: None (default) as the gradient's dtype,
             or ``"int8"``: an int8 code per value and an fp32 scale per block of 64 values,
             rounded stochastically (unbiased; off by less than the block's largest
             magnitude / 127), about a quarter of fp32's bytes. It applies to every tensor
             of at least ``min_compress_numel`` entries, at any ``compression_ratio``:
             with ``compression_ratio=1`` every entry is kept, quantized (no longer
-            lossless); with top-k it shrinks the kept values. At ratio 1 it ended 0.4%
-            above plain at 28% of lossless bytes in the AdamW screening (perf/RESULTS.md).
+            lossless); with top-k it shrinks the kept values. See perf/RESULTS.md for what
+            it cost in validation loss at 28% of lossless offload's bytes.
         residual_location: Where the residual lives on the CUDA backend: ``"host"``
             (default; a pinned slot per compressed tensor, no device memory kept, but it
             crosses PCIe densely twice a step: in for the encode, out after it) or
@@ -97,8 +100,8 @@ class EngineConfig:
 
     bucket_size_mb: float = 4.0
     selection: str = "auto"
-    error_feedback: bool = False
-    residual_dtype: str = "float32"
+    error_feedback: bool = True
+    residual_dtype: str = "int8"
     warmup_steps: int = 0
     value_dtype: str | None = None
     residual_location: str = "host"
