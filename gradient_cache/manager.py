@@ -15,6 +15,7 @@ import torch
 from .engine import fused_step
 from .engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
 from .engine.pipeline import Pipeline
+from .model_watch import ParameterWatch
 from .stats import compression_summary
 
 logger = logging.getLogger("gradient_cache")
@@ -100,6 +101,9 @@ class GradientCacheHookManager:
             logger.setLevel(logging.INFO)
         self._pipeline: Pipeline | None = Pipeline(
             included, ratio=ratio, config=config, grad_scaler=grad_scaler
+        )
+        self._watch = ParameterWatch(
+            model, included, excluded=patterns, device=self._pipeline.backend.device
         )
 
     # --- the training-loop calls --------------------------------------------------
@@ -196,7 +200,13 @@ class GradientCacheHookManager:
             )
 
     def get_compression_summary(self) -> dict[str, Any]:
-        """Figures of the last restored step, as a dict.
+        """Figures of the gradients cached now, or of the last restored step, as a dict.
+
+        While a step is pending (after backward or ``compress_and_free_gradients()``,
+        before the restore) the figures describe what is cached now, and
+        ``step_pending`` is True; otherwise they describe the last restored step
+        (``step_pending`` False). With several optimizers, a step is pending while any
+        of them has gradients cached.
 
         Keys: ``compression_ratio`` (configured), ``device`` (where the gradients were
         made; on ``cpu`` the "device" is host RAM, so the offload moves gradients within
@@ -212,7 +222,7 @@ class GradientCacheHookManager:
         ``process_rss_mb`` (psutil), ``host_available_mb`` (psutil, capped by the cgroup),
         ``host_pool`` (CUDA backend: the pool's ``capacity_mb``, one slot per parameter
         allocated once, and whether it is ``pinned``; None elsewhere), ``steps``
-        (restores so far),
+        (restores so far), ``step_pending``,
         ``num_offloaded_parameters``, ``num_excluded_parameters`` and ``layers``:
         per parameter name, ``numel``, ``dense_bytes``, ``stored_bytes``,
         ``kept_fraction`` and ``compressed``.
@@ -237,6 +247,7 @@ class GradientCacheHookManager:
         if self._pipeline is None:
             return
         pipeline, self._pipeline = self._pipeline, None
+        self._watch.remove()
         try:
             pipeline.drain()
             pipeline.restore_into_grads(list(pipeline.cached))

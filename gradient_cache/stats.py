@@ -19,8 +19,9 @@ def process_rss_mb() -> float:
 
 
 def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> dict[str, Any]:
-    """Figures of the last completed step; see GradientCacheHookManager.get_compression_summary."""
-    layers = pipeline.last_step.layers
+    """Figures of the pending or last step; see GradientCacheHookManager.get_compression_summary."""
+    pending = bool(pipeline.cached)
+    layers = (pipeline.describe(pipeline.cached) if pending else pipeline.last_step).layers
     dense = sum(layer.dense_bytes for layer in layers.values())
     stored = sum(layer.stored_bytes for layer in layers.values())
     compressed = [layer for layer in layers.values() if layer.compressed]
@@ -42,6 +43,7 @@ def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> dict[str, A
         "host_available_mb": available_host_bytes() / MIB,
         "host_pool": _pool_figures(getattr(pipeline.backend, "pool", None)),
         "steps": pipeline.steps,
+        "step_pending": pending,
         "num_offloaded_parameters": len(pipeline.names),
         "num_excluded_parameters": num_excluded,
         "layers": {

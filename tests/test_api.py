@@ -12,6 +12,7 @@ from conftest import batches, loss_of, make_model
 
 import gradient_cache
 from gradient_cache import EngineConfig, GradientCacheHookManager
+from gradient_cache.model_watch import ParameterWatch
 
 
 def backward_once(model: torch.nn.Module, seed: int = 1) -> None:
@@ -35,7 +36,7 @@ def test_public_names() -> None:
 def test_summary_reports_real_figures() -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=100, min_compress_numel=1, error_feedback=True
+        model, compression_ratio=100, min_compress_numel=1, residual_dtype="float32"
     )
     backward_once(model)
     manager.apply_gradients()
@@ -93,6 +94,28 @@ def test_small_tensors_travel_uncompressed() -> None:
 def test_summary_before_any_step_is_empty_not_an_error() -> None:
     summary = gradient_cache.create_gradient_cache(make_model()).get_compression_summary()
     assert summary["steps"] == 0 and summary["memory_saved_mb"] == 0 and summary["layers"] == {}
+    assert not summary["step_pending"]
+
+
+def test_summary_describes_the_pending_step_then_the_restored_one() -> None:
+    """The seed's pattern, compress_and_free_gradients() then the summary, shows what is
+    cached now; after the restore the same figures describe the restored step."""
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=100, min_compress_numel=1, selection="exact"
+    )
+    backward_once(model)
+    manager.compress_and_free_gradients()
+    pending = manager.get_compression_summary()
+    dense = sum(p.numel() * 4 for p in model.parameters())
+    assert pending["step_pending"] and pending["steps"] == 0
+    assert pending["memory_saved_mb"] == pytest.approx(dense / 2**20)
+    assert 30 < pending["overall_compression_ratio"] <= 50
+    manager.apply_gradients()
+    restored = manager.get_compression_summary()
+    assert not restored["step_pending"] and restored["steps"] == 1
+    assert restored["layers"] == pending["layers"]
+    assert restored["overall_compression_ratio"] == pending["overall_compression_ratio"]
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0, -3, float("nan"), float("inf")])
@@ -221,7 +244,11 @@ def test_disable_leaves_gradients_and_apply_adds_to_them() -> None:
 def test_discarded_gradients_never_reach_the_next_step(ratio: int) -> None:
     """A skipped step: zero_grad() plus discard_gradients() leave nothing behind."""
     plain, cached = make_model(), make_model()
-    options = dict(compression_ratio=ratio, min_compress_numel=1, selection="exact")
+    # Without error feedback: its residual keeps the discarded batch's unsent part
+    # (documented in discard_gradients).
+    options = dict(
+        compression_ratio=ratio, min_compress_numel=1, selection="exact", error_feedback=False
+    )
     manager = gradient_cache.create_gradient_cache(cached, **options)
     backward_once(cached, seed=1)  # the batch whose step is skipped
     cached.zero_grad()
@@ -285,3 +312,86 @@ def test_a_closed_manager_lets_the_model_go_without_a_gc_pass() -> None:
         assert weight() is None
     finally:
         gc.enable()
+
+
+def test_a_second_manager_on_one_model_is_refused_until_the_first_is_removed() -> None:
+    model = make_model()
+    first = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    with pytest.raises(ValueError, match="already cached by another GradientCacheHookManager"):
+        gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    with pytest.raises(ValueError, match="already cached"):  # a part of the model too
+        gradient_cache.create_gradient_cache(model.mlp, compression_ratio=1)
+    first.remove_hooks()
+    second = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    backward_once(model)
+    second.apply_gradients()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def forward_backward(model: torch.nn.Module) -> None:
+    tokens, targets = batches(1, seed=1)[0]
+    loss_of(model, tokens, targets).backward()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda m: setattr(m, "extra", torch.nn.Linear(2, 2)), "'extra.weight' added or unfrozen"),
+        (
+            lambda m: setattr(m.norm, "weight", torch.nn.Parameter(m.norm.weight.detach())),
+            "'norm.weight' replaced by a new Parameter",
+        ),
+        # to("meta") makes new Parameters; to("cuda") would move these in place.
+        (lambda m: m.to("meta"), "replaced by a new Parameter"),
+    ],
+    ids=["added", "replaced", "moved"],
+)
+def test_parameters_changed_after_creation_are_refused_before_backward(change, message) -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    change(model)
+    with pytest.raises(RuntimeError, match=message) as info:
+        forward_backward(model)
+    assert "remove_hooks()" in str(info.value)
+    assert all(p.grad is None for p in model.parameters())  # stopped before backward
+    manager.remove_hooks()
+
+
+def test_unfreezing_is_refused_and_freezing_needs_no_new_cache() -> None:
+    frozen_at_start, reference = make_model(), make_model()
+    frozen_at_start.norm.weight.requires_grad_(False)
+    manager = gradient_cache.create_gradient_cache(frozen_at_start, compression_ratio=1)
+    frozen_at_start.norm.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"'norm\.weight' added or unfrozen"):
+        forward_backward(frozen_at_start)
+    manager.remove_hooks()
+
+    manager = gradient_cache.create_gradient_cache(reference, compression_ratio=1)
+    reference.norm.weight.requires_grad_(False)
+    forward_backward(reference)
+    manager.apply_gradients()
+    assert reference.norm.weight.grad is None and reference.embed.weight.grad is not None
+
+
+def test_a_replaced_parameter_is_not_kept_alive_once_the_cache_is_removed() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    old = weakref.ref(model.norm.weight)
+    model.norm.weight = torch.nn.Parameter(model.norm.weight.detach().clone())
+    manager.remove_hooks()
+    gc.collect()
+    assert old() is None
+    gradient_cache.create_gradient_cache(model, compression_ratio=1)  # the new one is cached
+
+
+def test_parameters_moved_in_place_to_another_device_are_refused() -> None:
+    """model.to("cuda") keeps each Parameter object and changes its device; stood in for
+    by a watch that expects another device than the parameters'."""
+    model = make_model()
+    watch = ParameterWatch(
+        model, list(model.named_parameters()), excluded=(), device=torch.device("meta")
+    )
+    with pytest.raises(RuntimeError, match=r"'embed\.weight' moved from meta to cpu"):
+        forward_backward(model)
+    watch.remove()
+    forward_backward(model)

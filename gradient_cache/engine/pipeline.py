@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..compression import (
     DensePayload,
@@ -47,6 +48,11 @@ class StepRecord:
     layers: dict[str, LayerRecord] = field(default_factory=dict)
 
 
+# Parameters whose gradients a live pipeline's hooks take. A second pipeline on one of them
+# would take gradients the first counts on; identity keys, since tensors compare by value.
+_owned: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 class Pipeline:
     """Offloads the gradients of ``named_params`` to the host and restores them."""
 
@@ -62,6 +68,15 @@ class Pipeline:
         self.ratio = ratio
         self.names = {param: name for name, param in named_params}
         params = list(self.names)
+        taken = [name for name, param in named_params if param in _owned]
+        if taken:
+            raise ValueError(
+                f"{len(taken)} of these parameters ({', '.join(taken[:3])}"
+                f"{', ...' if len(taken) > 3 else ''}) are already cached by another "
+                "GradientCacheHookManager; one model takes one manager. Call remove_hooks() "
+                "on the other one (or leave its with-block) before creating this one; a "
+                "notebook cell run twice must reuse the first manager or rebuild the model."
+            )
         # Checks the host budget before it allocates anything; no hook exists yet either.
         self.backend = create_backend(params, config, ratio=ratio)
         self.encoder = None  # top-k selection, with error feedback
@@ -93,6 +108,8 @@ class Pipeline:
         # (total norm, clip scale) of a fused step that raised; its retry reuses them.
         self.interrupted_clip: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        for param in params:
+            _owned[param] = True
 
     # --- capture (runs inside backward) -------------------------------------------
 
@@ -238,6 +255,13 @@ class Pipeline:
 
     def record_step(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Keep the cached figures of ``params`` as those of the step being completed."""
+        record = self.describe(params)
+        if record.layers:
+            self.last_step = record
+            self.steps += 1
+
+    def describe(self, params: Iterable[torch.nn.Parameter]) -> StepRecord:
+        """The figures of the cached payloads of ``params`` (sizes only: no data is read)."""
         record = StepRecord()
         for param in params:
             payload: Payload = self.cached[param].payloads[param]
@@ -248,9 +272,7 @@ class Pipeline:
                 kept=entries_kept(payload),
                 compressed=self._compresses(param),
             )
-        if record.layers:
-            self.last_step = record
-            self.steps += 1
+        return record
 
     def residual_bytes(self) -> int:
         return sum(r.numel() * r.element_size() for r in self.residuals.values())
@@ -259,6 +281,8 @@ class Pipeline:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for param in self.names:
+            _owned.pop(param, None)
         self.backend.close()
 
 

@@ -1,0 +1,66 @@
+"""Refuses a forward pass once the model's parameters no longer match the cache's.
+
+The cache hooks the parameters it was created with. A parameter added, replaced or
+unfrozen later would keep its gradient on the device unseen, and a model moved to another
+device would meet a backend built for the old one. Raising in a forward pre-hook stops
+the step before backward, where an error would leave ``.grad`` half updated.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+
+class ParameterWatch:
+    """Checks, before each forward of ``model``, that its cached parameters are unchanged.
+
+    Holds weak references only: a replaced parameter is not kept alive by the check.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cached: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        excluded: Sequence[str],
+        device: torch.device,
+    ) -> None:
+        self._cached = {name: weakref.ref(param) for name, param in cached}
+        self._excluded = tuple(excluded)
+        self._device = device
+        self._handle = model.register_forward_pre_hook(self._check)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    @torch.compiler.disable
+    def _check(self, model: torch.nn.Module, args: object) -> None:
+        changes = []
+        present = dict(model.named_parameters())
+        for name, ref in self._cached.items():
+            param = present.get(name)
+            if param is None:
+                changes.append(f"{name!r} removed")
+            elif param is not ref():
+                changes.append(f"{name!r} replaced by a new Parameter")
+            elif param.device != self._device:
+                changes.append(f"{name!r} moved from {self._device} to {param.device}")
+        for name, param in present.items():
+            if (
+                name not in self._cached
+                and param.requires_grad
+                and not any(pattern in name for pattern in self._excluded)
+            ):
+                changes.append(f"{name!r} added or unfrozen")
+        if changes:
+            shown = "; ".join(changes[:5]) + ("; ..." if len(changes) > 5 else "")
+            raise RuntimeError(
+                f"The model's parameters changed after the gradient cache was created "
+                f"({shown}). The cache only takes the gradients of the parameters it was "
+                "created with, on their device then. Call remove_hooks() on the manager "
+                "and create a new one after changing the model (freezing a parameter needs "
+                "no new cache)."
+            )
