@@ -96,6 +96,16 @@ class DeviceGenerators:
         """Uniform noise in [0, 1) shaped like ``x``, on its device, in fp32."""
         return torch.rand(x.shape, generator=self(x.device), device=x.device)
 
+    def get_state(self) -> dict[str, torch.Tensor]:
+        """Each used generator's state (a CPU uint8 tensor), keyed by its device's name."""
+        return {str(device): g.get_state() for device, g in self._generators.items()}
+
+    def set_state(self, states: dict[str, torch.Tensor]) -> None:
+        """Put back what `get_state` returned; generators it lacks start from the seed."""
+        self._generators = {}
+        for name, state in states.items():
+            self(torch.device(name)).set_state(state)
+
 
 def keep_count(numel: int, ratio: float) -> int:
     """How many entries ratio ``ratio`` keeps of ``numel``: ``ceil(numel / ratio)``.
@@ -121,7 +131,7 @@ class TopKSelector:
         if method not in SELECTIONS:
             raise ValueError(f"Invalid selection: {method!r}; expected one of {list(SELECTIONS)}.")
         self.method = method
-        self._generators = DeviceGenerators(seed)
+        self.generators = DeviceGenerators(seed)
         self._abs_buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._mask_buffers: dict[torch.device, torch.Tensor] = {}
 
@@ -157,7 +167,7 @@ class TopKSelector:
         high = math.ceil(k * (1 + THRESHOLD_TOLERANCE))
         sample_size = self._sample_size(n, k)
         positions = torch.randint(
-            n, (sample_size,), generator=self._generators(flat.device), device=flat.device
+            n, (sample_size,), generator=self.generators(flat.device), device=flat.device
         )
         sample = flat.index_select(0, positions).abs_()  # index_select: ~2x faster than []
         if not bool(sample.amax() < math.inf):  # amax propagates NaN
@@ -321,7 +331,7 @@ class ResidualCodec:
                 f"Invalid residual_dtype: {dtype!r}; expected one of {list(RESIDUAL_DTYPES)}."
             )
         self.dtype = dtype
-        self._generators = DeviceGenerators(seed)
+        self.generators = DeviceGenerators(seed)
 
     def stored_shape(self, numel: int) -> tuple[int, torch.dtype]:
         """(numel, dtype) of the flat tensor that stores a residual of ``numel`` entries."""
@@ -352,13 +362,13 @@ class ResidualCodec:
         if self.dtype == "float32":
             return residual
         if self.dtype == "int8":
-            return int8_blocks_encode(residual, self._generators)
+            return int8_blocks_encode(residual, self.generators)
         # Adding uniform noise below the 16 bits bf16 drops, then truncating, rounds up
         # with probability equal to the dropped fraction (on the magnitude: the sign bit
         # is untouched, so negative values round without bias too).
         bits = residual.view(torch.int32)
         for start, stop in _chunks(residual.numel()):
-            noise = self._generators.uniform_like(bits[start:stop]).mul_(65536)
+            noise = self.generators.uniform_like(bits[start:stop]).mul_(65536)
             bits[start:stop].add_(noise.to(torch.int32)).bitwise_and_(-65536)
         return residual.to(torch.bfloat16)  # exact: the low 16 bits are zero
 
@@ -370,14 +380,14 @@ class Int8Quantizer:
     """
 
     def __init__(self, *, seed: int = 0) -> None:
-        self._generators = DeviceGenerators(seed)
+        self.generators = DeviceGenerators(seed)
 
     def quantize(self, payload: DensePayload | SparsePayload) -> QuantizedPayload:
         if isinstance(payload, DensePayload):
             values, indices, numel = payload.tensor, None, payload.tensor.numel()
         else:
             values, indices, numel = payload.values, payload.indices, payload.numel
-        packed = int8_blocks_encode(values.float(), self._generators)
+        packed = int8_blocks_encode(values.float(), self.generators)
         return QuantizedPayload(packed, indices, numel, values.numel(), values.dtype)
 
 

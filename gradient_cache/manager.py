@@ -177,8 +177,11 @@ class GradientCacheHookManager:
 
         ``zero_grad()`` cannot reach the gradients the cache holds; call this too when
         a step is skipped (a bad batch, a NaN loss), or they are added into the next
-        step. Error-feedback residuals are kept: they still hold what compression held
-        back from earlier gradients, the discarded ones included.
+        step. The discarded step leaves no trace: error-feedback residuals go back to
+        what they were before its backward (what compression held back from earlier
+        steps), and so do the engine's random generators. The cost: a step's new
+        residuals are kept beside the old ones until its restore (on CUDA, a second
+        host slot per residual).
         """
         self._live().discard()
 

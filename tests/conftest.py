@@ -166,3 +166,34 @@ def train_through_a_failed_step(
             assert manager._pipeline.cached or kept
         manager.step(cached_opt, max_grad_norm=clip)
         cached_opt.zero_grad()
+
+
+def train_with_a_skipped_batch(
+    options: dict | None, *, skip: bool, fused_step: bool = False
+) -> torch.nn.Module:
+    """Four Adam steps; with ``skip``, a batch whose step is skipped comes before the third.
+
+    The skipped batch gets the user's calls for a skipped step: backward, then
+    ``zero_grad()`` and (with a cache) ``discard_gradients()``. ``options`` None is plain.
+    """
+    model = make_model()
+    manager = None if options is None else gradient_cache.create_gradient_cache(model, **options)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    skipped = batches(1, seed=7)[0]
+    for index, (tokens, targets) in enumerate(batches(4)):
+        if skip and index == 2:
+            loss_of(model, *skipped).backward()
+            if manager is not None:
+                manager.compress_and_free_gradients()
+                manager.discard_gradients()
+            optimizer.zero_grad()
+        loss_of(model, tokens, targets).backward()
+        if manager is None:
+            optimizer.step()
+        elif fused_step:
+            manager.step(optimizer)
+        else:
+            manager.apply_gradients()
+            optimizer.step()
+        optimizer.zero_grad()
+    return model

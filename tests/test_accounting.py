@@ -173,7 +173,9 @@ def test_error_feedback_adds_a_few_gradients_of_scratch_and_keeps_its_residual_o
         assert 0 < extra <= 3 * largest
     assert between_with.device_bytes == between_without.device_bytes
     residual = sum(-(-p.numel() // 64) * 68 for p in cached.parameters() if p.numel() >= 16384)
-    assert between_with.host_bytes == between_without.host_bytes + residual
+    # Between backward and step both residuals exist: the current one and the pending
+    # step's new one (discard_gradients() can still drop it).
+    assert between_with.host_bytes == between_without.host_bytes + 2 * residual
 
 
 def test_apply_gradients_brings_the_step_peak_back() -> None:

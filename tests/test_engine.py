@@ -184,7 +184,7 @@ def test_engine_refuses_to_start_when_the_host_cannot_hold_it(monkeypatch) -> No
     with pytest.raises(HostMemoryError) as info:
         gradient_cache.create_gradient_cache(model, compression_ratio=100, residual_dtype="float32")
     message = str(info.value)
-    assert "needs about 4 MiB" in message and "may use 0 MiB" in message
+    assert "needs about 8 MiB" in message and "may use 0 MiB" in message  # two residuals
     assert "host_memory_fraction=0.5" in message and "error_feedback=False" in message
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
     gradient_cache.create_gradient_cache(model, compression_ratio=100, error_feedback=False)
@@ -204,21 +204,24 @@ def test_host_pool_lays_out_one_aligned_slot_per_parameter() -> None:
     assert slot.indices.dtype == torch.int32 and slot.residual.numel() == 100_000
     assert torch.count_nonzero(slot.residual) == 0  # a new residual is zero
     assert dense.indices is None and dense.residual is None and dense.values.numel() == 10
-    starts = [t.data_ptr() for t in (slot.values, slot.indices, slot.residual, dense.values)]
-    assert all(start % pool.ALIGN == 0 for start in starts)
-    # 4000 B of values and of indices, each padded to 4032; 400 kB of residual; the small
-    # one's 40 B padded to 64.
-    assert host_pool.capacity_bytes == 4032 + 4032 + 400_000 + 64
+    assert slot.spare_residual.numel() == 100_000
+    assert slot.spare_residual.data_ptr() != slot.residual.data_ptr()
+    views = (slot.values, slot.indices, slot.residual, slot.spare_residual, dense.values)
+    assert all(view.data_ptr() % pool.ALIGN == 0 for view in views)
+    # 4000 B of values and of indices, each padded to 4032; 400 kB of residual, twice (the
+    # current one and a pending step's); the small one's 40 B padded to 64.
+    assert host_pool.capacity_bytes == 4032 + 4032 + 2 * 400_000 + 64
 
 
 @pytest.mark.parametrize(
     ("residual_dtype", "warmup", "expected"),
     [
-        # int8: 100,000 codes padded to 100,032 (whole blocks of 64) + 1,563 fp32 scales.
-        ("int8", False, 4032 + 4032 + 100_032 + 6_272),
-        ("bfloat16", False, 4032 + 4032 + 200_000),
+        # int8: 100,000 codes padded to 100,032 (whole blocks of 64) + 1,563 fp32 scales;
+        # each residual twice: the current one and a pending step's.
+        ("int8", False, 4032 + 4032 + 2 * (100_032 + 6_272)),
+        ("bfloat16", False, 4032 + 4032 + 2 * 200_000),
         # A warm-up sends the first steps dense: the values take the dense size.
-        ("int8", True, 400_000 + 4032 + 100_032 + 6_272),
+        ("int8", True, 400_000 + 4032 + 2 * (100_032 + 6_272)),
     ],
 )
 def test_host_pool_sizes_residual_and_warmup_slots(

@@ -18,6 +18,7 @@ from conftest import (
     make_model,
     train,
     train_through_a_failed_step,
+    train_with_a_skipped_batch,
 )
 from stream_checker import FakeCuda, StreamChecker
 
@@ -319,6 +320,23 @@ def test_discard_then_train_on(fake_cuda: FakeCuda) -> None:
     train(plain, data[1:])
     train(cached, data[1:], manager=manager)
     assert_same_parameters(plain, cached)
+    fake_cuda.checker.assert_clean()
+
+
+@pytest.mark.parametrize("fused_step", [False, True])
+def test_a_discarded_step_leaves_the_host_residual_as_it_was(
+    fake_cuda: FakeCuda, fused_step: bool
+) -> None:
+    """The discarded step's residual went to the spare slot; the current one is intact."""
+    options = dict(
+        compression_ratio=20, min_compress_numel=1, selection="exact", bucket_size_mb=SMALL
+    )
+    with fake_cuda.checker.disabled():
+        reference = train_with_a_skipped_batch(
+            {**options, "backend": "cpu"}, skip=False, fused_step=fused_step
+        )
+    skipping = train_with_a_skipped_batch(options, skip=True, fused_step=fused_step)
+    assert_same_parameters(reference, skipping)
     fake_cuda.checker.assert_clean()
 
 

@@ -123,6 +123,7 @@ def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, Tensor
             yield from payload_tensors(payload)
         if pipeline.config.residual_location == "host":
             yield from pipeline.residuals.values()
+            yield from pipeline.pending_residuals.values()
 
     def scratch() -> list[torch.Tensor]:
         pipeline = cache._pipeline

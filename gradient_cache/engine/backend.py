@@ -56,8 +56,17 @@ class Backend(ABC):
         return tensor
 
     def host_residuals(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """Error-feedback residuals that live in this backend's host memory (written by `store`)."""
+        """Error-feedback residuals that live in this backend's host memory, as of the
+        last completed step; `store` writes a pending step's new ones to a spare slot."""
         return {}
+
+    def pending_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The spare slot `store` wrote ``param``'s new residual to (host residuals only)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no residual in host memory")
+
+    def commit_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """Make the spare slot ``param``'s current residual; return it (host residuals only)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no residual in host memory")
 
     @contextlib.contextmanager
     def encoding(self, reads_host: Sequence[torch.nn.Parameter]) -> Iterator[None]:

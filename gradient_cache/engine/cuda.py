@@ -80,6 +80,16 @@ class CudaBackend(Backend):
     def host_residuals(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         return {p: s.residual for p, s in self.pool.slots.items() if s.residual is not None}
 
+    def pending_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return self.pool.slots[param].spare_residual
+
+    def commit_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
+        # Runs after the restore of ``param``, so after `wait()`: no copy is writing
+        # either slot, and the old one is rewritten only by a later step's copy.
+        slot = self.pool.slots[param]
+        slot.residual, slot.spare_residual = slot.spare_residual, slot.residual
+        return slot.residual
+
     @contextlib.contextmanager
     def encoding(self, reads_host: Sequence[torch.nn.Parameter]) -> Iterator[None]:
         compute = self.cuda.current_stream(self.device)
@@ -119,7 +129,7 @@ class CudaBackend(Backend):
                 bucket.payloads[item.param] = self._copy_payload(item.payload, slot)
                 kept += payload_tensors(item.payload)
                 if slot.residual is not None and item.residual is not None:
-                    slot.residual.copy_(item.residual, non_blocking=self.pool.pinned)
+                    slot.spare_residual.copy_(item.residual, non_blocking=self.pool.pinned)
                     kept.append(item.residual)
         copied = self.cuda.Event()
         copied.record(self.copy_stream)

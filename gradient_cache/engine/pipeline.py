@@ -16,6 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..compression import (
     DensePayload,
+    DeviceGenerators,
     Int8Quantizer,
     Payload,
     ResidualCodec,
@@ -90,10 +91,18 @@ class Pipeline:
                 selection=selection,
                 residual_dtype=config.residual_dtype,
             )
-        # Each compressed parameter's error-feedback residual: a device tensor, or its
-        # host slot, which the backend rewrites (`Backend.host_residuals`).
+        # Each compressed parameter's error-feedback residual as of the last completed
+        # step: a device tensor, or its host slot (`Backend.host_residuals`).
         self.residuals: dict[torch.nn.Parameter, torch.Tensor] = self.backend.host_residuals()
         self._host_residuals = set(self.residuals)
+        # Residuals this pending step made. They replace `residuals` when the step's
+        # gradients are restored; a discarded step drops them, so it leaves no trace.
+        # Cost: the old and the new residual both exist until then (on CUDA, a second
+        # host slot per residual).
+        self.pending_residuals: dict[torch.nn.Parameter, torch.Tensor] = {}
+        # The engine's random generators (threshold sampling, stochastic rounding) as the
+        # pending step found them, so that a discarded step leaves them as they were too.
+        self._random_state_at_step_start: dict[str, dict[str, torch.Tensor]] | None = None
         self._warming_up = config.warmup_steps > 0 and (
             self.encoder is not None or self.quantizer is not None
         )
@@ -129,6 +138,8 @@ class Pipeline:
         gradients back in ``param.grad`` and the error propagates: nothing is lost or
         counted twice, and the next restore adds the cached part to them.
         """
+        if self._random_state_at_step_start is None:
+            self._random_state_at_step_start = self.random_state()
         bucket = Bucket()
         reads_host = [p for p, _ in items if p in self.cached or p in self._host_residuals]
         encoded: list[Encoded] = []
@@ -155,7 +166,7 @@ class Pipeline:
             return Encoded(param, self.quantizer.quantize(DensePayload(flat)), None)
         residual = None
         if self.config.error_feedback:
-            residual = self.residuals.get(param)
+            residual = self.pending_residuals.get(param, self.residuals.get(param))
             if residual is None:
                 residual = self.encoder.residual_codec.zeros(flat.numel(), flat.device)
             elif param in self._host_residuals:
@@ -183,8 +194,12 @@ class Pipeline:
             if previous is not None:
                 del previous.payloads[item.param]
             self.cached[item.param] = bucket
-            if item.residual is not None and item.param not in self._host_residuals:
-                self.residuals[item.param] = item.residual
+            if item.residual is None:
+                continue
+            if item.param in self._host_residuals:  # `store` wrote it to the spare slot
+                self.pending_residuals[item.param] = self.backend.pending_host_residual(item.param)
+            else:
+                self.pending_residuals[item.param] = item.residual
         self.drop_empty_buckets()
         self.buckets.append(bucket)
 
@@ -209,11 +224,19 @@ class Pipeline:
             self.encoder.selector.release_scratch()
 
     def discard(self) -> None:
-        """Wait for launched buckets, then drop every cached gradient."""
+        """Wait for launched buckets, then drop every cached gradient and undo the step.
+
+        The pending residuals are dropped and the random generators rewound, so the
+        engine is as it was before the discarded backward.
+        """
         self.drain()
         self.buckets = []
         self.cached = {}
+        self.pending_residuals = {}
         self.interrupted_clip = None
+        if self._random_state_at_step_start is not None:
+            self.set_random_state(self._random_state_at_step_start)
+            self._random_state_at_step_start = None
 
     def apply(self) -> None:
         """Drain, then put every cached gradient back into ``param.grad``."""
@@ -255,10 +278,39 @@ class Pipeline:
 
     def record_step(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Keep the cached figures of ``params`` as those of the step being completed."""
+        params = list(params)
         record = self.describe(params)
         if record.layers:
             self.last_step = record
             self.steps += 1
+        for param in params:  # the step is delivered: its residuals are the current ones
+            residual = self.pending_residuals.pop(param, None)
+            if residual is None:
+                continue
+            if param in self._host_residuals:
+                residual = self.backend.commit_host_residual(param)
+            self.residuals[param] = residual
+        recorded = set(params)
+        if all(param in recorded for param in self.cached):  # nothing left to discard
+            self._random_state_at_step_start = None
+
+    def _generators(self) -> dict[str, DeviceGenerators]:
+        """The engine's own random generators, by the part that draws from them."""
+        parts = {}
+        if self.encoder is not None:
+            parts["selection"] = self.encoder.selector.generators
+            parts["residual"] = self.encoder.residual_codec.generators
+        if self.quantizer is not None:
+            parts["values"] = self.quantizer.generators
+        return parts
+
+    def random_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The state of every generator the engine draws from (never the global RNG)."""
+        return {name: g.get_state() for name, g in self._generators().items()}
+
+    def set_random_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for name, generators in self._generators().items():
+            generators.set_state(state.get(name, {}))
 
     def describe(self, params: Iterable[torch.nn.Parameter]) -> StepRecord:
         """The figures of the cached payloads of ``params`` (sizes only: no data is read)."""
@@ -275,6 +327,7 @@ class Pipeline:
         return record
 
     def residual_bytes(self) -> int:
+        """Bytes of the current residuals (a pending step's new ones not counted twice)."""
         return sum(r.numel() * r.element_size() for r in self.residuals.values())
 
     def close(self) -> None:
@@ -310,15 +363,18 @@ def create_backend(
         )
     if device.type == "cuda":
         return build_cuda_backend(params, config, device, ratio=ratio)
-    # The CPU's payloads replace the gradients plain PyTorch would hold: only residuals add.
+    # The CPU's payloads replace the gradients plain PyTorch would hold: only residuals add,
+    # the current ones and a pending step's new ones.
     codec = ResidualCodec(config.residual_dtype)
-    residual_bytes = sum(
+    residual_bytes = 2 * sum(
         codec.stored_bytes(p.numel())
         for p in params
         if config.error_feedback and ratio > 1 and p.numel() >= config.min_compress_numel
     )
     check_host_budget(
-        residual_bytes, fraction=config.host_memory_fraction, what="error-feedback residuals"
+        residual_bytes,
+        fraction=config.host_memory_fraction,
+        what="error-feedback residuals, current and pending",
     )
     return CpuBackend(device)
 

@@ -27,11 +27,17 @@ ALIGN = 64  # bytes: every slot starts on a 64-byte boundary, fast copies for an
 
 @dataclass
 class Slot:
-    """One parameter's host memory: its payload, and its error-feedback residual if kept here."""
+    """One parameter's host memory: its payload, and its error-feedback residual if kept here.
+
+    The residual has two slots: the current one, and a spare that receives a pending
+    step's new residual; they swap when that step completes, and a discarded step leaves
+    the current one untouched.
+    """
 
     values: torch.Tensor  # dense: numel of the gradient's dtype; compressed: keep_count of it
     indices: torch.Tensor | None  # compressed only: keep_count indices
     residual: torch.Tensor | None  # stored form (`ResidualCodec`), when kept on the host
+    spare_residual: torch.Tensor | None
 
 
 def _aligned(nbytes: int) -> int:
@@ -50,7 +56,7 @@ class SlotSpec:
     quantized: bool = False  # values stored as int8 blocks (`int8_blocks_encode`)
 
     def shapes(self) -> list[tuple[int, torch.dtype]]:
-        """(numel, dtype) of values, then indices if compressed, then the residual if kept."""
+        """(numel, dtype) of values, indices if compressed, and two residual slots if kept."""
         count = self.numel if self.kept is None else self.kept
         if self.dense_first or (self.kept is None and not self.quantized):
             values = (self.numel, self.dtype)  # room for a dense, exact payload
@@ -62,7 +68,7 @@ class SlotSpec:
         if self.kept is not None:
             shapes.append((self.kept, index_dtype(self.numel)))
         if self.residual is not None:
-            shapes.append(self.residual)
+            shapes += [self.residual, self.residual]
         return shapes
 
     @property
@@ -133,8 +139,10 @@ class HostPool:
                 views.append(self._slab[offset : offset + nbytes].view(dtype))
                 offset += _aligned(nbytes)
             indices = views[1] if spec.kept is not None else None
-            residual = views[-1].zero_() if spec.residual is not None else None
-            self.slots[param] = Slot(views[0], indices, residual)
+            residual = spare = None
+            if spec.residual is not None:
+                residual, spare = views[-2].zero_(), views[-1]
+            self.slots[param] = Slot(views[0], indices, residual, spare)
 
     def _allocate(
         self, nbytes: int, allocate_pinned: Callable[[int], torch.Tensor] | None
