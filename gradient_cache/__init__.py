@@ -3,7 +3,7 @@
 from .compression import GradientCompressor
 from .engine.config import EngineConfig
 from .engine.hostmem import HostMemoryError
-from .integrations.decorator import optimize
+from .integrations.decorator import manager_of, optimize
 from .manager import GradientCacheHookManager, create_gradient_cache
 
 __version__ = "0.1.0"
@@ -15,5 +15,6 @@ __all__ = [
     "HostMemoryError",
     "__version__",
     "create_gradient_cache",
+    "manager_of",
     "optimize",
 ]

@@ -96,15 +96,16 @@ class DeviceGenerators:
         """Uniform noise in [0, 1) shaped like ``x``, on its device, in fp32."""
         return torch.rand(x.shape, generator=self(x.device), device=x.device)
 
-    def get_state(self) -> dict[str, torch.Tensor]:
-        """Each used generator's state (a CPU uint8 tensor), keyed by its device's name."""
-        return {str(device): g.get_state() for device, g in self._generators.items()}
+    def get_state(self, device: torch.device) -> torch.Tensor | None:
+        """``device``'s generator state (a CPU uint8 tensor); None if nothing drew there."""
+        generator = self._generators.get(device)
+        return None if generator is None else generator.get_state()
 
-    def set_state(self, states: dict[str, torch.Tensor]) -> None:
-        """Put back what `get_state` returned; generators it lacks start from the seed."""
-        self._generators = {}
-        for name, state in states.items():
-            self(torch.device(name)).set_state(state)
+    def set_state(self, device: torch.device, state: torch.Tensor | None) -> None:
+        """Put back what `get_state` returned; None: as new, from the seed."""
+        self._generators.pop(device, None)
+        if state is not None:
+            self(device).set_state(state)
 
 
 def keep_count(numel: int, ratio: float) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .engine import fused_step
+from .engine import checkpoint, fused_step
 from .engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
 from .engine.pipeline import Pipeline
 from .model_watch import ParameterWatch
@@ -184,6 +184,31 @@ class GradientCacheHookManager:
         host slot per residual).
         """
         self._live().discard()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cache's state, to save with the model's and the optimizer's.
+
+        Holds error-feedback residuals, the step counter (warm-up), the engine's random
+        generators and any gradients cached but not yet restored (mid-accumulation, say),
+        keyed by parameter name, as CPU tensors: ``torch.save`` writes it and
+        ``torch.load(..., weights_only=True)`` reads it. Drains first, like
+        ``compress_and_free_gradients()``. Loading it into a manager built the same way
+        (``load_state_dict``) continues bit for bit as the uninterrupted run would.
+        """
+        return checkpoint.save(self._live())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from what ``state_dict()`` returned.
+
+        The manager must have nothing pending (load before the first backward) and the
+        checkpoint's settings: the same ``compression_ratio``, ``error_feedback``,
+        ``residual_dtype``, ``value_dtype``, ``min_compress_numel`` and ``warmup_steps``,
+        and the same cached parameter names; otherwise it raises, saying what differs.
+        Other options (bucket size, selection method, ``residual_location``, the
+        device) may change. The random generators' states are loaded only onto the kind
+        of device they were saved on; elsewhere the draws restart from the seed.
+        """
+        checkpoint.load(self._live(), state_dict)
 
     def step_completed(self) -> None:
         """Mark the end of a training step.

@@ -26,6 +26,7 @@ def test_public_names() -> None:
         "GradientCacheHookManager",
         "GradientCompressor",
         "EngineConfig",
+        "manager_of",
         "__version__",
     }
     assert isinstance(gradient_cache.__version__, str)

@@ -275,3 +275,48 @@ def test_generator_functions_are_refused() -> None:
 
     with pytest.raises(TypeError, match="generator or async function"):
         gradient_cache.optimize()(batches_of_training)
+
+
+@gradient_cache.optimize(compression_ratio=100, min_compress_numel=1)
+def train_from(model: nn.Module, data, checkpoint: dict | None) -> dict:
+    """The documented checkpoint pattern inside a decorated loop; returns a checkpoint."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    cache = gradient_cache.manager_of(model)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        cache.load_state_dict(checkpoint["cache"])
+    for tokens, targets in data:
+        loss_of(model, tokens, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "cache": cache.state_dict(),
+    }
+
+
+def test_manager_of_saves_and_resumes_a_decorated_run() -> None:
+    data = batches(6)
+    uninterrupted = make_model()
+    train_from(uninterrupted, data, None)
+    first = make_model()
+    checkpoint = train_from(first, data[:3], None)
+    assert checkpoint["cache"]["residuals"]  # error feedback's state, to carry over
+    resumed = make_model()
+    train_from(resumed, data[3:], checkpoint)
+    assert_same_parameters(uninterrupted, resumed)
+
+
+def test_manager_of_outside_a_decorated_call_or_without_gradients_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="only while a function decorated"):
+        gradient_cache.manager_of(make_model())
+
+    @gradient_cache.optimize()
+    def frozen() -> None:
+        model = make_model().requires_grad_(False)
+        gradient_cache.manager_of(model)
+
+    with pytest.raises(ValueError, match="has no gradients to cache"):
+        frozen()

@@ -57,7 +57,13 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(inputs, torch.randn(8 * BATCHES, 4, generator=generator)), 8)
 
 
-def fit(model: L.LightningModule, callbacks: list[L.Callback], **trainer_kwargs: Any) -> L.Trainer:
+def fit(
+    model: L.LightningModule,
+    callbacks: list[L.Callback],
+    *,
+    ckpt_path: str | None = None,
+    **trainer_kwargs: Any,
+) -> L.Trainer:
     options = dict(
         accelerator="cpu",
         devices=1,
@@ -68,7 +74,7 @@ def fit(model: L.LightningModule, callbacks: list[L.Callback], **trainer_kwargs:
         enable_model_summary=False,
     )
     trainer = L.Trainer(callbacks=callbacks, **{**options, **trainer_kwargs})
-    trainer.fit(model, loader())
+    trainer.fit(model, loader(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -223,3 +229,35 @@ def test_callback_hands_the_trainers_grad_scaler_to_the_cache() -> None:
 
     trainer = fit(Regressor(), [callback, Spy()], **fp16_with_grad_scaler())
     assert seen and all(s is trainer.precision_plugin.scaler for s in seen)
+
+
+def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(
+    tmp_path: Path,
+) -> None:
+    """Ratio 100 with error feedback (the defaults): the residuals and the engine's
+    generators travel in Lightning's checkpoint, so two epochs in one go and one epoch,
+    a checkpoint and a resumed second epoch end with the same weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    options = dict(compression_ratio=100, min_compress_numel=1)
+    uninterrupted = Regressor()
+    saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1)
+    fit(
+        uninterrupted,
+        [GradientCacheCallback(**options), saver],
+        max_epochs=2,
+        enable_checkpointing=True,
+    )
+    first_epoch = sorted(tmp_path.glob("epoch=0*.ckpt"))
+    assert len(first_epoch) == 1
+    saved = torch.load(first_epoch[0], weights_only=True)
+    (state,) = [v for k, v in saved["callbacks"].items() if "GradientCacheCallback" in k]
+    assert state["cache"]["residuals"]  # the residuals are in the checkpoint
+    resumed = Regressor()
+    fit(
+        resumed,
+        [GradientCacheCallback(**options)],
+        max_epochs=2,
+        ckpt_path=str(first_epoch[0]),
+    )
+    assert same_weights(uninterrupted, resumed)

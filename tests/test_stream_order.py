@@ -10,6 +10,7 @@ in gradient_cache/engine/ in turn: every deletion must make this file fail.
 from __future__ import annotations
 
 import pytest
+import test_checkpoint as checkpointing
 import torch
 from conftest import (
     assert_same_parameters,
@@ -337,6 +338,19 @@ def test_a_discarded_step_leaves_the_host_residual_as_it_was(
         )
     skipping = train_with_a_skipped_batch(options, skip=True, fused_step=fused_step)
     assert_same_parameters(reference, skipping)
+    fake_cuda.checker.assert_clean()
+
+
+@pytest.mark.parametrize("cut", [4, 5], ids=["between steps", "mid-accumulation"])
+def test_a_resumed_run_continues_bit_for_bit(fake_cuda: FakeCuda, cut: int) -> None:
+    """Host residuals and cached payloads go back into their pinned slots."""
+    options = dict(compression_ratio=20, selection="exact", bucket_size_mb=SMALL)
+    with fake_cuda.checker.disabled():
+        reference, reference_manager, optimizer = checkpointing.build({**options, "backend": "cpu"})
+        checkpointing.run(reference, reference_manager, optimizer, range(len(checkpointing.DATA)))
+    resumed, manager = checkpointing.resumed_run(options, cut)
+    assert manager._pipeline.backend.host_residuals()
+    assert_same_parameters(reference, resumed)
     fake_cuda.checker.assert_clean()
 
 

@@ -56,8 +56,8 @@ MUTANTS = [
     (
         "launch: commit what was encoded before the failure",
         "gradient_cache/engine/pipeline.py",
-        "        finally:\n            self._commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])",
-        "        else:\n            self._commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])",
+        "        finally:\n            self.commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])",
+        "        else:\n            self.commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])",
         "tests/test_engine.py",
     ),
     (

@@ -72,6 +72,10 @@ class BucketAssembler:
         self._bytes += tensor_bytes(grad)
         return self.flush() if self._bytes >= self.capacity_bytes else None
 
+    def __len__(self) -> int:
+        """Gradients waiting here for their bucket to fill."""
+        return len(self._items)
+
     def flush(self) -> list[Item] | None:
         """Return the partial bucket's items (None if empty) and start a new one."""
         items, self._items, self._bytes = list(self._items.items()), {}, 0

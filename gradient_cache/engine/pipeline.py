@@ -94,7 +94,7 @@ class Pipeline:
         # Each compressed parameter's error-feedback residual as of the last completed
         # step: a device tensor, or its host slot (`Backend.host_residuals`).
         self.residuals: dict[torch.nn.Parameter, torch.Tensor] = self.backend.host_residuals()
-        self._host_residuals = set(self.residuals)
+        self.host_residual_params = set(self.residuals)
         # Residuals this pending step made. They replace `residuals` when the step's
         # gradients are restored; a discarded step drops them, so it leaves no trace.
         # Cost: the old and the new residual both exist until then (on CUDA, a second
@@ -102,7 +102,7 @@ class Pipeline:
         self.pending_residuals: dict[torch.nn.Parameter, torch.Tensor] = {}
         # The engine's random generators (threshold sampling, stochastic rounding) as the
         # pending step found them, so that a discarded step leaves them as they were too.
-        self._random_state_at_step_start: dict[str, dict[str, torch.Tensor]] | None = None
+        self.random_state_at_step_start: dict[str, torch.Tensor] | None = None
         self._warming_up = config.warmup_steps > 0 and (
             self.encoder is not None or self.quantizer is not None
         )
@@ -138,10 +138,10 @@ class Pipeline:
         gradients back in ``param.grad`` and the error propagates: nothing is lost or
         counted twice, and the next restore adds the cached part to them.
         """
-        if self._random_state_at_step_start is None:
-            self._random_state_at_step_start = self.random_state()
+        if self.random_state_at_step_start is None:
+            self.random_state_at_step_start = self.random_state()
         bucket = Bucket()
-        reads_host = [p for p, _ in items if p in self.cached or p in self._host_residuals]
+        reads_host = [p for p, _ in items if p in self.cached or p in self.host_residual_params]
         encoded: list[Encoded] = []
         try:
             with self.backend.encoding(reads_host):
@@ -152,7 +152,7 @@ class Pipeline:
                 param.grad = grad
             raise
         finally:
-            self._commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])
+            self.commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])
 
     def _encode(self, param: torch.nn.Parameter, grad: torch.Tensor) -> Encoded:
         """Runs where the backend's `encoding` puts it; reads but never changes cached state."""
@@ -169,7 +169,7 @@ class Pipeline:
             residual = self.pending_residuals.get(param, self.residuals.get(param))
             if residual is None:
                 residual = self.encoder.residual_codec.zeros(flat.numel(), flat.device)
-            elif param in self._host_residuals:
+            elif param in self.host_residual_params:
                 residual = self.backend.to_device(residual)
         payload, new_residual = self.encoder.encode(flat, residual, loss_scale=self._loss_scale())
         if self.quantizer is not None:
@@ -184,7 +184,7 @@ class Pipeline:
         # GradScaler has no public sync-free getter; get_scale() would sync the host.
         return scaler._get_scale_async()
 
-    def _commit(self, bucket: Bucket, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
+    def commit(self, bucket: Bucket, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
         """Make ``encoded`` the cached state: payloads in ``bucket``, new residuals kept."""
         if not encoded:
             return
@@ -196,7 +196,7 @@ class Pipeline:
             self.cached[item.param] = bucket
             if item.residual is None:
                 continue
-            if item.param in self._host_residuals:  # `store` wrote it to the spare slot
+            if item.param in self.host_residual_params:  # `store` wrote it to the spare slot
                 self.pending_residuals[item.param] = self.backend.pending_host_residual(item.param)
             else:
                 self.pending_residuals[item.param] = item.residual
@@ -234,9 +234,9 @@ class Pipeline:
         self.cached = {}
         self.pending_residuals = {}
         self.interrupted_clip = None
-        if self._random_state_at_step_start is not None:
-            self.set_random_state(self._random_state_at_step_start)
-            self._random_state_at_step_start = None
+        if self.random_state_at_step_start is not None:
+            self.set_random_state(self.random_state_at_step_start)
+            self.random_state_at_step_start = None
 
     def apply(self) -> None:
         """Drain, then put every cached gradient back into ``param.grad``."""
@@ -287,12 +287,12 @@ class Pipeline:
             residual = self.pending_residuals.pop(param, None)
             if residual is None:
                 continue
-            if param in self._host_residuals:
+            if param in self.host_residual_params:
                 residual = self.backend.commit_host_residual(param)
             self.residuals[param] = residual
         recorded = set(params)
         if all(param in recorded for param in self.cached):  # nothing left to discard
-            self._random_state_at_step_start = None
+            self.random_state_at_step_start = None
 
     def _generators(self) -> dict[str, DeviceGenerators]:
         """The engine's own random generators, by the part that draws from them."""
@@ -304,13 +304,18 @@ class Pipeline:
             parts["values"] = self.quantizer.generators
         return parts
 
-    def random_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The state of every generator the engine draws from (never the global RNG)."""
-        return {name: g.get_state() for name, g in self._generators().items()}
+    def random_state(self) -> dict[str, torch.Tensor]:
+        """The engine's generators' states on its device (never the global RNG's)."""
+        states = {
+            name: generators.get_state(self.backend.device)
+            for name, generators in self._generators().items()
+        }
+        return {name: state for name, state in states.items() if state is not None}
 
-    def set_random_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    def set_random_state(self, states: dict[str, torch.Tensor]) -> None:
+        """Put back what `random_state` returned."""
         for name, generators in self._generators().items():
-            generators.set_state(state.get(name, {}))
+            generators.set_state(self.backend.device, states.get(name))
 
     def describe(self, params: Iterable[torch.nn.Parameter]) -> StepRecord:
         """The figures of the cached payloads of ``params`` (sizes only: no data is read)."""

@@ -136,6 +136,37 @@ def optimize(
     return decorate
 
 
+def manager_of(model: torch.nn.Module) -> GradientCacheHookManager:
+    """The manager the running ``@optimize`` function uses for ``model``: for checkpoints.
+
+    Attaches one now if ``model`` has not run a forward pass yet, so that a checkpoint can
+    be loaded before the first backward. Pass the model whose forward you call (the
+    root). Inside the decorated function::
+
+        cache = gradient_cache.manager_of(model)
+        cache.load_state_dict(checkpoint["cache"])  # when resuming
+        ...
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "cache": cache.state_dict()}, path)
+    """
+    session = _active
+    if session is None:
+        raise RuntimeError(
+            "gradient_cache.manager_of() works only while a function decorated with "
+            "gradient_cache.optimize runs; call it inside that function. Without the "
+            "decorator, create_gradient_cache() returns the manager itself."
+        )
+    if session.manager_for(model) is None and model not in session._seen:
+        session.attach(model)
+    manager = session.manager_for(model)
+    if manager is None:
+        raise ValueError(
+            f"{type(model).__name__} has no gradients to cache in {session.name} (no "
+            "trainable parameter, all of them excluded, or only used under no_grad)."
+        )
+    return manager
+
+
 class _Session:
     """One call of a decorated function: its global hooks, root models and managers."""
 
@@ -215,8 +246,18 @@ class _Session:
 
     def _on_forward(self, module: torch.nn.Module, inputs: Any) -> None:
         """Fires for every module call; attaches to roots not seen before."""
-        if not torch.is_grad_enabled() or module in self._seen:
-            return
+        if torch.is_grad_enabled() and module not in self._seen:
+            self.attach(module)
+
+    def manager_for(self, model: torch.nn.Module) -> GradientCacheHookManager | None:
+        """The manager of ``model`` or of the root it belongs to, if any."""
+        for root, manager in self.managers.items():
+            if model is root or model in set(root.modules()):
+                return manager
+        return None
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Make ``module`` a root: cache its trainable parameters (if any are left)."""
         # The outermost module of a forward pass fires first, so its submodules are
         # marked seen before they run.
         modules = set(module.modules())

@@ -54,6 +54,10 @@ class GradientCacheCallback(pl.Callback):
     as ``gradient_cache/<field>``; ``last_summary`` holds the whole
     ``get_compression_summary()`` of the latest step, and stays after ``fit`` returns.
 
+    Checkpoints: the cache's state (``GradientCacheHookManager.state_dict()``) is saved
+    in Lightning's checkpoints and loaded on ``trainer.fit(..., ckpt_path=...)``, so a
+    resumed run continues as the uninterrupted one would.
+
     Gradients are empty in ``.grad`` during the micro-batches that accumulate: hooks
     that read them there (``on_after_backward`` of those micro-batches) see None;
     ``on_before_optimizer_step`` sees them all.
@@ -75,6 +79,9 @@ class GradientCacheCallback(pl.Callback):
         )
         self._manager: GradientCacheHookManager | None = None
         self.last_summary: dict[str, Any] | None = None
+        # A checkpoint's cache state: Lightning restores callbacks before on_fit_start,
+        # where the manager is created, so it waits here until then.
+        self._state_to_load: dict[str, Any] | None = None
 
     # --- checks and lifetime ------------------------------------------------------
 
@@ -106,6 +113,21 @@ class GradientCacheCallback(pl.Callback):
         # 16-mixed's GradScaler: error feedback then keeps its residual unscaled.
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._manager = self._options.create_manager(pl_module, grad_scaler=scaler)
+        if self._state_to_load is not None:
+            state, self._state_to_load = self._state_to_load, None
+            self._manager.load_state_dict(state)
+
+    # --- checkpoints ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The manager's ``state_dict()`` (residuals, counters, generators), saved by
+        Lightning in every checkpoint; empty before fitting starts."""
+        return {} if self._manager is None else {"cache": self._manager.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Called by Lightning when fitting resumes from ``ckpt_path``; applied once the
+        manager exists, which refuses a state made with other settings."""
+        self._state_to_load = state_dict.get("cache")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._detach()

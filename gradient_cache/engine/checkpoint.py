@@ -1,0 +1,181 @@
+"""The engine's state as plain tensors and numbers, and back: what a resumed run needs.
+
+Saved: the recipe (to refuse a checkpoint made with another one), the step counter (warm-up
+schedule), the engine's random generators, error-feedback residuals (current and those of
+a pending step) and gradients cached but not yet restored, bucket by bucket in arrival
+order (the clip norm sums in that order). Every tensor is a CPU copy (a view of the pinned
+pool would save the whole slab), keyed by parameter name, so `torch.save` and
+``torch.load(weights_only=True)`` carry it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..compression import DensePayload, Payload, QuantizedPayload, SparsePayload, moved
+from .backend import Encoded
+from .bucket import Bucket
+from .pipeline import Pipeline
+
+FORMAT_VERSION = 1
+# The options that change what a step computes, and so what a saved residual, counter or
+# payload means. Others (bucket size, selection method, where the residual lives, pinning)
+# may differ between the saving and the loading manager.
+RECIPE_FIELDS = ("error_feedback", "residual_dtype", "value_dtype", "min_compress_numel")
+SCHEDULE_FIELDS = ("warmup_steps",)
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _payload_state(payload: Payload) -> dict[str, Any]:
+    if isinstance(payload, DensePayload):
+        return {"kind": "dense", "tensor": _cpu(payload.tensor)}
+    if isinstance(payload, SparsePayload):
+        return {
+            "kind": "sparse",
+            "values": _cpu(payload.values),
+            "indices": _cpu(payload.indices),
+            "numel": payload.numel,
+        }
+    return {
+        "kind": "quantized",
+        "packed": _cpu(payload.packed),
+        "indices": None if payload.indices is None else _cpu(payload.indices),
+        "numel": payload.numel,
+        "count": payload.count,
+        "dtype": str(payload.dtype).removeprefix("torch."),
+    }
+
+
+def _payload(state: dict[str, Any]) -> Payload:
+    if state["kind"] == "dense":
+        return DensePayload(state["tensor"])
+    if state["kind"] == "sparse":
+        return SparsePayload(state["values"], state["indices"], state["numel"])
+    return QuantizedPayload(
+        state["packed"],
+        state["indices"],
+        state["numel"],
+        state["count"],
+        getattr(torch, state["dtype"]),
+    )
+
+
+def recipe(pipeline: Pipeline) -> dict[str, Any]:
+    """What must match between the saving and the loading manager."""
+    fields = RECIPE_FIELDS + SCHEDULE_FIELDS
+    return {"compression_ratio": pipeline.ratio} | {
+        name: getattr(pipeline.config, name) for name in fields
+    }
+
+
+def save(pipeline: Pipeline) -> dict[str, Any]:
+    """The pipeline's state; drains first, so every cached gradient is in host memory."""
+    if pipeline.interrupted_clip is not None:
+        raise RuntimeError(
+            "state_dict() was called after a fused step() raised and before it was retried: "
+            "call step(optimizer) again to finish that step, or discard_gradients(), first."
+        )
+    pipeline.drain()
+    names = pipeline.names
+    return {
+        "format_version": FORMAT_VERSION,
+        "recipe": recipe(pipeline),
+        "parameters": list(names.values()),
+        "steps": pipeline.steps,
+        "random_device": pipeline.backend.device.type,
+        "random_state": pipeline.random_state(),
+        "random_state_at_step_start": pipeline.random_state_at_step_start,
+        "residuals": {names[p]: _cpu(r) for p, r in pipeline.residuals.items()},
+        "pending_residuals": {names[p]: _cpu(r) for p, r in pipeline.pending_residuals.items()},
+        "buckets": [
+            [
+                {"name": names[p], "payload": _payload_state(payload)}
+                for p, payload in b.payloads.items()
+            ]
+            for b in pipeline.buckets
+        ],
+    }
+
+
+def load(pipeline: Pipeline, state: Any) -> None:
+    """Make ``pipeline`` continue from ``state``, or raise naming what does not match."""
+    _check(pipeline, state)
+    by_name = {name: param for param, name in pipeline.names.items()}
+    pipeline.steps = state["steps"]
+    pipeline.end_warmup_when_done()  # the pool the saved step had: before residuals go in
+    # Generator states are device-specific (a CPU and a CUDA generator's differ in kind).
+    same_kind = state["random_device"] == pipeline.backend.device.type
+    pipeline.set_random_state(state["random_state"] if same_kind else {})
+    device = pipeline.backend.device
+    for name, saved in state["residuals"].items():
+        param = by_name[name]
+        if param in pipeline.host_residual_params:
+            pipeline.residuals[param].copy_(saved)  # nothing in flight: a plain host copy
+        else:
+            pipeline.residuals[param] = saved.to(device)
+    for name, saved in state["pending_residuals"].items():
+        param = by_name[name]
+        if param in pipeline.host_residual_params:
+            pipeline.pending_residuals[param] = pipeline.backend.pending_host_residual(param)
+            pipeline.pending_residuals[param].copy_(saved)
+        else:
+            pipeline.pending_residuals[param] = saved.to(device)
+    for saved_bucket in state["buckets"]:
+        # The backend stores them as it stores any encoded gradient: moved to the device
+        # where its encode would have left them, then copied into their host slots.
+        with pipeline.backend.encoding([]):
+            encoded = [
+                Encoded(by_name[item["name"]], moved(_payload(item["payload"]), _to(device)), None)
+                for item in saved_bucket
+            ]
+        pipeline.commit(Bucket(), encoded, [])
+    pipeline.backend.wait()
+    pipeline.random_state_at_step_start = state["random_state_at_step_start"] if same_kind else None
+
+
+def _to(device: torch.device):
+    return lambda tensor: tensor.to(device)
+
+
+def _check(pipeline: Pipeline, state: Any) -> None:
+    if not isinstance(state, dict) or "format_version" not in state:
+        raise TypeError(
+            "load_state_dict() expects the dict that GradientCacheHookManager.state_dict() "
+            f"returned, got {type(state).__name__}."
+        )
+    if state["format_version"] != FORMAT_VERSION:
+        raise ValueError(
+            f"This checkpoint's gradient-cache state has format_version "
+            f"{state['format_version']!r}; this version reads {FORMAT_VERSION}."
+        )
+    if pipeline.cached or pipeline.pending_residuals or len(pipeline.assembler):
+        raise RuntimeError(
+            "load_state_dict() needs a manager with no step pending: call it before the first "
+            "backward, or after a restore (apply_gradients() or step())."
+        )
+    ours = recipe(pipeline)
+    differences = [
+        f"{name}: checkpoint {state['recipe'].get(name)!r}, this manager {value!r}"
+        for name, value in ours.items()
+        if state["recipe"].get(name) != value
+    ]
+    if differences:
+        raise ValueError(
+            "The checkpoint's gradient cache was made with other settings ("
+            + "; ".join(differences)
+            + "). Create the manager with the checkpoint's settings to resume it."
+        )
+    saved, here = set(state["parameters"]), set(pipeline.names.values())
+    if saved != here:
+        missing, extra = sorted(saved - here), sorted(here - saved)
+        raise ValueError(
+            "The checkpoint's gradient cache covers other parameters: "
+            f"{len(missing)} saved but not cached here {missing[:3]}, {len(extra)} cached here "
+            f"but not saved {extra[:3]}. Build the same model with the same exclude_layers "
+            "(and the same trainable parameters) as when it was saved."
+        )

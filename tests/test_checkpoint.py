@@ -1,0 +1,159 @@
+"""state_dict() / load_state_dict(): a resumed run continues bit for bit."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from conftest import assert_same_parameters, batches, loss_of, make_model
+
+import gradient_cache
+
+STEPS = 5
+MICRO_BATCHES = 2
+DATA = batches(STEPS * MICRO_BATCHES)
+
+RECIPES = {
+    "lossless": dict(compression_ratio=1),
+    "r100 top-k only": dict(compression_ratio=100, error_feedback=False),
+    # The defaults at ratio 100: error feedback with an int8 residual (stochastic rounding)
+    # and, on the CPU, threshold selection (random samples): both draw from the engine's
+    # generators, which the checkpoint must carry.
+    "r100 error feedback": dict(compression_ratio=100),
+    "r100 int8 values, warm-up": dict(compression_ratio=100, value_dtype="int8", warmup_steps=2),
+}
+
+
+def build(options: dict):
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, min_compress_numel=1, **options)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, manager, optimizer
+
+
+def run(model, manager, optimizer, micro_batches: range) -> None:
+    """Train on micro-batches ``micro_batches`` (indices into DATA), stepping after each pair."""
+    for index in micro_batches:
+        loss_of(model, *DATA[index]).backward()
+        manager.compress_and_free_gradients()
+        if index % MICRO_BATCHES == MICRO_BATCHES - 1:
+            manager.apply_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def save_and_load(model, manager, optimizer) -> dict:
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "cache": manager.state_dict(),
+        },
+        buffer,
+    )
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def resumed_run(options: dict, cut: int):
+    """Train to micro-batch ``cut``, checkpoint, build everything anew, load, train on."""
+    model, manager, optimizer = build(options)
+    run(model, manager, optimizer, range(cut))
+    saved = save_and_load(model, manager, optimizer)
+    manager.remove_hooks()
+    model, manager, optimizer = build(options)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    manager.load_state_dict(saved["cache"])
+    run(model, manager, optimizer, range(cut, STEPS * MICRO_BATCHES))
+    return model, manager
+
+
+@pytest.mark.parametrize("cut", [4, 5], ids=["between steps", "mid-accumulation"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_resumed_run_continues_bit_for_bit(recipe: str, cut: int) -> None:
+    options = RECIPES[recipe]
+    reference, reference_manager, optimizer = build(options)
+    run(reference, reference_manager, optimizer, range(STEPS * MICRO_BATCHES))
+    resumed, manager = resumed_run(options, cut)
+    assert_same_parameters(reference, resumed)
+    summary = manager.get_compression_summary()
+    assert summary["steps"] == reference_manager.get_compression_summary()["steps"] == STEPS
+    if recipe == "lossless":  # and the same as plain PyTorch
+        plain = make_model()
+        plain_optimizer = torch.optim.Adam(plain.parameters(), lr=1e-2)
+        for index in range(STEPS * MICRO_BATCHES):
+            loss_of(plain, *DATA[index]).backward()
+            if index % MICRO_BATCHES == MICRO_BATCHES - 1:
+                plain_optimizer.step()
+                plain_optimizer.zero_grad()
+        assert_same_parameters(plain, resumed)
+
+
+def test_the_state_holds_residuals_and_the_cached_gradients_by_name() -> None:
+    model, manager, optimizer = build(RECIPES["r100 error feedback"])
+    run(model, manager, optimizer, range(3))  # a step, then one micro-batch cached
+    state = manager.state_dict()
+    names = {name for name, _ in model.named_parameters()}
+    assert set(state["parameters"]) == names
+    assert set(state["residuals"]) == set(state["pending_residuals"]) == names
+    cached = [item["name"] for bucket in state["buckets"] for item in bucket]
+    assert sorted(cached) == sorted(names)
+    assert state["steps"] == 1 and state["random_state"]
+    # CPU copies: saving them does not save (or alias) the engine's own memory.
+    residual = manager._pipeline.residuals[model.embed.weight]
+    assert state["residuals"]["embed.weight"].data_ptr() != residual.data_ptr()
+
+
+def test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start() -> None:
+    """The pending step's start (residuals, generators) travels with the checkpoint."""
+    options = RECIPES["r100 error feedback"]
+    model, manager, optimizer = build(options)
+    run(model, manager, optimizer, range(2))
+    loss_of(model, *DATA[2]).backward()
+    saved = save_and_load(model, manager, optimizer)
+    model, manager, optimizer = build(options)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    manager.load_state_dict(saved["cache"])
+    manager.discard_gradients()
+    run(model, manager, optimizer, range(4, 6))
+    reference, reference_manager, reference_optimizer = build(options)
+    run(reference, reference_manager, reference_optimizer, range(2))
+    run(reference, reference_manager, reference_optimizer, range(4, 6))
+    assert_same_parameters(reference, model)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(compression_ratio=10), "compression_ratio: checkpoint 100.0, this manager 10.0"),
+        (dict(error_feedback=False), "error_feedback: checkpoint True, this manager False"),
+        (dict(residual_dtype="bfloat16"), "residual_dtype: checkpoint 'int8'"),
+        (dict(warmup_steps=3), "warmup_steps: checkpoint 0, this manager 3"),
+        (dict(exclude_layers=["norm"]), "2 saved but not cached here"),
+    ],
+)
+def test_loading_into_a_manager_built_otherwise_is_refused(change: dict, message: str) -> None:
+    model, manager, optimizer = build(RECIPES["r100 error feedback"])
+    run(model, manager, optimizer, range(2))
+    state = manager.state_dict()
+    manager.remove_hooks()
+    other = build({**RECIPES["r100 error feedback"], **change})[1]
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        other.load_state_dict(state)
+    assert not other._pipeline.residuals  # refused before anything was loaded
+
+
+def test_loading_needs_a_manager_with_nothing_pending() -> None:
+    model, manager, _ = build(RECIPES["lossless"])
+    state = manager.state_dict()
+    loss_of(model, *DATA[0]).backward()
+    with pytest.raises(RuntimeError, match="no step pending"):
+        manager.load_state_dict(state)
+    with pytest.raises(TypeError, match="expects the dict that"):
+        manager.load_state_dict(model.state_dict())
+    with pytest.raises(ValueError, match="format_version 99"):
+        manager.load_state_dict({**state, "format_version": 99})
