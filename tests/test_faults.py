@@ -1,0 +1,105 @@
+"""Faults survived: after each, discard_gradients() leaves a manager that trains on exactly.
+
+The batch that fails is skipped with the calls a user makes for a skipped step
+(``optimizer.zero_grad()`` and ``discard_gradients()``); the run then ends where a run
+that never saw that batch ends: plain PyTorch at ratio 1, the same cache at ratio 100.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TiedLM, assert_same_parameters, batches, loss_of
+
+import gradient_cache
+from gradient_cache.engine.pipeline import Pipeline
+
+SMALL = 0.004  # MiB: several buckets per backward, so some launch before the fault
+
+
+class Faulty(TiedLM):
+    """TiedLM that raises ``error`` in forward or partway through backward, when armed."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__()
+        self.fault: tuple[str, BaseException] | None = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.fault is None:
+            return super().forward(tokens)
+        where, error = self.fault
+        self.fault = None
+        if where == "forward":
+            raise error
+        hidden = self.embed(tokens)
+
+        def fail(grad: torch.Tensor) -> None:
+            raise error  # the MLP's gradients are offloaded by now, the embedding's not
+
+        hidden.register_hook(fail)
+        hidden = self.norm(hidden + self.mlp(hidden))
+        return hidden @ self.embed.weight.t()
+
+
+def fail_in_encode(monkeypatch: pytest.MonkeyPatch, manager) -> None:
+    """The next encode of ``mlp.0.weight`` raises an out-of-memory error, once."""
+    pipeline = manager._pipeline
+    original = Pipeline._encode
+
+    def encode(self, param, grad):
+        if self.names[param] == "mlp.0.weight":
+            monkeypatch.setattr(pipeline, "_encode", original.__get__(pipeline))
+            raise torch.OutOfMemoryError("injected: out of memory while encoding")
+        return original(self, param, grad)
+
+    monkeypatch.setattr(pipeline, "_encode", encode.__get__(pipeline))
+
+
+FAULTS = {
+    "exception in forward": ("forward", RuntimeError("injected in forward")),
+    "exception mid-backward": ("backward", RuntimeError("injected in backward")),
+    "KeyboardInterrupt mid-backward": ("backward", KeyboardInterrupt()),
+    "out of memory while encoding": ("encode", torch.OutOfMemoryError()),
+}
+
+
+def train(options: dict | None, *, fault: str | None, monkeypatch) -> torch.nn.Module:
+    """Four Adam steps; with ``fault``, batch 2 fails and is skipped (it is absent without)."""
+    model = Faulty()
+    manager = None if options is None else gradient_cache.create_gradient_cache(model, **options)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for index, (tokens, targets) in enumerate(batches(5)):
+        if index == 2:
+            if fault is None:
+                continue
+            where, error = FAULTS[fault]
+            if where == "encode":
+                fail_in_encode(monkeypatch, manager)
+            else:
+                model.fault = (where, error)
+            with pytest.raises(type(error)):
+                loss_of(model, tokens, targets).backward()
+                manager.compress_and_free_gradients()
+            if where != "forward":  # it struck with some buckets already offloaded
+                assert manager._pipeline.cached
+            optimizer.zero_grad()
+            manager.discard_gradients()
+            continue
+        loss_of(model, tokens, targets).backward()
+        if manager is not None:
+            manager.apply_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("ratio", [1, 100])
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_after_a_fault_training_goes_on_as_if_the_batch_was_skipped(
+    fault: str, ratio: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = dict(compression_ratio=ratio, min_compress_numel=1, bucket_size_mb=SMALL)
+    faulted = train(options, fault=fault, monkeypatch=monkeypatch)
+    reference = train(None if ratio == 1 else options, fault=None, monkeypatch=monkeypatch)
+    assert_same_parameters(reference, faulted)
