@@ -160,6 +160,13 @@ class GradientCacheHookManager:
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}.")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError(
+                "step(optimizer) cannot step LBFGS: it steps one bucket at a time, while LBFGS "
+                "updates all its parameters along one direction with a line search that "
+                "re-evaluates the loss (closure). Use apply_gradients() and "
+                "optimizer.step(closure) instead."
+            )
         if max_grad_norm is not None and not _is_positive_number(max_grad_norm):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0.")
         if not (_is_positive_number(norm_type) or norm_type == math.inf):

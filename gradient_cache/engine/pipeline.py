@@ -353,7 +353,15 @@ def parameter_device(params: Sequence[torch.nn.Parameter]) -> torch.device:
             "one device. Create one manager per device, or list the other device's layers "
             "in exclude_layers."
         )
-    return torch.device(devices[0])
+    device = torch.device(devices[0])
+    if device.type == "meta":
+        raise ValueError(
+            "The model's parameters are on the meta device: they have no data, so backward "
+            "cannot produce gradients to cache. Materialize the model first "
+            "(model.to_empty(device=...) and initialize it, or load its state_dict with "
+            "assign=True), then create the cache."
+        )
+    return device
 
 
 def create_backend(

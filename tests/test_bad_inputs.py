@@ -1,0 +1,170 @@
+"""Bad input, refused clearly: one row per case, the same rows as docs/bad-inputs.md.
+
+Each case is the code a user would write, run in a fresh namespace (see `namespace`), the
+exception it must raise and an excerpt of its message. `test_the_docs_table_matches` keeps
+docs/bad-inputs.md in step: ``python tests/test_bad_inputs.py`` prints the table.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradient_cache
+from gradient_cache import EngineConfig, GradientCacheHookManager, create_gradient_cache
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
+
+# (what is wrong, the code, the exception, an excerpt of its message)
+CASES = [
+    # --- the model
+    ("parameters instead of a model", "create_gradient_cache(model().parameters())", TypeError,
+     "model must be a torch.nn.Module, got generator"),
+    ("no trainable parameters", "create_gradient_cache(model().requires_grad_(False))", ValueError,
+     "has no trainable parameters"),
+    ("meta tensors", 'create_gradient_cache(torch.nn.Linear(4, 4, device="meta"))', ValueError,
+     "on the meta device"),
+    ("a model already managed", "create_gradient_cache(cached_model)", ValueError,
+     "already cached by another GradientCacheHookManager"),
+    ("a parameter replaced after creation",
+     "cached_model.weight = torch.nn.Parameter(torch.zeros(4, 4)); cached_model(torch.zeros(1, 4))",
+     RuntimeError, "'weight' replaced by a new Parameter"),
+    # --- compression_ratio
+    ("ratio zero", "create_gradient_cache(model(), compression_ratio=0)", ValueError,
+     "Invalid compression_ratio: 0; expected a finite number >= 1"),
+    ("ratio below 1", "create_gradient_cache(model(), compression_ratio=0.5)", ValueError,
+     "Invalid compression_ratio: 0.5"),
+    ("ratio NaN", "create_gradient_cache(model(), compression_ratio=math.nan)", ValueError,
+     "Invalid compression_ratio: nan"),
+    ("ratio inf", "create_gradient_cache(model(), compression_ratio=math.inf)", ValueError,
+     "Invalid compression_ratio: inf"),
+    ("ratio as a string", 'create_gradient_cache(model(), compression_ratio="100")', TypeError,
+     "compression_ratio must be a real number >= 1 (1 = lossless, 100 = keep 1%), got str '100'"),
+    ("ratio as a bool", "create_gradient_cache(model(), compression_ratio=True)", TypeError,
+     "got bool True"),
+    # --- other arguments
+    ("exclude_layers as one string", 'create_gradient_cache(model(), exclude_layers="weight")',
+     TypeError, "exclude_layers must be a list of name substrings, e.g. ['lm_head'], got 'weight'"),
+    ("exclude_layers excluding everything",
+     'create_gradient_cache(model(), exclude_layers=["weight", "bias"])', ValueError,
+     "excludes every trainable parameter"),
+    ("verbose not a bool", 'create_gradient_cache(model(), verbose="yes")', TypeError,
+     "verbose must be True or False, got 'yes'"),
+    ("a misspelt option", "create_gradient_cache(model(), bucket_sise_mb=8)", TypeError,
+     "Unknown engine option(s) ['bucket_sise_mb']"),
+    ("config and options together",
+     "create_gradient_cache(model(), config=EngineConfig(), bucket_size_mb=8)", ValueError,
+     "either as config= or as keywords, not both"),
+    ("config not an EngineConfig", "GradientCacheHookManager(model(), config={})", TypeError,
+     "config must be a gradient_cache.EngineConfig, got {}"),
+    ("grad_scaler of another kind", "create_gradient_cache(model(), grad_scaler=object())",
+     TypeError, "grad_scaler must be a torch.amp.GradScaler"),
+    # --- EngineConfig fields
+    ("bucket size zero", "create_gradient_cache(model(), bucket_size_mb=0)", ValueError,
+     "Invalid bucket_size_mb: 0; expected a finite number > 0"),
+    ("bucket size NaN", "create_gradient_cache(model(), bucket_size_mb=math.nan)", ValueError,
+     "Invalid bucket_size_mb: nan"),
+    ("unknown selection", 'create_gradient_cache(model(), selection="random")', ValueError,
+     "Invalid selection: 'random'; expected one of ['auto', 'threshold', 'exact']"),
+    ("unsupported residual dtype", 'create_gradient_cache(model(), residual_dtype="float16")',
+     ValueError, "Invalid residual_dtype: 'float16'"),
+    ("unsupported value dtype", 'create_gradient_cache(model(), value_dtype="int4")',
+     ValueError, "Invalid value_dtype: 'int4'; expected one of ['int8']"),
+    ("negative warm-up", "create_gradient_cache(model(), warmup_steps=-1)", ValueError,
+     "Invalid warmup_steps: -1; expected an integer >= 0"),
+    ("fractional warm-up", "create_gradient_cache(model(), warmup_steps=1.5)", ValueError,
+     "Invalid warmup_steps: 1.5"),
+    ("min_compress_numel zero", "create_gradient_cache(model(), min_compress_numel=0)",
+     ValueError, "Invalid min_compress_numel: 0; expected an integer >= 1"),
+    ("host share above 1", "create_gradient_cache(model(), host_memory_fraction=1.5)",
+     ValueError, "Invalid host_memory_fraction: 1.5; expected a share of available RAM in (0, 1]"),
+    ("host share NaN", "create_gradient_cache(model(), host_memory_fraction=math.nan)",
+     ValueError, "Invalid host_memory_fraction: nan"),
+    ("staging depth zero", "create_gradient_cache(model(), staging_depth=0)", ValueError,
+     "Invalid staging_depth: 0; expected an integer >= 1"),
+    ("residual on disk", 'create_gradient_cache(model(), residual_location="disk")', ValueError,
+     "Invalid residual_location: 'disk'; expected one of ['host', 'device']"),
+    ("unknown backend", 'create_gradient_cache(model(), backend="tpu")', ValueError,
+     "Invalid backend: 'tpu'"),
+    ("CUDA backend for CPU parameters", 'create_gradient_cache(model(), backend="cuda")',
+     ValueError, "backend='cuda' does not match the parameters' device cpu"),
+    ("pin_memory not a bool", 'create_gradient_cache(model(), pin_memory="yes")', TypeError,
+     "pin_memory must be True or False, got 'yes'"),
+    ("negative pool size", "create_gradient_cache(model(), host_pool_mb=-1)", ValueError,
+     "Invalid host_pool_mb: -1"),
+    # --- the fused step
+    ("a model instead of its optimizer", "cache.step(cached_model)", TypeError,
+     "optimizer must be a torch.optim.Optimizer"),
+    ("LBFGS in the fused step", "cache.step(torch.optim.LBFGS(cached_model.parameters()))",
+     TypeError, "cannot step LBFGS"),
+    ("clip norm NaN", "cache.step(sgd, max_grad_norm=math.nan)", ValueError,
+     "Invalid max_grad_norm: nan; expected a number > 0"),
+    ("clip norm negative", "cache.step(sgd, max_grad_norm=-1)", ValueError,
+     "Invalid max_grad_norm: -1"),
+    ("norm type zero", "cache.step(sgd, norm_type=0)", ValueError,
+     "Invalid norm_type: 0; expected a number > 0 or inf"),
+    # --- order of calls and lifetime
+    ("a closed manager", "closed.apply_gradients()", RuntimeError,
+     "was closed by remove_hooks()"),
+    ("loading a model's state_dict into the cache",
+     "cache.load_state_dict(cached_model.state_dict())", TypeError,
+     "expects the dict that GradientCacheHookManager.state_dict() returned"),
+    ("loading with a step pending", "cache.load_state_dict(cache.state_dict())", RuntimeError,
+     "needs a manager with no step pending"),
+    ("manager_of outside a decorated function", "gradient_cache.manager_of(model())",
+     RuntimeError, "works only while a function decorated with gradient_cache.optimize runs"),
+    ("the decorator without parentheses", "gradient_cache.optimize(lambda: None)", TypeError,
+     "write @gradient_cache.optimize() or"),
+]  # fmt: skip
+
+
+def namespace() -> dict:
+    """What a case's code can use: ``model()`` builds a fresh Linear; ``cached_model`` has
+    a live manager ``cache`` and a backward done; ``sgd`` steps it; ``closed`` is removed."""
+    torch.manual_seed(0)
+    cached_model = torch.nn.Linear(4, 4)
+    cache = create_gradient_cache(cached_model, compression_ratio=1)
+    cached_model(torch.randn(2, 4)).sum().backward()
+    closed = create_gradient_cache(torch.nn.Linear(4, 4))
+    closed.remove_hooks()
+    return dict(
+        torch=torch,
+        math=math,
+        gradient_cache=gradient_cache,
+        create_gradient_cache=create_gradient_cache,
+        GradientCacheHookManager=GradientCacheHookManager,
+        EngineConfig=EngineConfig,
+        model=lambda: torch.nn.Linear(4, 4),
+        cached_model=cached_model,
+        cache=cache,
+        sgd=torch.optim.SGD(cached_model.parameters(), lr=0.1),
+        closed=closed,
+    )
+
+
+@pytest.mark.parametrize(("wrong", "code", "error", "excerpt"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_with_its_message(wrong, code, error, excerpt) -> None:
+    with pytest.raises(error, match=re.escape(excerpt)):
+        exec(code, namespace())
+
+
+def table() -> str:
+    lines = ["| # | what is wrong | code | raises | message (excerpt) |", "|---:|---|---|---|---|"]
+    for number, (wrong, code, error, excerpt) in enumerate(CASES, 1):
+        lines.append(f"| {number} | {wrong} | `{code}` | `{error.__name__}` | {excerpt} |")
+    return "\n".join(lines)
+
+
+def test_the_docs_table_matches() -> None:
+    assert len(CASES) >= 25
+    assert table() in DOCS.read_text(), (
+        "docs/bad-inputs.md is stale: python tests/test_bad_inputs.py"
+    )
+
+
+if __name__ == "__main__":
+    print(table())
