@@ -242,6 +242,7 @@ def offload_bytes(setting: str) -> dict[str, float]:
             ratio=ratio,
             min_compress_numel=config.min_compress_numel,
             residual_codec=codec if host_residual else None,
+            spare_residual=config.keep_previous_residual,
             quantized=config.value_dtype == "int8",
         )
         pool += spec.nbytes

@@ -394,3 +394,12 @@ def test_parameters_moved_in_place_to_another_device_are_refused() -> None:
         forward_backward(model)
     watch.remove()
     forward_backward(model)
+
+
+def test_without_the_previous_residual_a_discarded_batch_reaches_later_steps() -> None:
+    """keep_previous_residual=False trades the undo for a residual's host memory."""
+    options = dict(compression_ratio=100, min_compress_numel=1, keep_previous_residual=False)
+    skipping = train_with_a_skipped_batch(options, skip=True)
+    reference = train_with_a_skipped_batch(options, skip=False)
+    pairs = zip(reference.parameters(), skipping.parameters(), strict=True)
+    assert not all(torch.equal(a, b) for a, b in pairs)

@@ -214,26 +214,34 @@ def test_host_pool_lays_out_one_aligned_slot_per_parameter() -> None:
 
 
 @pytest.mark.parametrize(
-    ("residual_dtype", "warmup", "expected"),
+    ("residual_dtype", "warmup", "spare", "expected"),
     [
         # int8: 100,000 codes padded to 100,032 (whole blocks of 64) + 1,563 fp32 scales;
         # each residual twice: the current one and a pending step's.
-        ("int8", False, 4032 + 4032 + 2 * (100_032 + 6_272)),
-        ("bfloat16", False, 4032 + 4032 + 2 * 200_000),
+        ("int8", False, True, 4032 + 4032 + 2 * (100_032 + 6_272)),
+        ("bfloat16", False, True, 4032 + 4032 + 2 * 200_000),
+        # keep_previous_residual=False: one residual slot.
+        ("int8", False, False, 4032 + 4032 + 100_032 + 6_272),
         # A warm-up sends the first steps dense: the values take the dense size.
-        ("int8", True, 400_000 + 4032 + 2 * (100_032 + 6_272)),
+        ("int8", True, True, 400_000 + 4032 + 2 * (100_032 + 6_272)),
     ],
 )
 def test_host_pool_sizes_residual_and_warmup_slots(
-    residual_dtype: str, warmup: bool, expected: int
+    residual_dtype: str, warmup: bool, spare: bool, expected: int
 ) -> None:
     big = torch.nn.Parameter(torch.zeros(100_000))
     codec = ResidualCodec(residual_dtype)
     spec = pool.slot_spec(
-        big, ratio=100, min_compress_numel=1000, residual_codec=codec, warmup=warmup
+        big,
+        ratio=100,
+        min_compress_numel=1000,
+        residual_codec=codec,
+        spare_residual=spare,
+        warmup=warmup,
     )
     host_pool = pool.HostPool({big: spec}, allocate_pinned=None)
     assert host_pool.capacity_bytes == expected
+    assert (host_pool.slots[big].spare_residual is not None) == spare
     residual = host_pool.slots[big].residual
     assert torch.count_nonzero(codec.decode(residual, big.numel())) == 0
 

@@ -198,6 +198,7 @@ RECIPES = {
     "int8+warmup": dict(residual_dtype="int8", warmup_steps=2),
     "bf16": dict(residual_dtype="bfloat16"),
     "int8 values": dict(value_dtype="int8", residual_dtype="int8"),
+    "one residual slot": dict(residual_dtype="int8", keep_previous_residual=False),
 }
 
 

@@ -61,7 +61,8 @@ class Backend(ABC):
         return {}
 
     def pending_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """The spare slot `store` wrote ``param``'s new residual to (host residuals only)."""
+        """Where `store` writes ``param``'s new residual: the spare slot, or the current
+        one without ``keep_previous_residual`` (host residuals only)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no residual in host memory")
 
     def commit_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:

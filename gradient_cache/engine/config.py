@@ -72,6 +72,14 @@ class EngineConfig:
             ``"device"`` (no round trip; one dense fp32 copy of every compressed gradient
             stays on the device, which undoes most of the saving). On the CPU backend the
             device is the host: both choices keep the residual in host RAM.
+        keep_previous_residual: With error feedback, keep the last completed step's
+            residual until the pending step is restored, so that ``discard_gradients()``
+            undoes the pending step's residual update and leaves no trace. Default True.
+            Its cost is a second residual's host memory (on CUDA, a second pinned slot
+            per residual: with int8 residuals about 27% of lossless offload's host
+            bytes), not PCIe traffic. False saves that memory; a discarded step's
+            held-back part (about 99% of its gradient at ratio 100) then stays in the
+            residual and reaches later steps.
         min_compress_numel: Tensors with fewer elements travel uncompressed. Default
             16384 (64 KiB of fp32): below it, keeping 1% saves under 64 KiB per tensor
             while the selection's fixed cost stays, and biases and norm weights are
@@ -105,6 +113,7 @@ class EngineConfig:
     warmup_steps: int = 0
     value_dtype: str | None = None
     residual_location: str = "host"
+    keep_previous_residual: bool = True
     min_compress_numel: int = 16384
     host_memory_fraction: float = 0.5
     backend: str = "auto"
@@ -122,6 +131,7 @@ class EngineConfig:
         if self.value_dtype is not None:
             _check_choice("value_dtype", self.value_dtype, VALUE_DTYPES)
         _check_choice("residual_location", self.residual_location, RESIDUAL_LOCATIONS)
+        _check_bool("keep_previous_residual", self.keep_previous_residual)
         _check_positive_int("min_compress_numel", self.min_compress_numel)
         _check_positive_number("host_memory_fraction", self.host_memory_fraction)
         if self.host_memory_fraction > 1:

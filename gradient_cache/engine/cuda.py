@@ -81,13 +81,15 @@ class CudaBackend(Backend):
         return {p: s.residual for p, s in self.pool.slots.items() if s.residual is not None}
 
     def pending_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
-        return self.pool.slots[param].spare_residual
+        slot = self.pool.slots[param]
+        return slot.residual if slot.spare_residual is None else slot.spare_residual
 
     def commit_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
         # Runs after the restore of ``param``, so after `wait()`: no copy is writing
         # either slot, and the old one is rewritten only by a later step's copy.
         slot = self.pool.slots[param]
-        slot.residual, slot.spare_residual = slot.spare_residual, slot.residual
+        if slot.spare_residual is not None:
+            slot.residual, slot.spare_residual = slot.spare_residual, slot.residual
         return slot.residual
 
     @contextlib.contextmanager
@@ -129,7 +131,8 @@ class CudaBackend(Backend):
                 bucket.payloads[item.param] = self._copy_payload(item.payload, slot)
                 kept += payload_tensors(item.payload)
                 if slot.residual is not None and item.residual is not None:
-                    slot.spare_residual.copy_(item.residual, non_blocking=self.pool.pinned)
+                    target = self.pending_host_residual(item.param)
+                    target.copy_(item.residual, non_blocking=self.pool.pinned)
                     kept.append(item.residual)
         copied = self.cuda.Event()
         copied.record(self.copy_stream)

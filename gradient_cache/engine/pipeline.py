@@ -196,10 +196,14 @@ class Pipeline:
             self.cached[item.param] = bucket
             if item.residual is None:
                 continue
-            if item.param in self.host_residual_params:  # `store` wrote it to the spare slot
-                self.pending_residuals[item.param] = self.backend.pending_host_residual(item.param)
+            if item.param in self.host_residual_params:  # where `store` wrote it
+                new = self.backend.pending_host_residual(item.param)
             else:
-                self.pending_residuals[item.param] = item.residual
+                new = item.residual
+            if self.config.keep_previous_residual:
+                self.pending_residuals[item.param] = new
+            else:  # no undo: the new residual is the current one at once
+                self.residuals[item.param] = new
         self.drop_empty_buckets()
         self.buckets.append(bucket)
 
@@ -377,9 +381,10 @@ def create_backend(
     if device.type == "cuda":
         return build_cuda_backend(params, config, device, ratio=ratio)
     # The CPU's payloads replace the gradients plain PyTorch would hold: only residuals add,
-    # the current ones and a pending step's new ones.
+    # the current ones and (keep_previous_residual) a pending step's new ones.
     codec = ResidualCodec(config.residual_dtype)
-    residual_bytes = 2 * sum(
+    copies = 2 if config.keep_previous_residual else 1
+    residual_bytes = copies * sum(
         codec.stored_bytes(p.numel())
         for p in params
         if config.error_feedback and ratio > 1 and p.numel() >= config.min_compress_numel
@@ -387,7 +392,7 @@ def create_backend(
     check_host_budget(
         residual_bytes,
         fraction=config.host_memory_fraction,
-        what="error-feedback residuals, current and pending",
+        what="error-feedback residuals",
     )
     return CpuBackend(device)
 
@@ -417,6 +422,7 @@ def build_cuda_backend(
             ratio=ratio,
             min_compress_numel=config.min_compress_numel,
             residual_codec=ResidualCodec(config.residual_dtype) if host_residual else None,
+            spare_residual=config.keep_previous_residual,
             warmup=config.warmup_steps > 0,
             quantized=config.value_dtype == "int8",
         )

@@ -29,9 +29,10 @@ ALIGN = 64  # bytes: every slot starts on a 64-byte boundary, fast copies for an
 class Slot:
     """One parameter's host memory: its payload, and its error-feedback residual if kept here.
 
-    The residual has two slots: the current one, and a spare that receives a pending
-    step's new residual; they swap when that step completes, and a discarded step leaves
-    the current one untouched.
+    With ``keep_previous_residual`` the residual has two slots: the current one, and a
+    spare that receives a pending step's new residual; they swap when that step
+    completes, and a discarded step leaves the current one untouched. Without it the
+    spare is None and the new residual overwrites the current one.
     """
 
     values: torch.Tensor  # dense: numel of the gradient's dtype; compressed: keep_count of it
@@ -52,11 +53,12 @@ class SlotSpec:
     dtype: torch.dtype
     kept: int | None  # entries of a compressed payload; None: the payload is dense
     residual: tuple[int, torch.dtype] | None  # the host residual's stored (numel, dtype)
+    spare_residual: bool = True  # a second residual slot, for a pending step's new one
     dense_first: bool = False  # compressed, but warm-up steps store it dense first
     quantized: bool = False  # values stored as int8 blocks (`int8_blocks_encode`)
 
     def shapes(self) -> list[tuple[int, torch.dtype]]:
-        """(numel, dtype) of values, indices if compressed, and two residual slots if kept."""
+        """(numel, dtype) of values, indices if compressed, then the residual (and spare)."""
         count = self.numel if self.kept is None else self.kept
         if self.dense_first or (self.kept is None and not self.quantized):
             values = (self.numel, self.dtype)  # room for a dense, exact payload
@@ -68,7 +70,7 @@ class SlotSpec:
         if self.kept is not None:
             shapes.append((self.kept, index_dtype(self.numel)))
         if self.residual is not None:
-            shapes += [self.residual, self.residual]
+            shapes += [self.residual] * (2 if self.spare_residual else 1)
         return shapes
 
     @property
@@ -86,12 +88,14 @@ def slot_spec(
     ratio: float,
     min_compress_numel: int,
     residual_codec: ResidualCodec | None,
+    spare_residual: bool = True,
     warmup: bool = False,
     quantized: bool = False,
 ) -> SlotSpec:
     """The slot ``param`` needs: exact and dense below ``min_compress_numel``.
 
     ``residual_codec``: the host residual's format, None where it is not kept on the host;
+    ``spare_residual``: a second residual slot (``keep_previous_residual``);
     ``warmup``: dense warm-up steps come first, so a compressed slot holds a dense payload;
     ``quantized``: values are stored as int8 blocks.
     """
@@ -106,6 +110,7 @@ def slot_spec(
         param.dtype,
         kept,
         residual,
+        spare_residual=spare_residual,
         dense_first=warmup and encoded,
         quantized=quantized and encoded,
     )
@@ -140,8 +145,10 @@ class HostPool:
                 offset += _aligned(nbytes)
             indices = views[1] if spec.kept is not None else None
             residual = spare = None
-            if spec.residual is not None:
+            if spec.residual is not None and spec.spare_residual:
                 residual, spare = views[-2].zero_(), views[-1]
+            elif spec.residual is not None:
+                residual = views[-1].zero_()
             self.slots[param] = Slot(views[0], indices, residual, spare)
 
     def _allocate(
