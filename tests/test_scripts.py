@@ -73,6 +73,19 @@ def test_quality_benchmark_pairs_seeds_and_counts_bytes(tmp_path: Path) -> None:
     assert "| adamw | r100-ef-int8 |" in out
 
 
+def test_soak_returns_tensors_threads_and_hooks_to_their_start_counts(tmp_path: Path) -> None:
+    out_json = tmp_path / "soak.json"
+    out = run(
+        "-m", "perf.soak", "--steps", "12", "--warmup", "4", "--any-corpus", "--out", str(out_json)
+    )
+    results = json.loads(out_json.read_text())["results"]
+    assert [r["setting"] for r in results] == ["r1", "r100"]
+    for result in results:
+        assert result["start"] == result["end"]
+        assert result["start"]["tensors"] > 0 and result["rss_peak_mib"] > 0
+    assert "| r100 | 12 |" in out
+
+
 def test_step_phases_times_every_phase_and_the_encoding(tmp_path: Path) -> None:
     out_json = tmp_path / "phases.json"
     out = run(

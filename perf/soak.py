@@ -1,0 +1,147 @@
+"""Soak: a long run leaves nothing behind and does not grow.
+
+    python -m perf.soak                      # 2,000 steps at ratio 1 and 100 (~8 min)
+    python -m perf.soak --steps 20 --warmup 5   # the CI smoke run
+
+Trains perf.quality's model (TinyGPT "tiny", 0.83M parameters, AdamW) with the cache for
+``--steps`` steps per setting, each setting in its own process (``--jobs`` at a time, one
+thread each), the user's loop of backward, ``apply_gradients()`` and ``optimizer.step()``.
+Before the cache is created (after one plain step, so the optimizer's state exists) and
+after ``remove_hooks()`` it counts live tensors (gc), threads and hooks (the parameters'
+post-accumulate-grad hooks, the model's forward pre-hooks, PyTorch's global module and
+optimizer hooks): the end must equal the start. It also reports the process's RSS after
+``--warmup`` steps and its largest value after that (sampled every 25 steps): the growth
+between them is the leak rate (target below 1%). Writes ``--out`` (JSON) and prints a
+markdown table; exits 1 if any count did not return to its start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import gc
+import json
+import multiprocessing
+import platform
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import psutil
+import torch
+from torch.nn.modules.module import _global_forward_pre_hooks
+from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+from gradient_cache import create_gradient_cache
+from perf.quality import LEARNING_RATES, MODEL, TinyGPT, corpus, train_step
+
+SETTINGS = {"r1": {"compression_ratio": 1}, "r100": {"compression_ratio": 100}}
+RSS_EVERY = 25
+
+
+def counts(model: torch.nn.Module) -> dict[str, int]:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated names warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    return {
+        "tensors": tensors,
+        "threads": threading.active_count(),
+        "hooks": sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+        + sum(len(m._forward_pre_hooks) for m in model.modules())
+        + len(_global_forward_pre_hooks)
+        + len(_global_optimizer_pre_hooks),
+    }
+
+
+def soak(job: dict) -> dict:
+    """One setting's run; ``job``: setting, steps, warmup, check_hash."""
+    torch.set_num_threads(1)
+    train, _ = corpus(check_hash=job["check_hash"])
+    torch.manual_seed(0)
+    model = TinyGPT(MODEL)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATES["adamw"])
+    generator = torch.Generator().manual_seed(0)
+    train_step(model, None, optimizer, train, generator)  # the optimizer's state exists now
+    start = counts(model)
+    manager = create_gradient_cache(model, **SETTINGS[job["setting"]])
+    process = psutil.Process()
+    rss_after_warmup = rss_peak = 0
+    for step in range(1, job["steps"] + 1):
+        train_step(model, manager, optimizer, train, generator)
+        if step == job["warmup"]:
+            rss_after_warmup = rss_peak = process.memory_info().rss
+        elif step > job["warmup"] and (step % RSS_EVERY == 0 or step == job["steps"]):
+            rss_peak = max(rss_peak, process.memory_info().rss)
+    manager.remove_hooks()
+    del manager
+    end = counts(model)
+    return {
+        **job,
+        "start": start,
+        "end": end,
+        "rss_after_warmup_mib": rss_after_warmup / 2**20,
+        "rss_peak_mib": rss_peak / 2**20,
+        "rss_growth": rss_peak / rss_after_warmup - 1,
+    }
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "| setting | steps | tensors start → end | threads | hooks | RSS after warm-up MiB "
+        "| RSS peak after MiB | growth |",
+        "|---|---:|---|---|---|---:|---:|---:|",
+    ]
+    for r in results:
+        start, end = r["start"], r["end"]
+        cells = [f"{start[k]} → {end[k]}" for k in ("tensors", "threads", "hooks")]
+        lines.append(
+            f"| {r['setting']} | {r['steps']} | {' | '.join(cells)} | "
+            f"{r['rss_after_warmup_mib']:.1f} | {r['rss_peak_mib']:.1f} | "
+            f"{100 * r['rss_growth']:+.2f}% |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=["r1", "r100"])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=200, help="steps before the RSS baseline")
+    parser.add_argument("--jobs", type=int, default=2, help="settings at a time, one thread each")
+    parser.add_argument("--out", type=Path, default=Path("soak.json"))
+    parser.add_argument("--any-corpus", action="store_true", help="see perf.quality")
+    args = parser.parse_args(argv)
+    if not 0 < args.warmup < args.steps:
+        parser.error(f"--warmup {args.warmup} must be between 0 and --steps {args.steps}")
+    jobs = [
+        {
+            "setting": s,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "check_hash": not args.any_corpus,
+        }
+        for s in args.settings
+    ]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+        results = list(pool.map(soak, jobs))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": " ".join(sys.argv),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "results": results,
+            },
+            indent=1,
+        )
+    )
+    print(markdown(results))
+    if any(r["start"] != r["end"] for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
