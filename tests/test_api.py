@@ -77,6 +77,10 @@ def test_summary_counts_the_residual_as_stored(residual_dtype: str) -> None:
     else:  # a byte per entry in whole blocks of 64, and a 4-byte scale per block
         expected = sum((64 + 4) * -(-p.numel() // 64) for p in model.parameters())
     assert manager.get_compression_summary()["residual_mb"] == pytest.approx(expected / 2**20)
+    backward_once(model, seed=2)  # pending: the step's new residuals beside the current ones
+    manager.compress_and_free_gradients()
+    held = manager.get_compression_summary()["residual_mb"]
+    assert held == pytest.approx(2 * expected / 2**20)
 
 
 def test_small_tensors_travel_uncompressed() -> None:

@@ -95,6 +95,55 @@ MUTANTS = [
         "            pass",
         "tests/test_training.py tests/test_stream_order.py",
     ),
+    (
+        "discard: a pending step's residuals are dropped",
+        "gradient_cache/engine/pipeline.py",
+        "        self.cached = {}\n        self.pending_residuals = {}\n",
+        "        self.cached = {}\n",
+        "tests/test_api.py::test_a_discarded_batch_leaves_no_trace",
+    ),
+    (
+        "discard: the engine's generators are rewound",
+        "gradient_cache/engine/pipeline.py",
+        "            self.set_random_state(self.random_state_at_step_start)",
+        "            pass",
+        "tests/test_api.py::test_a_discarded_batch_leaves_no_trace",
+    ),
+    (
+        "cuda: a pending step's residual goes to the spare slot",
+        "gradient_cache/engine/cuda.py",
+        "                    target = self.pending_host_residual(item.param)",
+        "                    target = slot.residual",
+        "tests/test_stream_order.py::test_a_discarded_step_leaves_the_host_residual_as_it_was",
+    ),
+    (
+        "checkpoint: residuals loaded",
+        "gradient_cache/engine/checkpoint.py",
+        "            pipeline.residuals[param] = saved.to(device)",
+        "            pass",
+        "tests/test_checkpoint.py",
+    ),
+    (
+        "checkpoint: host residuals loaded into their slots",
+        "gradient_cache/engine/checkpoint.py",
+        "            pipeline.residuals[param].copy_(saved)",
+        "            pass",
+        "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
+    ),
+    (
+        "checkpoint: cached payloads stored under the encode stream's ordering",
+        "gradient_cache/engine/checkpoint.py",
+        "        with pipeline.backend.encoding([]):",
+        "        if True:",
+        "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
+    ),
+    (
+        "checkpoint: generators loaded",
+        "gradient_cache/engine/checkpoint.py",
+        '    pipeline.set_random_state(state["random_state"] if same_kind else {})',
+        "    pass",
+        "tests/test_checkpoint.py",
+    ),
 ]
 
 

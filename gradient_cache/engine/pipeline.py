@@ -336,8 +336,10 @@ class Pipeline:
         return record
 
     def residual_bytes(self) -> int:
-        """Bytes of the current residuals (a pending step's new ones not counted twice)."""
-        return sum(r.numel() * r.element_size() for r in self.residuals.values())
+        """Bytes of the residuals held now: the current ones and a pending step's new ones
+        (on CUDA both live in pinned slots, counted in the pool's capacity too)."""
+        held = [*self.residuals.values(), *self.pending_residuals.values()]
+        return sum(r.numel() * r.element_size() for r in held)
 
     def close(self) -> None:
         for handle in self._handles:
