@@ -254,7 +254,8 @@ class GradientCacheHookManager:
         ``stored_fraction`` (bytes kept of all cached gradients, indices included: 2% at
         ratio 100 for fp32 gradients with int32 indices, more where small tensors or a
         warm-up step travel dense), ``residual_mb`` (error-feedback residuals held now,
-        as stored: while a step is pending, its new ones too), ``host_held_mb`` (stored gradients plus residuals),
+        as stored: while a step is pending, its new ones too), ``host_held_mb``
+        (stored gradients plus residuals),
         ``process_rss_mb`` (psutil), ``host_available_mb`` (psutil, capped by the cgroup),
         ``host_pool`` (CUDA backend: the pool's ``capacity_mb``, one slot per parameter
         allocated once, and whether it is ``pinned``; None elsewhere), ``steps``

@@ -123,10 +123,12 @@ SETTINGS: dict[str, dict | None] = {
     "r100": {"compression_ratio": 100},
     "r10": {"compression_ratio": 10},
 }
-# The table `python -m perf.quality` prints: today's defaults against the best screened
-# recipes (perf/RESULTS.md, "Compression recipes").
+# The table `python -m perf.quality` prints: lossless, top-k alone, today's defaults (error
+# feedback with an int8 residual) and the best screened recipes (perf/RESULTS.md,
+# "Compression recipes").
 DEFAULT_SETTINGS = (
     "plain",
+    "r1",
     "r10-topk",
     "r10-ef-int8",
     "r10-ef-int8-warm150",

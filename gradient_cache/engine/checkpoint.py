@@ -125,21 +125,21 @@ def load(pipeline: Pipeline, state: Any) -> None:
             pipeline.pending_residuals[param].copy_(saved)
         else:
             pipeline.pending_residuals[param] = saved.to(device)
+
+    def to_device(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device)
+
     for saved_bucket in state["buckets"]:
         # The backend stores them as it stores any encoded gradient: moved to the device
         # where its encode would have left them, then copied into their host slots.
         with pipeline.backend.encoding([]):
             encoded = [
-                Encoded(by_name[item["name"]], moved(_payload(item["payload"]), _to(device)), None)
+                Encoded(by_name[item["name"]], moved(_payload(item["payload"]), to_device), None)
                 for item in saved_bucket
             ]
         pipeline.commit(Bucket(), encoded, [])
     pipeline.backend.wait()
     pipeline.random_state_at_step_start = state["random_state_at_step_start"] if same_kind else None
-
-
-def _to(device: torch.device):
-    return lambda tensor: tensor.to(device)
 
 
 def _check(pipeline: Pipeline, state: Any) -> None:
