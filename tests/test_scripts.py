@@ -76,8 +76,9 @@ def test_quality_benchmark_pairs_seeds_and_counts_bytes(tmp_path: Path) -> None:
 def test_soak_returns_tensors_threads_and_hooks_to_their_start_counts(tmp_path: Path) -> None:
     out_json = tmp_path / "soak.json"
     out = run(
-        "-m", "perf.soak", "--steps", "12", "--warmup", "4", "--any-corpus", "--out", str(out_json)
-    )
+        "-m", "perf.soak", "--settings", "r1", "r100", "--steps", "12", "--warmup", "4",
+        "--any-corpus", "--out", str(out_json),
+    )  # fmt: skip
     results = json.loads(out_json.read_text())["results"]
     assert [r["setting"] for r in results] == ["r1", "r100"]
     for result in results:
