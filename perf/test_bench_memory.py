@@ -71,5 +71,7 @@ def test_host_store_holds_what_left_the_device(figures: dict[str, MemoryFigures]
     assert figures["plain"].host_store == 0
     assert lossless.host_store == lossless.dense_gradients
     # At ratio 100 the payloads take about 2% of the dense bytes; the default int8
-    # error-feedback residual takes 1.0625 of fp32's 4 bytes an entry.
-    assert 0 < compressed.host_store < (0.05 + 1.0625 / 4) * compressed.dense_gradients
+    # error-feedback residual takes 1.0625 of fp32's 4 bytes an entry, and while a step is
+    # pending there are two (the current one, and the new one keep_previous_residual keeps).
+    residuals = 2 * 1.0625 / 4
+    assert residuals < compressed.host_store / compressed.dense_gradients < 0.05 + residuals
