@@ -363,9 +363,22 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="measure step-time ratios instead (nothing else may run)",
     )
+    parser.add_argument(
+        "--summarize",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="print the table of runs saved by --out (e.g. perf/results/quality_*.json)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="--time: interleaved rounds")
     parser.add_argument("--time-steps", type=int, default=20, help="--time: steps per round")
     args = parser.parse_args(argv)
+    if args.summarize:
+        saved = [json.loads(path.read_text()) for path in args.summarize]
+        print(
+            markdown(summarize([r for report in saved for r in report["runs"]]), saved[0]["steps"])
+        )
+        return
     if args.time:
         medians = time_steps(args.settings, rounds=args.rounds, steps=args.time_steps)
         base = medians.get("plain")

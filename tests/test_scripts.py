@@ -71,6 +71,7 @@ def test_quality_benchmark_pairs_seeds_and_counts_bytes(tmp_path: Path) -> None:
         assert 0.25 < compressed["pcie_bytes"] / (2 * compressed["dense_bytes"]) < 0.35
         assert compressed["device_bytes"] == 0
     assert "| adamw | r100-ef-int8 |" in out
+    assert run("-m", "perf.quality", "--summarize", str(out_json)).strip() in out  # re-printed
 
 
 def test_soak_returns_tensors_threads_and_hooks_to_their_start_counts(tmp_path: Path) -> None:
