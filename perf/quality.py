@@ -1,7 +1,9 @@
 """Training quality of compression recipes, judged on validation loss *and* bytes.
 
-    python -m perf.quality                        # AdamW table in perf/RESULTS.md (~35 min)
-    python -m perf.quality --optimizers sgd       # its SGD half (~35 min)
+    python -m perf.quality                        # AdamW table in perf/RESULTS.md (27 runs, ~1 h)
+    python -m perf.quality --optimizers sgd --settings plain r10-topk r10-ef-int8 \
+        r100-topk r100-ef-int8 int8               # the SGD table (18 runs)
+    python -m perf.quality --summarize perf/results/quality_*.json   # re-print saved runs
     python -m perf.quality --settings r100-ef-int8 --optimizers adamw --seeds 0 1
     python -m perf.quality --time                 # step-time ratios, alone on the machine
 
