@@ -72,6 +72,23 @@ def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 
 
+def finish_step(
+    manager: gradient_cache.GradientCacheHookManager | None,
+    optimizer: torch.optim.Optimizer,
+    *,
+    fused_step: bool,
+) -> None:
+    """The step after backward: plain, apply_gradients() then step, or the fused step."""
+    if manager is None:
+        optimizer.step()
+    elif fused_step:
+        manager.step(optimizer)
+    else:
+        manager.apply_gradients()
+        optimizer.step()
+    optimizer.zero_grad()
+
+
 def train(
     model: nn.Module,
     data: list[tuple[torch.Tensor, torch.Tensor]],
@@ -95,14 +112,7 @@ def train(
             losses.append(loss.item())
             if manager is not None and compress_each_micro_batch:
                 manager.compress_and_free_gradients()
-        if manager is None:
-            optimizer.step()
-        elif fused_step:
-            manager.step(optimizer)
-        else:
-            manager.apply_gradients()
-            optimizer.step()
-        optimizer.zero_grad()
+        finish_step(manager, optimizer, fused_step=fused_step)
     return losses
 
 
@@ -188,12 +198,5 @@ def train_with_a_skipped_batch(
                 manager.discard_gradients()
             optimizer.zero_grad()
         loss_of(model, tokens, targets).backward()
-        if manager is None:
-            optimizer.step()
-        elif fused_step:
-            manager.step(optimizer)
-        else:
-            manager.apply_gradients()
-            optimizer.step()
-        optimizer.zero_grad()
+        finish_step(manager, optimizer, fused_step=fused_step)
     return model

@@ -23,8 +23,13 @@ FORMAT_VERSION = 1
 # The options that change what a step computes, and so what a saved residual, counter or
 # payload means. Others (bucket size, selection method, where the residual lives, pinning)
 # may differ between the saving and the loading manager.
-RECIPE_FIELDS = ("error_feedback", "residual_dtype", "value_dtype", "min_compress_numel")
-SCHEDULE_FIELDS = ("warmup_steps",)
+RECIPE_FIELDS = (
+    "error_feedback",
+    "residual_dtype",
+    "value_dtype",
+    "min_compress_numel",
+    "warmup_steps",
+)
 
 
 def _cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -67,9 +72,8 @@ def _payload(state: dict[str, Any]) -> Payload:
 
 def recipe(pipeline: Pipeline) -> dict[str, Any]:
     """What must match between the saving and the loading manager."""
-    fields = RECIPE_FIELDS + SCHEDULE_FIELDS
     return {"compression_ratio": pipeline.ratio} | {
-        name: getattr(pipeline.config, name) for name in fields
+        name: getattr(pipeline.config, name) for name in RECIPE_FIELDS
     }
 
 
