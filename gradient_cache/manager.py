@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .data_parallel import check_data_parallel
 from .engine import checkpoint, fused_step
 from .engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
 from .engine.pipeline import Pipeline
@@ -58,6 +59,7 @@ class GradientCacheHookManager:
                 f"model must be a torch.nn.Module, got {type(model).__name__}. Pass the model "
                 "itself, not its parameters or state_dict."
             )
+        check_data_parallel(model)
         ratio = validate_compression_ratio(compression_ratio)
         if config is None:
             config = EngineConfig()

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .engine.sharding import is_dtensor
+
 
 class ParameterWatch:
     """Checks, before each forward of ``model``, that its cached parameters are unchanged.
@@ -31,7 +33,8 @@ class ParameterWatch:
         self._cached = {name: weakref.ref(param) for name, param in cached}
         self._excluded = tuple(excluded)
         self._device = device
-        self._handle = model.register_forward_pre_hook(self._check)
+        # First, before FSDP2's own pre-forward hook puts unsharded parameters in place.
+        self._handle = model.register_forward_pre_hook(self._check, prepend=True)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -44,7 +47,7 @@ class ParameterWatch:
             param = present.get(name)
             if param is None:
                 changes.append(f"{name!r} removed")
-            elif param is not ref():
+            elif param is not ref() and not _unsharded_of(param, ref()):
                 changes.append(f"{name!r} replaced by a new Parameter")
             elif param.device != self._device:
                 changes.append(f"{name!r} moved from {self._device} to {param.device}")
@@ -64,3 +67,13 @@ class ParameterWatch:
                 "and create a new one after changing the model (freezing a parameter needs "
                 "no new cache)."
             )
+
+
+def _unsharded_of(present: torch.nn.Parameter, cached: torch.nn.Parameter | None) -> bool:
+    """Whether ``present`` is FSDP2's unsharded stand-in for the sharded ``cached``.
+
+    FSDP2 registers the unsharded parameter between a forward and its backward (a root
+    that does not reshard after forward keeps it until the next backward); the hooks stay
+    on the sharded one, which FSDP2 puts back.
+    """
+    return is_dtensor(cached) and not is_dtensor(present) and present.shape == cached.shape

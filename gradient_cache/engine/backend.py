@@ -18,6 +18,7 @@ import torch
 
 from ..compression import DensePayload, Payload, fill_from
 from .bucket import Bucket, Items
+from .sharding import local_numel, local_shape
 
 
 @dataclass
@@ -119,10 +120,10 @@ class CpuBackend(Backend):
         grads = []
         for param, payload in items:
             if isinstance(payload, DensePayload):
-                grad = scaled(payload.tensor.view_as(param), scale)
+                grad = scaled(payload.tensor.view(local_shape(param)), scale)
             else:
-                dense = torch.empty(param.numel(), dtype=param.dtype, device=self.device)
-                grad = fill_from(payload, dense).view_as(param)
+                dense = torch.empty(local_numel(param), dtype=param.dtype, device=self.device)
+                grad = fill_from(payload, dense).view(local_shape(param))
                 if scale is not None:
                     grad.mul_(scale)  # a fresh tensor: scaling in place costs no copy
             grads.append((param, grad))

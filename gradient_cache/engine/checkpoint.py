@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..compression import DensePayload, Payload, QuantizedPayload, SparsePayload, moved
+from . import sharding
 from .backend import Encoded
 from .bucket import Bucket
 from .pipeline import Pipeline
@@ -90,6 +91,7 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "recipe": recipe(pipeline),
         "parameters": list(names.values()),
+        "shards": sharding.rank_and_world_size(),
         "steps": pipeline.steps,
         "random_device": pipeline.backend.device.type,
         "random_state": pipeline.random_state(),
@@ -174,6 +176,17 @@ def _check(pipeline: Pipeline, state: Any) -> None:
             + "; ".join(differences)
             + "). Create the manager with the checkpoint's settings to resume it."
         )
+    if any(map(sharding.is_dtensor, pipeline.names)):
+        # Under FSDP2 each rank saves its own shards, whose sizes follow the world size.
+        saved_shards = state.get("shards", (0, 1))
+        here_shards = sharding.rank_and_world_size()
+        if tuple(saved_shards) != here_shards:
+            raise ValueError(
+                f"This gradient-cache state was saved by rank {saved_shards[0]} of "
+                f"{saved_shards[1]} processes; this is rank {here_shards[0]} of "
+                f"{here_shards[1]}. Each rank holds the state of its own shards: load each "
+                "rank's own file, with the world size it was saved with."
+            )
     saved, here = set(state["parameters"]), set(pipeline.names.values())
     if saved != here:
         missing, extra = sorted(saved - here), sorted(here - saved)

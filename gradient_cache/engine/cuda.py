@@ -44,6 +44,7 @@ from ..compression import (
 from .backend import Backend, Encoded, Restore
 from .bucket import Bucket, Items
 from .pool import HostPool, Slot
+from .sharding import local_numel, local_shape
 
 
 class CudaBackend(Backend):
@@ -181,7 +182,7 @@ class CudaBackend(Backend):
         compute = self.cuda.current_stream(self.device)
         # Allocated for the compute stream, which reads and frees them: the allocator then
         # reuses their blocks in compute-stream order, as for any gradient.
-        outs = [torch.empty(p.numel(), dtype=p.dtype, device=self.device) for p, _ in items]
+        outs = [torch.empty(local_numel(p), dtype=p.dtype, device=self.device) for p, _ in items]
         # Guarantees the restore writes these blocks (and reads ``scale``) only after the
         # compute-stream work queued so far, which may have used the blocks before.
         self.restore_stream.wait_stream(compute)
@@ -194,7 +195,8 @@ class CudaBackend(Backend):
                     out.mul_(scale)
         done = self.cuda.Event()
         done.record(self.restore_stream)
-        return Restore([(p, out.view_as(p)) for (p, _), out in zip(items, outs, strict=True)], done)
+        grads = [(p, out.view(local_shape(p))) for (p, _), out in zip(items, outs, strict=True)]
+        return Restore(grads, done)
 
     def finish_restore(self, restore: Restore) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         # Guarantees work queued next on the current stream (the optimizer; or the free of

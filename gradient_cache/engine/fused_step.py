@@ -15,6 +15,7 @@ from collections import deque
 import torch
 
 from ..compression import kept_values
+from . import sharding
 from .backend import Restore, scaled
 from .pipeline import Pipeline
 
@@ -60,7 +61,7 @@ def step(
                 del pipeline.cached[param]
         if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
             for param, grad in held.items():
-                param.grad = scaled(grad, scale)
+                param.grad = sharding.as_grad_of(param, scaled(sharding.local(grad), scale))
             optimizer.step()
     except BaseException:
         for restore in ahead:
@@ -81,7 +82,7 @@ def _step_with(
 ) -> None:
     """``optimizer.step()`` with exactly ``grads`` set; ``param.grad`` is None afterwards."""
     for param, grad in grads:
-        param.grad = grad
+        param.grad = sharding.as_grad_of(param, grad)
     try:
         optimizer.step()
     finally:
@@ -99,7 +100,8 @@ def _clip_scale(
     """The global norm of the optimizer's gradients and the clip factor, or (None, None).
 
     Read from the host payloads (complete after the drain) and the device gradients; a
-    sparse payload's norm is that of its values, the zeros adding nothing.
+    sparse payload's norm is that of its values, the zeros adding nothing. Under FSDP2
+    each rank holds shards: their norms are combined across ranks (`sharding.global_norm`).
     """
     if max_grad_norm is None:
         return None, None
@@ -108,10 +110,11 @@ def _clip_scale(
         for param, payload in bucket.payloads.items():
             if param in owned:
                 kept = kept_values(payload)
-                norms.append(torch.linalg.vector_norm(kept, norm_type, dtype=torch.float32))
-    norms += [
-        torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).cpu() for g in held.values()
-    ]
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
+                norm = torch.linalg.vector_norm(kept, norm_type, dtype=torch.float32)
+                norms.append((param, norm))
+    for param, grad in held.items():
+        norm = torch.linalg.vector_norm(sharding.local(grad), norm_type, dtype=torch.float32)
+        norms.append((param, norm))
+    total = sharding.global_norm(norms, norm_type)
     scale = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(pipeline.backend.device)
     return total, scale

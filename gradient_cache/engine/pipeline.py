@@ -25,6 +25,8 @@ from ..compression import (
     entries_kept,
     moved,
 )
+from ..data_parallel import check_gradient_is_reduced
+from . import sharding
 from .backend import Backend, CpuBackend, Encoded
 from .bucket import Bucket, BucketAssembler, Item
 from .config import EngineConfig
@@ -69,6 +71,10 @@ class Pipeline:
         self.ratio = ratio
         self.names = {param: name for name, param in named_params}
         params = list(self.names)
+        sharding.check_placements(named_params)
+        # Entries of each gradient this rank caches: its shard's under FSDP2.
+        self.numels = {param: sharding.local_numel(param) for param in params}
+        self._gradient_checked = False
         taken = [name for name, param in named_params if param in _owned]
         if taken:
             raise ValueError(
@@ -126,8 +132,11 @@ class Pipeline:
         grad = param.grad
         if not self.enabled or grad is None or grad.is_sparse:
             return  # sparse (nn.Embedding(sparse=True)) gradients stay where they are
+        if not self._gradient_checked:
+            check_gradient_is_reduced(self.names[param], grad)
+            self._gradient_checked = True
         param.grad = None
-        items = self.assembler.add(param, grad)
+        items = self.assembler.add(param, sharding.local(grad))
         if items is not None:
             self._launch(items)
 
@@ -149,7 +158,7 @@ class Pipeline:
                     encoded.append(self._encode(param, grad))
         except BaseException:
             for param, grad in items[len(encoded) :]:
-                param.grad = grad
+                param.grad = sharding.as_grad_of(param, grad)
             raise
         finally:
             self.commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])
@@ -211,7 +220,7 @@ class Pipeline:
         """Whether this step sends ``param`` compressed: large enough, and past the warm-up."""
         return (
             (self.encoder is not None or self.quantizer is not None)
-            and param.numel() >= self.config.min_compress_numel
+            and self.numels[param] >= self.config.min_compress_numel
             and self.steps >= self.config.warmup_steps
         )
 
@@ -259,6 +268,7 @@ class Pipeline:
                 continue
             restore = self.backend.start_restore(bucket.take(part), scale=None)
             for param, grad in self.backend.finish_restore(restore):
+                grad = sharding.as_grad_of(param, grad)
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
                 del self.cached[param]
         self.drop_empty_buckets()
@@ -327,8 +337,8 @@ class Pipeline:
         for param in params:
             payload: Payload = self.cached[param].payloads[param]
             record.layers[self.names[param]] = LayerRecord(
-                numel=param.numel(),
-                dense_bytes=param.numel() * param.element_size(),
+                numel=self.numels[param],
+                dense_bytes=self.numels[param] * param.element_size(),
                 stored_bytes=payload.nbytes,
                 kept=entries_kept(payload),
                 compressed=self._compresses(param),
@@ -387,9 +397,9 @@ def create_backend(
     codec = ResidualCodec(config.residual_dtype)
     copies = 2 if config.keep_previous_residual else 1
     residual_bytes = copies * sum(
-        codec.stored_bytes(p.numel())
-        for p in params
-        if config.error_feedback and ratio > 1 and p.numel() >= config.min_compress_numel
+        codec.stored_bytes(numel)
+        for numel in map(sharding.local_numel, params)
+        if config.error_feedback and ratio > 1 and numel >= config.min_compress_numel
     )
     check_host_budget(
         residual_bytes,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..compression import ResidualCodec, index_dtype, int8_blocks_bytes, keep_count
+from .sharding import local_numel
 
 ALIGN = 64  # bytes: every slot starts on a 64-byte boundary, fast copies for any dtype
 
@@ -99,7 +100,7 @@ def slot_spec(
     ``warmup``: dense warm-up steps come first, so a compressed slot holds a dense payload;
     ``quantized``: values are stored as int8 blocks.
     """
-    numel = param.numel()
+    numel = local_numel(param)  # this rank's shard under FSDP2
     encoded = numel >= min_compress_numel and (ratio > 1 or quantized)
     kept = keep_count(numel, ratio) if encoded and ratio > 1 else None
     residual = None

@@ -1,0 +1,150 @@
+"""FSDP2's sharded parameters: the engine caches each rank's own shard.
+
+Under ``fully_shard`` a parameter is a `DTensor` and so is its gradient, which FSDP2 sets
+after the reduce-scatter and then hands to the post-accumulate-grad hooks. The engine
+works on the local tensor (``to_local()``: this rank's shard, uneven shards included),
+and restores into a `DTensor` with the parameter's mesh and placements. Every other
+tensor passes through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+else:  # a torch build without distributed support has no DTensor to meet
+    DTensor = Replicate = Shard = None
+
+
+def supported_placements() -> tuple[tuple[object, ...], ...]:
+    """What the cache is tested with: FSDP2 (1-D, dim 0), replicate_with_fsdp (1-D
+    Replicate) and HSDP (replicas x shards). Tensor parallelism adds others."""
+    return ((Shard(0),), (Replicate(),), (Replicate(), Shard(0)))
+
+
+def is_dtensor(tensor: object) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a parameter or a gradient); a plain tensor itself."""
+    if not is_dtensor(tensor):
+        return tensor
+    with torch.no_grad():  # a view for the engine, never part of an autograd graph
+        return tensor.to_local()
+
+
+def local_shape(param: torch.Tensor) -> torch.Size:
+    return local(param).shape
+
+
+def local_numel(param: torch.Tensor) -> int:
+    return local(param).numel()
+
+
+def as_grad_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` (a local tensor) as ``param.grad``: a `DTensor` like ``param`` where it is one."""
+    if not is_dtensor(param):
+        return grad
+    with torch.no_grad():
+        return DTensor.from_local(
+            grad,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the number of processes; (0, 1) outside torch.distributed."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def check_placements(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+    """Refuse sharded parameters the cache is not tested with, naming them."""
+    sharded = [(n, p) for n, p in named_params if is_dtensor(p)]
+    if not sharded:
+        return
+    for name, param in sharded:
+        if tuple(param.placements) not in supported_placements():
+            raise ValueError(
+                f"Parameter {name!r} is a DTensor with placements {list(param.placements)}; the "
+                "gradient cache supports FSDP2's fully_shard (Shard(dim=0)), "
+                "replicate_with_fsdp (Replicate()) and HSDP (Replicate(), Shard(dim=0)). "
+                "Tensor-parallel and other placements are untested: list these layers in "
+                "exclude_layers, or train without the cache."
+            )
+    meshes = [p.device_mesh for _, p in sharded]
+    others = [m for m in meshes if m != meshes[0]]  # equal meshes: the same ranks and shape
+    if others:
+        raise ValueError(
+            f"The cached parameters live on {1 + len(others)} device meshes ({meshes[0]}, "
+            f"{others[0]}, ...); one manager serves "
+            "one mesh (the clip norm is reduced over it). Shard the model on one mesh, or "
+            "exclude the other mesh's layers."
+        )
+    if len(sharded) != len(named_params) and dist.get_world_size() > 1:
+        plain = [n for n, p in named_params if not is_dtensor(p)]
+        raise ValueError(
+            f"{len(plain)} cached parameters ({', '.join(plain[:3])}) are not sharded while "
+            "the others are: FSDP2 does not reduce their gradients across ranks. Apply "
+            "fully_shard to the root module too, or list them in exclude_layers."
+        )
+
+
+def global_norm(
+    norms: Iterable[tuple[torch.Tensor, torch.Tensor]], norm_type: float
+) -> torch.Tensor:
+    """The norm over every rank of ``(parameter, local norm)`` pairs, as a CPU tensor.
+
+    A sharded parameter's shards are summed over the mesh's shard dimension (an
+    all-reduce, as ``clip_grad_norm_`` does for `DTensor` gradients); replicated and
+    plain parameters count once.
+    """
+    shard_groups, shared, own = [], [], []
+    for param, norm in norms:
+        dims = _shard_dims(param)
+        (shared if dims else own).append(norm)
+        if dims and not shard_groups:
+            shard_groups = [(param.device_mesh, d) for d in dims]
+    totals = [] if shared or own else [torch.zeros(())]
+    if shared:
+        totals.append(_all_reduce(_combine(shared, norm_type), norm_type, shard_groups))
+    if own:
+        totals.append(_combine(own, norm_type))
+    # One part alone is returned as it is: a single process gets the plain sum's bits.
+    return totals[0] if len(totals) == 1 else _combine(totals, norm_type)
+
+
+def _shard_dims(param: torch.Tensor) -> list[int]:
+    if not is_dtensor(param):
+        return []
+    return [d for d, p in enumerate(param.placements) if isinstance(p, Shard)]
+
+
+def _combine(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]), norm_type)
+
+
+def _all_reduce(total: torch.Tensor, norm_type: float, groups: list) -> torch.Tensor:
+    """Combine one rank's ``total`` with every shard's: max for inf, else a sum of powers."""
+    # The collective runs where the mesh's backend does (nccl: the device; gloo: the CPU).
+    value = total.to(groups[0][0].device_type)
+    if norm_type == float("inf"):
+        op = dist.ReduceOp.MAX
+    else:
+        op = dist.ReduceOp.SUM
+        value = value.pow(norm_type)
+    for mesh, dim in groups:
+        dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+    if norm_type != float("inf"):
+        value = value.pow(1.0 / norm_type)
+    return value.cpu()

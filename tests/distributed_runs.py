@@ -1,0 +1,373 @@
+"""What each process of a 2-process gloo pair runs for tests/test_distributed.py.
+
+A pair is expensive to start (two interpreters importing torch), so one pair runs many
+scenarios: each is a function of the rank returning a value that can be pickled, and
+every rank writes ``{scenario: value or the error's text}`` to ``results_<rank>.pt``.
+Each training run is compared with plain FSDP2 on the same seed and the same data.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+import gradient_cache
+
+WORLD = 2
+STEPS = 4
+CLIP = 0.05  # below the gradients' norm (about 0.3), so clipping changes the step
+
+
+class Net(nn.Module):
+    """Two blocks sharded on their own, and an input layer and a head in the root group.
+
+    The head's 5 rows split 3 + 2 across two ranks: uneven shards.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 128)
+        self.blocks = nn.Sequential(
+            *[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(2)]
+        )
+        self.head = nn.Linear(128, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)))
+
+
+def plain_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def sharded(model: nn.Module, **fsdp: Any) -> nn.Module:
+    for block in model.blocks:
+        fully_shard(block, **fsdp)
+    fully_shard(model, **fsdp)
+    return model
+
+
+def batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's data: different on each rank, the same in every run."""
+    generator = torch.Generator().manual_seed(1000 * dist.get_rank() + 10 * step + micro)
+    return torch.randn(8, 16, generator=generator), torch.randn(8, 5, generator=generator)
+
+
+def train(
+    model: nn.Module,
+    *,
+    cache: gradient_cache.GradientCacheHookManager | None = None,
+    fused: bool = False,
+    clip: float | None = None,
+    micro_batches: int = 1,
+    no_sync: bool = False,
+    steps: int = STEPS,
+    optimizer: torch.optim.Optimizer | None = None,
+    first_step: int = 0,
+) -> dict[str, Any]:
+    """The user's loop; with ``cache``, its calls (``fused``: ``cache.step``)."""
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for step in range(first_step, first_step + steps):
+        for micro in range(micro_batches):
+            if no_sync:  # FSDP2's own accumulation: reduce only on the last micro-batch
+                model.set_requires_gradient_sync(micro == micro_batches - 1)
+            x, y = batch(step, micro)
+            loss = nn.functional.mse_loss(model(x).float(), y) / micro_batches
+            loss.backward()
+            losses.append(loss.item())
+        if cache is not None and fused:
+            norms.append(cache.step(optimizer, max_grad_norm=clip))
+        else:
+            if cache is not None:
+                cache.apply_gradients()
+            if clip is not None:
+                norms.append(nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor())
+            optimizer.step()
+        optimizer.zero_grad()
+    return {"weights": full_weights(model), "losses": losses, "norms": norms}
+
+
+def full_weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def max_difference(left: list[torch.Tensor], right: list[torch.Tensor]) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(left, right, strict=True))
+
+
+def cached_run(make_model: Callable[[], nn.Module], ratio: float = 1, **loop: Any) -> dict:
+    model = make_model()
+    with gradient_cache.create_gradient_cache(model, compression_ratio=ratio) as cache:
+        return train(model, cache=cache, **loop)
+
+
+def against_plain(make_model: Callable[[], nn.Module], **loop: Any) -> float:
+    """Max weight difference between plain FSDP2 and the cache at ratio 1, same loop."""
+    fused = loop.pop("fused", False)
+    plain = train(make_model(), **loop)
+    return max_difference(plain["weights"], cached_run(make_model, fused=fused, **loop)["weights"])
+
+
+def fsdp() -> nn.Module:
+    return sharded(plain_net())
+
+
+# --- the scenarios --------------------------------------------------------------
+
+
+def apply_matches_plain() -> float:
+    return against_plain(fsdp)
+
+
+def fused_matches_plain() -> float:
+    return against_plain(fsdp, fused=True)
+
+
+def accumulation_matches_plain() -> float:
+    return against_plain(fsdp, micro_batches=2)
+
+
+def no_sync_accumulation_matches_plain() -> float:
+    return against_plain(fsdp, micro_batches=2, no_sync=True)
+
+
+def mixed_precision_matches_plain() -> float:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return against_plain(lambda: sharded(plain_net(), mp_policy=policy))
+
+
+def apply_then_clip_matches_plain() -> float:
+    return against_plain(fsdp, clip=CLIP)
+
+
+def fused_clip_against_clip_grad_norm() -> dict[str, float]:
+    plain = train(fsdp(), clip=CLIP)
+    cached = cached_run(fsdp, fused=True, clip=CLIP)
+    return {
+        "weights": max_difference(plain["weights"], cached["weights"]),
+        "norms": max(
+            abs(a.item() - b.item()) for a, b in zip(plain["norms"], cached["norms"], strict=True)
+        ),
+        "clipped": min(n.item() for n in plain["norms"]) > CLIP,
+    }
+
+
+def fused_inf_norm_against_clip_grad_norm() -> float:
+    """The largest entry over every rank's shards (a MAX all-reduce)."""
+    model = fsdp()
+    x, y = batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    grads = [p.grad for p in model.parameters()]
+    reference = nn.utils.get_total_norm(grads, norm_type=float("inf")).full_tensor()
+    cached = fsdp()
+    with gradient_cache.create_gradient_cache(cached, compression_ratio=1) as cache:
+        nn.functional.mse_loss(cached(x), y).backward()
+        optimizer = torch.optim.SGD(cached.parameters())
+        norm = cache.step(optimizer, max_grad_norm=1.0, norm_type=float("inf"))
+    return abs(norm.item() - reference.item())
+
+
+def ratio_100_trains() -> dict[str, float]:
+    """Loss over the first and the last 5 steps of 40, on one repeated batch per rank."""
+    model = fsdp()
+    cache = gradient_cache.create_gradient_cache(
+        model, compression_ratio=100, min_compress_numel=1024
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batch(0)
+    losses = []
+    for _ in range(40):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        cache.step(optimizer, max_grad_norm=1.0)
+    summary = cache.get_compression_summary()
+    cache.remove_hooks()
+    return {
+        "first": sum(losses[:5]) / 5,
+        "last": sum(losses[-5:]) / 5,
+        "kept_fraction": summary["kept_fraction"],
+        "head_numel": summary["layers"]["head.weight"]["numel"],
+    }
+
+
+def decorator_matches_plain() -> float:
+    plain = train(fsdp())
+
+    @gradient_cache.optimize(compression_ratio=1)
+    def decorated() -> dict:
+        return train(fsdp())
+
+    return max_difference(plain["weights"], decorated()["weights"])
+
+
+def checkpoint_resumes_bit_for_bit() -> dict[str, Any]:
+    """Save after 2 steps at ratio 100 with error feedback; resume in a new model."""
+    options = {"compression_ratio": 100, "min_compress_numel": 1024}
+    model = fsdp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cache = gradient_cache.create_gradient_cache(model, **options)
+    train(model, cache=cache, optimizer=optimizer, steps=2)
+    saved = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "optim": optimizer.state_dict(), "cache": cache.state_dict()},
+        saved,
+    )
+    uninterrupted = train(model, cache=cache, optimizer=optimizer, steps=2, first_step=2)
+    cache.remove_hooks()
+
+    saved.seek(0)
+    state = torch.load(saved, weights_only=False)  # the DTensors of the model and optimizer
+    resumed_model = fsdp()
+    resumed_model.load_state_dict(state["model"])
+    resumed_optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=1e-2)
+    resumed_optimizer.load_state_dict(state["optim"])
+    resumed_cache = gradient_cache.create_gradient_cache(resumed_model, **options)
+    resumed_cache.load_state_dict(state["cache"])
+    resumed = train(
+        resumed_model, cache=resumed_cache, optimizer=resumed_optimizer, steps=2, first_step=2
+    )
+    other_world = dict(state["cache"], shards=(dist.get_rank(), 4))
+    try:
+        resumed_cache.load_state_dict(other_world)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    resumed_cache.remove_hooks()
+    return {
+        "difference": max_difference(uninterrupted["weights"], resumed["weights"]),
+        "residuals": len(state["cache"]["residuals"]),
+        "world_size_refusal": refusal,
+    }
+
+
+def ddp_refused() -> str:
+    ddp = nn.parallel.DistributedDataParallel(plain_net())
+    return _error_of(lambda: gradient_cache.create_gradient_cache(ddp))
+
+
+def ddp_inner_module_refused_at_first_hook() -> str:
+    ddp = nn.parallel.DistributedDataParallel(plain_net())
+    cache = gradient_cache.create_gradient_cache(ddp.module, compression_ratio=1)
+    x, y = batch(0)
+    try:
+        return _error_of(lambda: nn.functional.mse_loss(ddp(x), y).backward())
+    finally:
+        cache.remove_hooks()
+
+
+def ddp_replicate_refused() -> str:
+    from torch.distributed._composable.replicate import replicate
+
+    return _error_of(lambda: gradient_cache.create_gradient_cache(replicate(plain_net())))
+
+
+def cpu_offload_refused() -> str:
+    model = sharded(plain_net(), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return _error_of(lambda: gradient_cache.create_gradient_cache(model))
+
+
+def hsdp_matches_plain() -> dict[str, Any]:
+    """2 replicas of 1 shard each: placements (Replicate(), Shard(0)); replicas end equal."""
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+
+    def hsdp() -> nn.Module:
+        return sharded(plain_net(), mesh=mesh)
+
+    cached = cached_run(hsdp, fused=True, clip=CLIP)
+    plain = train(hsdp(), clip=CLIP)
+    local = [p.to_local() for p in hsdp().parameters()]  # placements to report
+    return {
+        "difference": max_difference(plain["weights"], cached["weights"]),
+        "replica_gap": _gap_between_ranks(cached["weights"]),
+        "placements": str(next(hsdp().parameters()).placements),
+        "local_numel": sum(t.numel() for t in local),
+    }
+
+
+def replicate_with_fsdp_matches_plain() -> dict[str, Any]:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    def replicated() -> nn.Module:
+        return replicate(plain_net())
+
+    cached = cached_run(replicated, fused=True, clip=CLIP)
+    plain = train(replicated(), clip=CLIP)
+    return {
+        "difference": max_difference(plain["weights"], cached["weights"]),
+        "replica_gap": _gap_between_ranks(cached["weights"]),
+    }
+
+
+def _gap_between_ranks(weights: list[torch.Tensor]) -> float:
+    """Largest difference between this rank's weights and rank 0's."""
+    flat = torch.cat([w.reshape(-1) for w in weights])
+    first = flat.clone()
+    dist.broadcast(first, src=0)
+    return (flat - first).abs().max().item()
+
+
+def _error_of(action: Callable[[], Any]) -> str:
+    try:
+        action()
+    except (TypeError, ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+PAIRS = {
+    "fsdp": [
+        apply_matches_plain,
+        fused_matches_plain,
+        accumulation_matches_plain,
+        no_sync_accumulation_matches_plain,
+        mixed_precision_matches_plain,
+        apply_then_clip_matches_plain,
+        fused_clip_against_clip_grad_norm,
+        fused_inf_norm_against_clip_grad_norm,
+        ratio_100_trains,
+        decorator_matches_plain,
+        checkpoint_resumes_bit_for_bit,
+    ],
+    "replicas_and_refusals": [
+        hsdp_matches_plain,
+        replicate_with_fsdp_matches_plain,
+        ddp_refused,
+        ddp_inner_module_refused_at_first_hook,
+        ddp_replicate_refused,
+        cpu_offload_refused,
+    ],
+}
+
+
+def run_pair(rank: int, pair: str, port: int, out_dir: str) -> None:
+    """One process of the pair: every scenario of ``pair``, results to ``out_dir``."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)  # two processes on the machine's cores; and one bit pattern
+    # A timeout: a scenario that hangs on one rank fails the pair instead of CI.
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    results: dict[str, Any] = {}
+    try:
+        for scenario in PAIRS[pair]:
+            try:
+                results[scenario.__name__] = scenario()
+            except Exception:  # recorded: the test of this scenario fails with it
+                results[scenario.__name__] = {"error": traceback.format_exc()}
+            dist.barrier()  # a scenario that failed on one rank must not desync the next
+    finally:
+        torch.save(results, Path(out_dir) / f"results_{rank}.pt")
+        dist.destroy_process_group()

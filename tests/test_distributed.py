@@ -1,0 +1,127 @@
+"""FSDP2 with the cache, and classic DDP refused: real 2-process gloo runs on the CPU.
+
+Each module-scoped fixture starts one pair of processes (tests/distributed_runs.py) that
+runs many scenarios; each test here checks one scenario's result on both ranks.
+Bit-for-bit means weights equal to plain FSDP2's on the same seed and data.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import distributed_runs
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_pair(pair: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp(pair)
+    mp.spawn(
+        distributed_runs.run_pair,
+        args=(pair, _free_port(), str(out_dir)),
+        nprocs=distributed_runs.WORLD,
+    )
+    return [
+        torch.load(out_dir / f"results_{rank}.pt", weights_only=False)
+        for rank in range(distributed_runs.WORLD)
+    ]
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(tmp_path_factory):
+    return _run_pair("fsdp", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def replica_results(tmp_path_factory):
+    return _run_pair("replicas_and_refusals", tmp_path_factory)
+
+
+def each_rank(results: list[dict], scenario: str) -> list:
+    values = [ranks[scenario] for ranks in results]
+    for rank, value in enumerate(values):
+        if isinstance(value, dict) and "error" in value:
+            pytest.fail(f"{scenario} raised on rank {rank}:\n{value['error']}")
+    return values
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "apply_matches_plain",
+        "fused_matches_plain",
+        "accumulation_matches_plain",
+        "no_sync_accumulation_matches_plain",
+        "mixed_precision_matches_plain",
+        "apply_then_clip_matches_plain",
+        "decorator_matches_plain",
+    ],
+)
+def test_ratio_1_is_bit_identical_to_plain_fsdp2(fsdp_results, scenario):
+    assert each_rank(fsdp_results, scenario) == [0.0, 0.0]
+
+
+def test_fused_clipping_matches_clip_grad_norm(fsdp_results):
+    for result in each_rank(fsdp_results, "fused_clip_against_clip_grad_norm"):
+        assert result["clipped"], "the clip threshold must be below the norm to test anything"
+        assert result["norms"] < 1e-5
+        assert result["weights"] < 1e-6
+
+
+def test_fused_inf_norm_is_the_largest_entry_over_ranks(fsdp_results):
+    assert each_rank(fsdp_results, "fused_inf_norm_against_clip_grad_norm") == [0.0, 0.0]
+
+
+def test_ratio_100_trains_on_each_rank_s_shards(fsdp_results):
+    first, second = each_rank(fsdp_results, "ratio_100_trains")
+    for result in (first, second):
+        assert result["last"] < 0.5 * result["first"]
+        assert 0.005 < result["kept_fraction"] < 0.02
+    # The head's 5 x 128 weight splits 3 + 2 rows: each rank caches its own shard.
+    assert (first["head_numel"], second["head_numel"]) == (3 * 128, 2 * 128)
+
+
+def test_checkpoint_per_rank_resumes_bit_for_bit(fsdp_results):
+    for result in each_rank(fsdp_results, "checkpoint_resumes_bit_for_bit"):
+        assert result["residuals"] > 0  # error feedback had state to carry
+        assert result["difference"] == 0.0
+        assert "saved by rank" in result["world_size_refusal"]
+        assert "of 4" in result["world_size_refusal"]
+
+
+def test_hsdp_matches_plain_and_replicas_agree(replica_results):
+    for result in each_rank(replica_results, "hsdp_matches_plain"):
+        assert result["placements"] == "(Replicate(), Shard(dim=0))"
+        assert result["difference"] < 1e-6  # the fused step's clip norm: see above
+        assert result["replica_gap"] == 0.0
+
+
+def test_replicate_with_fsdp_matches_plain_and_replicas_agree(replica_results):
+    for result in each_rank(replica_results, "replicate_with_fsdp_matches_plain"):
+        assert result["difference"] < 1e-6
+        assert result["replica_gap"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("scenario", "expected"),
+    [
+        ("ddp_refused", "TypeError: The gradient cache cannot run under classic"),
+        ("ddp_replicate_refused", "TypeError: The gradient cache cannot run under classic"),
+        ("ddp_inner_module_refused_at_first_hook", "RuntimeError: Parameter"),
+        ("cpu_offload_refused", "ValueError: "),
+    ],
+)
+def test_refused_on_every_rank_with_the_reason(replica_results, scenario, expected):
+    for message in each_rank(replica_results, scenario):
+        assert message.startswith(expected), message
+        assert "fully_shard" in message or "CPUOffloadPolicy" in message
