@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .engine.sharding import is_dtensor
+from .engine.sharding import fsdp_param_groups, is_dtensor
 
 INSTEAD = (
     "Use FSDP2 instead: torch.distributed.fsdp.fully_shard(model) (or, to replicate "
@@ -25,15 +25,16 @@ INSTEAD = (
 
 def check_data_parallel(model: torch.nn.Module) -> None:
     """Raise if ``model`` is, or contains, a module under classic DDP or FSDP2's CPU offload."""
-    for module in model.modules():
-        if _offloads_to_cpu(module):
+    for group in fsdp_param_groups(model):
+        if _offloads_to_cpu(group):
             raise ValueError(
-                f"{type(module).__name__} is sharded with FSDP2's CPUOffloadPolicy, which "
+                f"{type(model).__name__} is sharded with FSDP2's CPUOffloadPolicy, which "
                 "already keeps its gradients in host memory (and runs the optimizer step "
                 "there): the cache would have nothing to take off the device. Use one of the "
                 "two: CPUOffloadPolicy, or the cache (whose fused step(optimizer) keeps the "
                 "optimizer on the device) on a model sharded without it."
             )
+    for module in model.modules():
         if isinstance(module, torch.nn.parallel.DistributedDataParallel) or _is_ddp_replicate(
             module
         ):
@@ -64,15 +65,9 @@ def check_gradient_is_reduced(name: str, grad: torch.Tensor) -> None:
         )
 
 
-def _offloads_to_cpu(module: torch.nn.Module) -> bool:
-    if not dist.is_available():
-        return False
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+def _offloads_to_cpu(group: object) -> bool:
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
-    if not isinstance(module, FSDPModule):
-        return False
-    # FSDP2 keeps the policy on the module's parameter group; there is no public getter.
-    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
     return isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy)
 
 

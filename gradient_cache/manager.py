@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .data_parallel import check_data_parallel
-from .engine import checkpoint, fused_step
+from .engine import checkpoint, fused_step, sharding
 from .engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
 from .engine.pipeline import Pipeline
 from .model_watch import ParameterWatch
@@ -101,8 +101,10 @@ class GradientCacheHookManager:
         if verbose and not logger.handlers:
             logger.addHandler(logging.StreamHandler())
             logger.setLevel(logging.INFO)
+        groups = sharding.fsdp_groups(model)
+        _warn_of_split_groups(groups, trainable, included)
         self._pipeline: Pipeline | None = Pipeline(
-            included, ratio=ratio, config=config, grad_scaler=grad_scaler
+            included, ratio=ratio, config=config, grad_scaler=grad_scaler, groups=groups
         )
         self._watch = ParameterWatch(
             model, included, excluded=patterns, device=self._pipeline.backend.device
@@ -368,3 +370,26 @@ def _is_positive_number(value: Any) -> bool:
         and math.isfinite(value)
         and value > 0
     )
+
+
+def _warn_of_split_groups(
+    groups: list[list[torch.nn.Parameter]],
+    trainable: list[tuple[str, torch.nn.Parameter]],
+    included: list[tuple[str, torch.nn.Parameter]],
+) -> None:
+    """Warn where exclude_layers splits an FSDP2 group: its buffer then stays whole."""
+    names = {param: name for name, param in trainable}
+    cached = {param for _, param in included}
+    for group in groups:
+        kept = [names[p] for p in group if p in names and p not in cached]
+        if kept and len(kept) < sum(p in names for p in group):
+            warnings.warn(
+                f"exclude_layers keeps {len(kept)} gradients of an FSDP2 group on the device "
+                f"({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) while the cache "
+                "takes the others. A group's gradients are views into one reduce-scatter "
+                "buffer, which stays on the device whole while any of them does: the cache "
+                "saves no device memory for this group. Exclude the whole group (all of its "
+                "module's parameters) or none of it.",
+                UserWarning,
+                stacklevel=3,
+            )

@@ -33,8 +33,7 @@ class ParameterWatch:
         self._cached = {name: weakref.ref(param) for name, param in cached}
         self._excluded = tuple(excluded)
         self._device = device
-        # First, before FSDP2's own pre-forward hook puts unsharded parameters in place.
-        self._handle = model.register_forward_pre_hook(self._check, prepend=True)
+        self._handle = model.register_forward_pre_hook(self._check)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -72,8 +71,9 @@ class ParameterWatch:
 def _unsharded_of(present: torch.nn.Parameter, cached: torch.nn.Parameter | None) -> bool:
     """Whether ``present`` is FSDP2's unsharded stand-in for the sharded ``cached``.
 
-    FSDP2 registers the unsharded parameter between a forward and its backward (a root
-    that does not reshard after forward keeps it until the next backward); the hooks stay
-    on the sharded one, which FSDP2 puts back.
+    FSDP2 registers the unsharded parameter from its pre-forward hook (which runs before
+    this check) until after backward, or until the next backward where it does not
+    reshard after forward (the root, an evaluation forward); the hooks stay on the
+    sharded one, which FSDP2 puts back.
     """
     return is_dtensor(cached) and not is_dtensor(present) and present.shape == cached.shape

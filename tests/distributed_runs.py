@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -214,6 +215,26 @@ def decorator_matches_plain() -> float:
     return max_difference(plain["weights"], decorated()["weights"])
 
 
+def buckets_follow_groups() -> list[list[str]]:
+    """Cached gradients by bucket, with buckets large enough to hold every group at once."""
+    model = fsdp()
+    with gradient_cache.create_gradient_cache(model, compression_ratio=1, bucket_size_mb=64) as c:
+        x, y = batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        c.compress_and_free_gradients()
+        pipeline = c._pipeline
+        return [sorted(pipeline.names[p] for p in bucket.payloads) for bucket in pipeline.buckets]
+
+
+def split_group_warns() -> list[str]:
+    """exclude_layers=["head"] splits the root group (embed and head)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gradient_cache.create_gradient_cache(fsdp(), exclude_layers=["head"]).remove_hooks()
+        gradient_cache.create_gradient_cache(fsdp(), exclude_layers=["blocks.0"]).remove_hooks()
+    return [str(w.message) for w in caught]
+
+
 def checkpoint_resumes_bit_for_bit() -> dict[str, Any]:
     """Save after 2 steps at ratio 100 with error feedback; resume in a new model."""
     options = {"compression_ratio": 100, "min_compress_numel": 1024}
@@ -267,6 +288,17 @@ def ddp_inner_module_refused_at_first_hook() -> str:
         return _error_of(lambda: nn.functional.mse_loss(ddp(x), y).backward())
     finally:
         cache.remove_hooks()
+
+
+def decorator_refuses_ddp() -> str:
+    ddp = nn.parallel.DistributedDataParallel(plain_net())
+
+    @gradient_cache.optimize(compression_ratio=1)
+    def step() -> None:
+        x, y = batch(0)
+        nn.functional.mse_loss(ddp(x), y).backward()
+
+    return _error_of(step)
 
 
 def ddp_replicate_refused() -> str:
@@ -341,6 +373,8 @@ PAIRS = {
         ratio_100_trains,
         decorator_matches_plain,
         checkpoint_resumes_bit_for_bit,
+        buckets_follow_groups,
+        split_group_warns,
     ],
     "replicas_and_refusals": [
         hsdp_matches_plain,
@@ -348,6 +382,7 @@ PAIRS = {
         ddp_refused,
         ddp_inner_module_refused_at_first_hook,
         ddp_replicate_refused,
+        decorator_refuses_ddp,
         cpu_offload_refused,
     ],
 }

@@ -99,6 +99,22 @@ def test_checkpoint_per_rank_resumes_bit_for_bit(fsdp_results):
         assert "of 4" in result["world_size_refusal"]
 
 
+def test_a_bucket_closes_when_its_fsdp_group_is_complete(fsdp_results):
+    groups = [
+        ["blocks.1.0.bias", "blocks.1.0.weight"],
+        ["blocks.0.0.bias", "blocks.0.0.weight"],
+        ["embed.bias", "embed.weight", "head.bias", "head.weight"],
+    ]
+    assert each_rank(fsdp_results, "buckets_follow_groups") == [groups, groups]
+
+
+def test_excluding_part_of_a_group_warns_that_it_saves_nothing(fsdp_results):
+    for messages in each_rank(fsdp_results, "split_group_warns"):
+        assert len(messages) == 1  # blocks.0 is a whole group: no warning
+        assert "keeps 2 gradients of an FSDP2 group" in messages[0]
+        assert "head.weight" in messages[0]
+
+
 def test_hsdp_matches_plain_and_replicas_agree(replica_results):
     for result in each_rank(replica_results, "hsdp_matches_plain"):
         assert result["placements"] == "(Replicate(), Shard(dim=0))"
@@ -117,6 +133,7 @@ def test_replicate_with_fsdp_matches_plain_and_replicas_agree(replica_results):
     [
         ("ddp_refused", "TypeError: The gradient cache cannot run under classic"),
         ("ddp_replicate_refused", "TypeError: The gradient cache cannot run under classic"),
+        ("decorator_refuses_ddp", "TypeError: The gradient cache cannot run under classic"),
         ("ddp_inner_module_refused_at_first_hook", "RuntimeError: Parameter"),
         ("cpu_offload_refused", "ValueError: "),
     ],

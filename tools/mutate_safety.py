@@ -49,7 +49,7 @@ MUTANTS = [
     (
         "launch: give gradients back on an encode failure",
         "gradient_cache/engine/pipeline.py",
-        "            for param, grad in items[len(encoded) :]:\n                param.grad = grad\n",
+        "            for param, grad in items[len(encoded) :]:\n                param.grad = sharding.as_grad_of(param, grad)\n",
         "",
         "tests/test_engine.py",
     ),
@@ -143,6 +143,41 @@ MUTANTS = [
         '    pipeline.set_random_state(state["random_state"] if same_kind else {})',
         "    pass",
         "tests/test_checkpoint.py",
+    ),
+    (
+        "fsdp: the clip norm is all-reduced over the shards",
+        "gradient_cache/engine/sharding.py",
+        "        dist.all_reduce(value, op=op, group=mesh.get_group(dim))",
+        "        pass",
+        "tests/test_distributed.py::test_fused_clipping_matches_clip_grad_norm",
+    ),
+    (
+        "fsdp: a bucket closes when its group is complete",
+        "gradient_cache/engine/pipeline.py",
+        "        if items is None and group_complete:",
+        "        if False:",
+        "tests/test_distributed.py::test_a_bucket_closes_when_its_fsdp_group_is_complete",
+    ),
+    (
+        "fsdp: the parameter watch accepts FSDP2's unsharded stand-ins",
+        "gradient_cache/model_watch.py",
+        " and not _unsharded_of(param, ref())",
+        "",
+        "tests/test_distributed.py::test_ratio_1_is_bit_identical_to_plain_fsdp2",
+    ),
+    (
+        "ddp: a plain gradient across processes is refused at the first hook",
+        "gradient_cache/engine/pipeline.py",
+        "            check_gradient_is_reduced(self.names[param], grad)",
+        "            pass",
+        "tests/test_distributed.py::test_refused_on_every_rank_with_the_reason",
+    ),
+    (
+        "fsdp: a checkpoint of another rank or world size is refused",
+        "gradient_cache/engine/checkpoint.py",
+        "        if tuple(saved_shards) != here_shards:",
+        "        if False:",
+        "tests/test_distributed.py::test_checkpoint_per_rank_resumes_bit_for_bit",
     ),
 ]
 

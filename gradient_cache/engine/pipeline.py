@@ -47,6 +47,14 @@ class LayerRecord:
 
 
 @dataclass
+class GroupArrivals:
+    """Gradients of one group (`Pipeline`'s ``groups``) arrived in this backward so far."""
+
+    size: int
+    count: int = 0
+
+
+@dataclass
 class StepRecord:
     layers: dict[str, LayerRecord] = field(default_factory=dict)
 
@@ -66,7 +74,10 @@ class Pipeline:
         ratio: float,
         config: EngineConfig,
         grad_scaler: torch.amp.GradScaler | None = None,
+        groups: Sequence[Sequence[torch.nn.Parameter]] = (),
     ) -> None:
+        """``groups``: parameters whose gradients arrive together and share one buffer
+        (FSDP2's reduce-scatter output); a bucket closes when a group is complete."""
         self.config = config
         self.ratio = ratio
         self.names = {param: name for name, param in named_params}
@@ -75,6 +86,11 @@ class Pipeline:
         # Entries of each gradient this rank caches: its shard's under FSDP2.
         self.numels = {param: sharding.local_numel(param) for param in params}
         self._gradient_checked = False
+        self.group_of: dict[torch.nn.Parameter, GroupArrivals] = {}
+        for group in groups:
+            members = [p for p in group if p in self.names]
+            arrivals = GroupArrivals(len(members))
+            self.group_of.update(dict.fromkeys(members, arrivals))
         taken = [name for name, param in named_params if param in _owned]
         if taken:
             raise ValueError(
@@ -136,9 +152,25 @@ class Pipeline:
             check_gradient_is_reduced(self.names[param], grad)
             self._gradient_checked = True
         param.grad = None
+        group_complete = self._group_complete(param)
         items = self.assembler.add(param, sharding.local(grad))
+        if items is None and group_complete:
+            # The group's shared buffer is freed once its last gradient is offloaded: send
+            # it now rather than when the next group's gradients fill the bucket.
+            items = self.assembler.flush()
         if items is not None:
             self._launch(items)
+
+    def _group_complete(self, param: torch.nn.Parameter) -> bool:
+        """Count ``param``'s arrival; whether it completes its group's arrivals."""
+        arrivals = self.group_of.get(param)
+        if arrivals is None:
+            return False
+        arrivals.count += 1
+        if arrivals.count < arrivals.size:
+            return False
+        arrivals.count = 0
+        return True
 
     def _launch(self, items: list[Item]) -> None:
         """Encode ``items`` and send them to host memory, one parameter at a time.
@@ -229,6 +261,8 @@ class Pipeline:
     def drain(self) -> None:
         """Encode the partial bucket and wait until host memory holds every gradient."""
         items = self.assembler.flush()
+        for arrivals in self.group_of.values():
+            arrivals.count = 0  # a backward that stopped midway leaves partial counts
         if items is not None:
             self._launch(items)
         self.backend.wait()

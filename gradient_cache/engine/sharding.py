@@ -68,6 +68,29 @@ def rank_and_world_size() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def fsdp_param_groups(model: torch.nn.Module) -> list[object]:
+    """FSDP2's parameter groups (one per ``fully_shard`` call) under ``model``.
+
+    FSDP2 has no public getter for them: this reads its module state, as its own hooks do.
+    """
+    if not dist.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            if group is not None:
+                groups.append(group)
+    return groups
+
+
+def fsdp_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """The sharded parameters of each FSDP2 group, as one reduce-scatter produces them."""
+    return [[p.sharded_param for p in group.fsdp_params] for group in fsdp_param_groups(model)]
+
+
 def check_placements(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
     """Refuse sharded parameters the cache is not tested with, naming them."""
     sharded = [(n, p) for n, p in named_params if is_dtensor(p)]

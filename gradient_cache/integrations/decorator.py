@@ -28,6 +28,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..data_parallel import check_data_parallel
 from ..manager import GradientCacheHookManager
 from . import CacheOptions
 
@@ -76,8 +77,9 @@ def optimize(
     gradient logging, a ``zero_grad()`` that skips a step) sees none. Use
     `create_gradient_cache` and ``apply_gradients()`` before such code, or with
     Lightning the `GradientCacheCallback`. Only one decorated function may run at a
-    time in a process (the hooks are process-wide), and models wrapped in
-    ``DistributedDataParallel`` are refused.
+    time in a process (the hooks are process-wide). Models sharded with FSDP2's
+    ``fully_shard`` work (each rank caches its shards); models under classic
+    ``DistributedDataParallel`` are refused, with the reason.
 
     Summaries: after each call, ``wrapper.last_summaries`` is a list with one dict per
     cached model, in the order the models were first seen: ``"model"`` (the class name)
@@ -262,13 +264,7 @@ class _Session:
         # marked seen before they run.
         modules = set(module.modules())
         self._seen.update(modules)
-        if any(isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in modules):
-            raise TypeError(
-                f"gradient_cache.optimize does not support DistributedDataParallel models "
-                f"(found in {type(module).__name__}): DDP reduces gradients after the backward "
-                "hook the cache uses, so the cached gradients would not be averaged. Remove "
-                "the decorator for distributed training."
-            )
+        check_data_parallel(module)  # classic DDP: refused with the reason
         trainable = [name for name, p in module.named_parameters() if p.requires_grad]
         patterns = [p for p in self.settings.exclude_layers if any(p in n for n in trainable)]
         self._matched_patterns.update(patterns)
