@@ -340,6 +340,10 @@ class FakeCuda:
         finally:
             self.checker.active = previous
 
+    def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
+        """What ``tensor.record_stream(stream)`` tells the caching allocator."""
+        self.checker.record_stream(tensor, stream.name)
+
     def allocate_pinned(self, nbytes: int) -> torch.Tensor:
         self.pinned_allocations += 1
         slab = torch.empty(nbytes, dtype=torch.uint8)

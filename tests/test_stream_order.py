@@ -168,6 +168,36 @@ def test_device_memory_in_flight_is_bounded_by_the_staging_depth(
     assert 0 < fake_cuda.checker.peak_watched_bytes <= bound
 
 
+@pytest.mark.parametrize("ratio", [1, 100], ids=["copy-reads-the-gradient", "encode-reads-it"])
+def test_gradients_made_on_another_stream_are_reused_only_after_their_copy(
+    fake_cuda: FakeCuda, ratio: float
+) -> None:
+    """FSDP2 under HSDP: a gradient allocated on the reduce-scatter stream reaches the hook
+    on the all-reduce stream, which the retirement wait is put on; its block must not go
+    back to the reduce-scatter stream before the encode and copy have read it."""
+    model = layers()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=ratio, bucket_size_mb=SMALL, staging_depth=1, min_compress_numel=64
+    )
+    pipeline = manager._pipeline
+    pipeline.backend.record_gradients = True  # what DTensor (FSDP2) parameters set
+    reduce_scatter, all_reduce = fake_cuda.Stream(), fake_cuda.Stream()
+    for _ in range(2):
+        for param in reversed(list(model.parameters())):
+            reduce_scatter.wait_stream(fake_cuda.compute)  # FSDP2: after backward made it
+            with fake_cuda.stream(reduce_scatter):
+                param.grad = torch.randn(param.shape)  # the reduce-scatter output
+            all_reduce.wait_stream(reduce_scatter)
+            with fake_cuda.stream(all_reduce):
+                pipeline._on_grad_ready(param)  # FSDP2 calls the hooks itself
+        fake_cuda.compute.wait_stream(all_reduce)
+        manager.apply_gradients()
+        with fake_cuda.stream(reduce_scatter):
+            torch.zeros(4096)  # the next reduce-scatter takes freed blocks
+    fake_cuda.checker.assert_clean()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     "options",
     [

@@ -10,7 +10,8 @@ whole picture and the reasons):
 At most ``staging_depth`` buckets are between launch and a known-finished copy: launching
 one more makes the compute stream wait on the oldest bucket's `copied` event, then drops
 that bucket's device tensors. The caching allocator reuses a freed block on the host's
-say-so, so only this host-side bound limits device memory; no `record_stream` is needed.
+say-so, so only this host-side bound limits device memory. Under FSDP2 a gradient may come
+from another stream than the hook's: `record_stream` then covers it (see `store`).
 
 Restores run on a restore stream into blocks allocated on the compute stream:
 
@@ -60,7 +61,10 @@ class CudaBackend(Backend):
         *,
         staging_depth: int,
         cuda: types.ModuleType | object = torch.cuda,
+        record_gradients: bool = False,
     ) -> None:
+        """``record_gradients``: the gradients may have been allocated on another stream
+        than the one current in the hook (FSDP2: see `store`)."""
         self.device = device
         self.pool = pool
         self.staging_depth = staging_depth
@@ -69,6 +73,9 @@ class CudaBackend(Backend):
         self.encode_stream = cuda.Stream(device=device)
         self.copy_stream = cuda.Stream(device=device)
         self.restore_stream = cuda.Stream(device=device)
+        self.record_gradients = record_gradients
+        # Tensor.record_stream, or the stand-in's (which tells its checker).
+        self.record_stream = getattr(cuda, "record_stream", torch.Tensor.record_stream)
         self._in_flight: deque[Bucket] = deque()
         # The `copied` event of the last copy into each slot not yet waited for by the host.
         self._unwaited: dict[torch.nn.Parameter, object] = {}
@@ -123,6 +130,15 @@ class CudaBackend(Backend):
         # Guarantees the copy reads payloads only after the encode stream wrote them.
         self.copy_stream.wait_event(encoded_event)
         kept: list[torch.Tensor] = list(grads)
+        if self.record_gradients:
+            # FSDP2 runs the hooks on its post-reduce stream; under HSDP that is the
+            # all-reduce stream, while the gradient was allocated on the reduce-scatter
+            # stream, which the retirement wait in `encoding` (on the current stream) does
+            # not order. Guarantees the allocator hands a gradient's block to its stream
+            # again only after the encode and the copy that read it.
+            for grad in grads:
+                self.record_stream(grad, self.encode_stream)
+                self.record_stream(grad, self.copy_stream)
         with (
             torch.profiler.record_function("gradient_cache.copy"),
             self.cuda.stream(self.copy_stream),

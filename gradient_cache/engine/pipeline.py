@@ -485,4 +485,10 @@ def build_cuda_backend(
         needed, fraction=config.host_memory_fraction, what="the host pool of payload slots"
     )
     pool = HostPool(layout, allocate_pinned=allocate if config.pin_memory else None)
-    return CudaBackend(device, pool, staging_depth=config.staging_depth, cuda=cuda)
+    return CudaBackend(
+        device,
+        pool,
+        staging_depth=config.staging_depth,
+        cuda=cuda,
+        record_gradients=any(map(sharding.is_dtensor, params)),
+    )
