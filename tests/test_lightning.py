@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -171,8 +175,27 @@ def test_manual_optimization_is_refused_with_the_fix() -> None:
 
 def test_multi_device_strategies_are_refused_in_setup() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
-    with pytest.raises(ValueError, match="supports one device, got strategy DDPStrategy"):
+    with pytest.raises(ValueError, match=r"got strategy DDPStrategy.*ModelParallelStrategy"):
         GradientCacheCallback().setup(trainer, Regressor(), stage="fit")
+
+
+def test_fsdp2_through_model_parallel_strategy_on_two_processes(tmp_path: Path) -> None:
+    """Two CPU processes (gloo): ratio 1 ends bit for bit as plain ModelParallelStrategy
+    with clipping; a ratio-100 run resumed from a (distributed) checkpoint ends as the
+    uninterrupted one, each rank loading its own residuals."""
+    script = Path(__file__).with_name("lightning_fsdp_run.py")
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["lossless"] == 0.0
+    assert results["resumed"] == 0.0
+    assert results["summary_numel"] == 3 * 64  # rank 0 caches 3 of the head's 5 rows
 
 
 def test_bad_arguments_fail_when_the_callback_is_made() -> None:

@@ -179,6 +179,20 @@ MUTANTS = [
         "        if False:",
         "tests/test_distributed.py::test_checkpoint_per_rank_resumes_bit_for_bit",
     ),
+    (
+        "lightning: a state restored after on_fit_start is loaded at once",
+        "gradient_cache/integrations/lightning.py",
+        "        if self._manager is not None and self._state_to_load is not None:",
+        "        if False:",
+        "tests/test_lightning.py::test_fsdp2_through_model_parallel_strategy_on_two_processes",
+    ),
+    (
+        "lightning: every rank's state is gathered for rank 0's checkpoint",
+        "gradient_cache/integrations/lightning.py",
+        "        if not self._per_rank_state:",
+        "        if True:",
+        "tests/test_lightning.py::test_fsdp2_through_model_parallel_strategy_on_two_processes",
+    ),
 ]
 
 

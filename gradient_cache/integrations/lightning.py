@@ -19,7 +19,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import SingleDeviceStrategy
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
 from ..manager import GradientCacheHookManager
 from . import CacheOptions
@@ -43,11 +44,13 @@ class GradientCacheCallback(pl.Callback):
             LightningModule when fitting starts.
 
     Supported: a single device (``strategy="auto"`` with one device, or a
-    ``SingleDeviceStrategy``), automatic optimization, any ``accumulate_grad_batches``,
-    ``gradient_clip_val`` (clipping sees the restored gradients) and precision
-    ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (gradients are back before the
-    GradScaler unscales them). Manual optimization and multi-device strategies (DDP,
-    FSDP, DeepSpeed) are refused in ``setup`` with the reason.
+    ``SingleDeviceStrategy``) and FSDP2 through ``ModelParallelStrategy`` (``fully_shard``
+    applied in ``configure_model``; each rank caches its shards), automatic
+    optimization, any ``accumulate_grad_batches``, ``gradient_clip_val`` (clipping sees
+    the restored gradients) and precision ``"32-true"``, ``"bf16-mixed"`` and
+    ``"16-mixed"`` (gradients are back before the GradScaler unscales them). Manual
+    optimization and the other multi-device strategies (DDP, FSDP1, DeepSpeed) are
+    refused in ``setup`` with the reason.
 
     At every optimizer step the figures in ``LOGGED_FIELDS`` are logged through the
     LightningModule's ``log`` (so every logger of the trainer, at ``log_every_n_steps``)
@@ -80,8 +83,9 @@ class GradientCacheCallback(pl.Callback):
         self._manager: GradientCacheHookManager | None = None
         self.last_summary: dict[str, Any] | None = None
         # A checkpoint's cache state: Lightning restores callbacks before on_fit_start,
-        # where the manager is created, so it waits here until then.
+        # where the manager is created (most strategies), so it waits here until then.
         self._state_to_load: dict[str, Any] | None = None
+        self._per_rank_state = False  # ModelParallelStrategy: see state_dict
 
     # --- checks and lifetime ------------------------------------------------------
 
@@ -99,12 +103,16 @@ class GradientCacheCallback(pl.Callback):
                 "clipping or opt.step()."
             )
         strategy = trainer.strategy
-        if not isinstance(strategy, SingleDeviceStrategy):
+        self._per_rank_state = isinstance(strategy, ModelParallelStrategy)
+        if not isinstance(strategy, (SingleDeviceStrategy, ModelParallelStrategy)):
             raise ValueError(
-                f"GradientCacheCallback supports one device, got strategy "
-                f"{type(strategy).__name__}: data-parallel strategies reduce gradients "
-                "after the backward hook the cache uses, so the cached gradients would not "
-                "be averaged. Train on one device (devices=1) or remove the callback."
+                f"GradientCacheCallback supports one device (SingleDeviceStrategy) and FSDP2 "
+                f"(ModelParallelStrategy, with fully_shard applied in configure_model), got "
+                f"strategy {type(strategy).__name__}. Under DDP the cache would take each "
+                "rank's gradients before DDP averages them, and the ranks would drift apart; "
+                "DDP's reducer also keeps every gradient on the device anyway. Use "
+                "strategy=ModelParallelStrategy(tensor_parallel_size=1) and fully_shard the "
+                "model in configure_model, train on one device, or remove the callback."
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -121,13 +129,40 @@ class GradientCacheCallback(pl.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """The manager's ``state_dict()`` (residuals, counters, generators), saved by
-        Lightning in every checkpoint; empty before fitting starts."""
-        return {} if self._manager is None else {"cache": self._manager.state_dict()}
+        Lightning in every checkpoint; empty before fitting starts.
+
+        Under ``ModelParallelStrategy`` every rank caches its own shards, while Lightning
+        writes callback states from rank 0 only: the ranks' states are gathered
+        (``all_gather_object``) under ``"ranks"``, and each rank loads its own.
+        """
+        if self._manager is None:
+            return {}
+        state = self._manager.state_dict()
+        if not self._per_rank_state:
+            return {"cache": state}
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, state)
+        return {"ranks": states}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Called by Lightning when fitting resumes from ``ckpt_path``; applied once the
         manager exists, which refuses a state made with other settings."""
-        self._state_to_load = state_dict.get("cache")
+        if "ranks" in state_dict:
+            states = state_dict["ranks"]
+            if len(states) != dist.get_world_size():
+                raise ValueError(
+                    f"This checkpoint's gradient-cache state holds {len(states)} ranks' shards; "
+                    f"this run has {dist.get_world_size()} processes. Resume with the world "
+                    "size it was saved with."
+                )
+            self._state_to_load = states[dist.get_rank()]
+        else:
+            self._state_to_load = state_dict.get("cache")
+        if self._manager is not None and self._state_to_load is not None:
+            # Strategies that restore after setup (ModelParallelStrategy) call this after
+            # on_fit_start made the manager, still before the first backward.
+            state, self._state_to_load = self._state_to_load, None
+            self._manager.load_state_dict(state)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._detach()
