@@ -26,6 +26,22 @@ def test_example_trains_three_ways_and_lossless_matches_plain() -> None:
     assert "max |weight(plain) - weight(cache r=1)| = 0" in out
 
 
+def test_fsdp_example_under_torchrun_matches_plain_fsdp2_at_ratio_1() -> None:
+    """torchrun, 2 CPU processes (gloo): the fused step with clipping, bit for bit."""
+    out = run(
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "examples/train_fsdp.py",
+        "--steps",
+        "3",
+    )
+    assert "2 processes on cpu" in out
+    assert "| cache r=100 |" in out
+    assert "cache r=1 against plain FSDP2: max weight difference 0\n" in out
+
+
 @pytest.mark.parametrize(
     "script",
     [

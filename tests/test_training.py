@@ -250,7 +250,11 @@ def test_fused_step_clipping_matches_clip_grad_norm(
         loss_of(fused, tokens, targets).backward()
         total = fused_manager.step(fused_opt, max_grad_norm=0.05, norm_type=norm_type)
         fused_opt.zero_grad()
-        torch.testing.assert_close(total.cpu(), expected, rtol=1e-5, atol=0)
+        # Lossless on the CPU: the very sums clip_grad_norm_ does. Compressed, the kept
+        # values alone (no zeros), and on CUDA, host norms against _foreach_norm, round
+        # differently.
+        tolerance = 0 if ratio == 1 and device == "cpu" else 1e-5
+        torch.testing.assert_close(total.cpu(), expected, rtol=tolerance, atol=0)
         assert expected > 0.05  # clipping really happened
     assert_same_parameters(reference, fused, atol=1e-6)
 

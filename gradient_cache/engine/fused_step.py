@@ -30,7 +30,7 @@ def step(
     """Restore and step bucket by bucket; see GradientCacheHookManager.step."""
     pipeline.drain()
     # A dict, not a set: its order (the optimizer's) fixes the order norms are summed in,
-    # so the clip factor has the same bits in every process.
+    # so the clip factor has the same bits in every process and run.
     owned = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
     retry = pipeline.interrupted_clip is not None
     if not retry:
@@ -105,16 +105,19 @@ def _clip_scale(
     """
     if max_grad_norm is None:
         return None, None
-    norms = []
-    for bucket in pipeline.buckets:  # arrival order: the same sum, bit for bit, every run
+    local = {}
+    for bucket in pipeline.buckets:
         for param, payload in bucket.payloads.items():
             if param in owned:
                 kept = kept_values(payload)
-                norm = torch.linalg.vector_norm(kept, norm_type, dtype=torch.float32)
-                norms.append((param, norm))
+                local[param] = torch.linalg.vector_norm(kept, norm_type, dtype=torch.float32)
     for param, grad in held.items():
-        norm = torch.linalg.vector_norm(sharding.local(grad), norm_type, dtype=torch.float32)
-        norms.append((param, norm))
+        local[param] = torch.linalg.vector_norm(
+            sharding.local(grad), norm_type, dtype=torch.float32
+        )
+    # Summed in the optimizer's order, as clip_grad_norm_(model.parameters()) sums: the
+    # same bits on one CPU, and under FSDP2 (`sharding.global_norm`).
+    norms = [(param, local[param]) for param in owned if param in local]
     total = sharding.global_norm(norms, norm_type)
     scale = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(pipeline.backend.device)
     return total, scale

@@ -128,23 +128,23 @@ def global_norm(
 ) -> torch.Tensor:
     """The norm over every rank of ``(parameter, local norm)`` pairs, as a CPU tensor.
 
-    A sharded parameter's shards are summed over the mesh's shard dimension (an
-    all-reduce, as ``clip_grad_norm_`` does for `DTensor` gradients); replicated and
-    plain parameters count once.
+    A sharded parameter's norm is combined over the mesh's shard dimensions first (one
+    all-reduce for all of them), then the parameters' norms are combined in the given
+    order: the steps ``clip_grad_norm_`` takes for `DTensor` gradients, and its bits
+    (checked on gloo). Replicated and plain parameters count once.
     """
-    shard_groups, shared, own = [], [], []
-    for param, norm in norms:
-        dims = _shard_dims(param)
-        (shared if dims else own).append(norm)
-        if dims and not shard_groups:
-            shard_groups = [(param.device_mesh, d) for d in dims]
-    totals = [] if shared or own else [torch.zeros(())]
-    if shared:
-        totals.append(_all_reduce(_combine(shared, norm_type), norm_type, shard_groups))
-    if own:
-        totals.append(_combine(own, norm_type))
-    # One part alone is returned as it is: a single process gets the plain sum's bits.
-    return totals[0] if len(totals) == 1 else _combine(totals, norm_type)
+    pairs = list(norms)
+    if not pairs:
+        return torch.zeros(())
+    values = [norm.cpu() for _, norm in pairs]
+    sharded = [i for i, (param, _) in enumerate(pairs) if _shard_dims(param)]
+    if sharded:
+        mesh = pairs[sharded[0]][0].device_mesh
+        dims = _shard_dims(pairs[sharded[0]][0])
+        reduced = _all_reduce(torch.stack([values[i] for i in sharded]), norm_type, mesh, dims)
+        for i, value in zip(sharded, reduced, strict=True):
+            values[i] = value
+    return torch.linalg.vector_norm(torch.stack(values), norm_type)
 
 
 def _shard_dims(param: torch.Tensor) -> list[int]:
@@ -153,20 +153,17 @@ def _shard_dims(param: torch.Tensor) -> list[int]:
     return [d for d, p in enumerate(param.placements) if isinstance(p, Shard)]
 
 
-def _combine(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    return torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]), norm_type)
-
-
-def _all_reduce(total: torch.Tensor, norm_type: float, groups: list) -> torch.Tensor:
-    """Combine one rank's ``total`` with every shard's: max for inf, else a sum of powers."""
+def _all_reduce(local: torch.Tensor, norm_type: float, mesh, dims: list[int]) -> torch.Tensor:
+    """Each entry of ``local`` (this rank's norms) combined with every shard's: max for
+    inf, else the p-th root of a sum of p-th powers."""
     # The collective runs where the mesh's backend does (nccl: the device; gloo: the CPU).
-    value = total.to(groups[0][0].device_type)
+    value = local.to(mesh.device_type)
     if norm_type == float("inf"):
         op = dist.ReduceOp.MAX
     else:
         op = dist.ReduceOp.SUM
         value = value.pow(norm_type)
-    for mesh, dim in groups:
+    for dim in dims:
         dist.all_reduce(value, op=op, group=mesh.get_group(dim))
     if norm_type != float("inf"):
         value = value.pow(1.0 / norm_type)
