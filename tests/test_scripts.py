@@ -42,6 +42,17 @@ def test_fsdp_example_under_torchrun_matches_plain_fsdp2_at_ratio_1() -> None:
     assert "cache r=1 against plain FSDP2: max weight difference 0\n" in out
 
 
+def test_fsdp_memory_report_prints_each_rank(tmp_path: Path) -> None:
+    out = run("perf/fsdp_memory.py", "--model", "tiny", "--json", str(tmp_path / "m.json"))
+    rows = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert sorted({row["rank"] for row in rows}) == [0, 1]
+    by_variant = {(row["variant"], row["rank"]): row for row in rows}
+    plain, fused = by_variant["plain FSDP2", 0], by_variant["cache r=1, fused step", 0]
+    assert plain["backward_peak_mib"] == plain["gradient_mib"]  # all of them, to the step
+    assert fused["backward_peak_mib"] < plain["backward_peak_mib"]
+    assert "| cache r=100, fused step | 1 |" in out
+
+
 @pytest.mark.parametrize(
     "script",
     [
