@@ -153,7 +153,9 @@ class GradientCacheHookManager:
 
         ``max_grad_norm`` clips the global norm of the optimizer's gradients
         (``norm_type``, as ``torch.nn.utils.clip_grad_norm_``), computed from the host
-        copies and any device gradients before anything is restored; the norm is returned.
+        copies and any device gradients before anything is restored; the norm is returned
+        (a CPU tensor). Under FSDP2 the norm covers every rank's shards (an all-reduce:
+        every rank must call ``step``), as ``clip_grad_norm_`` does on the sharded model.
         For a GradScaler, use ``apply_gradients()`` and ``scaler.step(optimizer)``.
 
         If ``optimizer.step()`` raises (an out-of-memory error you catch, say), the
@@ -205,7 +207,9 @@ class GradientCacheHookManager:
         keyed by parameter name, as CPU tensors: ``torch.save`` writes it and
         ``torch.load(..., weights_only=True)`` reads it. Drains first, like
         ``compress_and_free_gradients()``. Loading it into a manager built the same way
-        (``load_state_dict``) continues bit for bit as the uninterrupted run would.
+        (``load_state_dict``) continues bit for bit as the uninterrupted run would. Under
+        FSDP2 it holds this rank's shards: save one per rank, and load each into the same
+        rank of a run with the same world size (anything else is refused).
         """
         return checkpoint.save(self._live())
 

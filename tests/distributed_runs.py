@@ -312,6 +312,17 @@ def cpu_offload_refused() -> str:
     return _error_of(lambda: gradient_cache.create_gradient_cache(model))
 
 
+def tensor_parallel_placement_refused() -> str:
+    """A weight sharded along its columns, as tensor parallelism shards it."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    layer = nn.Linear(16, 16)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(1)]))
+    layer.bias.requires_grad_(False)
+    return _error_of(lambda: gradient_cache.create_gradient_cache(layer))
+
+
 def hsdp_matches_plain() -> dict[str, Any]:
     """2 replicas of 1 shard each: placements (Replicate(), Shard(0)); replicas end equal."""
     mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
@@ -384,6 +395,7 @@ PAIRS = {
         ddp_replicate_refused,
         decorator_refuses_ddp,
         cpu_offload_refused,
+        tensor_parallel_placement_refused,
     ],
 }
 

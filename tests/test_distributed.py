@@ -136,6 +136,7 @@ def test_replicate_with_fsdp_matches_plain_and_replicas_agree(replica_results):
         ("decorator_refuses_ddp", "TypeError: The gradient cache cannot run under classic"),
         ("ddp_inner_module_refused_at_first_hook", "RuntimeError: Parameter"),
         ("cpu_offload_refused", "ValueError: "),
+        ("tensor_parallel_placement_refused", "ValueError: Parameter 'weight' is a DTensor"),
     ],
 )
 def test_refused_on_every_rank_with_the_reason(replica_results, scenario, expected):

@@ -3,8 +3,9 @@
 Saved: the recipe (to refuse a checkpoint made with another one), the step counter (warm-up
 schedule), the engine's random generators, error-feedback residuals (current and those of
 a pending step) and gradients cached but not yet restored, bucket by bucket in arrival
-order (the clip norm sums in that order). Every tensor is a CPU copy (a view of the pinned
-pool would save the whole slab), keyed by parameter name, so `torch.save` and
+order (the fused step restores in that order), and, for FSDP2, the rank and world size (each
+rank saves its own shards). Every tensor is a CPU copy (a view of the pinned pool would
+save the whole slab), keyed by parameter name, so `torch.save` and
 ``torch.load(weights_only=True)`` carry it.
 """
 
