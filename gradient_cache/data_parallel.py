@@ -73,10 +73,11 @@ def _offloads_to_cpu(group: object) -> bool:
 
 def _is_ddp_replicate(module: torch.nn.Module) -> bool:
     """``torch.distributed._composable.replicate`` (DDP inside); not its FSDP2 namesake."""
-    if not dist.is_available():
+    try:
+        from torch.distributed._composable.contract import _get_registry
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before 2.6, or without distributed
         return False
-    from torch.distributed._composable.contract import _get_registry
-    from torch.distributed.fsdp import FSDPModule
 
     registry = _get_registry(module) or {}
     return "replicate" in registry and not isinstance(module, FSDPModule)

@@ -193,6 +193,20 @@ MUTANTS = [
         "        if True:",
         "tests/test_lightning.py::test_fsdp2_through_model_parallel_strategy_on_two_processes",
     ),
+    (
+        "decorator: clipping and unscaling restore the cached gradients first",
+        "gradient_cache/integrations/decorator.py",
+        "        self._readers.__enter__()",
+        "        pass",
+        "tests/test_decorator.py tests/test_transformers.py::test_trainer_at_ratio_1_ends_bit_for_bit_as_plain_trainer",
+    ),
+    (
+        "transformers: the trainer's own log of a step is kept",
+        "gradient_cache/integrations/transformers.py",
+        "            control.should_log = True",
+        "            pass",
+        "tests/test_transformers.py::test_trainer_at_ratio_100_trains",
+    ),
 ]
 
 

@@ -14,9 +14,9 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-if dist.is_available():
+try:  # public since torch 2.5; FSDP2 (fully_shard) since 2.6
     from torch.distributed.tensor import DTensor, Replicate, Shard
-else:  # a torch build without distributed support has no DTensor to meet
+except ImportError:  # an older torch, or a build without distributed: no DTensor to meet
     DTensor = Replicate = Shard = None
 
 
@@ -73,9 +73,10 @@ def fsdp_param_groups(model: torch.nn.Module) -> list[object]:
 
     FSDP2 has no public getter for them: this reads its module state, as its own hooks do.
     """
-    if not dist.is_available():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before 2.6, or without distributed: no FSDP2
         return []
-    from torch.distributed.fsdp import FSDPModule
 
     groups = []
     for module in model.modules():

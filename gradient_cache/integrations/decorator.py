@@ -13,6 +13,7 @@ detached, which puts any gradient still cached back into ``param.grad``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -31,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..data_parallel import check_data_parallel
 from ..manager import GradientCacheHookManager
 from . import CacheOptions
+from .gradient_readers import restore_before_gradient_reads
 
 F = TypeVar("F", bound=Callable[..., Any])
 logger = logging.getLogger("gradient_cache")
@@ -72,14 +74,17 @@ def optimize(
     alone. A model's trainable parameters are taken when it is first seen; if a
     submodule ran on its own first, its manager is replaced by its parent's.
 
-    Limits, because ``.grad`` is empty between ``backward()`` and ``optimizer.step()``:
-    code that reads or changes gradients there (``clip_grad_norm_``, a ``GradScaler``,
-    gradient logging, a ``zero_grad()`` that skips a step) sees none. Use
-    `create_gradient_cache` and ``apply_gradients()`` before such code, or with
-    Lightning the `GradientCacheCallback`. Only one decorated function may run at a
-    time in a process (the hooks are process-wide). Models sharded with FSDP2's
-    ``fully_shard`` work (each rank caches its shards); models under classic
-    ``DistributedDataParallel`` are refused, with the reason.
+    Clipping and unscaling work: while the function runs, ``torch.nn.utils``'s
+    ``clip_grad_norm_``, ``clip_grad_value_`` and ``clip_grads_with_norm_`` and
+    ``GradScaler.unscale_`` restore every cached gradient before they read any
+    (`gradient_readers`), so Hugging Face's ``Trainer`` and
+    ``accelerate`` clip as without the cache. Other code that reads or changes
+    gradients between ``backward()`` and ``optimizer.step()`` (gradient logging, a
+    ``zero_grad()`` that skips a step) sees none: call ``manager_of(model)``'s
+    ``apply_gradients()`` (or ``discard_gradients()``) before it. Only one decorated
+    function may run at a time in a process (the hooks are process-wide). Models
+    sharded with FSDP2's ``fully_shard`` work (each rank caches its shards); models
+    under classic ``DistributedDataParallel`` are refused, with the reason.
 
     Summaries: after each call, ``wrapper.last_summaries`` is a list with one dict per
     cached model, in the order the models were first seen: ``"model"`` (the class name)
@@ -182,6 +187,7 @@ class _Session:
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._matched_patterns: set[str] = set()
         self._handles: list[Any] = []
+        self._readers: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
     # --- lifetime -----------------------------------------------------------------
 
@@ -200,6 +206,9 @@ class _Session:
             register_module_forward_pre_hook(self._on_forward),
             register_optimizer_step_pre_hook(self._before_step),
         ]
+        # clip_grad_norm_ & co. and GradScaler.unscale_ restore first (gradient_readers).
+        self._readers = restore_before_gradient_reads(self._restore_all)
+        self._readers.__enter__()
         return self
 
     def __exit__(
@@ -210,6 +219,7 @@ class _Session:
     ) -> None:
         global _active
         try:
+            self._readers.__exit__(None, None, None)
             for handle in self._handles:
                 handle.remove()
             self.summaries = [
