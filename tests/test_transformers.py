@@ -6,6 +6,8 @@ from the same seed and sees the same batches. Ratio 1 must end bit for bit as th
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -90,7 +92,7 @@ def test_trainer_logs_the_cache_summary_through_its_logging(tmp_path) -> None:
     assert [entry["step"] for entry in logged] == [2, 4, 6]  # every logging step
     assert all(set(entry) >= {f"gradient_cache/{k}" for k in hf.LOGGED_FIELDS} for entry in logged)
     assert 0.005 < logged[-1]["gradient_cache/kept_fraction"] < 0.02
-    assert not any(isinstance(c, hf._SummaryLogger) for c in trainer.callback_handler.callbacks)
+    assert not any(isinstance(c, hf._CacheCallback) for c in trainer.callback_handler.callbacks)
 
 
 def test_trainer_at_ratio_100_trains(tmp_path) -> None:
@@ -100,6 +102,34 @@ def test_trainer_at_ratio_100_trains(tmp_path) -> None:
     # Slower than plain Trainer (4.56 to 2.8 in these 40 steps; ratio 100 about 4.58 to
     # 4.2): top-k under AdamW, as perf/RESULTS.md measures at length. It does learn.
     assert sum(losses[-3:]) < 0.95 * sum(losses[:3])
+
+
+def test_a_run_resumed_from_a_trainer_checkpoint_ends_as_the_uninterrupted_one(tmp_path):
+    """Ratio 100 with error feedback: the residuals travel in the checkpoint folder."""
+    options = dict(compression_ratio=100, min_compress_numel=1024)
+    steps = dict(max_steps=8, save_strategy="steps", save_steps=4, learning_rate=1e-2)
+    uninterrupted = tiny_gpt2()
+    hf.train(trainer_for(uninterrupted, tmp_path / "a", **steps), **options)
+    saved = torch.load(tmp_path / "a" / "checkpoint-4" / hf.STATE_FILE, weights_only=True)
+    assert saved["residuals"] and saved["steps"] == 4
+    # A run stopped after step 4: its output_dir holds checkpoint-4 only.
+    shutil.copytree(tmp_path / "a" / "checkpoint-4", tmp_path / "b" / "checkpoint-4")
+    resumed = tiny_gpt2()
+    trainer = trainer_for(resumed, tmp_path / "b", **steps)
+    hf.train(trainer, resume_from_checkpoint=True, **options)  # the last checkpoint
+    assert trainer.state.global_step == 8
+    assert weight_gap(uninterrupted, resumed) == 0.0
+
+
+def test_resuming_from_a_checkpoint_saved_without_the_cache_warns(tmp_path) -> None:
+    steps = dict(max_steps=2, save_strategy="steps", save_steps=1)
+    trainer_for(tiny_gpt2(), tmp_path, **steps).train()
+    with pytest.warns(UserWarning, match="holds no gradient-cache state"):
+        hf.train(
+            trainer_for(tiny_gpt2(), tmp_path / "b", **steps),
+            resume_from_checkpoint=str(tmp_path / "checkpoint-1"),
+            compression_ratio=1,
+        )
 
 
 def test_the_clipping_readers_are_the_originals_again_after_training(tmp_path) -> None:

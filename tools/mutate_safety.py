@@ -207,6 +207,13 @@ MUTANTS = [
         "            pass",
         "tests/test_transformers.py::test_trainer_at_ratio_100_trains",
     ),
+    (
+        "transformers: a resumed run loads the cache's state",
+        "gradient_cache/integrations/transformers.py",
+        "        manager_of(model).load_state_dict(torch.load(path, weights_only=True))",
+        "        pass",
+        "tests/test_transformers.py::test_a_run_resumed_from_a_trainer_checkpoint_ends_as_the_uninterrupted_one",
+    ),
 ]
 
 

@@ -11,16 +11,21 @@ Clipping comes before any callback hook that could restore, so the cache is atta
 the gradients back before ``clip_grad_norm_`` reads them (`gradient_readers`), and its
 optimizer pre-hook before the step. A callback logs the figures through ``Trainer.log``,
 so every reporter the trainer has (TensorBoard, W&B, ...) receives them, and they are in
-``trainer.state.log_history``. transformers is imported only by this module.
+``trainer.state.log_history``; it also saves the cache's state in every checkpoint folder
+(``gradient_cache.pt``) and loads it when training resumes from one. transformers is
+imported only by this module.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .decorator import manager_of, optimize
 
@@ -33,6 +38,8 @@ LOGGED_FIELDS = (
     "residual_mb",
     "host_held_mb",
 )
+#: The cache's state in each of the trainer's checkpoint folders.
+STATE_FILE = "gradient_cache.pt"
 
 
 def train(
@@ -51,11 +58,17 @@ def train(
     meaning, ``max_grad_norm`` (clipping) and ``gradient_accumulation_steps`` included;
     at ``compression_ratio=1`` the run ends with plain ``Trainer``'s weights, bit for bit
     on the CPU. At each logging step the ``LOGGED_FIELDS`` of the cache's summary are
-    logged as ``gradient_cache/<field>``. Returns what ``trainer.train`` returns.
+    logged as ``gradient_cache/<field>``. Each checkpoint the trainer saves gets the
+    cache's ``state_dict()`` as ``gradient_cache.pt``; with ``resume_from_checkpoint``
+    (a folder, or True for the last one in ``output_dir``) it is loaded before the first
+    step, so error-feedback residuals carry over. Returns what ``trainer.train`` returns.
     """
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}.")
-    logger = _SummaryLogger(trainer)
+    resume_folder = resume_from_checkpoint
+    if resume_from_checkpoint is True:
+        resume_folder = get_last_checkpoint(trainer.args.output_dir)
+    logger = _CacheCallback(trainer, resume_folder or None)
     cached_train = optimize(
         compression_ratio, exclude_layers=exclude_layers, verbose=verbose, **options
     )(trainer.train)
@@ -66,11 +79,35 @@ def train(
         trainer.remove_callback(logger)
 
 
-class _SummaryLogger(transformers.TrainerCallback):
-    """At each logging step, logs the cache's figures through ``Trainer.log``."""
+class _CacheCallback(transformers.TrainerCallback):
+    """Logs the cache's figures through ``Trainer.log``; saves and loads its state."""
 
-    def __init__(self, trainer: transformers.Trainer) -> None:
+    def __init__(self, trainer: transformers.Trainer, resume_folder: str | None) -> None:
         self.trainer = trainer
+        self.resume_folder = resume_folder
+
+    def on_train_begin(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> transformers.TrainerControl:
+        if self.resume_folder is None or model is None:
+            return control
+        path = os.path.join(self.resume_folder, STATE_FILE)
+        if not os.path.exists(path):
+            warnings.warn(
+                f"{self.resume_folder} holds no gradient-cache state ({STATE_FILE}): it was "
+                "saved without the cache. Training resumes with the cache starting afresh "
+                "(error-feedback residuals at zero).",
+                UserWarning,
+                stacklevel=2,
+            )
+            return control
+        manager_of(model).load_state_dict(torch.load(path, weights_only=True))
+        return control
 
     def on_step_end(
         self,
@@ -86,4 +123,18 @@ class _SummaryLogger(transformers.TrainerCallback):
             self.trainer.log({f"gradient_cache/{k}": float(summary[k]) for k in LOGGED_FIELDS})
             # Trainer.log clears should_log; the trainer's own log of this step comes next.
             control.should_log = True
+        return control
+
+    def on_save(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> transformers.TrainerControl:
+        # Called after the trainer wrote (and rotated) its checkpoint folders.
+        if model is not None and args.should_save:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            torch.save(manager_of(model).state_dict(), os.path.join(folder, STATE_FILE))
         return control
