@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run for a machine lent by the minute: the tests that
 # skip without CUDA (plain, then under PyTorch's CUDA sanitizer), the memory table from the
-# CUDA allocator, then the GPU report. tests/test_cuda.py holds the engine's GPU checks:
+# CUDA allocator, the FSDP2 example on one GPU (nccl), then the GPU report. tests/test_cuda.py holds the engine's GPU checks:
 # hooks with Event/Stream.synchronize and pinned allocation patched to raise and
 # set_sync_debug_mode("error"), and race windows widened with torch.cuda._sleep.
 # Uses the python3 on PATH as it is (on a lent H200 it holds a CUDA build of torch, pytest
@@ -20,6 +20,8 @@ python3 -m pytest -q -rs -p no:cacheprovider -k "cuda or Cuda" \
     | tee "$out/gpu_tests.log" || status=1
 TORCH_CUDA_SANITIZER=1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
     tests/test_cuda.py 2>&1 | tee "$out/gpu_tests_sanitizer.log" || status=1
+timeout 120 python3 -m torch.distributed.run --nproc-per-node 1 examples/train_fsdp.py \
+    --steps 10 2>&1 | tee "$out/gpu_fsdp_example.log" || status=1
 python3 -m perf.memory_report --device cuda --json "$out/memory_cuda.json" 2>&1 \
     | tee "$out/memory_cuda.md" || status=1
 timeout 420 python3 perf/gpu_report.py --json "$out/gpu_report.json" 2>&1 \

@@ -265,3 +265,53 @@ def test_widened_race_windows_still_give_the_reference_result(
             cache.step(optimizer) if step % 2 else (cache.apply_gradients(), optimizer.step())
             optimizer.zero_grad()
     assert_same_parameters(reference, slowed)
+
+
+@pytest.fixture
+def one_gpu_process_group():
+    """torch.distributed with one nccl rank, so FSDP2 runs its real CUDA streams."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0)
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def sharded_on_gpu() -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = ManyThinLayers(depth=12).cuda()
+    for layer in model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+@pytest.mark.parametrize("fused_step", [False, True])
+def test_fsdp2_on_one_gpu_matches_plain_fsdp2(one_gpu_process_group, fused_step: bool) -> None:
+    """The hooks run on FSDP2's reduce-scatter stream with DTensor gradients: the CUDA
+    backend's FSDP2 path (record_stream on the gradients) against plain FSDP2."""
+    data = [torch.randn(64, 256, device="cuda") for _ in range(8)]
+
+    def run(model: torch.nn.Module, manager=None) -> None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for x in data:
+            model(x).square().mean().backward()
+            if manager is None:
+                optimizer.step()
+            elif fused_step:
+                manager.step(optimizer)
+            else:
+                manager.apply_gradients()
+                optimizer.step()
+            optimizer.zero_grad()
+
+    plain, cached = sharded_on_gpu(), sharded_on_gpu()
+    run(plain)
+    manager = gradient_cache.create_gradient_cache(cached, compression_ratio=1, bucket_size_mb=0.5)
+    assert manager._pipeline.backend.record_gradients
+    run(cached, manager)
+    for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
