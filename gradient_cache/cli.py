@@ -13,13 +13,10 @@ import torch
 
 from .demo.models import GPT_SIZES
 from .demo.report import check_matplotlib, format_table, report_dict, write_json, write_plot
-from .demo.run import LEARNING_RATE, DemoSettings, run_demo
+from .demo.run import DEFAULT_SCENARIO, LEARNING_RATE, SCENARIOS, DemoSettings, run_demo
 from .engine.hostmem import HostMemoryError
 
 DEVICES = ("auto", "cpu", "cuda")
-# Chosen so that the defaults finish in under 2 minutes on a 2-core CPU.
-DEFAULT_STEPS = 50
-DEFAULT_MODEL_SIZE = "small"
 # A lost or doubled gradient moves a weight by about the learning rate in one AdamW step;
 # rounding differences stay far below that (4.9e-5 after 10 steps, the largest seen; one
 # thread instead of two moves the small model's weights by 4.0e-5 in 10 steps).
@@ -53,12 +50,16 @@ def _fail(message: str, *, status: int = 1) -> int:
 
 
 def _demo(args: argparse.Namespace, *, device: torch.device, out: Path) -> int:
+    scenario = SCENARIOS[args.scenario]
+    args.steps = scenario.steps if args.steps is None else args.steps
+    args.model_size = scenario.model_size if args.model_size is None else args.model_size
     settings = DemoSettings(
         steps=args.steps,
         ratio=args.ratio,
         model_size=args.model_size,
         device=device,
         seed=args.seed,
+        scenario=args.scenario,
     )
     result = run_demo(settings)
     report = report_dict(result, args={**vars(args), "out": str(out)})
@@ -107,11 +108,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
             "report.png to --out."
         ),
     )
+    defaults = ", ".join(f"{s.steps} for {s.name}" for s in SCENARIOS.values())
     demo.add_argument(
         "--steps",
         type=_positive_int,
-        default=DEFAULT_STEPS,
-        help=f"training steps per run (default {DEFAULT_STEPS})",
+        default=None,
+        help=f"training steps per run (default: the scenario's, {defaults})",
     )
     demo.add_argument(
         "--ratio",
@@ -119,11 +121,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         default=100.0,
         help="compression ratio of the third run, a number >= 1 (default 100: keep 1%%)",
     )
+    sizes = ", ".join(f"{s.model_size} for {s.name}" for s in SCENARIOS.values())
     demo.add_argument(
         "--model-size",
         choices=sorted(GPT_SIZES),
-        default=DEFAULT_MODEL_SIZE,
-        help=f"TinyGPT size (default {DEFAULT_MODEL_SIZE})",
+        default=None,
+        help=f"TinyGPT size (default: the scenario's, {sizes})",
     )
     demo.add_argument(
         "--device",
@@ -140,6 +143,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     demo.add_argument(
         "--seed", type=_seed, default=0, help="seed of the weights and batches (default 0)"
+    )
+    demo.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default=DEFAULT_SCENARIO,
+        help="; ".join(f"{s.name}: {s.summary}" for s in SCENARIOS.values())
+        + f" (default {DEFAULT_SCENARIO})",
     )
     return parser, demo
 

@@ -17,17 +17,16 @@ from gradient_cache import cli
 from gradient_cache.demo.run import ProgressBar
 
 SCRIPT = Path(sys.executable).parent / "gradient-cache"
-STEPS = 10
+STEPS = 10  # the activations scenario's run
+MEMORY_BOUND_STEPS = 3  # the default scenario's run: its "medium" model is slower
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIB = 2**20
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str, str]:
-    """One default run of the console script: (report.json, out folder, stdout, stderr)."""
-    out = tmp_path_factory.mktemp("demo")
+def run_console_script(out: Path, *args: str) -> tuple[dict[str, Any], Path, str, str]:
+    """(report.json, out folder, stdout, stderr) of ``gradient-cache demo *args``."""
     result = subprocess.run(
-        [str(SCRIPT), "demo", "--steps", str(STEPS), "--out", str(out)],
+        [str(SCRIPT), "demo", *args, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -35,6 +34,40 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((out / "report.json").read_text())
     return report, out, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str, str]:
+    """The scenario of one batch per step, where activations set the peak."""
+    out = tmp_path_factory.mktemp("demo")
+    return run_console_script(out, "--scenario", "activations", "--steps", str(STEPS))
+
+
+@pytest.fixture(scope="module")
+def memory_bound(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str, str]:
+    """The default scenario (only the step count lowered)."""
+    out = tmp_path_factory.mktemp("memory_bound")
+    return run_console_script(out, "--steps", str(MEMORY_BOUND_STEPS))
+
+
+def test_the_default_scenario_lowers_the_peak_by_most_of_the_offloaded_gradients(
+    memory_bound: tuple,
+) -> None:
+    """Activation checkpointing and two micro-batches: gradients are part of plain's peak,
+    and every cache run's peak is below it by at least 80% of what it offloads."""
+    report, _, stdout, _ = memory_bound
+    assert report["scenario"] == "memory-bound"
+    assert report["model"]["size"] == "medium" and report["model"]["micro_batches"] == 2
+    plain, lossless, compressed = runs_by_name(report)
+    assert report["lossless_max_abs_weight_diff"] == 0
+    for cache in (lossless, compressed):
+        saved = plain["peak_device_bytes"] - cache["peak_device_bytes"]
+        assert saved >= 0.8 * cache["offloaded_gradient_bytes"], (cache["name"], saved / MIB)
+        assert cache["peak_saving_share_of_offloaded"] == pytest.approx(
+            saved / cache["offloaded_gradient_bytes"]
+        )
+    assert "Peak below plain's: cache r=1" in stdout
+    assert "Scenario 'memory-bound'" in stdout
 
 
 def runs_by_name(report: dict[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -99,7 +132,8 @@ def test_cpu_memory_figures_follow_from_the_accounting(demo: tuple) -> None:
     Forward creates the same tensors in every run, and between steps the cache keeps
     nothing on the device: its top-k selector drops its scratch buffers when backward's
     last bucket is encoded. After backward both caches have moved every gradient to the
-    host. The peak comes at the start of backward, before any gradient exists.
+    host. The peak comes at the start of backward, before any gradient exists (one
+    micro-batch, no checkpointing: the activations scenario).
     """
     report, _, _, _ = demo
     if report["machine"]["device"] != "cpu":
@@ -154,6 +188,7 @@ def test_python_dash_m_runs_the_same_command() -> None:
         (["--ratio", "nan"], ["--ratio", "'nan'", "finite"]),
         (["--model-size", "huge"], ["--model-size", "'huge'", "'small'", "'tiny'"]),
         (["--seed", "-1"], ["--seed", "'-1'"]),
+        (["--scenario", "fast"], ["--scenario", "'fast'", "'activations'", "'memory-bound'"]),
     ],
 )
 def test_bad_arguments_name_the_option_the_value_and_what_is_accepted(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +58,9 @@ GPT_SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=4),
     # About 14.0M parameters: large enough that gradient traffic is worth measuring.
     "small": GPTConfig(vocab_size=4096, seq_len=128, d_model=384, n_layers=7, n_heads=6),
+    # About 22.9M parameters: "small" twelve blocks deep, so the embedding, whose encode
+    # needs the most scratch, is a smaller share of the gradients.
+    "medium": GPTConfig(vocab_size=4096, seq_len=128, d_model=384, n_layers=12, n_heads=6),
 }
 
 
@@ -103,13 +107,19 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """A decoder-only transformer whose output head shares the token embedding."""
+    """A decoder-only transformer whose output head shares the token embedding.
 
-    def __init__(self, config: GPTConfig) -> None:
+    ``activation_checkpointing``: in training, each block keeps only its input and runs
+    its forward again during backward (``torch.utils.checkpoint``, non-reentrant), so
+    activations stop setting the memory peak.
+    """
+
+    def __init__(self, config: GPTConfig, *, activation_checkpointing: bool = False) -> None:
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {config!r}.")
         self.config = config
+        self.activation_checkpointing = activation_checkpointing
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
@@ -133,8 +143,9 @@ class TinyGPT(nn.Module):
             )
         positions = torch.arange(t, device=idx.device)  # [T]
         x = self.tok_emb(idx) + self.pos_emb(positions)  # [B, T, C]
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)  # [B, T, C]
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)  # [B, T, C]
         logits = self.lm_head(self.ln_f(x))  # [B, T, V]
         if targets is None:
             return logits, None
