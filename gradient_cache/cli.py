@@ -14,7 +14,18 @@ import torch
 from .demo.models import GPT_SIZES
 from .demo.report import check_matplotlib, format_table, report_dict, write_json, write_plot
 from .demo.run import DEFAULT_SCENARIO, LEARNING_RATE, SCENARIOS, DemoSettings, run_demo
+from .engine.config import EngineConfig
 from .engine.hostmem import HostMemoryError
+from .planner import (
+    DEFAULT_FLOPS,
+    DEFAULT_LINK_GBPS,
+    PlanInputs,
+    format_plan,
+    optimizer_state_bytes,
+    plan,
+    tensors_of_count,
+    tensors_of_factory,
+)
 
 DEVICES = ("auto", "cpu", "cuda")
 # A lost or doubled gradient moves a weight by about the learning rate in one AdamW step;
@@ -27,8 +38,10 @@ MAX_SEED = 2**63 - 1
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (``sys.argv[1:]`` when None); return the exit status."""
-    parser, demo_parser = _parsers()
+    parser, demo_parser, plan_parser = _parsers()
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _plan(plan_parser, args)
     # Errors found after parsing come with the demo's usage, as argparse's own do.
     device = _resolve_device(demo_parser, args.device)
     out = _output_folder(demo_parser, args.out)
@@ -151,7 +164,90 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="; ".join(f"{s.name}: {s.summary}" for s in SCENARIOS.values())
         + f" (default {DEFAULT_SCENARIO})",
     )
-    return parser, demo
+    plan = commands.add_parser(
+        "plan",
+        help="what a model's training step holds, plain against the cache (no training)",
+        description=(
+            "Print, per component, the bytes a training step holds on the device (parameters, "
+            "gradients, optimizer state, the cache's buckets in flight) for plain PyTorch, the "
+            "cache with apply_gradients() and with the fused step(), the cache's host memory "
+            "(stored gradients, error-feedback residual, the CUDA pinned pool) and PCIe bytes "
+            "per step; with --tokens, the step's compute against the restore's copy time. "
+            "Activations are left out. Nothing is trained and no cache is created."
+        ),
+    )
+    model = plan.add_mutually_exclusive_group(required=True)
+    model.add_argument(
+        "--model",
+        help="a factory, package.module:function, returning the nn.Module; it is called "
+        "under torch.device('meta'), so nothing is allocated (a factory that moves tensors "
+        "itself, or loads weights, fails or allocates there: use --params instead)",
+    )
+    model.add_argument("--params", type=_positive_int, help="a trainable parameter count")
+    plan.add_argument(
+        "--largest",
+        type=_positive_int,
+        default=None,
+        help="with --params: the largest tensor's entries (default 1%% of the count)",
+    )
+    plan.add_argument("--param-bytes", type=int, choices=(2, 4), default=4)
+    plan.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4)
+    plan.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="sgd, sgd-momentum, adam, adamw (8 bytes a parameter), or the optimizer "
+        "state's bytes per parameter, e.g. 2 for an 8-bit Adam (default adamw)",
+    )
+    plan.add_argument("--micro-batches", type=_positive_int, default=1)
+    plan.add_argument("--bucket-size-mb", type=float, default=EngineConfig().bucket_size_mb)
+    plan.add_argument("--ratio", type=_ratio, default=1.0, help="compression ratio (default 1)")
+    plan.add_argument("--tokens", type=_positive_int, default=None, help="tokens per step")
+    plan.add_argument(
+        "--tflops",
+        type=float,
+        default=DEFAULT_FLOPS / 1e12,
+        help=f"the device's achieved TFLOP/s (default {DEFAULT_FLOPS / 1e12:.0f}: an H200 "
+        "at 40%% of its dense bf16 peak)",
+    )
+    plan.add_argument(
+        "--link-gbps",
+        type=float,
+        default=DEFAULT_LINK_GBPS,
+        help=f"host link GB/s per direction (default {DEFAULT_LINK_GBPS:g}: PCIe 5 x16)",
+    )
+    return parser, demo, plan
+
+
+def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        state_bytes, state_tensor_bytes = optimizer_state_bytes(args.optimizer)
+    except ValueError:
+        parser.error(
+            f"argument --optimizer: {args.optimizer!r} is not sgd, sgd-momentum, adam, adamw "
+            "or a number of bytes >= 0"
+        )
+    if args.model is not None:
+        try:
+            tensors = tensors_of_factory(args.model)
+        except (ImportError, AttributeError, ValueError, TypeError) as error:
+            parser.error(f"argument --model: {error}")
+    else:
+        tensors = tensors_of_count(args.params, largest=args.largest)
+    inputs = PlanInputs(
+        tensors=tensors,
+        param_bytes=args.param_bytes,
+        grad_bytes=args.grad_bytes,
+        optimizer_state_bytes=state_bytes,
+        optimizer_tensor_bytes=state_tensor_bytes,
+        micro_batches=args.micro_batches,
+        compression_ratio=args.ratio,
+        config=EngineConfig(bucket_size_mb=args.bucket_size_mb),
+        tokens_per_step=args.tokens,
+        flops=args.tflops * 1e12,
+        link_gbps=args.link_gbps,
+    )
+    print(format_plan(plan(inputs), inputs))
+    return 0
 
 
 def _positive_int(text: str) -> int:

@@ -15,6 +15,13 @@ import torch
 
 from gradient_cache import cli
 from gradient_cache.demo.run import ProgressBar
+from gradient_cache.planner import (
+    GRADIENTS_AT_STEP,
+    GRADIENTS_IN_BACKWARD,
+    PlanInputs,
+    plan,
+    tensors_of_factory,
+)
 
 SCRIPT = Path(sys.executable).parent / "gradient-cache"
 STEPS = 10  # the activations scenario's run
@@ -78,6 +85,39 @@ def runs_by_name(report: dict[str, Any]) -> tuple[dict[str, Any], ...]:
         "cache r=100",
     )
     return plain, lossless, compressed
+
+
+def test_the_planner_matches_the_demos_measured_components(memory_bound: tuple) -> None:
+    """`gradient-cache plan` for the demo's own model and settings against what the demo
+    measured (CPU accounting): parameters, optimizer state and plain's gradients to the
+    byte; the cache's gradients on the device within the planner's bounds; host figures
+    to the byte lossless and within 10% at ratio 100 (threshold selection keeps the wanted
+    count within ±10%)."""
+    report, _, _, _ = memory_bound
+    if report["machine"]["device"] != "cpu":
+        pytest.skip("the categories come from the CPU tracker")
+    tensors = tensors_of_factory("gradient_cache.demo.models:medium")
+    plain, lossless, compressed = runs_by_name(report)
+
+    def measured(run: dict[str, Any], phase: str, category: str) -> int:
+        return max(m["phases"][phase]["peak_by_category_bytes"][category] for m in run["memory"])
+
+    for run in (plain, lossless, compressed):
+        ratio = run["compression_ratio"] or 1
+        inputs = PlanInputs(tensors=tensors, micro_batches=2, compression_ratio=ratio)
+        figures = plan(inputs)
+        way = "plain" if run is plain else "cache, fused step()"
+        planned = figures.device[way]
+        assert measured(run, "optimizer", "parameters") == planned["parameters"]
+        assert measured(run, "optimizer", "optimizer state") == planned["optimizer state"]
+        if run is plain:
+            assert measured(run, "optimizer", "gradients") == planned[GRADIENTS_AT_STEP]
+            continue
+        assert measured(run, "backward", "gradients") <= planned[GRADIENTS_IN_BACKWARD]
+        assert measured(run, "optimizer", "gradients") <= planned[GRADIENTS_AT_STEP]
+        host_held = run["host_held_mb"] * MIB
+        planned_host = figures.host["stored gradients"] + figures.host["error-feedback residual"]
+        assert host_held == pytest.approx(planned_host, rel=0 if ratio == 1 else 0.10)
 
 
 def test_prints_the_table_and_a_few_progress_lines(demo: tuple) -> None:

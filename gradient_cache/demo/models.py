@@ -194,3 +194,9 @@ def byte_corpus(*, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tenso
     tokens = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
     cut = int(tokens.numel() * (1 - val_fraction))
     return tokens[:cut], tokens[cut:]
+
+
+def medium() -> TinyGPT:
+    """The demo's default model, as a factory: ``gradient-cache plan --model
+    gradient_cache.demo.models:medium`` plans the demo's own runs."""
+    return TinyGPT(GPT_SIZES["medium"])

@@ -1,0 +1,265 @@
+"""`gradient-cache plan`: what a model's training step holds, plain against the cache.
+
+Arithmetic on the parameters' sizes only: the model is built on the meta device (nothing
+is allocated) or given as a parameter count, and no manager is created. Activations are
+the user's (batch, sequence, checkpointing) and are left out. The cache's figures follow
+the engine's own rules: `keep_count` entries per compressed tensor, the pool's slot sizes
+(`engine.pool.slot_spec`), the residual codec's bytes, ``staging_depth`` buckets in flight.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .compression import ResidualCodec, index_dtype, keep_count
+from .engine.config import EngineConfig
+from .engine.pool import slot_spec
+
+MIB = 2**20
+#: Optimizer state: (bytes per parameter, bytes per tensor), fp32 state; Adam's per-tensor
+#: bytes are its step counter (a 0-dim fp32 tensor in torch's Adam and AdamW).
+OPTIMIZER_STATE_BYTES = {
+    "sgd": (0, 0),
+    "sgd-momentum": (4, 0),
+    "adam": (8, 4),
+    "adamw": (8, 4),
+}
+#: Time-floor defaults: an H200 at 40% of its 989 TFLOP/s dense bf16, PCIe 5 x16 at the
+#: ~50 GB/s a copy achieves per direction.
+DEFAULT_FLOPS = 0.4 * 989e12
+DEFAULT_LINK_GBPS = 50.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    """What the plan is for; ``tensors`` are the trainable parameters' sizes."""
+
+    tensors: list[int]
+    param_bytes: int = 4  # per entry
+    grad_bytes: int = 4
+    optimizer_state_bytes: float = 8  # per parameter
+    optimizer_tensor_bytes: int = 4  # per parameter tensor (Adam's step counter)
+    micro_batches: int = 1
+    compression_ratio: float = 1.0
+    config: EngineConfig = field(default_factory=EngineConfig)
+    tokens_per_step: int | None = None
+    flops: float = DEFAULT_FLOPS
+    link_gbps: float = DEFAULT_LINK_GBPS
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Bytes per component, per way of training; and the time floor, if tokens were given."""
+
+    device: dict[str, dict[str, int]]  # way -> component -> bytes, on the device
+    host: dict[str, int]  # the cache's host components
+    pcie_bytes_per_step: dict[str, int]  # direction -> bytes
+    restore_seconds: float
+    compute_seconds: float | None
+
+
+WAYS = ("plain", "cache, apply_gradients()", "cache, fused step()")
+GRADIENTS_IN_BACKWARD = "gradients, end of backward"  # the cache's: buckets in flight
+GRADIENTS_AT_STEP = "gradients, optimizer step"
+
+
+def plan(inputs: PlanInputs) -> Plan:
+    """The figures of `PlanInputs` (see the module docstring)."""
+    tensors = inputs.tensors
+    numel = sum(tensors)
+    config = inputs.config
+    params = numel * inputs.param_bytes
+    grads = numel * inputs.grad_bytes
+    state = int(numel * inputs.optimizer_state_bytes) + inputs.optimizer_tensor_bytes * len(tensors)
+    largest = max(tensors) * inputs.grad_bytes
+    bucket = int(config.bucket_size_mb * MIB) + largest  # a bucket closes past its size
+    in_flight = config.staging_depth * bucket
+    # The fused step restores the bucket it steps and the next one (restore_ahead on CUDA).
+    fused_step_grads = min(grads, 2 * bucket)
+    backward_grads = min(grads, in_flight)  # the cache's: buckets not yet copied
+    step_grads = {"plain": grads, WAYS[1]: grads, WAYS[2]: fused_step_grads}
+    device = {
+        way: {
+            "parameters": params,
+            "optimizer state": state,
+            GRADIENTS_IN_BACKWARD: grads if way == "plain" else backward_grads,
+            GRADIENTS_AT_STEP: step_grads[way],
+        }
+        for way in WAYS
+    }
+    payload, residual = _host_figures(tensors, inputs)
+    pool = _pool_bytes(tensors, inputs)
+    host = {
+        "stored gradients": payload,
+        "error-feedback residual": residual,
+        "pinned pool (CUDA)": pool,
+    }
+    # Per micro-batch, each payload goes out; from the second on, the cached one comes back
+    # to be added to (accumulation), and the last comes back at the restore. A host
+    # residual crosses in its stored form in for every encode and out after it.
+    per_encode = payload + (residual if config.residual_location == "host" else 0)
+    pcie = {
+        "device to host": per_encode * inputs.micro_batches,
+        "host to device": per_encode * inputs.micro_batches,
+    }
+    restore_seconds = payload / (inputs.link_gbps * 1e9)
+    compute_seconds = None
+    if inputs.tokens_per_step is not None:
+        compute_seconds = 6 * numel * inputs.tokens_per_step / inputs.flops
+    return Plan(
+        device=device,
+        host=host,
+        pcie_bytes_per_step=pcie,
+        restore_seconds=restore_seconds,
+        compute_seconds=compute_seconds,
+    )
+
+
+def _compresses(numel: int, inputs: PlanInputs) -> bool:
+    return inputs.compression_ratio > 1 and numel >= inputs.config.min_compress_numel
+
+
+def _host_figures(tensors: list[int], inputs: PlanInputs) -> tuple[int, int]:
+    """(payload bytes, residual bytes held between steps)."""
+    config = inputs.config
+    codec = ResidualCodec(config.residual_dtype)
+    payload = residual = 0
+    for numel in tensors:
+        if not _compresses(numel, inputs):
+            payload += numel * inputs.grad_bytes
+            continue
+        kept = keep_count(numel, inputs.compression_ratio)
+        index_bytes = torch.empty((), dtype=index_dtype(numel)).element_size()
+        payload += kept * (inputs.grad_bytes + index_bytes)
+        if config.error_feedback:
+            residual += codec.stored_bytes(numel)
+    return payload, residual
+
+
+def _pool_bytes(tensors: list[int], inputs: PlanInputs) -> int:
+    """The CUDA backend's pinned pool: one slot per parameter (`slot_spec`)."""
+    config = inputs.config
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[inputs.grad_bytes]
+    host_residual = config.error_feedback and config.residual_location == "host"
+    total = 0
+    for numel in tensors:
+        spec = slot_spec(
+            torch.empty(numel, dtype=dtype, device="meta"),
+            ratio=inputs.compression_ratio,
+            min_compress_numel=config.min_compress_numel,
+            residual_codec=ResidualCodec(config.residual_dtype) if host_residual else None,
+            spare_residual=config.keep_previous_residual,
+            warmup=config.warmup_steps > 0,
+            quantized=config.value_dtype == "int8",
+        )
+        total += spec.nbytes
+    return total
+
+
+def tensors_of_factory(path: str) -> list[int]:
+    """The trainable parameters' sizes of ``package.module:function()``, built on meta.
+
+    A factory that moves tensors itself (``.to("cuda")``, loading weights) would allocate
+    or fail there: give it a way to build without data, or pass a parameter count.
+    """
+    module_name, _, function_name = path.partition(":")
+    if not module_name or not function_name:
+        raise ValueError(
+            f"--model {path!r}: expected package.module:function (a factory returning an "
+            "nn.Module), e.g. gradient_cache.demo.models:medium"
+        )
+    if os.getcwd() not in sys.path:  # as `python -m` would: modules of the current folder
+        sys.path.insert(0, os.getcwd())
+    factory: Callable[[], torch.nn.Module] = getattr(
+        importlib.import_module(module_name), function_name
+    )
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"--model {path!r} returned {type(model).__name__}, not an nn.Module.")
+    return [p.numel() for p in model.parameters() if p.requires_grad]
+
+
+def format_plan(result: Plan, inputs: PlanInputs) -> str:
+    """Markdown tables of the plan, then what they leave out."""
+    components = list(result.device[WAYS[0]])
+    lines = ["| on the device, MiB | " + " | ".join(WAYS) + " |", "|---|" + "---:|" * len(WAYS)]
+    for component in components:
+        cells = [f"{result.device[way][component] / MIB:.1f}" for way in WAYS]
+        lines.append(f"| {component} | " + " | ".join(cells) + " |")
+    for moment in (GRADIENTS_IN_BACKWARD, GRADIENTS_AT_STEP):
+        peaks = [peak_bytes(result, way, moment) / MIB for way in WAYS]
+        lines.append(
+            f"| **held at the {moment.split(', ')[1]}** | "
+            + " | ".join(f"**{p:.1f}**" for p in peaks)
+            + " |"
+        )
+    lines += ["", "| in host memory (cache), MiB | |", "|---|---:|"]
+    lines += [f"| {name} | {value / MIB:.1f} |" for name, value in result.host.items()]
+    lines += [
+        f"| PCIe per step, {direction} | {value / MIB:.1f} |"
+        for direction, value in result.pcie_bytes_per_step.items()
+    ]
+    numel = sum(inputs.tensors)
+    lines += [
+        "",
+        f"{numel / 1e6:.1f}M trainable parameters in {len(inputs.tensors)} tensors; "
+        f"compression_ratio {inputs.compression_ratio:g}, {inputs.micro_batches} micro-batch(es) "
+        f"per step, buckets of {inputs.config.bucket_size_mb:g} MiB, staging depth "
+        f"{inputs.config.staging_depth}.",
+        "Activations are left out: they depend on batch, sequence and checkpointing, and add "
+        "to the end of backward's figure (the last micro-batch's) and not to the step's. The "
+        "cache's backward holds at most the buckets in flight (staging depth x (bucket + "
+        "largest gradient)); its fused step the bucket it steps and the next one.",
+        f"Restore (the copies on the step's critical path): {result.restore_seconds * 1e3:.2f} ms "
+        f"at {inputs.link_gbps:g} GB/s.",
+    ]
+    copies = max(result.pcie_bytes_per_step.values()) / (inputs.link_gbps * 1e9)
+    lines.append(
+        f"All of a step's copies, one direction: {copies * 1e3:.2f} ms; they overlap "
+        "backward, but a link busier than the step's compute sets its pace."
+    )
+    if result.compute_seconds is not None:
+        lines.append(
+            f"Compute of the step (6 x parameters x {inputs.tokens_per_step} tokens at "
+            f"{inputs.flops / 1e12:.0f} TFLOP/s): {result.compute_seconds * 1e3:.2f} ms; the "
+            f"restore is {result.restore_seconds / result.compute_seconds:.1%} of it, all "
+            f"copies {copies / result.compute_seconds:.0%}."
+        )
+    return "\n".join(lines)
+
+
+def peak_bytes(result: Plan, way: str, moment: str) -> int:
+    """Parameters, optimizer state and the gradients held at ``moment`` (no activations)."""
+    held = result.device[way]
+    return held["parameters"] + held["optimizer state"] + held[moment]
+
+
+def optimizer_state_bytes(value: str) -> tuple[float, int]:
+    """(bytes per parameter, per tensor) of ``sgd``, ``sgd-momentum``, ``adam``, ``adamw``,
+    or of a number of bytes per parameter (an 8-bit Adam: about 2)."""
+    if value.lower() in OPTIMIZER_STATE_BYTES:
+        per_param, per_tensor = OPTIMIZER_STATE_BYTES[value.lower()]
+        return float(per_param), per_tensor
+    number = float(value)
+    if not number >= 0:
+        raise ValueError(value)
+    return number, 0
+
+
+def tensors_of_count(count: int, *, largest: int | None = None) -> list[int]:
+    """A parameter count as tensor sizes: the ``largest`` one (default: 1% of the count,
+    as for a transformer's embedding), then the rest in tensors of at most its size."""
+    largest = max(1, min(count, largest or count // 100))
+    sizes = [largest]
+    rest = count - largest
+    while rest > 0:
+        sizes.append(min(largest, rest))
+        rest -= sizes[-1]
+    return sizes

@@ -1,0 +1,163 @@
+"""`gradient-cache plan`: its figures against what the engine itself holds, and its CLI.
+
+tests/test_demo.py checks it against the demo's measured memory too.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import batches, loss_of, make_model
+from stream_checker import FakeCuda, StreamChecker
+
+import gradient_cache
+from gradient_cache import cli
+from gradient_cache.engine.config import EngineConfig
+from gradient_cache.engine.pipeline import build_cuda_backend
+from gradient_cache.planner import (
+    GRADIENTS_AT_STEP,
+    GRADIENTS_IN_BACKWARD,
+    WAYS,
+    PlanInputs,
+    plan,
+    tensors_of_count,
+    tensors_of_factory,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sizes(model: torch.nn.Module) -> list[int]:
+    return [p.numel() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("ratio", [1, 100])
+def test_host_figures_are_what_a_manager_holds_after_a_step(ratio: float) -> None:
+    """Exact selection keeps exactly keep_count entries: the bytes must match to the byte."""
+    options = dict(compression_ratio=ratio, min_compress_numel=1024, selection="exact")
+    model = make_model()
+    figures = plan(
+        PlanInputs(
+            tensors=sizes(model),
+            compression_ratio=ratio,
+            config=EngineConfig(min_compress_numel=1024, selection="exact"),
+        )
+    )
+    manager = gradient_cache.create_gradient_cache(model, **options)
+    tokens, targets = batches(1)[0]
+    loss_of(model, tokens, targets).backward()
+    manager.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    summary = manager.get_compression_summary()
+    manager.remove_hooks()
+    assert figures.host["stored gradients"] == sum(
+        layer["stored_bytes"] for layer in summary["layers"].values()
+    )
+    assert figures.host["error-feedback residual"] == summary["residual_mb"] * 2**20
+    assert (figures.host["error-feedback residual"] > 0) == (ratio > 1)
+
+
+@pytest.mark.parametrize("ratio", [1, 100])
+def test_pinned_pool_is_the_cuda_backends_pool(ratio: float) -> None:
+    model = make_model()
+    config = EngineConfig(min_compress_numel=1024)
+    cuda = FakeCuda(StreamChecker())
+    backend = build_cuda_backend(
+        list(model.parameters()),
+        config,
+        torch.device("cpu"),
+        ratio=ratio,
+        cuda=cuda,
+        allocate=cuda.allocate_pinned,
+    )
+    figures = plan(PlanInputs(tensors=sizes(model), compression_ratio=ratio, config=config))
+    assert figures.host["pinned pool (CUDA)"] == backend.pool.capacity_bytes
+
+
+def test_device_figures_follow_the_engines_bounds() -> None:
+    tensors = tensors_of_count(10_000_000, largest=1_000_000)
+    assert sum(tensors) == 10_000_000 and max(tensors) == 1_000_000
+    figures = plan(PlanInputs(tensors=tensors, optimizer_state_bytes=8, optimizer_tensor_bytes=0))
+    grads, bucket = 40_000_000, 4 * 2**20 + 4_000_000
+    plain, apply, fused = (figures.device[way] for way in WAYS)
+    assert plain["parameters"] == grads and plain["optimizer state"] == 2 * grads
+    assert plain[GRADIENTS_IN_BACKWARD] == plain[GRADIENTS_AT_STEP] == grads
+    assert apply[GRADIENTS_IN_BACKWARD] == fused[GRADIENTS_IN_BACKWARD] == 2 * bucket
+    assert apply[GRADIENTS_AT_STEP] == grads  # everything comes back before the step
+    assert fused[GRADIENTS_AT_STEP] == 2 * bucket
+    assert figures.compute_seconds is None
+
+
+def test_time_floor_compares_the_restore_with_the_compute() -> None:
+    figures = plan(PlanInputs(tensors=[10**9], tokens_per_step=1000, flops=6e12, link_gbps=4.0))
+    assert figures.restore_seconds == pytest.approx(4e9 / 4e9)  # 4 GB of fp32 at 4 GB/s
+    assert figures.compute_seconds == pytest.approx(6 * 10**9 * 1000 / 6e12)
+
+
+def test_a_factory_is_built_on_the_meta_device() -> None:
+    allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    tensors = tensors_of_factory("examples.plan_gpt:gpt_1b")
+    assert sum(tensors) > 1.3e9
+    assert (torch.cuda.memory_allocated() if torch.cuda.is_available() else 0) == allocated
+
+
+def test_plan_command_prints_the_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    status = cli.main(
+        [
+            "plan",
+            "--model",
+            "gradient_cache.demo.models:medium",
+            "--ratio",
+            "100",
+            "--tokens",
+            "512",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "| **held at the optimizer step** |" in out
+    assert "error-feedback residual" in out and "Compute of the step" in out
+
+
+def test_plan_help_documents_every_input() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gradient_cache", "plan", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0
+    for option in (
+        "--model",
+        "--params",
+        "--optimizer",
+        "--micro-batches",
+        "--bucket-size-mb",
+        "--ratio",
+        "--tokens",
+        "--tflops",
+        "--link-gbps",
+        "meta",
+    ):
+        assert option in result.stdout, option
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--model", "nowhere"], "package.module:function"),
+        (["--model", "no_such_module:f"], "No module named"),
+        (["--params", "10", "--optimizer", "lion?"], "--optimizer"),
+    ],
+)
+def test_bad_plan_arguments_name_the_option(
+    args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", *args])
+    assert exit_info.value.code == 2
+    assert expected in capsys.readouterr().err
