@@ -214,6 +214,20 @@ MUTANTS = [
         "        pass",
         "tests/test_transformers.py::test_a_run_resumed_from_a_trainer_checkpoint_ends_as_the_uninterrupted_one",
     ),
+    (
+        "planner: the pool's spare residual slots are counted",
+        "gradient_cache/planner.py",
+        "            spare_residual=config.keep_previous_residual,",
+        "            spare_residual=False,",
+        "tests/test_planner.py",
+    ),
+    (
+        "planner: Adam's per-tensor step counters are counted",
+        "gradient_cache/planner.py",
+        " + inputs.optimizer_tensor_bytes * len(tensors)",
+        "",
+        "tests/test_demo.py::test_the_planner_matches_the_demos_measured_components",
+    ),
 ]
 
 
