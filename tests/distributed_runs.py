@@ -312,6 +312,14 @@ def cpu_offload_refused() -> str:
     return _error_of(lambda: gradient_cache.create_gradient_cache(model))
 
 
+def partly_sharded_refused() -> str:
+    """Blocks sharded, the root not: embed and head would keep each rank's own gradients."""
+    model = plain_net()
+    for block in model.blocks:
+        fully_shard(block)
+    return _error_of(lambda: gradient_cache.create_gradient_cache(model))
+
+
 def tensor_parallel_placement_refused() -> str:
     """A weight sharded along its columns, as tensor parallelism shards it."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -396,6 +404,7 @@ PAIRS = {
         decorator_refuses_ddp,
         cpu_offload_refused,
         tensor_parallel_placement_refused,
+        partly_sharded_refused,
     ],
 }
 

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_parameters, batches, loss_of, make_model, train
+from conftest import assert_same_parameters, batches, finish_step, loss_of, make_model, train
 
 import gradient_cache
 
@@ -299,14 +299,7 @@ def test_fsdp2_on_one_gpu_matches_plain_fsdp2(one_gpu_process_group, fused_step:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for x in data:
             model(x).square().mean().backward()
-            if manager is None:
-                optimizer.step()
-            elif fused_step:
-                manager.step(optimizer)
-            else:
-                manager.apply_gradients()
-                optimizer.step()
-            optimizer.zero_grad()
+            finish_step(manager, optimizer, fused_step=fused_step)
 
     plain, cached = sharded_on_gpu(), sharded_on_gpu()
     run(plain)

@@ -99,8 +99,8 @@ def test_trainer_at_ratio_100_trains(tmp_path) -> None:
     trainer = trainer_for(tiny_gpt2(), tmp_path, max_steps=40, learning_rate=1e-2)
     hf.train(trainer, compression_ratio=100, min_compress_numel=1024)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    # Slower than plain Trainer (4.56 to 2.8 in these 40 steps; ratio 100 about 4.58 to
-    # 4.2): top-k under AdamW, as perf/RESULTS.md measures at length. It does learn.
+    # It learns, more slowly than plain Trainer; what compression costs in accuracy is
+    # measured at length in perf/RESULTS.md, not here.
     assert sum(losses[-3:]) < 0.95 * sum(losses[:3])
 
 

@@ -228,6 +228,13 @@ MUTANTS = [
         "",
         "tests/test_demo.py::test_the_planner_matches_the_demos_measured_components",
     ),
+    (
+        "fsdp: plain parameters beside sharded ones are refused",
+        "gradient_cache/engine/sharding.py",
+        "    if len(sharded) != len(named_params) and dist.get_world_size() > 1:",
+        "    if False:",
+        "tests/test_distributed.py::test_refused_on_every_rank_with_the_reason",
+    ),
 ]
 
 

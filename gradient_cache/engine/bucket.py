@@ -3,7 +3,8 @@
 Life of a bucket (docs/ARCHITECTURE.md draws it with the streams and events):
 
 1. assembling: the hooks collect ``(param, gradient)`` pairs until they hold
-   ``bucket_size_mb`` (`BucketAssembler`); the gradients are still device tensors.
+   ``bucket_size_mb`` (`BucketAssembler`), or until an FSDP2 group's last gradient is in
+   (the pipeline flushes then); the gradients are still device tensors.
 2. launched: the backend encodes them and copies the payloads into each parameter's
    host slot; `device_tensors` keeps what those copies read alive, and `copied` is the
    event after which the host payloads are complete.

@@ -17,6 +17,15 @@ import torch
 from ..engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
 from ..manager import GradientCacheHookManager
 
+#: Summary fields the integrations log at every optimizer step, as ``gradient_cache/<field>``.
+LOGGED_FIELDS = (
+    "memory_saved_mb",
+    "stored_gradient_mb",
+    "overall_compression_ratio",
+    "kept_fraction",
+    "residual_mb",
+)
+
 
 @dataclass(frozen=True)
 class CacheOptions:

@@ -23,16 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
 from ..manager import GradientCacheHookManager
-from . import CacheOptions
-
-#: Summary fields logged at every optimizer step, under ``gradient_cache/<field>``.
-LOGGED_FIELDS = (
-    "memory_saved_mb",
-    "stored_gradient_mb",
-    "overall_compression_ratio",
-    "kept_fraction",
-    "residual_mb",
-)
+from . import LOGGED_FIELDS, CacheOptions
 
 
 class GradientCacheCallback(pl.Callback):

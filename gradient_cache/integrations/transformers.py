@@ -27,17 +27,11 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from . import LOGGED_FIELDS as SUMMARY_FIELDS
 from .decorator import manager_of, optimize
 
 #: Summary fields logged at each of the trainer's logging steps, as ``gradient_cache/<field>``.
-LOGGED_FIELDS = (
-    "memory_saved_mb",
-    "stored_gradient_mb",
-    "overall_compression_ratio",
-    "kept_fraction",
-    "residual_mb",
-    "host_held_mb",
-)
+LOGGED_FIELDS = (*SUMMARY_FIELDS, "host_held_mb")
 #: The cache's state in each of the trainer's checkpoint folders.
 STATE_FILE = "gradient_cache.pt"
 
