@@ -11,16 +11,8 @@ gradient in flat buckets allocated for the whole run. FSDP2 (``fully_shard``, HS
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .engine.sharding import fsdp_param_groups, is_dtensor
-
-INSTEAD = (
-    "Use FSDP2 instead: torch.distributed.fsdp.fully_shard(model) (or, to replicate "
-    "rather than shard, torch.distributed._composable.replicate_with_fsdp.replicate), "
-    "then create the cache on the sharded model. Under DDP itself, "
-    "gradient_as_bucket_view=True already removes DDP's second copy of the gradients."
-)
+from .engine.sharding import INSTEAD, fsdp_param_groups
 
 
 def check_data_parallel(model: torch.nn.Module) -> None:
@@ -47,22 +39,6 @@ def check_data_parallel(model: torch.nn.Module) -> None:
                 "reducer keeps every gradient in its buckets for the whole run, so "
                 f"offloading could not save memory anyway. {INSTEAD}"
             )
-
-
-def check_gradient_is_reduced(name: str, grad: torch.Tensor) -> None:
-    """At the first hook: across processes, a plain gradient was reduced by nobody yet.
-
-    Catches a model whose DDP wrapper the cache never saw (created on ``ddp.module``, say).
-    """
-    if is_dtensor(grad) or not dist.is_available() or not dist.is_initialized():
-        return
-    if dist.get_world_size() > 1:
-        raise RuntimeError(
-            f"Parameter {name!r} got a plain (not DTensor) gradient while "
-            f"torch.distributed runs {dist.get_world_size()} processes: under DDP the cache "
-            "would take it before DDP averages it, and the ranks would drift apart. If the "
-            f"model is inside DistributedDataParallel, remove the cache. {INSTEAD}"
-        )
 
 
 def _offloads_to_cpu(group: object) -> bool:

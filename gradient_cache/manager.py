@@ -14,10 +14,11 @@ import torch
 
 from .data_parallel import check_data_parallel
 from .engine import checkpoint, fused_step, sharding
+from .engine.backends import BackendFactory, create_backend
 from .engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
 from .engine.pipeline import Pipeline
 from .model_watch import ParameterWatch
-from .stats import compression_summary
+from .stats import CompressionSummary, compression_summary
 
 logger = logging.getLogger("gradient_cache")
 
@@ -38,6 +39,9 @@ class GradientCacheHookManager:
             feedback the residual is then kept unscaled, so that the scaler's scale changes
             do not re-weight what compression held back. Without it, a scaled run with
             error feedback mixes gradients of different scales in the residual.
+        backend_factory: what builds the engine's backend from the parameters, the config
+            and the ratio; the default picks by the parameters' device. Tests pass one that
+            runs the CUDA backend on stand-in streams.
 
     Use ``compress_and_free_gradients()`` after backward and ``apply_gradients()`` before
     ``optimizer.step()``, or ``step(optimizer)`` in place of both the restore and the
@@ -53,6 +57,7 @@ class GradientCacheHookManager:
         verbose: bool = False,
         config: EngineConfig | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        backend_factory: BackendFactory = create_backend,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -104,7 +109,12 @@ class GradientCacheHookManager:
         groups = sharding.fsdp_groups(model)
         _warn_of_split_groups(groups, trainable, included)
         self._pipeline: Pipeline | None = Pipeline(
-            included, ratio=ratio, config=config, grad_scaler=grad_scaler, groups=groups
+            included,
+            ratio=ratio,
+            config=config,
+            grad_scaler=grad_scaler,
+            groups=groups,
+            backend_factory=backend_factory,
         )
         self._watch = ParameterWatch(
             model, included, excluded=patterns, device=self._pipeline.backend.device
@@ -235,43 +245,27 @@ class GradientCacheHookManager:
         """
         pipeline = self._live()
         pipeline.drain()
-        if pipeline.cached:
+        if pipeline.store:
             warnings.warn(
-                f"step_completed() called with {len(pipeline.cached)} gradients still cached; "
+                f"step_completed() called with {len(pipeline.store)} gradients still cached; "
                 "they are kept and will be added by the next apply_gradients() or step().",
                 UserWarning,
                 stacklevel=2,
             )
 
     def get_compression_summary(self) -> dict[str, Any]:
-        """Figures of the gradients cached now, or of the last restored step, as a dict.
+        """`summary()` as the seed's dict (its fields, plus ``memory_saved_mb``).
 
         While a step is pending (after backward or ``compress_and_free_gradients()``,
         before the restore) the figures describe what is cached now, and
-        ``step_pending`` is True; otherwise they describe the last restored step
-        (``step_pending`` False). With several optimizers, a step is pending while any
-        of them has gradients cached.
-
-        Keys: ``compression_ratio`` (configured), ``device`` (where the gradients were
-        made; on ``cpu`` the "device" is host RAM, so the offload moves gradients within
-        the same memory), ``overall_compression_ratio`` (dense
-        gradient bytes over the bytes kept for them, indices included),
-        ``memory_saved_mb`` (dense gradient MiB taken off the device in the last step),
-        ``dense_gradient_mb``, ``stored_gradient_mb``, ``kept_fraction`` (entries kept
-        of the compressed tensors: what ``compression_ratio`` sets, 1/100 at ratio 100),
-        ``stored_fraction`` (bytes kept of all cached gradients, indices included: 2% at
-        ratio 100 for fp32 gradients with int32 indices, more where small tensors or a
-        warm-up step travel dense), ``residual_mb`` (error-feedback residuals held now,
-        as stored: while a step is pending, its new ones too), ``host_held_mb``
-        (stored gradients plus residuals),
-        ``process_rss_mb`` (psutil), ``host_available_mb`` (psutil, capped by the cgroup),
-        ``host_pool`` (CUDA backend: the pool's ``capacity_mb``, one slot per parameter
-        allocated once, and whether it is ``pinned``; None elsewhere), ``steps``
-        (restores so far), ``step_pending``,
-        ``num_offloaded_parameters``, ``num_excluded_parameters`` and ``layers``:
-        per parameter name, ``numel``, ``dense_bytes``, ``stored_bytes``,
-        ``kept_fraction`` and ``compressed``.
+        ``step_pending`` is True; otherwise they describe the last restored step. With
+        several optimizers, a step is pending while any of them has gradients cached.
         """
+        return self.summary().as_dict()
+
+    def summary(self) -> CompressionSummary:
+        """Figures of the gradients cached now, or of the last restored step (typed; every
+        field is documented on `gradient_cache.stats.CompressionSummary`)."""
         return compression_summary(self._live(), num_excluded=self._num_excluded)
 
     # --- switches and lifetime ----------------------------------------------------
@@ -295,7 +289,7 @@ class GradientCacheHookManager:
         self._watch.remove()
         try:
             pipeline.drain()
-            pipeline.restore_into_grads(list(pipeline.cached))
+            pipeline.restore(list(pipeline.store))
         finally:
             pipeline.close()
 
@@ -310,6 +304,15 @@ class GradientCacheHookManager:
     ) -> None:
         self.remove_hooks()
 
+    @property
+    def engine(self) -> Pipeline | None:
+        """The engine, for inspection (memory accounting, benchmarks); None once closed.
+
+        Its ``host_tensors()``, ``scratch_tensors()``, ``waiting_gradients()``, ``backend``
+        and ``routes`` are read-only views; the rest is internal.
+        """
+        return self._pipeline
+
     # --- helpers ------------------------------------------------------------------
 
     def _live(self) -> Pipeline:
@@ -323,15 +326,15 @@ class GradientCacheHookManager:
     def _log_step(self, steps_before: int) -> None:
         """Log the step just restored, if there was one (a restore may find nothing)."""
         if self.verbose and self._live().steps > steps_before:
-            summary = self.get_compression_summary()
+            summary = self.summary()
             logger.info(
                 "gradient-cache step %d: %.1f MiB of gradients offloaded, stored in %.2f MiB "
                 "(%.1fx), kept fraction %.4f",
-                summary["steps"],
-                summary["memory_saved_mb"],
-                summary["stored_gradient_mb"],
-                summary["overall_compression_ratio"],
-                summary["kept_fraction"],
+                summary.steps,
+                summary.dense_gradient_mb,
+                summary.stored_gradient_mb,
+                summary.overall_compression_ratio,
+                summary.kept_fraction,
             )
 
 
@@ -343,6 +346,7 @@ def create_gradient_cache(
     exclude_layers: Sequence[str] | None = None,
     config: EngineConfig | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
+    backend_factory: BackendFactory = create_backend,
     **options: Any,
 ) -> GradientCacheHookManager:
     """Attach a gradient cache to ``model`` and return its manager.
@@ -364,6 +368,7 @@ def create_gradient_cache(
         verbose=verbose,
         config=config,
         grad_scaler=grad_scaler,
+        backend_factory=backend_factory,
     )
 
 

@@ -2,9 +2,9 @@
 
 Arithmetic on the parameters' sizes only: the model is built on the meta device (nothing
 is allocated) or given as a parameter count, and no manager is created. Activations are
-the user's (batch, sequence, checkpointing) and are left out. The cache's figures follow
-the engine's own rules: `keep_count` entries per compressed tensor, the pool's slot sizes
-(`engine.pool.slot_spec`), the residual codec's bytes, ``staging_depth`` buckets in flight.
+the user's (batch, sequence, checkpointing) and are left out. The cache's figures are the
+engine's own: each tensor's route (`engine.route`: its codec's payload bytes, its residual,
+its pinned slot), ``staging_depth`` buckets in flight.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compression import ResidualCodec, index_dtype, keep_count
 from .engine.config import EngineConfig
-from .engine.pool import slot_spec
+from .engine.route import Codecs, Route, plan_routes
 
 MIB = 2**20
 #: Optimizer state: (bytes per parameter, bytes per tensor), fp32 state; Adam's per-tensor
@@ -121,45 +120,23 @@ def plan(inputs: PlanInputs) -> Plan:
     )
 
 
-def _compresses(numel: int, inputs: PlanInputs) -> bool:
-    return inputs.compression_ratio > 1 and numel >= inputs.config.min_compress_numel
+def _routes(tensors: list[int], inputs: PlanInputs, *, steps: int) -> list[Route]:
+    """The engine's route for each tensor after ``steps`` steps."""
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[inputs.grad_bytes]
+    codecs = Codecs.for_options(inputs.config, ratio=inputs.compression_ratio, selection="exact")
+    sizes = {i: (numel, dtype) for i, numel in enumerate(tensors)}
+    return list(plan_routes(sizes, codecs=codecs, config=inputs.config, steps=steps).values())
 
 
 def _host_figures(tensors: list[int], inputs: PlanInputs) -> tuple[int, int]:
-    """(payload bytes, residual bytes held between steps)."""
-    config = inputs.config
-    codec = ResidualCodec(config.residual_dtype)
-    payload = residual = 0
-    for numel in tensors:
-        if not _compresses(numel, inputs):
-            payload += numel * inputs.grad_bytes
-            continue
-        kept = keep_count(numel, inputs.compression_ratio)
-        index_bytes = torch.empty((), dtype=index_dtype(numel)).element_size()
-        payload += kept * (inputs.grad_bytes + index_bytes)
-        if config.error_feedback:
-            residual += codec.stored_bytes(numel)
-    return payload, residual
+    """(payload bytes, residual bytes held between steps), once the warm-up is over."""
+    routes = _routes(tensors, inputs, steps=inputs.config.warmup_steps)
+    return sum(r.payload_bytes for r in routes), sum(r.residual_bytes for r in routes)
 
 
 def _pool_bytes(tensors: list[int], inputs: PlanInputs) -> int:
-    """The CUDA backend's pinned pool: one slot per parameter (`slot_spec`)."""
-    config = inputs.config
-    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[inputs.grad_bytes]
-    host_residual = config.error_feedback and config.residual_location == "host"
-    total = 0
-    for numel in tensors:
-        spec = slot_spec(
-            torch.empty(numel, dtype=dtype, device="meta"),
-            ratio=inputs.compression_ratio,
-            min_compress_numel=config.min_compress_numel,
-            residual_codec=ResidualCodec(config.residual_dtype) if host_residual else None,
-            spare_residual=config.keep_previous_residual,
-            warmup=config.warmup_steps > 0,
-            quantized=config.value_dtype == "int8",
-        )
-        total += spec.nbytes
-    return total
+    """The CUDA backend's pinned pool at the start: one slot per parameter."""
+    return sum(route.slot.nbytes for route in _routes(tensors, inputs, steps=0))
 
 
 def tensors_of_factory(path: str) -> list[int]:

@@ -1,14 +1,16 @@
-"""The compression summary and the memory readings it carries."""
+"""The compression summary (a typed object; `as_dict()` gives the seed's dict) and the
+memory readings it carries."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
 from .engine.hostmem import available_host_bytes
 from .engine.pipeline import Pipeline
-from .engine.pool import HostPool
 
 MIB = 2**20
 
@@ -18,52 +20,103 @@ def process_rss_mb() -> float:
     return psutil.Process().memory_info().rss / MIB
 
 
-def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> dict[str, Any]:
-    """Figures of the pending or last step; see GradientCacheHookManager.get_compression_summary."""
-    pending = bool(pipeline.cached)
-    layers = (pipeline.describe(pipeline.cached) if pending else pipeline.last_step).layers
+@dataclass(frozen=True)
+class LayerSummary:
+    """One parameter's gradient in the step described."""
+
+    numel: int
+    dense_bytes: int  # the gradient in its own dtype
+    stored_bytes: int  # its payload, indices and scales included
+    kept_fraction: float  # entries kept
+    compressed: bool  # whether its payload differs from the gradient
+
+
+@dataclass(frozen=True)
+class PoolSummary:
+    """The CUDA backend's pinned pool: one slot per parameter, allocated once."""
+
+    capacity_mb: float
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class CompressionSummary:
+    """Figures of the gradients cached now (``step_pending``) or of the last restored step.
+
+    ``device``: where the gradients were made (on ``cpu`` host RAM: the offload moves
+    gradients within the same memory). ``dense_gradient_mb``: dense gradient MiB taken off
+    the device (the seed's ``memory_saved_mb`` in `as_dict`); ``stored_gradient_mb``:
+    what holds them, indices and scales included; ``overall_compression_ratio``: the two's
+    ratio; ``stored_fraction``: its inverse. ``kept_fraction``: entries kept of the
+    compressed tensors (1/100 at ratio 100). ``residual_mb``: error-feedback residuals held
+    now, as stored (a pending step's new ones too); ``host_held_mb``: stored gradients plus
+    residuals. ``process_rss_mb`` (psutil) and ``host_available_mb`` (psutil, capped by the
+    cgroup). ``host_pool``: the CUDA backend's pool, None elsewhere. ``steps``: steps
+    restored so far (a step delivered by several optimizers counts once).
+    """
+
+    compression_ratio: float
+    device: str
+    overall_compression_ratio: float
+    dense_gradient_mb: float
+    stored_gradient_mb: float
+    kept_fraction: float
+    stored_fraction: float
+    residual_mb: float
+    host_held_mb: float
+    process_rss_mb: float
+    host_available_mb: float
+    host_pool: PoolSummary | None
+    steps: int
+    step_pending: bool
+    num_offloaded_parameters: int
+    num_excluded_parameters: int
+    layers: dict[str, LayerSummary]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The seed-compatible dict: these fields, plus ``memory_saved_mb``."""
+        figures = dataclasses.asdict(self)
+        figures["memory_saved_mb"] = self.dense_gradient_mb
+        return figures
+
+
+def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> CompressionSummary:
+    """See `CompressionSummary`."""
+    pending = bool(pipeline.store)
+    layers = (pipeline.describe(pipeline.store) if pending else pipeline.last_step).layers
     dense = sum(layer.dense_bytes for layer in layers.values())
     stored = sum(layer.stored_bytes for layer in layers.values())
     compressed = [layer for layer in layers.values() if layer.compressed]
     compressed_numel = sum(layer.numel for layer in compressed)
-    return {
-        "compression_ratio": pipeline.ratio,
-        "device": str(pipeline.backend.device),
-        "overall_compression_ratio": dense / stored if stored else 1.0,
-        "memory_saved_mb": dense / MIB,
-        "dense_gradient_mb": dense / MIB,
-        "stored_gradient_mb": stored / MIB,
-        "kept_fraction": (
+    residual = pipeline.backend.residuals.nbytes()
+    pool = pipeline.backend.host_pool()
+    return CompressionSummary(
+        compression_ratio=pipeline.ratio,
+        device=str(pipeline.backend.device),
+        overall_compression_ratio=dense / stored if stored else 1.0,
+        dense_gradient_mb=dense / MIB,
+        stored_gradient_mb=stored / MIB,
+        kept_fraction=(
             sum(layer.kept for layer in compressed) / compressed_numel if compressed_numel else 1.0
         ),
-        "stored_fraction": stored / dense if dense else 1.0,
-        "residual_mb": pipeline.residual_bytes() / MIB,
-        "host_held_mb": (stored + pipeline.residual_bytes()) / MIB,
-        "process_rss_mb": process_rss_mb(),
-        "host_available_mb": available_host_bytes() / MIB,
-        "host_pool": _pool_figures(getattr(pipeline.backend, "pool", None)),
-        "steps": pipeline.steps,
-        "step_pending": pending,
-        "num_offloaded_parameters": len(pipeline.names),
-        "num_excluded_parameters": num_excluded,
-        "layers": {
-            name: {
-                "numel": layer.numel,
-                "dense_bytes": layer.dense_bytes,
-                "stored_bytes": layer.stored_bytes,
-                "kept_fraction": layer.kept / layer.numel,
-                "compressed": layer.compressed,
-            }
+        stored_fraction=stored / dense if dense else 1.0,
+        residual_mb=residual / MIB,
+        host_held_mb=(stored + residual) / MIB,
+        process_rss_mb=process_rss_mb(),
+        host_available_mb=available_host_bytes() / MIB,
+        host_pool=None if pool is None else PoolSummary(pool.capacity_bytes / MIB, pool.pinned),
+        steps=pipeline.steps,
+        step_pending=pending,
+        num_offloaded_parameters=len(pipeline.names),
+        num_excluded_parameters=num_excluded,
+        layers={
+            name: LayerSummary(
+                numel=layer.numel,
+                dense_bytes=layer.dense_bytes,
+                stored_bytes=layer.stored_bytes,
+                kept_fraction=layer.kept / layer.numel,
+                compressed=layer.compressed,
+            )
             for name, layer in layers.items()
         },
-    }
-
-
-def _pool_figures(pool: HostPool | None) -> dict[str, Any] | None:
-    """The CUDA backend's pinned pool, or None where the backend has none."""
-    if pool is None:
-        return None
-    return {
-        "capacity_mb": pool.capacity_bytes / MIB,  # a fixed slot per parameter; never grows
-        "pinned": pool.pinned,
-    }
+    )

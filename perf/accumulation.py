@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from gradient_cache.compression import TopKEncoder, add_into, fill_from
+from gradient_cache.codecs import TopKEncoder
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
 from gradient_cache.engine.config import EngineConfig
 
@@ -96,7 +96,7 @@ def union(encoder: TopKEncoder, grads: list[torch.Tensor]) -> tuple[torch.Tensor
     payloads = [encoder.encode(g)[0] for g in grads]
     result = torch.zeros_like(grads[0])
     for payload in payloads:
-        result = add_into(result, payload)
+        result = payload.add_to(result)
     kept = torch.cat([p.indices for p in payloads]).unique().numel()
     return result, kept
 
@@ -104,13 +104,13 @@ def union(encoder: TopKEncoder, grads: list[torch.Tensor]) -> tuple[torch.Tensor
 def reselect(encoder: TopKEncoder, grads: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
     payload = encoder.encode(grads[0])[0]
     for grad in grads[1:]:
-        payload = encoder.encode(add_into(grad.clone(), payload))[0]
-    return fill_from(payload, torch.empty_like(grads[0])), payload.values.numel()
+        payload = encoder.encode(payload.add_to(grad.clone()))[0]
+    return payload.decode_into(torch.empty_like(grads[0])), payload.values.numel()
 
 
 def select_sum(encoder: TopKEncoder, grads: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
     payload = encoder.encode(torch.stack(grads).sum(0))[0]
-    return fill_from(payload, torch.empty_like(grads[0])), payload.values.numel()
+    return payload.decode_into(torch.empty_like(grads[0])), payload.values.numel()
 
 
 RULES = {"union (v1)": union, "re-select (v2)": reselect, "top-k of the dense sum": select_sum}

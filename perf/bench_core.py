@@ -27,7 +27,7 @@ import torch
 
 import gradient_cache
 from gradient_cache import create_gradient_cache
-from gradient_cache.compression import TopKSelector, keep_count
+from gradient_cache.codecs import TopKSelector, keep_count
 from gradient_cache.demo.models import GPT_SIZES, GPTConfig, TinyGPT, make_batches
 
 SEED = 0

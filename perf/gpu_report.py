@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import gradient_cache
-from gradient_cache.compression import TopKSelector, keep_count
+from gradient_cache.codecs import TopKSelector, keep_count
 from gradient_cache.demo.models import GPTConfig, TinyGPT
 
 GPT2_SMALL = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12)
@@ -172,18 +172,19 @@ def side_stream_spans(backend: Any) -> Iterator[list[tuple[torch.cuda.Event, tor
     encoding, store = backend.encoding, backend.store
 
     @contextlib.contextmanager
-    def timed_encoding(reads_host):
-        with encoding(reads_host):  # the encode stream is current in here
+    def timed_encoding(params):
+        with encoding(params):  # the encode stream is current in here
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             starts.append(start)
             yield
 
-    def timed_store(bucket, encoded, grads) -> None:
-        store(bucket, encoded, grads)
+    def timed_store(encoded, grads):
+        payloads = store(encoded, grads)
         end = torch.cuda.Event(enable_timing=True)
         end.record(backend.copy_stream)
         spans.append((starts.pop(0), end))
+        return payloads
 
     backend.encoding, backend.store = timed_encoding, timed_store
     try:
@@ -209,7 +210,7 @@ def step_time(config: GPTConfig, size: int, seq: int, repeats: int) -> list[dict
             step()
         step_ms = cuda_ms(step, repeats)
         row: dict[str, Any] = {"variant": name, "step_ms": step_ms}
-        backend = manager._pipeline.backend if manager is not None else None
+        backend = manager.engine.backend if manager is not None else None
         with side_stream_spans(backend) as spans:
             backward_ms = cuda_ms(backward, repeats)
         row["forward_backward_ms"] = backward_ms

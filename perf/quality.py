@@ -16,7 +16,7 @@ and the same batches, and reports per setting and optimizer:
   bytes crossing PCIe per step (payloads out and back, residuals out and in), each also
   as a fraction of lossless offload's; device bytes kept between steps (a device
   residual). Bytes are what the CUDA backend would hold and move for this model, counted
-  from the engine's own slot layout (`slot_spec`), at the steady state after any warm-up.
+  from the engine's own slot layout (`engine.route`), at the steady state after any warm-up.
 
 Runs go ``--jobs`` at a time, one thread each. Writes ``--out`` (JSON, every run) and
 prints a markdown table. Step times (``--time``) are measured in one process, settings
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -41,9 +40,8 @@ from pathlib import Path
 import torch
 
 from gradient_cache import EngineConfig, GradientCacheHookManager, create_gradient_cache
-from gradient_cache.compression import ResidualCodec, index_dtype, int8_blocks_bytes
 from gradient_cache.demo.models import GPTConfig, TinyGPT, make_batches
-from gradient_cache.engine.pool import slot_spec
+from gradient_cache.engine.route import plan_params
 
 # Standard-library sources, as Python 3.11.7 ships them. The hash pins their content:
 # another Python's files differ, and the table would silently measure another task.
@@ -236,29 +234,14 @@ def offload_bytes(setting: str) -> dict[str, float]:
     options = dict(SETTINGS[setting])
     ratio = float(options.pop("compression_ratio", 1))
     config = EngineConfig(**options)
-    codec = ResidualCodec(config.residual_dtype)
-    residual_here = config.error_feedback and ratio > 1
-    host_residual = residual_here and config.residual_location == "host"
-    pool = warmup_pool = payload = residual = 0
-    for param in params:
-        spec = slot_spec(
-            param,
-            ratio=ratio,
-            min_compress_numel=config.min_compress_numel,
-            residual_codec=codec if host_residual else None,
-            spare_residual=config.keep_previous_residual,
-            quantized=config.value_dtype == "int8",
-        )
-        pool += spec.nbytes
-        warmup_pool += dataclasses.replace(spec, dense_first=spec.kept is not None).nbytes
-        # The steady-state payload: the dense gradient, or kept values and indices.
-        count = param.numel() if spec.kept is None else spec.kept
-        value_bytes = int8_blocks_bytes(count) if spec.quantized else count * param.element_size()
-        index_bytes = torch.empty((), dtype=index_dtype(param.numel())).element_size()
-        payload += value_bytes + (0 if spec.kept is None else spec.kept * index_bytes)
-        if residual_here and spec.kept is not None:
-            residual += codec.stored_bytes(param.numel())
-    host_kept = residual if host_residual else 0
+    steady = plan_params(params, config, ratio=ratio, selection="exact", steps=config.warmup_steps)
+    start = plan_params(params, config, ratio=ratio, selection="exact", steps=0)
+    pool = sum(route.slot.nbytes for route in steady.values())
+    warmup_pool = sum(route.slot.nbytes for route in start.values())
+    # The steady-state payload: the dense gradient, or kept values and indices.
+    payload = sum(route.payload_bytes for route in steady.values())
+    residual = sum(route.residual_bytes for route in steady.values())
+    host_kept = residual if config.residual_location == "host" else 0
     return {
         "host_bytes": pool,
         # During warm-up the pool has room for dense payloads; it shrinks afterwards.

@@ -33,7 +33,7 @@ VARIANTS = [v for v in STEP_VARIANTS if not v.naive] + [FUSED_ADAM_PLAIN]
 def timed_encoding(trainer: Trainer) -> Callable[[], float]:
     """Wrap the cache's bucket launch with a timer; returns a read-and-reset function."""
     spent = [0.0]
-    pipeline = trainer.cache._pipeline
+    pipeline = trainer.cache.engine
     launch = pipeline._launch
 
     def timed(items: list) -> None:

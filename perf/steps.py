@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gradient_cache import GradientCacheHookManager, create_gradient_cache
-from gradient_cache.compression import keep_count
+from gradient_cache.codecs import keep_count
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT, make_batches
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -12,12 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from gradient_cache.compression import (
-    SparsePayload,
-    TopKEncoder,
-    fill_from,
-    keep_count,
-)
+from gradient_cache.codecs import SparsePayload, TopKEncoder, keep_count
 from perf.harness import GB, benchmarks_enabled, cpu_snapshot, others_share, record
 
 FULL_SIZES = {"1M": 2**20, "16M": 16 * 2**20, "64M": 64 * 2**20}
@@ -88,7 +83,7 @@ def test_encode(benchmark, gradient: torch.Tensor, numel: int, ratio: int, metho
 
 
 @pytest.mark.parametrize("ratio", RATIOS)
-@pytest.mark.parametrize("method", ["fill_from", "torch.topk"])
+@pytest.mark.parametrize("method", ["decode_into", "torch.topk"])
 def test_decode(benchmark, gradient: torch.Tensor, numel: int, ratio: int, method: str) -> None:
     """Into a preallocated dense tensor (zeroed each time): restore minus the allocation."""
     benchmark.group = f"decode {numel:,} fp32"
@@ -101,7 +96,7 @@ def test_decode(benchmark, gradient: torch.Tensor, numel: int, ratio: int, metho
         if method == "torch.topk":  # the reference's way back: scatter, int64 indices
             out.zero_().scatter_(0, indices, payload.values)
         else:
-            fill_from(payload, out)
+            payload.decode_into(out)
 
     seconds = run(benchmark, decode, numel=numel)
     expected = torch.zeros_like(gradient).scatter_(0, indices, payload.values)

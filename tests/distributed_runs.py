@@ -222,8 +222,8 @@ def buckets_follow_groups() -> list[list[str]]:
         x, y = batch(0)
         nn.functional.mse_loss(model(x), y).backward()
         c.compress_and_free_gradients()
-        pipeline = c._pipeline
-        return [sorted(pipeline.names[p] for p in bucket.payloads) for bucket in pipeline.buckets]
+        engine = c.engine
+        return [sorted(engine.names[p] for p, _ in bucket) for bucket in engine.store.buckets()]
 
 
 def split_group_warns() -> list[str]:

@@ -184,7 +184,6 @@ def test_unknown_and_conflicting_options() -> None:
         (dict(min_compress_numel=2.5), "min_compress_numel"),
         (dict(host_memory_fraction=1.5), "host_memory_fraction"),
         (dict(backend="tpu"), "backend"),
-        (dict(cpu_worker_thread=1), "cpu_worker_thread"),
     ],
 )
 def test_engine_config_validation(options: dict, match: str) -> None:

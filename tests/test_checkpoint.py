@@ -103,7 +103,7 @@ def test_the_state_holds_residuals_and_the_cached_gradients_by_name() -> None:
     assert sorted(cached) == sorted(names)
     assert state["steps"] == 1 and state["random_state"]
     # CPU copies: saving them does not save (or alias) the engine's own memory.
-    residual = manager._pipeline.residuals[model.embed.weight]
+    residual = manager.engine.backend.residuals.current()[model.embed.weight]
     assert state["residuals"]["embed.weight"].data_ptr() != residual.data_ptr()
 
 
@@ -144,7 +144,7 @@ def test_loading_into_a_manager_built_otherwise_is_refused(change: dict, message
     other = build({**RECIPES["r100 error feedback"], **change})[1]
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         other.load_state_dict(state)
-    assert not other._pipeline.residuals  # refused before anything was loaded
+    assert not other.engine.backend.residuals.current()  # refused before anything was loaded
 
 
 def test_loading_needs_a_manager_with_nothing_pending() -> None:

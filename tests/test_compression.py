@@ -8,16 +8,8 @@ import pytest
 import torch
 
 from gradient_cache import GradientCompressor
-from gradient_cache.compression import (
-    THRESHOLD_TOLERANCE,
-    DensePayload,
-    SparsePayload,
-    TopKEncoder,
-    TopKSelector,
-    add_into,
-    fill_from,
-    keep_count,
-)
+from gradient_cache.codecs import DensePayload, SparsePayload, TopKEncoder, TopKSelector, keep_count
+from gradient_cache.codecs.topk import THRESHOLD_TOLERANCE
 
 
 def heavy_tailed(numel: int, seed: int = 0) -> torch.Tensor:
@@ -26,7 +18,7 @@ def heavy_tailed(numel: int, seed: int = 0) -> torch.Tensor:
 
 
 def decode(payload, numel: int) -> torch.Tensor:
-    return fill_from(payload, torch.zeros(numel))
+    return payload.decode_into(torch.zeros(numel))
 
 
 def assert_is_top_magnitude(values: torch.Tensor, indices: torch.Tensor, x: torch.Tensor) -> None:
@@ -78,7 +70,7 @@ def test_non_finite_entry_is_always_delivered_and_resets_the_residual(selection,
     residual = torch.full((x.numel(),), 0.5)
     payload, new_residual = TopKEncoder(ratio=100, selection=selection).encode(x, residual)
     assert isinstance(payload, SparsePayload)
-    restored = fill_from(payload, torch.zeros_like(x))
+    restored = payload.decode_into(torch.zeros_like(x))
     torch.testing.assert_close(restored[12345], x[12345], equal_nan=True, rtol=0, atol=0)
     assert torch.count_nonzero(new_residual) == 0
     assert torch.equal(residual, torch.full((x.numel(),), 0.5))  # the old one is only read
@@ -129,7 +121,7 @@ def test_error_feedback_keeps_bf16_rounding_in_the_residual() -> None:
     expected = grad.float() + residual
     payload, residual = encoder.encode(grad, residual)
     assert payload.values.dtype == torch.bfloat16
-    delivered = fill_from(payload, torch.zeros(grad.numel()))
+    delivered = payload.decode_into(torch.zeros(grad.numel()))
     torch.testing.assert_close(delivered + residual, expected, rtol=0, atol=1e-7)
 
 
@@ -144,10 +136,10 @@ def test_add_into_adds_a_cached_payload_to_the_next_gradient() -> None:
     numel = 10_000
     a, b = heavy_tailed(numel, 0), heavy_tailed(numel, 1)
     sparse = TopKEncoder(ratio=10, selection="exact").encode(a)[0]
-    summed = add_into(b.clone(), sparse)
+    summed = sparse.add_to(b.clone())
     torch.testing.assert_close(summed, b + decode(sparse, numel), rtol=0, atol=0)
     target = b.clone()
-    assert add_into(target, DensePayload(a)) is target
+    assert DensePayload(a).add_to(target) is target
     assert torch.equal(target, a + b)  # plain PyTorch accumulates old + new
 
 
@@ -186,6 +178,6 @@ def test_fill_from_overwrites_whatever_the_buffer_held(dtype: torch.dtype) -> No
     sparse = TopKEncoder(ratio=100, selection="exact").encode(x)[0]
     for payload in (sparse, DensePayload(x)):
         garbage = torch.full((x.numel(),), 7.0, dtype=dtype)
-        expected = add_into(torch.zeros(x.numel(), dtype=dtype), payload)
-        assert torch.equal(fill_from(payload, garbage), expected)
+        expected = payload.add_to(torch.zeros(x.numel(), dtype=dtype))
+        assert torch.equal(payload.decode_into(garbage), expected)
     assert torch.count_nonzero(expected) == x.numel()  # the dense payload is all of x

@@ -44,7 +44,7 @@ def test_backend_is_the_cuda_backend_with_a_pinned_pool() -> None:
     from gradient_cache.engine.cuda import CudaBackend
 
     manager = gradient_cache.create_gradient_cache(on_gpu(make_model()), compression_ratio=1)
-    backend = manager._pipeline.backend
+    backend = manager.engine.backend
     assert isinstance(backend, CudaBackend)
     assert backend.pool.pinned
 
@@ -236,7 +236,7 @@ def test_widened_race_windows_still_give_the_reference_result(
     options = dict(compression_ratio=ratio, min_compress_numel=1, bucket_size_mb=0.25)
     ref_manager = gradient_cache.create_gradient_cache(reference, **options)
     manager = gradient_cache.create_gradient_cache(slowed, **options)
-    backend = manager._pipeline.backend
+    backend = manager.engine.backend
     encoding, store = backend.encoding, backend.store
 
     @contextlib.contextmanager
@@ -304,7 +304,7 @@ def test_fsdp2_on_one_gpu_matches_plain_fsdp2(one_gpu_process_group, fused_step:
     plain, cached = sharded_on_gpu(), sharded_on_gpu()
     run(plain)
     manager = gradient_cache.create_gradient_cache(cached, compression_ratio=1, bucket_size_mb=0.5)
-    assert manager._pipeline.backend.record_gradients
+    assert manager.engine.backend.record_gradients
     run(cached, manager)
     for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
         assert torch.equal(a.full_tensor(), b.full_tensor())

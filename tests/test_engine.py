@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from conftest import assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
 from gradient_cache import EngineConfig, HostMemoryError
-from gradient_cache.compression import ResidualCodec
+from gradient_cache.codecs import ResidualCodec
 from gradient_cache.engine import hostmem, pool
 from gradient_cache.engine.backend import CpuBackend
+from gradient_cache.engine.backends import build_cuda_backend, parameter_device
 from gradient_cache.engine.bucket import BucketAssembler
 from gradient_cache.engine.cuda import CudaBackend
-from gradient_cache.engine.pipeline import build_cuda_backend, parameter_device
+from gradient_cache.engine.route import plan_params
 
 
 def test_bucket_assembler_fills_to_capacity_in_arrival_order() -> None:
@@ -41,15 +40,15 @@ def test_a_second_gradient_for_a_waiting_parameter_is_added_to_it() -> None:
 def test_buckets_follow_backward_order_and_launch_during_backward(monkeypatch) -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(model, compression_ratio=1, bucket_size_mb=1e-6)
-    pipeline = manager._pipeline
+    pipeline = manager.engine
     launched: list[str] = []
     grads_left: list[int] = []
     original = pipeline._encode
 
-    def spy(param, grad):
+    def spy(param, grad, loss_scale):
         launched.append(pipeline.names[param])
         grads_left.append(sum(p.grad is not None for p in model.parameters()))
-        return original(param, grad)
+        return original(param, grad, loss_scale)
 
     monkeypatch.setattr(pipeline, "_encode", spy)
     tokens, targets = batches(1)[0]
@@ -58,14 +57,9 @@ def test_buckets_follow_backward_order_and_launch_during_backward(monkeypatch) -
     assert all(left == 0 for left in grads_left)  # each freed as soon as it was ready
 
 
-def test_cpu_worker_thread_is_deprecated_and_starts_no_thread() -> None:
-    threads = threading.active_count()
-    with pytest.warns(DeprecationWarning, match="cpu_worker_thread is deprecated"):
-        manager = gradient_cache.create_gradient_cache(
-            make_model(), compression_ratio=1, cpu_worker_thread=True
-        )
-    assert isinstance(manager._pipeline.backend, CpuBackend)
-    assert threading.active_count() == threads
+def test_the_removed_cpu_worker_thread_option_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match=r"Unknown engine option\(s\) \['cpu_worker_thread'\]"):
+        gradient_cache.create_gradient_cache(make_model(), cpu_worker_thread=True)
 
 
 def fail_on(pipeline, name: str, monkeypatch) -> None:
@@ -73,11 +67,11 @@ def fail_on(pipeline, name: str, monkeypatch) -> None:
     original = pipeline._encode
     state = {"armed": True}
 
-    def encode(param, grad):
+    def encode(param, grad, loss_scale):
         if state["armed"] and pipeline.names[param] == name:
             state["armed"] = False
             raise torch.OutOfMemoryError("injected: out of memory")
-        return original(param, grad)
+        return original(param, grad, loss_scale)
 
     monkeypatch.setattr(pipeline, "_encode", encode)
 
@@ -94,8 +88,9 @@ def test_an_encode_failure_at_the_drain_loses_no_gradient(monkeypatch, ratio: in
         loss_of(model, tokens, targets).backward()
     ref_manager.apply_gradients()
     loss_of(failing, tokens, targets).backward()  # one bucket, waiting for the drain
-    waiting = [manager._pipeline.names[p] for p in manager._pipeline.assembler._items]
-    fail_on(manager._pipeline, waiting[2], monkeypatch)
+    engine = manager.engine
+    waiting = [engine.names[p] for p in engine.assembler.params()]
+    fail_on(engine, waiting[2], monkeypatch)
     with pytest.raises(torch.OutOfMemoryError):
         manager.compress_and_free_gradients()
     given_back = {n for n, p in failing.named_parameters() if p.grad is not None}
@@ -118,7 +113,7 @@ def test_an_encode_failure_in_backward_leaves_a_usable_manager(monkeypatch) -> N
     optimizer = torch.optim.Adam(cached.parameters(), lr=1e-2)
     for i, (tokens, targets) in enumerate(data):
         if i == 1:
-            fail_on(manager._pipeline, "mlp.0.weight", monkeypatch)
+            fail_on(manager.engine, "mlp.0.weight", monkeypatch)
             with pytest.raises(torch.OutOfMemoryError):
                 loss_of(cached, tokens, targets).backward()
             manager.discard_gradients()
@@ -190,23 +185,25 @@ def test_engine_refuses_to_start_when_the_host_cannot_hold_it(monkeypatch) -> No
     gradient_cache.create_gradient_cache(model, compression_ratio=100, error_feedback=False)
 
 
+def slots(params: list[torch.nn.Parameter], *, ratio: float, **options) -> dict:
+    """Each parameter's pool slot, as its route lays it out."""
+    routes = plan_params(params, EngineConfig(**options), ratio=ratio, selection="exact")
+    return {param: route.slot for param, route in routes.items()}
+
+
 def test_host_pool_lays_out_one_aligned_slot_per_parameter() -> None:
     big, small = torch.nn.Parameter(torch.zeros(100_000)), torch.nn.Parameter(torch.zeros(10))
-    layout = {
-        p: pool.slot_spec(
-            p, ratio=100, min_compress_numel=1000, residual_codec=ResidualCodec("float32")
-        )
-        for p in (big, small)
-    }
+    layout = slots([big, small], ratio=100, min_compress_numel=1000, residual_dtype="float32")
     host_pool = pool.HostPool(layout, allocate_pinned=None)
     slot, dense = host_pool.slots[big], host_pool.slots[small]
-    assert slot.values.numel() == slot.indices.numel() == 1000
-    assert slot.indices.dtype == torch.int32 and slot.residual.numel() == 100_000
+    values, indices = slot.regions
+    assert values.numel() == indices.numel() == 4000  # bytes: 1000 fp32 values, int32 indices
+    assert slot.residual.dtype == torch.float32 and slot.residual.numel() == 100_000
     assert torch.count_nonzero(slot.residual) == 0  # a new residual is zero
-    assert dense.indices is None and dense.residual is None and dense.values.numel() == 10
+    assert len(dense.regions) == 1 and dense.residual is None and dense.regions[0].numel() == 40
     assert slot.spare_residual.numel() == 100_000
     assert slot.spare_residual.data_ptr() != slot.residual.data_ptr()
-    views = (slot.values, slot.indices, slot.residual, slot.spare_residual, dense.values)
+    views = (values, indices, slot.residual, slot.spare_residual, dense.regions[0])
     assert all(view.data_ptr() % pool.ALIGN == 0 for view in views)
     # 4000 B of values and of indices, each padded to 4032; 400 kB of residual, twice (the
     # current one and a pending step's); the small one's 40 B padded to 64.
@@ -230,20 +227,19 @@ def test_host_pool_sizes_residual_and_warmup_slots(
     residual_dtype: str, warmup: bool, spare: bool, expected: int
 ) -> None:
     big = torch.nn.Parameter(torch.zeros(100_000))
-    codec = ResidualCodec(residual_dtype)
-    spec = pool.slot_spec(
-        big,
+    layout = slots(
+        [big],
         ratio=100,
         min_compress_numel=1000,
-        residual_codec=codec,
-        spare_residual=spare,
-        warmup=warmup,
+        residual_dtype=residual_dtype,
+        keep_previous_residual=spare,
+        warmup_steps=3 if warmup else 0,
     )
-    host_pool = pool.HostPool({big: spec}, allocate_pinned=None)
+    host_pool = pool.HostPool(layout, allocate_pinned=None)
     assert host_pool.capacity_bytes == expected
     assert (host_pool.slots[big].spare_residual is not None) == spare
     residual = host_pool.slots[big].residual
-    assert torch.count_nonzero(codec.decode(residual, big.numel())) == 0
+    assert torch.count_nonzero(ResidualCodec(residual_dtype).decode(residual, big.numel())) == 0
 
 
 def test_host_pool_falls_back_to_pageable_memory_with_one_warning() -> None:
@@ -251,9 +247,8 @@ def test_host_pool_falls_back_to_pageable_memory_with_one_warning() -> None:
         raise RuntimeError("no CUDA driver")
 
     param = torch.nn.Parameter(torch.zeros(10))
-    layout = {param: pool.slot_spec(param, ratio=1, min_compress_numel=1, residual_codec=None)}
     with pytest.warns(RuntimeWarning, match="could not pin host memory") as record:
-        host_pool = pool.HostPool(layout, allocate_pinned=refuse)
+        host_pool = pool.HostPool(slots([param], ratio=1), allocate_pinned=refuse)
     assert len(record) == 1 and not host_pool.pinned
 
 
@@ -274,4 +269,4 @@ def test_auto_selection_depends_on_the_backend() -> None:
     assert CpuBackend.default_selection == "threshold"
     assert CudaBackend.default_selection == "exact"  # torch.topk: no host sync
     manager = gradient_cache.create_gradient_cache(make_model(), compression_ratio=10)
-    assert manager._pipeline.encoder.selector.method == "threshold"
+    assert manager.engine.codecs.compressing.encoder.selector.method == "threshold"

@@ -44,14 +44,14 @@ class Faulty(TiedLM):
 
 def fail_in_encode(monkeypatch: pytest.MonkeyPatch, manager) -> None:
     """The next encode of ``mlp.0.weight`` raises an out-of-memory error, once."""
-    pipeline = manager._pipeline
+    pipeline = manager.engine
     original = Pipeline._encode
 
-    def encode(self, param, grad):
+    def encode(self, param, grad, loss_scale):
         if self.names[param] == "mlp.0.weight":
             monkeypatch.setattr(pipeline, "_encode", original.__get__(pipeline))
             raise torch.OutOfMemoryError("injected: out of memory while encoding")
-        return original(self, param, grad)
+        return original(self, param, grad, loss_scale)
 
     monkeypatch.setattr(pipeline, "_encode", encode.__get__(pipeline))
 
@@ -82,7 +82,7 @@ def train(options: dict | None, *, fault: str | None, monkeypatch) -> torch.nn.M
                 loss_of(model, tokens, targets).backward()
                 manager.compress_and_free_gradients()
             if where != "forward":  # it struck with some buckets already offloaded
-                assert manager._pipeline.cached
+                assert manager.engine.store
             optimizer.zero_grad()
             manager.discard_gradients()
             continue

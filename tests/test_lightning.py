@@ -248,7 +248,7 @@ def test_callback_hands_the_trainers_grad_scaler_to_the_cache() -> None:
 
     class Spy(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-            seen.append(callback._manager._pipeline.grad_scaler)
+            seen.append(callback._manager.engine.grad_scaler)
 
     trainer = fit(Regressor(), [callback, Spy()], **fp16_with_grad_scaler())
     assert seen and all(s is trainer.precision_plugin.scaler for s in seen)

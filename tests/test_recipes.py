@@ -9,8 +9,8 @@ import torch
 from conftest import assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
-from gradient_cache import compression
-from gradient_cache.compression import INT8_BLOCK, ResidualCodec, TopKEncoder, fill_from
+from gradient_cache.codecs import ResidualCodec, TopKEncoder, int8
+from gradient_cache.codecs.int8 import INT8_BLOCK
 
 
 def heavy_tailed(numel: int, seed: int = 0) -> torch.Tensor:
@@ -29,14 +29,14 @@ def rounding_bound(dtype: str, x: torch.Tensor) -> torch.Tensor:
     return scale.expand_as(padded).reshape(-1)[: x.numel()]
 
 
-@pytest.mark.parametrize("chunk", [compression.CODEC_CHUNK, 128])
+@pytest.mark.parametrize("chunk", [int8.CODEC_CHUNK, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_stored_residual_is_within_its_bound_and_unbiased(
     dtype: str, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Stochastic rounding: every entry within one step, and right on average, also when
     the codec works through the tensor in chunks (the last one partial)."""
-    monkeypatch.setattr(compression, "CODEC_CHUNK", chunk)
+    monkeypatch.setattr(int8, "CODEC_CHUNK", chunk)
     codec = ResidualCodec(dtype, seed=3)
     x = heavy_tailed(1000)  # not a whole number of int8 blocks: the padding is exercised
     bound = rounding_bound(dtype, x)
@@ -88,7 +88,7 @@ def test_error_feedback_conserves_each_step_up_to_the_stored_rounding(dtype: str
         assert torch.equal(residual, old)  # read, never written: a failed step keeps it
         residual = new
         held = codec.decode(residual, numel)
-        delivered = fill_from(payload, torch.zeros(numel))
+        delivered = payload.decode_into(torch.zeros(numel))
         error = (delivered + held - expected).abs()
         if dtype == "float32":
             assert error.max() == 0
@@ -176,8 +176,8 @@ def test_a_skipped_overflow_step_reaches_the_scaler_and_leaves_finite_residuals(
     # The inf was delivered: the scaler skipped step 2 (nothing moved) and backed off.
     assert moved == [True, True, False, True, True, True]
     assert scaler.get_scale() == 2.0**9
-    pipeline = manager._pipeline
-    assert all(torch.isfinite(r).all() for r in pipeline.residuals.values())
+    residuals = manager.engine.backend.residuals.current()
+    assert all(torch.isfinite(r).all() for r in residuals.values())
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 

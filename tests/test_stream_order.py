@@ -24,23 +24,21 @@ from conftest import (
 from stream_checker import FakeCuda, StreamChecker
 
 import gradient_cache
-from gradient_cache.engine import pipeline as pipeline_module
+from gradient_cache.engine.backends import build_cuda_backend
 from gradient_cache.engine.cuda import CudaBackend
-from gradient_cache.engine.pipeline import build_cuda_backend
+from gradient_cache.engine.residuals import HostSlotResiduals
 
 SMALL = 0.004  # MiB: several buckets per backward for these models
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch):
-    """Managers built in the test get a CudaBackend on CPU tensors, under the checker."""
+def fake_cuda():
+    """A stand-in `torch.cuda` under the checker; ``fake_cuda.factory`` is the backend factory
+    that gives a manager the real `CudaBackend` on CPU tensors and these streams."""
     checker = StreamChecker()
     cuda = FakeCuda(checker)
-    cpu_backend = pipeline_module.create_backend
 
-    def create_backend(params, config, *, ratio):
-        if config.backend == "cpu":  # the reference runs
-            return cpu_backend(params, config, ratio=ratio)
+    def factory(params, config, *, ratio):
         backend = build_cuda_backend(
             params,
             config,
@@ -52,7 +50,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch):
         checker.watched |= {backend.encode_stream.name, backend.copy_stream.name}
         return backend
 
-    monkeypatch.setattr(pipeline_module, "create_backend", create_backend)
+    cuda.factory = factory
     with checker:
         yield cuda
 
@@ -140,9 +138,13 @@ def test_lossless_training_is_exact_and_every_access_ordered(
     train(plain, data)
     cached = make_model()
     manager = gradient_cache.create_gradient_cache(
-        cached, compression_ratio=1, bucket_size_mb=SMALL, staging_depth=staging_depth
+        cached,
+        backend_factory=fake_cuda.factory,
+        compression_ratio=1,
+        bucket_size_mb=SMALL,
+        staging_depth=staging_depth,
     )
-    assert isinstance(manager._pipeline.backend, CudaBackend)
+    assert isinstance(manager.engine.backend, CudaBackend)
     train(cached, data, manager=manager, fused_step=fused_step)
     assert_same_parameters(plain, cached)
     fake_cuda.checker.assert_clean()
@@ -155,7 +157,11 @@ def test_device_memory_in_flight_is_bounded_by_the_staging_depth(
 ) -> None:
     model = layers()
     manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=1, bucket_size_mb=SMALL, staging_depth=staging_depth
+        model,
+        backend_factory=fake_cuda.factory,
+        compression_ratio=1,
+        bucket_size_mb=SMALL,
+        staging_depth=staging_depth,
     )
     model(torch.randn(4, 32)).sum().backward()
     manager.apply_gradients()
@@ -177,9 +183,14 @@ def test_gradients_made_on_another_stream_are_reused_only_after_their_copy(
     back to the reduce-scatter stream before the encode and copy have read it."""
     model = layers()
     manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=ratio, bucket_size_mb=SMALL, staging_depth=1, min_compress_numel=64
+        model,
+        backend_factory=fake_cuda.factory,
+        compression_ratio=ratio,
+        bucket_size_mb=SMALL,
+        staging_depth=1,
+        min_compress_numel=64,
     )
-    pipeline = manager._pipeline
+    pipeline = manager.engine
     pipeline.backend.record_gradients = True  # what DTensor (FSDP2) parameters set
     reduce_scatter, all_reduce = fake_cuda.Stream(), fake_cuda.Stream()
     for _ in range(2):
@@ -217,7 +228,9 @@ def test_accumulation_without_a_drain_matches_the_cpu_backend(
     with fake_cuda.checker.disabled():
         reference = cpu_backend_run(data, options, micro_batches=3, each=False)
     cached = make_model()
-    manager = gradient_cache.create_gradient_cache(cached, **options)
+    manager = gradient_cache.create_gradient_cache(
+        cached, backend_factory=fake_cuda.factory, **options
+    )
     train(cached, data, manager=manager, micro_batches=3, compress_each_micro_batch=False)
     assert_same_parameters(reference, cached)
     fake_cuda.checker.assert_clean()
@@ -248,7 +261,9 @@ def test_int8_values_match_the_cpu_backend(
     with fake_cuda.checker.disabled():
         reference = cpu_backend_run(data, options, micro_batches=micro_batches)
     cached = make_model()
-    manager = gradient_cache.create_gradient_cache(cached, **options)
+    manager = gradient_cache.create_gradient_cache(
+        cached, backend_factory=fake_cuda.factory, **options
+    )
     train(cached, data, manager=manager, micro_batches=micro_batches)
     assert_same_parameters(reference, cached)
     summary = manager.get_compression_summary()
@@ -276,25 +291,34 @@ def test_error_feedback_matches_the_cpu_backend(
     with fake_cuda.checker.disabled():
         reference = cpu_backend_run(data, options, fused_step=fused_step)
     cached = make_model()
-    manager = gradient_cache.create_gradient_cache(cached, **options)
+    manager = gradient_cache.create_gradient_cache(
+        cached, backend_factory=fake_cuda.factory, **options
+    )
     train(cached, data, manager=manager, fused_step=fused_step)
     assert_same_parameters(reference, cached)
-    on_host = manager._pipeline.backend.host_residuals()
-    assert bool(on_host) == (location == "host")
-    assert not manager._pipeline.backend.pool.warmup_sized  # shrunk once warm-up ended
+    backend = manager.engine.backend
+    assert isinstance(backend.residuals, HostSlotResiduals) == (location == "host")
+    dense_room = [route.dense_room for route in manager.engine.routes.values()]
+    assert not any(dense_room)  # the warm-up's room dropped once it ended
+    assert backend.pool.layout == {p: r.slot for p, r in manager.engine.routes.items()}
     fake_cuda.checker.assert_clean()
 
 
 def test_the_pool_has_room_for_warmup_then_shrinks(fake_cuda: FakeCuda) -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=20, warmup_steps=1, min_compress_numel=1, error_feedback=False
+        model,
+        backend_factory=fake_cuda.factory,
+        compression_ratio=20,
+        warmup_steps=1,
+        min_compress_numel=1,
+        error_feedback=False,
     )
-    pool = manager._pipeline.backend.pool
+    pool = manager.engine.backend.pool
     dense = sum(4 * p.numel() for p in model.parameters())
     assert pool.capacity_bytes > dense  # dense values and room for indices
     train(model, batches(2), manager=manager)
-    assert manager._pipeline.backend.pool.capacity_bytes < dense / 5
+    assert manager.engine.backend.pool.capacity_bytes < dense / 5
     fake_cuda.checker.assert_clean()
 
 
@@ -306,8 +330,12 @@ def test_fused_step_with_clipping_matches_apply_and_clip_grad_norm(
         compression_ratio=ratio, min_compress_numel=1, selection="exact", bucket_size_mb=SMALL
     )
     reference, fused = make_model(), make_model()
-    ref_manager = gradient_cache.create_gradient_cache(reference, **options)
-    fused_manager = gradient_cache.create_gradient_cache(fused, **options)
+    ref_manager = gradient_cache.create_gradient_cache(
+        reference, backend_factory=fake_cuda.factory, **options
+    )
+    fused_manager = gradient_cache.create_gradient_cache(
+        fused, backend_factory=fake_cuda.factory, **options
+    )
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     fused_opt = torch.optim.SGD(fused.parameters(), lr=0.5)
     for tokens, targets in batches(3):
@@ -332,7 +360,11 @@ def test_a_failed_fused_step_retried_gives_the_plain_result(
     """Bucket ``nth`` fails with the next bucket restoring ahead; the retry finishes the step."""
     plain, cached = make_model(), make_model()
     manager = gradient_cache.create_gradient_cache(
-        cached, compression_ratio=1, bucket_size_mb=SMALL, exclude_layers=["norm"]
+        cached,
+        backend_factory=fake_cuda.factory,
+        compression_ratio=1,
+        bucket_size_mb=SMALL,
+        exclude_layers=["norm"],
     )
     train_through_a_failed_step(plain, cached, manager, nth=nth, clip=clip)
     assert_same_parameters(plain, cached, atol=0 if clip is None else 1e-6)
@@ -344,11 +376,11 @@ def test_discard_then_train_on(fake_cuda: FakeCuda) -> None:
     data = batches(3)
     plain, cached = make_model(), make_model()
     manager = gradient_cache.create_gradient_cache(
-        cached, compression_ratio=1, bucket_size_mb=SMALL
+        cached, backend_factory=fake_cuda.factory, compression_ratio=1, bucket_size_mb=SMALL
     )
     loss_of(cached, *data[0]).backward()
     manager.discard_gradients()
-    assert not manager._pipeline.cached and all(p.grad is None for p in cached.parameters())
+    assert not manager.engine.store and all(p.grad is None for p in cached.parameters())
     train(plain, data[1:])
     train(cached, data[1:], manager=manager)
     assert_same_parameters(plain, cached)
@@ -367,7 +399,9 @@ def test_a_discarded_step_leaves_the_host_residual_as_it_was(
         reference = train_with_a_skipped_batch(
             {**options, "backend": "cpu"}, skip=False, fused_step=fused_step
         )
-    skipping = train_with_a_skipped_batch(options, skip=True, fused_step=fused_step)
+    skipping = train_with_a_skipped_batch(
+        {**options, "backend_factory": fake_cuda.factory}, skip=True, fused_step=fused_step
+    )
     assert_same_parameters(reference, skipping)
     fake_cuda.checker.assert_clean()
 
@@ -379,22 +413,19 @@ def test_a_resumed_run_continues_bit_for_bit(fake_cuda: FakeCuda, cut: int) -> N
     with fake_cuda.checker.disabled():
         reference, reference_manager, optimizer = checkpointing.build({**options, "backend": "cpu"})
         checkpointing.run(reference, reference_manager, optimizer, range(len(checkpointing.DATA)))
-    resumed, manager = checkpointing.resumed_run(options, cut)
-    assert manager._pipeline.backend.host_residuals()
+    resumed, manager = checkpointing.resumed_run(
+        {**options, "backend_factory": fake_cuda.factory}, cut
+    )
+    assert manager.engine.backend.residuals.current()
     assert_same_parameters(reference, resumed)
     fake_cuda.checker.assert_clean()
 
 
-def test_refused_construction_leaves_no_pinned_memory_or_hook(
-    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(pipeline_module, "check_host_budget", _refuse)
+def test_refused_construction_leaves_no_pinned_memory_or_hook(fake_cuda: FakeCuda) -> None:
     model = make_model()
-    with pytest.raises(gradient_cache.HostMemoryError):
-        gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    with pytest.raises(gradient_cache.HostMemoryError):  # a share no host can give
+        gradient_cache.create_gradient_cache(
+            model, backend_factory=fake_cuda.factory, host_memory_fraction=1e-15
+        )
     assert fake_cuda.pinned_allocations == 0
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
-
-
-def _refuse(needed_bytes: int, **_: object) -> None:
-    raise gradient_cache.HostMemoryError(f"refused {needed_bytes}")

@@ -350,9 +350,9 @@ def test_fused_steps_of_two_optimizers_each_restore_only_their_own_parameters() 
             optimizer.zero_grad()
         loss_of(cached, tokens, targets).backward()
         first = manager.step(cached_opts[0], max_grad_norm=0.05)
-        still_cached = set(manager._pipeline.cached)
+        still_cached = set(manager.engine.store)
         assert still_cached == set(cached_opts[1].param_groups[0]["params"])
         second = manager.step(cached_opts[1], max_grad_norm=0.05)
-        assert not manager._pipeline.cached
+        assert not manager.engine.store
         torch.testing.assert_close(torch.stack([first, second]), torch.stack(norms))
     assert_same_parameters(plain, cached, atol=1e-6)

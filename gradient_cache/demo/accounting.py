@@ -30,8 +30,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..compression import payload_tensors
-
 if TYPE_CHECKING:
     from ..manager import GradientCacheHookManager
 
@@ -110,26 +108,22 @@ def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, Tensor
     """(host tensors, device scratch tensors) of a GradientCacheHookManager.
 
     Host: the cached payloads and the error-feedback residuals kept on the host.
-    Scratch: the selector's reusable buffers. Reads the engine's internals until it
-    exposes them itself.
+    Scratch: the codecs' reusable buffers.
     """
 
     def host() -> Iterator[torch.Tensor]:
-        pipeline = cache._pipeline
-        if pipeline is None:  # closed: everything went back to param.grad
+        engine = cache.engine
+        if engine is None:  # closed: everything went back to param.grad
             return
-        payloads = [p for bucket in pipeline.buckets for p in bucket.payloads.values()]
-        for payload in payloads:
-            yield from payload_tensors(payload)
-        if pipeline.config.residual_location == "host":
-            yield from pipeline.residuals.values()
-            yield from pipeline.pending_residuals.values()
+        yield from engine.host_tensors()
+        if engine.config.residual_location == "host":
+            residuals = engine.backend.residuals
+            yield from residuals.current().values()
+            yield from residuals.pending().values()
 
     def scratch() -> list[torch.Tensor]:
-        pipeline = cache._pipeline
-        if pipeline is None or pipeline.encoder is None:
-            return []
-        return pipeline.encoder.selector.scratch_tensors()
+        engine = cache.engine
+        return [] if engine is None else engine.scratch_tensors()
 
     return host, scratch
 

@@ -2,30 +2,52 @@
 
 The pipeline decides what happens to a bucket; the backend decides where and when: it
 gives the encode a place to run (`encoding`), puts the encoded payloads in host memory
-(`store`), waits for them (`wait`, the one host wait), and brings them back
-(`start_restore`, then `finish_restore` before anything reads the gradients).
+(`store`, which returns the host payloads and hands new residuals to its residual store),
+waits for them (`drain`, the one host wait), and brings them back (`start_restore`, then
+`finish_restore` before anything reads the gradients).
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
-from ..compression import DensePayload, Payload, fill_from
-from .bucket import Bucket, Items
+from ..codecs import Payload
+from .pool import HostPool
+from .residuals import DeviceResiduals, ResidualStore
+from .route import Route
 from .sharding import local_numel, local_shape
+
+Param = torch.nn.Parameter
+Grads = list[tuple[Param, torch.Tensor]]
+
+
+class Stream(Protocol):
+    """What the CUDA backend uses of `torch.cuda.Stream` (and the tests' stand-in)."""
+
+    def wait_stream(self, stream: Stream) -> None: ...
+
+    def wait_event(self, event: Event) -> None: ...
+
+
+class Event(Protocol):
+    """What the CUDA backend uses of `torch.cuda.Event` (and the tests' stand-in)."""
+
+    def record(self, stream: Stream | None = None) -> None: ...
+
+    def synchronize(self) -> None: ...
 
 
 @dataclass
 class Encoded:
     """One parameter's encoded gradient, still on the device, and its new residual."""
 
-    param: torch.nn.Parameter
+    param: Param
     payload: Payload
     residual: torch.Tensor | None
 
@@ -34,8 +56,8 @@ class Encoded:
 class Restore:
     """Gradients on their way back; `Backend.finish_restore` makes them safe to read."""
 
-    grads: list[tuple[torch.nn.Parameter, torch.Tensor]]
-    done: Any = None  # the backend's event: the gradients are written
+    grads: Grads
+    done: Event | None = None  # the gradients are written
 
 
 def scaled(grad: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -47,59 +69,50 @@ class Backend(ABC):
     """Runs a bucket's encode, keeps its payloads in host memory and restores them."""
 
     device: torch.device
+    residuals: ResidualStore
     #: Buckets the fused step restores ahead while the optimizer steps the current one.
     restore_ahead: int = 0
     #: Top-k selection for ``selection="auto"``.
     default_selection: str = "threshold"
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (a host payload or residual) where the encode or restore can read it."""
+        """``tensor`` (a host payload's) where the encode or restore can read it."""
         return tensor
 
-    def host_residuals(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """Error-feedback residuals that live in this backend's host memory, as of the
-        last completed step; `store` writes a pending step's new ones to a spare slot."""
-        return {}
-
-    def pending_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """Where `store` writes ``param``'s new residual: the spare slot, or the current
-        one without ``keep_previous_residual`` (host residuals only)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no residual in host memory")
-
-    def commit_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """Make the spare slot ``param``'s current residual; return it (host residuals only)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no residual in host memory")
-
     @contextlib.contextmanager
-    def encoding(self, reads_host: Sequence[torch.nn.Parameter]) -> Iterator[None]:
-        """Where a bucket's encode runs; ``reads_host``: parameters whose host slot it reads."""
+    def encoding(self, params: Sequence[Param]) -> Iterator[None]:
+        """Where the encode of ``params``' gradients runs (it may read their host slots)."""
         yield
 
     @abstractmethod
-    def store(self, bucket: Bucket, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
-        """Put ``encoded`` payloads (and host residuals) in host memory, filling ``bucket``.
+    def store(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> dict[Param, Payload]:
+        """Put ``encoded`` payloads in host memory and their residuals in `residuals`;
+        return the host payloads. ``grads`` are the device gradients the encode read; a
+        backend that reads them later keeps them alive."""
 
-        ``grads`` are the device gradients the encode read; a backend that reads them
-        later keeps them alive.
-        """
+    def follow_routes(self, routes: Mapping[Param, Route]) -> None:  # noqa: B027
+        """Routes changed (the warm-up ended): re-lay host memory sized by them."""
 
-    def end_warmup(self) -> None:  # noqa: B027 - only a pool sized for warm-up shrinks
-        """Release host memory kept for warm-up steps' dense payloads (nothing is cached)."""
+    def host_pool(self) -> HostPool | None:
+        """Its pinned pool of payload slots, if it has one."""
+        return None
 
-    def wait(self) -> None:  # noqa: B027 - nothing to wait for where host memory is the device's
-        """Block until every stored bucket's payloads are complete in host memory."""
+    def drain(self) -> None:  # noqa: B027 - nothing to wait for where host memory is the device's
+        """Block until every stored payload is complete in host memory."""
 
     @abstractmethod
-    def start_restore(self, items: Items, *, scale: torch.Tensor | None) -> Restore:
+    def start_restore(
+        self, items: list[tuple[Param, Payload]], *, scale: torch.Tensor | None
+    ) -> Restore:
         """Start bringing ``items`` back as dense gradients (times ``scale``, if given)."""
 
-    def finish_restore(self, restore: Restore) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    def finish_restore(self, restore: Restore) -> Grads:
         """The gradients, safe for work queued from now on to read."""
         return restore.grads
 
     def close(self) -> None:
         """Wait for work in flight; the backend is not used afterwards."""
-        self.wait()
+        self.drain()
 
 
 class CpuBackend(Backend):
@@ -109,22 +122,29 @@ class CpuBackend(Backend):
     nothing is copied.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, keep_previous_residual: bool) -> None:
         self.device = device
+        self.residuals = DeviceResiduals(device, keep_previous=keep_previous_residual)
 
-    def store(self, bucket: Bucket, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
+    def store(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> dict[Param, Payload]:
         for item in encoded:
-            bucket.payloads[item.param] = item.payload
+            if item.residual is not None:
+                self.residuals.write(item.param, item.residual, non_blocking=False)
+        return {item.param: item.payload for item in encoded}
 
-    def start_restore(self, items: Items, *, scale: torch.Tensor | None) -> Restore:
+    def start_restore(
+        self, items: list[tuple[Param, Payload]], *, scale: torch.Tensor | None
+    ) -> Restore:
         grads = []
         for param, payload in items:
-            if isinstance(payload, DensePayload):
-                grad = scaled(payload.tensor.view(local_shape(param)), scale)
+            whole = payload.as_gradient()
+            if whole is not None:  # lossless: the gradient itself, no copy
+                grad = scaled(whole, scale)
             else:
-                dense = torch.empty(local_numel(param), dtype=param.dtype, device=self.device)
-                grad = fill_from(payload, dense).view(local_shape(param))
+                grad = payload.decode_into(
+                    torch.empty(local_numel(param), dtype=param.dtype, device=self.device)
+                )
                 if scale is not None:
                     grad.mul_(scale)  # a fresh tensor: scaling in place costs no copy
-            grads.append((param, grad))
+            grads.append((param, grad.view(local_shape(param))))
         return Restore(grads)

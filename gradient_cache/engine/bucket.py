@@ -5,46 +5,43 @@ Life of a bucket (docs/ARCHITECTURE.md draws it with the streams and events):
 1. assembling: the hooks collect ``(param, gradient)`` pairs until they hold
    ``bucket_size_mb`` (`BucketAssembler`), or until an FSDP2 group's last gradient is in
    (the pipeline flushes then); the gradients are still device tensors.
-2. launched: the backend encodes them and copies the payloads into each parameter's
-   host slot; `device_tensors` keeps what those copies read alive, and `copied` is the
-   event after which the host payloads are complete.
-3. cached: `payloads` holds each parameter's host payload, in arrival order.
-4. restored: `apply_gradients()` or the fused step takes payloads out (`take`), all at
+2. ``LANDING``: launched. The backend has encoded the gradients and issued the copies of
+   the payloads into each parameter's host slot; the store holds the host payloads,
+   which only the encode of a later micro-batch may read (after the copy's event).
+3. ``CACHED``: the drain waited for every copy; the host payloads are complete.
+4. restored: `apply_gradients()` or the fused step takes payloads out of the store, all at
    once or one optimizer's parameters at a time; an empty bucket is dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+import enum
 
 import torch
 
-from ..compression import Payload
+from ..codecs import Payload
 
 Item = tuple[torch.nn.Parameter, torch.Tensor]
-Items = list[tuple[torch.nn.Parameter, Payload]]
+
+
+class BucketState(enum.Enum):
+    LANDING = "landing"  # host copies issued, not yet waited for
+    CACHED = "cached"  # host payloads complete
+
+
+class Bucket:
+    """Host payloads offloaded together, in arrival order; `store.GradientStore` owns it."""
+
+    def __init__(self, payloads: dict[torch.nn.Parameter, Payload]) -> None:
+        self.payloads = payloads
+        self.state = BucketState.LANDING
+
+    def __len__(self) -> int:
+        return len(self.payloads)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-class Bucket:
-    """Gradients offloaded together; see the module docstring for its life."""
-
-    def __init__(self) -> None:
-        self.payloads: dict[torch.nn.Parameter, Payload] = {}
-        # Device tensors the copies still read; dropped only once that is known safe.
-        self.device_tensors: list[torch.Tensor] = []
-        self.copied: Any = None  # the backend's event: payloads complete in host memory
-
-    def take(self, params: Iterable[torch.nn.Parameter]) -> Items:
-        """Remove and return the payloads of ``params`` (all of them must be here)."""
-        return [(param, self.payloads.pop(param)) for param in params]
-
-    def __len__(self) -> int:
-        return len(self.payloads)
 
 
 class BucketAssembler:
@@ -76,6 +73,14 @@ class BucketAssembler:
     def __len__(self) -> int:
         """Gradients waiting here for their bucket to fill."""
         return len(self._items)
+
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients wait here, in arrival order."""
+        return list(self._items)
+
+    def waiting(self) -> list[torch.Tensor]:
+        """The device gradients waiting here (memory accounting reads them)."""
+        return list(self._items.values())
 
     def flush(self) -> list[Item] | None:
         """Return the partial bucket's items (None if empty) and start a new one."""

@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from ..compression import DensePayload, Payload, QuantizedPayload, SparsePayload, moved
+from ..codecs import payload_from_state
 from . import sharding
 from .backend import Encoded
-from .bucket import Bucket
 from .pipeline import Pipeline
 
 FORMAT_VERSION = 1
@@ -38,40 +37,6 @@ def _cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
-def _payload_state(payload: Payload) -> dict[str, Any]:
-    if isinstance(payload, DensePayload):
-        return {"kind": "dense", "tensor": _cpu(payload.tensor)}
-    if isinstance(payload, SparsePayload):
-        return {
-            "kind": "sparse",
-            "values": _cpu(payload.values),
-            "indices": _cpu(payload.indices),
-            "numel": payload.numel,
-        }
-    return {
-        "kind": "quantized",
-        "packed": _cpu(payload.packed),
-        "indices": None if payload.indices is None else _cpu(payload.indices),
-        "numel": payload.numel,
-        "count": payload.count,
-        "dtype": str(payload.dtype).removeprefix("torch."),
-    }
-
-
-def _payload(state: dict[str, Any]) -> Payload:
-    if state["kind"] == "dense":
-        return DensePayload(state["tensor"])
-    if state["kind"] == "sparse":
-        return SparsePayload(state["values"], state["indices"], state["numel"])
-    return QuantizedPayload(
-        state["packed"],
-        state["indices"],
-        state["numel"],
-        state["count"],
-        getattr(torch, state["dtype"]),
-    )
-
-
 def recipe(pipeline: Pipeline) -> dict[str, Any]:
     """What must match between the saving and the loading manager."""
     return {"compression_ratio": pipeline.ratio} | {
@@ -88,6 +53,7 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
         )
     pipeline.drain()
     names = pipeline.names
+    residuals = pipeline.backend.residuals
     return {
         "format_version": FORMAT_VERSION,
         "recipe": recipe(pipeline),
@@ -97,14 +63,11 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
         "random_device": pipeline.backend.device.type,
         "random_state": pipeline.random_state(),
         "random_state_at_step_start": pipeline.random_state_at_step_start,
-        "residuals": {names[p]: _cpu(r) for p, r in pipeline.residuals.items()},
-        "pending_residuals": {names[p]: _cpu(r) for p, r in pipeline.pending_residuals.items()},
+        "residuals": {names[p]: _cpu(r) for p, r in residuals.current().items()},
+        "pending_residuals": {names[p]: _cpu(r) for p, r in residuals.pending().items()},
         "buckets": [
-            [
-                {"name": names[p], "payload": _payload_state(payload)}
-                for p, payload in b.payloads.items()
-            ]
-            for b in pipeline.buckets
+            [{"name": names[p], "payload": payload.state()} for p, payload in bucket]
+            for bucket in pipeline.store.buckets()
         ],
     }
 
@@ -113,39 +76,30 @@ def load(pipeline: Pipeline, state: Any) -> None:
     """Make ``pipeline`` continue from ``state``, or raise naming what does not match."""
     _check(pipeline, state)
     by_name = {name: param for param, name in pipeline.names.items()}
-    pipeline.steps = state["steps"]
-    pipeline.end_warmup_when_done()  # the pool the saved step had: before residuals go in
+    pipeline.restart_at(state["steps"])  # the routes (and pool) the saved step had
     # Generator states are device-specific (a CPU and a CUDA generator's differ in kind).
     same_kind = state["random_device"] == pipeline.backend.device.type
     pipeline.set_random_state(state["random_state"] if same_kind else {})
+    pipeline.backend.residuals.load(
+        {by_name[name]: saved for name, saved in state["residuals"].items()},
+        {by_name[name]: saved for name, saved in state["pending_residuals"].items()},
+    )
     device = pipeline.backend.device
-    for name, saved in state["residuals"].items():
-        param = by_name[name]
-        if param in pipeline.host_residual_params:
-            pipeline.residuals[param].copy_(saved)  # nothing in flight: a plain host copy
-        else:
-            pipeline.residuals[param] = saved.to(device)
-    for name, saved in state["pending_residuals"].items():
-        param = by_name[name]
-        if param in pipeline.host_residual_params:
-            pipeline.pending_residuals[param] = pipeline.backend.pending_host_residual(param)
-            pipeline.pending_residuals[param].copy_(saved)
-        else:
-            pipeline.pending_residuals[param] = saved.to(device)
 
     def to_device(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device)
 
     for saved_bucket in state["buckets"]:
-        # The backend stores them as it stores any encoded gradient: moved to the device
-        # where its encode would have left them, then copied into their host slots.
-        with pipeline.backend.encoding([]):
+        # Stored as backward stores any encoded gradient: moved to the device where its
+        # encode would have left them, then copied into their host slots.
+        params = [by_name[item["name"]] for item in saved_bucket]
+        with pipeline.backend.encoding(params):
             encoded = [
-                Encoded(by_name[item["name"]], moved(_payload(item["payload"]), to_device), None)
-                for item in saved_bucket
+                Encoded(param, payload_from_state(item["payload"]).moved(to_device), None)
+                for param, item in zip(params, saved_bucket, strict=True)
             ]
-        pipeline.commit(Bucket(), encoded, [])
-    pipeline.backend.wait()
+        pipeline.put_back(encoded)
+    pipeline.drain()
     pipeline.random_state_at_step_start = state["random_state_at_step_start"] if same_kind else None
 
 
@@ -160,7 +114,7 @@ def _check(pipeline: Pipeline, state: Any) -> None:
             f"This checkpoint's gradient-cache state has format_version "
             f"{state['format_version']!r}; this version reads {FORMAT_VERSION}."
         )
-    if pipeline.cached or pipeline.pending_residuals or len(pipeline.assembler):
+    if pipeline.step_pending:
         raise RuntimeError(
             "load_state_dict() needs a manager with no step pending: call it before the first "
             "backward, or after a restore (apply_gradients() or step())."

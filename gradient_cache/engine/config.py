@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from ..compression import RESIDUAL_DTYPES, SELECTIONS
+from ..codecs import RESIDUAL_DTYPES, SELECTIONS
 
 RESIDUAL_LOCATIONS = ("host", "device")
 VALUE_DTYPES = ("int8",)
@@ -38,11 +37,10 @@ class EngineConfig:
             within ``±10%`` of the wanted count; what it keeps is always the
             largest-magnitude entries.
             ``"exact"`` keeps exactly ``ceil(numel / ratio)`` entries with
-            ``torch.topk``: exact, and about 20x slower on a CPU.
+            ``torch.topk``: exact, and much slower on a CPU (perf/RESULTS.md).
         error_feedback: Add what compression dropped back into the next gradient (the
-            residual), so that dropped mass is delayed, not lost. Default True: in the
-            1,500-step, 3-seed table of perf/RESULTS.md ("Compression recipes") it trained
-            better than top-k alone at ratios 10 and 100, with AdamW and with SGD. No
+            residual), so that dropped mass is delayed, not lost. Default True, chosen by
+            the "Compression recipes" table of perf/RESULTS.md. No
             effect when nothing is selected (ratio 1). Its cost: the residual's host
             memory and PCIe traffic (``residual_dtype``) and, while a tensor is encoded, a
             dense fp32 copy of it (gradient plus residual) on the device.
@@ -51,11 +49,10 @@ class EngineConfig:
             64), ``"bfloat16"`` (2 bytes) or ``"float32"`` (4 bytes an entry: as much host
             memory as lossless offload, and on CUDA twice its PCIe traffic). bf16 and
             int8 round stochastically, so the stored residual is unbiased
-            (compression.ResidualCodec); int8 trained as well as fp32 in the screening.
+            (codecs.residual.ResidualCodec); perf/RESULTS.md compares them.
         warmup_steps: Optimizer steps sent uncompressed at the start of training, as
-            Deep Gradient Compression does, while gradients change fastest. The largest
-            single gain measured: 300 dense steps of 1,500 took AdamW at ratio 100 from
-            +12.8% to +6.8% (perf/RESULTS.md). Default 0: a good length depends on the
+            Deep Gradient Compression does, while gradients change fastest (what it gained
+            is in perf/RESULTS.md, "Compression recipes"). Default 0: a good length depends on the
             run's, and while it lasts host memory and PCIe traffic are those of lossless
             offload (on CUDA the pinned pool is sized for dense gradients until the
             warm-up ends, then rebuilt smaller).
@@ -65,8 +62,8 @@ class EngineConfig:
             magnitude / 127), about a quarter of fp32's bytes. It applies to every tensor
             of at least ``min_compress_numel`` entries, at any ``compression_ratio``:
             with ``compression_ratio=1`` every entry is kept, quantized (no longer
-            lossless); with top-k it shrinks the kept values. See perf/RESULTS.md for what
-            it cost in validation loss at 28% of lossless offload's bytes.
+            lossless); with top-k it shrinks the kept values. perf/RESULTS.md has what it
+            costs in validation loss.
         residual_location: Where the residual lives on the CUDA backend: ``"host"``
             (default; a pinned slot per compressed tensor, no device memory kept, but it
             crosses PCIe densely twice a step: in for the encode, out after it) or
@@ -77,8 +74,8 @@ class EngineConfig:
             residual until the pending step is restored, so that ``discard_gradients()``
             undoes the pending step's residual update and leaves no trace. Default True.
             Its cost is a second residual's host memory (on CUDA, a second pinned slot
-            per residual: with int8 residuals about 27% of lossless offload's host
-            bytes), not PCIe traffic. False saves that memory; a discarded step's
+            per residual: with int8 residuals about a quarter of lossless offload's
+            host bytes), not PCIe traffic. False saves that memory; a discarded step's
             held-back part (about 99% of its gradient at ratio 100) then stays in the
             residual and reaches later steps.
         min_compress_numel: Tensors with fewer elements travel uncompressed. Default
@@ -102,9 +99,6 @@ class EngineConfig:
             allocated once before training; construction fails, naming the size
             needed, if that exceeds ``host_pool_mb``. None (default): no cap beyond
             ``host_memory_fraction``.
-        cpu_worker_thread: Deprecated, ignored (a DeprecationWarning says so); will be
-            removed in the next release. The worker thread it enabled never beat inline
-            encoding (perf/RESULTS.md) and was removed.
     """
 
     bucket_size_mb: float = 4.0
@@ -118,7 +112,6 @@ class EngineConfig:
     min_compress_numel: int = 16384
     host_memory_fraction: float = 0.5
     backend: str = "auto"
-    cpu_worker_thread: bool = False
     staging_depth: int = 2
     pin_memory: bool = True
     host_pool_mb: float | None = None
@@ -141,15 +134,6 @@ class EngineConfig:
                 "expected a share of available RAM in (0, 1]."
             )
         _check_choice("backend", self.backend, BACKENDS)
-        _check_bool("cpu_worker_thread", self.cpu_worker_thread)
-        if self.cpu_worker_thread:
-            warnings.warn(
-                "cpu_worker_thread is deprecated and ignored: encoding runs inline on the CPU "
-                "(a worker thread was slower, see perf/RESULTS.md). Remove the option; it "
-                "will be refused in the next release.",
-                DeprecationWarning,
-                stacklevel=3,
-            )
         _check_positive_int("staging_depth", self.staging_depth)
         _check_bool("pin_memory", self.pin_memory)
         if self.host_pool_mb is not None:

@@ -5,7 +5,7 @@ whole picture and the reasons):
 
     compute ──(wait_stream)──► encode stream: top-k / identity, + residual
     encode  ──(event `encoded`)──► copy stream: D2H into each parameter's pinned slot
-    copy    ──(event `copied`)──► host: `wait()` synchronizes, the one host wait
+    copy    ──(event `copied`)──► host: `drain()` synchronizes, the one host wait
 
 At most ``staging_depth`` buckets are between launch and a known-finished copy: launching
 one more makes the compute stream wait on the oldest bucket's `copied` event, then drops
@@ -26,26 +26,27 @@ streams and events and check every ordering.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import types
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from ..compression import (
-    DensePayload,
-    Payload,
-    QuantizedPayload,
-    SparsePayload,
-    fill_from,
-    moved,
-    payload_tensors,
-)
-from .backend import Backend, Encoded, Restore
-from .bucket import Bucket, Items
-from .pool import HostPool, Slot
+from ..codecs import Payload
+from .backend import Backend, Encoded, Event, Grads, Param, Restore
+from .pool import HostPool
+from .residuals import DeviceResiduals, HostSlotResiduals
+from .route import Route
 from .sharding import local_numel, local_shape
+
+
+@dataclass
+class Landing:
+    """A bucket's copies in flight: their event, and the device tensors they read."""
+
+    copied: Event  # recorded on the copy stream after the bucket's copies
+    tensors: list[torch.Tensor] = field(default_factory=list)  # kept alive until it is known safe
 
 
 class CudaBackend(Backend):
@@ -60,10 +61,13 @@ class CudaBackend(Backend):
         pool: HostPool,
         *,
         staging_depth: int,
+        host_residuals: bool,
+        keep_previous_residual: bool,
         cuda: types.ModuleType | object = torch.cuda,
         record_gradients: bool = False,
     ) -> None:
-        """``record_gradients``: the gradients may have been allocated on another stream
+        """``host_residuals``: residuals live in the pool's slots, else on the device.
+        ``record_gradients``: the gradients may have been allocated on another stream
         than the one current in the hook (FSDP2: see `store`)."""
         self.device = device
         self.pool = pool
@@ -76,32 +80,24 @@ class CudaBackend(Backend):
         self.record_gradients = record_gradients
         # Tensor.record_stream, or the stand-in's (which tells its checker).
         self.record_stream = getattr(cuda, "record_stream", torch.Tensor.record_stream)
-        self._in_flight: deque[Bucket] = deque()
+        self.residuals = (
+            HostSlotResiduals(
+                lambda: self.pool, self.to_device, keep_previous=keep_previous_residual
+            )
+            if host_residuals
+            else DeviceResiduals(device, keep_previous=keep_previous_residual)
+        )
+        self._in_flight: deque[Landing] = deque()
         # The `copied` event of the last copy into each slot not yet waited for by the host.
-        self._unwaited: dict[torch.nn.Parameter, object] = {}
+        self._unwaited: dict[Param, Event] = {}
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         # An explicit H2D copy on the current stream, into a block allocated for it.
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
         return out.copy_(tensor, non_blocking=self.pool.pinned)
 
-    def host_residuals(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        return {p: s.residual for p, s in self.pool.slots.items() if s.residual is not None}
-
-    def pending_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
-        slot = self.pool.slots[param]
-        return slot.residual if slot.spare_residual is None else slot.spare_residual
-
-    def commit_host_residual(self, param: torch.nn.Parameter) -> torch.Tensor:
-        # Runs after the restore of ``param``, so after `wait()`: no copy is writing
-        # either slot, and the old one is rewritten only by a later step's copy.
-        slot = self.pool.slots[param]
-        if slot.spare_residual is not None:
-            slot.residual, slot.spare_residual = slot.spare_residual, slot.residual
-        return slot.residual
-
     @contextlib.contextmanager
-    def encoding(self, reads_host: Sequence[torch.nn.Parameter]) -> Iterator[None]:
+    def encoding(self, params: Sequence[Param]) -> Iterator[None]:
         compute = self.cuda.current_stream(self.device)
         retired = None
         if len(self._in_flight) >= self.staging_depth:
@@ -113,8 +109,8 @@ class CudaBackend(Backend):
         # (through the wait above) reuses the retired bucket's blocks only after its copy.
         self.encode_stream.wait_stream(compute)
         if retired is not None:
-            retired.device_tensors = []  # safe now: both allocating streams are past the copy
-        for copied in {id(e): e for p in reads_host if (e := self._unwaited.get(p))}.values():
+            retired.tensors.clear()  # safe now: both allocating streams are past the copy
+        for copied in {id(e): e for p in params if (e := self._unwaited.get(p))}.values():
             # Guarantees the encode reads a slot (an accumulated payload, a host residual)
             # only after the copy that wrote it, which the host has not waited for.
             self.encode_stream.wait_event(copied)
@@ -124,7 +120,7 @@ class CudaBackend(Backend):
         ):
             yield
 
-    def store(self, bucket: Bucket, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
+    def store(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> dict[Param, Payload]:
         encoded_event = self.cuda.Event()
         encoded_event.record(self.encode_stream)
         # Guarantees the copy reads payloads only after the encode stream wrote them.
@@ -139,62 +135,57 @@ class CudaBackend(Backend):
             for grad in grads:
                 self.record_stream(grad, self.encode_stream)
                 self.record_stream(grad, self.copy_stream)
+        pinned = self.pool.pinned  # pageable memory: the copies block the host
+        payloads: dict[Param, Payload] = {}
         with (
             torch.profiler.record_function("gradient_cache.copy"),
             self.cuda.stream(self.copy_stream),
         ):
             for item in encoded:
                 slot = self.pool.slots[item.param]
-                bucket.payloads[item.param] = self._copy_payload(item.payload, slot)
-                kept += payload_tensors(item.payload)
-                if slot.residual is not None and item.residual is not None:
-                    target = self.pending_host_residual(item.param)
-                    target.copy_(item.residual, non_blocking=self.pool.pinned)
+                tensors = item.payload.tensors()
+                payloads[item.param] = item.payload.with_tensors(
+                    [
+                        slot.region_for(i, t).copy_(t, non_blocking=pinned)
+                        for i, t in enumerate(tensors)
+                    ]
+                )
+                kept += tensors
+                if item.residual is not None:
+                    self.residuals.write(item.param, item.residual, non_blocking=pinned)
                     kept.append(item.residual)
         copied = self.cuda.Event()
         copied.record(self.copy_stream)
-        bucket.copied = copied
-        bucket.device_tensors = kept
         for item in encoded:
             self._unwaited[item.param] = copied
-        self._in_flight.append(bucket)
+        self._in_flight.append(Landing(copied, kept))
+        return payloads
 
-    def _copy_payload(self, payload: Payload, slot: Slot) -> Payload:
-        """Issue the D2H copies of ``payload`` into ``slot`` on the current (copy) stream."""
-        pinned = self.pool.pinned  # pageable memory: the copy blocks the host
-        if isinstance(payload, DensePayload):
-            return DensePayload(slot.values.copy_(payload.tensor, non_blocking=pinned))
-        if isinstance(payload, QuantizedPayload):
-            region = slot.values.view(torch.uint8)[: payload.packed.numel()]
-            packed = region.copy_(payload.packed, non_blocking=pinned)
-            indices = payload.indices
-            if indices is not None:
-                indices = slot.indices[: payload.count].copy_(indices, non_blocking=pinned)
-            return dataclasses.replace(payload, packed=packed, indices=indices)
-        kept = payload.values.numel()  # exact selection: always the slot's size
-        values = slot.values[:kept].copy_(payload.values, non_blocking=pinned)
-        indices = slot.indices[:kept].copy_(payload.indices, non_blocking=pinned)
-        return SparsePayload(values, indices, payload.numel)
+    def host_pool(self) -> HostPool:
+        return self.pool
 
-    def wait(self) -> None:
+    def drain(self) -> None:
         while self._in_flight:
-            bucket = self._in_flight.popleft()
-            bucket.copied.synchronize()  # a non-blocking D2H copy is readable only after this
-            bucket.device_tensors = []
+            landing = self._in_flight.popleft()
+            landing.copied.synchronize()  # a non-blocking D2H copy is readable only after this
+            landing.tensors.clear()
         self._unwaited.clear()
 
-    def end_warmup(self) -> None:
+    def follow_routes(self, routes: Mapping[Param, Route]) -> None:
         """Shrink the pool once warm-up steps (dense payloads) are over.
 
         The old slab is freed once no payload views it, while restores may still copy
         from it: the caching host allocator keeps a pinned block that non-blocking
         copies read from reuse until their streams have passed those copies.
         """
-        if self.pool.warmup_sized:
-            self.wait()
-            self.pool = self.pool.without_warmup_room()
+        layout = {param: route.slot for param, route in routes.items()}
+        if layout != self.pool.layout:
+            self.drain()
+            self.pool = self.pool.relaid(layout)
 
-    def start_restore(self, items: Items, *, scale: torch.Tensor | None) -> Restore:
+    def start_restore(
+        self, items: list[tuple[Param, Payload]], *, scale: torch.Tensor | None
+    ) -> Restore:
         compute = self.cuda.current_stream(self.device)
         # Allocated for the compute stream, which reads and frees them: the allocator then
         # reuses their blocks in compute-stream order, as for any gradient.
@@ -204,9 +195,7 @@ class CudaBackend(Backend):
         self.restore_stream.wait_stream(compute)
         with self.cuda.stream(self.restore_stream):
             for (_, payload), out in zip(items, outs, strict=True):
-                # A dense payload's copy moves it; any other is moved, then decoded.
-                dense = isinstance(payload, DensePayload)
-                fill_from(payload if dense else moved(payload, self.to_device), out)
+                payload.restore_into(out, self.to_device)  # H2D, then decoded on the device
                 if scale is not None:
                     out.mul_(scale)
         done = self.cuda.Event()
@@ -214,7 +203,7 @@ class CudaBackend(Backend):
         grads = [(p, out.view(local_shape(p))) for (p, _), out in zip(items, outs, strict=True)]
         return Restore(grads, done)
 
-    def finish_restore(self, restore: Restore) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    def finish_restore(self, restore: Restore) -> Grads:
         # Guarantees work queued next on the current stream (the optimizer; or the free of
         # an abandoned restore's blocks) starts after the restore stream wrote them.
         self.cuda.current_stream(self.device).wait_event(restore.done)

@@ -14,10 +14,10 @@ from collections import deque
 
 import torch
 
-from ..compression import kept_values
 from . import sharding
 from .backend import Restore, scaled
 from .pipeline import Pipeline
+from .store import Part
 
 
 def step(
@@ -34,46 +34,45 @@ def step(
     owned = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
     retry = pipeline.interrupted_clip is not None
     if not retry:
-        pipeline.record_step([p for p in pipeline.cached if p in owned])
+        pipeline.complete([p for p in pipeline.store if p in owned])
     # A cached gradient that also has a device part is restored whole first: it then
     # behaves like any device gradient. Parameters of other optimizers stay cached.
-    pipeline.restore_into_grads([p for p in pipeline.cached if p in owned and p.grad is not None])
+    pipeline.restore([p for p in pipeline.store if p in owned and p.grad is not None])
     held = {p: p.grad for p in owned if p.grad is not None}
+    parts = pipeline.parts(owned)
     if retry:
         total_norm, scale = pipeline.interrupted_clip
     else:
-        total_norm, scale = _clip_scale(pipeline, owned, held, max_grad_norm, norm_type)
-    parts = [(bucket, [p for p in bucket.payloads if p in owned]) for bucket in pipeline.buckets]
-    parts = [(bucket, params) for bucket, params in parts if params]
+        total_norm, scale = _clip_scale(pipeline, owned, parts, held, max_grad_norm, norm_type)
+    # Parameters only from here: a payload is let go as soon as its bucket is stepped.
+    buckets = [[param for param, _ in part] for part in parts]
+    del parts
     for param in held:
         param.grad = None  # hidden from the bucket steps, stepped once at the end
+    backend = pipeline.backend
+    store = pipeline.store
     ahead: deque[Restore] = deque()
     try:
-        for i, (bucket, params) in enumerate(parts):
-            while len(ahead) <= pipeline.backend.restore_ahead and i + len(ahead) < len(parts):
-                later_bucket, later_params = parts[i + len(ahead)]
-                items = [(p, later_bucket.payloads[p]) for p in later_params]
-                ahead.append(pipeline.backend.start_restore(items, scale=scale))
-            grads = pipeline.backend.finish_restore(ahead.popleft())
-            _step_with(optimizer, grads)
-            bucket.take(params)  # stepped: the payloads are spent
-            for param in params:
-                del pipeline.cached[param]
+        for i, params in enumerate(buckets):
+            while len(ahead) <= backend.restore_ahead and i + len(ahead) < len(buckets):
+                later = buckets[i + len(ahead)]
+                items = [(param, store.payload(param)) for param in later]
+                ahead.append(backend.start_restore(items, scale=scale))
+            _step_with(optimizer, backend.finish_restore(ahead.popleft()))
+            store.remove(params)  # stepped: the payloads are spent
         if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
             for param, grad in held.items():
                 param.grad = sharding.as_grad_of(param, scaled(sharding.local(grad), scale))
             optimizer.step()
     except BaseException:
         for restore in ahead:
-            pipeline.backend.finish_restore(restore)  # before its blocks are freed
+            backend.finish_restore(restore)  # before its blocks are freed
         for param, grad in held.items():
             param.grad = grad
         pipeline.interrupted_clip = (total_norm, scale)
         raise
-    finally:
-        pipeline.drop_empty_buckets()
     pipeline.interrupted_clip = None
-    pipeline.end_warmup_when_done()
+    pipeline.finish_step()
     return total_norm
 
 
@@ -93,6 +92,7 @@ def _step_with(
 def _clip_scale(
     pipeline: Pipeline,
     owned: dict[torch.nn.Parameter, None],
+    parts: list[Part],
     held: dict[torch.nn.Parameter, torch.Tensor],
     max_grad_norm: float | None,
     norm_type: float,
@@ -106,11 +106,11 @@ def _clip_scale(
     if max_grad_norm is None:
         return None, None
     local = {}
-    for bucket in pipeline.buckets:
-        for param, payload in bucket.payloads.items():
-            if param in owned:
-                kept = kept_values(payload)
-                local[param] = torch.linalg.vector_norm(kept, norm_type, dtype=torch.float32)
+    for part in parts:
+        for param, payload in part:
+            local[param] = torch.linalg.vector_norm(
+                payload.kept_values(), norm_type, dtype=torch.float32
+            )
     for param, grad in held.items():
         local[param] = torch.linalg.vector_norm(
             sharding.local(grad), norm_type, dtype=torch.float32

@@ -20,6 +20,15 @@ except ImportError:  # an older torch, or a build without distributed: no DTenso
     DTensor = Replicate = Shard = None
 
 
+# What to do instead of classic DDP: the refusals' common advice.
+INSTEAD = (
+    "Use FSDP2 instead: torch.distributed.fsdp.fully_shard(model) (or, to replicate "
+    "rather than shard, torch.distributed._composable.replicate_with_fsdp.replicate), "
+    "then create the cache on the sharded model. Under DDP itself, "
+    "gradient_as_bucket_view=True already removes DDP's second copy of the gradients."
+)
+
+
 def supported_placements() -> tuple[tuple[object, ...], ...]:
     """What the cache is tested with: FSDP2 (1-D, dim 0), replicate_with_fsdp (1-D
     Replicate) and HSDP (replicas x shards). Tensor parallelism adds others."""
@@ -169,3 +178,19 @@ def _all_reduce(local: torch.Tensor, norm_type: float, mesh, dims: list[int]) ->
     if norm_type != float("inf"):
         value = value.pow(1.0 / norm_type)
     return value.cpu()
+
+
+def check_gradient_is_reduced(name: str, grad: torch.Tensor) -> None:
+    """At the first hook: across processes, a plain gradient was reduced by nobody yet.
+
+    Catches a model whose DDP wrapper the cache never saw (created on ``ddp.module``, say).
+    """
+    if is_dtensor(grad) or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"Parameter {name!r} got a plain (not DTensor) gradient while "
+            f"torch.distributed runs {dist.get_world_size()} processes: under DDP the cache "
+            "would take it before DDP averages it, and the ranks would drift apart. If the "
+            f"model is inside DistributedDataParallel, remove the cache. {INSTEAD}"
+        )

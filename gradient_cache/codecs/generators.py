@@ -1,0 +1,33 @@
+"""Seeded random generators per device, so a codec's draws never touch the global RNG."""
+
+from __future__ import annotations
+
+import torch
+
+
+class DeviceGenerators:
+    """One seeded generator per device, created on first use."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def uniform_like(self, x: torch.Tensor) -> torch.Tensor:
+        """Uniform noise in [0, 1) shaped like ``x``, on its device, in fp32."""
+        return torch.rand(x.shape, generator=self(x.device), device=x.device)
+
+    def get_state(self, device: torch.device) -> torch.Tensor | None:
+        """``device``'s generator state (a CPU uint8 tensor); None if nothing drew there."""
+        generator = self._generators.get(device)
+        return None if generator is None else generator.get_state()
+
+    def set_state(self, device: torch.device, state: torch.Tensor | None) -> None:
+        """Put back what `get_state` returned; None: as new, from the seed."""
+        self._generators.pop(device, None)
+        if state is not None:
+            self(device).set_state(state)

@@ -1,0 +1,49 @@
+"""Int8 values: every entry kept, as an int8 code with an fp32 scale per block of 64."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Codec, Shapes
+from .generators import DeviceGenerators
+from .int8 import int8_blocks_bytes, int8_blocks_encode
+from .payloads import DensePayload, Payload, QuantizedPayload
+
+
+class Int8Quantizer:
+    """Stores a payload's kept values as `int8_blocks_encode` codes: about a quarter of fp32.
+
+    Rounding is stochastic (unbiased), from the quantizer's own seeded generator.
+    """
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self.generators = DeviceGenerators(seed)
+
+    def quantize(self, payload: Payload) -> QuantizedPayload:
+        values, indices = payload.kept_values(), payload.kept_indices()
+        packed = int8_blocks_encode(values.float(), self.generators)
+        return QuantizedPayload(packed, indices, payload.numel, values.numel(), values.dtype)
+
+
+class Int8Values(Codec):
+    """``compression_ratio=1, value_dtype="int8"``: dense, quantized, no residual."""
+
+    name = "int8"
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self.quantizer = Int8Quantizer(seed=seed)
+
+    def encode(
+        self,
+        flat: torch.Tensor,
+        residual: torch.Tensor | None,
+        *,
+        loss_scale: torch.Tensor | None,
+    ) -> tuple[QuantizedPayload, None]:
+        return self.quantizer.quantize(DensePayload(flat)), None
+
+    def payload_shapes(self, numel: int, dtype: torch.dtype) -> Shapes:
+        return [(int8_blocks_bytes(numel), torch.uint8)]
+
+    def generators(self) -> dict[str, DeviceGenerators]:
+        return {"values": self.quantizer.generators}

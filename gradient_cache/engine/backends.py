@@ -1,0 +1,113 @@
+"""Choosing and building the backend for a set of parameters, after the host budget check.
+
+`create_backend` is the default `BackendFactory`: the CUDA backend for CUDA parameters,
+the CPU backend otherwise. Tests give the pipeline another factory (the CUDA backend on
+stand-in streams) instead of patching this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from .backend import Backend, CpuBackend
+from .config import EngineConfig
+from .cuda import CudaBackend, allocate_pinned
+from .hostmem import check_host_budget
+from .pool import HostPool
+from .route import plan_params
+from .sharding import is_dtensor
+
+Param = torch.nn.Parameter
+
+
+class BackendFactory(Protocol):
+    def __call__(
+        self, params: Sequence[Param], config: EngineConfig, *, ratio: float
+    ) -> Backend: ...
+
+
+def parameter_device(params: Sequence[Param]) -> torch.device:
+    """The one device all ``params`` live on, or a ValueError naming them all."""
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) != 1:
+        raise ValueError(
+            f"The cached parameters live on several devices {devices}; one manager serves "
+            "one device. Create one manager per device, or list the other device's layers "
+            "in exclude_layers."
+        )
+    device = torch.device(devices[0])
+    if device.type == "meta":
+        raise ValueError(
+            "The model's parameters are on the meta device: they have no data, so backward "
+            "cannot produce gradients to cache. Materialize the model first "
+            "(model.to_empty(device=...) and initialize it, or load its state_dict with "
+            "assign=True), then create the cache."
+        )
+    return device
+
+
+def create_backend(params: Sequence[Param], config: EngineConfig, *, ratio: float) -> Backend:
+    """The backend for the parameters' device, after checking the host budget."""
+    device = parameter_device(params)
+    if config.backend != "auto" and config.backend != device.type:
+        raise ValueError(
+            f"backend={config.backend!r} does not match the parameters' device {device}; "
+            f"use backend='auto' or move the model to {config.backend}."
+        )
+    if device.type == "cuda":
+        return build_cuda_backend(params, config, device, ratio=ratio)
+    # The CPU's payloads replace the gradients plain PyTorch would hold: only residuals add,
+    # the current ones and (keep_previous_residual) a pending step's new ones.
+    copies = 2 if config.keep_previous_residual else 1
+    routes = plan_params(params, config, ratio=ratio, selection=CpuBackend.default_selection)
+    check_host_budget(
+        copies * sum(route.residual_bytes for route in routes.values()),
+        fraction=config.host_memory_fraction,
+        what="error-feedback residuals",
+    )
+    return CpuBackend(device, keep_previous_residual=config.keep_previous_residual)
+
+
+def build_cuda_backend(
+    params: Sequence[Param],
+    config: EngineConfig,
+    device: torch.device,
+    *,
+    ratio: float,
+    cuda: object = torch.cuda,
+    allocate: Callable[[int], torch.Tensor] = allocate_pinned,
+) -> CudaBackend:
+    """A `CudaBackend` whose pinned pool has a slot for every parameter.
+
+    ``cuda`` and ``allocate`` stand in for `torch.cuda` and pinned allocation in tests.
+    """
+    if config.selection == "threshold":
+        raise ValueError(
+            "selection='threshold' is not supported on CUDA: counting the entries above the "
+            "threshold needs a host sync inside backward. Use selection='auto' or 'exact'."
+        )
+    routes = plan_params(params, config, ratio=ratio, selection=CudaBackend.default_selection)
+    layout = {param: route.slot for param, route in routes.items()}
+    needed = sum(spec.nbytes for spec in layout.values())
+    if config.host_pool_mb is not None and needed > config.host_pool_mb * 2**20:
+        raise ValueError(
+            f"host_pool_mb={config.host_pool_mb} is below the {needed / 2**20:.1f} MiB the "
+            "pool needs (one slot per parameter, sized for its largest payload). Raise "
+            "host_pool_mb, raise compression_ratio, or leave host_pool_mb=None."
+        )
+    check_host_budget(
+        needed, fraction=config.host_memory_fraction, what="the host pool of payload slots"
+    )
+    pool = HostPool(layout, allocate_pinned=allocate if config.pin_memory else None)
+    return CudaBackend(
+        device,
+        pool,
+        staging_depth=config.staging_depth,
+        host_residuals=config.error_feedback and config.residual_location == "host",
+        keep_previous_residual=config.keep_previous_residual,
+        cuda=cuda,
+        record_gradients=any(map(is_dtensor, params)),
+    )

@@ -1,0 +1,160 @@
+"""Error-feedback residuals: the one owner of each parameter's residual, current and pending.
+
+A residual is what compression held back, carried into the next step's encode. A step is
+pending until its gradients are restored: its new residuals are kept beside the current
+ones (``keep_previous_residual``), so a discarded step leaves the current ones as they
+were. Two stores, one interface: `DeviceResiduals` holds tensors where the encode runs
+(the CPU backend, or ``residual_location="device"``); `HostSlotResiduals` keeps them in the
+CUDA backend's pinned slots, swapping a slot and its spare when a step completes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .pool import HostPool
+
+Param = torch.nn.Parameter
+
+
+class ResidualStore(ABC):
+    """Current residuals (as of the last completed step) and a pending step's new ones."""
+
+    def __init__(self, *, keep_previous: bool) -> None:
+        self.keep_previous = keep_previous
+
+    @abstractmethod
+    def read(self, param: Param) -> torch.Tensor | None:
+        """The residual the next encode of ``param`` starts from (the pending step's, if
+        any), on the encode's device; None before the first."""
+
+    @abstractmethod
+    def write(self, param: Param, new: torch.Tensor, *, non_blocking: bool) -> None:
+        """Keep ``new`` (a device tensor) as ``param``'s pending residual; without
+        ``keep_previous``, as its current one. Runs where the backend's copies run."""
+
+    @abstractmethod
+    def promote(self, params: Iterable[Param]) -> None:
+        """The pending residuals of ``params`` become their current ones (step delivered)."""
+
+    @abstractmethod
+    def drop_pending(self) -> None:
+        """Forget every pending residual (the step was discarded)."""
+
+    @abstractmethod
+    def current(self) -> dict[Param, torch.Tensor]:
+        """The current residuals, stored form (read-only views)."""
+
+    @abstractmethod
+    def pending(self) -> dict[Param, torch.Tensor]:
+        """A pending step's new residuals, stored form (read-only views)."""
+
+    @abstractmethod
+    def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
+        """Take ``current`` and ``pending`` (CPU tensors, stored form): nothing is in flight."""
+
+    def nbytes(self) -> int:
+        """Bytes held now: the current residuals and a pending step's new ones."""
+        held = [*self.current().values(), *self.pending().values()]
+        return sum(r.numel() * r.element_size() for r in held)
+
+
+class DeviceResiduals(ResidualStore):
+    """Residuals as tensors on the encode's device (host RAM on the CPU backend)."""
+
+    def __init__(self, device: torch.device, *, keep_previous: bool) -> None:
+        super().__init__(keep_previous=keep_previous)
+        self.device = device
+        self._current: dict[Param, torch.Tensor] = {}
+        self._pending: dict[Param, torch.Tensor] = {}
+
+    def read(self, param: Param) -> torch.Tensor | None:
+        return self._pending.get(param, self._current.get(param))
+
+    def write(self, param: Param, new: torch.Tensor, *, non_blocking: bool) -> None:
+        (self._pending if self.keep_previous else self._current)[param] = new
+
+    def promote(self, params: Iterable[Param]) -> None:
+        for param in params:
+            if param in self._pending:
+                self._current[param] = self._pending.pop(param)
+
+    def drop_pending(self) -> None:
+        self._pending = {}
+
+    def current(self) -> dict[Param, torch.Tensor]:
+        return dict(self._current)
+
+    def pending(self) -> dict[Param, torch.Tensor]:
+        return dict(self._pending)
+
+    def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
+        self._current = {p: r.to(self.device) for p, r in current.items()}
+        self._pending = {p: r.to(self.device) for p, r in pending.items()}
+
+
+class HostSlotResiduals(ResidualStore):
+    """Residuals in the pinned pool's slots: the current one, and a spare for a pending step.
+
+    ``pool`` is read at each call (the backend replaces it when the warm-up ends, while
+    every residual is still zero); ``to_device`` moves a slot to the encode's device.
+    """
+
+    def __init__(
+        self,
+        pool: Callable[[], HostPool],
+        to_device: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        keep_previous: bool,
+    ) -> None:
+        super().__init__(keep_previous=keep_previous)
+        self._pool = pool
+        self._to_device = to_device
+        self._pending: set[Param] = set()  # params whose spare holds a pending residual
+
+    def _slots(self) -> dict:
+        return {p: s for p, s in self._pool().slots.items() if s.residual is not None}
+
+    def _target(self, param: Param) -> torch.Tensor:
+        slot = self._pool().slots[param]
+        return slot.residual if slot.spare_residual is None else slot.spare_residual
+
+    def read(self, param: Param) -> torch.Tensor | None:
+        slot = self._pool().slots[param]
+        stored = self._target(param) if param in self._pending else slot.residual
+        return None if stored is None else self._to_device(stored)
+
+    def write(self, param: Param, new: torch.Tensor, *, non_blocking: bool) -> None:
+        self._target(param).copy_(new, non_blocking=non_blocking)
+        if self.keep_previous:
+            self._pending.add(param)
+
+    def promote(self, params: Iterable[Param]) -> None:
+        # Runs after the restore of ``params``, so after the drain: no copy is writing
+        # either slot, and the old one is rewritten only by a later step's copy.
+        for param in params:
+            if param in self._pending:
+                self._pending.discard(param)
+                slot = self._pool().slots[param]
+                slot.residual, slot.spare_residual = slot.spare_residual, slot.residual
+
+    def drop_pending(self) -> None:
+        self._pending = set()
+
+    def current(self) -> dict[Param, torch.Tensor]:
+        return {p: s.residual for p, s in self._slots().items()}
+
+    def pending(self) -> dict[Param, torch.Tensor]:
+        return {p: self._target(p) for p in self._pending}
+
+    def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
+        slots = self._pool().slots
+        for param, saved in current.items():
+            slots[param].residual.copy_(saved)  # nothing in flight: plain host copies
+        self._pending = set()
+        for param, saved in pending.items():
+            self._target(param).copy_(saved)
+            self._pending.add(param)
