@@ -10,7 +10,12 @@ before ``optimizer.step()``), then call the original:
 * ``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_`` and ``clip_grads_with_norm_``
   (looked up as attributes of ``torch.nn.utils`` or of ``torch.nn.utils.clip_grad`` at
   call time, as ``accelerate`` and ``Trainer`` do);
-* ``torch.amp.GradScaler.unscale_`` (a method: found through the class at every call).
+* ``torch.amp.GradScaler.unscale_`` (a method: found through the class at every call);
+* ``accelerate.Accelerator``'s ``clip_grad_norm_``, ``clip_grad_value_`` and
+  ``unscale_gradients``, where ``accelerate`` is imported when the decorated function
+  starts (``Trainer`` imports it). Since accelerate 1.16, ``Accelerator.clip_grad_norm_``
+  picks the parameters whose ``.grad`` is set before it calls any torch function, so
+  wrapping torch's functions alone restores too late.
 
 A name bound before the decorator ran (``from torch.nn.utils import clip_grad_norm_``)
 keeps the original function: it is not covered. Nor is ``get_total_norm``: it takes the
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +40,7 @@ CLIPPING_FUNCTIONS = (
     "clip_grad_value_",
     "clip_grads_with_norm_",
 )
+ACCELERATOR_READERS = ("clip_grad_norm_", "clip_grad_value_", "unscale_gradients")
 
 
 @contextlib.contextmanager
@@ -47,9 +54,15 @@ def restore_before_gradient_reads(restore: Callable[[], None]) -> Iterator[None]
                 if original is not None:  # clip_grads_with_norm_ arrived in torch 2.6
                     patched.append((owner, name, original))
                     setattr(owner, name, _restoring(original, restore))
-        original_unscale = torch.amp.GradScaler.unscale_
-        patched.append((torch.amp.GradScaler, "unscale_", original_unscale))
-        torch.amp.GradScaler.unscale_ = _restoring(original_unscale, restore)
+        methods: list[tuple[type, str]] = [(torch.amp.GradScaler, "unscale_")]
+        accelerate = sys.modules.get("accelerate")
+        if accelerate is not None and hasattr(accelerate, "Accelerator"):
+            methods += [(accelerate.Accelerator, name) for name in ACCELERATOR_READERS]
+        for owner, name in methods:
+            original = owner.__dict__.get(name)
+            if original is not None:
+                patched.append((owner, name, original))
+                setattr(owner, name, _restoring(original, restore))
         yield
     finally:
         for owner, name, original in reversed(patched):
