@@ -1,57 +1,12 @@
-"""Shared models and a reference training loop for comparing against plain PyTorch."""
+"""Fixtures shared by the tests; helpers live in tests/helpers.py."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
-
-import gradient_cache
-
-
-class TiedLM(nn.Module):
-    """Embedding, an MLP, a LayerNorm and an output head tied to the embedding."""
-
-    def __init__(self, vocab: int = 64, width: int = 32, *, with_unused: bool = False) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.mlp = nn.Sequential(
-            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
-        )
-        self.norm = nn.LayerNorm(width)
-        self.unused = nn.Linear(width, width) if with_unused else None
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(tokens)  # [batch, seq, width]
-        hidden = self.norm(hidden + self.mlp(hidden))
-        return hidden @ self.embed.weight.t()  # [batch, seq, vocab], tied head
-
-
-def make_model(seed: int = 0, **kwargs) -> TiedLM:
-    torch.manual_seed(seed)
-    return TiedLM(**kwargs)
-
-
-def batches(
-    steps: int, *, vocab: int = 64, seed: int = 1
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randint(vocab, (4, 8), generator=generator),
-            torch.randint(vocab, (4, 8), generator=generator),
-        )
-        for _ in range(steps)
-    ]
-
-
-def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens)
-    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
+from helpers import TiedLM, make_model
 
 # Bit-for-bit comparisons need one intra-op thread count: LayerNorm's CPU backward sums
 # per-thread partial results, so other counts give other bits (4e-5 after 10 AdamW steps).
@@ -65,138 +20,7 @@ def fixed_thread_count():
     yield
 
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=1e-2)
-
-
-def finish_step(
-    manager: gradient_cache.GradientCacheHookManager | None,
-    optimizer: torch.optim.Optimizer,
-    *,
-    fused_step: bool,
-) -> None:
-    """The step after backward: plain, apply_gradients() then step, or the fused step."""
-    if manager is None:
-        optimizer.step()
-    elif fused_step:
-        manager.step(optimizer)
-    else:
-        manager.apply_gradients()
-        optimizer.step()
-    optimizer.zero_grad()
-
-
-def train(
-    model: nn.Module,
-    data: list[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    manager: gradient_cache.GradientCacheHookManager | None = None,
-    make_optimizer: OptimizerFactory = adam,
-    micro_batches: int = 1,
-    fused_step: bool = False,
-    compress_each_micro_batch: bool = True,
-) -> list[float]:
-    """The user's loop: plain when ``manager`` is None, else with the cache's calls."""
-    optimizer = make_optimizer(list(model.parameters()))
-    losses = []
-    for tokens, targets in data:
-        for part in range(micro_batches):
-            rows = slice(
-                part * len(tokens) // micro_batches, (part + 1) * len(tokens) // micro_batches
-            )
-            loss = loss_of(model, tokens[rows], targets[rows]) / micro_batches
-            loss.backward()
-            losses.append(loss.item())
-            if manager is not None and compress_each_micro_batch:
-                manager.compress_and_free_gradients()
-        finish_step(manager, optimizer, fused_step=fused_step)
-    return losses
-
-
-def assert_same_parameters(left: nn.Module, right: nn.Module, *, atol: float = 0.0) -> None:
-    for (name, a), (_, b) in zip(left.named_parameters(), right.named_parameters(), strict=True):
-        if atol == 0.0:
-            assert torch.equal(a, b), f"{name} differs by {(a - b).abs().max().item()}"
-        else:
-            torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=f"{name} differs")
-
-
 @pytest.fixture
 def twin_models() -> tuple[TiedLM, TiedLM]:
     model = make_model()
     return model, copy.deepcopy(model)
-
-
-class FailsOnce:
-    """Once armed, makes the ``nth`` next ``optimizer.step()`` raise before changing anything."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.calls = 0
-        self.fail_at = None
-        optimizer.register_step_pre_hook(self)
-
-    def arm(self, nth: int) -> None:
-        self.fail_at = self.calls + nth
-
-    def __call__(self, optimizer, args, kwargs) -> None:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise torch.OutOfMemoryError("injected: out of memory")
-
-
-def train_through_a_failed_step(
-    plain: nn.Module,
-    cached: nn.Module,
-    manager: gradient_cache.GradientCacheHookManager,
-    *,
-    nth: int,
-    clip: float | None,
-) -> None:
-    """Three Adam steps, plain against the cache's fused step. In the second, the cache's
-    ``nth`` ``optimizer.step()`` raises once; the user calls ``step`` again."""
-    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
-    cached_opt = torch.optim.Adam(cached.parameters(), lr=1e-2)
-    failure = FailsOnce(cached_opt)
-    for i, (tokens, targets) in enumerate(batches(3)):
-        loss_of(plain, tokens, targets).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
-        plain_opt.step()
-        plain_opt.zero_grad()
-        loss_of(cached, tokens, targets).backward()
-        if i == 1:
-            failure.arm(nth)
-            with pytest.raises(torch.OutOfMemoryError):
-                manager.step(cached_opt, max_grad_norm=clip)
-            # What was not stepped is kept: cached buckets, or device gradients put back.
-            kept = any(p.grad is not None for p in cached.parameters())
-            assert manager.engine.store or kept
-        manager.step(cached_opt, max_grad_norm=clip)
-        cached_opt.zero_grad()
-
-
-def train_with_a_skipped_batch(
-    options: dict | None, *, skip: bool, fused_step: bool = False
-) -> torch.nn.Module:
-    """Four Adam steps; with ``skip``, a batch whose step is skipped comes before the third.
-
-    The skipped batch gets the user's calls for a skipped step: backward, then
-    ``zero_grad()`` and (with a cache) ``discard_gradients()``. ``options`` None is plain.
-    """
-    model = make_model()
-    manager = None if options is None else gradient_cache.create_gradient_cache(model, **options)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    skipped = batches(1, seed=7)[0]
-    for index, (tokens, targets) in enumerate(batches(4)):
-        if skip and index == 2:
-            loss_of(model, *skipped).backward()
-            if manager is not None:
-                manager.compress_and_free_gradients()
-                manager.discard_gradients()
-            optimizer.zero_grad()
-        loss_of(model, tokens, targets).backward()
-        finish_step(manager, optimizer, fused_step=fused_step)
-    return model

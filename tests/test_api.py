@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import batches, loss_of, make_model, train_with_a_skipped_batch
+from helpers import batches, loss_of, make_model, train_with_a_skipped_batch
 
 import gradient_cache
 from gradient_cache import EngineConfig, GradientCacheHookManager

@@ -2,73 +2,29 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from conftest import assert_same_parameters, batches, loss_of, make_model
-
-import gradient_cache
-
-STEPS = 5
-MICRO_BATCHES = 2
-DATA = batches(STEPS * MICRO_BATCHES)
-
-RECIPES = {
-    "lossless": dict(compression_ratio=1),
-    "r100 top-k only": dict(compression_ratio=100, error_feedback=False),
-    # The defaults at ratio 100: error feedback with an int8 residual (stochastic rounding)
-    # and, on the CPU, threshold selection (random samples): both draw from the engine's
-    # generators, which the checkpoint must carry.
-    "r100 error feedback": dict(compression_ratio=100),
-    "r100 int8 values, warm-up": dict(compression_ratio=100, value_dtype="int8", warmup_steps=2),
-}
-
-
-def build(options: dict):
-    model = make_model()
-    manager = gradient_cache.create_gradient_cache(model, min_compress_numel=1, **options)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    return model, manager, optimizer
-
-
-def run(model, manager, optimizer, micro_batches: range) -> None:
-    """Train on micro-batches ``micro_batches`` (indices into DATA), stepping after each pair."""
-    for index in micro_batches:
-        loss_of(model, *DATA[index]).backward()
-        manager.compress_and_free_gradients()
-        if index % MICRO_BATCHES == MICRO_BATCHES - 1:
-            manager.apply_gradients()
-            optimizer.step()
-            optimizer.zero_grad()
-
-
-def save_and_load(model, manager, optimizer) -> dict:
-    buffer = io.BytesIO()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "cache": manager.state_dict(),
-        },
-        buffer,
-    )
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
-def resumed_run(options: dict, cut: int):
-    """Train to micro-batch ``cut``, checkpoint, build everything anew, load, train on."""
-    model, manager, optimizer = build(options)
-    run(model, manager, optimizer, range(cut))
-    saved = save_and_load(model, manager, optimizer)
-    manager.remove_hooks()
-    model, manager, optimizer = build(options)
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    manager.load_state_dict(saved["cache"])
-    run(model, manager, optimizer, range(cut, STEPS * MICRO_BATCHES))
-    return model, manager
+from helpers import (
+    CHECKPOINT_DATA as DATA,
+)
+from helpers import (
+    CHECKPOINT_MICRO_BATCHES as MICRO_BATCHES,
+)
+from helpers import (
+    CHECKPOINT_RECIPES as RECIPES,
+)
+from helpers import (
+    CHECKPOINT_STEPS as STEPS,
+)
+from helpers import (
+    assert_same_parameters,
+    loss_of,
+    make_model,
+    resumed_run,
+    save_and_load,
+)
+from helpers import build_checkpointed as build
+from helpers import run_checkpointed as run
 
 
 @pytest.mark.parametrize("cut", [4, 5], ids=["between steps", "mid-accumulation"])

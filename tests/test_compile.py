@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from conftest import assert_same_parameters, batches, make_model, train
+from helpers import assert_same_parameters, batches, make_model, train
 
 import gradient_cache
 

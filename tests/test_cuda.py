@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_parameters, batches, finish_step, loss_of, make_model, train
+from helpers import assert_same_parameters, batches, finish_step, loss_of, make_model, train
 
 import gradient_cache
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_parameters, batches, loss_of, make_model
+from helpers import assert_same_parameters, batches, loss_of, make_model
 from torch import nn
 from torch.nn.modules.module import _global_forward_pre_hooks
 from torch.optim.optimizer import _global_optimizer_pre_hooks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_parameters, batches, loss_of, make_model, train
+from helpers import assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
 from gradient_cache import EngineConfig, HostMemoryError

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TiedLM, assert_same_parameters, batches, loss_of
+from helpers import TiedLM, assert_same_parameters, batches, loss_of
 
 import gradient_cache
+from gradient_cache.engine.backend import CpuBackend
 from gradient_cache.engine.pipeline import Pipeline
 
 SMALL = 0.004  # MiB: several buckets per backward, so some launch before the fault
@@ -103,3 +104,60 @@ def test_after_a_fault_training_goes_on_as_if_the_batch_was_skipped(
     faulted = train(options, fault=fault, monkeypatch=monkeypatch)
     reference = train(None if ratio == 1 else options, fault=None, monkeypatch=monkeypatch)
     assert_same_parameters(reference, faulted)
+
+
+class RestoreFailsOnce(CpuBackend):
+    """The CPU backend; once armed, its second restore raises (a bucket already restored)."""
+
+    def __init__(self, config: gradient_cache.EngineConfig) -> None:
+        super().__init__(torch.device("cpu"), keep_previous_residual=config.keep_previous_residual)
+        self.restores_left: int | None = None
+
+    def start_restore(self, items, *, scale):
+        if self.restores_left is not None:
+            self.restores_left -= 1
+            if self.restores_left < 0:
+                self.restores_left = None
+                raise torch.OutOfMemoryError("injected: out of memory while restoring")
+        return super().start_restore(items, scale=scale)
+
+
+@pytest.mark.parametrize("ratio", [1, 100])
+def test_an_apply_that_failed_partway_is_finished_by_the_next_counted_once(ratio: int) -> None:
+    """apply_gradients() raises after one bucket went back; calling it again finishes the
+    step, which is counted once: the warm-up (2 steps) ends when it would have."""
+    options = dict(
+        compression_ratio=ratio,
+        min_compress_numel=1,
+        selection="exact",
+        warmup_steps=2,
+        bucket_size_mb=SMALL,
+    )
+    reference, failing = TiedLM(), TiedLM()
+    failing.load_state_dict(reference.state_dict())
+    backends: list[RestoreFailsOnce] = []
+
+    def factory(params, config, *, ratio):
+        backends.append(RestoreFailsOnce(config))
+        return backends[-1]
+
+    managers = [
+        gradient_cache.create_gradient_cache(reference, **options),
+        gradient_cache.create_gradient_cache(failing, **options, backend_factory=factory),
+    ]
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (reference, failing)]
+    for step, (tokens, targets) in enumerate(batches(4)):
+        for model, manager, optimizer in zip(
+            (reference, failing), managers, optimizers, strict=True
+        ):
+            loss_of(model, tokens, targets).backward()
+            if manager is managers[1] and step == 0:
+                backends[0].restores_left = 1
+                with pytest.raises(torch.OutOfMemoryError):
+                    manager.apply_gradients()
+                assert manager.engine.store  # the rest is still cached
+            manager.apply_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert [m.get_compression_summary()["steps"] for m in managers] == [step + 1] * 2
+    assert_same_parameters(reference, failing)

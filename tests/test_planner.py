@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import batches, loss_of, make_model
+from helpers import batches, loss_of, make_model
 from stream_checker import FakeCuda, StreamChecker
 
 import gradient_cache

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_parameters, batches, loss_of, make_model, train
+from helpers import assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
 from gradient_cache.codecs import ResidualCodec, TopKEncoder, int8

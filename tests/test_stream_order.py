@@ -9,10 +9,10 @@ in gradient_cache/engine/ in turn: every deletion must make this file fail.
 
 from __future__ import annotations
 
+import helpers
 import pytest
-import test_checkpoint as checkpointing
 import torch
-from conftest import (
+from helpers import (
     assert_same_parameters,
     batches,
     loss_of,
@@ -411,11 +411,13 @@ def test_a_resumed_run_continues_bit_for_bit(fake_cuda: FakeCuda, cut: int) -> N
     """Host residuals and cached payloads go back into their pinned slots."""
     options = dict(compression_ratio=20, selection="exact", bucket_size_mb=SMALL)
     with fake_cuda.checker.disabled():
-        reference, reference_manager, optimizer = checkpointing.build({**options, "backend": "cpu"})
-        checkpointing.run(reference, reference_manager, optimizer, range(len(checkpointing.DATA)))
-    resumed, manager = checkpointing.resumed_run(
-        {**options, "backend_factory": fake_cuda.factory}, cut
-    )
+        reference, reference_manager, optimizer = helpers.build_checkpointed(
+            {**options, "backend": "cpu"}
+        )
+        helpers.run_checkpointed(
+            reference, reference_manager, optimizer, range(len(helpers.CHECKPOINT_DATA))
+        )
+    resumed, manager = helpers.resumed_run({**options, "backend_factory": fake_cuda.factory}, cut)
     assert manager.engine.backend.residuals.current()
     assert_same_parameters(reference, resumed)
     fake_cuda.checker.assert_clean()

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     assert_same_parameters,
     batches,
     loss_of,
