@@ -25,10 +25,10 @@ def int8_blocks_bytes(numel: int) -> int:
     return blocks * INT8_BLOCK + 4 * blocks
 
 
-def chunks(numel: int) -> Iterator[tuple[int, int]]:
-    """(start, stop) of consecutive `CODEC_CHUNK`-entry slices covering ``numel`` entries."""
-    for start in range(0, numel, CODEC_CHUNK):
-        yield start, min(start + CODEC_CHUNK, numel)
+def chunks(numel: int, size: int = CODEC_CHUNK) -> Iterator[tuple[int, int]]:
+    """(start, stop) of consecutive ``size``-entry slices covering ``numel`` entries."""
+    for start in range(0, numel, size):
+        yield start, min(start + size, numel)
 
 
 def int8_blocks_encode(x: torch.Tensor, generators: DeviceGenerators) -> torch.Tensor:

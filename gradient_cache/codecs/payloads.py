@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import blockquant
 from .int8 import int8_blocks_decode
 
 Move = Callable[[torch.Tensor], torch.Tensor]
@@ -195,8 +196,35 @@ class QuantizedPayload(Payload):
         return self.indices
 
 
+@dataclass
+class BlockCodesPayload(Payload):
+    """Every entry as a low-bit code with a scale per block (`blockquant`)."""
+
+    kind: ClassVar[str] = "block_codes"
+    packed: torch.Tensor  # uint8: `blockquant.encode`'s codes, then its fp32 scales
+    numel: int
+    dtype: torch.dtype  # the gradient's
+    bits: int
+    rotated: bool
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed]
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> BlockCodesPayload:
+        (packed,) = tensors
+        return dataclasses.replace(self, packed=packed)
+
+    @property
+    def kept(self) -> int:
+        return self.numel
+
+    def kept_values(self) -> torch.Tensor:
+        decoded = blockquant.decode(self.packed, self.numel, bits=self.bits, rotate=self.rotated)
+        return decoded.to(self.dtype)
+
+
 PAYLOAD_KINDS: dict[str, type[Payload]] = {
-    kind.kind: kind for kind in (DensePayload, SparsePayload, QuantizedPayload)
+    kind.kind: kind for kind in (DensePayload, SparsePayload, QuantizedPayload, BlockCodesPayload)
 }
 
 

@@ -198,8 +198,11 @@ class TopKEncoder:
         residual: torch.Tensor | None = None,
         *,
         loss_scale: torch.Tensor | None = None,
+        kept: int | None = None,
     ) -> tuple[SparsePayload, torch.Tensor | None]:
         """The payload of ``flat`` (plus ``residual``, stored form) and the new residual.
+
+        ``kept``: entries to keep; None: ``keep_count(numel, ratio)``.
 
         ``residual`` is read, never written: the new one is a fresh tensor, so a failure
         halfway (an out-of-memory error, say) leaves the old residual as it was.
@@ -208,7 +211,7 @@ class TopKEncoder:
         it joins and divided by it again when stored. A scale change then leaves the
         held-back gradient's weight as it was.
         """
-        k = keep_count(flat.numel(), self.ratio)
+        k = keep_count(flat.numel(), self.ratio) if kept is None else kept
         source = flat
         if residual is not None:  # fp32, a new tensor
             source = self.residual_codec.decode(residual, flat.numel())
@@ -233,8 +236,13 @@ class TopKEncoder:
 
 
 class TopK(Codec):
-    """``compression_ratio=r > 1``: the largest ``ceil(numel / r)`` entries, their indices,
-    optionally an error-feedback residual and int8 values."""
+    """The largest entries and their indices, optionally with an error-feedback residual
+    and int8 values.
+
+    How many: ``ceil(numel / ratio)``; or, with ``byte_budget``, as many as fit in
+    ``1 / ratio`` of the gradient's bytes, values and indices counted (with the threshold
+    selection's 10% tolerance taken off, so the budget holds whatever it keeps).
+    """
 
     name = "topk"
 
@@ -246,9 +254,13 @@ class TopK(Codec):
         error_feedback: bool,
         residual_dtype: str,
         int8_values: bool,
+        byte_budget: bool = False,
         seed: int = 0,
     ) -> None:
+        if byte_budget and (error_feedback or int8_values):
+            raise ValueError("A byte-budgeted top-k keeps fp values and no residual.")
         self.ratio = ratio
+        self.byte_budget = byte_budget
         self.encoder = TopKEncoder(
             ratio=ratio, selection=selection, residual_dtype=residual_dtype, seed=seed
         )
@@ -264,13 +276,25 @@ class TopK(Codec):
     ) -> tuple[Payload, torch.Tensor | None]:
         if self.residual is not None and residual is None:  # the first step: nothing held back
             residual = self.residual.zeros(flat.numel(), flat.device)
-        payload, new_residual = self.encoder.encode(flat, residual, loss_scale=loss_scale)
+        kept = self.kept_for(flat.numel(), flat.dtype)
+        payload, new_residual = self.encoder.encode(
+            flat, residual, loss_scale=loss_scale, kept=kept
+        )
         if self.quantizer is not None:
             return self.quantizer.quantize(payload), new_residual
         return payload, new_residual
 
+    def kept_for(self, numel: int, dtype: torch.dtype) -> int:
+        """Entries kept of a gradient of ``numel`` entries of ``dtype`` (exact selection;
+        the threshold's count is within 10% of it)."""
+        if not self.byte_budget:
+            return keep_count(numel, self.ratio)
+        per_kept = dtype.itemsize + index_dtype(numel).itemsize
+        slack = 1 + THRESHOLD_TOLERANCE if self.encoder.selector.method == "threshold" else 1
+        return max(1, math.floor(numel * dtype.itemsize / (self.ratio * per_kept * slack)))
+
     def payload_shapes(self, numel: int, dtype: torch.dtype) -> Shapes:
-        kept = keep_count(numel, self.ratio)  # exact selection; the threshold's is within 10%
+        kept = self.kept_for(numel, dtype)
         values = (int8_blocks_bytes(kept), torch.uint8) if self.quantizer else (kept, dtype)
         return [values, (kept, index_dtype(numel))]
 

@@ -1,0 +1,76 @@
+"""Low-bit codecs: every entry kept as a 1-4 bit code with an fp32 scale per block.
+
+They hand the optimizer a dense, unbiased (or, for sign, scaled) gradient every step and
+keep no residual, so Adam's moment estimates see every coordinate every step: the reason
+they train closer to plain PyTorch than top-k at far fewer bytes (perf/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import blockquant
+from .base import Codec, Shapes
+from .dither import Dither
+from .payloads import BlockCodesPayload
+from .rotation import held, rotation
+
+# name: (bits, rounding); every one rotates.
+BLOCK_CODECS = {
+    "q4": (4, "stochastic"),
+    "q3": (3, "stochastic"),
+    "q2": (2, "stochastic"),
+    "q1": (1, "stochastic"),
+    "sign": (1, "sign"),
+}
+
+
+class BlockQuantized(Codec):
+    """``bits``-bit codes per entry after an optional block rotation (`blockquant`)."""
+
+    def __init__(self, *, name: str, bits: int, rotate: bool, rounding: str, seed: int = 0) -> None:
+        if rounding == "sign" and bits != 1:
+            raise ValueError(f"Invalid bits for sign rounding: {bits}; expected 1.")
+        self.name = name  # type: ignore[misc]
+        self.bits = bits
+        self.rotate = rotate
+        self.rounding = rounding
+        self.dither = Dither(seed)
+
+    @classmethod
+    def named(cls, name: str, *, seed: int = 0) -> BlockQuantized:
+        """The codec `BLOCK_CODECS` names ``name``."""
+        bits, rounding = BLOCK_CODECS[name]
+        return cls(name=name, bits=bits, rotate=True, rounding=rounding, seed=seed)
+
+    def encode(
+        self,
+        flat: torch.Tensor,
+        residual: torch.Tensor | None,
+        *,
+        loss_scale: torch.Tensor | None,
+    ) -> tuple[BlockCodesPayload, None]:
+        packed = blockquant.encode(
+            flat, bits=self.bits, rotate=self.rotate, rounding=self.rounding, dither=self.dither
+        )
+        return BlockCodesPayload(packed, flat.numel(), flat.dtype, self.bits, self.rotate), None
+
+    def rotation_matrix(self, device: torch.device) -> torch.Tensor:
+        """The block rotation ``R`` (a block ``x`` is encoded as ``x @ R``)."""
+        return rotation(device)
+
+    def payload_shapes(self, numel: int, dtype: torch.dtype) -> Shapes:
+        return [(blockquant.encoded_bytes(numel, self.bits), torch.uint8)]
+
+    def generators(self) -> dict[str, Any]:
+        return {} if self.rounding == "sign" else {"dither": self.dither}
+
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """The dither tables (dropped after each backward) and the rotation matrices
+        (64 KiB per device, kept for the process)."""
+        return self.dither.tables() + held()
+
+    def release_scratch(self) -> None:
+        self.dither.release()

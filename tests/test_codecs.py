@@ -1,0 +1,159 @@
+"""The codecs on their own: property-based tests over shapes, dtypes and values.
+
+Every codec must give back a gradient of the right size and dtype, let non-finite entries
+through (a GradScaler must still see them), stay within its error bound, round without
+bias where it says so, and draw only from its own seeded generators.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from gradient_cache.codecs import BLOCK_CODECS, BlockQuantized, Int8Values, Lossless
+from gradient_cache.codecs.int8 import CODEC_CHUNK  # 4 of the block codecs' chunks
+from gradient_cache.codecs.rotation import ROTATION_BLOCK
+from gradient_cache.engine.route import LADDER
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# No shrinking: a failure is reported as found (shrinking 700-entry tensors takes minutes).
+FAST = (Phase.explicit, Phase.reuse, Phase.generate)
+STOCHASTIC = [name for name, (_, rounding) in BLOCK_CODECS.items() if rounding == "stochastic"]
+
+
+def codec(name: str, seed: int = 0):
+    if name == "int8":
+        return Int8Values(seed=seed)
+    if name == "lossless":
+        return Lossless()
+    return BlockQuantized.named(name, seed=seed)
+
+
+def roundtrip(name: str, flat: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    payload, residual = codec(name, seed).encode(flat, None, loss_scale=None)
+    assert residual is None  # no codec here keeps one
+    out = torch.empty_like(flat)
+    return payload.decode_into(out)
+
+
+def finite_values(dtype: torch.dtype, *, big: float) -> st.SearchStrategy[float]:
+    """Finite floats of ``dtype`` up to ``big`` in magnitude, with zeros and subnormals."""
+    big = torch.tensor(min(big, torch.finfo(dtype).max / 2)).item()  # a float32
+    return st.one_of(
+        st.floats(-big, big, allow_nan=False, allow_infinity=False, width=32),
+        st.sampled_from([0.0, -0.0, 1e-42, -3e-45, torch.finfo(dtype).tiny / 4]),
+    )
+
+
+@st.composite
+def gradients(draw, *, big: float = 1e4, special: bool = True, headroom: float = 1):
+    """Flat gradients of 0-700 entries; finite ones at most ``big`` and the dtype's
+    largest value / ``headroom``; a few NaN or inf if ``special``."""
+    dtype = draw(st.sampled_from(DTYPES))
+    numel = draw(st.integers(0, 700))
+    big = min(big, torch.finfo(dtype).max / headroom)
+    values = draw(st.lists(finite_values(dtype, big=big), min_size=numel, max_size=numel))
+    flat = torch.tensor(values, dtype=torch.float32).to(dtype)
+    if special and numel and draw(st.booleans()):
+        where = draw(st.lists(st.integers(0, numel - 1), min_size=1, max_size=3))
+        flat[where] = torch.tensor(
+            draw(st.sampled_from([math.nan, math.inf, -math.inf])), dtype=dtype
+        )
+    return flat
+
+
+@pytest.mark.parametrize("name", [*BLOCK_CODECS, "int8", "lossless"])
+@settings(max_examples=40, deadline=None, derandomize=True, phases=FAST)
+@given(flat=gradients())
+def test_decode_has_the_gradients_size_and_dtype_and_keeps_non_finite_entries(name, flat):
+    out = roundtrip(name, flat)
+    assert out.shape == flat.shape and out.dtype == flat.dtype
+    bad = ~torch.isfinite(flat)
+    assert not torch.isfinite(out[bad]).any()
+    if name == "lossless":
+        torch.testing.assert_close(out, flat, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", STOCHASTIC)
+@settings(max_examples=40, deadline=None, derandomize=True, phases=FAST)
+@given(flat=gradients(big=1e30, special=False, headroom=4 * ROTATION_BLOCK))
+def test_each_blocks_error_is_within_its_bound(name, flat):
+    """Rounding moves a rotated entry by less than one level step, 2 s / (2**bits - 1), with
+    s the block's largest rotated magnitude (at most the block's L2 norm); the rotation is
+    orthonormal, so the block's L2 error is at most sqrt(128) steps.
+
+    A decoded entry can be up to 128 times the block's largest: within that of a 16-bit
+    dtype's largest value it overflows to inf (a GradScaler then skips the step), so the
+    bound is checked below it."""
+    bits = BLOCK_CODECS[name][0]
+    x = flat.float()
+    error = roundtrip(name, flat).float() - x
+    pad = -x.numel() % ROTATION_BLOCK
+    x_blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, ROTATION_BLOCK)
+    e_blocks = torch.nn.functional.pad(error, (0, pad)).view(-1, ROTATION_BLOCK)
+    step = 2 * x_blocks.norm(dim=1) / (2**bits - 1)
+    # Storing the decoded value in a 16-bit dtype adds up to half an ulp per entry.
+    storage = torch.finfo(flat.dtype).eps * x_blocks.abs().amax(dim=1) * ROTATION_BLOCK**0.5
+    bound = ROTATION_BLOCK**0.5 * step * (1 + 1e-5) + storage + 1e-30
+    assert (e_blocks.norm(dim=1) <= bound).all()
+
+
+@pytest.mark.parametrize("name", [*STOCHASTIC, "int8"])
+def test_stochastic_rounding_is_unbiased(name):
+    """The mean of 400 encodes of one gradient is within 5 standard errors of it.
+
+    Each entry's rounding error has variance at most step**2 / 4 (step: the level spacing
+    of its block); the rotation is orthonormal, so that holds after it too."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(256, generator=generator) * torch.rand(256, generator=generator)
+    if name == "int8":
+        step = x.view(-1, 64).abs().amax(dim=1, keepdim=True).expand(-1, 64) / 127
+    else:
+        levels = 2 ** BLOCK_CODECS[name][0] - 1
+        rotated = x.view(-1, ROTATION_BLOCK) @ BlockQuantized.named(name).rotation_matrix(x.device)
+        largest = rotated.abs().amax(dim=1, keepdim=True).expand(-1, ROTATION_BLOCK)
+        step = 2 * largest / levels
+    quantizer = codec(name)
+    draws = 400
+    mean = sum(quantizer.encode(x, None, loss_scale=None)[0].kept_values() for _ in range(draws))
+    standard_error = step.reshape(-1) / 2 / draws**0.5
+    assert ((mean / draws - x).abs() <= 5 * standard_error + 1e-6).all()
+
+
+def test_sign_sends_the_scaled_sign_of_the_rotated_block():
+    x = torch.randn(ROTATION_BLOCK, generator=torch.Generator().manual_seed(2))
+    rotated = x @ BlockQuantized.named("sign").rotation_matrix(x.device)
+    expected = rotated.sign() * rotated.abs().mean()
+    decoded = roundtrip("sign", x) @ BlockQuantized.named("sign").rotation_matrix(x.device)
+    torch.testing.assert_close(decoded, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", [*BLOCK_CODECS, "int8"])
+def test_large_tensors_cross_chunk_boundaries_and_a_seed_fixes_the_result(name):
+    """More than one `CODEC_CHUNK`, an odd size: each chunk decodes where it belongs, and
+    two codecs with one seed give the same payload."""
+    x = torch.randn(CODEC_CHUNK + 333, generator=torch.Generator().manual_seed(3))
+    x[CODEC_CHUNK + 5] = 1e3  # an outlier in the last chunk stays in the last chunk
+    first, second = (codec(name, seed=7).encode(x, None, loss_scale=None)[0] for _ in range(2))
+    assert torch.equal(first.tensors()[0], second.tensors()[0])
+    decoded = first.kept_values()
+    assert decoded.argmax() == CODEC_CHUNK + 5
+    relative = (decoded - x).norm() / x.norm()
+    assert relative < {"q4": 0.2, "q3": 0.4, "q2": 0.9, "q1": 3.0, "sign": 1.0, "int8": 0.02}[name]
+
+
+def test_the_ladder_lists_codecs_from_largest_to_smallest_payload():
+    from gradient_cache.engine.config import EngineConfig
+    from gradient_cache.engine.route import Codecs
+
+    codecs = Codecs.for_options(EngineConfig(), ratio=50, selection="exact")
+    sizes = [
+        sum(n * d.itemsize for n, d in c.payload_shapes(1 << 20, torch.float32))
+        for c in codecs.candidates
+    ]
+    assert [c.name for c in codecs.candidates] == list(LADDER)
+    assert sizes == sorted(sizes, reverse=True)
