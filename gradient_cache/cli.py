@@ -14,7 +14,7 @@ import torch
 from .demo.models import GPT_SIZES
 from .demo.report import check_matplotlib, format_table, report_dict, write_json, write_plot
 from .demo.run import DEFAULT_SCENARIO, LEARNING_RATE, SCENARIOS, DemoSettings, run_demo
-from .engine.config import EngineConfig
+from .engine.config import DEFAULT_COMPRESSION_RATIO, EngineConfig
 from .engine.hostmem import HostMemoryError
 from .planner import (
     DEFAULT_FLOPS,
@@ -131,8 +131,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument(
         "--ratio",
         type=_ratio,
-        default=100.0,
-        help="compression ratio of the third run, a number >= 1 (default 100: keep 1%%)",
+        default=DEFAULT_COMPRESSION_RATIO,
+        help="compression ratio of the third run, a number >= 1 (default: the library's, "
+        f"{DEFAULT_COMPRESSION_RATIO:g})",
     )
     sizes = ", ".join(f"{s.model_size} for {s.name}" for s in SCENARIOS.values())
     demo.add_argument(

@@ -15,7 +15,12 @@ import torch
 from .data_parallel import check_data_parallel
 from .engine import checkpoint, fused_step, sharding
 from .engine.backends import BackendFactory, create_backend
-from .engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
+from .engine.config import (
+    DEFAULT_COMPRESSION_RATIO,
+    EngineConfig,
+    validate_compression_ratio,
+    validate_exclude_layers,
+)
 from .engine.pipeline import Pipeline
 from .model_watch import ParameterWatch
 from .stats import CompressionSummary, compression_summary
@@ -28,9 +33,13 @@ class GradientCacheHookManager:
 
     Args:
         model: the ``nn.Module`` whose trainable parameters are cached.
-        compression_ratio: 1 keeps gradients whole (lossless offload); r > 1 keeps about
-            ``numel / r`` largest-magnitude entries of each tensor of at least
-            ``config.min_compress_numel`` elements.
+        compression_ratio: 1 keeps gradients whole (lossless offload); r > 1 holds and
+            moves each gradient in at most ``1 / r`` of its lossless bytes (codes, scales
+            and indices counted), with the codec that trained best at that budget
+            (`EngineConfig.codec`; perf/RESULTS.md, "Codec frontier"). Tensors too small
+            for any codec to reach r take the most compact one; the summary reports the
+            ratio achieved. With ``config.codec`` set, that codec is used whatever r
+            (``codec="topk"`` keeps ``numel / r`` entries).
         exclude_layers: substrings of parameter names whose gradients stay on the
             device exactly as plain PyTorch leaves them (e.g. ``["lm_head", "norm"]``).
         verbose: log a one-line summary at each restored step (logger ``gradient_cache``).
@@ -52,7 +61,7 @@ class GradientCacheHookManager:
         self,
         model: torch.nn.Module,
         *,
-        compression_ratio: float = 100,
+        compression_ratio: float = DEFAULT_COMPRESSION_RATIO,
         exclude_layers: Sequence[str] | None = None,
         verbose: bool = False,
         config: EngineConfig | None = None,
@@ -227,7 +236,7 @@ class GradientCacheHookManager:
         """Continue from what ``state_dict()`` returned.
 
         The manager must have nothing pending (load before the first backward) and the
-        checkpoint's settings: the same ``compression_ratio``, ``error_feedback``,
+        checkpoint's settings: the same ``compression_ratio``, ``codec``, ``error_feedback``,
         ``residual_dtype``, ``value_dtype``, ``min_compress_numel`` and ``warmup_steps``,
         and the same cached parameter names; otherwise it raises, saying what differs.
         Other options (bucket size, selection method, ``residual_location``, the
@@ -275,7 +284,14 @@ class GradientCacheHookManager:
         self._live().enabled = True
 
     def disable(self) -> None:
-        """Leave later gradients on the device; what is already cached stays cached."""
+        """Leave later gradients on the device; what is already cached stays cached.
+
+        A step whose micro-batches are partly cached and partly left on the device (this
+        called between micro-batches) sums them in another order than plain PyTorch: the
+        cached part is added at the restore, ``(b + c) + a`` instead of ``(a + b) + c``,
+        equal up to float rounding but not bit for bit. Switch at step boundaries for
+        plain PyTorch's bits.
+        """
         self._live().enabled = False
 
     def remove_hooks(self) -> None:
@@ -340,7 +356,7 @@ class GradientCacheHookManager:
 
 def create_gradient_cache(
     model: torch.nn.Module,
-    compression_ratio: float = 100,
+    compression_ratio: float = DEFAULT_COMPRESSION_RATIO,
     verbose: bool = False,
     *,
     exclude_layers: Sequence[str] | None = None,

@@ -29,6 +29,7 @@ class LayerSummary:
     stored_bytes: int  # its payload, indices and scales included
     kept_fraction: float  # entries kept
     compressed: bool  # whether its payload differs from the gradient
+    codec: str  # the codec that encoded it ("lossless", "int8", "q4", "topk", ...)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> Compression
                 stored_bytes=layer.stored_bytes,
                 kept_fraction=layer.kept / layer.numel,
                 compressed=layer.compressed,
+                codec=layer.codec,
             )
             for name, layer in layers.items()
         },

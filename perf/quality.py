@@ -64,7 +64,12 @@ TRAIN_FILES = (
 VAL_FILES = ("difflib.py", "statistics.py", "fractions.py")
 CORPUS_SHA256 = "48ff98d30f80d06c6e99903e2b6b99513010d15ce0647348b3080597a0176d8d"
 
-MODEL = GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=4)
+MODELS = {
+    "tiny": GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=4),
+    # The second model that checks a ranking: 4.8M parameters, longer context, deeper.
+    "wide": GPTConfig(vocab_size=256, seq_len=128, d_model=256, n_layers=6, n_heads=8),
+}
+MODEL = MODELS["tiny"]
 BATCH_SIZE = 16
 VAL_BATCHES = 32
 VAL_SEED = 1234
@@ -78,29 +83,38 @@ LEARNING_RATES = {"adamw": 1e-3, "sgd": 0.03}
 SETTINGS: dict[str, dict | None] = {
     "plain": None,
     "r1": {"compression_ratio": 1},
-    "r10-topk": {"compression_ratio": 10, "error_feedback": False},
-    "r100-topk": {"compression_ratio": 100, "error_feedback": False},
-    "r100-ef-fp32": {"compression_ratio": 100, "error_feedback": True},
+    "r10-topk": {"compression_ratio": 10, "codec": "topk", "error_feedback": False},
+    "r100-topk": {"compression_ratio": 100, "codec": "topk", "error_feedback": False},
+    "r100-ef-fp32": {"compression_ratio": 100, "codec": "topk", "error_feedback": True},
     "r100-ef-bf16": {
         "compression_ratio": 100,
+        "codec": "topk",
         "error_feedback": True,
         "residual_dtype": "bfloat16",
     },
-    "r100-ef-int8": {"compression_ratio": 100, "error_feedback": True, "residual_dtype": "int8"},
+    "r100-ef-int8": {
+        "compression_ratio": 100,
+        "codec": "topk",
+        "error_feedback": True,
+        "residual_dtype": "int8",
+    },
     "r100-ef-int8-warm150": {
         "compression_ratio": 100,
+        "codec": "topk",
         "error_feedback": True,
         "residual_dtype": "int8",
         "warmup_steps": 150,
     },
     "r100-ef-int8-warm300": {
         "compression_ratio": 100,
+        "codec": "topk",
         "error_feedback": True,
         "residual_dtype": "int8",
         "warmup_steps": 300,
     },
     "r100-ef-int8-warm150-dense32k": {
         "compression_ratio": 100,
+        "codec": "topk",
         "error_feedback": True,
         "residual_dtype": "int8",
         "warmup_steps": 150,
@@ -108,20 +122,34 @@ SETTINGS: dict[str, dict | None] = {
     },
     "r100-ef-int8-dense64k": {
         "compression_ratio": 100,
+        "codec": "topk",
         "error_feedback": True,
         "residual_dtype": "int8",
         "min_compress_numel": 65536,
     },
-    "r10-ef-int8": {"compression_ratio": 10, "error_feedback": True, "residual_dtype": "int8"},
+    "r10-ef-int8": {
+        "compression_ratio": 10,
+        "codec": "topk",
+        "error_feedback": True,
+        "residual_dtype": "int8",
+    },
     "r10-ef-int8-warm150": {
         "compression_ratio": 10,
+        "codec": "topk",
         "error_feedback": True,
         "residual_dtype": "int8",
         "warmup_steps": 150,
     },
     "int8": {"compression_ratio": 1, "value_dtype": "int8"},
+    # The block codecs (issue 22): every tensor of at least one 128-entry block encoded.
+    **{
+        codec: {"compression_ratio": 1, "codec": codec, "min_compress_numel": 128}
+        for codec in ("q4", "q3", "q2", "q1", "sign")
+    },
+    # compression_ratio alone: each tensor takes the ladder's best codec for the budget.
     "r100": {"compression_ratio": 100},
     "r10": {"compression_ratio": 10},
+    "r4": {"compression_ratio": 4},
 }
 # The table `python -m perf.quality` prints: lossless, top-k alone, today's defaults (error
 # feedback with an int8 residual) and the best screened recipes (perf/RESULTS.md,
@@ -169,7 +197,7 @@ def validation_loss(model: TinyGPT, val: torch.Tensor) -> float:
         return statistics.fmean(
             model(
                 *make_batches(
-                    val, batch_size=BATCH_SIZE, seq_len=MODEL.seq_len, generator=generator
+                    val, batch_size=BATCH_SIZE, seq_len=model.config.seq_len, generator=generator
                 )
             )[1].item()
             for _ in range(VAL_BATCHES)
@@ -184,7 +212,9 @@ def train_step(
     generator: torch.Generator,
 ) -> None:
     """One step of the user's loop: plain when ``manager`` is None."""
-    x, y = make_batches(train, batch_size=BATCH_SIZE, seq_len=MODEL.seq_len, generator=generator)
+    x, y = make_batches(
+        train, batch_size=BATCH_SIZE, seq_len=model.config.seq_len, generator=generator
+    )
     model(x, y)[1].backward()
     if manager is not None:
         manager.apply_gradients()
@@ -198,7 +228,7 @@ def train_run(job: dict) -> dict:
     train, val = corpus(check_hash=job["check_hash"])
     options = SETTINGS[job["setting"]]
     torch.manual_seed(job["seed"])
-    model = TinyGPT(MODEL)
+    model = TinyGPT(MODELS[job.get("model", "tiny")])
     manager = None if options is None else create_gradient_cache(model, **options)
     optimizer = make_optimizer(job["optimizer"], model.parameters(), job["lr"])
     generator = torch.Generator().manual_seed(job["seed"])
@@ -333,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--optimizers", nargs="+", choices=sorted(LEARNING_RATES), default=["adamw"]
     )
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--lr", type=float, help="override the tuned learning rate")
@@ -380,6 +411,7 @@ def main(argv: list[str] | None = None) -> None:
             "optimizer": o,
             "seed": seed,
             "steps": args.steps,
+            "model": args.model,
             "lr": args.lr or LEARNING_RATES[o],
             "check_hash": not args.any_corpus,
         }

@@ -17,6 +17,7 @@ import torch
 from gradient_cache import GradientCacheHookManager, create_gradient_cache
 from gradient_cache.codecs import keep_count
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT, make_batches
+from gradient_cache.engine.config import DEFAULT_COMPRESSION_RATIO
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Step = Callable[[torch.Tensor, torch.Tensor], None]
@@ -31,6 +32,7 @@ class StepVariant:
     fused_step: bool = False  # the cache's step(optimizer) instead of apply + step
     naive: bool = False  # the synchronous host top-k reference at ``ratio``
     fused_adam: bool = False  # torch.optim.Adam(fused=True), for plain and variant alike
+    codec: str | None = None  # EngineConfig.codec; None: the ladder picks by ``ratio``
 
     @property
     def baseline(self) -> StepVariant:
@@ -38,14 +40,24 @@ class StepVariant:
         return StepVariant(name="plain", fused_adam=self.fused_adam)
 
 
+DEFAULT_NAME = f"cache default r={DEFAULT_COMPRESSION_RATIO:g}"
 STEP_VARIANTS = (
     StepVariant(name="plain"),
     StepVariant(name="cache r=1", ratio=1),
     StepVariant(name="cache r=1, fused step", ratio=1, fused_step=True),
-    StepVariant(name="cache r=100", ratio=100),
-    StepVariant(name="cache r=100, fused step", ratio=100, fused_step=True),
+    StepVariant(
+        name=f"cache default r={DEFAULT_COMPRESSION_RATIO:g}", ratio=DEFAULT_COMPRESSION_RATIO
+    ),
+    StepVariant(
+        name=f"{DEFAULT_NAME}, fused step",
+        ratio=DEFAULT_COMPRESSION_RATIO,
+        fused_step=True,
+    ),
+    StepVariant(name="cache top-k r=100", ratio=100, codec="topk"),
     StepVariant(name="naive sync top-k r=100", ratio=100, naive=True),
-    StepVariant(name="cache r=100, Adam(fused=True)", ratio=100, fused_adam=True),
+    StepVariant(
+        name="cache top-k r=100, Adam(fused=True)", ratio=100, codec="topk", fused_adam=True
+    ),
 )
 
 
@@ -84,6 +96,8 @@ def build(variant: StepVariant, base: TinyGPT, **cache_options: object) -> Train
     optimizer = adam(model, fused=variant.fused_adam)
     cache = None
     if variant.ratio is not None and not variant.naive:
+        if variant.codec is not None:
+            cache_options = {"codec": variant.codec, **cache_options}
         cache = create_gradient_cache(model, compression_ratio=variant.ratio, **cache_options)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:

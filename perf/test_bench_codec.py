@@ -1,4 +1,4 @@
-"""Encode and decode throughput of the top-k codecs against torch.topk and a plain copy.
+"""Encode and decode throughput of the codecs against torch.topk and a plain copy.
 
 Each benchmark's extra_info holds the elements, ratio, kept count, bytes and GB/s; GB/s is
 the dense fp32 bytes (read by encode, written by decode) over the median time.
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from gradient_cache.codecs import SparsePayload, TopKEncoder, keep_count
+from gradient_cache.codecs import BlockQuantized, Int8Values, SparsePayload, TopKEncoder, keep_count
 from perf.harness import GB, benchmarks_enabled, cpu_snapshot, others_share, record
 
 FULL_SIZES = {"1M": 2**20, "16M": 16 * 2**20, "64M": 64 * 2**20}
@@ -128,5 +128,32 @@ def test_copy_bandwidth(benchmark, gradient: torch.Tensor, numel: int) -> None:
         ratio=None,
         k=None,
         kept=None,
+        bytes=gradient.nbytes,
+    )
+
+
+@pytest.mark.parametrize("name", ["int8", "q4", "q3", "q2", "sign"])
+def test_dense_codec_roundtrip(benchmark, gradient: torch.Tensor, numel: int, name: str) -> None:
+    """Encode then decode into a preallocated tensor: what one cached step costs a dense
+    codec (no residual, no selection). GB/s counts the fp32 gradient once."""
+    benchmark.group = f"dense codec round trip {numel:,} fp32"
+    codec = Int8Values() if name == "int8" else BlockQuantized.named(name)
+    out = torch.empty_like(gradient)
+
+    def roundtrip() -> None:
+        codec.encode(gradient, None, loss_scale=None)[0].decode_into(out)
+
+    seconds = run(benchmark, roundtrip, numel=numel)
+    codec.release_scratch()
+    payload = codec.encode(gradient, None, loss_scale=None)[0]
+    report(
+        benchmark,
+        seconds,
+        op="roundtrip",
+        method=name,
+        numel=numel,
+        ratio=round(gradient.nbytes / payload.nbytes, 2),
+        k=None,
+        kept=numel,
         bytes=gradient.nbytes,
     )

@@ -185,7 +185,7 @@ def ratio_100_trains() -> dict[str, float]:
     """Loss over the first and the last 5 steps of 40, on one repeated batch per rank."""
     model = fsdp()
     cache = gradient_cache.create_gradient_cache(
-        model, compression_ratio=100, min_compress_numel=1024
+        model, compression_ratio=100, codec="topk", min_compress_numel=1024
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = batch(0)
@@ -237,7 +237,7 @@ def split_group_warns() -> list[str]:
 
 def checkpoint_resumes_bit_for_bit() -> dict[str, Any]:
     """Save after 2 steps at ratio 100 with error feedback; resume in a new model."""
-    options = {"compression_ratio": 100, "min_compress_numel": 1024}
+    options = {"compression_ratio": 100, "codec": "topk", "min_compress_numel": 1024}
     model = fsdp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     cache = gradient_cache.create_gradient_cache(model, **options)

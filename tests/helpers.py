@@ -194,12 +194,20 @@ CHECKPOINT_DATA = batches(CHECKPOINT_STEPS * CHECKPOINT_MICRO_BATCHES)
 
 CHECKPOINT_RECIPES = {
     "lossless": dict(compression_ratio=1),
-    "r100 top-k only": dict(compression_ratio=100, error_feedback=False),
-    # The defaults at ratio 100: error feedback with an int8 residual (stochastic rounding)
-    # and, on the CPU, threshold selection (random samples): both draw from the engine's
+    "r100 top-k only": dict(compression_ratio=100, codec="topk", error_feedback=False),
+    # Top-k's defaults: error feedback with an int8 residual (stochastic rounding) and, on
+    # the CPU, threshold selection (random samples): both draw from the engine's
     # generators, which the checkpoint must carry.
-    "r100 error feedback": dict(compression_ratio=100),
-    "r100 int8 values, warm-up": dict(compression_ratio=100, value_dtype="int8", warmup_steps=2),
+    "r100 error feedback": dict(compression_ratio=100, codec="topk"),
+    "r100 int8 values, warm-up": dict(
+        compression_ratio=100, codec="topk", value_dtype="int8", warmup_steps=2
+    ),
+    # The default: the ladder at the default ratio (int8 codes for fp32, stochastic
+    # rounding from the engine's generators); the block codecs' dither offsets too.
+    "default": dict(),
+    "q4": dict(codec="q4"),
+    "sign": dict(codec="sign"),
+    "ratio 100 by the ladder": dict(compression_ratio=100),
 }
 
 

@@ -37,7 +37,11 @@ def test_public_names() -> None:
 def test_summary_reports_real_figures() -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=100, min_compress_numel=1, residual_dtype="float32"
+        model,
+        compression_ratio=100,
+        codec="topk",
+        min_compress_numel=1,
+        residual_dtype="float32",
     )
     backward_once(model)
     manager.apply_gradients()
@@ -66,6 +70,7 @@ def test_summary_counts_the_residual_as_stored(residual_dtype: str) -> None:
     manager = gradient_cache.create_gradient_cache(
         model,
         compression_ratio=100,
+        codec="topk",
         error_feedback=True,
         residual_dtype=residual_dtype,
         min_compress_numel=1,
@@ -107,7 +112,7 @@ def test_summary_describes_the_pending_step_then_the_restored_one() -> None:
     cached now; after the restore the same figures describe the restored step."""
     model = make_model()
     manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=100, min_compress_numel=1, selection="exact"
+        model, compression_ratio=100, codec="topk", min_compress_numel=1, selection="exact"
     )
     backward_once(model)
     manager.compress_and_free_gradients()
@@ -401,8 +406,28 @@ def test_parameters_moved_in_place_to_another_device_are_refused() -> None:
 
 def test_without_the_previous_residual_a_discarded_batch_reaches_later_steps() -> None:
     """keep_previous_residual=False trades the undo for a residual's host memory."""
-    options = dict(compression_ratio=100, min_compress_numel=1, keep_previous_residual=False)
+    options = dict(
+        compression_ratio=100, codec="topk", min_compress_numel=1, keep_previous_residual=False
+    )
     skipping = train_with_a_skipped_batch(options, skip=True)
     reference = train_with_a_skipped_batch(options, skip=False)
     pairs = zip(reference.parameters(), skipping.parameters(), strict=True)
     assert not all(torch.equal(a, b) for a, b in pairs)
+
+
+@pytest.mark.parametrize("ratio", [2, 3, 4, 8, 10, 16, 25, 50, 100])
+def test_compression_ratio_delivers_at_least_that_many_times_fewer_bytes(ratio: float) -> None:
+    """One knob, one meaning: at ratio r the cache holds at least r times fewer bytes than
+    lossless offload (codes, scales and indices counted), on a small GPT whose norms and
+    biases are a block or two each."""
+    from gradient_cache.demo.models import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=2, n_heads=4))
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=ratio)
+    tokens = torch.randint(256, (2, 64))
+    model(tokens, tokens)[1].backward()
+    manager.apply_gradients()
+    summary = manager.get_compression_summary()
+    assert summary["overall_compression_ratio"] >= ratio
+    assert all(layer["codec"] != "lossless" for layer in summary["layers"].values())

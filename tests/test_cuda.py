@@ -96,7 +96,7 @@ def test_race_detector_many_small_buckets_bit_for_bit(staging_depth: int) -> Non
 def test_compressed_gradients_keep_the_true_top_entries() -> None:
     plain, cached = on_gpu(make_model()), on_gpu(make_model())
     manager = gradient_cache.create_gradient_cache(
-        cached, compression_ratio=10, min_compress_numel=1
+        cached, compression_ratio=10, codec="topk", min_compress_numel=1
     )
     tokens, targets = gpu_batches(1)[0]
     loss_of(plain, tokens, targets).backward()

@@ -263,7 +263,7 @@ def test_closure_optimizers_see_the_closure_gradients() -> None:
 
 
 def test_compressed_training_learns_and_reports_its_compression() -> None:
-    @gradient_cache.optimize(compression_ratio=100, min_compress_numel=1)
+    @gradient_cache.optimize(compression_ratio=100, codec="topk", min_compress_numel=1)
     def run(model: nn.Module) -> list[float]:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         tokens, targets = batches(1)[0]
@@ -357,7 +357,7 @@ def test_generator_functions_are_refused() -> None:
         gradient_cache.optimize()(batches_of_training)
 
 
-@gradient_cache.optimize(compression_ratio=100, min_compress_numel=1)
+@gradient_cache.optimize(compression_ratio=100, codec="topk", min_compress_numel=1)
 def train_from(model: nn.Module, data, checkpoint: dict | None) -> dict:
     """The documented checkpoint pattern inside a decorated loop; returns a checkpoint."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -177,12 +177,16 @@ def test_engine_refuses_to_start_when_the_host_cannot_hold_it(monkeypatch) -> No
     monkeypatch.setattr(hostmem, "available_host_bytes", lambda: 2**20)
     model = torch.nn.Linear(1024, 1024)
     with pytest.raises(HostMemoryError) as info:
-        gradient_cache.create_gradient_cache(model, compression_ratio=100, residual_dtype="float32")
+        gradient_cache.create_gradient_cache(
+            model, compression_ratio=100, codec="topk", residual_dtype="float32"
+        )
     message = str(info.value)
     assert "needs about 8 MiB" in message and "may use 0 MiB" in message  # two residuals
     assert "host_memory_fraction=0.5" in message and "error_feedback=False" in message
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
-    gradient_cache.create_gradient_cache(model, compression_ratio=100, error_feedback=False)
+    gradient_cache.create_gradient_cache(
+        model, compression_ratio=100, codec="topk", error_feedback=False
+    )
 
 
 def slots(params: list[torch.nn.Parameter], *, ratio: float, **options) -> dict:
@@ -193,7 +197,9 @@ def slots(params: list[torch.nn.Parameter], *, ratio: float, **options) -> dict:
 
 def test_host_pool_lays_out_one_aligned_slot_per_parameter() -> None:
     big, small = torch.nn.Parameter(torch.zeros(100_000)), torch.nn.Parameter(torch.zeros(10))
-    layout = slots([big, small], ratio=100, min_compress_numel=1000, residual_dtype="float32")
+    layout = slots(
+        [big, small], ratio=100, codec="topk", min_compress_numel=1000, residual_dtype="float32"
+    )
     host_pool = pool.HostPool(layout, allocate_pinned=None)
     slot, dense = host_pool.slots[big], host_pool.slots[small]
     values, indices = slot.regions
@@ -230,6 +236,7 @@ def test_host_pool_sizes_residual_and_warmup_slots(
     layout = slots(
         [big],
         ratio=100,
+        codec="topk",
         min_compress_numel=1000,
         residual_dtype=residual_dtype,
         keep_previous_residual=spare,
@@ -268,5 +275,5 @@ def test_cuda_backend_refusals_come_before_touching_cuda(options: dict, match: s
 def test_auto_selection_depends_on_the_backend() -> None:
     assert CpuBackend.default_selection == "threshold"
     assert CudaBackend.default_selection == "exact"  # torch.topk: no host sync
-    manager = gradient_cache.create_gradient_cache(make_model(), compression_ratio=10)
-    assert manager.engine.codecs.compressing.encoder.selector.method == "threshold"
+    manager = gradient_cache.create_gradient_cache(make_model(), compression_ratio=10, codec="topk")
+    assert manager.engine.codecs.candidates[0].encoder.selector.method == "threshold"

@@ -36,19 +36,18 @@ def sizes(model: torch.nn.Module) -> list[int]:
     return [p.numel() for p in model.parameters() if p.requires_grad]
 
 
-@pytest.mark.parametrize("ratio", [1, 100])
-def test_host_figures_are_what_a_manager_holds_after_a_step(ratio: float) -> None:
-    """Exact selection keeps exactly keep_count entries: the bytes must match to the byte."""
-    options = dict(compression_ratio=ratio, min_compress_numel=1024, selection="exact")
+@pytest.mark.parametrize(
+    ("ratio", "codec"),
+    [(1, None), (100, "topk"), (4, None), (100, None), (1, "q2"), (1, "int8")],
+    ids=["lossless", "top-k with error feedback", "default", "ladder at 100", "q2", "int8"],
+)
+def test_host_figures_are_what_a_manager_holds_after_a_step(ratio: float, codec: str) -> None:
+    """The planner and the engine share each parameter's route: their bytes agree to the
+    byte (exact selection keeps exactly keep_count entries)."""
+    config = EngineConfig(min_compress_numel=1024, selection="exact", codec=codec)
     model = make_model()
-    figures = plan(
-        PlanInputs(
-            tensors=sizes(model),
-            compression_ratio=ratio,
-            config=EngineConfig(min_compress_numel=1024, selection="exact"),
-        )
-    )
-    manager = gradient_cache.create_gradient_cache(model, **options)
+    figures = plan(PlanInputs(tensors=sizes(model), compression_ratio=ratio, config=config))
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=ratio, config=config)
     tokens, targets = batches(1)[0]
     loss_of(model, tokens, targets).backward()
     manager.step(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -58,7 +57,7 @@ def test_host_figures_are_what_a_manager_holds_after_a_step(ratio: float) -> Non
         layer["stored_bytes"] for layer in summary["layers"].values()
     )
     assert figures.host["error-feedback residual"] == summary["residual_mb"] * 2**20
-    assert (figures.host["error-feedback residual"] > 0) == (ratio > 1)
+    assert (figures.host["error-feedback residual"] > 0) == (codec == "topk")
 
 
 @pytest.mark.parametrize("ratio", [1, 100])

@@ -130,6 +130,7 @@ def train_with_scaler(
     manager = gradient_cache.create_gradient_cache(
         model,
         compression_ratio=100,
+        codec="topk",
         error_feedback=True,
         min_compress_numel=1,
         grad_scaler=scaler if pass_scaler else None,

@@ -409,7 +409,7 @@ def test_a_discarded_step_leaves_the_host_residual_as_it_was(
 @pytest.mark.parametrize("cut", [4, 5], ids=["between steps", "mid-accumulation"])
 def test_a_resumed_run_continues_bit_for_bit(fake_cuda: FakeCuda, cut: int) -> None:
     """Host residuals and cached payloads go back into their pinned slots."""
-    options = dict(compression_ratio=20, selection="exact", bucket_size_mb=SMALL)
+    options = dict(compression_ratio=20, codec="topk", selection="exact", bucket_size_mb=SMALL)
     with fake_cuda.checker.disabled():
         reference, reference_manager, optimizer = helpers.build_checkpointed(
             {**options, "backend": "cpu"}

@@ -85,7 +85,7 @@ def test_trainer_at_ratio_1_ends_bit_for_bit_as_plain_trainer(tmp_path, argument
 
 def test_trainer_logs_the_cache_summary_through_its_logging(tmp_path) -> None:
     trainer = trainer_for(tiny_gpt2(), tmp_path)
-    hf.train(trainer, compression_ratio=100, min_compress_numel=1024)
+    hf.train(trainer, compression_ratio=100, codec="topk", min_compress_numel=1024)
     logged = [
         entry for entry in trainer.state.log_history if "gradient_cache/kept_fraction" in entry
     ]
@@ -97,7 +97,7 @@ def test_trainer_logs_the_cache_summary_through_its_logging(tmp_path) -> None:
 
 def test_trainer_at_ratio_100_trains(tmp_path) -> None:
     trainer = trainer_for(tiny_gpt2(), tmp_path, max_steps=40, learning_rate=1e-2)
-    hf.train(trainer, compression_ratio=100, min_compress_numel=1024)
+    hf.train(trainer, compression_ratio=100, codec="topk", min_compress_numel=1024)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     # It learns, more slowly than plain Trainer; what compression costs in accuracy is
     # measured at length in perf/RESULTS.md, not here.
@@ -106,7 +106,7 @@ def test_trainer_at_ratio_100_trains(tmp_path) -> None:
 
 def test_a_run_resumed_from_a_trainer_checkpoint_ends_as_the_uninterrupted_one(tmp_path):
     """Ratio 100 with error feedback: the residuals travel in the checkpoint folder."""
-    options = dict(compression_ratio=100, min_compress_numel=1024)
+    options = dict(compression_ratio=100, codec="topk", min_compress_numel=1024)
     steps = dict(max_steps=8, save_strategy="steps", save_steps=4, learning_rate=1e-2)
     uninterrupted = tiny_gpt2()
     hf.train(trainer_for(uninterrupted, tmp_path / "a", **steps), **options)

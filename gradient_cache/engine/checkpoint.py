@@ -20,11 +20,13 @@ from . import sharding
 from .backend import Encoded
 from .pipeline import Pipeline
 
-FORMAT_VERSION = 1
+# 2: generators named by codec ("topk.selection"); the codec among the recipe fields.
+FORMAT_VERSION = 2
 # The options that change what a step computes, and so what a saved residual, counter or
 # payload means. Others (bucket size, selection method, where the residual lives, pinning)
 # may differ between the saving and the loading manager.
 RECIPE_FIELDS = (
+    "codec",
     "error_feedback",
     "residual_dtype",
     "value_dtype",

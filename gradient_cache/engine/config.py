@@ -12,8 +12,13 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from ..codecs import RESIDUAL_DTYPES, SELECTIONS
+from ..codecs import CODEC_NAMES, RESIDUAL_DTYPES, SELECTIONS
 
+# create_gradient_cache's compression_ratio: gradients take at most a third of lossless
+# offload's bytes. fp32 gradients meet it with int8 codes (3.8x fewer), the one codec below
+# lossless that trained within 1% of plain PyTorch with both AdamW and SGD; bf16 gradients
+# with the 4-bit codec. perf/RESULTS.md ("Codec frontier") has the table and why not more.
+DEFAULT_COMPRESSION_RATIO = 3.0
 RESIDUAL_LOCATIONS = ("host", "device")
 VALUE_DTYPES = ("int8",)
 BACKENDS = ("auto", "cpu", "cuda")
@@ -24,6 +29,20 @@ class EngineConfig:
     """How the offload engine groups, encodes and stores gradients.
 
     Attributes:
+        codec: Which codec encodes the gradients. None (default): at
+            ``compression_ratio=r > 1``, per tensor the best-training codec of the ladder
+            (``route.LADDER``: int8, q4, q3, q2, sign, top-k) whose payload fits ``1 / r``
+            of the tensor's lossless bytes; at ratio 1, lossless (int8 with
+            ``value_dtype="int8"``). A name picks one whatever the ratio: ``"q4"``,
+            ``"q3"``, ``"q2"``, ``"q1"`` (every entry as a 4, 3, 2 or 1-bit code after a
+            randomised 128-point Hadamard rotation, rounded stochastically, an fp32 scale
+            per 128 entries, no residual), ``"sign"`` (the rotated entries' signs times
+            each block's mean magnitude), ``"int8"`` (int8 codes, an fp32 scale per 64
+            entries), ``"topk"`` (keeps ``numel / compression_ratio`` entries, with
+            ``selection``, ``error_feedback``, ``residual_dtype`` and ``value_dtype``) or
+            ``"lossless"``. perf/RESULTS.md has what each costs in validation loss. The
+            top-k options below apply to ``codec="topk"`` only: the ladder's top-k keeps
+            values in the gradient's dtype and no residual, which would break the budget.
         bucket_size_mb: Dense gradient megabytes (2**20 bytes) gathered before a bucket is
             encoded and sent off the device. Smaller buckets free memory sooner during
             backward (the device holds about two buckets plus the largest gradient at
@@ -38,11 +57,11 @@ class EngineConfig:
             largest-magnitude entries.
             ``"exact"`` keeps exactly ``ceil(numel / ratio)`` entries with
             ``torch.topk``: exact, and much slower on a CPU (perf/RESULTS.md).
-        error_feedback: Add what compression dropped back into the next gradient (the
-            residual), so that dropped mass is delayed, not lost. Default True, chosen by
-            the "Compression recipes" table of perf/RESULTS.md. No
-            effect when nothing is selected (ratio 1). Its cost: the residual's host
-            memory and PCIe traffic (``residual_dtype``) and, while a tensor is encoded, a
+        error_feedback: ``codec="topk"``: add what compression dropped back into the next
+            gradient (the residual), so that dropped mass is delayed, not lost. Default
+            True, chosen by the "Compression recipes" table of perf/RESULTS.md. Its cost:
+            the residual's host memory and PCIe traffic (``residual_dtype``) and, while a
+            tensor is encoded, a
             dense fp32 copy of it (gradient plus residual) on the device.
         residual_dtype: How the residual is stored between steps: ``"int8"`` (default;
             1.0625 bytes an entry: an int8 code per entry and an fp32 scale per block of
@@ -56,7 +75,8 @@ class EngineConfig:
             run's, and while it lasts host memory and PCIe traffic are those of lossless
             offload (on CUDA the pinned pool is sized for dense gradients until the
             warm-up ends, then rebuilt smaller).
-        value_dtype: How kept values are stored: None (default) as the gradient's dtype,
+        value_dtype: ``codec="topk"`` or ratio 1: how kept values are stored: None
+            (default) as the gradient's dtype,
             or ``"int8"``: an int8 code per value and an fp32 scale per block of 64 values,
             rounded stochastically (unbiased; off by less than the block's largest
             magnitude / 127), about a quarter of fp32's bytes. It applies to every tensor
@@ -67,9 +87,10 @@ class EngineConfig:
         residual_location: Where the residual lives on the CUDA backend: ``"host"``
             (default; a pinned slot per compressed tensor, no device memory kept, but it
             crosses PCIe densely twice a step: in for the encode, out after it) or
-            ``"device"`` (no round trip; one dense fp32 copy of every compressed gradient
-            stays on the device, which undoes most of the saving). On the CPU backend the
-            device is the host: both choices keep the residual in host RAM.
+            ``"device"`` (no round trip; every compressed gradient's residual stays on the
+            device in its stored form, ``residual_dtype``, which undoes much of the
+            saving). On the CPU backend the device is the host: both choices keep the
+            residual in host RAM.
         keep_previous_residual: With error feedback, keep the last completed step's
             residual until the pending step is restored, so that ``discard_gradients()``
             undoes the pending step's residual update and leaves no trace. Default True.
@@ -78,10 +99,11 @@ class EngineConfig:
             host bytes), not PCIe traffic. False saves that memory; a discarded step's
             held-back part (about 99% of its gradient at ratio 100) then stays in the
             residual and reaches later steps.
-        min_compress_numel: Tensors with fewer elements travel uncompressed. Default
-            16384 (64 KiB of fp32): below it, keeping 1% saves under 64 KiB per tensor
-            while the selection's fixed cost stays, and biases and norm weights are
-            both small and sensitive to sparsification.
+        min_compress_numel: Tensors with fewer elements travel uncompressed. None
+            (default): 16384 for top-k (64 KiB of fp32: below it, keeping 1% saves little
+            while the selection's fixed cost stays, and biases and norm weights are both
+            small and sensitive to sparsification) and 128 (one block) for the block
+            codecs and int8.
         host_memory_fraction: Largest share of the host's available RAM (psutil, or the
             cgroup limit where lower) the host store may need; the engine refuses to
             start if its estimate is larger. Default 0.5.
@@ -101,6 +123,7 @@ class EngineConfig:
             ``host_memory_fraction``.
     """
 
+    codec: str | None = None
     bucket_size_mb: float = 4.0
     selection: str = "auto"
     error_feedback: bool = True
@@ -109,7 +132,7 @@ class EngineConfig:
     value_dtype: str | None = None
     residual_location: str = "host"
     keep_previous_residual: bool = True
-    min_compress_numel: int = 16384
+    min_compress_numel: int | None = None
     host_memory_fraction: float = 0.5
     backend: str = "auto"
     staging_depth: int = 2
@@ -117,6 +140,8 @@ class EngineConfig:
     host_pool_mb: float | None = None
 
     def __post_init__(self) -> None:
+        if self.codec is not None:
+            _check_choice("codec", self.codec, CODEC_NAMES)
         _check_positive_number("bucket_size_mb", self.bucket_size_mb)
         _check_choice("selection", self.selection, ("auto", *SELECTIONS))
         _check_bool("error_feedback", self.error_feedback)
@@ -126,7 +151,8 @@ class EngineConfig:
             _check_choice("value_dtype", self.value_dtype, VALUE_DTYPES)
         _check_choice("residual_location", self.residual_location, RESIDUAL_LOCATIONS)
         _check_bool("keep_previous_residual", self.keep_previous_residual)
-        _check_positive_int("min_compress_numel", self.min_compress_numel)
+        if self.min_compress_numel is not None:
+            _check_positive_int("min_compress_numel", self.min_compress_numel)
         _check_positive_number("host_memory_fraction", self.host_memory_fraction)
         if self.host_memory_fraction > 1:
             raise ValueError(

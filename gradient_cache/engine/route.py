@@ -15,7 +15,15 @@ from typing import TypeVar
 
 import torch
 
-from ..codecs import Codec, Int8Values, Lossless, ResidualCodec, TopK
+from ..codecs import (
+    BLOCK_CODECS,
+    BlockQuantized,
+    Codec,
+    Int8Values,
+    Lossless,
+    ResidualCodec,
+    TopK,
+)
 from ..codecs.base import shapes_bytes
 from .config import EngineConfig
 from .pool import SlotSpec
@@ -24,32 +32,90 @@ from .sharding import local_numel
 Key = TypeVar("Key")
 
 
+# The codecs ``codec=None`` chooses from, best-training first (perf/RESULTS.md, "Codec
+# frontier"): a tensor takes the first whose bytes fit ``1 / compression_ratio`` of its
+# lossless bytes. Each one is smaller than the one before it.
+LADDER = ("int8", "q4", "q3", "q2", "sign", "topk")
+# Tensors smaller than this travel whole unless min_compress_numel says otherwise: one
+# block of the block codecs, and where top-k's selection pays for its fixed cost.
+DEFAULT_MIN_NUMEL = {"topk": 16384}
+BLOCK_MIN_NUMEL = 128
+
+
 @dataclass(frozen=True)
 class Codecs:
-    """The codec instances one engine uses: shared by its parameters, as their random
-    generators are (one per part: selection, residual, values)."""
+    """The codec instances one engine uses, shared by its parameters (as their random
+    generators are), and how a parameter chooses among them.
+
+    ``candidates``: best-training first. ``budget``: None, the first candidate a tensor is
+    large enough for; a ratio r, the first whose payload is at most ``1 / r`` of the
+    tensor's lossless bytes, or, if none is, the most compact one.
+    """
 
     lossless: Codec
-    compressing: Codec | None  # for tensors of at least min_compress_numel; None: none is
+    candidates: tuple[Codec, ...]
+    budget: float | None
 
     @classmethod
     def for_options(cls, config: EngineConfig, *, ratio: float, selection: str) -> Codecs:
         """``selection``: "threshold" or "exact" (the backend resolves "auto")."""
-        compressing: Codec | None = None
-        if ratio > 1:
-            compressing = TopK(
-                ratio=ratio,
-                selection=selection,
-                error_feedback=config.error_feedback,
-                residual_dtype=config.residual_dtype,
-                int8_values=config.value_dtype == "int8",
-            )
-        elif config.value_dtype == "int8":
-            compressing = Int8Values()
-        return cls(Lossless(), compressing)
+        if config.codec is not None:
+            names: tuple[str, ...] = () if config.codec == "lossless" else (config.codec,)
+            budget = None
+        elif ratio > 1:
+            names, budget = LADDER, ratio
+        else:  # the seed's int8 option: every entry kept, quantized
+            names, budget = ("int8",) if config.value_dtype == "int8" else (), None
+        explicit_topk = config.codec == "topk"
+        candidates = tuple(
+            _make(name, config, ratio=ratio, selection=selection, budgeted=not explicit_topk)
+            for name in names
+        )
+        return cls(Lossless(), candidates, budget)
 
     def all(self) -> list[Codec]:
-        return [self.lossless] + ([] if self.compressing is None else [self.compressing])
+        return [self.lossless, *self.candidates]
+
+    def choose(self, numel: int, dtype: torch.dtype, *, min_numel: int | None) -> Codec:
+        """The codec of a gradient of ``numel`` entries of ``dtype``."""
+        dense = numel * dtype.itemsize
+        fitting = []
+        for codec in self.candidates:
+            floor = min_numel or DEFAULT_MIN_NUMEL.get(codec.name, BLOCK_MIN_NUMEL)
+            if numel < floor:
+                continue
+            size = shapes_bytes(codec.payload_shapes(numel, dtype))
+            if self.budget is None or size * self.budget <= dense:
+                return codec
+            fitting.append((size, codec))
+        if fitting:
+            return min(fitting, key=lambda pair: pair[0])[1]
+        return self.lossless
+
+
+def _make(
+    name: str, config: EngineConfig, *, ratio: float, selection: str, budgeted: bool
+) -> Codec:
+    if name in BLOCK_CODECS:
+        return BlockQuantized.named(name)
+    if name == "int8":
+        return Int8Values()
+    if budgeted:  # one of the ladder's: as many entries as fit the byte budget, no residual
+        return TopK(
+            ratio=ratio,
+            selection=selection,
+            error_feedback=False,
+            residual_dtype=config.residual_dtype,
+            int8_values=False,
+            byte_budget=True,
+        )
+    return TopK(
+        ratio=ratio,
+        selection=selection,
+        error_feedback=config.error_feedback,
+        residual_dtype=config.residual_dtype,
+        int8_values=config.value_dtype == "int8",
+    )
 
 
 @dataclass(frozen=True)
@@ -107,9 +173,7 @@ def route(
     steps: int,
 ) -> Route:
     """The route of a gradient of ``numel`` entries of ``dtype`` after ``steps`` steps."""
-    steady = codecs.lossless
-    if codecs.compressing is not None and numel >= config.min_compress_numel:
-        steady = codecs.compressing
+    steady = codecs.choose(numel, dtype, min_numel=config.min_compress_numel)
     warming_up = steps < config.warmup_steps
     return Route(
         numel=numel,

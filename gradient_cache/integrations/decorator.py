@@ -30,6 +30,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..data_parallel import check_data_parallel
+from ..engine.config import DEFAULT_COMPRESSION_RATIO
 from ..manager import GradientCacheHookManager
 from . import CacheOptions
 from .gradient_readers import restore_before_gradient_reads
@@ -45,7 +46,7 @@ _active: _Session | None = None  # the hooks are process-wide, so one session at
 
 
 def optimize(
-    compression_ratio: float = 100,
+    compression_ratio: float = DEFAULT_COMPRESSION_RATIO,
     *,
     exclude_layers: Sequence[str] | None = None,
     verbose: bool = False,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
+from ..engine.config import DEFAULT_COMPRESSION_RATIO
 from ..manager import GradientCacheHookManager
 from . import LOGGED_FIELDS, CacheOptions
 
@@ -59,7 +60,7 @@ class GradientCacheCallback(pl.Callback):
 
     def __init__(
         self,
-        compression_ratio: float = 100,
+        compression_ratio: float = DEFAULT_COMPRESSION_RATIO,
         *,
         exclude_layers: Sequence[str] | None = None,
         verbose: bool = False,

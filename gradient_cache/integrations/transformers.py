@@ -27,6 +27,7 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..engine.config import DEFAULT_COMPRESSION_RATIO
 from . import LOGGED_FIELDS as SUMMARY_FIELDS
 from .decorator import manager_of, optimize
 
@@ -39,7 +40,7 @@ STATE_FILE = "gradient_cache.pt"
 def train(
     trainer: transformers.Trainer,
     *,
-    compression_ratio: float = 100,
+    compression_ratio: float = DEFAULT_COMPRESSION_RATIO,
     exclude_layers: Sequence[str] | None = None,
     verbose: bool = False,
     resume_from_checkpoint: str | bool | None = None,
