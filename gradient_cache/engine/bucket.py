@@ -70,6 +70,10 @@ class BucketAssembler:
         self._bytes += tensor_bytes(grad)
         return self.flush() if self._bytes >= self.capacity_bytes else None
 
+    def holds(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param``'s gradient waits here."""
+        return param in self._items
+
     def __len__(self) -> int:
         """Gradients waiting here for their bucket to fill."""
         return len(self._items)

@@ -33,11 +33,12 @@ def step(
     # so the clip factor has the same bits in every process and run.
     owned = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
     retry = pipeline.interrupted_clip is not None
-    if not retry:
-        pipeline.complete([p for p in pipeline.store if p in owned])
+    delivered = [p for p in pipeline.store if p in owned]
     # A cached gradient that also has a device part is restored whole first: it then
     # behaves like any device gradient. Parameters of other optimizers stay cached.
-    pipeline.restore([p for p in pipeline.store if p in owned and p.grad is not None])
+    mixed = [p for p in delivered if p.grad is not None]
+    pipeline.complete(mixed)
+    pipeline.restore(mixed)
     held = {p: p.grad for p in owned if p.grad is not None}
     parts = pipeline.parts(owned)
     if retry:
@@ -59,6 +60,11 @@ def step(
                 items = [(param, store.payload(param)) for param in later]
                 ahead.append(backend.start_restore(items, scale=scale))
             _step_with(optimizer, backend.finish_restore(ahead.popleft()))
+            if i == 0:
+                # The step counts, and its residuals become current, once an optimizer
+                # step went through: a step that failed before can still be discarded
+                # without a trace. (A retry completes again: counting is idempotent.)
+                pipeline.complete([p for p in delivered if p in store])
             store.remove(params)  # stepped: the payloads are spent
         if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
             for param, grad in held.items():

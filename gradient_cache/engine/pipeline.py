@@ -36,6 +36,7 @@ class LayerRecord:
     stored_bytes: int
     kept: int
     compressed: bool
+    codec: str  # the name of the codec that encoded it
 
 
 @dataclass
@@ -136,12 +137,19 @@ class Pipeline:
 
     def _on_grad_ready(self, param: Param) -> None:
         grad = param.grad
-        if not self.enabled or grad is None or grad.is_sparse:
+        if grad is None or grad.is_sparse:
             return  # sparse (nn.Embedding(sparse=True)) gradients stay where they are
+        if not self.enabled:
+            return  # left on the device; what is cached joins it at the restore
         if not self._gradient_checked:
             sharding.check_gradient_is_reduced(self.names[param], grad)
             self._gradient_checked = True
         param.grad = None
+        if self.assembler.holds(param) and param in self.store:
+            # A third micro-batch while the second waits here and the first is cached:
+            # the waiting bucket goes first, so the cached part joins the second gradient
+            # before the third does ((a + b) + c, plain PyTorch's order).
+            self._launch(self.assembler.flush() or [])
         group_complete = self._group_complete(param)
         items = self.assembler.add(param, sharding.local(grad))
         if items is None and group_complete:
@@ -309,10 +317,11 @@ class Pipeline:
 
     def _generators(self) -> dict[str, DeviceGenerators]:
         """The engine's own random generators, by the part that draws from them."""
-        parts: dict[str, DeviceGenerators] = {}
-        for codec in self.codecs.all():
-            parts.update(codec.generators())
-        return parts
+        return {
+            f"{codec.name}.{part}": generators
+            for codec in self.codecs.all()
+            for part, generators in codec.generators().items()
+        }
 
     def random_state(self) -> dict[str, torch.Tensor]:
         """The engine's generators' states on its device (never the global RNG's)."""
@@ -339,6 +348,7 @@ class Pipeline:
                 stored_bytes=payload.nbytes,
                 kept=payload.kept,
                 compressed=route.compressed,
+                codec=route.codec.name,
             )
         return record
 
