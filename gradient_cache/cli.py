@@ -278,7 +278,7 @@ def _ratio(text: str) -> float:
         value = math.nan
     if not math.isfinite(value) or value < 1:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a finite number >= 1 (1 = lossless, 100 = keep 1% of each gradient)"
+            f"{text!r} is not a finite number >= 1 (1 = lossless, r = at most 1/r of the bytes)"
         )
     return value
 

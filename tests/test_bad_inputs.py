@@ -43,7 +43,8 @@ CASES = [
     ("ratio inf", "create_gradient_cache(model(), compression_ratio=math.inf)", ValueError,
      "Invalid compression_ratio: inf"),
     ("ratio as a string", 'create_gradient_cache(model(), compression_ratio="100")', TypeError,
-     "compression_ratio must be a real number >= 1 (1 = lossless, 100 = keep 1%), got str '100'"),
+     "compression_ratio must be a real number >= 1 (1 = lossless, r = at most 1/r of "
+     "lossless bytes), got str '100'"),
     ("ratio as a bool", "create_gradient_cache(model(), compression_ratio=True)", TypeError,
      "got bool True"),
     # --- other arguments
@@ -74,6 +75,9 @@ CASES = [
      ValueError, "Invalid residual_dtype: 'float16'"),
     ("unsupported value dtype", 'create_gradient_cache(model(), value_dtype="int4")',
      ValueError, "Invalid value_dtype: 'int4'; expected one of ['int8']"),
+    ("unknown codec", 'create_gradient_cache(model(), codec="q5")', ValueError,
+     "Invalid codec: 'q5'; expected one of ['lossless', 'int8', 'q4', 'q3', 'q2', 'q1', "
+     "'sign', 'topk']"),
     ("negative warm-up", "create_gradient_cache(model(), warmup_steps=-1)", ValueError,
      "Invalid warmup_steps: -1; expected an integer >= 0"),
     ("fractional warm-up", "create_gradient_cache(model(), warmup_steps=1.5)", ValueError,

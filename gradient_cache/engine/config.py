@@ -186,14 +186,15 @@ def validate_compression_ratio(value: Any) -> float:
     """Return ``value`` as a float, or raise naming what is accepted."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
-            f"compression_ratio must be a real number >= 1 (1 = lossless, 100 = keep 1%), "
+            f"compression_ratio must be a real number >= 1 (1 = lossless, r = at most 1/r of "
+            f"lossless bytes), "
             f"got {type(value).__name__} {value!r}."
         )
     ratio = float(value)
     if not math.isfinite(ratio) or ratio < 1:
         raise ValueError(
             f"Invalid compression_ratio: {value!r}; expected a finite number >= 1 "
-            "(1 = lossless offload, 100 = keep 1% of each gradient)."
+            "(1 = lossless offload, r = each gradient in at most 1/r of its lossless bytes)."
         )
     return ratio
 
