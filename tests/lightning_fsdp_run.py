@@ -79,7 +79,7 @@ def main(out_dir: Path) -> None:
     lossless = GradientCacheCallback(compression_ratio=1)
     _, cached = fit([lossless])
 
-    options = dict(compression_ratio=100, min_compress_numel=64)
+    options = dict(compression_ratio=100, codec="topk", min_compress_numel=64)
     saver = ModelCheckpoint(dirpath=out_dir / "ckpt", save_top_k=-1, every_n_epochs=1)
     _, uninterrupted = fit(
         [GradientCacheCallback(**options), saver], max_epochs=2, enable_checkpointing=True

@@ -199,10 +199,11 @@ def backward_raising_on_syncs(loss: torch.Tensor) -> None:
     "options",
     [
         dict(compression_ratio=1),
-        dict(compression_ratio=100, min_compress_numel=1),
-        dict(compression_ratio=100, min_compress_numel=1, error_feedback=True),
+        dict(compression_ratio=100, codec="topk", min_compress_numel=1, error_feedback=False),
+        dict(compression_ratio=100, codec="topk", min_compress_numel=1, error_feedback=True),
         dict(
             compression_ratio=100,
+            codec="topk",
             min_compress_numel=1,
             error_feedback=True,
             residual_location="device",

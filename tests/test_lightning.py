@@ -146,7 +146,7 @@ def test_lossless_callback_ends_with_the_weights_of_a_plain_run(
 
 def test_summary_is_logged_through_the_trainer_logger(tmp_path: Path) -> None:
     model = Regressor()
-    callback = GradientCacheCallback(compression_ratio=10, min_compress_numel=1)
+    callback = GradientCacheCallback(compression_ratio=10, codec="topk", min_compress_numel=1)
     logger = CSVLogger(tmp_path, name="run", version=0)
     fit(model, [callback], logger=logger, log_every_n_steps=1)
 
@@ -242,7 +242,7 @@ def test_seed_readme_pattern_never_trains_restoring_inside_the_closure_does() ->
 def test_callback_hands_the_trainers_grad_scaler_to_the_cache() -> None:
     """16-mixed scales the loss; error feedback must know the scale to keep its residual."""
     callback = GradientCacheCallback(
-        compression_ratio=10, error_feedback=True, min_compress_numel=1
+        compression_ratio=10, codec="topk", error_feedback=True, min_compress_numel=1
     )
     seen = []
 
@@ -257,12 +257,12 @@ def test_callback_hands_the_trainers_grad_scaler_to_the_cache() -> None:
 def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(
     tmp_path: Path,
 ) -> None:
-    """Ratio 100 with error feedback (the defaults): the residuals and the engine's
+    """Top-k at ratio 100 with error feedback: the residuals and the engine's
     generators travel in Lightning's checkpoint, so two epochs in one go and one epoch,
     a checkpoint and a resumed second epoch end with the same weights."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    options = dict(compression_ratio=100, min_compress_numel=1)
+    options = dict(compression_ratio=100, codec="topk", min_compress_numel=1)
     uninterrupted = Regressor()
     saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1)
     fit(

@@ -213,10 +213,11 @@ def test_gradients_made_on_another_stream_are_reused_only_after_their_copy(
     "options",
     [
         dict(compression_ratio=1),
-        dict(compression_ratio=20, error_feedback=True, residual_location="host"),
-        dict(compression_ratio=20, error_feedback=True, residual_location="device"),
+        dict(compression_ratio=20, codec="topk", error_feedback=True, residual_location="host"),
+        dict(compression_ratio=20, codec="topk", error_feedback=True, residual_location="device"),
+        dict(compression_ratio=8),
     ],
-    ids=["lossless", "ef-host", "ef-device"],
+    ids=["lossless", "ef-host", "ef-device", "q3 by the ladder"],
 )
 def test_accumulation_without_a_drain_matches_the_cpu_backend(
     fake_cuda: FakeCuda, options: dict
@@ -280,6 +281,7 @@ def test_error_feedback_matches_the_cpu_backend(
 ) -> None:
     options = dict(
         compression_ratio=20,
+        codec="topk",
         error_feedback=True,
         residual_location=location,
         selection="exact",
@@ -310,6 +312,7 @@ def test_the_pool_has_room_for_warmup_then_shrinks(fake_cuda: FakeCuda) -> None:
         model,
         backend_factory=fake_cuda.factory,
         compression_ratio=20,
+        codec="topk",
         warmup_steps=1,
         min_compress_numel=1,
         error_feedback=False,
@@ -393,7 +396,11 @@ def test_a_discarded_step_leaves_the_host_residual_as_it_was(
 ) -> None:
     """The discarded step's residual went to the spare slot; the current one is intact."""
     options = dict(
-        compression_ratio=20, min_compress_numel=1, selection="exact", bucket_size_mb=SMALL
+        compression_ratio=20,
+        codec="topk",
+        min_compress_numel=1,
+        selection="exact",
+        bucket_size_mb=SMALL,
     )
     with fake_cuda.checker.disabled():
         reference = train_with_a_skipped_batch(

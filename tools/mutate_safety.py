@@ -1,13 +1,16 @@
 # ruff: noqa: E501 - the mutants are exact source snippets
 """Mutation check of the engine's safety mechanisms other than stream waits.
 
-    python tools/mutate_safety.py [PYTHON]     (from the project root)
+    python tools/mutate_safety.py [PYTHON] [-k TEXT]     (from the project root)
+
+``-k TEXT`` runs only the mutants whose description contains TEXT (repeatable).
 
 Each mutant deletes or reorders one mechanism (a rollback, a give-back, a release, a budget
 check, an accumulation) in a copy of the checkout and runs the tests that guard it; every
 mutant must be killed. The stream waits have their own tool: ../shared/tools/mutate_waits.py.
 """
 
+import argparse
 import os
 import pathlib
 import shutil
@@ -16,7 +19,6 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path.cwd()
-PY = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else sys.executable
 MUTANTS = [
     (
         "fused step: device gradients put back on failure",
@@ -35,15 +37,15 @@ MUTANTS = [
     (
         "fused step: wait for the prefetched restore before freeing",
         "gradient_cache/engine/fused_step.py",
-        "            pipeline.backend.finish_restore(restore)  # before its blocks are freed",
+        "            backend.finish_restore(restore)  # before its blocks are freed",
         "            pass",
         "tests/test_stream_order.py::test_a_failed_fused_step_retried_gives_the_plain_result",
     ),
     (
-        "fused step: payloads leave only after their step (take before step)",
+        "fused step: payloads leave only after their step (remove before step)",
         "gradient_cache/engine/fused_step.py",
-        "            grads = pipeline.backend.finish_restore(ahead.popleft())\n            _step_with(optimizer, grads)\n            bucket.take(params)  # stepped: the payloads are spent",
-        "            grads = pipeline.backend.finish_restore(ahead.popleft())\n            bucket.take(params)\n            _step_with(optimizer, grads)",
+        "            _step_with(optimizer, backend.finish_restore(ahead.popleft()))\n            if i == 0:\n                # The step counts, and its residuals become current, once an optimizer\n                # step went through: a step that failed before can still be discarded\n                # without a trace. (A retry completes again: counting is idempotent.)\n                pipeline.complete([p for p in delivered if p in store])\n            store.remove(params)  # stepped: the payloads are spent",
+        "            grads = backend.finish_restore(ahead.popleft())\n            if i == 0:\n                pipeline.complete([p for p in delivered if p in store])\n            store.remove(params)\n            _step_with(optimizer, grads)",
         "tests/test_training.py::test_a_failed_fused_step_retried_gives_the_plain_result",
     ),
     (
@@ -54,22 +56,22 @@ MUTANTS = [
         "tests/test_engine.py",
     ),
     (
-        "launch: commit what was encoded before the failure",
+        "launch: keep what was encoded before the failure",
         "gradient_cache/engine/pipeline.py",
-        "        finally:\n            self.commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])",
-        "        else:\n            self.commit(bucket, encoded, [grad for _, grad in items[: len(encoded)]])",
+        "        finally:\n            self._keep(encoded, [grad for _, grad in items[: len(encoded)]])",
+        "        else:\n            self._keep(encoded, [grad for _, grad in items[: len(encoded)]])",
         "tests/test_engine.py",
     ),
     (
         "cuda: drop the retired bucket's device tensors (memory bound)",
         "gradient_cache/engine/cuda.py",
-        "            retired.device_tensors = []  # safe now",
+        "            retired.tensors.clear()  # safe now",
         "            pass  # safe now",
         "tests/test_stream_order.py::test_device_memory_in_flight_is_bounded_by_the_staging_depth",
     ),
     (
         "budget checked before the pool is allocated",
-        "gradient_cache/engine/pipeline.py",
+        "gradient_cache/engine/backends.py",
         '    check_host_budget(\n        needed, fraction=config.host_memory_fraction, what="the host pool of payload slots"\n    )\n    pool = HostPool(layout, allocate_pinned=allocate if config.pin_memory else None)',
         '    pool = HostPool(layout, allocate_pinned=allocate if config.pin_memory else None)\n    check_host_budget(\n        needed, fraction=config.host_memory_fraction, what="the host pool of payload slots"\n    )',
         "tests/test_stream_order.py::test_refused_construction_leaves_no_pinned_memory_or_hook",
@@ -91,49 +93,49 @@ MUTANTS = [
     (
         "accumulation: the cached payload joins the next gradient",
         "gradient_cache/engine/pipeline.py",
-        "            flat = add_into(flat, moved(held.payloads[param], self.backend.to_device))",
+        "            flat = held.moved(self.backend.to_device).add_to(flat)",
         "            pass",
         "tests/test_training.py tests/test_stream_order.py",
     ),
     (
         "discard: a pending step's residuals are dropped",
         "gradient_cache/engine/pipeline.py",
-        "        self.cached = {}\n        self.pending_residuals = {}\n",
-        "        self.cached = {}\n",
-        "tests/test_api.py::test_a_discarded_batch_leaves_no_trace",
+        "        self.backend.residuals.drop_pending()\n",
+        "",
+        "tests/test_checkpoint.py::test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start",
     ),
     (
         "discard: the engine's generators are rewound",
         "gradient_cache/engine/pipeline.py",
         "            self.set_random_state(self.random_state_at_step_start)",
         "            pass",
-        "tests/test_api.py::test_a_discarded_batch_leaves_no_trace",
+        "tests/test_checkpoint.py::test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start",
     ),
     (
-        "cuda: a pending step's residual goes to the spare slot",
-        "gradient_cache/engine/cuda.py",
-        "                    target = self.pending_host_residual(item.param)",
-        "                    target = slot.residual",
-        "tests/test_stream_order.py::test_a_discarded_step_leaves_the_host_residual_as_it_was",
+        "host residuals: a pending step's residual goes to the spare slot",
+        "gradient_cache/engine/residuals.py",
+        "        return slot.residual if slot.spare_residual is None else slot.spare_residual",
+        "        return slot.residual",
+        "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
     ),
     (
         "checkpoint: residuals loaded",
-        "gradient_cache/engine/checkpoint.py",
-        "            pipeline.residuals[param] = saved.to(device)",
-        "            pass",
+        "gradient_cache/engine/residuals.py",
+        "        self._current = {p: r.to(self.device) for p, r in current.items()}",
+        "        pass",
         "tests/test_checkpoint.py",
     ),
     (
         "checkpoint: host residuals loaded into their slots",
-        "gradient_cache/engine/checkpoint.py",
-        "            pipeline.residuals[param].copy_(saved)",
-        "            pass",
+        "gradient_cache/engine/residuals.py",
+        "            slots[param].residual.copy_(saved)  # nothing in flight",
+        "            pass  # nothing in flight",
         "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
     ),
     (
         "checkpoint: cached payloads stored under the encode stream's ordering",
         "gradient_cache/engine/checkpoint.py",
-        "        with pipeline.backend.encoding([]):",
+        "        with pipeline.backend.encoding(params):",
         "        if True:",
         "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
     ),
@@ -168,7 +170,7 @@ MUTANTS = [
     (
         "ddp: a plain gradient across processes is refused at the first hook",
         "gradient_cache/engine/pipeline.py",
-        "            check_gradient_is_reduced(self.names[param], grad)",
+        "            sharding.check_gradient_is_reduced(self.names[param], grad)",
         "            pass",
         "tests/test_distributed.py::test_refused_on_every_rank_with_the_reason",
     ),
@@ -215,11 +217,11 @@ MUTANTS = [
         "tests/test_transformers.py::test_a_run_resumed_from_a_trainer_checkpoint_ends_as_the_uninterrupted_one",
     ),
     (
-        "planner: the pool's spare residual slots are counted",
-        "gradient_cache/planner.py",
-        "            spare_residual=config.keep_previous_residual,",
-        "            spare_residual=False,",
-        "tests/test_planner.py",
+        "route: the pool's spare residual slots are counted (engine and planner)",
+        "gradient_cache/engine/route.py",
+        "        spare_residual=config.keep_previous_residual,",
+        "        spare_residual=False,",
+        "tests/test_engine.py::test_host_pool_sizes_residual_and_warmup_slots",
     ),
     (
         "planner: Adam's per-tensor step counters are counted",
@@ -235,17 +237,124 @@ MUTANTS = [
         "    if False:",
         "tests/test_distributed.py::test_refused_on_every_rank_with_the_reason",
     ),
+    # --- the gradient store (engine/store.py) ---
+    (
+        "store: a re-cached parameter leaves its old bucket",
+        "gradient_cache/engine/store.py",
+        "            if previous is not None:\n                del previous.payloads[param]",
+        "            if previous is not None:\n                pass",
+        "tests/test_training.py::test_gradient_accumulation_sums_exactly_when_lossless",
+    ),
+    (
+        "store: remove drops empty buckets",
+        "gradient_cache/engine/store.py",
+        "            del self._where.pop(param).payloads[param]\n        self._buckets = [b for b in self._buckets if len(b)]",
+        "            del self._where.pop(param).payloads[param]",
+        "tests/test_checkpoint.py",
+    ),
+    (
+        "store: parts refuses a bucket that has not landed",
+        "gradient_cache/engine/store.py",
+        '            if bucket.state is not BucketState.CACHED:\n                raise RuntimeError("gradient-cache internal error: a restore before the drain")\n',
+        "",
+        "tests/test_engine.py",
+    ),
+    (
+        "store: clear forgets where each parameter is cached",
+        "gradient_cache/engine/store.py",
+        "        self._buckets = []\n        self._where = {}",
+        "        self._buckets = []",
+        "tests/test_api.py::test_a_discarded_batch_leaves_no_trace",
+    ),
+    # --- the residual stores (engine/residuals.py) ---
+    (
+        "residuals: promote makes a delivered step's residuals current",
+        "gradient_cache/engine/residuals.py",
+        "                self._current[param] = self._pending.pop(param)",
+        "                pass",
+        "tests/test_checkpoint.py::test_the_state_holds_residuals_and_the_cached_gradients_by_name tests/test_checkpoint.py::test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start",
+    ),
+    (
+        "host residuals: promote swaps the slot and its spare",
+        "gradient_cache/engine/residuals.py",
+        "                slot.residual, slot.spare_residual = slot.spare_residual, slot.residual",
+        "                pass",
+        "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
+    ),
+    (
+        "residuals: drop_pending drops the pending residuals",
+        "gradient_cache/engine/residuals.py",
+        "    def drop_pending(self) -> None:\n        self._pending = {}",
+        "    def drop_pending(self) -> None:\n        pass",
+        "tests/test_checkpoint.py::test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start",
+    ),
+    (
+        "host residuals: drop_pending drops the pending residuals",
+        "gradient_cache/engine/residuals.py",
+        "    def drop_pending(self) -> None:\n        self._pending = set()",
+        "    def drop_pending(self) -> None:\n        pass",
+        "tests/test_stream_order.py::test_a_discarded_step_leaves_the_host_residual_as_it_was",
+    ),
+    (
+        "residuals: read gives the pending residual, not the current one",
+        "gradient_cache/engine/residuals.py",
+        "        return self._pending.get(param, self._current.get(param))",
+        "        return self._current.get(param)",
+        "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
+    ),
+    (
+        "host residuals: read gives the pending residual, not the current one",
+        "gradient_cache/engine/residuals.py",
+        "        stored = self._target(param) if param in self._pending else slot.residual",
+        "        stored = slot.residual",
+        "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
+    ),
+    # --- the block codecs (codecs/blockquant.py, codecs/dither.py) ---
+    (
+        "blockquant: stochastic rounding adds the dither (not a deterministic floor)",
+        "gradient_cache/codecs/blockquant.py",
+        "            level.add_(dither.window(level.numel(), flat.device).view_as(level)).floor_()",
+        "            level.floor_()",
+        "tests/test_codecs.py::test_stochastic_rounding_is_unbiased",
+    ),
+    (
+        "blockquant: codes masked to their bits (a NaN's byte)",
+        "gradient_cache/codecs/blockquant.py",
+        "            codes = level.clamp_(0, top).to(torch.uint8).bitwise_and_(top)",
+        "            codes = level.clamp_(0, top).to(torch.uint8)",
+        "tests/test_codecs.py",
+    ),
+    (
+        "blockquant: zeros pad the last chunk's last block",
+        "gradient_cache/codecs/blockquant.py",
+        "            part = torch.nn.functional.pad(part, (0, blocks * ROTATION_BLOCK - part.numel()))",
+        "            part = torch.nn.functional.pad(part, (0, blocks * ROTATION_BLOCK - part.numel()), value=1.0)",
+        "tests/test_codecs.py::test_each_blocks_error_is_within_its_bound",
+    ),
+    (
+        "dither: each window starts at a random offset",
+        "gradient_cache/codecs/dither.py",
+        "        start = int(torch.randint(WINDOW, (1,), generator=self._offsets))",
+        "        start = 0",
+        "tests/test_codecs.py::test_stochastic_rounding_is_unbiased",
+    ),
 ]
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("python", nargs="?", default=sys.executable)
+    parser.add_argument("-k", dest="only", action="append", default=[], metavar="TEXT")
+    args = parser.parse_args()
+    py = os.path.abspath(args.python)
+    mutants = [m for m in MUTANTS if not args.only or any(t in m[0] for t in args.only)]
     survived = 0
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp) / "w"
         shutil.copytree(
             ROOT, work, ignore=shutil.ignore_patterns(".git", ".venv", "*.pyc", "__pycache__")
         )
-        for label, rel, old, new, tests in MUTANTS:
+        for label, rel, old, new, tests in mutants:
             target = work / rel
             original = target.read_text()
             if old not in original:
@@ -254,16 +363,18 @@ def main() -> int:
                 continue
             target.write_text(original.replace(old, new, 1))
             r = subprocess.run(
-                [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()],
+                [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()],
                 cwd=work,
                 capture_output=True,
                 text=True,
                 env={**os.environ, "PYTHONPATH": str(work)},
             )
             target.write_text(original)
-            last = (r.stdout.strip().splitlines() or ["?"])[-1]
+            lines = r.stdout.strip().splitlines() or ["?"]
+            # The first failing test (pytest's short summary), else the result line.
+            by = next((x for x in lines if x.startswith(("FAILED ", "ERROR "))), lines[-1])
             survived += r.returncode == 0
-            print(f"{'killed' if r.returncode else 'SURVIVED'}: {label} [{tests}] -> {last}")
+            print(f"{'killed' if r.returncode else 'SURVIVED'}: {label} [{tests}] -> {by[:200]}")
     return 1 if survived else 0
 
 
