@@ -34,14 +34,16 @@ class MemoryVariant:
     name: str
     ratio: float | None = None
     fused_step: bool = False
+    codec: str | None = None  # EngineConfig.codec; None: the ladder picks by ``ratio``
 
 
 MEMORY_VARIANTS = (
     MemoryVariant(name="plain"),
     MemoryVariant(name="cache r=1, apply + step", ratio=1),
     MemoryVariant(name="cache r=1, fused step", ratio=1, fused_step=True),
-    MemoryVariant(name="cache r=100, apply + step", ratio=100),
-    MemoryVariant(name="cache r=100, fused step", ratio=100, fused_step=True),
+    # Top-k with its error feedback: the residual is what the host store must also hold.
+    MemoryVariant(name="cache r=100, apply + step", ratio=100, codec="topk"),
+    MemoryVariant(name="cache r=100, fused step", ratio=100, fused_step=True, codec="topk"),
 )
 
 
@@ -81,7 +83,10 @@ def measure(variant: MemoryVariant, settings: MemorySettings) -> MemoryFigures:
     cache = None
     if variant.ratio is not None:
         cache = create_gradient_cache(
-            model, compression_ratio=variant.ratio, bucket_size_mb=settings.bucket_size_mb
+            model,
+            compression_ratio=variant.ratio,
+            bucket_size_mb=settings.bucket_size_mb,
+            codec=variant.codec,
         )
     next_batch = batch_stream(model, batch_size=settings.batch_size)
 

@@ -3,8 +3,8 @@
 Drawing a fresh uniform number per entry costs as much as the rest of a low-bit encode
 on a CPU (``torch.rand`` runs at about a quarter of a copy's speed there). Instead each
 device holds one table of ``2 * WINDOW`` uniform numbers made from a fixed seed,
-and every chunk reads a window of it that starts at a random offset drawn on the host
-(no device synchronisation). Each entry's noise is then a table entry picked uniformly
+and every chunk reads a window of it that starts at a pseudo-random offset computed on the
+host (no device synchronisation). Each entry's noise is then a table entry picked uniformly
 at random: uniform on [0, 1) up to the table's sampling error (about 1e-3), so rounding
 stays unbiased to that level, and it changes from chunk to chunk and step to step.
 The table is scratch: dropped after each backward and made again, the same, at the next.
@@ -15,17 +15,19 @@ from __future__ import annotations
 import torch
 
 TABLE_SEED = 0xD17E
+_MASK64 = (1 << 64) - 1
 # The longest window (a block codec's chunk, `blockquant.BLOCK_CHUNK`); the table is twice it.
 WINDOW = 1 << 18
 
 
 class Dither:
-    """Noise windows for chunks of at most `WINDOW` entries; offsets from a seeded
-    host generator, whose state is the only state (`get_state` / `set_state`)."""
+    """Noise windows of at most `WINDOW` entries. The offsets come from a counter-based
+    hash of (seed, draw), computed in Python: no tensor operation, so no device
+    synchronisation in a backward hook; the draw counter is the only state."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self._offsets = torch.Generator().manual_seed(seed)
+        self._draws = 0
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     def window(self, count: int, device: torch.device) -> torch.Tensor:
@@ -35,8 +37,16 @@ class Dither:
             maker = torch.Generator(device=device).manual_seed(TABLE_SEED)
             table = torch.rand(2 * WINDOW, generator=maker, device=device)
             self._tables[device] = table
-        start = int(torch.randint(WINDOW, (1,), generator=self._offsets))
+        start = self._next_offset()
         return table[start : start + count]
+
+    def _next_offset(self) -> int:
+        """SplitMix64 of the seed and the draw number, reduced to an offset."""
+        self._draws += 1
+        x = (self.seed * 0x9E3779B97F4A7C15 + self._draws * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return (x ^ (x >> 31)) % WINDOW
 
     def tables(self) -> list[torch.Tensor]:
         return list(self._tables.values())
@@ -45,12 +55,11 @@ class Dither:
         self._tables.clear()
 
     # The engine checkpoints and rewinds generators per device (`DeviceGenerators`); the
-    # offsets are drawn on the host whatever the device, so the device is ignored.
-    def get_state(self, device: torch.device) -> torch.Tensor:
-        return self._offsets.get_state()
+    # offsets do not depend on the device, so the device is ignored.
+    def get_state(self, device: torch.device) -> torch.Tensor | None:
+        """The draw counter; None before the first draw (as `DeviceGenerators` says of an
+        unused generator), so the ladder's unused codecs hold no state."""
+        return None if self._draws == 0 else torch.tensor([self._draws], dtype=torch.int64)
 
     def set_state(self, device: torch.device, state: torch.Tensor | None) -> None:
-        if state is None:
-            self._offsets.manual_seed(self.seed)
-        else:
-            self._offsets.set_state(state)
+        self._draws = 0 if state is None else int(state[0])
