@@ -277,3 +277,17 @@ def test_auto_selection_depends_on_the_backend() -> None:
     assert CudaBackend.default_selection == "exact"  # torch.topk: no host sync
     manager = gradient_cache.create_gradient_cache(make_model(), compression_ratio=10, codec="topk")
     assert manager.engine.codecs.candidates[0].encoder.selector.method == "threshold"
+
+
+def test_the_store_refuses_to_hand_out_a_bucket_still_landing() -> None:
+    """Host payloads are complete only after the drain: a restore before it is a bug."""
+    from gradient_cache.codecs import DensePayload
+    from gradient_cache.engine.store import GradientStore
+
+    param = torch.nn.Parameter(torch.zeros(4))
+    store = GradientStore()
+    store.put({param: DensePayload(torch.ones(4))})
+    with pytest.raises(RuntimeError, match="a restore before the drain"):
+        store.parts({param})
+    store.landed()
+    assert [[p for p, _ in part] for part in store.parts({param})] == [[param]]
