@@ -248,9 +248,9 @@ def train_run(job: dict) -> dict:
     }
 
 
-def offload_bytes(setting: str) -> dict[str, float]:
-    """What the CUDA backend holds and moves for ``setting`` on MODEL, at steady state."""
-    model = TinyGPT(MODEL)
+def offload_bytes(setting: str, model_name: str = "tiny") -> dict[str, float]:
+    """What the CUDA backend holds and moves for ``setting`` on that model, at steady state."""
+    model = TinyGPT(MODELS[model_name])
     params = list(model.parameters())
     dense = sum(p.numel() * p.element_size() for p in params)
     if SETTINGS[setting] is None:
@@ -303,7 +303,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                     "val_loss": statistics.fmean(r["val_loss"] for r in mine),
                     "gap_mean": statistics.fmean(gaps) if gaps else None,
                     "gap_std": statistics.stdev(gaps) if len(gaps) > 1 else None,
-                    **offload_bytes(setting),
+                    **offload_bytes(setting, mine[0].get("model", "tiny")),
                 }
             )
     return rows

@@ -15,9 +15,9 @@ from typing import Any
 from ..codecs import CODEC_NAMES, RESIDUAL_DTYPES, SELECTIONS
 
 # create_gradient_cache's compression_ratio: gradients take at most a third of lossless
-# offload's bytes. fp32 gradients meet it with int8 codes (3.8x fewer), the one codec below
-# lossless that trained within 1% of plain PyTorch with both AdamW and SGD; bf16 gradients
-# with the 4-bit codec. perf/RESULTS.md ("Codec frontier") has the table and why not more.
+# offload's bytes. fp32 gradients meet it with int8 codes (3.8x fewer), which trained
+# within 1% of plain PyTorch with both AdamW and SGD with a margin; bf16 gradients with the
+# 4-bit codec. perf/RESULTS.md ("Codec frontier") has the table and why not more yet.
 DEFAULT_COMPRESSION_RATIO = 3.0
 RESIDUAL_LOCATIONS = ("host", "device")
 VALUE_DTYPES = ("int8",)
