@@ -370,6 +370,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
     parser.add_argument("--out", type=Path, default=Path("quality.json"))
     parser.add_argument(
+        "--without-plain",
+        action="store_true",
+        help="skip plain's runs (their seeds' runs from an earlier --out pair with these in "
+        "--summarize: plain's code did not change)",
+    )
+    parser.add_argument(
         "--any-corpus",
         action="store_true",
         help="measure even if this Python's files differ from the pinned ones",
@@ -404,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {setting} | {1000 * seconds:.1f} | {ratio} |")
         return
     corpus(check_hash=not args.any_corpus)  # fail before starting any run
-    settings = list(dict.fromkeys(["plain", *args.settings]))
+    settings = list(dict.fromkeys([*([] if args.without_plain else ["plain"]), *args.settings]))
     jobs = [
         {
             "setting": s,

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from .generators import DeviceGenerators
+from .generators import RandomSource
 from .payloads import Payload
 from .residual import ResidualCodec
 
@@ -46,7 +46,7 @@ class Codec(ABC):
     def payload_shapes(self, numel: int, dtype: torch.dtype) -> Shapes:
         """(numel, dtype) of each of the largest payload's tensors, in `Payload.tensors` order."""
 
-    def generators(self) -> dict[str, DeviceGenerators]:
+    def generators(self) -> dict[str, RandomSource]:
         """Its random generators by name (checkpointed, rewound by a discarded step)."""
         return {}
 

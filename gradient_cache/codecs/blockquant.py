@@ -31,7 +31,8 @@ ROUNDINGS = ("stochastic", "sign")
 
 # Entries encoded at a time (a multiple of ROTATION_BLOCK and of 8, so chunks start on
 # block boundaries and whole bytes of codes): each fp32 temporary is 1 MiB, and the
-# dither table twice that, so a backward's device scratch stays a few MiB.
+# dither tables (a table and its complement) twice that each: a backward's device scratch
+# stays a few MiB.
 BLOCK_CHUNK = WINDOW
 
 
@@ -82,7 +83,7 @@ def encode(
             # (x / s + 1) * top / 2 lies in [0, top]; adding U[0, 1) noise and flooring
             # rounds up with probability equal to the fraction: unbiased.
             level = part.div(safe.unsqueeze(1)).add_(1).mul_(top / 2)  # part may be the input
-            level.add_(dither.window(level.numel(), flat.device).view_as(level)).floor_()
+            level.add_(dither.uniform(level.numel(), flat.device).view_as(level)).floor_()
             # NaN (in a non-finite block) casts to an arbitrary byte: the mask keeps it a
             # valid code; the block's non-finite scale carries the news.
             codes = level.clamp_(0, top).to(torch.uint8).bitwise_and_(top)

@@ -2,12 +2,15 @@
 
 Drawing a fresh uniform number per entry costs as much as the rest of a low-bit encode
 on a CPU (``torch.rand`` runs at about a quarter of a copy's speed there). Instead each
-device holds one table of ``2 * WINDOW`` uniform numbers made from a fixed seed,
-and every chunk reads a window of it that starts at a pseudo-random offset computed on the
-host (no device synchronisation). Each entry's noise is then a table entry picked uniformly
-at random: uniform on [0, 1) up to the table's sampling error (about 1e-3), so rounding
-stays unbiased to that level, and it changes from chunk to chunk and step to step.
-The table is scratch: dropped after each backward and made again, the same, at the next.
+device holds one table of ``2 * WINDOW`` uniform numbers made from a fixed seed, and its
+complement (``1 - table``); every chunk reads a window of one of them, chosen at random,
+at a pseudo-random offset, both computed on the host (no device synchronisation). Each
+entry's noise is then a table entry picked uniformly at random, and its mean over draws is
+exactly 1/2 at every position: a table's mean misses 1/2 by about 4e-4, and rounding with
+that table alone is biased by that much of a level, the same way at every step; the
+rotation of the block codecs gathered that bias onto each block's first entry (times
+sqrt(128)), which Adam turned into a steady drift. The tables are scratch: dropped after
+each backward and made again, the same, at the next.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 TABLE_SEED = 0xD17E
 _MASK64 = (1 << 64) - 1
-# The longest window (a block codec's chunk, `blockquant.BLOCK_CHUNK`); the table is twice it.
+# The longest window (a codec's chunk, `blockquant.BLOCK_CHUNK`); each table is twice it.
 WINDOW = 1 << 18
 
 
@@ -28,28 +31,31 @@ class Dither:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self._draws = 0
-        self._tables: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def window(self, count: int, device: torch.device) -> torch.Tensor:
-        """``count`` (at most `WINDOW`) uniform numbers on ``device``, fp32."""
-        table = self._tables.get(device)
-        if table is None:
+    def uniform(self, count: int, device: torch.device) -> torch.Tensor:
+        """``count`` (at most `WINDOW`) uniform numbers on ``device``, fp32 (read-only:
+        a view of a table)."""
+        tables = self._tables.get(device)
+        if tables is None:
             maker = torch.Generator(device=device).manual_seed(TABLE_SEED)
             table = torch.rand(2 * WINDOW, generator=maker, device=device)
-            self._tables[device] = table
-        start = self._next_offset()
-        return table[start : start + count]
+            tables = self._tables[device] = (table, 1 - table)
+        draw = self._next_draw()
+        start = draw % WINDOW
+        # The hash's top bit picks the table: independent of the offset's low bits.
+        return tables[draw >> 63][start : start + count]
 
-    def _next_offset(self) -> int:
-        """SplitMix64 of the seed and the draw number, reduced to an offset."""
+    def _next_draw(self) -> int:
+        """SplitMix64 of the seed and the draw number: 64 pseudo-random bits."""
         self._draws += 1
         x = (self.seed * 0x9E3779B97F4A7C15 + self._draws * 0xBF58476D1CE4E5B9) & _MASK64
         x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-        return (x ^ (x >> 31)) % WINDOW
+        return x ^ (x >> 31)
 
     def tables(self) -> list[torch.Tensor]:
-        return list(self._tables.values())
+        return [table for pair in self._tables.values() for table in pair]
 
     def release(self) -> None:
         self._tables.clear()

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class RandomSource(Protocol):
+    """What the engine checkpoints and rewinds of a codec's randomness, per device."""
+
+    def get_state(self, device: torch.device) -> torch.Tensor | None:
+        """The state on ``device`` as a CPU tensor; None if nothing drew there yet."""
+        ...
+
+    def set_state(self, device: torch.device, state: torch.Tensor | None) -> None:
+        """Put back what `get_state` returned; None: as new, from the seed."""
+        ...
 
 
 class DeviceGenerators:
@@ -20,6 +34,10 @@ class DeviceGenerators:
     def uniform_like(self, x: torch.Tensor) -> torch.Tensor:
         """Uniform noise in [0, 1) shaped like ``x``, on its device, in fp32."""
         return torch.rand(x.shape, generator=self(x.device), device=x.device)
+
+    def uniform(self, count: int, device: torch.device) -> torch.Tensor:
+        """``count`` uniform numbers in [0, 1) on ``device``, fp32 (as `dither.Dither`'s)."""
+        return torch.rand(count, generator=self(device), device=device)
 
     def get_state(self, device: torch.device) -> torch.Tensor | None:
         """``device``'s generator state (a CPU uint8 tensor); None if nothing drew there."""

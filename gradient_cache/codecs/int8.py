@@ -7,16 +7,26 @@ The kernels shared by int8 values (`values.Int8Quantizer`) and the int8 residual
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
-from .generators import DeviceGenerators
+from .dither import WINDOW
 
 # Entries per scale: 64 keeps the scales at 1/16 of the int8 bytes.
 INT8_BLOCK = 64
-# Entries the codecs work on at a time (a multiple of INT8_BLOCK): their fp32 temporaries
-# stay within a few MiB of device memory however large the tensor.
-CODEC_CHUNK = 1 << 20
+# Entries the codecs work on at a time (a multiple of INT8_BLOCK, at most a dither window):
+# their fp32 temporaries stay within a few MiB of device memory however large the tensor.
+CODEC_CHUNK = WINDOW
+
+
+class UniformNoise(Protocol):
+    """Where stochastic rounding's noise comes from: `dither.Dither` (a table window, no
+    random number per entry) or `generators.DeviceGenerators` (``torch.rand``)."""
+
+    def uniform(self, count: int, device: torch.device) -> torch.Tensor:
+        """``count`` (at most `CODEC_CHUNK`) uniform numbers in [0, 1) on ``device``, fp32."""
+        ...
 
 
 def int8_blocks_bytes(numel: int) -> int:
@@ -31,13 +41,14 @@ def chunks(numel: int, size: int = CODEC_CHUNK) -> Iterator[tuple[int, int]]:
         yield start, min(start + size, numel)
 
 
-def int8_blocks_encode(x: torch.Tensor, generators: DeviceGenerators) -> torch.Tensor:
+def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     """Flat fp32 ``x`` as int8 codes per block of `INT8_BLOCK`, times the block's scale.
 
-    The scale is the block's largest magnitude / 127; uniform noise from ``generators``
+    The scale is the block's largest magnitude / 127; uniform noise from ``noise``
     rounds each code stochastically, so decoding is unbiased and off by less than the
     scale. Codes and fp32 scales are packed into one uint8 tensor. Works through ``x`` a
-    chunk at a time, so its fp32 temporaries stay a few MiB however large ``x`` is.
+    chunk at a time, so its fp32 temporaries stay a few MiB however large ``x`` is: per
+    chunk one pass for the block extremes, one to scale and add the noise, and the rounding.
     """
     numel = x.numel()
     blocks = -(-numel // INT8_BLOCK)
@@ -46,15 +57,21 @@ def int8_blocks_encode(x: torch.Tensor, generators: DeviceGenerators) -> torch.T
     scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
     for start, stop in chunks(numel):
         part_blocks = -(-(stop - start) // INT8_BLOCK)
-        padded = torch.nn.functional.pad(
-            x[start:stop], (0, part_blocks * INT8_BLOCK - stop + start)
-        )
-        padded = padded.view(part_blocks, INT8_BLOCK)  # a copy: free to scale in place
-        part_scales = padded.abs().amax(dim=1).div_(127)
-        safe = torch.where(part_scales > 0, part_scales, torch.ones_like(part_scales))
-        # |x / s| <= 127 and noise < 1, so floor stays within [-127, 127].
-        padded.div_(safe.unsqueeze(1)).add_(generators.uniform_like(padded)).floor_()
-        codes[start : start + padded.numel()].copy_(padded.view(-1))
+        part = x[start:stop]
+        if part.numel() < part_blocks * INT8_BLOCK:  # the last chunk: zeros fill its block
+            part = torch.nn.functional.pad(part, (0, part_blocks * INT8_BLOCK - part.numel()))
+        part = part.view(part_blocks, INT8_BLOCK)
+        low, high = torch.aminmax(part, dim=1)
+        # NaN and inf propagate; abs_ makes an all-zero block's scale +0, not -0.
+        part_scales = torch.maximum(low.neg_(), high).abs_().div_(127)
+        # A divide, not a multiply by 1 / s: that inverse overflows for subnormal scales.
+        # An all-zero block keeps codes 0; an inf scale makes the block non-finite.
+        safe = torch.where(part_scales > 0, part_scales, 1.0).unsqueeze(1)
+        level = torch.addcdiv(noise.uniform(part.numel(), x.device).view_as(part), part, safe)
+        # max|x| / (max|x| / 127) can round to just above 127, and noise near 1 would then
+        # floor to 128, which int8 cannot hold: the clamp keeps the largest entry's sign.
+        level.floor_().clamp_(-127, 127)
+        codes[start : start + level.numel()].view_as(level).copy_(level)
         scales[start // INT8_BLOCK : start // INT8_BLOCK + part_blocks].copy_(part_scales)
     return packed
 
@@ -68,6 +85,9 @@ def int8_blocks_decode(packed: torch.Tensor, numel: int) -> torch.Tensor:
     for start, stop in chunks(numel):
         part_blocks = -(-(stop - start) // INT8_BLOCK)
         part = codes[start : start + part_blocks * INT8_BLOCK].view(part_blocks, INT8_BLOCK)
-        part_scales = scales[start // INT8_BLOCK : start // INT8_BLOCK + part_blocks]
-        out[start:stop] = (part.float() * part_scales.unsqueeze(1)).view(-1)[: stop - start]
+        part_scales = scales[start // INT8_BLOCK : start // INT8_BLOCK + part_blocks].unsqueeze(1)
+        if stop - start == part.numel():  # whole blocks: written in place, one pass
+            torch.mul(part, part_scales, out=out[start:stop].view_as(part))
+        else:
+            out[start:stop] = (part.float() * part_scales).view(-1)[: stop - start]
     return out

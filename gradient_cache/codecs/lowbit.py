@@ -7,13 +7,12 @@ they train closer to plain PyTorch than top-k at far fewer bytes (perf/RESULTS.m
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from . import blockquant
 from .base import Codec, Shapes
 from .dither import Dither
+from .generators import RandomSource
 from .payloads import BlockCodesPayload
 from .rotation import held, rotation
 
@@ -64,7 +63,7 @@ class BlockQuantized(Codec):
     def payload_shapes(self, numel: int, dtype: torch.dtype) -> Shapes:
         return [(blockquant.encoded_bytes(numel, self.bits), torch.uint8)]
 
-    def generators(self) -> dict[str, Any]:
+    def generators(self) -> dict[str, RandomSource]:
         return {} if self.rounding == "sign" else {"dither": self.dither}
 
     def scratch_tensors(self) -> list[torch.Tensor]:

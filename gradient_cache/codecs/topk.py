@@ -7,7 +7,7 @@ import math
 import torch
 
 from .base import Codec, Shapes
-from .generators import DeviceGenerators
+from .generators import DeviceGenerators, RandomSource
 from .int8 import int8_blocks_bytes
 from .payloads import Payload, SparsePayload
 from .residual import ResidualCodec
@@ -227,7 +227,8 @@ class TopKEncoder:
         # What rounding to the gradient's dtype lost stays in the residual too.
         source.index_put_((indices,), selected - values.to(source.dtype))
         # Non-finite input is always among the selected entries (see `select`). Such a
-        # step is skipped or ruined, so the residual restarts from zero. The 0-dim mask
+        # step is skipped or ruined, so the residual restarts from zero (with a GradScaler
+        # the engine then puts back the one before the skipped step). The 0-dim mask
         # stays on the device: no host sync, which would stall backward on a GPU.
         source.masked_fill_(~torch.isfinite(selected).all(), 0)
         if loss_scale is not None:
@@ -298,13 +299,13 @@ class TopK(Codec):
         values = (int8_blocks_bytes(kept), torch.uint8) if self.quantizer else (kept, dtype)
         return [values, (kept, index_dtype(numel))]
 
-    def generators(self) -> dict[str, DeviceGenerators]:
-        parts = {
+    def generators(self) -> dict[str, RandomSource]:
+        parts: dict[str, RandomSource] = {
             "selection": self.encoder.selector.generators,
             "residual": self.encoder.residual_codec.generators,
         }
         if self.quantizer is not None:
-            parts["values"] = self.quantizer.generators
+            parts["values"] = self.quantizer.dither
         return parts
 
     def scratch_tensors(self) -> list[torch.Tensor]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .base import Codec, Shapes
-from .generators import DeviceGenerators
+from .dither import Dither
+from .generators import RandomSource
 from .int8 import int8_blocks_bytes, int8_blocks_encode
 from .payloads import DensePayload, Payload, QuantizedPayload
 
@@ -13,15 +14,16 @@ from .payloads import DensePayload, Payload, QuantizedPayload
 class Int8Quantizer:
     """Stores a payload's kept values as `int8_blocks_encode` codes: about a quarter of fp32.
 
-    Rounding is stochastic (unbiased), from the quantizer's own seeded generator.
+    Rounding is stochastic (unbiased), its noise from the quantizer's own seeded
+    `dither.Dither`: no random number drawn per entry.
     """
 
     def __init__(self, *, seed: int = 0) -> None:
-        self.generators = DeviceGenerators(seed)
+        self.dither = Dither(seed)
 
     def quantize(self, payload: Payload) -> QuantizedPayload:
         values, indices = payload.kept_values(), payload.kept_indices()
-        packed = int8_blocks_encode(values.float(), self.generators)
+        packed = int8_blocks_encode(values.float(), self.dither)
         return QuantizedPayload(packed, indices, payload.numel, values.numel(), values.dtype)
 
 
@@ -45,5 +47,12 @@ class Int8Values(Codec):
     def payload_shapes(self, numel: int, dtype: torch.dtype) -> Shapes:
         return [(int8_blocks_bytes(numel), torch.uint8)]
 
-    def generators(self) -> dict[str, DeviceGenerators]:
-        return {"values": self.quantizer.generators}
+    def generators(self) -> dict[str, RandomSource]:
+        return {"values": self.quantizer.dither}
+
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """The dither tables (dropped after each backward)."""
+        return self.quantizer.dither.tables()
+
+    def release_scratch(self) -> None:
+        self.quantizer.dither.release()
