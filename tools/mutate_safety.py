@@ -313,7 +313,7 @@ MUTANTS = [
     (
         "blockquant: stochastic rounding adds the dither (not a deterministic floor)",
         "gradient_cache/codecs/blockquant.py",
-        "            level.add_(dither.window(level.numel(), flat.device).view_as(level)).floor_()",
+        "            level.add_(dither.uniform(level.numel(), flat.device).view_as(level)).floor_()",
         "            level.floor_()",
         "tests/test_codecs.py::test_stochastic_rounding_is_unbiased",
     ),
@@ -338,9 +338,57 @@ MUTANTS = [
         "        start = 0",
         "tests/test_codecs.py::test_stochastic_rounding_is_unbiased",
     ),
+    # --- a step the GradScaler skipped (engine/pipeline.py, engine/residuals.py) ---
+    (
+        "scaler skip: the replaced residuals come back",
+        "gradient_cache/engine/pipeline.py",
+        "        self.backend.residuals.bring_back_replaced()\n",
+        "",
+        "tests/test_scaler_skip.py",
+    ),
+    (
+        "scaler skip: the random draws are rewound",
+        "gradient_cache/engine/pipeline.py",
+        "        self.set_random_state(scaled.random_state)\n",
+        "",
+        "tests/test_scaler_skip.py",
+    ),
+    (
+        "scaler skip: the step is not counted",
+        "gradient_cache/engine/pipeline.py",
+        "        self.steps = scaled.steps\n",
+        "",
+        "tests/test_scaler_skip.py",
+    ),
+    (
+        "scaler skip: the next step's first launch settles the verdict",
+        "gradient_cache/engine/pipeline.py",
+        "            self.settle_scaled_step()\n",
+        "",
+        "tests/test_scaler_skip.py",
+    ),
+    (
+        "scaler skip: host slots swap the replaced residual back",
+        "gradient_cache/engine/residuals.py",
+        "        for param in self._replaced:\n            self._swap(param)\n",
+        "",
+        "tests/test_scaler_skip.py",
+    ),
+    (
+        "int8: codes clamped to [-127, 127] (128 would flip the largest entry's sign)",
+        "gradient_cache/codecs/int8.py",
+        "        level.floor_().clamp_(-127, 127)",
+        "        level.floor_()",
+        "tests/test_codecs.py::test_int8_never_flips_the_sign_of_a_blocks_largest_entry",
+    ),
+    (
+        "dither: half the draws read the complement table (exact mean 1/2 everywhere)",
+        "gradient_cache/codecs/dither.py",
+        "            tables = self._tables[device] = (table, 1 - table)",
+        "            tables = self._tables[device] = (table, table)",
+        "tests/test_codecs.py::test_rounding_is_unbiased_at_every_position_over_many_steps",
+    ),
 ]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("python", nargs="?", default=sys.executable)

@@ -21,7 +21,8 @@ from .backend import Encoded
 from .pipeline import Pipeline
 
 # 2: generators named by codec ("topk.selection"); the codec among the recipe fields.
-FORMAT_VERSION = 2
+# 3: int8 values draw their rounding noise from a dither (a draw counter, not a generator).
+FORMAT_VERSION = 3
 # The options that change what a step computes, and so what a saved residual, counter or
 # payload means. Others (bucket size, selection method, where the residual lives, pinning)
 # may differ between the saving and the loading manager.
@@ -53,6 +54,7 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
             "state_dict() was called after a fused step() raised and before it was retried: "
             "call step(optimizer) again to finish that step, or discard_gradients(), first."
         )
+    pipeline.settle_scaled_step()  # a step the GradScaler skipped is not saved as taken
     pipeline.drain()
     names = pipeline.names
     residuals = pipeline.backend.residuals

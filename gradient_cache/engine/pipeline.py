@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..codecs.generators import DeviceGenerators
+from ..codecs.generators import RandomSource
 from . import sharding
 from .backend import Encoded
 from .backends import BackendFactory, create_backend
@@ -50,6 +50,15 @@ class GroupArrivals:
 @dataclass
 class StepRecord:
     layers: dict[str, LayerRecord] = field(default_factory=dict)
+
+
+@dataclass
+class ScaledStep:
+    """A completed step a GradScaler may have skipped, and what it changed in the engine."""
+
+    scale: torch.Tensor  # the scaler's scale during its backward (a copy, on the device)
+    random_state: dict[str, torch.Tensor]  # the generators' states before its backward
+    steps: int  # the step count before it
 
 
 # Parameters whose gradients a live pipeline's hooks take. A second pipeline on one of them
@@ -119,6 +128,10 @@ class Pipeline:
         # and whether the pending step has been counted in `steps` yet.
         self.random_state_at_step_start: dict[str, torch.Tensor] | None = None
         self._step_counted = False
+        # The pending step's GradScaler scale (a device copy), and the last completed step
+        # until the engine has learnt whether the scaler skipped it (`_settle_scaled_step`).
+        self._scale_at_step_start: torch.Tensor | None = None
+        self._scaled_step: ScaledStep | None = None
         # (total norm, clip scale) of a fused step that raised; its retry reuses them.
         self.interrupted_clip: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
@@ -177,9 +190,12 @@ class Pipeline:
         gradients back in ``param.grad`` and the error propagates: nothing is lost or
         counted twice, and the next restore adds the cached part to them.
         """
-        if self.random_state_at_step_start is None:
-            self.random_state_at_step_start = self.random_state()
         loss_scale = self._loss_scale()
+        if self.random_state_at_step_start is None:  # the step's first launch
+            self.settle_scaled_step()
+            self.random_state_at_step_start = self.random_state()
+            # A copy: the scaler's `update()` changes its scale tensor in place.
+            self._scale_at_step_start = None if loss_scale is None else loss_scale.clone()
         encoded: list[Encoded] = []
         try:
             with self.backend.encoding([param for param, _ in items]):
@@ -236,6 +252,7 @@ class Pipeline:
         The pending residuals are dropped and the random generators rewound, so the
         engine is as it was before the discarded backward.
         """
+        self.settle_scaled_step()
         self.drain()
         self.store.clear()
         self.backend.residuals.drop_pending()
@@ -279,9 +296,35 @@ class Pipeline:
             self.last_step.layers.update(record.layers)
         elif record.layers:
             self.last_step = record
+            if self._scale_at_step_start is not None:
+                self._scaled_step = ScaledStep(
+                    self._scale_at_step_start, self.random_state_at_step_start or {}, self.steps
+                )
             self.steps += 1
             self._step_counted = True
-        self.backend.residuals.promote(params)
+        self.backend.residuals.promote(params, keep_replaced=self._scaled_step is not None)
+
+    def settle_scaled_step(self) -> None:
+        """Learn whether the GradScaler skipped the last completed step and, if it did,
+        undo what that step did to the engine: its residuals replaced, its random draws,
+        its count. Called before anything could build on that step (the next step's first
+        launch, a discard, a checkpoint).
+
+        The scaler's ``update()`` lowers its scale exactly when it found non-finite
+        gradients (its backoff factor is below 1, its growth factor above), so a lower
+        scale than the step's backward saw means that step was skipped. Reading it is one
+        host synchronisation per step, only with an enabled GradScaler.
+        """
+        scaled, self._scaled_step = self._scaled_step, None
+        if scaled is None:
+            return
+        scale = self._loss_scale()
+        if scale is None or not bool(scale < scaled.scale):
+            self.backend.residuals.forget_replaced()
+            return
+        self.backend.residuals.bring_back_replaced()
+        self.set_random_state(scaled.random_state)
+        self.steps = scaled.steps
 
     def finish_step(self) -> None:
         """After a restore: close the step once nothing of it is cached, and move the
@@ -294,6 +337,7 @@ class Pipeline:
 
     def _close_step(self) -> None:
         self.random_state_at_step_start = None
+        self._scale_at_step_start = None
         self._step_counted = False
 
     @property
@@ -310,12 +354,14 @@ class Pipeline:
 
     def restart_at(self, steps: int) -> None:
         """Continue as if ``steps`` steps were done (a loaded checkpoint); nothing pending."""
+        self._scaled_step = None
+        self.backend.residuals.forget_replaced()
         self.steps = steps
         self._plan()
 
     # --- bookkeeping --------------------------------------------------------------
 
-    def _generators(self) -> dict[str, DeviceGenerators]:
+    def _generators(self) -> dict[str, RandomSource]:
         """The engine's own random generators, by the part that draws from them."""
         return {
             f"{codec.name}.{part}": generators
@@ -355,8 +401,10 @@ class Pipeline:
     # --- inspection (memory accounting, tests) -------------------------------------
 
     def host_tensors(self) -> Iterator[torch.Tensor]:
-        """The cached payloads' tensors."""
-        return self.store.tensors()
+        """The cached payloads' tensors, and the random states kept to undo the pending
+        step (host tensors whatever the device: a dither's draw counter, a generator's)."""
+        yield from self.store.tensors()
+        yield from (self.random_state_at_step_start or {}).values()
 
     def scratch_tensors(self) -> list[torch.Tensor]:
         """The codecs' reusable device buffers, held within a backward."""

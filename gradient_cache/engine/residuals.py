@@ -3,9 +3,12 @@
 A residual is what compression held back, carried into the next step's encode. A step is
 pending until its gradients are restored: its new residuals are kept beside the current
 ones (``keep_previous_residual``), so a discarded step leaves the current ones as they
-were. Two stores, one interface: `DeviceResiduals` holds tensors where the encode runs
-(the CPU backend, or ``residual_location="device"``); `HostSlotResiduals` keeps them in the
-CUDA backend's pinned slots, swapping a slot and its spare when a step completes.
+were. With a GradScaler, the residuals a completed step replaced are kept until the next
+step starts and the engine learns whether the scaler skipped that step
+(`Pipeline.settle_scaled_step`): if it did, they come back. Two stores, one interface:
+`DeviceResiduals` holds tensors where the encode runs (the CPU backend, or
+``residual_location="device"``); `HostSlotResiduals` keeps them in the CUDA backend's
+pinned slots, swapping a slot and its spare when a step completes.
 """
 
 from __future__ import annotations
@@ -37,8 +40,17 @@ class ResidualStore(ABC):
         ``keep_previous``, as its current one. Runs where the backend's copies run."""
 
     @abstractmethod
-    def promote(self, params: Iterable[Param]) -> None:
-        """The pending residuals of ``params`` become their current ones (step delivered)."""
+    def promote(self, params: Iterable[Param], *, keep_replaced: bool) -> None:
+        """The pending residuals of ``params`` become their current ones (step delivered).
+        ``keep_replaced``: keep the current ones they replace for `bring_back_replaced`."""
+
+    @abstractmethod
+    def bring_back_replaced(self) -> None:
+        """The residuals promotions kept make current again (their step was skipped)."""
+
+    @abstractmethod
+    def forget_replaced(self) -> None:
+        """Drop the residuals promotions kept (their step stands)."""
 
     @abstractmethod
     def drop_pending(self) -> None:
@@ -70,6 +82,7 @@ class DeviceResiduals(ResidualStore):
         self.device = device
         self._current: dict[Param, torch.Tensor] = {}
         self._pending: dict[Param, torch.Tensor] = {}
+        self._replaced: dict[Param, torch.Tensor | None] = {}  # None: it had none
 
     def read(self, param: Param) -> torch.Tensor | None:
         return self._pending.get(param, self._current.get(param))
@@ -77,10 +90,23 @@ class DeviceResiduals(ResidualStore):
     def write(self, param: Param, new: torch.Tensor, *, non_blocking: bool) -> None:
         (self._pending if self.keep_previous else self._current)[param] = new
 
-    def promote(self, params: Iterable[Param]) -> None:
+    def promote(self, params: Iterable[Param], *, keep_replaced: bool) -> None:
         for param in params:
             if param in self._pending:
+                if keep_replaced and param not in self._replaced:
+                    self._replaced[param] = self._current.get(param)
                 self._current[param] = self._pending.pop(param)
+
+    def bring_back_replaced(self) -> None:
+        for param, replaced in self._replaced.items():
+            if replaced is None:
+                self._current.pop(param, None)
+            else:
+                self._current[param] = replaced
+        self._replaced = {}
+
+    def forget_replaced(self) -> None:
+        self._replaced = {}
 
     def drop_pending(self) -> None:
         self._pending = {}
@@ -94,6 +120,7 @@ class DeviceResiduals(ResidualStore):
     def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
         self._current = {p: r.to(self.device) for p, r in current.items()}
         self._pending = {p: r.to(self.device) for p, r in pending.items()}
+        self._replaced = {}
 
 
 class HostSlotResiduals(ResidualStore):
@@ -114,6 +141,7 @@ class HostSlotResiduals(ResidualStore):
         self._pool = pool
         self._to_device = to_device
         self._pending: set[Param] = set()  # params whose spare holds a pending residual
+        self._replaced: set[Param] = set()  # params whose spare holds a replaced residual
 
     def _slots(self) -> dict:
         return {p: s for p, s in self._pool().slots.items() if s.residual is not None}
@@ -132,14 +160,28 @@ class HostSlotResiduals(ResidualStore):
         if self.keep_previous:
             self._pending.add(param)
 
-    def promote(self, params: Iterable[Param]) -> None:
+    def promote(self, params: Iterable[Param], *, keep_replaced: bool) -> None:
         # Runs after the restore of ``params``, so after the drain: no copy is writing
-        # either slot, and the old one is rewritten only by a later step's copy.
+        # either slot, and the old one is rewritten only by a later step's copy (which
+        # comes after the engine has settled whether to bring it back).
         for param in params:
             if param in self._pending:
                 self._pending.discard(param)
-                slot = self._pool().slots[param]
-                slot.residual, slot.spare_residual = slot.spare_residual, slot.residual
+                self._swap(param)
+                if keep_replaced:
+                    self._replaced.add(param)
+
+    def _swap(self, param: Param) -> None:
+        slot = self._pool().slots[param]
+        slot.residual, slot.spare_residual = slot.spare_residual, slot.residual
+
+    def bring_back_replaced(self) -> None:
+        for param in self._replaced:
+            self._swap(param)
+        self._replaced = set()
+
+    def forget_replaced(self) -> None:
+        self._replaced = set()
 
     def drop_pending(self) -> None:
         self._pending = set()
@@ -152,6 +194,7 @@ class HostSlotResiduals(ResidualStore):
 
     def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
         slots = self._pool().slots
+        self._replaced = set()
         for param, saved in current.items():
             slots[param].residual.copy_(saved)  # nothing in flight: plain host copies
         self._pending = set()

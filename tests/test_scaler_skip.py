@@ -1,0 +1,93 @@
+"""A step a GradScaler skips leaves no trace in the cache's codec state.
+
+The skipped step's backward still runs through the cache: its error-feedback residuals,
+random draws and step count change. The engine learns of the skip at the next step's
+start (the scaler lowered its scale) and undoes them, so a run with a skipped bad batch
+goes on exactly like a run that never saw that batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_same_parameters, batches, loss_of, make_model
+
+# The stand-in CUDA streams (a pytest fixture, found here by name).
+from test_stream_order import fake_cuda  # noqa: F401
+
+import gradient_cache
+from gradient_cache.engine.backends import create_backend
+
+# codec name: its options (top-k keeps an error-feedback residual; int8 and q3 draw dither).
+CODECS = {
+    "topk": {"compression_ratio": 100, "codec": "topk", "error_feedback": True},
+    "int8": {"codec": "int8"},
+    "q3": {"codec": "q3"},
+}
+BAD_BATCH = 2
+
+
+def poisoned(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+    """An inf in one entry of a gradient: the GradScaler then skips the step."""
+    return model.mlp[0].weight.register_hook(
+        lambda g: g.index_fill(0, torch.tensor([3]), float("inf"))
+    )
+
+
+def run(
+    codec: str, factory, *, with_bad_batch: bool, snapshots: bool
+) -> tuple[torch.nn.Module, list[dict]]:
+    """Five batches under a CPU GradScaler (scale 2**10, halved by the skip: powers of two,
+    so the runs' unscaled gradients agree exactly); without the bad batch, four.
+    ``snapshots``: the cache's state after each step (`state_dict` learns of a skip
+    itself; without it the next backward does)."""
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    manager = gradient_cache.create_gradient_cache(
+        model, min_compress_numel=1, grad_scaler=scaler, backend_factory=factory, **CODECS[codec]
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    states = []
+    for step, (tokens, targets) in enumerate(batches(5)):
+        if step == BAD_BATCH and not with_bad_batch:
+            continue
+        handle = poisoned(model) if step == BAD_BATCH else None
+        scaler.scale(loss_of(model, tokens, targets)).backward()
+        if handle is not None:
+            handle.remove()
+        manager.apply_gradients()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        if snapshots:
+            states.append(manager.state_dict())
+    if with_bad_batch:
+        assert scaler.get_scale() == 2.0**9  # the scaler did skip the bad batch's step
+    return model, states
+
+
+def assert_same_state(left: dict, right: dict) -> None:
+    assert left["steps"] == right["steps"]
+    for part in ("random_state", "residuals"):
+        assert left[part].keys() == right[part].keys(), part
+        for name, tensor in left[part].items():
+            assert torch.equal(tensor, right[part][name]), f"{part}: {name}"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "stand-in cuda"])
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_a_skipped_step_leaves_no_trace(
+    codec: str, backend: str, request: pytest.FixtureRequest
+) -> None:
+    factory = create_backend if backend == "cpu" else request.getfixturevalue("fake_cuda").factory
+    _, skipped_states = run(codec, factory, with_bad_batch=True, snapshots=True)
+    skipped_model, _ = run(codec, factory, with_bad_batch=True, snapshots=False)
+    clean_model, clean_states = run(codec, factory, with_bad_batch=False, snapshots=True)
+    # After the skipped step the state is the one before it, and every later step's state
+    # and the trained parameters are the clean run's, bit for bit.
+    assert_same_state(skipped_states[BAD_BATCH], skipped_states[BAD_BATCH - 1])
+    for skipped, clean in zip(
+        skipped_states[BAD_BATCH + 1 :], clean_states[BAD_BATCH:], strict=True
+    ):
+        assert_same_state(skipped, clean)
+    assert_same_parameters(skipped_model, clean_model)
