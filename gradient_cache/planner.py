@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .engine.config import EngineConfig
+from .engine.pool import reserved_bytes
 from .engine.route import Codecs, Route, plan_routes
 
 MIB = 2**20
@@ -135,8 +136,10 @@ def _host_figures(tensors: list[int], inputs: PlanInputs) -> tuple[int, int]:
 
 
 def _pool_bytes(tensors: list[int], inputs: PlanInputs) -> int:
-    """The CUDA backend's pinned pool at the start: one slot per parameter."""
-    return sum(route.slot.nbytes for route in _routes(tensors, inputs, steps=0))
+    """The CUDA backend's pinned pool at the start: one slot per parameter, packed into
+    power-of-two slabs (what the pinned allocator reserves)."""
+    routes = _routes(tensors, inputs, steps=0)
+    return reserved_bytes({index: route.slot for index, route in enumerate(routes)})
 
 
 def tensors_of_factory(path: str) -> list[int]:

@@ -16,7 +16,7 @@ from .backend import Backend, CpuBackend
 from .config import EngineConfig
 from .cuda import CudaBackend, allocate_pinned
 from .hostmem import check_host_budget
-from .pool import HostPool
+from .pool import HostPool, reserved_bytes
 from .route import plan_params
 from .sharding import is_dtensor
 
@@ -91,7 +91,8 @@ def build_cuda_backend(
         )
     routes = plan_params(params, config, ratio=ratio, selection=CudaBackend.default_selection)
     layout = {param: route.slot for param, route in routes.items()}
-    needed = sum(spec.nbytes for spec in layout.values())
+    # What the pool's power-of-two slabs reserve (a little above what its slots need).
+    needed = reserved_bytes(layout)
     if config.host_pool_mb is not None and needed > config.host_pool_mb * 2**20:
         raise ValueError(
             f"host_pool_mb={config.host_pool_mb} is below the {needed / 2**20:.1f} MiB the "
