@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +17,7 @@ from .demo.report import check_matplotlib, format_table, report_dict, write_json
 from .demo.run import DEFAULT_SCENARIO, LEARNING_RATE, SCENARIOS, DemoSettings, run_demo
 from .engine.config import DEFAULT_COMPRESSION_RATIO, EngineConfig
 from .engine.hostmem import HostMemoryError
+from .linkrate import measure_link
 from .planner import (
     DEFAULT_FLOPS,
     DEFAULT_LINK_GBPS,
@@ -210,11 +212,18 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help=f"the device's achieved TFLOP/s (default {DEFAULT_FLOPS / 1e12:.0f}: an H200 "
         "at 40%% of its dense bf16 peak)",
     )
-    plan.add_argument(
+    link = plan.add_mutually_exclusive_group()
+    link.add_argument(
         "--link-gbps",
-        type=float,
-        default=DEFAULT_LINK_GBPS,
+        type=_positive_float,
+        default=None,
         help=f"host link GB/s per direction (default {DEFAULT_LINK_GBPS:g}: PCIe 5 x16)",
+    )
+    link.add_argument(
+        "--measure-link",
+        action="store_true",
+        help="time pinned copies each way on the local GPU (256 MiB, about a second) and "
+        "use the slower rate; without a GPU the default rate is used, and the plan says so",
     )
     return parser, demo, plan
 
@@ -245,10 +254,44 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         config=EngineConfig(bucket_size_mb=args.bucket_size_mb),
         tokens_per_step=args.tokens,
         flops=args.tflops * 1e12,
-        link_gbps=args.link_gbps,
+        **_link(args),
     )
     print(format_plan(plan(inputs), inputs))
     return 0
+
+
+def _link(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan's ``link_gbps`` and ``link_source``, from the options."""
+    if args.link_gbps is not None:
+        return {"link_gbps": args.link_gbps, "link_source": "given with --link-gbps"}
+    if not args.measure_link:
+        return {}
+    try:
+        rate = measure_link()
+    except RuntimeError as error:
+        source = (
+            f"assumed: PCIe 5 x16's achieved copy rate; --measure-link measured nothing: {error}"
+        )
+        print(f"gradient-cache plan: {source}", file=sys.stderr)
+        return {"link_gbps": DEFAULT_LINK_GBPS, "link_source": source}
+    return {
+        "link_gbps": rate.slower_gbps,
+        "link_source": (
+            f"measured on {rate.device_name}: device to host {rate.device_to_host_gbps:.1f}, "
+            f"host to device {rate.host_to_device_gbps:.1f} GB/s, "
+            f"{rate.copy_bytes // 2**20} MiB pinned copies; the slower is used"
+        ),
+    }
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0")
+    return value
 
 
 def _positive_int(text: str) -> int:
