@@ -53,7 +53,8 @@ class CompressionSummary:
     now, as stored (a pending step's new ones too); ``host_held_mb``: stored gradients plus
     residuals. ``process_rss_mb`` (psutil) and ``host_available_mb`` (psutil, capped by the
     cgroup). ``host_pool``: the CUDA backend's pool, None elsewhere. ``steps``: steps
-    restored so far (a step delivered by several optimizers counts once).
+    restored so far (a step delivered by several optimizers counts once), less those a
+    GradScaler skipped (a skip is learnt when the next step begins).
     """
 
     compression_ratio: float

@@ -135,7 +135,11 @@ def test_lossless_callback_ends_with_the_weights_of_a_plain_run(
     assert cached.emptied_after_backward == ([True] * (accumulate - 1) + [False]) * (
         BATCHES // accumulate
     )
-    assert callback.last_summary["steps"] == BATCHES // accumulate
+    # Steps the scaler skipped are not counted; the last step's fate is learnt only when
+    # a next step begins, and the summary was taken before its optimizer step.
+    skipped_before_last = sum(not math.isfinite(norm) for norm in plain.norms_before_step[:-1])
+    assert skipped_before_last == 0 or precision == "16-mixed"
+    assert callback.last_summary["steps"] == BATCHES // accumulate - skipped_before_last
     assert callback.last_summary["memory_saved_mb"] > 0
     if precision == "16-mixed":
         scales = [t.precision_plugin.scaler.get_scale() for t in (plain_trainer, cached_trainer)]

@@ -389,6 +389,8 @@ MUTANTS = [
         "tests/test_codecs.py::test_rounding_is_unbiased_at_every_position_over_many_steps",
     ),
 ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("python", nargs="?", default=sys.executable)
