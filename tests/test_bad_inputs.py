@@ -122,6 +122,15 @@ CASES = [
      "expects the dict that GradientCacheHookManager.state_dict() returned"),
     ("loading with a step pending", "cache.load_state_dict(cache.state_dict())", RuntimeError,
      "needs a manager with no step pending"),
+    ("a checkpoint saved by a newer version",
+     'fresh.load_state_dict({**fresh.state_dict(), "format_version": 99})', ValueError,
+     "it was saved by a newer gradient-cache, upgrade to load it"),
+    ("a checkpoint with an edited step count",
+     'fresh.load_state_dict({**fresh.state_dict(), "steps": -1})', ValueError,
+     "state['steps'] is -1; expected a whole number >= 0"),
+    ("a checkpoint made with other settings",
+     "fresh.load_state_dict(create_gradient_cache(model(), compression_ratio=1).state_dict())",
+     ValueError, "(compression_ratio: checkpoint 1.0, this manager 3.0)"),
     ("manager_of outside a decorated function", "gradient_cache.manager_of(model())",
      RuntimeError, "works only while a function decorated with gradient_cache.optimize runs"),
     ("the decorator without parentheses", "gradient_cache.optimize(lambda: None)", TypeError,
@@ -131,13 +140,15 @@ CASES = [
 
 def namespace() -> dict:
     """What a case's code can use: ``model()`` builds a fresh Linear; ``cached_model`` has
-    a live manager ``cache`` and a backward done; ``sgd`` steps it; ``closed`` is removed."""
+    a live manager ``cache`` and a backward done; ``sgd`` steps it; ``closed`` is removed;
+    ``fresh`` manages a Linear with the default settings and has nothing pending."""
     torch.manual_seed(0)
     cached_model = torch.nn.Linear(4, 4)
     cache = create_gradient_cache(cached_model, compression_ratio=1)
     cached_model(torch.randn(2, 4)).sum().backward()
     closed = create_gradient_cache(torch.nn.Linear(4, 4))
     closed.remove_hooks()
+    fresh = create_gradient_cache(torch.nn.Linear(4, 4))
     return dict(
         torch=torch,
         math=math,
@@ -150,6 +161,7 @@ def namespace() -> dict:
         cache=cache,
         sgd=torch.optim.SGD(cached_model.parameters(), lr=0.1),
         closed=closed,
+        fresh=fresh,
     )
 
 

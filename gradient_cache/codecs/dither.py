@@ -67,5 +67,13 @@ class Dither:
         unused generator), so the ladder's unused codecs hold no state."""
         return None if self._draws == 0 else torch.tensor([self._draws], dtype=torch.int64)
 
+    def state_problem(self, device: torch.device, state: torch.Tensor) -> str | None:
+        if state.dtype != torch.int64 or tuple(state.shape) != (1,) or int(state[0]) < 0:
+            return (
+                f"a {state.dtype} tensor of shape {tuple(state.shape)}; expected a dither's "
+                "draw counter, an int64 tensor of shape (1,) >= 0"
+            )
+        return None
+
     def set_state(self, device: torch.device, state: torch.Tensor | None) -> None:
         self._draws = 0 if state is None else int(state[0])

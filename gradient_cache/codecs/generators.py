@@ -18,6 +18,10 @@ class RandomSource(Protocol):
         """Put back what `get_state` returned; None: as new, from the seed."""
         ...
 
+    def state_problem(self, device: torch.device, state: torch.Tensor) -> str | None:
+        """What makes ``state`` (a CPU tensor) unfit for `set_state`; None if it fits."""
+        ...
+
 
 class DeviceGenerators:
     """One seeded generator per device, created on first use."""
@@ -43,6 +47,13 @@ class DeviceGenerators:
         """``device``'s generator state (a CPU uint8 tensor); None if nothing drew there."""
         generator = self._generators.get(device)
         return None if generator is None else generator.get_state()
+
+    def state_problem(self, device: torch.device, state: torch.Tensor) -> str | None:
+        try:  # a scratch generator: this one stays as it is
+            torch.Generator(device=device).set_state(state)
+        except (RuntimeError, TypeError) as error:
+            return f"not a {device.type} generator's state ({error})"
+        return None
 
     def set_state(self, device: torch.device, state: torch.Tensor | None) -> None:
         """Put back what `get_state` returned; None: as new, from the seed."""

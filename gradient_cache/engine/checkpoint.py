@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..codecs import payload_from_state
-from . import sharding
+from . import sharding, state_check
 from .backend import Encoded
 from .pipeline import Pipeline
 
@@ -113,11 +113,15 @@ def _check(pipeline: Pipeline, state: Any) -> None:
             "load_state_dict() expects the dict that GradientCacheHookManager.state_dict() "
             f"returned, got {type(state).__name__}."
         )
-    if state["format_version"] != FORMAT_VERSION:
+    version = state["format_version"]
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
         raise ValueError(
-            f"This checkpoint's gradient-cache state has format_version "
-            f"{state['format_version']!r}; this version reads {FORMAT_VERSION}."
+            f"This checkpoint's gradient-cache state has format_version {version!r}; this "
+            f"version reads {FORMAT_VERSION}"
+            + (": it was saved by a newer gradient-cache, upgrade to load it." if newer else ".")
         )
+    state_check.check_keys(state)
     if pipeline.step_pending:
         raise RuntimeError(
             "load_state_dict() needs a manager with no step pending: call it before the first "
@@ -155,3 +159,4 @@ def _check(pipeline: Pipeline, state: Any) -> None:
             f"but not saved {extra[:3]}. Build the same model with the same exclude_layers "
             "(and the same trainable parameters) as when it was saved."
         )
+    state_check.check_contents(pipeline, state)

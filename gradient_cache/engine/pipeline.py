@@ -114,7 +114,7 @@ class Pipeline:
             selection = self.backend.default_selection
         self.codecs = Codecs.for_options(config, ratio=ratio, selection=selection)
         self.steps = 0
-        self._sizes = {p: (sharding.local_numel(p), p.dtype) for p in params}
+        self.sizes = {p: (sharding.local_numel(p), p.dtype) for p in params}
         self.routes: dict[Param, Route] = {}
         self._planned_at = 0
         self._plan()
@@ -141,7 +141,7 @@ class Pipeline:
     def _plan(self) -> None:
         """Decide every parameter's route for the current step count."""
         self.routes = plan_routes(
-            self._sizes, codecs=self.codecs, config=self.config, steps=self.steps
+            self.sizes, codecs=self.codecs, config=self.config, steps=self.steps
         )
         self._planned_at = self.steps
         self.backend.follow_routes(self.routes)
@@ -361,7 +361,7 @@ class Pipeline:
 
     # --- bookkeeping --------------------------------------------------------------
 
-    def _generators(self) -> dict[str, RandomSource]:
+    def random_sources(self) -> dict[str, RandomSource]:
         """The engine's own random generators, by the part that draws from them."""
         return {
             f"{codec.name}.{part}": generators
@@ -373,13 +373,13 @@ class Pipeline:
         """The engine's generators' states on its device (never the global RNG's)."""
         states = {
             name: generators.get_state(self.backend.device)
-            for name, generators in self._generators().items()
+            for name, generators in self.random_sources().items()
         }
         return {name: state for name, state in states.items() if state is not None}
 
     def set_random_state(self, states: dict[str, torch.Tensor]) -> None:
         """Put back what `random_state` returned."""
-        for name, generators in self._generators().items():
+        for name, generators in self.random_sources().items():
             generators.set_state(self.backend.device, states.get(name))
 
     def describe(self, params: Iterable[Param]) -> StepRecord:

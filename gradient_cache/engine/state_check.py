@@ -1,0 +1,197 @@
+"""What a saved cache state must hold before the engine takes any of it.
+
+Checkpoints travel between machines and are edited, truncated and re-saved by other code.
+`check_contents` reads every part of a state that `checkpoint.load` will use and raises a
+ValueError naming the key and what was expected at the first one that is wrong, before
+the engine changes: a refused state leaves the manager exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..codecs import payload_from_state
+from .pipeline import Pipeline
+from .route import plan_routes
+
+STATE_KEYS = frozenset(
+    {
+        "format_version",
+        "recipe",
+        "parameters",
+        "shards",
+        "steps",
+        "random_device",
+        "random_state",
+        "random_state_at_step_start",
+        "residuals",
+        "pending_residuals",
+        "buckets",
+    }
+)
+
+
+def check_keys(state: dict[str, Any]) -> None:
+    missing, extra = sorted(STATE_KEYS - state.keys()), sorted(state.keys() - STATE_KEYS)
+    if missing or extra:
+        raise ValueError(
+            f"The gradient-cache state has missing keys {missing} and unknown keys {extra}; "
+            f"expected exactly {sorted(STATE_KEYS)}, as state_dict() returns them. The file "
+            "may be truncated or edited: load an intact checkpoint."
+        )
+    shards = state["shards"]
+    pair = isinstance(shards, tuple | list) and len(shards) == 2 and _all(shards, int)
+    for key, fits, expected in (
+        ("recipe", isinstance(state["recipe"], dict), "a dict of settings"),
+        ("parameters", _all(state["parameters"], str), "a list of parameter names"),
+        ("shards", pair, "(rank, world size)"),
+    ):
+        if not fits:
+            raise ValueError(f"state[{key!r}] is {state[key]!r:.80}; expected {expected}.")
+
+
+def _all(values: Any, kind: type) -> bool:
+    return isinstance(values, list | tuple) and all(isinstance(v, kind) for v in values)
+
+
+def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
+    """Raise ValueError at the first part of ``state`` `checkpoint.load` could not take
+    as it is (settings and parameter names are checked before this)."""
+    steps = state["steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"state['steps'] is {steps!r}; expected a whole number >= 0.")
+    if not isinstance(state["random_device"], str):
+        raise ValueError(
+            f"state['random_device'] is {state['random_device']!r}; expected a device type "
+            "such as 'cpu' or 'cuda'."
+        )
+    by_name = {name: param for param, name in pipeline.names.items()}
+    if state["random_device"] == pipeline.backend.device.type:  # else they are not used
+        _check_random_state(pipeline, state["random_state"], "random_state")
+        if state["random_state_at_step_start"] is not None:
+            _check_random_state(
+                pipeline, state["random_state_at_step_start"], "random_state_at_step_start"
+            )
+    # The routes the saved step had (the warm-up may have ended since): what its parts hold.
+    routes = plan_routes(
+        pipeline.sizes, codecs=pipeline.codecs, config=pipeline.config, steps=steps
+    )
+    for key in ("residuals", "pending_residuals"):
+        for name, stored in _named_tensors(state[key], key, by_name):
+            route = routes[by_name[name]]
+            if route.residual is None:
+                raise ValueError(
+                    f"state[{key!r}][{name!r}]: this manager keeps no residual for {name} "
+                    "(its codec has no error feedback); expected no entry for it."
+                )
+            numel, dtype = route.residual.stored_shape(route.numel)
+            _check_tensor(stored, f"state[{key!r}][{name!r}]", numel=numel, dtype=dtype)
+            if not torch.isfinite(route.residual.decode(stored, route.numel)).all():
+                raise ValueError(
+                    f"state[{key!r}][{name!r}] holds non-finite values; a residual is always "
+                    "finite (a step with inf or NaN restarts it from zero): the file is damaged."
+                )
+    _check_buckets(state["buckets"], by_name, routes)
+
+
+def _check_random_state(pipeline: Pipeline, states: Any, key: str) -> None:
+    sources = pipeline.random_sources()
+    if not isinstance(states, dict):
+        raise ValueError(f"state[{key!r}] is a {type(states).__name__}; expected a dict.")
+    for name, saved in states.items():
+        if name not in sources:
+            raise ValueError(
+                f"state[{key!r}] has a generator {name!r} this manager does not have; "
+                f"expected some of {sorted(sources)}."
+            )
+        if not isinstance(saved, torch.Tensor) or saved.device.type != "cpu":
+            raise ValueError(
+                f"state[{key!r}][{name!r}] is {_describe(saved)}; expected a CPU tensor."
+            )
+        problem = sources[name].state_problem(pipeline.backend.device, saved)
+        if problem is not None:
+            raise ValueError(f"state[{key!r}][{name!r}]: {problem}.")
+
+
+def _named_tensors(entries: Any, key: str, by_name: dict[str, Any]):
+    if not isinstance(entries, dict):
+        raise ValueError(f"state[{key!r}] is a {type(entries).__name__}; expected a dict.")
+    for name, tensor in entries.items():
+        if name not in by_name:
+            raise ValueError(
+                f"state[{key!r}] names {name!r}, which this manager does not cache; expected "
+                "names from state['parameters']."
+            )
+        yield name, tensor
+
+
+def _check_tensor(tensor: Any, where: str, *, numel: int, dtype: torch.dtype) -> None:
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.device.type != "cpu"
+        or tensor.dtype != dtype
+        or tuple(tensor.shape) != (numel,)
+    ):
+        raise ValueError(
+            f"{where} is {_describe(tensor)}; expected a CPU {dtype} tensor of shape ({numel},)."
+        )
+
+
+def _check_buckets(buckets: Any, by_name: dict[str, Any], routes: dict) -> None:
+    if not isinstance(buckets, list):
+        raise ValueError(f"state['buckets'] is a {type(buckets).__name__}; expected a list.")
+    seen: set[str] = set()
+    for number, bucket in enumerate(buckets):
+        if not isinstance(bucket, list):
+            raise ValueError(f"state['buckets'][{number}] is not a list of cached gradients.")
+        for item in bucket:
+            where = f"state['buckets'][{number}]"
+            if not isinstance(item, dict) or set(item) != {"name", "payload"}:
+                raise ValueError(f"{where} holds {item!r:.80}; expected {{'name', 'payload'}}.")
+            name = item["name"]
+            if name not in by_name or name in seen:
+                raise ValueError(
+                    f"{where} caches {name!r}, which this manager does not cache or which "
+                    "another bucket caches too."
+                )
+            seen.add(name)
+            _check_payload(item["payload"], f"{where} ({name})", routes[by_name[name]])
+
+
+def _check_payload(saved: Any, where: str, route: Any) -> None:
+    try:
+        payload = payload_from_state(saved)
+        tensors = payload.tensors()
+        if any(t.device.type != "cpu" for t in tensors):
+            raise ValueError("a tensor is not on the CPU")
+        values = payload.kept_values()
+        indices = payload.kept_indices()
+    except (KeyError, TypeError, AttributeError, ValueError, RuntimeError, IndexError) as error:
+        raise ValueError(
+            f"{where}: the saved payload cannot be read ({type(error).__name__}: {error}); "
+            "the file is damaged or edited."
+        ) from error
+    expected_kept = route.numel if indices is None else indices.numel()
+    if (
+        payload.numel != route.numel
+        or values.dtype != route.dtype
+        or values.numel() != expected_kept
+        or (indices is not None and not _within(indices, route.numel))
+    ):
+        raise ValueError(
+            f"{where}: the payload holds {values.numel()} {values.dtype} values of a "
+            f"{payload.numel}-entry gradient; expected a gradient of {route.numel} "
+            f"{route.dtype} entries, every index below {route.numel}."
+        )
+
+
+def _within(indices: torch.Tensor, numel: int) -> bool:
+    return indices.numel() == 0 or bool(indices.min() >= 0 and indices.max() < numel)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.device.type} {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
