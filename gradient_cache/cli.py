@@ -21,6 +21,7 @@ from .linkrate import measure_link
 from .planner import (
     DEFAULT_FLOPS,
     DEFAULT_LINK_GBPS,
+    OPTIMIZER_STATE_BYTES,
     PlanInputs,
     format_plan,
     optimizer_state_bytes,
@@ -198,8 +199,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     plan.add_argument(
         "--optimizer",
         default="adamw",
-        help="sgd, sgd-momentum, adam, adamw (8 bytes a parameter), or the optimizer "
-        "state's bytes per parameter, e.g. 2 for an 8-bit Adam (default adamw)",
+        help=f"{', '.join(OPTIMIZER_STATE_BYTES)} (adam and adamw: 8 bytes a parameter; "
+        "the 8-bit ones 2.03), or the optimizer state's bytes per parameter (default adamw)",
     )
     plan.add_argument("--micro-batches", type=_positive_int, default=1)
     plan.add_argument("--bucket-size-mb", type=float, default=EngineConfig().bucket_size_mb)
@@ -233,8 +234,8 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         state_bytes, state_tensor_bytes = optimizer_state_bytes(args.optimizer)
     except ValueError:
         parser.error(
-            f"argument --optimizer: {args.optimizer!r} is not sgd, sgd-momentum, adam, adamw "
-            "or a number of bytes >= 0"
+            f"argument --optimizer: {args.optimizer!r} is not one of "
+            f"{', '.join(OPTIMIZER_STATE_BYTES)} or a number of bytes >= 0"
         )
     if args.model is not None:
         try:

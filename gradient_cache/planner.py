@@ -22,13 +22,24 @@ from .engine.pool import reserved_bytes
 from .engine.route import Codecs, Route, plan_routes
 
 MIB = 2**20
-#: Optimizer state: (bytes per parameter, bytes per tensor), fp32 state; Adam's per-tensor
-#: bytes are its step counter (a 0-dim fp32 tensor in torch's Adam and AdamW).
+#: 8-bit Adam (bitsandbytes' and torchao's AdamW8bit, Adam8bit): two moments of one uint8
+#: code an entry, each with an fp32 scale per block of 256 entries.
+EIGHT_BIT_ADAM_BYTES = 2 * (1 + 4 / 256)
+#: Per tensor, torchao's: its 0-dim fp32 step and a 256-entry fp32 code table per moment
+#: (bitsandbytes counts steps in Python and shares two tables: 2 KiB in all).
+EIGHT_BIT_ADAM_TENSOR_BYTES = 4 + 2 * 256 * 4
+#: Optimizer state: (bytes per parameter, bytes per tensor), fp32 state unless named 8-bit;
+#: Adam's per-tensor bytes are its step counter (a 0-dim fp32 tensor in torch's Adam and
+#: AdamW). Both 8-bit libraries keep tensors under 4096 entries (biases, norms) in fp32,
+#: 8 bytes an entry, which the 8-bit figure leaves out: under 1% of the state of the
+#: demo's GPT (tests/test_eight_bit.py measures both libraries).
 OPTIMIZER_STATE_BYTES = {
     "sgd": (0, 0),
     "sgd-momentum": (4, 0),
     "adam": (8, 4),
     "adamw": (8, 4),
+    "adam8bit": (EIGHT_BIT_ADAM_BYTES, EIGHT_BIT_ADAM_TENSOR_BYTES),
+    "adamw8bit": (EIGHT_BIT_ADAM_BYTES, EIGHT_BIT_ADAM_TENSOR_BYTES),
 }
 #: Time-floor defaults: an H200 at 40% of its 989 TFLOP/s dense bf16, PCIe 5 x16 at the
 #: ~50 GB/s a copy achieves per direction.
@@ -225,8 +236,9 @@ def peak_bytes(result: Plan, way: str, moment: str) -> int:
 
 
 def optimizer_state_bytes(value: str) -> tuple[float, int]:
-    """(bytes per parameter, per tensor) of ``sgd``, ``sgd-momentum``, ``adam``, ``adamw``,
-    or of a number of bytes per parameter (an 8-bit Adam: about 2)."""
+    """(bytes per parameter, per tensor) of a name in `OPTIMIZER_STATE_BYTES` (``sgd``,
+    ``sgd-momentum``, ``adam``, ``adamw``, ``adam8bit``, ``adamw8bit``), or of a number of
+    bytes per parameter."""
     if value.lower() in OPTIMIZER_STATE_BYTES:
         per_param, per_tensor = OPTIMIZER_STATE_BYTES[value.lower()]
         return float(per_param), per_tensor

@@ -38,7 +38,7 @@ parts=(
     "tests_cuda_rest|60|0|python3 -m pytest -q -rs -p no:cacheprovider -k 'cuda or Cuda' tests/test_cuda.py tests/test_accounting.py tests/test_training.py tests/test_eight_bit.py"
     "fsdp2_example|40|0|python3 -m torch.distributed.run --nproc-per-node 1 examples/train_fsdp.py --steps 10"
     "sanitizer|60|0|TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -rs -p no:cacheprovider -k 'bit_for_bit or exact' tests/test_cuda.py"
-    "peers_cuda|60|0|python3 -m perf.peers --device cuda --json $out/peers_cuda.json"
+    "peers_cuda|180|0|python3 -m perf.peers --device cuda --contenders cpu-offload cpu-offload-grads fsdp-offload cache-fused bnb cache-fused-bnb in-backward cache-apply cache-default torchao --json $out/peers_cuda.json"
 )
 
 if (( dry_run )); then

@@ -225,3 +225,34 @@ def test_gradients_the_cache_holds_on_the_device_count_as_gradients() -> None:
     assert waiting.by_category[GRADIENTS] == dense_bytes(model)
     assert offloaded.by_category[GRADIENTS] == 0
     assert offloaded.host_bytes == dense_bytes(model)
+
+
+def test_the_fused_steps_restored_bucket_counts_on_the_device() -> None:
+    """On the CPU backend a lossless restore hands over the cached tensor itself: while it
+    is a parameter's .grad it is device memory (a restored copy on a GPU), host memory too."""
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    cache = gradient_cache.create_gradient_cache(model, compression_ratio=1, bucket_size_mb=0.25)
+    train_step_with(model, optimizer, cache)  # creates the optimizer state
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    peaks, _ = measure(model, optimizer, cache, fused=True)
+    step = peaks["step"]
+    assert largest <= step.max_by_category[GRADIENTS] <= 2 * (MIB // 4 + largest)
+    assert step.peak.host_bytes > 0
+
+
+def train_step_with(model: nn.Module, optimizer: torch.optim.Optimizer, cache) -> None:
+    model(torch.randn(2, 256)).sum().backward()
+    cache.step(optimizer)
+
+
+def test_one_optimizer_per_parameter_counts_as_one() -> None:
+    """The optimizer step in backward keeps an optimizer per parameter."""
+    model = mlp()
+    optimizers = [torch.optim.Adam([p]) for p in model.parameters()]
+    model(torch.randn(2, 256)).sum().backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    with device_memory_meter(model, optimizer=optimizers) as meter:
+        state = meter.reading().by_category[OPTIMIZER_STATE]
+    assert state == 2 * dense_bytes(model) + 4 * len(optimizers)

@@ -10,10 +10,15 @@ weakref drops it when it is freed) and, after each operator, takes
 
 so the figures mean what they would on a GPU. `device_memory_meter` picks the meter.
 
+A tensor subclass that wraps other tensors (torchao's 8-bit optimizer state, a DTensor)
+counts as the tensors inside it (``__tensor_flatten__``), not as the dense tensor it poses
+as: an 8-bit Adam moment is its uint8 codes, block scales and code table.
+
 Limits of the CPU tracker: it sees operators run on the thread that entered it, only
 storages that an operator touched or that it was told about (parameters, gradients,
 optimizer state, the cache's tensors), and not the scratch memory an operator frees before
-it returns.
+it returns; code run under `DeviceMemoryMeter.opaque` (a compiled optimizer step) counts
+as one such operator.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_leaves
 
 if TYPE_CHECKING:
@@ -42,6 +51,7 @@ OTHER = "activations and other"
 CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ENGINE_SCRATCH, OTHER)
 
 TensorSource = Callable[[], Iterable[torch.Tensor]]
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,11 +107,42 @@ class DeviceMemoryMeter(ABC):
             self._in_phase = False
             self.peaks[name] = self._end_phase()
 
+    @contextlib.contextmanager
+    def opaque(self) -> Iterator[None]:
+        """Run the enclosed code as one operator, unseen inside (the CPU tracker's dispatch
+        mode makes torch.compile refuse to run, as torchao's 8-bit step is); the allocator's
+        counters on CUDA see everything anyway."""
+        yield
+
     def __enter__(self) -> DeviceMemoryMeter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         return None
+
+
+def plain_tensors(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensor``, or the tensors a wrapper subclass holds (recursively): what occupies
+    memory. A wrapper's own storage has the size of the dense tensor it poses as."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return (tensor,)
+    names, _ = tensor.__tensor_flatten__()
+    inner = (getattr(tensor, name) for name in names)  # a DTensor also names its mesh
+    return tuple(t for each in inner if isinstance(each, torch.Tensor) for t in plain_tensors(each))
+
+
+def optimizer_state_tensors(optimizer: Optimizers | None) -> Iterator[torch.Tensor]:
+    """The plain tensors in the state of ``optimizer`` (one, or several: one optimizer per
+    parameter, as when stepping in backward). Non-tensor entries (bitsandbytes' int step
+    counter) hold no tensor memory."""
+    if optimizer is None:
+        return
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    for each in optimizers:
+        for state in each.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield from plain_tensors(value)
 
 
 def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, TensorSource]:
@@ -131,10 +172,11 @@ def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, Tensor
 def device_memory_meter(
     model: torch.nn.Module,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers | None = None,
     cache: GradientCacheHookManager | None = None,
 ) -> DeviceMemoryMeter:
-    """The meter for the device ``model`` lives on; ``cache`` is its GradientCacheHookManager."""
+    """The meter for the device ``model`` lives on; ``cache`` is its GradientCacheHookManager;
+    ``optimizer`` one optimizer or several (one per parameter)."""
     device = next(model.parameters()).device
     host, scratch = cache_tensors(cache) if cache is not None else (_nothing, _nothing)
     if device.type == "cuda":
@@ -151,14 +193,16 @@ def _nothing() -> tuple[torch.Tensor, ...]:
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views counted once)."""
-    storages = {id(s): s.nbytes() for s in map(torch.Tensor.untyped_storage, tensors)}
+    """Bytes of the distinct storages behind ``tensors`` (views counted once; a wrapper
+    subclass as the tensors inside it)."""
+    plain = (inner for tensor in tensors for inner in plain_tensors(tensor))
+    storages = {id(s): s.nbytes() for s in map(torch.Tensor.untyped_storage, plain)}
     return sum(storages.values())
 
 
 def view_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of ``tensors`` themselves: host payloads are views of one pinned slab."""
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for tensor in tensors for t in plain_tensors(tensor))
 
 
 class CudaMemoryMeter(DeviceMemoryMeter):
@@ -224,8 +268,9 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         params: the model's parameters; their storages count as parameters, and their
             gradients as gradients: ``param.grad``, and each gradient as backward hands it
             over, before a post-accumulate-grad hook (the cache's) can take it away.
-        optimizer: its state tensors count as optimizer state (tagged on entry and at each
-            phase start: run one step before measuring, so the state exists).
+        optimizer: one or several (one per parameter); their state tensors count as
+            optimizer state (tagged on entry, at each phase start and after `opaque` code:
+            run one step before measuring, so the state exists).
         host: the tensors held as host copies right now, read before every operator. An
             operator's new output counts as host too when all its tensor inputs do (the
             store merging two payloads), as it would run on the host of a GPU machine.
@@ -236,7 +281,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         self,
         *,
         params: Sequence[torch.nn.Parameter] = (),
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Optimizers | None = None,
         host: TensorSource = _nothing,
         scratch: TensorSource = _nothing,
     ) -> None:
@@ -269,18 +314,30 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             hook.remove()
         self._hooks = []
 
+    @contextlib.contextmanager
+    def opaque(self) -> Iterator[None]:
+        if _get_current_dispatch_mode() is not self._observer:
+            raise RuntimeError("opaque() needs this tracker entered and its mode innermost.")
+        self._observer.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self._observer.__enter__()
+            self._tag_state()  # a first step creates the state inside
+            if self._in_phase:
+                self._sample(self._host_ids())
+
     def _run_operator(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         host_ids = self._host_ids()
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = _plain_leaves((args, kwargs))
         from_host = bool(inputs) and all(self._is_host(t, host_ids) for t in inputs)
         out = func(*args, **kwargs)
         for tensor in inputs:
             self._register(tensor, OTHER)
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                key = self._register(tensor, OTHER)
-                if from_host:
-                    self._host_made.add(key)
+        for tensor in _plain_leaves(out):
+            key = self._register(tensor, OTHER)
+            if from_host:
+                self._host_made.add(key)
         if self._in_phase:
             self._sample(host_ids)
         return out
@@ -288,8 +345,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
     # --- readings -----------------------------------------------------------------
 
     def reading(self) -> MemoryReading:
-        self._tag_gradients()
-        return self._measure(self._host_ids())
+        return self._measure(self._host_ids(), self._tag_gradients())
 
     def _begin_phase(self) -> None:
         self._tag_state()
@@ -301,21 +357,24 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         return PhasePeak(peak=self._peak, max_by_category=self._max_by_category)
 
     def _sample(self, host_ids: set[int]) -> None:
-        self._tag_gradients()
-        now = self._measure(host_ids)
+        now = self._measure(host_ids, self._tag_gradients())
         if now.device_bytes > self._peak.device_bytes:
             self._peak = now
         for name, nbytes in now.by_category.items():
             self._max_by_category[name] = max(self._max_by_category[name], nbytes)
 
-    def _measure(self, host_ids: set[int]) -> MemoryReading:
+    def _measure(self, host_ids: set[int], grad_keys: set[int]) -> MemoryReading:
         by_category = dict(self._by_category)
         host_bytes = 0
         for key in host_ids | self._host_made:
             entry = self._entries.get(key)
             if entry is not None:
                 host_bytes += entry.nbytes
-                by_category[entry.category] -= entry.nbytes
+                # The CPU backend restores a lossless gradient by handing over the cached
+                # tensor itself: while it is a parameter's .grad it is device memory too,
+                # as the restored copy would be on a GPU.
+                if key not in grad_keys:
+                    by_category[entry.category] -= entry.nbytes
         return MemoryReading(
             device_bytes=sum(by_category.values()), host_bytes=host_bytes, by_category=by_category
         )
@@ -323,7 +382,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
     # --- storages -----------------------------------------------------------------
 
     def _register(self, tensor: torch.Tensor, category: str) -> int:
-        """The key of ``tensor``'s storage, counted as ``category`` if it is new."""
+        """The key of a plain ``tensor``'s storage, counted as ``category`` if it is new."""
         storage = tensor.untyped_storage()
         key = id(storage)  # stable while the storage lives: torch keeps one Python object
         if key not in self._entries:
@@ -340,7 +399,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
 
     def _tag(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Count ``tensors``' storages as device ``category`` from now on."""
-        for tensor in tensors:
+        for tensor in (t for each in tensors for t in plain_tensors(each)):
             key = self._register(tensor, category)
             entry = self._entries[key]
             if entry.category != category:
@@ -350,28 +409,29 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             self._host_made.discard(key)  # a gradient restored from the store is back
 
     def _tag_state(self) -> None:
-        if self._optimizer is not None:
-            self._tag(
-                (
-                    value
-                    for state in self._optimizer.state.values()
-                    for value in state.values()
-                    if isinstance(value, torch.Tensor)
-                ),
-                OPTIMIZER_STATE,
-            )
+        self._tag(optimizer_state_tensors(self._optimizer), OPTIMIZER_STATE)
         self._tag(self._scratch(), ENGINE_SCRATCH)
 
-    def _tag_gradients(self) -> None:
-        self._tag((p.grad for p in self._params if p.grad is not None), GRADIENTS)
+    def _tag_gradients(self) -> set[int]:
+        """Tag every ``param.grad`` as a gradient; the keys of their storages."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        self._tag(grads, GRADIENTS)
+        return {id(t.untyped_storage()) for g in grads for t in plain_tensors(g)}
 
     def _on_gradient(self, grad: torch.Tensor) -> None:
         # A tensor hook on a leaf runs before its gradient is accumulated into .grad.
         self._tag([grad], GRADIENTS)
 
     def _host_ids(self) -> set[int]:
+        # The cache's host payloads are plain tensors (FSDP2's are local shards).
         return {id(t.untyped_storage()) for t in self._host()}
 
     def _is_host(self, tensor: torch.Tensor, host_ids: set[int]) -> bool:
         key = id(tensor.untyped_storage())
         return key in host_ids or key in self._host_made
+
+
+def _plain_leaves(tree: Any) -> list[torch.Tensor]:
+    """The plain tensors in a pytree of operator arguments or results."""
+    leaves = tree_leaves(tree)
+    return [t for leaf in leaves if isinstance(leaf, torch.Tensor) for t in plain_tensors(leaf)]
