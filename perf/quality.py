@@ -390,16 +390,21 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         type=Path,
         metavar="JSON",
-        help="print the table of runs saved by --out (e.g. perf/results/quality_*.json)",
+        help="print the table of runs saved by --out (e.g. perf/results/quality_*.json); "
+        "a later file's run replaces an earlier file's of the same optimizer, setting and seed",
     )
     parser.add_argument("--rounds", type=int, default=5, help="--time: interleaved rounds")
     parser.add_argument("--time-steps", type=int, default=20, help="--time: steps per round")
     args = parser.parse_args(argv)
     if args.summarize:
         saved = [json.loads(path.read_text()) for path in args.summarize]
-        print(
-            markdown(summarize([r for report in saved for r in report["runs"]]), saved[0]["steps"])
-        )
+        # A re-measured run (a codec's fix) supersedes the one saved before it.
+        latest = {
+            (run["optimizer"], run["setting"], run["seed"]): run
+            for report in saved
+            for run in report["runs"]
+        }
+        print(markdown(summarize(list(latest.values())), saved[0]["steps"]))
         return
     if args.time:
         medians = time_steps(args.settings, rounds=args.rounds, steps=args.time_steps)
