@@ -48,7 +48,7 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     rounds each code stochastically, so decoding is unbiased and off by less than the
     scale. Codes and fp32 scales are packed into one uint8 tensor. Works through ``x`` a
     chunk at a time, so its fp32 temporaries stay a few MiB however large ``x`` is: per
-    chunk one pass for the block extremes, one to scale and add the noise, and the rounding.
+    chunk one pass for the block magnitudes, one to scale and add the noise, and the rounding.
     """
     numel = x.numel()
     blocks = -(-numel // INT8_BLOCK)
@@ -61,9 +61,9 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
         if part.numel() < part_blocks * INT8_BLOCK:  # the last chunk: zeros fill its block
             part = torch.nn.functional.pad(part, (0, part_blocks * INT8_BLOCK - part.numel()))
         part = part.view(part_blocks, INT8_BLOCK)
-        low, high = torch.aminmax(part, dim=1)
-        # NaN and inf propagate; abs_ makes an all-zero block's scale +0, not -0.
-        part_scales = torch.maximum(low.neg_(), high).abs_().div_(127)
+        # NaN and inf propagate (amax keeps NaN); an all-zero block's scale is +0. abs then
+        # amax: about 5x faster on a CPU than aminmax over 64-entry rows.
+        part_scales = part.abs().amax(dim=1).div_(127)
         # A divide, not a multiply by 1 / s: that inverse overflows for subnormal scales.
         # An all-zero block keeps codes 0; an inf scale makes the block non-finite.
         safe = torch.where(part_scales > 0, part_scales, 1.0).unsqueeze(1)
@@ -76,18 +76,24 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     return packed
 
 
-def int8_blocks_decode(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """The fp32 values `int8_blocks_encode` packed (a new tensor), a chunk at a time."""
+def int8_blocks_decode(
+    packed: torch.Tensor, numel: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The fp32 values `int8_blocks_encode` packed, a chunk at a time: into ``out`` (flat
+    fp32, ``numel`` entries, on ``packed``'s device) if given, else a new tensor."""
     blocks = -(-numel // INT8_BLOCK)
     codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
     scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
-    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32, device=packed.device)
     for start, stop in chunks(numel):
         part_blocks = -(-(stop - start) // INT8_BLOCK)
         part = codes[start : start + part_blocks * INT8_BLOCK].view(part_blocks, INT8_BLOCK)
         part_scales = scales[start // INT8_BLOCK : start // INT8_BLOCK + part_blocks].unsqueeze(1)
-        if stop - start == part.numel():  # whole blocks: written in place, one pass
-            torch.mul(part, part_scales, out=out[start:stop].view_as(part))
+        if stop - start == part.numel():  # whole blocks: written in place
+            # Convert, then scale in place: faster on a CPU than one mixed-dtype multiply.
+            target = out[start:stop].view_as(part)
+            target.copy_(part).mul_(part_scales)
         else:
             out[start:stop] = (part.float() * part_scales).view(-1)[: stop - start]
     return out

@@ -195,6 +195,12 @@ class QuantizedPayload(Payload):
     def kept_indices(self) -> torch.Tensor | None:
         return self.indices
 
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        if self.indices is None and out.dtype == torch.float32 and out.is_contiguous():
+            # Straight into ``out``: no full-size temporary, no second pass to copy it.
+            return int8_blocks_decode(self.packed, self.count, out=out.view(-1))
+        return super().decode_into(out)
+
 
 @dataclass
 class BlockCodesPayload(Payload):
