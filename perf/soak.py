@@ -1,6 +1,7 @@
 """Soak: a long run leaves nothing behind and does not grow.
 
-    python -m perf.soak                      # 2,000 steps: plain, ratio 1 and 100 (~8 min)
+    python -m perf.soak                      # 2,000 steps: plain, ratio 1, the default, ratio 100
+    python -m perf.soak --steps 10000 --settings plain r1 default --runs 2   # the slope table
     python -m perf.soak --steps 20 --warmup 5   # the CI smoke run
 
 Trains perf.quality's model (TinyGPT "tiny", 0.83M parameters, AdamW) with the cache for
@@ -11,9 +12,13 @@ after ``remove_hooks()`` it counts live tensors (gc), threads and hooks (the par
 post-accumulate-grad hooks, the model's forward pre-hooks, PyTorch's global module and
 optimizer hooks): the end must equal the start. It also reports the process's RSS after
 ``--warmup`` steps and its largest value after that (sampled every 25 steps): the growth
-between them is the growth, to compare with plain PyTorch's in the same table (target:
-below 1% more than plain's). Writes ``--out`` (JSON) and prints a
-markdown table; exits 1 if any count did not return to its start.
+between them, to compare with plain PyTorch's in the same table. Every ``--sample-every``
+steps it records RSS and the live tensor count (the curve), and fits RSS's slope after the
+warm-up by least squares: MiB per 1,000 steps, and as a share of the RSS after warm-up. A
+peak can be allocator noise; a slope that stays above plain's over 10,000 steps is a leak.
+``--runs`` repeats each setting (in its own process) for the spread. Writes ``--out``
+(JSON, with the curves) and prints a markdown table; exits 1 if any count did not return to
+its start.
 """
 
 from __future__ import annotations
@@ -38,8 +43,23 @@ from gradient_cache import create_gradient_cache
 from perf.quality import LEARNING_RATES, MODEL, TinyGPT, corpus, train_step
 
 # None: plain PyTorch, the baseline for RSS growth (the allocator's own drift).
-SETTINGS = {"plain": None, "r1": {"compression_ratio": 1}, "r100": {"compression_ratio": 100}}
+SETTINGS = {
+    "plain": None,
+    "r1": {"compression_ratio": 1},
+    "default": {},
+    "r100": {"compression_ratio": 100, "codec": "topk"},
+}
 RSS_EVERY = 25
+
+
+def slope_per_thousand(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of (step, value) points, per 1,000 steps (0 for fewer than 2)."""
+    if len(points) < 2:
+        return 0.0
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    return 1000 * sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
 
 
 def counts(model: torch.nn.Module) -> dict[str, int]:
@@ -58,7 +78,7 @@ def counts(model: torch.nn.Module) -> dict[str, int]:
 
 
 def soak(job: dict) -> dict:
-    """One setting's run; ``job``: setting, steps, warmup, check_hash."""
+    """One setting's run; ``job``: setting, run, steps, warmup, sample_every, check_hash."""
     torch.set_num_threads(1)
     train, _ = corpus(check_hash=job["check_hash"])
     torch.manual_seed(0)
@@ -71,16 +91,21 @@ def soak(job: dict) -> dict:
     manager = None if options is None else create_gradient_cache(model, **options)
     process = psutil.Process()
     rss_after_warmup = rss_peak = 0
+    curve = []  # (step, RSS MiB, live tensors)
     for step in range(1, job["steps"] + 1):
         train_step(model, manager, optimizer, train, generator)
         if step == job["warmup"]:
             rss_after_warmup = rss_peak = process.memory_info().rss
         elif step > job["warmup"] and (step % RSS_EVERY == 0 or step == job["steps"]):
             rss_peak = max(rss_peak, process.memory_info().rss)
+        if step % job["sample_every"] == 0 or step == job["steps"]:
+            curve.append((step, process.memory_info().rss / 2**20, counts(model)["tensors"]))
     if manager is not None:
         manager.remove_hooks()
     del manager
     end = counts(model)
+    after_warmup = [(step, rss) for step, rss, _ in curve if step >= job["warmup"]]
+    slope = slope_per_thousand(after_warmup)
     return {
         **job,
         "start": start,
@@ -88,62 +113,80 @@ def soak(job: dict) -> dict:
         "rss_after_warmup_mib": rss_after_warmup / 2**20,
         "rss_peak_mib": rss_peak / 2**20,
         "rss_growth": rss_peak / rss_after_warmup - 1,
+        "rss_slope_mib_per_1000": slope,
+        "rss_slope_share_per_1000": slope / (rss_after_warmup / 2**20),
+        "tensors_slope_per_1000": slope_per_thousand(
+            [(step, tensors) for step, _, tensors in curve if step >= job["warmup"]]
+        ),
+        "curve": curve,
     }
 
 
 def markdown(results: list[dict]) -> str:
     lines = [
-        "| setting | steps | tensors start → end | threads | hooks | RSS after warm-up MiB "
-        "| RSS peak after MiB | growth |",
-        "|---|---:|---|---|---|---:|---:|---:|",
+        "| setting | run | steps | tensors start → end | threads | hooks | RSS after warm-up "
+        "MiB | RSS peak after MiB | growth | RSS slope, MiB per 1,000 steps | of RSS | live "
+        "tensors per 1,000 steps |",
+        "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         start, end = r["start"], r["end"]
         cells = [f"{start[k]} → {end[k]}" for k in ("tensors", "threads", "hooks")]
         lines.append(
-            f"| {r['setting']} | {r['steps']} | {' | '.join(cells)} | "
+            f"| {r['setting']} | {r['run']} | {r['steps']} | {' | '.join(cells)} | "
             f"{r['rss_after_warmup_mib']:.1f} | {r['rss_peak_mib']:.1f} | "
-            f"{100 * r['rss_growth']:+.2f}% |"
+            f"{100 * r['rss_growth']:+.2f}% | {r['rss_slope_mib_per_1000']:+.3f} | "
+            f"{100 * r['rss_slope_share_per_1000']:+.3f}% | "
+            f"{r['tensors_slope_per_1000']:+.2f} |"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--settings", nargs="+", choices=sorted(SETTINGS), default=["plain", "r1", "r100"]
-    )
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=200, help="steps before the RSS baseline")
-    parser.add_argument("--jobs", type=int, default=2, help="settings at a time, one thread each")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    parser.add_argument("--runs", type=int, default=1, help="runs of each setting")
+    parser.add_argument(
+        "--sample-every", type=int, default=100, help="steps between RSS and tensor samples"
+    )
     parser.add_argument("--out", type=Path, default=Path("soak.json"))
     parser.add_argument("--any-corpus", action="store_true", help="see perf.quality")
     args = parser.parse_args(argv)
     if not 0 < args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup} must be between 0 and --steps {args.steps}")
+    if args.runs < 1 or args.sample_every < 1:
+        parser.error("--runs and --sample-every must be at least 1")
     jobs = [
         {
             "setting": s,
+            "run": run,
             "steps": args.steps,
             "warmup": args.warmup,
+            "sample_every": args.sample_every,
             "check_hash": not args.any_corpus,
         }
+        for run in range(1, args.runs + 1)
         for s in args.settings
     ]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        results = list(pool.map(soak, jobs))
-    args.out.write_text(
-        json.dumps(
-            {
-                "command": " ".join(sys.argv),
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "results": results,
-            },
-            indent=1,
-        )
-    )
+        results = []
+        for result in pool.map(soak, jobs):  # in job order; saved as each arrives
+            results.append(result)
+            args.out.write_text(
+                json.dumps(
+                    {
+                        "command": " ".join(sys.argv),
+                        "python": platform.python_version(),
+                        "torch": torch.__version__,
+                        "results": results,
+                    },
+                    indent=1,
+                )
+            )
     print(markdown(results))
     if any(r["start"] != r["end"] for r in results):
         sys.exit(1)

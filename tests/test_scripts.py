@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -106,15 +107,29 @@ def test_quality_benchmark_pairs_seeds_and_counts_bytes(tmp_path: Path) -> None:
 def test_soak_returns_tensors_threads_and_hooks_to_their_start_counts(tmp_path: Path) -> None:
     out_json = tmp_path / "soak.json"
     out = run(
-        "-m", "perf.soak", "--settings", "r1", "r100", "--steps", "12", "--warmup", "4",
-        "--any-corpus", "--out", str(out_json),
+        "-m", "perf.soak", "--settings", "r1", "default", "--steps", "12", "--warmup", "4",
+        "--sample-every", "3", "--any-corpus", "--out", str(out_json),
     )  # fmt: skip
     results = json.loads(out_json.read_text())["results"]
-    assert [r["setting"] for r in results] == ["r1", "r100"]
+    assert [r["setting"] for r in results] == ["r1", "default"]
     for result in results:
         assert result["start"] == result["end"]
         assert result["start"]["tensors"] > 0 and result["rss_peak_mib"] > 0
-    assert "| r100 | 12 |" in out
+        assert [step for step, _, _ in result["curve"]] == [3, 6, 9, 12]
+        assert all(rss > 0 and tensors > 0 for _, rss, tensors in result["curve"])
+        assert math.isfinite(result["rss_slope_mib_per_1000"])
+    assert "| default | 1 | 12 |" in out
+
+
+def test_the_soak_slope_is_the_least_squares_fit() -> None:
+    from perf.soak import slope_per_thousand
+
+    growing = [
+        (step, 300 + 0.002 * step + (0.5 if step % 200 else -0.5)) for step in range(0, 10_001, 100)
+    ]
+    assert slope_per_thousand(growing) == pytest.approx(2.0, abs=0.05)
+    assert slope_per_thousand([(100, 5.0), (200, 5.0), (300, 5.0)]) == 0
+    assert slope_per_thousand([(100, 5.0)]) == 0
 
 
 def test_step_phases_times_every_phase_and_the_encoding(tmp_path: Path) -> None:

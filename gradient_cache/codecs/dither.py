@@ -6,7 +6,7 @@ device holds one table of ``2 * WINDOW`` uniform numbers made from a fixed seed,
 complement (``1 - table``); every chunk reads a window of one of them, chosen at random,
 at a pseudo-random offset, both computed on the host (no device synchronisation). Each
 entry's noise is then a table entry picked uniformly at random, and its mean over draws is
-exactly 1/2 at every position: a table's mean misses 1/2 by about 4e-4, and rounding with
+exactly 1/2 at every position: a table's mean misses 1/2 by about 3e-4, and rounding with
 that table alone is biased by that much of a level, the same way at every step; the
 rotation of the block codecs gathered that bias onto each block's first entry (times
 sqrt(128)), which Adam turned into a steady drift. The tables are scratch: dropped after
