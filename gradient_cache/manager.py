@@ -272,8 +272,10 @@ class GradientCacheHookManager:
 
         While a step is pending (after backward or ``compress_and_free_gradients()``,
         before the restore) the figures describe what is cached now, and
-        ``step_pending`` is True; otherwise they describe the last restored step. With
-        several optimizers, a step is pending while any of them has gradients cached.
+        ``step_pending`` is True; otherwise they describe the last restored step. Right
+        after backward the last, partial bucket waits on the device, in no figure, until
+        ``compress_and_free_gradients()`` (or the restore) caches it. With several
+        optimizers, a step is pending while any of them has gradients cached.
         """
         return self.summary().as_dict()
 

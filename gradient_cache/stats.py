@@ -84,7 +84,9 @@ class CompressionSummary:
 
 def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> CompressionSummary:
     """See `CompressionSummary`."""
-    pending = bool(pipeline.store)
+    # Pending from the first gradient a backward hands over: one waiting in the last,
+    # partial bucket is not cached yet (still on the device, in no figure) but the step is.
+    pending = pipeline.step_pending
     layers = (pipeline.describe(pipeline.store) if pending else pipeline.last_step).layers
     dense = sum(layer.dense_bytes for layer in layers.values())
     stored = sum(layer.stored_bytes for layer in layers.values())

@@ -115,6 +115,8 @@ def test_summary_describes_the_pending_step_then_the_restored_one() -> None:
         model, compression_ratio=100, codec="topk", min_compress_numel=1, selection="exact"
     )
     backward_once(model)
+    waiting = manager.get_compression_summary()  # the last bucket waits on the device
+    assert waiting["step_pending"] and waiting["memory_saved_mb"] == 0
     manager.compress_and_free_gradients()
     pending = manager.get_compression_summary()
     dense = sum(p.numel() * 4 for p in model.parameters())
