@@ -83,28 +83,44 @@ def _demo(args: argparse.Namespace, *, device: torch.device, out: Path) -> int:
     write_plot(result, out / "report.png")
     print(format_table(result))
     print(f"\nWrote {out / 'report.json'} and {out / 'report.png'}.")
-    return check_lossless(report["lossless_max_abs_weight_diff"])
+    return check_lossless(report["lossless_max_abs_weight_diff"], report["plain_again"])
 
 
-def check_lossless(difference: float) -> int:
-    """Say how far the lossless run ended from plain PyTorch; 1 if beyond rounding."""
+def check_lossless(difference: float, plain_again: dict[str, float] | None = None) -> int:
+    """Say how far the lossless run ended from plain PyTorch; 1 if beyond rounding.
+
+    ``plain_again``: a second plain run's distances to the first plain run and to the
+    lossless run (made when ``difference`` is not 0).
+    """
     if difference == 0:
         print("The lossless cache (r=1) ended bit for bit on plain PyTorch's weights.")
-    elif difference <= LOSSLESS_TOLERANCE:
+        return 0
+    if plain_again is not None and plain_again["max_abs_weight_diff_vs_lossless"] == 0:
+        print(
+            f"The lossless cache (r=1) ended {difference:.3g} away from the first plain "
+            "PyTorch run but bit for bit on a second one: plain PyTorch itself left its "
+            f"path in the first run ({plain_again['max_abs_weight_diff_vs_plain']:.3g} from "
+            "the second; perf/RESULTS.md, Determinism)."
+        )
+        return 0
+    reference = "plain PyTorch's weights"
+    if plain_again is not None:  # both plain runs differ from it: judge by the nearer
+        difference = min(difference, plain_again["max_abs_weight_diff_vs_lossless"])
+        reference = "the nearer of two plain PyTorch runs"
+    if difference <= LOSSLESS_TOLERANCE:
         # Last-bit differences: CUDA backward kernels that accumulate with atomics, or CPU
         # kernels whose sums depend on the thread count, compounded by AdamW.
         print(
-            f"The lossless cache (r=1) ended {difference:.3g} away from plain PyTorch's "
-            f"weights: within the {LOSSLESS_TOLERANCE:g} that kernel rounding can explain "
+            f"The lossless cache (r=1) ended {difference:.3g} away from {reference}: within "
+            f"the {LOSSLESS_TOLERANCE:g} that kernel rounding can explain "
             "(docs/ARCHITECTURE.md, Traps)."
         )
-    else:
-        return _fail(
-            f"the lossless cache (r=1) ended {difference:.3g} away from plain PyTorch's "
-            f"weights, more than the {LOSSLESS_TOLERANCE:g} that kernel rounding can explain; "
-            "a gradient was lost or applied twice. Please report this."
-        )
-    return 0
+        return 0
+    return _fail(
+        f"the lossless cache (r=1) ended {difference:.3g} away from {reference}, more than "
+        f"the {LOSSLESS_TOLERANCE:g} that kernel rounding can explain; a gradient was lost "
+        "or applied twice. Please report this."
+    )
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gradient_cache import cli
+from gradient_cache.demo import run as demo_run
 from gradient_cache.demo.run import ProgressBar
 from gradient_cache.engine.config import DEFAULT_COMPRESSION_RATIO
 from gradient_cache.planner import (
@@ -313,17 +314,64 @@ def test_progress_bar_writes_a_line_per_quarter_elsewhere() -> None:
     ]
 
 
+def again(vs_plain: float, vs_lossless: float) -> dict[str, float]:
+    return {
+        "max_abs_weight_diff_vs_plain": vs_plain,
+        "max_abs_weight_diff_vs_lossless": vs_lossless,
+    }
+
+
 @pytest.mark.parametrize(
-    ("difference", "status", "says"),
+    ("difference", "plain_again", "status", "says"),
     [
-        (0.0, 0, "bit for bit"),
-        (4.86e-05, 0, "within the 0.0001 that kernel rounding can explain"),
-        (3e-3, 1, "a gradient was lost or applied twice"),
+        (0.0, None, 0, "bit for bit"),
+        (4.86e-05, None, 0, "within the 0.0001 that kernel rounding can explain"),
+        (3e-3, None, 1, "a gradient was lost or applied twice"),
+        # The second plain run equals the cache's: the first plain run was the odd one.
+        (1.44e-4, again(1.44e-4, 0.0), 0, "plain PyTorch itself left its path"),
+        # Plain reproduces itself and the cache is off: the cache's fault.
+        (1.44e-4, again(0.0, 1.44e-4), 1, "a gradient was lost or applied twice"),
+        (3e-3, again(3e-3, 5e-5), 0, "away from the nearer of two plain PyTorch runs: within"),
     ],
 )
 def test_lossless_check_reports_rounding_and_fails_beyond_it(
-    difference: float, status: int, says: str, capsys: pytest.CaptureFixture[str]
+    difference: float,
+    plain_again: dict[str, float] | None,
+    status: int,
+    says: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert cli.check_lossless(difference) == status
+    assert cli.check_lossless(difference, plain_again) == status
     captured = capsys.readouterr()
     assert says in captured.out + captured.err
+
+
+@pytest.mark.parametrize("lossless_differs", [False, True])
+def test_a_second_plain_run_is_made_only_when_the_lossless_run_differs(
+    monkeypatch: pytest.MonkeyPatch, lossless_differs: bool
+) -> None:
+    """The processes are stood in for (their training is tested above): what is checked is
+    when the demo asks for a second plain run, and what it is compared with."""
+    final = {"plain": 1.0, "cache r=1": 1.5 if lossless_differs else 1.0, "plain, again": 1.5}
+    started = []
+
+    def in_process(function, name: str, ratio: float | None, settings) -> demo_run.RunResult:
+        started.append(name)
+        return demo_run.RunResult(
+            name=name, ratio=ratio, losses=[], step_seconds=[], timed_steps=[], memory=[],
+            val_loss=0.0, process_rss_mb=0.0, peak_rss_mb=0.0, summary=None,
+            weights={"w": torch.full((2,), final.get(name, 2.0))},
+        )  # fmt: skip
+
+    monkeypatch.setattr(demo_run, "_in_fresh_process", in_process)
+    settings = demo_run.DemoSettings(
+        steps=1, ratio=3.0, model_size="tiny", device=torch.device("cpu"), seed=0
+    )
+    result = demo_run.run_demo(settings)
+    assert started[:3] == ["plain", "cache r=1", "cache r=3"]
+    if not lossless_differs:
+        assert len(started) == 3 and result.plain_again is None
+        return
+    assert started[3:] == ["plain, again"]
+    assert result.weight_difference(result.plain_again) == 0.5
+    assert result.weight_difference(result.runs[1], plain=result.plain_again) == 0

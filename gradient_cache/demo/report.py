@@ -85,6 +85,14 @@ def report_dict(result: DemoResult, *, args: dict[str, Any]) -> dict[str, Any]:
         "scenario": result.settings.scenario,
         "phases": list(PHASES),
         "lossless_max_abs_weight_diff": result.weight_difference(lossless),
+        "plain_again": None
+        if result.plain_again is None
+        else {
+            "max_abs_weight_diff_vs_plain": result.weight_difference(result.plain_again),
+            "max_abs_weight_diff_vs_lossless": result.weight_difference(
+                lossless, plain=result.plain_again
+            ),
+        },
         "wall_seconds": result.wall_seconds,
         "runs": [_figures(result, run) | _series(run) for run in result.runs],
     }
