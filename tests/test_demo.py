@@ -70,7 +70,7 @@ def test_the_default_scenario_lowers_the_peak_by_most_of_the_offloaded_gradients
     assert report["scenario"] == "memory-bound"
     assert report["model"]["size"] == "medium" and report["model"]["micro_batches"] == 2
     plain, lossless, compressed = runs_by_name(report)
-    assert report["lossless_max_abs_weight_diff"] <= cli.LOSSLESS_TOLERANCE  # see below
+    assert cli.check_lossless(report["lossless_max_abs_weight_diff"], report["plain_again"]) == 0
     for cache in (lossless, compressed):
         saved = plain["peak_device_bytes"] - cache["peak_device_bytes"]
         assert saved >= 0.8 * cache["offloaded_gradient_bytes"], (cache["name"], saved / MIB)
@@ -155,8 +155,9 @@ def test_report_holds_sane_figures(demo: tuple) -> None:
     # two sessions): each run is its own process, and something process-level, not yet
     # found, moves the last bits (perf/RESULTS.md, "Determinism"); the engine's in-process
     # tests (test_training, test_call_orders) compare bit for bit and never have. The demo
-    # reports such a difference as rounding and fails beyond its tolerance.
-    assert report["lossless_max_abs_weight_diff"] <= cli.LOSSLESS_TOLERANCE
+    # reports such a difference as rounding and fails beyond its tolerance; a second plain
+    # run referees (its plain run was the odd one on 2026-12-03).
+    assert cli.check_lossless(report["lossless_max_abs_weight_diff"], report["plain_again"]) == 0
     if report["lossless_max_abs_weight_diff"] == 0:
         assert lossless["losses"] == plain["losses"]
     assert compressed["max_abs_weight_diff_vs_plain"] > 0
