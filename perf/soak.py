@@ -17,8 +17,10 @@ steps it records RSS and the live tensor count (the curve), and fits RSS's slope
 warm-up by least squares: MiB per 1,000 steps, and as a share of the RSS after warm-up. A
 peak can be allocator noise; a slope that stays above plain's over 10,000 steps is a leak.
 ``--runs`` repeats each setting (in its own process) for the spread. Writes ``--out``
-(JSON, with the curves) and prints a markdown table; exits 1 if any count did not return to
-its start.
+(JSON, with the curves) and prints a markdown table, then the verdict: each setting's mean
+slope over its runs (with their range) against plain's mean plus ``TARGET_SHARE`` of RSS per
+1,000 steps. ``--png`` draws the curves; ``--summarize JSON`` prints (and draws) a saved run
+again without training. Exits 1 if any count did not return to its start.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ SETTINGS = {
     "r100": {"compression_ratio": 100, "codec": "topk"},
 }
 RSS_EVERY = 25
+# The largest slope (share of RSS per 1,000 steps) above plain's that is not called a leak:
+# 0.05% per 1,000 steps is 5% over a 100,000-step run.
+TARGET_SHARE = 0.0005
 
 
 def slope_per_thousand(points: list[tuple[int, float]]) -> float:
@@ -142,6 +147,76 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def verdict(results: list[dict]) -> list[dict]:
+    """Per setting: mean, lowest and highest slope share over its runs, and whether the mean
+    is within plain's mean plus ``TARGET_SHARE`` (None without a plain run to compare)."""
+    shares: dict[str, list[float]] = {}
+    for r in results:
+        shares.setdefault(r["setting"], []).append(r["rss_slope_share_per_1000"])
+    means = {setting: sum(v) / len(v) for setting, v in shares.items()}
+    limit = means["plain"] + TARGET_SHARE if "plain" in means else None
+    return [
+        {
+            "setting": setting,
+            "runs": len(v),
+            "mean": means[setting],
+            "low": min(v),
+            "high": max(v),
+            "limit": limit,
+            "meets": None if limit is None or setting == "plain" else means[setting] <= limit,
+        }
+        for setting, v in shares.items()
+    ]
+
+
+def verdict_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| setting | runs | mean slope, of RSS per 1,000 steps | lowest run | highest run | "
+        "target: at most plain's mean + 0.05% |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        if row["meets"] is None:
+            outcome = "(the baseline)" if row["setting"] == "plain" else "(no plain run)"
+        else:
+            outcome = f"{'met' if row['meets'] else 'missed'} (≤ {100 * row['limit']:+.3f}%)"
+        lines.append(
+            f"| {row['setting']} | {row['runs']} | {100 * row['mean']:+.3f}% | "
+            f"{100 * row['low']:+.3f}% | {100 * row['high']:+.3f}% | {outcome} |"
+        )
+    return "\n".join(lines)
+
+
+def write_png(results: list[dict], path: Path) -> None:
+    """RSS minus its value at the warm-up, per setting and run, against the step."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 4.5))
+    axes = figure.add_subplot()
+    for r in results:
+        points = [(step, rss) for step, rss, _ in r["curve"] if step >= r["warmup"]]
+        base = r["rss_after_warmup_mib"]
+        axes.plot(
+            [step for step, _ in points],
+            [rss - base for _, rss in points],
+            label=f"{r['setting']}, run {r['run']} ({r['rss_slope_mib_per_1000']:+.3f} MiB/1k)",
+        )
+    axes.set_xlabel("step")
+    axes.set_ylabel("RSS minus RSS after warm-up, MiB")
+    axes.set_title("perf.soak: RSS after warm-up (least-squares slope in the legend)")
+    axes.legend(fontsize="small")
+    FigureCanvasAgg(figure).print_png(str(path))
+
+
+def report(results: list[dict], png: Path | None) -> None:
+    print(markdown(results))
+    print()
+    print(verdict_markdown(verdict(results)))
+    if png is not None:
+        write_png(results, png)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
@@ -154,7 +229,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("soak.json"))
     parser.add_argument("--any-corpus", action="store_true", help="see perf.quality")
+    parser.add_argument("--png", type=Path, help="draw the RSS curves here (needs matplotlib)")
+    parser.add_argument(
+        "--summarize", type=Path, metavar="JSON", help="print a saved run's tables; no training"
+    )
     args = parser.parse_args(argv)
+    if args.png is not None:
+        try:
+            import matplotlib  # noqa: F401  (before the run, not after hours of it)
+        except ImportError:
+            parser.error(f"--png {args.png} needs matplotlib: pip install matplotlib")
+    if args.summarize is not None:
+        report(json.loads(args.summarize.read_text())["results"], args.png)
+        return
     if not 0 < args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup} must be between 0 and --steps {args.steps}")
     if args.runs < 1 or args.sample_every < 1:
@@ -187,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                     indent=1,
                 )
             )
-    print(markdown(results))
+    report(results, args.png)
     if any(r["start"] != r["end"] for r in results):
         sys.exit(1)
 

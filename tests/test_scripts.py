@@ -109,8 +109,11 @@ def test_soak_returns_tensors_threads_and_hooks_to_their_start_counts(tmp_path: 
     out = run(
         "-m", "perf.soak", "--settings", "r1", "default", "--steps", "12", "--warmup", "4",
         "--sample-every", "3", "--any-corpus", "--out", str(out_json),
+        "--png", str(tmp_path / "soak.png"),
     )  # fmt: skip
     results = json.loads(out_json.read_text())["results"]
+    assert (tmp_path / "soak.png").read_bytes().startswith(b"\x89PNG")
+    assert "| default | 1 | +" in out and "(no plain run)" in out  # the verdict's row
     assert [r["setting"] for r in results] == ["r1", "default"]
     for result in results:
         assert result["start"] == result["end"]
@@ -119,6 +122,34 @@ def test_soak_returns_tensors_threads_and_hooks_to_their_start_counts(tmp_path: 
         assert all(rss > 0 and tensors > 0 for _, rss, tensors in result["curve"])
         assert math.isfinite(result["rss_slope_mib_per_1000"])
     assert "| default | 1 | 12 |" in out
+    assert run("-m", "perf.soak", "--summarize", str(out_json)).strip() in out  # re-printed
+
+
+def test_the_soak_verdict_compares_each_settings_mean_slope_with_plains_plus_the_target() -> None:
+    from perf.soak import TARGET_SHARE, verdict, verdict_markdown
+
+    def result(setting: str, share: float) -> dict:
+        return {"setting": setting, "rss_slope_share_per_1000": share}
+
+    rows = verdict(
+        [
+            result("plain", 0.0002), result("r1", 0.0001), result("default", 0.0009),
+            result("plain", 0.0), result("r1", 0.0010), result("default", 0.0005),
+        ]
+    )  # fmt: skip
+    by_setting = {row["setting"]: row for row in rows}
+    assert by_setting["plain"]["meets"] is None
+    assert by_setting["plain"]["mean"] == pytest.approx(0.0001)
+    # r1's mean, 0.055%, is above the target alone but within plain's mean plus the target.
+    assert by_setting["r1"]["mean"] == pytest.approx(0.00055) and by_setting["r1"]["meets"]
+    assert (by_setting["r1"]["low"], by_setting["r1"]["high"]) == (0.0001, 0.0010)
+    assert by_setting["default"]["mean"] == pytest.approx(0.0007)
+    assert not by_setting["default"]["meets"]
+    assert by_setting["default"]["limit"] == pytest.approx(0.0001 + TARGET_SHARE)
+    table = verdict_markdown(rows)
+    assert "| r1 | 2 | +0.055% | +0.010% | +0.100% | met (≤ +0.060%) |" in table
+    assert "| default | 2 | +0.070% |" in table and "missed (≤ +0.060%)" in table
+    assert verdict([result("r1", 0.0)])[0]["meets"] is None  # nothing to compare with
 
 
 def test_the_soak_slope_is_the_least_squares_fit() -> None:
