@@ -18,6 +18,11 @@ INT8_BLOCK = 64
 # Entries the codecs work on at a time (a multiple of INT8_BLOCK, at most a dither window):
 # their fp32 temporaries stay within a few MiB of device memory however large the tensor.
 CODEC_CHUNK = WINDOW
+# Each scale is its block's largest magnitude times SCALE_STEP, a hair above 1 / 127: the
+# largest entry then scales to just under 127 (never above it through rounding), and with
+# noise below 1 its code floors to at most 127. The error bound grows by a part in 10^6.
+SCALE_MARGIN = 2**-20
+SCALE_STEP = (1 + SCALE_MARGIN) / 127
 
 
 class UniformNoise(Protocol):
@@ -35,8 +40,10 @@ def int8_blocks_bytes(numel: int) -> int:
     return blocks * INT8_BLOCK + 4 * blocks
 
 
-def chunks(numel: int, size: int = CODEC_CHUNK) -> Iterator[tuple[int, int]]:
-    """(start, stop) of consecutive ``size``-entry slices covering ``numel`` entries."""
+def chunks(numel: int, size: int | None = None) -> Iterator[tuple[int, int]]:
+    """(start, stop) of consecutive ``size``-entry slices (default `CODEC_CHUNK`, read at
+    the call) covering ``numel`` entries."""
+    size = CODEC_CHUNK if size is None else size
     for start in range(0, numel, size):
         yield start, min(start + size, numel)
 
@@ -44,35 +51,39 @@ def chunks(numel: int, size: int = CODEC_CHUNK) -> Iterator[tuple[int, int]]:
 def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     """Flat fp32 ``x`` as int8 codes per block of `INT8_BLOCK`, times the block's scale.
 
-    The scale is the block's largest magnitude / 127; uniform noise from ``noise``
-    rounds each code stochastically, so decoding is unbiased and off by less than the
-    scale. Codes and fp32 scales are packed into one uint8 tensor. Works through ``x`` a
-    chunk at a time, so its fp32 temporaries stay a few MiB however large ``x`` is: per
-    chunk one pass for the block magnitudes, one to scale and add the noise, and the rounding.
+    The scale is the block's largest magnitude / 127 (raised by `SCALE_MARGIN`); uniform
+    noise from ``noise`` rounds each code stochastically, so decoding is unbiased and off by
+    less than the scale. Codes and fp32 scales are packed into one uint8 tensor. Works
+    through ``x`` a chunk at a time in one reused fp32 buffer of a chunk, so its temporaries
+    stay a few MiB however large ``x`` is and no chunk allocates: per chunk |x|, the block
+    maxima (straight into the packed scales), the scaled value plus noise, floor, the cast.
     """
     numel = x.numel()
     blocks = -(-numel // INT8_BLOCK)
     packed = torch.empty(int8_blocks_bytes(numel), dtype=torch.uint8, device=x.device)
     codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
     scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
+    work = torch.empty(min(blocks * INT8_BLOCK, CODEC_CHUNK), dtype=torch.float32, device=x.device)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
     for start, stop in chunks(numel):
         part_blocks = -(-(stop - start) // INT8_BLOCK)
         part = x[start:stop]
         if part.numel() < part_blocks * INT8_BLOCK:  # the last chunk: zeros fill its block
             part = torch.nn.functional.pad(part, (0, part_blocks * INT8_BLOCK - part.numel()))
         part = part.view(part_blocks, INT8_BLOCK)
+        level = work[: part.numel()].view_as(part)
+        part_scales = scales[start // INT8_BLOCK : start // INT8_BLOCK + part_blocks]
         # NaN and inf propagate (amax keeps NaN); an all-zero block's scale is +0. abs then
         # amax: about 5x faster on a CPU than aminmax over 64-entry rows.
-        part_scales = part.abs().amax(dim=1).div_(127)
+        torch.amax(torch.abs(part, out=level), dim=1, out=part_scales).mul_(SCALE_STEP)
         # A divide, not a multiply by 1 / s: that inverse overflows for subnormal scales.
         # An all-zero block keeps codes 0; an inf scale makes the block non-finite.
-        safe = torch.where(part_scales > 0, part_scales, 1.0).unsqueeze(1)
-        level = torch.addcdiv(noise.uniform(part.numel(), x.device).view_as(part), part, safe)
-        # max|x| / (max|x| / 127) can round to just above 127, and noise near 1 would then
-        # floor to 128, which int8 cannot hold: the clamp keeps the largest entry's sign.
-        level.floor_().clamp_(-127, 127)
+        safe = torch.where(part_scales > 0, part_scales, one).unsqueeze(1)
+        noise_part = noise.uniform(part.numel(), x.device).view_as(part)
+        # |x| / scale is at most 127 / (1 + SCALE_MARGIN) and the noise below 1, so the
+        # floor of their sum lies in [-127, 127] for every finite entry: no clamp is needed.
+        torch.addcdiv(noise_part, part, safe, out=level).floor_()
         codes[start : start + level.numel()].view_as(level).copy_(level)
-        scales[start // INT8_BLOCK : start // INT8_BLOCK + part_blocks].copy_(part_scales)
     return packed
 
 
