@@ -1,6 +1,7 @@
 """Where the cache's step time goes: each phase of a training step, plain against the cache.
 
     python -m perf.step_phases [--rounds 12] [--warmup 3] [--model small] [--json PATH]
+    python -m perf.step_phases --variants "cache q4" "cache sign"   # these and their plain
 
 Trains copies of one TinyGPT with Adam, interleaved round robin on the same batches, and
 prints the median milliseconds of each phase per variant: forward, backward, drain
@@ -23,11 +24,34 @@ from pathlib import Path
 
 import torch
 
+from gradient_cache.engine.config import DEFAULT_COMPRESSION_RATIO
 from perf.steps import STEP_VARIANTS, StepVariant, Trainer, batch_stream, build, gpt
 
 PHASES = ("forward", "backward", "encode", "drain", "restore", "optimizer", "total")
 FUSED_ADAM_PLAIN = StepVariant(name="plain, Adam(fused=True)", fused_adam=True)
 VARIANTS = [v for v in STEP_VARIANTS if not v.naive] + [FUSED_ADAM_PLAIN]
+# The block codecs as a user picks them (`codec=` at the default ratio): run on request only.
+CODEC_VARIANTS = [
+    StepVariant(name=f"cache {codec}", ratio=DEFAULT_COMPRESSION_RATIO, codec=codec)
+    for codec in ("q4", "q3", "q2", "sign")
+]
+ALL_VARIANTS = {v.name: v for v in VARIANTS + CODEC_VARIANTS}
+
+
+def baseline_name(variant: StepVariant) -> str:
+    """Plain PyTorch with the variant's optimizer: what its total is compared with."""
+    return FUSED_ADAM_PLAIN.name if variant.fused_adam else "plain"
+
+
+def with_baselines(names: list[str]) -> list[StepVariant]:
+    """The named variants, each preceded (once) by the plain run it is compared with."""
+    chosen: list[StepVariant] = []
+    for name in names:
+        variant = ALL_VARIANTS[name]
+        for needed in (ALL_VARIANTS[baseline_name(variant)], variant):
+            if needed not in chosen:
+                chosen.append(needed)
+    return chosen
 
 
 def timed_encoding(trainer: Trainer) -> Callable[[], float]:
@@ -78,17 +102,19 @@ def one_step(
     return {**dict(zip(names, spans, strict=True)), "total": marks[-1] - marks[0]}
 
 
-def measure(*, model: str, rounds: int, warmup: int, batch_size: int) -> dict[str, dict]:
+def measure(
+    *, variants: list[StepVariant], model: str, rounds: int, warmup: int, batch_size: int
+) -> dict[str, dict]:
     base = gpt(model)
-    trainers = {v.name: build(v, base) for v in VARIANTS}
+    trainers = {v.name: build(v, base) for v in variants}
     encoders = {
-        v.name: timed_encoding(trainers[v.name]) for v in VARIANTS if trainers[v.name].cache
+        v.name: timed_encoding(trainers[v.name]) for v in variants if trainers[v.name].cache
     }
     next_batch = batch_stream(base, batch_size=batch_size)
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for round_index in range(warmup + rounds):
         x, y = next_batch()
-        for variant in VARIANTS:
+        for variant in variants:
             phases = one_step(trainers[variant.name], variant, x, y)
             phases["encode"] = encoders[variant.name]() if variant.name in encoders else 0.0
             if round_index >= warmup:
@@ -100,13 +126,13 @@ def measure(*, model: str, rounds: int, warmup: int, batch_size: int) -> dict[st
     }
 
 
-def table(medians: dict[str, dict]) -> str:
+def table(medians: dict[str, dict], variants: list[StepVariant]) -> str:
     """Markdown rows; "vs plain" compares totals with plain PyTorch on the same optimizer."""
     header = "| variant | " + " | ".join(PHASES) + " | vs plain |"
     lines = [header, "|---|" + "---:|" * (len(PHASES) + 1)]
-    for variant in VARIANTS:
+    for variant in variants:
         phases = medians[variant.name]
-        plain = medians[FUSED_ADAM_PLAIN.name if variant.fused_adam else "plain"]["total"]
+        plain = medians[baseline_name(variant)]["total"]
         cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
         lines.append(f"| {variant.name} | {cells} | {phases['total'] / plain:.3f}x |")
     return "\n".join(lines)
@@ -119,15 +145,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(ALL_VARIANTS),
+        default=[v.name for v in VARIANTS],
+        help="variants to time (each with its plain baseline); default: all but the codecs'",
+    )
     args = parser.parse_args(argv)
+    variants = with_baselines(args.variants)
     medians = measure(
-        model=args.model, rounds=args.rounds, warmup=args.warmup, batch_size=args.batch_size
+        variants=variants,
+        model=args.model,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        batch_size=args.batch_size,
     )
     print(
         f"## Step phases: TinyGPT {args.model!r}, batch {args.batch_size}, Adam, "
         f"median ms of {args.rounds} interleaved rounds\n"
     )
-    print(table(medians))
+    print(table(medians, variants))
     print(
         "\nencode is spent inside backward and drain; total is the whole step. "
         "Medians of each column are taken separately, so they need not add up."

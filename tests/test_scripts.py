@@ -113,7 +113,8 @@ def test_soak_returns_tensors_threads_and_hooks_to_their_start_counts(tmp_path: 
     )  # fmt: skip
     results = json.loads(out_json.read_text())["results"]
     assert (tmp_path / "soak.png").read_bytes().startswith(b"\x89PNG")
-    assert "| default | 1 | +" in out and "(no plain run)" in out  # the verdict's row
+    verdict_rows = [line for line in out.splitlines() if line.endswith("| (no plain run) |")]
+    assert [row.split(" | ")[:2] for row in verdict_rows] == [["| r1", "1"], ["| default", "1"]]
     assert [r["setting"] for r in results] == ["r1", "default"]
     for result in results:
         assert result["start"] == result["end"]
@@ -175,6 +176,18 @@ def test_step_phases_times_every_phase_and_the_encoding(tmp_path: Path) -> None:
     assert medians["cache r=1"]["encode"] > 0 and medians[DEFAULT_NAME]["encode"] > 0
     for phases in medians.values():
         assert phases["total"] >= phases["backward"] + phases["drain"] >= phases["encode"]
+
+
+def test_step_phases_times_a_chosen_codec_beside_its_plain_baseline(tmp_path: Path) -> None:
+    out_json = tmp_path / "phases.json"
+    out = run(
+        "-m", "perf.step_phases", "--model", "tiny", "--batch-size", "2", "--rounds", "1",
+        "--warmup", "0", "--variants", "cache q4", "--json", str(out_json),
+    )  # fmt: skip
+    medians = json.loads(out_json.read_text())
+    assert list(medians) == ["plain", "cache q4"]
+    assert medians["cache q4"]["encode"] > 0
+    assert "| cache q4 |" in out and "| cache r=1 |" not in out
 
 
 def test_gpu_report_tables_align_rows_with_different_columns() -> None:
