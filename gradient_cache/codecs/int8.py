@@ -2,6 +2,10 @@
 
 The kernels shared by int8 values (`values.Int8Quantizer`) and the int8 residual
 (`residual.ResidualCodec`). Rounding is stochastic, so decoding is unbiased.
+
+On a CPU, tensors go through the compiled one-pass kernels (`_int8_cpu.c`, built by
+setup.py) when they were built: the same bytes as the eager PyTorch code here, which
+serves every other device and any install without a C compiler.
 """
 
 from __future__ import annotations
@@ -12,6 +16,11 @@ from typing import Protocol
 import torch
 
 from .dither import WINDOW
+
+try:
+    from . import _int8_cpu as CPU_KERNELS
+except ImportError:  # built without a C compiler: the eager path does the same, slower
+    CPU_KERNELS = None
 
 # Entries per scale: 64 keeps the scales at 1/16 of the int8 bytes.
 INT8_BLOCK = 64
@@ -48,6 +57,13 @@ def chunks(numel: int, size: int | None = None) -> Iterator[tuple[int, int]]:
         yield start, min(start + size, numel)
 
 
+def on_cpu_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled kernels can take ``tensors`` (contiguous, in CPU memory)."""
+    return CPU_KERNELS is not None and all(
+        t.device.type == "cpu" and t.is_contiguous() for t in tensors
+    )
+
+
 def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     """Flat fp32 ``x`` as int8 codes per block of `INT8_BLOCK`, times the block's scale.
 
@@ -63,6 +79,9 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     packed = torch.empty(int8_blocks_bytes(numel), dtype=torch.uint8, device=x.device)
     codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
     scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
+    if on_cpu_kernels(x):
+        encode_on_cpu(x, noise, codes, scales)
+        return packed
     work = torch.empty(min(blocks * INT8_BLOCK, CODEC_CHUNK), dtype=torch.float32, device=x.device)
     one = torch.ones((), dtype=torch.float32, device=x.device)
     for start, stop in chunks(numel):
@@ -87,6 +106,39 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     return packed
 
 
+def encode_on_cpu(
+    x: torch.Tensor, noise: UniformNoise, codes: torch.Tensor, scales: torch.Tensor
+) -> None:
+    """`int8_blocks_encode`'s codes and scales from the compiled kernel, in one pass.
+
+    It draws the same noise windows as the eager loop, in the same order and sizes (each
+    chunk's entries padded to whole blocks), so the bytes and the generators' states after
+    the call are the same too.
+    """
+    padded = codes.numel()
+    windows = []
+    for start, stop in chunks(padded):
+        window = noise.uniform(stop - start, x.device)
+        # The kernel reads raw memory: a window must hold what it reads.
+        if window.dtype != torch.float32 or window.numel() < stop - start:
+            raise RuntimeError(
+                f"noise window of {window.numel()} {window.dtype} entries; the int8 kernel "
+                f"needs {stop - start} fp32 entries"
+            )
+        windows.append(window.contiguous())
+    addresses = torch.tensor([window.data_ptr() for window in windows], dtype=torch.int64)
+    CPU_KERNELS.encode(
+        x.data_ptr(),
+        x.numel(),
+        addresses.data_ptr(),
+        CODEC_CHUNK,
+        codes.data_ptr(),
+        scales.data_ptr(),
+        SCALE_STEP,
+        torch.get_num_threads(),
+    )
+
+
 def int8_blocks_decode(
     packed: torch.Tensor, numel: int, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -97,6 +149,15 @@ def int8_blocks_decode(
     scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
     if out is None:
         out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    if (
+        on_cpu_kernels(packed, out)
+        and out.dtype == torch.float32
+        and out.numel() == numel
+        and packed.numel() == int8_blocks_bytes(numel)
+    ):  # else the eager path, which raises on a mismatch the kernel would write past
+        threads = torch.get_num_threads()
+        CPU_KERNELS.decode(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), numel, threads)
+        return out
     for start, stop in chunks(numel):
         part_blocks = -(-(stop - start) // INT8_BLOCK)
         part = codes[start : start + part_blocks * INT8_BLOCK].view(part_blocks, INT8_BLOCK)
