@@ -114,27 +114,40 @@ def measure(
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for round_index in range(warmup + rounds):
         x, y = next_batch()
-        for variant in variants:
+        # Every other round in reverse: no variant always runs first or right after another.
+        for variant in variants if round_index % 2 == 0 else variants[::-1]:
             phases = one_step(trainers[variant.name], variant, x, y)
             phases["encode"] = encoders[variant.name]() if variant.name in encoders else 0.0
             if round_index >= warmup:
                 for name, seconds in phases.items():
                     samples[variant.name][name].append(seconds * 1e3)
-    return {
+    medians = {
         name: {phase: statistics.median(values) for phase, values in by_phase.items()}
         for name, by_phase in samples.items()
     }
+    for variant in variants:
+        totals = samples[variant.name]["total"]
+        baseline = samples[baseline_name(variant)]["total"]
+        medians[variant.name]["paired"] = paired_ratio(totals, baseline)
+    return medians
+
+
+def paired_ratio(totals: list[float], baseline: list[float]) -> float:
+    """The median of each round's total over the baseline's in that round: steadier than
+    the ratio of the two medians when the machine's speed drifts between rounds."""
+    return statistics.median(t / b for t, b in zip(totals, baseline, strict=True))
 
 
 def table(medians: dict[str, dict], variants: list[StepVariant]) -> str:
     """Markdown rows; "vs plain" compares totals with plain PyTorch on the same optimizer."""
-    header = "| variant | " + " | ".join(PHASES) + " | vs plain |"
-    lines = [header, "|---|" + "---:|" * (len(PHASES) + 1)]
+    header = "| variant | " + " | ".join(PHASES) + " | vs plain | paired |"
+    lines = [header, "|---|" + "---:|" * (len(PHASES) + 2)]
     for variant in variants:
         phases = medians[variant.name]
         plain = medians[baseline_name(variant)]["total"]
         cells = " | ".join(f"{phases[p]:.1f}" for p in PHASES)
-        lines.append(f"| {variant.name} | {cells} | {phases['total'] / plain:.3f}x |")
+        ratios = f"{phases['total'] / plain:.3f}x | {phases['paired']:.3f}x"
+        lines.append(f"| {variant.name} | {cells} | {ratios} |")
     return "\n".join(lines)
 
 
@@ -168,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(medians, variants))
     print(
         "\nencode is spent inside backward and drain; total is the whole step. "
-        "Medians of each column are taken separately, so they need not add up."
+        "Medians of each column are taken separately, so they need not add up. vs plain: "
+        "the ratio of the total's medians; paired: the median of each round's ratio."
     )
     if args.json is not None:
         args.json.write_text(json.dumps(medians, indent=2))

@@ -156,3 +156,15 @@ def test_a_short_noise_window_is_refused_before_the_kernel_reads_it():
 
     with pytest.raises(RuntimeError, match="noise window"):
         int8_blocks_encode(torch.randn(100), Short())
+
+
+def test_the_kernel_refuses_too_few_windows_or_a_chunk_off_the_blocks():
+    """Its own checks on what it is handed, before it reads any memory."""
+    kernels = int8.CPU_KERNELS
+    x, packed = torch.randn(CODEC_CHUNK + 1), torch.empty(int8_blocks_bytes(CODEC_CHUNK + 1))
+    window = torch.rand(CODEC_CHUNK)
+    args = (x.data_ptr(), x.numel(), (window.data_ptr(),), CODEC_CHUNK, packed.data_ptr())
+    with pytest.raises(ValueError, match="1 noise windows for 2 chunks"):
+        kernels.encode(*args, packed.data_ptr() + CODEC_CHUNK + INT8_BLOCK, 0.01, 1)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        kernels.encode(x.data_ptr(), 10, (window.data_ptr(),), 100, packed.data_ptr(), 0, 0.01, 1)

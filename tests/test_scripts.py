@@ -187,7 +187,21 @@ def test_step_phases_times_a_chosen_codec_beside_its_plain_baseline(tmp_path: Pa
     medians = json.loads(out_json.read_text())
     assert list(medians) == ["plain", "cache q4"]
     assert medians["cache q4"]["encode"] > 0
+    assert medians["plain"]["paired"] == 1  # plain against itself, round by round
+    one_round = medians["cache q4"]["total"] / medians["plain"]["total"]
+    assert medians["cache q4"]["paired"] == pytest.approx(one_round)
     assert "| cache q4 |" in out and "| cache r=1 |" not in out
+
+
+def test_paired_ratio_is_the_median_of_each_rounds_ratio() -> None:
+    from perf.step_phases import paired_ratio
+
+    # The machine slowed down for plain's second step and for both third ones: the ratio
+    # of the medians says 11 / 20 = 0.55x; two rounds of three say 1.1x.
+    plain = [10.0, 20.0, 20.0]
+    variant = [11.0, 11.0, 22.0]
+    assert paired_ratio(variant, plain) == pytest.approx(1.1)
+    assert paired_ratio([1.0, 3.0, 4.0], [1.0, 2.0, 2.0]) == pytest.approx(1.5)
 
 
 def test_gpu_report_tables_align_rows_with_different_columns() -> None:

@@ -227,11 +227,12 @@ static void run_blocks(BlockFn fn, const Work *work, int threads) {
 }
 
 static PyObject *encode(PyObject *self, PyObject *args) {
-    unsigned long long x, windows, codes, scales;
+    unsigned long long x, codes, scales;
+    PyObject *windows;
     Py_ssize_t count, chunk;
     float step;
     int threads;
-    if (!PyArg_ParseTuple(args, "KnKnKKfi", &x, &count, &windows, &chunk, &codes, &scales,
+    if (!PyArg_ParseTuple(args, "KnOnKKfi", &x, &count, &windows, &chunk, &codes, &scales,
                           &step, &threads)) {
         return NULL;
     }
@@ -241,9 +242,36 @@ static PyObject *encode(PyObject *self, PyObject *args) {
                      count, chunk, BLOCK);
         return NULL;
     }
+    PyObject *sequence = PySequence_Fast(windows, "encode: windows must be a sequence");
+    if (sequence == NULL) {
+        return NULL;
+    }
+    /* One window per chunk of the padded entries: fewer would send blocks past the end. */
+    Py_ssize_t needed = ((count + BLOCK - 1) / BLOCK * BLOCK + chunk - 1) / chunk;
+    Py_ssize_t given = PySequence_Fast_GET_SIZE(sequence);
+    if (given < needed) {
+        PyErr_Format(PyExc_ValueError, "encode: %zd noise windows for %zd chunks", given,
+                     needed);
+        Py_DECREF(sequence);
+        return NULL;
+    }
+    const float **addresses = PyMem_Malloc((given > 0 ? given : 1) * sizeof *addresses);
+    if (addresses == NULL) {
+        Py_DECREF(sequence);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < given; i++) {
+        addresses[i] = (const float *)(uintptr_t)PyLong_AsUnsignedLongLong(
+            PySequence_Fast_GET_ITEM(sequence, i));
+    }
+    Py_DECREF(sequence);
+    if (PyErr_Occurred()) {
+        PyMem_Free(addresses);
+        return NULL;
+    }
     Work work = {
         .x = (const float *)(uintptr_t)x,
-        .windows = (const float *const *)(uintptr_t)windows,
+        .windows = addresses,
         .codes = (int8_t *)(uintptr_t)codes,
         .scales = (float *)(uintptr_t)scales,
         .count = count,
@@ -253,6 +281,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     run_blocks(encode_blocks, &work, threads);
     Py_END_ALLOW_THREADS
+    PyMem_Free(addresses);
     Py_RETURN_NONE;
 }
 
@@ -282,8 +311,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
      "encode(x, count, windows, chunk, codes, scales, step, threads): int8 codes and fp32 "
-     "scales of `count` fp32 entries at address x; windows: address of one noise-window "
-     "address per chunk."},
+     "scales of `count` fp32 entries at address x; windows: a sequence of one noise "
+     "window's address per chunk."},
     {"decode", decode, METH_VARARGS,
      "decode(codes, scales, out, count, threads): `count` fp32 entries at address out."},
     {NULL, NULL, 0, NULL},

@@ -77,11 +77,11 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     numel = x.numel()
     blocks = -(-numel // INT8_BLOCK)
     packed = torch.empty(int8_blocks_bytes(numel), dtype=torch.uint8, device=x.device)
+    if on_cpu_kernels(x):
+        encode_on_cpu(x, noise, packed)
+        return packed
     codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
     scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
-    if on_cpu_kernels(x):
-        encode_on_cpu(x, noise, codes, scales)
-        return packed
     work = torch.empty(min(blocks * INT8_BLOCK, CODEC_CHUNK), dtype=torch.float32, device=x.device)
     one = torch.ones((), dtype=torch.float32, device=x.device)
     for start, stop in chunks(numel):
@@ -106,16 +106,14 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     return packed
 
 
-def encode_on_cpu(
-    x: torch.Tensor, noise: UniformNoise, codes: torch.Tensor, scales: torch.Tensor
-) -> None:
-    """`int8_blocks_encode`'s codes and scales from the compiled kernel, in one pass.
+def encode_on_cpu(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) -> None:
+    """`int8_blocks_encode` into ``packed`` by the compiled kernel, in one pass.
 
     It draws the same noise windows as the eager loop, in the same order and sizes (each
     chunk's entries padded to whole blocks), so the bytes and the generators' states after
     the call are the same too.
     """
-    padded = codes.numel()
+    padded = -(-x.numel() // INT8_BLOCK) * INT8_BLOCK
     windows = []
     for start, stop in chunks(padded):
         window = noise.uniform(stop - start, x.device)
@@ -126,14 +124,13 @@ def encode_on_cpu(
                 f"needs {stop - start} fp32 entries"
             )
         windows.append(window.contiguous())
-    addresses = torch.tensor([window.data_ptr() for window in windows], dtype=torch.int64)
     CPU_KERNELS.encode(
         x.data_ptr(),
         x.numel(),
-        addresses.data_ptr(),
+        tuple(window.data_ptr() for window in windows),
         CODEC_CHUNK,
-        codes.data_ptr(),
-        scales.data_ptr(),
+        packed.data_ptr(),  # the codes, then the fp32 scales
+        packed.data_ptr() + padded,
         SCALE_STEP,
         torch.get_num_threads(),
     )
