@@ -9,7 +9,9 @@ decode to: non-finite.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -29,14 +31,28 @@ from gradient_cache.codecs.int8 import (
 )
 
 FAST = (Phase.explicit, Phase.reuse, Phase.generate)
-# The kernel splits work over threads from this many entries (MIN_PARALLEL in the C file).
-PARALLEL = 1 << 21
+# The kernel splits work over threads from this many entries.
+PARALLEL = getattr(int8.CPU_KERNELS, "MIN_PARALLEL", 1 << 21)
+# Whole blocks go through AVX2 where the CPU has it, else the portable loops: both run.
+VECTOR_PATHS = pytest.mark.parametrize("avx2", [True, False], ids=["avx2", "portable"])
 
 
 def eager(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with the kernels switched off: the eager PyTorch path."""
     with mock.patch.object(int8, "CPU_KERNELS", None):
         return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def whole_blocks_through(avx2: bool) -> Iterator[None]:
+    """The kernel's whole blocks through AVX2 (where the CPU has it) or its portable loops."""
+    kernels = int8.CPU_KERNELS
+    previous = kernels.use_avx2(avx2) if kernels else None
+    try:
+        yield
+    finally:
+        if kernels:
+            kernels.use_avx2(previous)
 
 
 def test_the_kernels_are_built():
@@ -46,6 +62,13 @@ def test_the_kernels_are_built():
         "gradient_cache.codecs._int8_cpu did not build: reinstall with a C compiler and "
         "Python's headers (pip install -e .) and read the build log"
     )
+
+
+def test_the_portable_path_can_be_chosen_so_both_are_tested():
+    """`whole_blocks_through(False)` really switches AVX2 off (the paths write the same
+    bytes, so only the switch's own state shows it)."""
+    with whole_blocks_through(False):
+        assert int8.CPU_KERNELS.use_avx2(False) is False
 
 
 def noise_source(kind: str, seed: int):
@@ -76,10 +99,12 @@ def finite_gradients(draw):
     return torch.tensor(draw(st.lists(values, min_size=numel, max_size=numel)))
 
 
+@VECTOR_PATHS
 @settings(max_examples=150, deadline=None, derandomize=True, phases=FAST)
 @given(x=finite_gradients(), kind=st.sampled_from(["dither", "generator"]))
-def test_kernel_writes_the_eager_bytes_for_finite_gradients(x, kind):
-    packed = same_encoding(x, kind)
+def test_kernel_writes_the_eager_bytes_for_finite_gradients(avx2, x, kind):
+    with whole_blocks_through(avx2):
+        packed = same_encoding(x, kind)
     fast = int8_blocks_decode(packed, x.numel())
     slow = eager(int8_blocks_decode, packed, x.numel())
     assert torch.equal(fast.view(torch.int32), slow.view(torch.int32))  # bit for bit
@@ -94,7 +119,8 @@ def test_kernel_writes_the_eager_bytes_for_finite_gradients(x, kind):
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_large_gradients_match_on_any_number_of_threads(numel, threads):
+@VECTOR_PATHS
+def test_large_gradients_match_on_any_number_of_threads(numel, threads, avx2):
     """Threads split the blocks; the noise of each block still comes from its chunk's
     window. A few outliers and zeros make blocks of every kind."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
@@ -103,7 +129,8 @@ def test_large_gradients_match_on_any_number_of_threads(numel, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        packed = same_encoding(x)
+        with whole_blocks_through(avx2):
+            packed = same_encoding(x)
         out = torch.full((numel,), math.nan)
         int8_blocks_decode(packed, numel, out=out)
     finally:
@@ -117,10 +144,12 @@ def test_large_gradients_match_on_any_number_of_threads(numel, threads):
 
 @pytest.mark.parametrize("special", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("numel", [1, 130, PARALLEL + 70])
-def test_non_finite_blocks_decode_non_finite_and_the_rest_exactly_as_eager(special, numel):
+@VECTOR_PATHS
+def test_non_finite_blocks_decode_non_finite_and_the_rest_exactly_as_eager(special, numel, avx2):
     x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
     x[numel // 2] = special
-    fast_packed = int8_blocks_encode(x, Dither(3))
+    with whole_blocks_through(avx2):
+        fast_packed = int8_blocks_encode(x, Dither(3))
     slow_packed = eager(int8_blocks_encode, x, Dither(3))
     fast = int8_blocks_decode(fast_packed, numel)
     slow = eager(int8_blocks_decode, slow_packed, numel)

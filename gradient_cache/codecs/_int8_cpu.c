@@ -33,6 +33,9 @@
 #include <immintrin.h>
 #endif
 
+/* Whether whole blocks take the AVX2 path: set when the module loads, where the CPU has
+ * AVX2; `use_avx2(False)` sends them down the portable loops (the tests run both). */
+static int avx2_supported = 0;
 static int use_avx2 = 0;
 
 typedef struct {
@@ -89,8 +92,9 @@ static float encode_block(const float *x, const float *noise, int8_t *codes, Py_
 
 #ifdef HAVE_AVX2_PATH
 /* One whole block with AVX2, the same arithmetic as `encode_block`: eight vectors of eight
- * entries, the same IEEE divide, add and floor, packed to int8 (no saturation: every code
- * is within [-127, 127]). */
+ * entries, the same IEEE divide, add and floor, packed to int8. The packs saturate, which
+ * never happens while every code is within [-127, 127]; were SCALE_MARGIN lost, they would
+ * clamp a 128 where the portable cast wraps it (tests/test_codecs.py checks both paths). */
 __attribute__((target("avx2"))) static float encode_block_avx2(const float *x,
                                                                const float *noise,
                                                                int8_t *codes, float step) {
@@ -308,6 +312,16 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *set_avx2(PyObject *self, PyObject *args) {
+    int enabled;
+    if (!PyArg_ParseTuple(args, "p", &enabled)) {
+        return NULL;
+    }
+    int previous = use_avx2;
+    use_avx2 = enabled && avx2_supported;
+    return PyBool_FromLong(previous);
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
      "encode(x, count, windows, chunk, codes, scales, step, threads): int8 codes and fp32 "
@@ -315,6 +329,9 @@ static PyMethodDef methods[] = {
      "window's address per chunk."},
     {"decode", decode, METH_VARARGS,
      "decode(codes, scales, out, count, threads): `count` fp32 entries at address out."},
+    {"use_avx2", set_avx2, METH_VARARGS,
+     "use_avx2(enabled): whole blocks through AVX2 (where the CPU has it) or the portable "
+     "loops; returns the previous setting."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -325,10 +342,11 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__int8_cpu(void) {
 #ifdef HAVE_AVX2_PATH
-    use_avx2 = __builtin_cpu_supports("avx2") != 0;
+    avx2_supported = __builtin_cpu_supports("avx2") != 0;
 #endif
+    use_avx2 = avx2_supported;
     PyObject *self = PyModule_Create(&module);
-    if (self != NULL && PyModule_AddIntConstant(self, "AVX2", use_avx2) < 0) {
+    if (self != NULL && PyModule_AddIntConstant(self, "MIN_PARALLEL", MIN_PARALLEL) < 0) {
         Py_DECREF(self);
         return NULL;
     }
