@@ -142,6 +142,8 @@ def int8_blocks_decode(
     """The fp32 values `int8_blocks_encode` packed, a chunk at a time: into ``out`` (flat
     fp32, ``numel`` entries, on ``packed``'s device) if given, else a new tensor."""
     blocks = -(-numel // INT8_BLOCK)
+    codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
+    scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
     if out is None:
         out = torch.empty(numel, dtype=torch.float32, device=packed.device)
     if (
@@ -150,12 +152,9 @@ def int8_blocks_decode(
         and out.numel() == numel
         and packed.numel() == int8_blocks_bytes(numel)
     ):  # else the eager path, which raises on a mismatch the kernel would write past
-        base = packed.data_ptr()  # the codes, then the fp32 scales
         threads = torch.get_num_threads()
-        CPU_KERNELS.decode(base, base + blocks * INT8_BLOCK, out.data_ptr(), numel, threads)
+        CPU_KERNELS.decode(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), numel, threads)
         return out
-    codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
-    scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
     for start, stop in chunks(numel):
         part_blocks = -(-(stop - start) // INT8_BLOCK)
         part = codes[start : start + part_blocks * INT8_BLOCK].view(part_blocks, INT8_BLOCK)
