@@ -20,9 +20,9 @@ import psutil
 import torch
 
 import gradient_cache
+from gradient_cache.units import MIB
 
 WIDTH, DEPTH, BATCH = 4096, 4, 8
-MIB = 2**20
 
 
 def make_model() -> torch.nn.Module:

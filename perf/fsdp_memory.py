@@ -38,8 +38,8 @@ from torch.distributed.fsdp import fully_shard
 
 from gradient_cache import create_gradient_cache
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT, make_batches
+from gradient_cache.units import MIB
 
-MIB = 2**20
 VARIANTS = (
     ("plain FSDP2", None, False),
     ("cache r=1, apply + step", 1, False),

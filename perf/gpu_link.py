@@ -23,8 +23,7 @@ import torch
 from gradient_cache.engine.cuda import allocate_pinned
 from gradient_cache.engine.pool import HostPool, SlotSpec
 from gradient_cache.linkrate import measure_link
-
-MIB = 2**20
+from gradient_cache.units import MIB
 
 
 def resident_bytes() -> int:

@@ -35,10 +35,10 @@ import torch
 import gradient_cache
 from gradient_cache.codecs import TopKSelector, keep_count
 from gradient_cache.demo.models import GPTConfig, TinyGPT
+from gradient_cache.units import MIB
 
 GPT2_SMALL = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12)
 QUICK = GPTConfig(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=4)
-MIB = 2**20
 
 
 def make_model(config: GPTConfig) -> TinyGPT:

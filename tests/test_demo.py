@@ -24,12 +24,12 @@ from gradient_cache.planner import (
     plan,
     tensors_of_factory,
 )
+from gradient_cache.units import MIB
 
 SCRIPT = Path(sys.executable).parent / "gradient-cache"
 STEPS = 10  # the activations scenario's run
 MEMORY_BOUND_STEPS = 3  # the default scenario's run: its "medium" model is slower
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-MIB = 2**20
 DEFAULT_RATIO = DEFAULT_COMPRESSION_RATIO
 COMPRESSED = f"cache r={DEFAULT_COMPRESSION_RATIO:g}"
 

@@ -39,10 +39,11 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_leaves
 
+from ..units import MIB as MIB  # re-exported: perf/ reads it from here
+
 if TYPE_CHECKING:
     from ..manager import GradientCacheHookManager
 
-MIB = 2**20
 PARAMETERS = "parameters"
 GRADIENTS = "gradients"
 OPTIMIZER_STATE = "optimizer state"

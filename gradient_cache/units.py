@@ -1,0 +1,3 @@
+"""Byte units shared across the package: one mebibyte, ``MIB``, is 2**20 bytes."""
+
+MIB = 2**20
