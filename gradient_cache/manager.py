@@ -21,7 +21,7 @@ from .engine.config import (
     validate_compression_ratio,
     validate_exclude_layers,
 )
-from .engine.pipeline import Pipeline
+from .engine.pipeline import HeldTensors, Pipeline
 from .model_watch import ParameterWatch
 from .stats import CompressionSummary, compression_summary
 
@@ -327,13 +327,15 @@ class GradientCacheHookManager:
     ) -> None:
         self.remove_hooks()
 
+    def held_tensors(self) -> HeldTensors:
+        """The tensors the cache holds now, host and device (`HeldTensors`), for memory
+        accounting; empty once closed, when everything went back to ``param.grad``."""
+        return HeldTensors() if self._pipeline is None else self._pipeline.held_tensors()
+
     @property
     def engine(self) -> Pipeline | None:
-        """The engine, for inspection (memory accounting, benchmarks); None once closed.
-
-        Its ``host_tensors()``, ``scratch_tensors()``, ``waiting_gradients()``, ``backend``
-        and ``routes`` are read-only views; the rest is internal.
-        """
+        """The engine, for tests and benchmarks that look inside; None once closed.
+        Internal: its attributes may change between versions."""
         return self._pipeline
 
     # --- helpers ------------------------------------------------------------------

@@ -153,19 +153,11 @@ def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, Tensor
     Scratch: the codecs' reusable buffers.
     """
 
-    def host() -> Iterator[torch.Tensor]:
-        engine = cache.engine
-        if engine is None:  # closed: everything went back to param.grad
-            return
-        yield from engine.host_tensors()
-        if engine.config.residual_location == "host":
-            residuals = engine.backend.residuals
-            yield from residuals.current().values()
-            yield from residuals.pending().values()
+    def host() -> tuple[torch.Tensor, ...]:
+        return cache.held_tensors().host
 
-    def scratch() -> list[torch.Tensor]:
-        engine = cache.engine
-        return [] if engine is None else engine.scratch_tensors()
+    def scratch() -> tuple[torch.Tensor, ...]:
+        return cache.held_tensors().scratch
 
     return host, scratch
 

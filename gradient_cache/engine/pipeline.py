@@ -9,7 +9,7 @@ lives in the `GradientStore`, residuals in the backend's `ResidualStore`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +45,21 @@ class GroupArrivals:
 
     size: int
     count: int = 0
+
+
+@dataclass(frozen=True)
+class HeldTensors:
+    """The tensors the engine holds at one moment, for memory accounting.
+
+    ``host``: in host memory: the cached payloads, the error-feedback residuals kept on the
+    host (``residual_location="host"``) and the random states kept to undo the pending step.
+    ``scratch``: on the device: the codecs' reusable buffers (held within a backward) and
+    their fixed tables. ``waiting``: on the device: gradients waiting in the open bucket.
+    """
+
+    host: tuple[torch.Tensor, ...] = ()
+    scratch: tuple[torch.Tensor, ...] = ()
+    waiting: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass
@@ -398,21 +413,22 @@ class Pipeline:
             )
         return record
 
-    # --- inspection (memory accounting, tests) -------------------------------------
+    # --- inspection (memory accounting) -------------------------------------------
 
-    def host_tensors(self) -> Iterator[torch.Tensor]:
-        """The cached payloads' tensors, and the random states kept to undo the pending
-        step (host tensors whatever the device: a dither's draw counter, a generator's)."""
-        yield from self.store.tensors()
-        yield from (self.random_state_at_step_start or {}).values()
-
-    def scratch_tensors(self) -> list[torch.Tensor]:
-        """The codecs' reusable device buffers, held within a backward."""
-        return [t for codec in self.codecs.all() for t in codec.scratch_tensors()]
-
-    def waiting_gradients(self) -> list[torch.Tensor]:
-        """Device gradients waiting in the open bucket."""
-        return self.assembler.waiting()
+    def held_tensors(self) -> HeldTensors:
+        """What the engine holds now (a read-only view; see `HeldTensors`)."""
+        residuals = self.backend.residuals
+        kept_residuals = [*residuals.current().values(), *residuals.pending().values()]
+        on_host = self.config.residual_location == "host"
+        return HeldTensors(
+            host=(
+                *self.store.tensors(),
+                *(self.random_state_at_step_start or {}).values(),
+                *(kept_residuals if on_host else ()),
+            ),
+            scratch=tuple(t for codec in self.codecs.all() for t in codec.scratch_tensors()),
+            waiting=tuple(self.assembler.waiting()),
+        )
 
     def close(self) -> None:
         for handle in self._handles:
