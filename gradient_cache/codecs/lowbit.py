@@ -16,15 +16,6 @@ from .generators import RandomSource
 from .payloads import BlockCodesPayload
 from .rotation import held, rotation
 
-# name: (bits, rounding); every one rotates.
-BLOCK_CODECS = {
-    "q4": (4, "stochastic"),
-    "q3": (3, "stochastic"),
-    "q2": (2, "stochastic"),
-    "q1": (1, "stochastic"),
-    "sign": (1, "sign"),
-}
-
 
 class BlockQuantized(Codec):
     """``bits``-bit codes per entry after an optional block rotation (`blockquant`)."""
@@ -37,12 +28,6 @@ class BlockQuantized(Codec):
         self.rotate = rotate
         self.rounding = rounding
         self.dither = Dither(seed)
-
-    @classmethod
-    def named(cls, name: str, *, seed: int = 0) -> BlockQuantized:
-        """The codec `BLOCK_CODECS` names ``name``."""
-        bits, rounding = BLOCK_CODECS[name]
-        return cls(name=name, bits=bits, rotate=True, rounding=rounding, seed=seed)
 
     def encode(
         self,

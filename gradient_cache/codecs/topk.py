@@ -236,9 +236,9 @@ class TopKEncoder:
         return payload, self.residual_codec.encode(source)
 
 
-class TopK(Codec):
+class TopKCodec(Codec):
     """The largest entries and their indices, optionally with an error-feedback residual
-    and int8 values.
+    and int8 values: the working codec built from `options.TopK` (what users write).
 
     How many: ``ceil(numel / ratio)``; or, with ``byte_budget``, as many as fit in
     ``1 / ratio`` of the gradient's bytes, values and indices counted (with the threshold

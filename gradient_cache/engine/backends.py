@@ -61,14 +61,15 @@ def create_backend(params: Sequence[Param], config: EngineConfig, *, ratio: floa
         return build_cuda_backend(params, config, device, ratio=ratio)
     # The CPU's payloads replace the gradients plain PyTorch would hold: only residuals add,
     # the current ones and (keep_previous_residual) a pending step's new ones.
-    copies = 2 if config.keep_previous_residual else 1
+    keep_previous = config.residual_options.keep_previous_residual
+    copies = 2 if keep_previous else 1
     routes = plan_params(params, config, ratio=ratio, selection=CpuBackend.default_selection)
     check_host_budget(
         copies * sum(route.residual_bytes for route in routes.values()),
         fraction=config.host_memory_fraction,
         what="error-feedback residuals",
     )
-    return CpuBackend(device, keep_previous_residual=config.keep_previous_residual)
+    return CpuBackend(device, keep_previous_residual=keep_previous)
 
 
 def build_cuda_backend(
@@ -84,10 +85,12 @@ def build_cuda_backend(
 
     ``cuda`` and ``allocate`` stand in for `torch.cuda` and pinned allocation in tests.
     """
-    if config.selection == "threshold":
+    residuals = config.residual_options  # the top-k codec's, or its defaults
+    if config.selection == "threshold":  # top-k's, or the ladder's top-k rung's
         raise ValueError(
             "selection='threshold' is not supported on CUDA: counting the entries above the "
-            "threshold needs a host sync inside backward. Use selection='auto' or 'exact'."
+            "threshold needs a host sync inside backward. Use selection='auto' or 'exact' (on "
+            "gradient_cache.TopK, or gradient_cache.Ladder for codec=None)."
         )
     routes = plan_params(params, config, ratio=ratio, selection=CudaBackend.default_selection)
     layout = {param: route.slot for param, route in routes.items()}
@@ -107,8 +110,8 @@ def build_cuda_backend(
         device,
         pool,
         staging_depth=config.staging_depth,
-        host_residuals=config.error_feedback and config.residual_location == "host",
-        keep_previous_residual=config.keep_previous_residual,
+        host_residuals=residuals.error_feedback and residuals.residual_location == "host",
+        keep_previous_residual=residuals.keep_previous_residual,
         cuda=cuda,
         record_gradients=any(map(is_dtensor, params)),
     )

@@ -25,7 +25,9 @@ from .pipeline import Pipeline
 FORMAT_VERSION = 3
 # The options that change what a step computes, and so what a saved residual, counter or
 # payload means. Others (bucket size, selection method, where the residual lives, pinning)
-# may differ between the saving and the loading manager.
+# may differ between the saving and the loading manager. The top-k ones are read from the
+# top-k codec's options (`TopK`), or are its defaults where the codec is not top-k: the
+# values `EngineConfig` held when they were its fields, so old checkpoints still load.
 RECIPE_FIELDS = (
     "codec",
     "error_feedback",
@@ -42,9 +44,17 @@ def _cpu(tensor: torch.Tensor) -> torch.Tensor:
 
 def recipe(pipeline: Pipeline) -> dict[str, Any]:
     """What must match between the saving and the loading manager."""
-    return {"compression_ratio": pipeline.ratio} | {
-        name: getattr(pipeline.config, name) for name in RECIPE_FIELDS
+    config = pipeline.config
+    topk = config.residual_options
+    values = {
+        "codec": config.codec_name,
+        "error_feedback": topk.error_feedback,
+        "residual_dtype": topk.residual_dtype,
+        "value_dtype": topk.value_dtype,
+        "min_compress_numel": config.min_compress_numel,
+        "warmup_steps": config.warmup_steps,
     }
+    return {"compression_ratio": pipeline.ratio} | {name: values[name] for name in RECIPE_FIELDS}
 
 
 def save(pipeline: Pipeline) -> dict[str, Any]:

@@ -12,93 +12,60 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from ..codecs import CODEC_NAMES, RESIDUAL_DTYPES, SELECTIONS
+from ..codecs import TopK
+from ..codecs.options import Ladder, check_bool, check_choice
+from ..codecs.registry import CodecChoice, check_codec, codec_name, codec_options
+from ..units import MIB
 
 # create_gradient_cache's compression_ratio: gradients take at most a third of lossless
 # offload's bytes. fp32 gradients meet it with int8 codes (3.8x fewer), which trained
 # within 1% of plain PyTorch with both AdamW and SGD with a margin; bf16 gradients with the
 # 4-bit codec. perf/RESULTS.md ("Codec frontier") has the table and why not more yet.
 DEFAULT_COMPRESSION_RATIO = 3.0
-RESIDUAL_LOCATIONS = ("host", "device")
-VALUE_DTYPES = ("int8",)
 BACKENDS = ("auto", "cpu", "cuda")
+#: Options that were `EngineConfig` fields and are now the top-k codec's (`TopK`):
+#: `EngineConfig.from_options` still takes them where they act (see `_codec_of_keywords`).
+TOPK_KEYWORDS = (
+    "error_feedback",
+    "residual_dtype",
+    "residual_location",
+    "keep_previous_residual",
+    "selection",
+    "value_dtype",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How the offload engine groups, encodes and stores gradients.
 
+    Every option here acts whatever the codec; a codec's own knobs are on its options
+    object (``codec=gradient_cache.TopK(error_feedback=False)``), documented there.
+
     Attributes:
         codec: Which codec encodes the gradients. None (default): at
             ``compression_ratio=r > 1``, per tensor the best-training codec of the ladder
-            (``route.LADDER``: int8, q4, q3, q2, sign, top-k) whose payload fits ``1 / r``
-            of the tensor's lossless bytes; at ratio 1, lossless (int8 with
-            ``value_dtype="int8"``). A name picks one whatever the ratio: ``"q4"``,
-            ``"q3"``, ``"q2"``, ``"q1"`` (every entry as a 4, 3, 2 or 1-bit code after a
-            randomised 128-point Hadamard rotation, rounded stochastically, an fp32 scale
-            per 128 entries, no residual), ``"sign"`` (the rotated entries' signs times
-            each block's mean magnitude), ``"int8"`` (int8 codes, an fp32 scale per 64
-            entries), ``"topk"`` (keeps ``numel / compression_ratio`` entries, with
-            ``selection``, ``error_feedback``, ``residual_dtype`` and ``value_dtype``) or
-            ``"lossless"``. perf/RESULTS.md has what each costs in validation loss. The
-            top-k options below apply to ``codec="topk"`` only: the ladder's top-k keeps
-            values in the gradient's dtype and no residual, which would break the budget.
+            (``codecs.registry.LADDER``: int8, q4, q3, q2, sign, top-k) whose payload fits
+            ``1 / r`` of the tensor's lossless bytes (``gradient_cache.Ladder`` sets how
+            its top-k selects); at ratio 1, lossless. A name picks one whatever the ratio:
+            ``"q4"``, ``"q3"``, ``"q2"``, ``"q1"`` (every entry as a 4, 3, 2 or 1-bit code
+            after a randomised 128-point Hadamard rotation, rounded stochastically, an
+            fp32 scale per 128 entries, no residual), ``"sign"`` (the rotated entries'
+            signs times each block's mean magnitude), ``"int8"`` (int8 codes, an fp32
+            scale per 64 entries), ``"topk"`` (keeps ``numel / compression_ratio``
+            entries, with error feedback: ``gradient_cache.TopK()``, whose docstring is
+            the tuning guide for its options) or ``"lossless"``. perf/RESULTS.md has what
+            each costs in validation loss.
         bucket_size_mb: Dense gradient megabytes (2**20 bytes) gathered before a bucket is
             encoded and sent off the device. Smaller buckets free memory sooner during
             backward (the device holds about two buckets plus the largest gradient at
             once) at the cost of more, smaller launches. Default 4.
-        selection: How top-k entries are chosen. ``"auto"`` (default) is ``"threshold"``
-            on the CPU and ``"exact"`` on CUDA, where ``torch.topk`` needs no host
-            synchronisation and the threshold's count does (so CUDA refuses
-            ``"threshold"``: nothing in a backward hook may wait on the host).
-            ``"threshold"`` estimates the magnitude threshold from a random sample, keeps
-            every entry at or above it and trims or widens the pick until the count is
-            within ``±10%`` of the wanted count; what it keeps is always the
-            largest-magnitude entries.
-            ``"exact"`` keeps exactly ``ceil(numel / ratio)`` entries with
-            ``torch.topk``: exact, and much slower on a CPU (perf/RESULTS.md).
-        error_feedback: ``codec="topk"``: add what compression dropped back into the next
-            gradient (the residual), so that dropped mass is delayed, not lost. Default
-            True, chosen by the "Compression recipes" table of perf/RESULTS.md. Its cost:
-            the residual's host memory and PCIe traffic (``residual_dtype``) and, while a
-            tensor is encoded, a
-            dense fp32 copy of it (gradient plus residual) on the device.
-        residual_dtype: How the residual is stored between steps: ``"int8"`` (default;
-            1.0625 bytes an entry: an int8 code per entry and an fp32 scale per block of
-            64), ``"bfloat16"`` (2 bytes) or ``"float32"`` (4 bytes an entry: as much host
-            memory as lossless offload, and on CUDA twice its PCIe traffic). bf16 and
-            int8 round stochastically, so the stored residual is unbiased
-            (codecs.residual.ResidualCodec); perf/RESULTS.md compares them.
         warmup_steps: Optimizer steps sent uncompressed at the start of training, as
             Deep Gradient Compression does, while gradients change fastest (what it gained
             is in perf/RESULTS.md, "Compression recipes"). Default 0: a good length depends on the
             run's, and while it lasts host memory and PCIe traffic are those of lossless
             offload (on CUDA the pinned pool is sized for dense gradients until the
             warm-up ends, then rebuilt smaller).
-        value_dtype: ``codec="topk"`` or ratio 1: how kept values are stored: None
-            (default) as the gradient's dtype,
-            or ``"int8"``: an int8 code per value and an fp32 scale per block of 64 values,
-            rounded stochastically (unbiased; off by less than the block's largest
-            magnitude / 127), about a quarter of fp32's bytes. It applies to every tensor
-            of at least ``min_compress_numel`` entries, at any ``compression_ratio``:
-            with ``compression_ratio=1`` every entry is kept, quantized (no longer
-            lossless); with top-k it shrinks the kept values. perf/RESULTS.md has what it
-            costs in validation loss.
-        residual_location: Where the residual lives on the CUDA backend: ``"host"``
-            (default; a pinned slot per compressed tensor, no device memory kept, but it
-            crosses PCIe densely twice a step: in for the encode, out after it) or
-            ``"device"`` (no round trip; every compressed gradient's residual stays on the
-            device in its stored form, ``residual_dtype``, which undoes much of the
-            saving). On the CPU backend the device is the host: both choices keep the
-            residual in host RAM.
-        keep_previous_residual: With error feedback, keep the last completed step's
-            residual until the pending step is restored, so that ``discard_gradients()``
-            undoes the pending step's residual update and leaves no trace. Default True.
-            Its cost is a second residual's host memory (on CUDA, a second pinned slot
-            per residual: with int8 residuals about a quarter of lossless offload's
-            host bytes), not PCIe traffic. False saves that memory; a discarded step's
-            held-back part (about 99% of its gradient at ratio 100) then stays in the
-            residual and reaches later steps.
         min_compress_numel: Tensors with fewer elements travel uncompressed. None
             (default): 16384 for top-k (64 KiB of fp32: below it, keeping 1% saves little
             while the selection's fixed cost stays, and biases and norm weights are both
@@ -123,15 +90,9 @@ class EngineConfig:
             ``host_memory_fraction``.
     """
 
-    codec: str | None = None
+    codec: CodecChoice = None
     bucket_size_mb: float = 4.0
-    selection: str = "auto"
-    error_feedback: bool = True
-    residual_dtype: str = "int8"
     warmup_steps: int = 0
-    value_dtype: str | None = None
-    residual_location: str = "host"
-    keep_previous_residual: bool = True
     min_compress_numel: int | None = None
     host_memory_fraction: float = 0.5
     backend: str = "auto"
@@ -140,17 +101,9 @@ class EngineConfig:
     host_pool_mb: float | None = None
 
     def __post_init__(self) -> None:
-        if self.codec is not None:
-            _check_choice("codec", self.codec, CODEC_NAMES)
+        check_codec(self.codec)
         _check_positive_number("bucket_size_mb", self.bucket_size_mb)
-        _check_choice("selection", self.selection, ("auto", *SELECTIONS))
-        _check_bool("error_feedback", self.error_feedback)
-        _check_choice("residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         _check_non_negative_int("warmup_steps", self.warmup_steps)
-        if self.value_dtype is not None:
-            _check_choice("value_dtype", self.value_dtype, VALUE_DTYPES)
-        _check_choice("residual_location", self.residual_location, RESIDUAL_LOCATIONS)
-        _check_bool("keep_previous_residual", self.keep_previous_residual)
         if self.min_compress_numel is not None:
             _check_positive_int("min_compress_numel", self.min_compress_numel)
         _check_positive_number("host_memory_fraction", self.host_memory_fraction)
@@ -165,21 +118,116 @@ class EngineConfig:
         if self.host_pool_mb is not None:
             _check_positive_number("host_pool_mb", self.host_pool_mb)
 
+    # --- derived from the codec's options (read-only; not options of their own) ------
+
+    @property
+    def codec_name(self) -> str | None:
+        """The codec's registry name (None: the ladder)."""
+        return codec_name(self.codec)
+
+    @property
+    def topk(self) -> TopK | None:
+        """The top-k codec's options where ``codec`` is top-k (``"topk"``: ``TopK()``)."""
+        options = codec_options(self.codec)
+        return options if isinstance(options, TopK) else None
+
+    @property
+    def residual_options(self) -> TopK:
+        """Where and how error-feedback residuals are kept: the top-k codec's options, or
+        ``TopK()``'s defaults where no codec keeps a residual."""
+        return self.topk or TopK()
+
+    @property
+    def selection(self) -> str:
+        """How top-k entries are chosen ("auto", "threshold" or "exact"): the explicit
+        top-k's or the ladder's (its top-k rung) selection; "auto" for other codecs."""
+        options = codec_options(self.codec)
+        return options.selection if isinstance(options, (TopK, Ladder)) else "auto"
+
+    @property
+    def residual_location(self) -> str:
+        """``residual_options.residual_location``."""
+        return self.residual_options.residual_location
+
     @property
     def bucket_size_bytes(self) -> int:
-        return max(1, int(self.bucket_size_mb * 2**20))
+        return max(1, int(self.bucket_size_mb * MIB))
 
     @classmethod
-    def from_options(cls, options: dict[str, Any]) -> EngineConfig:
-        """Build a config from keyword options, naming any unknown one."""
+    def from_options(
+        cls,
+        options: dict[str, Any],
+        *,
+        compression_ratio: float = DEFAULT_COMPRESSION_RATIO,
+    ) -> EngineConfig:
+        """Build a config from keyword options, naming any unknown one.
+
+        The top-k codec's options (`TOPK_KEYWORDS`), once fields here, are still taken
+        where they act, as the codec they mean: with ``codec="topk"`` they become its
+        `TopK`; ``selection`` with ``codec=None`` at ``compression_ratio > 1`` the
+        ladder's (`Ladder`); ``value_dtype="int8"`` with ``codec=None`` at
+        ``compression_ratio=1`` is ``codec="int8"``. Anywhere else they would do nothing,
+        and raise, naming the fix.
+        """
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
+        unknown = sorted(set(options) - known - set(TOPK_KEYWORDS))
         if unknown:
             raise TypeError(
                 f"Unknown engine option(s) {unknown}; accepted options are "
-                f"{sorted(known)} (see gradient_cache.EngineConfig)."
+                f"{sorted(known)} (see gradient_cache.EngineConfig), and the codec's own "
+                "options on its options object (gradient_cache.TopK)."
             )
-        return cls(**options)
+        fields = {name: value for name, value in options.items() if name in known}
+        keywords = {name: options[name] for name in TOPK_KEYWORDS if name in options}
+        if keywords:
+            fields["codec"] = _codec_of_keywords(fields.get("codec"), keywords, compression_ratio)
+        return cls(**fields)
+
+
+def _codec_of_keywords(codec: Any, keywords: dict[str, Any], ratio: float) -> CodecChoice:
+    """The codec that ``codec`` and the old top-k keywords mean together, or an error
+    naming the keyword that would do nothing and the spelling that acts."""
+    check_codec(codec)
+    TopK(**keywords)  # a bad value is named first, whatever the codec
+    if codec == "topk":
+        return TopK(**keywords)
+    if isinstance(codec, (TopK, Ladder)):
+        name, value = next(iter(keywords.items()))
+        raise TypeError(
+            f"{name}={value!r} was passed beside codec={codec!r}: set it on the codec's "
+            f"options object instead, codec={type(codec).__name__}(..., {name}={value!r})."
+        )
+    rest = dict(keywords)
+    if codec is None and ratio == 1 and rest.get("value_dtype") == "int8":
+        rest.pop("value_dtype")  # the seed's int8 option: every entry kept as an int8 code
+        codec = "int8"
+    if codec is None and ratio > 1 and "selection" in rest:
+        codec = Ladder(selection=rest.pop("selection"))  # the ladder's top-k rung
+    if not rest:
+        return codec
+    name, value = next(iter(rest.items()))
+    if codec_name(codec) is None:
+        where = f"codec=None at compression_ratio={ratio:g}"
+        if name == "selection":
+            why = "every gradient travels whole at ratio 1, nothing is selected"
+        elif name == "value_dtype":
+            why = (
+                "the codecs it chooses store their own values (int8 codes where they fit); "
+                "value_dtype='int8' means codec='int8' at compression_ratio=1 only"
+            )
+        else:
+            why = "the codecs it chooses keep no residual"
+    else:
+        where = f"codec={codec_name(codec)!r}"
+        why = "that codec is not top-k"
+    alternative = ""
+    if name == "value_dtype":
+        alternative = ", or codec='int8' for int8 codes on every tensor"
+    raise ValueError(
+        f"{name}={value!r} does nothing with {where}: {why}. It is an option of the top-k "
+        f"codec: pass codec=gradient_cache.TopK({name}={value!r}) for top-k (which keeps "
+        f"numel / compression_ratio entries){alternative}."
+    )
 
 
 def validate_compression_ratio(value: Any) -> float:
@@ -237,11 +285,5 @@ def _check_non_negative_int(name: str, value: Any) -> None:
         raise ValueError(f"Invalid {name}: {value!r}; expected an integer >= 0.")
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"Invalid {name}: {value!r}; expected one of {list(choices)}.")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}.")
+_check_choice = check_choice
+_check_bool = check_bool

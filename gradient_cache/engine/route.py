@@ -15,15 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from ..codecs import (
-    BLOCK_CODECS,
-    BlockQuantized,
-    Codec,
-    Int8Values,
-    Lossless,
-    ResidualCodec,
-    TopK,
-)
+from ..codecs import Codec, Codecs, ResidualCodec
 from ..codecs.base import shapes_bytes
 from .config import EngineConfig
 from .pool import SlotSpec
@@ -31,91 +23,15 @@ from .sharding import local_numel
 
 Key = TypeVar("Key")
 
-
-# The codecs ``codec=None`` chooses from, best-training first (perf/RESULTS.md, "Codec
-# frontier"): a tensor takes the first whose bytes fit ``1 / compression_ratio`` of its
-# lossless bytes. Each one is smaller than the one before it.
-LADDER = ("int8", "q4", "q3", "q2", "sign", "topk")
-# Tensors smaller than this travel whole unless min_compress_numel says otherwise: one
-# block of the block codecs, and where top-k's selection pays for its fixed cost.
-DEFAULT_MIN_NUMEL = {"topk": 16384}
-BLOCK_MIN_NUMEL = 128
-
-
-@dataclass(frozen=True)
-class Codecs:
-    """The codec instances one engine uses, shared by its parameters (as their random
-    generators are), and how a parameter chooses among them.
-
-    ``candidates``: best-training first. ``budget``: None, the first candidate a tensor is
-    large enough for; a ratio r, the first whose payload is at most ``1 / r`` of the
-    tensor's lossless bytes, or, if none is, the most compact one.
-    """
-
-    lossless: Codec
-    candidates: tuple[Codec, ...]
-    budget: float | None
-
-    @classmethod
-    def for_options(cls, config: EngineConfig, *, ratio: float, selection: str) -> Codecs:
-        """``selection``: "threshold" or "exact" (the backend resolves "auto")."""
-        if config.codec is not None:
-            names: tuple[str, ...] = () if config.codec == "lossless" else (config.codec,)
-            budget = None
-        elif ratio > 1:
-            names, budget = LADDER, ratio
-        else:  # the seed's int8 option: every entry kept, quantized
-            names, budget = ("int8",) if config.value_dtype == "int8" else (), None
-        explicit_topk = config.codec == "topk"
-        candidates = tuple(
-            _make(name, config, ratio=ratio, selection=selection, budgeted=not explicit_topk)
-            for name in names
-        )
-        return cls(Lossless(), candidates, budget)
-
-    def all(self) -> list[Codec]:
-        return [self.lossless, *self.candidates]
-
-    def choose(self, numel: int, dtype: torch.dtype, *, min_numel: int | None) -> Codec:
-        """The codec of a gradient of ``numel`` entries of ``dtype``."""
-        dense = numel * dtype.itemsize
-        fitting = []
-        for codec in self.candidates:
-            floor = min_numel or DEFAULT_MIN_NUMEL.get(codec.name, BLOCK_MIN_NUMEL)
-            if numel < floor:
-                continue
-            size = shapes_bytes(codec.payload_shapes(numel, dtype))
-            if self.budget is None or size * self.budget <= dense:
-                return codec
-            fitting.append((size, codec))
-        if fitting:
-            return min(fitting, key=lambda pair: pair[0])[1]
-        return self.lossless
-
-
-def _make(
-    name: str, config: EngineConfig, *, ratio: float, selection: str, budgeted: bool
-) -> Codec:
-    if name in BLOCK_CODECS:
-        return BlockQuantized.named(name)
-    if name == "int8":
-        return Int8Values()
-    if budgeted:  # one of the ladder's: as many entries as fit the byte budget, no residual
-        return TopK(
-            ratio=ratio,
-            selection=selection,
-            error_feedback=False,
-            residual_dtype=config.residual_dtype,
-            int8_values=False,
-            byte_budget=True,
-        )
-    return TopK(
-        ratio=ratio,
-        selection=selection,
-        error_feedback=config.error_feedback,
-        residual_dtype=config.residual_dtype,
-        int8_values=config.value_dtype == "int8",
-    )
+# `Codecs` (the engine's codec instances and the choice among them) is the codec registry's
+# (gradient_cache/codecs/registry.py); it is named here for the engine's readers.
+__all__ = [
+    "Codecs",
+    "Route",
+    "plan_params",
+    "plan_routes",
+    "route",
+]
 
 
 @dataclass(frozen=True)
@@ -175,13 +91,14 @@ def route(
     """The route of a gradient of ``numel`` entries of ``dtype`` after ``steps`` steps."""
     steady = codecs.choose(numel, dtype, min_numel=config.min_compress_numel)
     warming_up = steps < config.warmup_steps
+    residuals = config.residual_options
     return Route(
         numel=numel,
         dtype=dtype,
         codec=codecs.lossless if warming_up else steady,
         steady=steady,
-        residual_on_host=config.residual_location == "host",
-        spare_residual=config.keep_previous_residual,
+        residual_on_host=residuals.residual_location == "host",
+        spare_residual=residuals.keep_previous_residual,
         dense_room=warming_up and steady.lossy,
     )
 
