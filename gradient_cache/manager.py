@@ -288,7 +288,7 @@ class GradientCacheHookManager:
 
     def enable(self) -> None:
         """Resume offloading in later backward passes."""
-        self._live().enabled = True
+        self._live().set_enabled(True)
 
     def disable(self) -> None:
         """Leave later gradients on the device; what is already cached stays cached.
@@ -299,7 +299,7 @@ class GradientCacheHookManager:
         equal up to float rounding but not bit for bit. Switch at step boundaries for
         plain PyTorch's bits.
         """
-        self._live().enabled = False
+        self._live().set_enabled(False)
 
     def remove_hooks(self) -> None:
         """Put any cached gradients back into ``param.grad`` and detach from the model.

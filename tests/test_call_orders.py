@@ -52,6 +52,7 @@ from stream_checker import StreamChecker
 from test_stream_order import fake_cuda  # noqa: F401
 
 import gradient_cache
+from gradient_cache.engine.pipeline import StepState
 
 EXAMPLES = int(os.environ.get("GRADIENT_CACHE_HYPOTHESIS_EXAMPLES", "40"))
 STEPS = int(os.environ.get("GRADIENT_CACHE_HYPOTHESIS_STEPS", "20"))
@@ -146,6 +147,7 @@ class CallOrders(RuleBasedStateMachine):
         self.micro_batches = 0  # backward passes since the last step or discard
         self.steps = 0  # steps that restored cached gradients: what the summary counts
         self.enabled = True
+        self.state = StepState.IDLE  # the model of the engine's step state
 
     # --- micro-batches ----------------------------------------------------------------
 
@@ -170,11 +172,14 @@ class CallOrders(RuleBasedStateMachine):
         """One micro-batch, then ``compress_and_free_gradients()``."""
         self.run_backward(index)
         self.manager.compress_and_free_gradients()
+        self.drained()
 
     def run_backward(self, index: int) -> None:
         loss_of(self.model, *POOL[index]).backward()
         self.on_twin(lambda: loss_of(self.twin, *POOL[index]).backward())
         self.micro_batches += 1
+        if self.enabled:  # the first gradient handed over starts the step, or goes on with it
+            self.state = StepState.CAPTURING
         # Enabled, the hooks take each gradient off its parameter (with any device part made
         # while disabled); disabled, or for excluded layers, they leave it there.
         excluded = self.options.get("exclude_layers", [])
@@ -229,6 +234,8 @@ class CallOrders(RuleBasedStateMachine):
             # What was not stepped is kept: cached buckets, or device gradients put back.
             kept = any(p.grad is not None for p in self.model.parameters())
             assert self.manager.engine.store or kept
+            self.state = StepState.INTERRUPTED
+            assert self.manager.engine.state is self.state
             with pytest.raises(RuntimeError, match="before it was retried"):
                 self.manager.state_dict()
             self.manager.compress_and_free_gradients()  # harmless here too
@@ -264,6 +271,7 @@ class CallOrders(RuleBasedStateMachine):
         Gradients still on the device (excluded layers, or made while disabled) stay there,
         as they would in the running process; the twin does nothing."""
         state = self.manager.state_dict()
+        self.drained()
         if saved:
             buffer = io.BytesIO()
             torch.save(state, buffer)
@@ -286,6 +294,7 @@ class CallOrders(RuleBasedStateMachine):
         self.manager.load_state_dict(state)
         assert set(self.manager.engine.store) == cached
         assert self.manager.summary().steps == self.steps
+        self.state = StepState.CACHED if cached else StepState.IDLE
 
     @rule(
         call=st.sampled_from(
@@ -297,7 +306,9 @@ class CallOrders(RuleBasedStateMachine):
         the order makes it legal (nothing pending), it must work."""
         if call == "load_state_dict with a step pending":
             pending = self.manager.engine.step_pending
+            assert pending == (self.state is not StepState.IDLE)
             state = self.manager.state_dict()  # drains: what backward left is cached now
+            self.drained()
             cached = set(self.manager.engine.store)
             if pending:
                 with pytest.raises(RuntimeError, match="needs a manager with no step pending"):
@@ -306,6 +317,7 @@ class CallOrders(RuleBasedStateMachine):
                 self.manager.load_state_dict(state)
         elif call == "step_completed":  # warns exactly when gradients are still cached
             self.manager.compress_and_free_gradients()
+            self.drained()
             cached = set(self.manager.engine.store)
             if cached:
                 with pytest.warns(UserWarning, match="still cached"):
@@ -332,6 +344,16 @@ class CallOrders(RuleBasedStateMachine):
     def same_weights_as_the_twin(self) -> None:
         if self.manager is not None:
             assert_same_parameters(self.twin, self.model)
+
+    @invariant()
+    def step_state_as_modelled(self) -> None:
+        if self.manager is not None:
+            assert self.manager.engine.state is self.state
+
+    def drained(self) -> None:
+        """A drain caches what backward left: a capturing step is cached now."""
+        if self.state is StepState.CAPTURING:
+            self.state = StepState.CACHED
 
     def on_twin(self, action) -> None:
         """Run ``action`` on the twin, unseen by the stream checker (it is plain PyTorch)."""
@@ -363,6 +385,7 @@ class CallOrders(RuleBasedStateMachine):
     def step_done(self) -> None:
         """Nothing is left of the step, and the summary counts the steps restored."""
         self.micro_batches = 0
+        self.state = StepState.IDLE
         assert not self.manager.engine.store
         assert not self.manager.engine.step_pending
         assert all(p.grad is None for p in self.model.parameters())

@@ -59,7 +59,7 @@ def recipe(pipeline: Pipeline) -> dict[str, Any]:
 
 def save(pipeline: Pipeline) -> dict[str, Any]:
     """The pipeline's state; drains first, so every cached gradient is in host memory."""
-    if pipeline.interrupted_clip is not None:
+    if pipeline.interrupted:
         raise RuntimeError(
             "state_dict() was called after a fused step() raised and before it was retried: "
             "call step(optimizer) again to finish that step, or discard_gradients(), first."
@@ -103,6 +103,8 @@ def load(pipeline: Pipeline, state: Any) -> None:
     def to_device(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device)
 
+    if state["buckets"]:
+        pipeline.resume(state["random_state_at_step_start"] if same_kind else None)
     for saved_bucket in state["buckets"]:
         # Stored as backward stores any encoded gradient: moved to the device where its
         # encode would have left them, then copied into their host slots.
@@ -114,7 +116,6 @@ def load(pipeline: Pipeline, state: Any) -> None:
             ]
         pipeline.put_back(encoded)
     pipeline.drain()
-    pipeline.random_state_at_step_start = state["random_state_at_step_start"] if same_kind else None
 
 
 def _check(pipeline: Pipeline, state: Any) -> None:

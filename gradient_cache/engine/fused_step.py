@@ -32,19 +32,18 @@ def step(
     # A dict, not a set: its order (the optimizer's) fixes the order norms are summed in,
     # so the clip factor has the same bits in every process and run.
     owned = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
-    retry = pipeline.interrupted_clip is not None
+    clip = pipeline.retry() if pipeline.interrupted else None
     delivered = [p for p in pipeline.store if p in owned]
     # A cached gradient that also has a device part is restored whole first: it then
     # behaves like any device gradient. Parameters of other optimizers stay cached.
     mixed = [p for p in delivered if p.grad is not None]
-    pipeline.complete(mixed)
+    pipeline.deliver(mixed)
     pipeline.restore(mixed)
     held = {p: p.grad for p in owned if p.grad is not None}
     parts = pipeline.parts(owned)
-    if retry:
-        total_norm, scale = pipeline.interrupted_clip
-    else:
-        total_norm, scale = _clip_scale(pipeline, owned, parts, held, max_grad_norm, norm_type)
+    if clip is None:
+        clip = _clip_scale(pipeline, owned, parts, held, max_grad_norm, norm_type)
+    total_norm, scale = clip
     # Parameters only from here: a payload is let go as soon as its bucket is stepped.
     buckets = [[param for param, _ in part] for part in parts]
     del parts
@@ -64,7 +63,7 @@ def step(
                 # The step counts, and its residuals become current, once an optimizer
                 # step went through: a step that failed before can still be discarded
                 # without a trace. (A retry completes again: counting is idempotent.)
-                pipeline.complete([p for p in delivered if p in store])
+                pipeline.deliver([p for p in delivered if p in store])
             store.remove(params)  # stepped: the payloads are spent
         if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
             for param, grad in held.items():
@@ -75,9 +74,8 @@ def step(
             backend.finish_restore(restore)  # before its blocks are freed
         for param, grad in held.items():
             param.grad = grad
-        pipeline.interrupted_clip = (total_norm, scale)
+        pipeline.interrupt(clip)
         raise
-    pipeline.interrupted_clip = None
     pipeline.finish_step()
     return total_norm
 

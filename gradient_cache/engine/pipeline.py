@@ -9,6 +9,7 @@ lives in the `GradientStore`, residuals in the backend's `ResidualStore`.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -76,6 +77,56 @@ class ScaledStep:
     steps: int  # the step count before it
 
 
+class StepState(enum.Enum):
+    """Where the pending step is in its life; `Pipeline` moves it, phase by phase."""
+
+    IDLE = "idle"  # no step pending: nothing cached, waiting in a bucket or held back
+    CAPTURING = "capturing"  # backward hands gradients over; buckets may be in flight
+    CACHED = "cached"  # drained: host memory holds every gradient of the step
+    STEPPING = "stepping"  # a restore delivered part of it (counted); the rest is cached
+    INTERRUPTED = "interrupted"  # a fused step raised; its retry reuses the kept clip
+
+
+IDLE, CAPTURING, CACHED, STEPPING, INTERRUPTED = StepState
+# Each phase and the states it may start from (where it leads is the phase's to decide).
+PHASES_FROM: dict[str, frozenset[StepState]] = {
+    "capture": frozenset({IDLE, CAPTURING, CACHED, STEPPING}),
+    "launch": frozenset({CAPTURING}),
+    "drain": frozenset(StepState),
+    "deliver": frozenset({CACHED, STEPPING}),
+    "finish": frozenset({IDLE, CACHED, STEPPING}),
+    "interrupt": frozenset({IDLE, CACHED, STEPPING}),
+    "retry": frozenset({INTERRUPTED}),
+    "discard": frozenset(StepState),
+    "restart": frozenset({IDLE}),
+    "resume": frozenset({IDLE}),
+}
+# Why a phase cannot start from a state, where a user's call order can get there.
+_ADVICE = {
+    INTERRUPTED: "a fused step(optimizer) raised and was neither retried nor discarded: call "
+    "step(optimizer) again to finish that step, or discard_gradients(), first",
+}
+
+# A fused step's global gradient norm and clip factor (None, None without clipping).
+Clip = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+@dataclass
+class PendingStep:
+    """The pending step: from its first gradient until all it cached is restored or dropped."""
+
+    # The engine's generators as it found them (None: unknown, a checkpoint made on another
+    # kind of device); `discard` rewinds them.
+    random_state: dict[str, torch.Tensor] | None
+    scale: torch.Tensor | None  # the GradScaler's scale its backward saw (a device copy)
+    counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
+    clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
+
+
+class StepStateError(RuntimeError):
+    """A phase of a step started from a state it cannot start from."""
+
+
 # Parameters whose gradients a live pipeline's hooks take. A second pipeline on one of them
 # would take gradients the first counts on; identity keys, since tensors compare by value.
 _owned: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -135,20 +186,16 @@ class Pipeline:
         self._plan()
         self.store = GradientStore()
         self.assembler = BucketAssembler(config.bucket_size_bytes)
-        self.enabled = True
+        self.enabled = True  # `set_enabled`
         # Error feedback keeps its residual unscaled by this GradScaler's current scale.
         self.grad_scaler = grad_scaler
         self.last_step = StepRecord()
-        # The random generators as the pending step found them (None: no step pending),
-        # and whether the pending step has been counted in `steps` yet.
-        self.random_state_at_step_start: dict[str, torch.Tensor] | None = None
-        self._step_counted = False
-        # The pending step's GradScaler scale (a device copy), and the last completed step
-        # until the engine has learnt whether the scaler skipped it (`_settle_scaled_step`).
-        self._scale_at_step_start: torch.Tensor | None = None
-        self._scaled_step: ScaledStep | None = None
-        # (total norm, clip scale) of a fused step that raised; its retry reuses them.
-        self.interrupted_clip: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+        # The step's life: its state, and its record while one is pending (None in IDLE).
+        self.state = IDLE
+        self.pending: PendingStep | None = None
+        # The last completed step until the engine has learnt whether the GradScaler
+        # skipped it (`settle_scaled_step`); None without a scaler.
+        self.unsettled: ScaledStep | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         for param in params:
             _owned[param] = True
@@ -172,6 +219,7 @@ class Pipeline:
         if not self._gradient_checked:
             sharding.check_gradient_is_reduced(self.names[param], grad)
             self._gradient_checked = True
+        self._capture()
         param.grad = None
         if self.assembler.holds(param) and param in self.store:
             # A third micro-batch while the second waits here and the first is cached:
@@ -186,6 +234,28 @@ class Pipeline:
             items = self.assembler.flush()
         if items is not None:
             self._launch(items)
+
+    def _capture(self) -> None:
+        """A gradient is handed over: the step begins at its first one (before any encode
+        draws from the generators), or goes on."""
+        self._enter("capture", CAPTURING)
+        if self.pending is None:
+            self.settle_scaled_step()
+            loss_scale = self._loss_scale()
+            # A copy: the scaler's `update()` changes its scale tensor in place.
+            self.pending = PendingStep(
+                self.random_state(), None if loss_scale is None else loss_scale.clone()
+            )
+
+    def _enter(self, phase: str, state: StepState) -> None:
+        """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
+        if self.state not in PHASES_FROM[phase]:
+            advice = _ADVICE.get(self.state, "this is a gradient-cache bug; please report it")
+            raise StepStateError(
+                f"The gradient cache cannot {phase} while its step is {self.state.value}: "
+                f"{advice}."
+            )
+        self.state = state
 
     def _group_complete(self, param: Param) -> bool:
         """Count ``param``'s arrival; whether it completes its group's arrivals."""
@@ -205,12 +275,8 @@ class Pipeline:
         gradients back in ``param.grad`` and the error propagates: nothing is lost or
         counted twice, and the next restore adds the cached part to them.
         """
+        self._enter("launch", CAPTURING)
         loss_scale = self._loss_scale()
-        if self.random_state_at_step_start is None:  # the step's first launch
-            self.settle_scaled_step()
-            self.random_state_at_step_start = self.random_state()
-            # A copy: the scaler's `update()` changes its scale tensor in place.
-            self._scale_at_step_start = None if loss_scale is None else loss_scale.clone()
         encoded: list[Encoded] = []
         try:
             with self.backend.encoding([param for param, _ in items]):
@@ -258,6 +324,7 @@ class Pipeline:
             self._launch(items)
         self.backend.drain()
         self.store.landed()
+        self._enter("drain", CACHED if self.state is CAPTURING else self.state)
         for codec in self.codecs.all():
             codec.release_scratch()  # reused across one backward's tensors, not between steps
 
@@ -271,10 +338,10 @@ class Pipeline:
         self.drain()
         self.store.clear()
         self.backend.residuals.drop_pending()
-        self.interrupted_clip = None
-        if self.random_state_at_step_start is not None:
-            self.set_random_state(self.random_state_at_step_start)
-        self._close_step()
+        if self.pending is not None and self.pending.random_state is not None:
+            self.set_random_state(self.pending.random_state)
+        self._enter("discard", IDLE)
+        self.pending = None
 
     def apply(self) -> None:
         """Drain, then put every cached gradient back into ``param.grad``.
@@ -283,8 +350,9 @@ class Pipeline:
         cached: calling `apply` again finishes the step, counted once.
         """
         self.drain()
-        self.interrupted_clip = None
-        self.complete(list(self.store))
+        if self.state is INTERRUPTED:
+            self.retry()  # restored whole: the interrupted fused step's clip is not used
+        self.deliver(list(self.store))
         self.restore(list(self.store))
         self.finish_step()
 
@@ -301,23 +369,60 @@ class Pipeline:
         """The cached payloads of ``params``, bucket by bucket (`GradientStore.parts`)."""
         return self.store.parts(set(params))
 
-    def complete(self, params: Iterable[Param]) -> None:
+    def deliver(self, params: Iterable[Param]) -> None:
         """The pending step delivers its gradients of ``params`` (before their restore):
         their figures become the last step's, the step is counted (once, however many
         restores deliver it), and their new residuals become the current ones."""
         params = list(params)
+        if not params:
+            return
+        self._enter("deliver", STEPPING)
+        assert self.pending is not None  # every state deliver starts from has one
         record = self.describe(params)
-        if record.layers and self._step_counted:
+        if self.pending.counted:
             self.last_step.layers.update(record.layers)
-        elif record.layers:
+        else:
             self.last_step = record
-            if self._scale_at_step_start is not None:
-                self._scaled_step = ScaledStep(
-                    self._scale_at_step_start, self.random_state_at_step_start or {}, self.steps
+            if self.pending.scale is not None:
+                self.unsettled = ScaledStep(
+                    self.pending.scale, self.pending.random_state or {}, self.steps
                 )
             self.steps += 1
-            self._step_counted = True
-        self.backend.residuals.promote(params, keep_replaced=self._scaled_step is not None)
+            self.pending.counted = True
+        self.backend.residuals.promote(params, keep_replaced=self.unsettled is not None)
+
+    def interrupt(self, clip: Clip) -> None:
+        """A fused step raised: keep its clip for the retry (`retry`)."""
+        self._enter("interrupt", INTERRUPTED)
+        if self.pending is None:  # it had only gradients that never left the device
+            self.pending = PendingStep(random_state=None, scale=None)
+        self.pending.clip = clip
+
+    def retry(self) -> Clip:
+        """Take up an interrupted fused step again: the clip its first attempt computed."""
+        assert self.pending is not None and self.pending.clip is not None
+        clip, self.pending.clip = self.pending.clip, None
+        self._enter("retry", self._after_restores())
+        if self.state is IDLE:
+            self.pending = None
+        return clip
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a fused step raised and waits for its retry (or a discard)."""
+        return self.state is INTERRUPTED
+
+    @property
+    def random_state_at_step_start(self) -> dict[str, torch.Tensor] | None:
+        """The generators as the pending step found them (None: none pending, or unknown)."""
+        return None if self.pending is None else self.pending.random_state
+
+    def _after_restores(self) -> StepState:
+        """The state once the restores so far are done: what is left cached decides."""
+        if not self.store:
+            return IDLE
+        assert self.pending is not None
+        return STEPPING if self.pending.counted else CACHED
 
     def settle_scaled_step(self) -> None:
         """Learn whether the GradScaler skipped the last completed step and, if it did,
@@ -330,7 +435,7 @@ class Pipeline:
         scale than the step's backward saw means that step was skipped. Reading it is one
         host synchronisation per step, only with an enabled GradScaler.
         """
-        scaled, self._scaled_step = self._scaled_step, None
+        scaled, self.unsettled = self.unsettled, None
         if scaled is None:
             return
         scale = self._loss_scale()
@@ -345,34 +450,40 @@ class Pipeline:
         """After a restore: close the step once nothing of it is cached, and move the
         routes on where the step count changed them (the warm-up's end; never inside a
         backward hook: the CUDA backend allocates a new pinned pool)."""
-        if not self.store:
-            self._close_step()
+        self._enter("finish", self._after_restores())
+        if self.state is IDLE:
+            self.pending = None
         if self._planned_at < self.config.warmup_steps <= self.steps:
             self._plan()
 
-    def _close_step(self) -> None:
-        self.random_state_at_step_start = None
-        self._scale_at_step_start = None
-        self._step_counted = False
-
     @property
     def step_pending(self) -> bool:
-        """Whether anything of a step is cached, waiting in a bucket or held as a pending
-        residual."""
-        return (
-            bool(self.store) or bool(len(self.assembler)) or bool(self.backend.residuals.pending())
-        )
+        """Whether a step is pending: from the first gradient a backward hands over until
+        all it cached is restored or discarded."""
+        return self.state is not IDLE
+
+    def resume(self, random_state: dict[str, torch.Tensor] | None) -> None:
+        """Take up a pending step a checkpoint saved, with the generators' states at its
+        start; its payloads follow (`put_back`), then `drain`."""
+        self._enter("resume", CAPTURING)
+        self.pending = PendingStep(random_state, scale=None)
 
     def put_back(self, encoded: list[Encoded]) -> None:
-        """Store payloads a checkpoint saved, as a launch stores a bucket (call `drain` after)."""
+        """Store payloads a checkpoint saved, as a launch stores a bucket."""
+        self._enter("launch", CAPTURING)
         self._keep(encoded, [])
 
     def restart_at(self, steps: int) -> None:
         """Continue as if ``steps`` steps were done (a loaded checkpoint); nothing pending."""
-        self._scaled_step = None
+        self._enter("restart", IDLE)
+        self.unsettled = None
         self.backend.residuals.forget_replaced()
         self.steps = steps
         self._plan()
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Whether later backward passes offload (False: their gradients stay put)."""
+        self.enabled = enabled
 
     # --- bookkeeping --------------------------------------------------------------
 
