@@ -252,8 +252,7 @@ class Pipeline:
         if self.state not in PHASES_FROM[phase]:
             advice = _ADVICE.get(self.state, "this is a gradient-cache bug; please report it")
             raise StepStateError(
-                f"The gradient cache cannot {phase} while its step is {self.state.value}: "
-                f"{advice}."
+                f"The gradient cache cannot {phase} while its step is {self.state.value}: {advice}."
             )
         self.state = state
 
