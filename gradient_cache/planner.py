@@ -20,8 +20,8 @@ import torch
 from .engine.config import EngineConfig
 from .engine.pool import reserved_bytes
 from .engine.route import Codecs, Route, plan_routes
+from .units import MIB
 
-MIB = 2**20
 #: 8-bit Adam (bitsandbytes' and torchao's AdamW8bit, Adam8bit): two moments of one uint8
 #: code an entry, each with an fp32 scale per block of 256 entries.
 EIGHT_BIT_ADAM_BYTES = 2 * (1 + 4 / 256)
@@ -116,7 +116,8 @@ def plan(inputs: PlanInputs) -> Plan:
     # Per micro-batch, each payload goes out; from the second on, the cached one comes back
     # to be added to (accumulation), and the last comes back at the restore. A host
     # residual crosses in its stored form in for every encode and out after it.
-    per_encode = payload + (residual if config.residual_location == "host" else 0)
+    on_host = config.residual_options.residual_location == "host"
+    per_encode = payload + (residual if on_host else 0)
     pcie = {
         "device to host": per_encode * inputs.micro_batches,
         "host to device": per_encode * inputs.micro_batches,
@@ -138,8 +139,8 @@ def _routes(tensors: list[int], inputs: PlanInputs, *, steps: int) -> list[Route
     """The engine's route for each tensor after ``steps`` steps."""
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[inputs.grad_bytes]
     codecs = Codecs.for_options(inputs.config, ratio=inputs.compression_ratio, selection="exact")
-    sizes = {i: (numel, dtype) for i, numel in enumerate(tensors)}
-    return list(plan_routes(sizes, codecs=codecs, config=inputs.config, steps=steps).values())
+    shapes = {i: ((numel,), dtype) for i, numel in enumerate(tensors)}
+    return list(plan_routes(shapes, codecs=codecs, config=inputs.config, steps=steps).values())
 
 
 def _host_figures(tensors: list[int], inputs: PlanInputs) -> tuple[int, int]:

@@ -11,8 +11,7 @@ import psutil
 
 from .engine.hostmem import available_host_bytes
 from .engine.pipeline import Pipeline
-
-MIB = 2**20
+from .units import MIB
 
 
 def process_rss_mb() -> float:
@@ -111,7 +110,7 @@ def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> Compression
         host_pool=None if pool is None else PoolSummary(pool.capacity_bytes / MIB, pool.pinned),
         steps=pipeline.steps,
         step_pending=pending,
-        num_offloaded_parameters=len(pipeline.names),
+        num_offloaded_parameters=len(pipeline.records),
         num_excluded_parameters=num_excluded,
         layers={
             name: LayerSummary(

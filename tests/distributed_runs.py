@@ -223,7 +223,9 @@ def buckets_follow_groups() -> list[list[str]]:
         nn.functional.mse_loss(model(x), y).backward()
         c.compress_and_free_gradients()
         engine = c.engine
-        return [sorted(engine.names[p] for p, _ in bucket) for bucket in engine.store.buckets()]
+        return [
+            sorted(engine.records[p].name for p, _ in bucket) for bucket in engine.store.buckets()
+        ]
 
 
 def split_group_warns() -> list[str]:

@@ -49,7 +49,7 @@ def fail_in_encode(monkeypatch: pytest.MonkeyPatch, manager) -> None:
     original = Pipeline._encode
 
     def encode(self, param, grad, loss_scale):
-        if self.names[param] == "mlp.0.weight":
+        if self.records[param].name == "mlp.0.weight":
             monkeypatch.setattr(pipeline, "_encode", original.__get__(pipeline))
             raise torch.OutOfMemoryError("injected: out of memory while encoding")
         return original(self, param, grad, loss_scale)
@@ -137,7 +137,7 @@ def test_an_apply_that_failed_partway_is_finished_by_the_next_counted_once(ratio
     failing.load_state_dict(reference.state_dict())
     backends: list[RestoreFailsOnce] = []
 
-    def factory(params, config, *, ratio):
+    def factory(params, config, *, plan):
         backends.append(RestoreFailsOnce(config))
         return backends[-1]
 

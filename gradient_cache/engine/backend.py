@@ -21,7 +21,6 @@ from ..codecs import Payload
 from .pool import HostPool
 from .residuals import DeviceResiduals, ResidualStore
 from .route import Route
-from .sharding import local_numel, local_shape
 
 Param = torch.nn.Parameter
 Grads = list[tuple[Param, torch.Tensor]]
@@ -70,6 +69,8 @@ class Backend(ABC):
 
     device: torch.device
     residuals: ResidualStore
+    #: Each parameter's route at the current step (`follow_routes`): what a restore gives.
+    routes: Mapping[Param, Route]
     #: Buckets the fused step restores ahead while the optimizer steps the current one.
     restore_ahead: int = 0
     #: Top-k selection for ``selection="auto"``.
@@ -90,8 +91,10 @@ class Backend(ABC):
         return the host payloads. ``grads`` are the device gradients the encode read; a
         backend that reads them later keeps them alive."""
 
-    def follow_routes(self, routes: Mapping[Param, Route]) -> None:  # noqa: B027
-        """Routes changed (the warm-up ended): re-lay host memory sized by them."""
+    def follow_routes(self, routes: Mapping[Param, Route]) -> None:
+        """The routes from now on (at the start, and where the warm-up ended); a backend
+        with host memory sized by them re-lays it."""
+        self.routes = routes
 
     def host_pool(self) -> HostPool | None:
         """Its pinned pool of payload slots, if it has one."""
@@ -141,10 +144,11 @@ class CpuBackend(Backend):
             if whole is not None:  # lossless: the gradient itself, no copy
                 grad = scaled(whole, scale)
             else:
+                route = self.routes[param]
                 grad = payload.decode_into(
-                    torch.empty(local_numel(param), dtype=param.dtype, device=self.device)
+                    torch.empty(route.numel, dtype=route.dtype, device=self.device)
                 )
                 if scale is not None:
                     grad.mul_(scale)  # a fresh tensor: scaling in place costs no copy
-            grads.append((param, grad.view(local_shape(param))))
+            grads.append((param, grad.view(self.routes[param].shape)))
         return Restore(grads)

@@ -17,15 +17,18 @@ from .config import EngineConfig
 from .cuda import CudaBackend, allocate_pinned
 from .hostmem import check_host_budget
 from .pool import HostPool, reserved_bytes
-from .route import plan_params
+from .route import RoutePlanner
 from .sharding import is_dtensor
 
 Param = torch.nn.Parameter
 
 
 class BackendFactory(Protocol):
+    """Builds the backend of ``params``; ``plan`` gives their routes (planned once) for the
+    top-k selection the backend resolves ``"auto"`` to."""
+
     def __call__(
-        self, params: Sequence[Param], config: EngineConfig, *, ratio: float
+        self, params: Sequence[Param], config: EngineConfig, *, plan: RoutePlanner
     ) -> Backend: ...
 
 
@@ -49,7 +52,7 @@ def parameter_device(params: Sequence[Param]) -> torch.device:
     return device
 
 
-def create_backend(params: Sequence[Param], config: EngineConfig, *, ratio: float) -> Backend:
+def create_backend(params: Sequence[Param], config: EngineConfig, *, plan: RoutePlanner) -> Backend:
     """The backend for the parameters' device, after checking the host budget."""
     device = parameter_device(params)
     if config.backend != "auto" and config.backend != device.type:
@@ -58,12 +61,12 @@ def create_backend(params: Sequence[Param], config: EngineConfig, *, ratio: floa
             f"use backend='auto' or move the model to {config.backend}."
         )
     if device.type == "cuda":
-        return build_cuda_backend(params, config, device, ratio=ratio)
+        return build_cuda_backend(params, config, device, plan=plan)
     # The CPU's payloads replace the gradients plain PyTorch would hold: only residuals add,
     # the current ones and (keep_previous_residual) a pending step's new ones.
     keep_previous = config.residual_options.keep_previous_residual
     copies = 2 if keep_previous else 1
-    routes = plan_params(params, config, ratio=ratio, selection=CpuBackend.default_selection)
+    routes = plan(CpuBackend.default_selection)
     check_host_budget(
         copies * sum(route.residual_bytes for route in routes.values()),
         fraction=config.host_memory_fraction,
@@ -77,7 +80,7 @@ def build_cuda_backend(
     config: EngineConfig,
     device: torch.device,
     *,
-    ratio: float,
+    plan: RoutePlanner,
     cuda: object = torch.cuda,
     allocate: Callable[[int], torch.Tensor] = allocate_pinned,
 ) -> CudaBackend:
@@ -92,7 +95,7 @@ def build_cuda_backend(
             "threshold needs a host sync inside backward. Use selection='auto' or 'exact' (on "
             "gradient_cache.TopK, or gradient_cache.Ladder for codec=None)."
         )
-    routes = plan_params(params, config, ratio=ratio, selection=CudaBackend.default_selection)
+    routes = plan(CudaBackend.default_selection)
     layout = {param: route.slot for param, route in routes.items()}
     # What the pool's power-of-two slabs reserve (a little above what its slots need).
     needed = reserved_bytes(layout)

@@ -66,7 +66,7 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
         )
     pipeline.settle_scaled_step()  # a step the GradScaler skipped is not saved as taken
     pipeline.drain()
-    names = pipeline.names
+    names = {param: record.name for param, record in pipeline.records.items()}
     residuals = pipeline.backend.residuals
     return {
         "format_version": FORMAT_VERSION,
@@ -89,7 +89,7 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
 def load(pipeline: Pipeline, state: Any) -> None:
     """Make ``pipeline`` continue from ``state``, or raise naming what does not match."""
     _check(pipeline, state)
-    by_name = {name: param for param, name in pipeline.names.items()}
+    by_name = pipeline.params_by_name()
     pipeline.restart_at(state["steps"])  # the routes (and pool) the saved step had
     # Generator states are device-specific (a CPU and a CUDA generator's differ in kind).
     same_kind = state["random_device"] == pipeline.backend.device.type
@@ -150,7 +150,7 @@ def _check(pipeline: Pipeline, state: Any) -> None:
             + "; ".join(differences)
             + "). Create the manager with the checkpoint's settings to resume it."
         )
-    if any(map(sharding.is_dtensor, pipeline.names)):
+    if any(record.sharded for record in pipeline.records.values()):
         # Under FSDP2 each rank saves its own shards, whose sizes follow the world size.
         saved_shards = state.get("shards", (0, 1))
         here_shards = sharding.rank_and_world_size()
@@ -161,7 +161,7 @@ def _check(pipeline: Pipeline, state: Any) -> None:
                 f"{here_shards[1]}. Each rank holds the state of its own shards: load each "
                 "rank's own file, with the world size it was saved with."
             )
-    saved, here = set(state["parameters"]), set(pipeline.names.values())
+    saved, here = set(state["parameters"]), set(pipeline.params_by_name())
     if saved != here:
         missing, extra = sorted(saved - here), sorted(here - saved)
         raise ValueError(

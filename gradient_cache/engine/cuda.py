@@ -38,7 +38,6 @@ from .backend import Backend, Encoded, Event, Grads, Param, Restore
 from .pool import HostPool
 from .residuals import DeviceResiduals, HostSlotResiduals
 from .route import Route
-from .sharding import local_numel, local_shape
 
 
 @dataclass
@@ -178,6 +177,7 @@ class CudaBackend(Backend):
         from it: the caching host allocator keeps a pinned block that non-blocking
         copies read from reuse until their streams have passed those copies.
         """
+        super().follow_routes(routes)
         layout = {param: route.slot for param, route in routes.items()}
         if layout != self.pool.layout:
             self.drain()
@@ -189,7 +189,8 @@ class CudaBackend(Backend):
         compute = self.cuda.current_stream(self.device)
         # Allocated for the compute stream, which reads and frees them: the allocator then
         # reuses their blocks in compute-stream order, as for any gradient.
-        outs = [torch.empty(local_numel(p), dtype=p.dtype, device=self.device) for p, _ in items]
+        routes = [self.routes[p] for p, _ in items]
+        outs = [torch.empty(r.numel, dtype=r.dtype, device=self.device) for r in routes]
         # Guarantees the restore writes these blocks (and reads ``scale``) only after the
         # compute-stream work queued so far, which may have used the blocks before.
         self.restore_stream.wait_stream(compute)
@@ -200,7 +201,7 @@ class CudaBackend(Backend):
                     out.mul_(scale)
         done = self.cuda.Event()
         done.record(self.restore_stream)
-        grads = [(p, out.view(local_shape(p))) for (p, _), out in zip(items, outs, strict=True)]
+        grads = [(p, out.view(r.shape)) for (p, _), r, out in zip(items, routes, outs, strict=True)]
         return Restore(grads, done)
 
     def finish_restore(self, restore: Restore) -> Grads:

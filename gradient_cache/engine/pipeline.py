@@ -22,7 +22,7 @@ from .backend import Encoded
 from .backends import BackendFactory, create_backend
 from .bucket import BucketAssembler, Item
 from .config import EngineConfig
-from .route import Codecs, Route, plan_routes
+from .route import Codecs, Route, RoutePlan
 from .store import GradientStore, Part
 
 Param = torch.nn.Parameter
@@ -46,6 +46,17 @@ class GroupArrivals:
 
     size: int
     count: int = 0
+
+
+@dataclass
+class CachedParam:
+    """One cached parameter's facts, gathered once when the pipeline is made."""
+
+    name: str
+    param: Param
+    route: Route  # at the current step: the pipeline moves it on where the warm-up ends
+    group: GroupArrivals | None  # FSDP2: the gradients it arrives with, in one buffer
+    sharded: bool  # a DTensor: its gradient is taken as this rank's shard and handed back
 
 
 @dataclass(frozen=True)
@@ -155,15 +166,14 @@ class Pipeline:
         ``backend_factory``: builds the backend (`backends.create_backend` picks by device)."""
         self.config = config
         self.ratio = ratio
-        self.names = {param: name for name, param in named_params}
-        params = list(self.names)
+        params = [param for _, param in named_params]
         sharding.check_placements(named_params)
         self._gradient_checked = False
-        self.group_of: dict[Param, GroupArrivals] = {}
+        group_of: dict[Param, GroupArrivals] = {}
         for group in groups:
-            members = [p for p in group if p in self.names]
+            members = [p for p in group if p in set(params)]
             arrivals = GroupArrivals(len(members))
-            self.group_of.update(dict.fromkeys(members, arrivals))
+            group_of.update(dict.fromkeys(members, arrivals))
         taken = [name for name, param in named_params if param in _owned]
         if taken:
             raise ValueError(
@@ -173,17 +183,36 @@ class Pipeline:
                 "on the other one (or leave its with-block) before creating this one; a "
                 "notebook cell run twice must reuse the first manager or rebuild the model."
             )
+        shapes = {p: (tuple(sharding.local_shape(p)), p.dtype) for p in params}
+        plans: list[RoutePlan[Param]] = []
+
+        def plan(selection: str) -> dict[Param, Route]:
+            """The routes, planned on the first call (the backend's, for its budget check)."""
+            if config.selection != "auto":
+                selection = config.selection
+            if not plans:
+                codecs = Codecs.for_options(config, ratio=ratio, selection=selection)
+                plans.append(RoutePlan(shapes, codecs=codecs, config=config, selection=selection))
+            return plans[0].at(0)
+
         # Checks the host budget before it allocates anything; no hook exists yet either.
-        self.backend = backend_factory(params, config, ratio=ratio)
-        selection = config.selection
-        if selection == "auto":
-            selection = self.backend.default_selection
-        self.codecs = Codecs.for_options(config, ratio=ratio, selection=selection)
+        self.backend = backend_factory(params, config, plan=plan)
+        plan(self.backend.default_selection)  # a factory that did not ask plans here
+        self.plan = plans[0]
+        self.codecs = self.plan.codecs
         self.steps = 0
-        self.sizes = {p: (sharding.local_numel(p), p.dtype) for p in params}
-        self.routes: dict[Param, Route] = {}
-        self._planned_at = 0
-        self._plan()
+        self.records = {
+            param: CachedParam(
+                name=name,
+                param=param,
+                route=self.plan.at(0)[param],
+                group=group_of.get(param),
+                sharded=sharding.is_dtensor(param),
+            )
+            for name, param in named_params
+        }
+        self._planned_at = -1
+        self._follow_plan()
         self.store = GradientStore()
         self.assembler = BucketAssembler(config.bucket_size_bytes)
         self.enabled = True  # `set_enabled`
@@ -200,13 +229,22 @@ class Pipeline:
         for param in params:
             _owned[param] = True
 
-    def _plan(self) -> None:
-        """Decide every parameter's route for the current step count."""
-        self.routes = plan_routes(
-            self.sizes, codecs=self.codecs, config=self.config, steps=self.steps
-        )
+    def _follow_plan(self) -> None:
+        """Take every parameter's route for the current step count, backend included."""
+        routes = self.plan.at(self.steps)
+        for param, record in self.records.items():
+            record.route = routes[param]
         self._planned_at = self.steps
-        self.backend.follow_routes(self.routes)
+        self.backend.follow_routes(routes)
+
+    def params_by_name(self) -> dict[str, Param]:
+        """The cached parameters by name (checkpoints key by name)."""
+        return {record.name: param for param, record in self.records.items()}
+
+    @property
+    def routes(self) -> dict[Param, Route]:
+        """Each parameter's route at the current step (a copy)."""
+        return {param: record.route for param, record in self.records.items()}
 
     # --- capture (runs inside backward) -------------------------------------------
 
@@ -217,7 +255,7 @@ class Pipeline:
         if not self.enabled:
             return  # left on the device; what is cached joins it at the restore
         if not self._gradient_checked:
-            sharding.check_gradient_is_reduced(self.names[param], grad)
+            sharding.check_gradient_is_reduced(self.records[param].name, grad)
             self._gradient_checked = True
         self._capture()
         param.grad = None
@@ -258,7 +296,7 @@ class Pipeline:
 
     def _group_complete(self, param: Param) -> bool:
         """Count ``param``'s arrival; whether it completes its group's arrivals."""
-        arrivals = self.group_of.get(param)
+        arrivals = self.records[param].group
         if arrivals is None:
             return False
         arrivals.count += 1
@@ -290,7 +328,7 @@ class Pipeline:
 
     def _encode(self, param: Param, grad: torch.Tensor, loss_scale: torch.Tensor | None) -> Encoded:
         """Runs where the backend's `encoding` puts it; reads but never changes cached state."""
-        codec = self.routes[param].codec
+        codec = self.records[param].route.codec
         flat = grad.detach().reshape(-1)
         held = self.store.payload(param)
         if held is not None:  # gradient accumulation: the cached part joins this one
@@ -317,8 +355,9 @@ class Pipeline:
     def drain(self) -> None:
         """Encode the partial bucket and wait until host memory holds every gradient."""
         items = self.assembler.flush()
-        for arrivals in self.group_of.values():
-            arrivals.count = 0  # a backward that stopped midway leaves partial counts
+        for record in self.records.values():
+            if record.group is not None:  # a backward that stopped midway leaves partial counts
+                record.group.count = 0
         if items is not None:
             self._launch(items)
         self.backend.drain()
@@ -453,7 +492,7 @@ class Pipeline:
         if self.state is IDLE:
             self.pending = None
         if self._planned_at < self.config.warmup_steps <= self.steps:
-            self._plan()
+            self._follow_plan()
 
     @property
     def step_pending(self) -> bool:
@@ -478,7 +517,7 @@ class Pipeline:
         self.unsettled = None
         self.backend.residuals.forget_replaced()
         self.steps = steps
-        self._plan()
+        self._follow_plan()
 
     def set_enabled(self, enabled: bool) -> None:
         """Whether later backward passes offload (False: their gradients stay put)."""
@@ -512,8 +551,8 @@ class Pipeline:
         record = StepRecord()
         for param in params:
             payload = self.store.payload(param)
-            route = self.routes[param]
-            record.layers[self.names[param]] = LayerRecord(
+            route = self.records[param].route
+            record.layers[self.records[param].name] = LayerRecord(
                 numel=route.numel,
                 dense_bytes=route.numel * param.element_size(),
                 stored_bytes=payload.nbytes,
@@ -544,6 +583,6 @@ class Pipeline:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for param in self.names:
+        for param in self.records:
             _owned.pop(param, None)
         self.backend.close()

@@ -1,17 +1,20 @@
 """A parameter's route: which codec encodes its gradient, whether it keeps a residual and
 where, and what its payload and host slot take in bytes.
 
-Decided once per parameter from its size, dtype and the options (`plan`), and again only
-when the answer can change: when the warm-up ends, or a checkpoint sets the step counter.
-The pipeline encodes by it, the CUDA backend sizes its pinned slots by it, the host budget
-check counts it, and `gradient-cache plan` prints it: one derivation, so their bytes agree.
+Planned once per parameter from its shape, dtype and the options (`RoutePlan`): the codec
+it takes once the warm-up is over is chosen then, and the route of any step count derives
+from that (`Route.warming_up`). The pipeline encodes by it, the backends restore by it and
+the CUDA backend sizes its pinned slots by it, the host budget check counts it, and
+`gradient-cache plan` prints it: one derivation, so their bytes agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -19,7 +22,7 @@ from ..codecs import Codec, Codecs, ResidualCodec
 from ..codecs.base import shapes_bytes
 from .config import EngineConfig
 from .pool import SlotSpec
-from .sharding import local_numel
+from .sharding import local_shape
 
 Key = TypeVar("Key")
 
@@ -28,8 +31,11 @@ Key = TypeVar("Key")
 __all__ = [
     "Codecs",
     "Route",
+    "RoutePlan",
+    "RoutePlanner",
     "plan_params",
     "plan_routes",
+    "planner",
     "route",
 ]
 
@@ -38,6 +44,7 @@ __all__ = [
 class Route:
     """How one parameter's gradient travels at the current step."""
 
+    shape: tuple[int, ...]  # this rank's shape (its shard's under FSDP2): what a restore gives
     numel: int  # this rank's entries (its shard under FSDP2)
     dtype: torch.dtype
     codec: Codec  # encodes it now: lossless during the warm-up
@@ -79,42 +86,85 @@ class Route:
             residual = self.residual.stored_shape(self.numel)
         return SlotSpec(tuple(regions), residual, spare_residual=self.spare_residual)
 
+    def warming_up(self, lossless: Codec) -> Route:
+        """This route during warm-up steps: lossless, in a slot with room for it."""
+        return dataclasses.replace(self, codec=lossless, dense_room=self.steady.lossy)
+
 
 def route(
-    numel: int,
+    shape: tuple[int, ...],
     dtype: torch.dtype,
     *,
     codecs: Codecs,
     config: EngineConfig,
     steps: int,
 ) -> Route:
-    """The route of a gradient of ``numel`` entries of ``dtype`` after ``steps`` steps."""
+    """The route of a gradient of ``shape`` and ``dtype`` after ``steps`` steps."""
+    numel = math.prod(shape)
     steady = codecs.choose(numel, dtype, min_numel=config.min_compress_numel)
-    warming_up = steps < config.warmup_steps
     residuals = config.residual_options
-    return Route(
+    planned = Route(
+        shape=tuple(shape),
         numel=numel,
         dtype=dtype,
-        codec=codecs.lossless if warming_up else steady,
+        codec=steady,
         steady=steady,
         residual_on_host=residuals.residual_location == "host",
         spare_residual=residuals.keep_previous_residual,
-        dense_room=warming_up and steady.lossy,
+        dense_room=False,
     )
+    return planned.warming_up(codecs.lossless) if steps < config.warmup_steps else planned
 
 
 def plan_routes(
-    sizes: Mapping[Key, tuple[int, torch.dtype]],
+    shapes: Mapping[Key, tuple[tuple[int, ...], torch.dtype]],
     *,
     codecs: Codecs,
     config: EngineConfig,
     steps: int,
 ) -> dict[Key, Route]:
-    """`route` for each of ``sizes``' (numel, dtype), keyed as they are."""
+    """`route` for each of ``shapes``' (shape, dtype), keyed as they are."""
     return {
-        key: route(numel, dtype, codecs=codecs, config=config, steps=steps)
-        for key, (numel, dtype) in sizes.items()
+        key: route(shape, dtype, codecs=codecs, config=config, steps=steps)
+        for key, (shape, dtype) in shapes.items()
     }
+
+
+class RoutePlan(Generic[Key]):
+    """Each parameter's route, planned once (`plan_routes`); `at` derives any step's."""
+
+    def __init__(
+        self,
+        shapes: Mapping[Key, tuple[tuple[int, ...], torch.dtype]],
+        *,
+        codecs: Codecs,
+        config: EngineConfig,
+        selection: str,
+    ) -> None:
+        self.codecs = codecs
+        self.selection = selection
+        self._warmup_steps = config.warmup_steps
+        self._steady = plan_routes(shapes, codecs=codecs, config=config, steps=config.warmup_steps)
+
+    def at(self, steps: int) -> dict[Key, Route]:
+        """The routes after ``steps`` steps: lossless while the warm-up lasts."""
+        if steps >= self._warmup_steps:
+            return dict(self._steady)
+        lossless = self.codecs.lossless
+        return {key: route.warming_up(lossless) for key, route in self._steady.items()}
+
+
+# What a backend factory calls to learn the routes: given the top-k selection that its
+# backend resolves ``"auto"`` to, the routes of the first step (planned on the first call).
+RoutePlanner = Callable[[str], Mapping[torch.nn.Parameter, Route]]
+
+
+def planner(
+    params: Iterable[torch.nn.Parameter], config: EngineConfig, *, ratio: float
+) -> RoutePlanner:
+    """A `RoutePlanner` for ``params`` outside a pipeline (tests, tools): plans per call."""
+    params = list(params)
+    return lambda selection: plan_params(params, config, ratio=ratio, selection=selection)
 
 
 def plan_params(
@@ -125,7 +175,7 @@ def plan_params(
     selection: str,
     steps: int = 0,
 ) -> dict[torch.nn.Parameter, Route]:
-    """Each parameter's route, by its size on this rank (its shard under FSDP2)."""
+    """Each parameter's route, by its shape on this rank (its shard's under FSDP2)."""
     codecs = Codecs.for_options(config, ratio=ratio, selection=selection)
-    sizes = {p: (local_numel(p), p.dtype) for p in params}
-    return plan_routes(sizes, codecs=codecs, config=config, steps=steps)
+    shapes = {p: (tuple(local_shape(p)), p.dtype) for p in params}
+    return plan_routes(shapes, codecs=codecs, config=config, steps=steps)

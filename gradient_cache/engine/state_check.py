@@ -14,7 +14,6 @@ import torch
 
 from ..codecs import payload_from_state
 from .pipeline import Pipeline
-from .route import plan_routes
 
 STATE_KEYS = frozenset(
     {
@@ -67,7 +66,7 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
             f"state['random_device'] is {state['random_device']!r}; expected a device type "
             "such as 'cpu' or 'cuda'."
         )
-    by_name = {name: param for param, name in pipeline.names.items()}
+    by_name = pipeline.params_by_name()
     if state["random_device"] == pipeline.backend.device.type:  # else they are not used
         _check_random_state(pipeline, state["random_state"], "random_state")
         if state["random_state_at_step_start"] is not None:
@@ -75,9 +74,7 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
                 pipeline, state["random_state_at_step_start"], "random_state_at_step_start"
             )
     # The routes the saved step had (the warm-up may have ended since): what its parts hold.
-    routes = plan_routes(
-        pipeline.sizes, codecs=pipeline.codecs, config=pipeline.config, steps=steps
-    )
+    routes = pipeline.plan.at(steps)
     for key in ("residuals", "pending_residuals"):
         for name, stored in _named_tensors(state[key], key, by_name):
             route = routes[by_name[name]]
