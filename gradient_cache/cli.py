@@ -29,6 +29,7 @@ from .planner import (
     tensors_of_count,
     tensors_of_factory,
 )
+from .units import MIB
 
 DEVICES = ("auto", "cpu", "cuda")
 # A lost or doubled gradient moves a weight by about the learning rate in one AdamW step;
@@ -123,8 +124,8 @@ def check_lossless(difference: float, plain_again: dict[str, float] | None = Non
     )
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The `gradient-cache` parser and its `demo` subparser."""
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `gradient-cache` parser and its `demo` and `plan` subparsers."""
     parser = argparse.ArgumentParser(
         prog="gradient-cache",
         description="gradient-cache: offload gradients to host memory during backward.",
@@ -296,7 +297,7 @@ def _link(args: argparse.Namespace) -> dict[str, Any]:
         "link_source": (
             f"measured on {rate.device_name}: device to host {rate.device_to_host_gbps:.1f}, "
             f"host to device {rate.host_to_device_gbps:.1f} GB/s, "
-            f"{rate.copy_bytes // 2**20} MiB pinned copies; the slower is used"
+            f"{rate.copy_bytes // MIB} MiB pinned copies; the slower is used"
         ),
     }
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-MIB = 2**20
+from .units import MIB
+
 DEFAULT_COPY_BYTES = 256 * MIB
 DEFAULT_REPEATS = 5
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import psutil
 
-MIB = 2**20
+from ..units import MIB
+
 # cgroup v1 reports "no limit" as a huge number (the page-rounded maximum of a signed 64-bit).
 _NO_LIMIT = 2**60
 
