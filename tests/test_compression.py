@@ -131,7 +131,7 @@ def test_indices_are_int32_payload_bytes_are_counted() -> None:
     assert payload.nbytes == 1000 * (4 + 4)
 
 
-def test_add_into_adds_a_cached_payload_to_the_next_gradient() -> None:
+def test_add_to_adds_a_cached_payload_to_the_next_gradient() -> None:
     """Gradient accumulation: dense in place (plain PyTorch's bits), sparse out of place."""
     numel = 10_000
     a, b = heavy_tailed(numel, 0), heavy_tailed(numel, 1)
@@ -173,7 +173,7 @@ def test_selector_reuses_its_scratch_buffers() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fill_from_overwrites_whatever_the_buffer_held(dtype: torch.dtype) -> None:
+def test_decode_into_overwrites_whatever_the_buffer_held(dtype: torch.dtype) -> None:
     x = heavy_tailed(1 << 16).to(dtype)
     sparse = TopKEncoder(ratio=100, selection="exact").encode(x)[0]
     for payload in (sparse, DensePayload(x)):

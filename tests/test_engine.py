@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradient_cache
-from gradient_cache import EngineConfig, HostMemoryError
+from gradient_cache import EngineConfig, HostMemoryError, Ladder
 from gradient_cache.codecs import ResidualCodec
 from gradient_cache.engine import hostmem, pool
 from gradient_cache.engine.backend import CpuBackend
@@ -83,7 +83,7 @@ def fail_on(pipeline, name: str, monkeypatch) -> None:
 @pytest.mark.parametrize("ratio", [1, 20])
 def test_an_encode_failure_at_the_drain_loses_no_gradient(monkeypatch, ratio: int) -> None:
     """Gradients not yet encoded go back to the parameters, whole; the rest stay cached."""
-    options = dict(compression_ratio=ratio, min_compress_numel=1, selection="exact")
+    options = dict(compression_ratio=ratio, min_compress_numel=1, codec=Ladder(selection="exact"))
     plain, reference, failing = make_model(), make_model(), make_model()
     ref_manager = gradient_cache.create_gradient_cache(reference, **options)
     manager = gradient_cache.create_gradient_cache(failing, **options)
@@ -195,7 +195,8 @@ def test_engine_refuses_to_start_when_the_host_cannot_hold_it(monkeypatch) -> No
 
 def slots(params: list[torch.nn.Parameter], *, ratio: float, **options) -> dict:
     """Each parameter's pool slot, as its route lays it out."""
-    routes = plan_params(params, EngineConfig(**options), ratio=ratio, selection="exact")
+    config = EngineConfig.from_options(options, compression_ratio=ratio)
+    routes = plan_params(params, config, ratio=ratio, selection="exact")
     return {param: route.slot for param, route in routes.items()}
 
 
@@ -372,7 +373,8 @@ def test_host_pool_falls_back_to_pageable_memory_with_one_warning() -> None:
 def test_cuda_backend_refusals_come_before_touching_cuda(options: dict, match: str) -> None:
     params = [torch.nn.Parameter(torch.zeros(1024, 1024))]
     with pytest.raises(ValueError, match=match):
-        build_cuda_backend(params, EngineConfig(**options), torch.device("cuda"), ratio=1)
+        config = EngineConfig.from_options(options)  # the ladder's selection, at ratio 3
+        build_cuda_backend(params, config, torch.device("cuda"), ratio=1)
 
 
 def test_auto_selection_depends_on_the_backend() -> None:

@@ -16,7 +16,7 @@ from helpers import batches, loss_of, make_model
 from stream_checker import FakeCuda, StreamChecker
 
 import gradient_cache
-from gradient_cache import cli
+from gradient_cache import Ladder, TopK, cli
 from gradient_cache.engine.backends import build_cuda_backend
 from gradient_cache.engine.config import EngineConfig
 from gradient_cache.planner import (
@@ -44,7 +44,8 @@ def sizes(model: torch.nn.Module) -> list[int]:
 def test_host_figures_are_what_a_manager_holds_after_a_step(ratio: float, codec: str) -> None:
     """The planner and the engine share each parameter's route: their bytes agree to the
     byte (exact selection keeps exactly keep_count entries)."""
-    config = EngineConfig(min_compress_numel=1024, selection="exact", codec=codec)
+    exact = {None: Ladder(selection="exact"), "topk": TopK(selection="exact")}.get(codec, codec)
+    config = EngineConfig(min_compress_numel=1024, codec=exact)
     model = make_model()
     figures = plan(PlanInputs(tensors=sizes(model), compression_ratio=ratio, config=config))
     manager = gradient_cache.create_gradient_cache(model, compression_ratio=ratio, config=config)
