@@ -1,5 +1,6 @@
 """gradient-cache: take gradients off the device during backward, restore them for the step."""
 
+from .codecs.options import Ladder, TopK
 from .compression import GradientCompressor
 from .engine.config import EngineConfig
 from .engine.hostmem import HostMemoryError
@@ -13,6 +14,8 @@ __all__ = [
     "GradientCacheHookManager",
     "GradientCompressor",
     "HostMemoryError",
+    "Ladder",
+    "TopK",
     "__version__",
     "create_gradient_cache",
     "manager_of",

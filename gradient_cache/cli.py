@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .codecs import CODEC_NAMES
 from .demo.models import GPT_SIZES
 from .demo.report import check_matplotlib, format_table, report_dict, write_json, write_plot
 from .demo.run import DEFAULT_SCENARIO, LEARNING_RATE, SCENARIOS, DemoSettings, run_demo
@@ -222,6 +223,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     plan.add_argument("--micro-batches", type=_positive_int, default=1)
     plan.add_argument("--bucket-size-mb", type=float, default=EngineConfig().bucket_size_mb)
     plan.add_argument("--ratio", type=_ratio, default=1.0, help="compression ratio (default 1)")
+    plan.add_argument(
+        "--codec",
+        choices=CODEC_NAMES,
+        default=None,
+        help="the codec of every tensor, whatever --ratio (default: per tensor, the "
+        "best-training codec that fits 1/ratio of its bytes; topk: top-k with its default "
+        "options, error feedback with an int8 residual)",
+    )
     plan.add_argument("--tokens", type=_positive_int, default=None, help="tokens per step")
     plan.add_argument(
         "--tflops",
@@ -269,7 +278,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         optimizer_tensor_bytes=state_tensor_bytes,
         micro_batches=args.micro_batches,
         compression_ratio=args.ratio,
-        config=EngineConfig(bucket_size_mb=args.bucket_size_mb),
+        config=EngineConfig(codec=args.codec, bucket_size_mb=args.bucket_size_mb),
         tokens_per_step=args.tokens,
         flops=args.tflops * 1e12,
         **_link(args),

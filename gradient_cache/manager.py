@@ -39,7 +39,8 @@ class GradientCacheHookManager:
             (`EngineConfig.codec`; perf/RESULTS.md, "Codec frontier"). Tensors too small
             for any codec to reach r take the most compact one; the summary reports the
             ratio achieved. With ``config.codec`` set, that codec is used whatever r
-            (``codec="topk"`` keeps ``numel / r`` entries).
+            (``codec="topk"`` or ``codec=gradient_cache.TopK(...)`` keeps ``numel / r``
+            entries).
         exclude_layers: substrings of parameter names whose gradients stay on the
             device exactly as plain PyTorch leaves them (e.g. ``["lm_head", "norm"]``).
         verbose: log a one-line summary at each restored step (logger ``gradient_cache``).
@@ -241,12 +242,13 @@ class GradientCacheHookManager:
         """Continue from what ``state_dict()`` returned.
 
         The manager must have nothing pending (load before the first backward) and the
-        checkpoint's settings: the same ``compression_ratio``, ``codec``, ``error_feedback``,
-        ``residual_dtype``, ``value_dtype``, ``min_compress_numel`` and ``warmup_steps``,
-        and the same cached parameter names; otherwise it raises, saying what differs.
-        Other options (bucket size, selection method, ``residual_location``, the
-        device) may change. The random generators' states are loaded only onto the kind
-        of device they were saved on; elsewhere the draws restart from the seed.
+        checkpoint's settings: the same ``compression_ratio``, ``codec`` (with top-k, the
+        same ``error_feedback``, ``residual_dtype`` and ``value_dtype`` on its `TopK`),
+        ``min_compress_numel`` and ``warmup_steps``, and the same cached parameter names;
+        otherwise it raises, saying what differs. Other options (bucket size, top-k's
+        ``selection`` and ``residual_location``, the device) may change. The random
+        generators' states are loaded only onto the kind of device they were saved on;
+        elsewhere the draws restart from the seed.
         """
         checkpoint.load(self._live(), state_dict)
 
@@ -376,8 +378,11 @@ def create_gradient_cache(
 ) -> GradientCacheHookManager:
     """Attach a gradient cache to ``model`` and return its manager.
 
-    ``options`` are `EngineConfig` fields (``bucket_size_mb=8``, ``selection="exact"``,
-    ...); pass either them or a whole ``config``, not both.
+    ``options`` are `EngineConfig` fields (``bucket_size_mb=8``,
+    ``codec=gradient_cache.TopK(selection="exact")``, ...); pass either them or a whole
+    ``config``, not both. The top-k codec's options, once fields of their own
+    (``error_feedback=``, ``selection=``, ...), are still taken where they act
+    (`EngineConfig.from_options`).
     """
     if config is not None and options:
         raise ValueError(
@@ -385,7 +390,7 @@ def create_gradient_cache(
             f"(got config and {sorted(options)})."
         )
     if config is None:
-        config = EngineConfig.from_options(options)
+        config = EngineConfig.from_options(options, compression_ratio=compression_ratio)
     return GradientCacheHookManager(
         model,
         compression_ratio=compression_ratio,

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from gradient_cache import EngineConfig, GradientCacheHookManager, create_gradient_cache
+from gradient_cache.codecs import BLOCK_CODECS
 from gradient_cache.demo.models import GPTConfig, TinyGPT, make_batches
 from gradient_cache.engine.route import plan_params
 
@@ -144,7 +145,7 @@ SETTINGS: dict[str, dict | None] = {
     # The block codecs (issue 22): every tensor of at least one 128-entry block encoded.
     **{
         codec: {"compression_ratio": 1, "codec": codec, "min_compress_numel": 128}
-        for codec in ("q4", "q3", "q2", "q1", "sign")
+        for codec in BLOCK_CODECS
     },
     # compression_ratio alone: each tensor takes the ladder's best codec for the budget.
     "r100": {"compression_ratio": 100},
@@ -263,7 +264,7 @@ def offload_bytes(setting: str, model_name: str = "tiny") -> dict[str, float]:
         }
     options = dict(SETTINGS[setting])
     ratio = float(options.pop("compression_ratio", 1))
-    config = EngineConfig(**options)
+    config = EngineConfig.from_options(options, compression_ratio=ratio)
     steady = plan_params(params, config, ratio=ratio, selection="exact", steps=config.warmup_steps)
     start = plan_params(params, config, ratio=ratio, selection="exact", steps=0)
     pool = sum(route.slot.nbytes for route in steady.values())
@@ -271,7 +272,7 @@ def offload_bytes(setting: str, model_name: str = "tiny") -> dict[str, float]:
     # The steady-state payload: the dense gradient, or kept values and indices.
     payload = sum(route.payload_bytes for route in steady.values())
     residual = sum(route.residual_bytes for route in steady.values())
-    host_kept = residual if config.residual_location == "host" else 0
+    host_kept = residual if config.residual_options.residual_location == "host" else 0
     return {
         "host_bytes": pool,
         # During warm-up the pool has room for dense payloads; it shrinks afterwards.

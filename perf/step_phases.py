@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from gradient_cache.codecs import BLOCK_CODECS, LADDER
 from gradient_cache.engine.config import DEFAULT_COMPRESSION_RATIO
 from perf.steps import STEP_VARIANTS, StepVariant, Trainer, batch_stream, build, gpt
 
@@ -33,7 +34,8 @@ VARIANTS = [v for v in STEP_VARIANTS if not v.naive] + [FUSED_ADAM_PLAIN]
 # The block codecs as a user picks them (`codec=` at the default ratio): run on request only.
 CODEC_VARIANTS = [
     StepVariant(name=f"cache {codec}", ratio=DEFAULT_COMPRESSION_RATIO, codec=codec)
-    for codec in ("q4", "q3", "q2", "sign")
+    for codec in LADDER
+    if codec in BLOCK_CODECS
 ]
 ALL_VARIANTS = {v.name: v for v in VARIANTS + CODEC_VARIANTS}
 

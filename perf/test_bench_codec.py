@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from gradient_cache.codecs import BlockQuantized, Int8Values, SparsePayload, TopKEncoder, keep_count
+from gradient_cache.codecs import LADDER, SparsePayload, TopKEncoder, keep_count, make_codec
 from perf.harness import GB, benchmarks_enabled, cpu_snapshot, others_share, record
 
 FULL_SIZES = {"1M": 2**20, "16M": 16 * 2**20, "64M": 64 * 2**20}
@@ -132,12 +132,12 @@ def test_copy_bandwidth(benchmark, gradient: torch.Tensor, numel: int) -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["int8", "q4", "q3", "q2", "sign"])
+@pytest.mark.parametrize("name", [name for name in LADDER if name != "topk"])
 def test_dense_codec_roundtrip(benchmark, gradient: torch.Tensor, numel: int, name: str) -> None:
     """Encode then decode into a preallocated tensor: what one cached step costs a dense
     codec (no residual, no selection). GB/s counts the fp32 gradient once."""
     benchmark.group = f"dense codec round trip {numel:,} fp32"
-    codec = Int8Values() if name == "int8" else BlockQuantized.named(name)
+    codec = make_codec(name)
     out = torch.empty_like(gradient)
 
     def roundtrip() -> None:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import gradient_cache
+from gradient_cache import TopK
 from gradient_cache.demo.accounting import (
     ENGINE_SCRATCH,
     GRADIENTS,
@@ -131,7 +132,7 @@ def measure(
 def test_cache_holds_far_fewer_gradient_bytes_than_plain(ratio: float) -> None:
     # The offload alone; error feedback's scratch is the next test's.
     (plain, plain_optimizer), (cached, cached_optimizer, cache) = cached_and_plain(
-        ratio, error_feedback=False, **({"codec": "topk"} if ratio > 1 else {})
+        ratio, **({"codec": TopK(error_feedback=False)} if ratio > 1 else {})
     )
     dense = dense_bytes(plain)
     expected, expected_between = measure(plain, plain_optimizer, fused=False)

@@ -195,7 +195,7 @@ def test_unknown_and_conflicting_options() -> None:
 )
 def test_engine_config_validation(options: dict, match: str) -> None:
     with pytest.raises((TypeError, ValueError), match=match):
-        EngineConfig(**options)
+        EngineConfig.from_options(options)  # top-k's options: checked by TopK first
 
 
 def test_cuda_backend_on_cpu_parameters_is_refused() -> None:
@@ -253,15 +253,24 @@ def test_disable_leaves_gradients_and_apply_adds_to_them() -> None:
 
 @pytest.mark.parametrize("fused_step", [False, True])
 @pytest.mark.parametrize(
-    ("ratio", "error_feedback"), [(1, False), (1, True), (100, False), (100, True)]
+    ("ratio", "codec"),
+    [
+        (1, None),
+        (100, None),
+        (100, gradient_cache.TopK(error_feedback=False)),
+        (100, gradient_cache.TopK()),
+    ],
+    ids=["lossless", "ladder", "top-k", "top-k with error feedback"],
 )
-def test_a_discarded_batch_leaves_no_trace(ratio: int, error_feedback: bool, fused_step) -> None:
+def test_a_discarded_batch_leaves_no_trace(ratio: int, codec, fused_step) -> None:
     """A run with a discarded batch ends exactly where a run that never saw it ends.
 
     Defaults otherwise: threshold selection and the int8 residual both draw random
     numbers, so the engine's generators must be rewound along with the residuals.
+    (This test once passed ``error_feedback=`` with ``codec=None``, where it did nothing:
+    the ladder ran in all four of its ratio-100 cases and top-k in none.)
     """
-    options = dict(compression_ratio=ratio, min_compress_numel=1, error_feedback=error_feedback)
+    options = dict(compression_ratio=ratio, min_compress_numel=1, codec=codec)
     skipping = train_with_a_skipped_batch(options, skip=True, fused_step=fused_step)
     reference = train_with_a_skipped_batch(options, skip=False, fused_step=fused_step)
     if ratio == 1:  # lossless: the same as plain PyTorch doing the same calls

@@ -103,6 +103,21 @@ CASES = [
      "pin_memory must be True or False, got 'yes'"),
     ("negative pool size", "create_gradient_cache(model(), host_pool_mb=-1)", ValueError,
      "Invalid host_pool_mb: -1"),
+    # --- codec options (gradient_cache.TopK)
+    ("a top-k option without top-k", "create_gradient_cache(model(), error_feedback=False)",
+     ValueError, "error_feedback=False does nothing with codec=None at compression_ratio=3: "
+     "the codecs it chooses keep no residual. It is an option of the top-k codec: pass "
+     "codec=gradient_cache.TopK(error_feedback=False)"),
+    ("a top-k option with another codec",
+     'create_gradient_cache(model(), codec="q4", residual_dtype="bfloat16")', ValueError,
+     "residual_dtype='bfloat16' does nothing with codec='q4': that codec is not top-k"),
+    ("a top-k option beside the codec's options",
+     'create_gradient_cache(model(), codec=gradient_cache.TopK(), selection="exact")',
+     TypeError, "selection='exact' was passed beside codec=TopK("),
+    ("the options class instead of an instance", "EngineConfig(codec=gradient_cache.TopK)",
+     TypeError, "codec=TopK is the class; pass an instance: codec=TopK()"),
+    ("an unknown top-k option", "gradient_cache.TopK(error_feedbak=False)", TypeError,
+     "unexpected keyword argument 'error_feedbak'"),
     # --- the fused step
     ("a model instead of its optimizer", "cache.step(cached_model)", TypeError,
      "optimizer must be a torch.optim.Optimizer"),

@@ -14,7 +14,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from gradient_cache.codecs import BLOCK_CODECS, BlockQuantized, Int8Values, Lossless, int8
+from gradient_cache.codecs import BLOCK_CODECS, LADDER, int8, make_codec
 from gradient_cache.codecs.int8 import (
     CODEC_CHUNK,  # the block codecs' chunk
     INT8_BLOCK,
@@ -22,20 +22,15 @@ from gradient_cache.codecs.int8 import (
     int8_blocks_encode,
 )
 from gradient_cache.codecs.rotation import ROTATION_BLOCK
-from gradient_cache.engine.route import LADDER
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # No shrinking: a failure is reported as found (shrinking 700-entry tensors takes minutes).
 FAST = (Phase.explicit, Phase.reuse, Phase.generate)
-STOCHASTIC = [name for name, (_, rounding) in BLOCK_CODECS.items() if rounding == "stochastic"]
+STOCHASTIC = [name for name in BLOCK_CODECS if make_codec(name).rounding == "stochastic"]
 
 
 def codec(name: str, seed: int = 0):
-    if name == "int8":
-        return Int8Values(seed=seed)
-    if name == "lossless":
-        return Lossless()
-    return BlockQuantized.named(name, seed=seed)
+    return make_codec(name, seed=seed)
 
 
 def roundtrip(name: str, flat: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -94,7 +89,7 @@ def test_each_blocks_error_is_within_its_bound(name, flat):
     A decoded entry can be up to 128 times the block's largest: within that of a 16-bit
     dtype's largest value it overflows to inf (a GradScaler then skips the step), so the
     bound is checked below it."""
-    bits = BLOCK_CODECS[name][0]
+    bits = make_codec(name).bits
     x = flat.float()
     error = roundtrip(name, flat).float() - x
     pad = -x.numel() % ROTATION_BLOCK
@@ -168,8 +163,8 @@ def test_stochastic_rounding_is_unbiased(name):
     if name == "int8":
         step = x.view(-1, 64).abs().amax(dim=1, keepdim=True).expand(-1, 64) / 127
     else:
-        levels = 2 ** BLOCK_CODECS[name][0] - 1
-        rotated = x.view(-1, ROTATION_BLOCK) @ BlockQuantized.named(name).rotation_matrix(x.device)
+        levels = 2 ** make_codec(name).bits - 1
+        rotated = x.view(-1, ROTATION_BLOCK) @ make_codec(name).rotation_matrix(x.device)
         largest = rotated.abs().amax(dim=1, keepdim=True).expand(-1, ROTATION_BLOCK)
         step = 2 * largest / levels
     quantizer = codec(name)
@@ -191,9 +186,9 @@ def test_rounding_is_unbiased_at_every_position_over_many_steps(name):
         largest = x.view(-1, INT8_BLOCK).abs().amax(dim=1, keepdim=True)
         step = (largest / 127).expand(-1, INT8_BLOCK).reshape(-1, ROTATION_BLOCK)
     else:
-        rotated = x.view(-1, ROTATION_BLOCK) @ BlockQuantized.named(name).rotation_matrix(x.device)
+        rotated = x.view(-1, ROTATION_BLOCK) @ make_codec(name).rotation_matrix(x.device)
         largest = rotated.abs().amax(dim=1, keepdim=True).expand(-1, ROTATION_BLOCK)
-        step = 2 * largest / (2 ** BLOCK_CODECS[name][0] - 1)
+        step = 2 * largest / (2 ** make_codec(name).bits - 1)
     quantizer = codec(name)
     draws = 400
     total = sum(quantizer.encode(x, None, loss_scale=None)[0].kept_values() for _ in range(draws))
@@ -206,9 +201,9 @@ def test_rounding_is_unbiased_at_every_position_over_many_steps(name):
 
 def test_sign_sends_the_scaled_sign_of_the_rotated_block():
     x = torch.randn(ROTATION_BLOCK, generator=torch.Generator().manual_seed(2))
-    rotated = x @ BlockQuantized.named("sign").rotation_matrix(x.device)
+    rotated = x @ make_codec("sign").rotation_matrix(x.device)
     expected = rotated.sign() * rotated.abs().mean()
-    decoded = roundtrip("sign", x) @ BlockQuantized.named("sign").rotation_matrix(x.device)
+    decoded = roundtrip("sign", x) @ make_codec("sign").rotation_matrix(x.device)
     torch.testing.assert_close(decoded, expected, atol=1e-6, rtol=1e-5)
 
 
@@ -227,8 +222,8 @@ def test_large_tensors_cross_chunk_boundaries_and_a_seed_fixes_the_result(name):
 
 
 def test_the_ladder_lists_codecs_from_largest_to_smallest_payload():
+    from gradient_cache.codecs import Codecs
     from gradient_cache.engine.config import EngineConfig
-    from gradient_cache.engine.route import Codecs
 
     codecs = Codecs.for_options(EngineConfig(), ratio=50, selection="exact")
     sizes = [

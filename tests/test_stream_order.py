@@ -24,6 +24,7 @@ from helpers import (
 from stream_checker import FakeCuda, StreamChecker
 
 import gradient_cache
+from gradient_cache import Ladder, TopK
 from gradient_cache.engine.backends import build_cuda_backend
 from gradient_cache.engine.cuda import CudaBackend
 from gradient_cache.engine.residuals import HostSlotResiduals
@@ -213,9 +214,9 @@ def test_gradients_made_on_another_stream_are_reused_only_after_their_copy(
     "options",
     [
         dict(compression_ratio=1),
-        dict(compression_ratio=20, codec="topk", error_feedback=True, residual_location="host"),
-        dict(compression_ratio=20, codec="topk", error_feedback=True, residual_location="device"),
-        dict(compression_ratio=8),
+        dict(compression_ratio=20, codec=TopK(residual_location="host", selection="exact")),
+        dict(compression_ratio=20, codec=TopK(residual_location="device", selection="exact")),
+        dict(compression_ratio=8, codec=Ladder(selection="exact")),
     ],
     ids=["lossless", "ef-host", "ef-device", "q3 by the ladder"],
 )
@@ -224,7 +225,6 @@ def test_accumulation_without_a_drain_matches_the_cpu_backend(
 ) -> None:
     """Micro-batches back to back: the encode reads slots whose copy the host never awaited."""
     options = dict(options, bucket_size_mb=SMALL, staging_depth=16, min_compress_numel=1)
-    options["selection"] = "exact"
     data = batches(3)
     with fake_cuda.checker.disabled():
         reference = cpu_backend_run(data, options, micro_batches=3, each=False)
@@ -251,10 +251,12 @@ RECIPES = {
 def test_int8_values_match_the_cpu_backend(
     fake_cuda: FakeCuda, ratio: int, micro_batches: int
 ) -> None:
+    """Ratio 1: the int8 codec; 20: top-k's values as int8 codes (this test once passed
+    ``value_dtype="int8"`` with ``codec=None`` there, where it did nothing: the ladder ran)."""
+    int8_values = TopK(value_dtype="int8", error_feedback=False, selection="exact")
     options = dict(
         compression_ratio=ratio,
-        value_dtype="int8",
-        selection="exact",
+        codec="int8" if ratio == 1 else int8_values,
         min_compress_numel=1,
         bucket_size_mb=SMALL,
     )
@@ -330,7 +332,10 @@ def test_fused_step_with_clipping_matches_apply_and_clip_grad_norm(
     fake_cuda: FakeCuda, ratio: int
 ) -> None:
     options = dict(
-        compression_ratio=ratio, min_compress_numel=1, selection="exact", bucket_size_mb=SMALL
+        compression_ratio=ratio,
+        min_compress_numel=1,
+        codec=Ladder(selection="exact"),
+        bucket_size_mb=SMALL,
     )
     reference, fused = make_model(), make_model()
     ref_manager = gradient_cache.create_gradient_cache(

@@ -21,6 +21,7 @@ from .payloads import (
     payload_from_state,
 )
 from .registry import (
+    BLOCK_CODECS,
     BLOCK_MIN_NUMEL,
     CODEC_NAMES,
     CODECS,
@@ -36,6 +37,7 @@ from .topk import SELECTIONS, TopKCodec, TopKEncoder, TopKSelector, index_dtype,
 from .values import Int8Quantizer, Int8Values
 
 __all__ = [
+    "BLOCK_CODECS",
     "BLOCK_MIN_NUMEL",
     "CODECS",
     "CODEC_NAMES",

@@ -37,12 +37,15 @@ class CodecEntry:
     byte budget). ``ladder``: ``codec=None`` may choose it (the order of `CODECS` is the
     ladder's: best training first, each smaller than the one before). ``min_numel``: the
     default size from which a tensor takes it. ``options``: its options class, if any.
+    ``block``: a block codec (`BlockQuantized`: every entry a low-bit code after a
+    rotation, no residual).
     """
 
     make: Callable[..., Codec]
     ladder: bool
     min_numel: int = BLOCK_MIN_NUMEL
     options: type[TopK] | None = None
+    block: bool = False
 
 
 def _block(bits: int, rounding: str) -> Callable[..., Codec]:
@@ -81,11 +84,11 @@ def _topk(
 CODECS: dict[str, CodecEntry] = {
     "lossless": CodecEntry(lambda name, **_: Lossless(), ladder=False),
     "int8": CodecEntry(lambda name, *, seed=0, **_: Int8Values(seed=seed), ladder=True),
-    "q4": CodecEntry(_block(4, "stochastic"), ladder=True),
-    "q3": CodecEntry(_block(3, "stochastic"), ladder=True),
-    "q2": CodecEntry(_block(2, "stochastic"), ladder=True),
-    "q1": CodecEntry(_block(1, "stochastic"), ladder=False),
-    "sign": CodecEntry(_block(1, "sign"), ladder=True),
+    "q4": CodecEntry(_block(4, "stochastic"), ladder=True, block=True),
+    "q3": CodecEntry(_block(3, "stochastic"), ladder=True, block=True),
+    "q2": CodecEntry(_block(2, "stochastic"), ladder=True, block=True),
+    "q1": CodecEntry(_block(1, "stochastic"), ladder=False, block=True),
+    "sign": CodecEntry(_block(1, "sign"), ladder=True, block=True),
     # 16384 (64 KiB of fp32): below it, keeping 1% saves little while the selection's fixed
     # cost stays, and biases and norm weights are both small and sensitive to sparsification.
     "topk": CodecEntry(_topk, ladder=True, min_numel=16384, options=TopK),
@@ -97,6 +100,8 @@ CODEC_NAMES = tuple(CODECS)
 #: frontier"): a tensor takes the first whose bytes fit ``1 / compression_ratio`` of its
 #: lossless bytes.
 LADDER = tuple(name for name, entry in CODECS.items() if entry.ladder)
+#: The block codecs (q4, q3, q2, q1, sign), in the registry's order.
+BLOCK_CODECS = tuple(name for name, entry in CODECS.items() if entry.block)
 #: Each codec's default smallest tensor (``EngineConfig.min_compress_numel=None``).
 DEFAULT_MIN_NUMEL = {name: entry.min_numel for name, entry in CODECS.items()}
 

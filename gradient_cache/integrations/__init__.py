@@ -50,7 +50,8 @@ class CacheOptions:
         patterns = validate_exclude_layers(exclude_layers)
         if not isinstance(verbose, bool):
             raise TypeError(f"verbose must be True or False, got {verbose!r}.")
-        return cls(ratio, patterns, verbose, EngineConfig.from_options(options))
+        config = EngineConfig.from_options(options, compression_ratio=ratio)
+        return cls(ratio, patterns, verbose, config)
 
     def create_manager(
         self,
