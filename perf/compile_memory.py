@@ -38,9 +38,9 @@ def backward_rise(*, cached: bool, compiled: bool) -> float:
     model = make_model()
     manager = None
     if cached:
-        manager = gradient_cache.create_gradient_cache(
-            model, compression_ratio=100, error_feedback=False
-        )
+        # The ladder (its codecs keep no residual; this once passed error_feedback=False,
+        # which did nothing here).
+        manager = gradient_cache.create_gradient_cache(model, compression_ratio=100)
     samples: list[int] = []
     process = psutil.Process()
     for param in model.parameters():  # after the cache's hooks: sees what it left behind

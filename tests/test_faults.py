@@ -12,6 +12,7 @@ import torch
 from helpers import TiedLM, assert_same_parameters, batches, loss_of
 
 import gradient_cache
+from gradient_cache import Ladder
 from gradient_cache.engine.backend import CpuBackend
 from gradient_cache.engine.pipeline import Pipeline
 
@@ -110,7 +111,8 @@ class RestoreFailsOnce(CpuBackend):
     """The CPU backend; once armed, its second restore raises (a bucket already restored)."""
 
     def __init__(self, config: gradient_cache.EngineConfig) -> None:
-        super().__init__(torch.device("cpu"), keep_previous_residual=config.keep_previous_residual)
+        keep_previous = config.residual_options.keep_previous_residual
+        super().__init__(torch.device("cpu"), keep_previous_residual=keep_previous)
         self.restores_left: int | None = None
 
     def start_restore(self, items, *, scale):
@@ -129,7 +131,7 @@ def test_an_apply_that_failed_partway_is_finished_by_the_next_counted_once(ratio
     options = dict(
         compression_ratio=ratio,
         min_compress_numel=1,
-        selection="exact",
+        codec=Ladder(selection="exact"),
         warmup_steps=2,
         bucket_size_mb=SMALL,
     )

@@ -94,7 +94,7 @@ def check_host_budget(needed_bytes: int, *, fraction: float, what: str) -> None:
         raise HostMemoryError(
             f"gradient-cache needs about {needed_bytes / MIB:.0f} MiB of host memory ({what}) "
             f"but may use {allowed / MIB:.0f} MiB (host_memory_fraction={fraction} of "
-            f"{available / MIB:.0f} MiB available). Raise compression_ratio, set "
-            "error_feedback=False, list large layers in exclude_layers, or raise "
-            "host_memory_fraction."
+            f"{available / MIB:.0f} MiB available). Raise compression_ratio, drop top-k's "
+            "residual (codec=gradient_cache.TopK(error_feedback=False)), list large layers "
+            "in exclude_layers, or raise host_memory_fraction."
         )
