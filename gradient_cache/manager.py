@@ -219,7 +219,7 @@ class GradientCacheHookManager:
         what they were before its backward (what compression held back from earlier
         steps), and so do the engine's random generators. The cost: a step's new
         residuals are kept beside the old ones until its restore (on CUDA, a second
-        host slot per residual); with ``keep_previous_residual=False`` there is no
+        host slot per residual); with ``TopK(keep_previous_residual=False)`` there is no
         second one, and the residuals keep the discarded step's held-back part.
         """
         self._live().discard()
