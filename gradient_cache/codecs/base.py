@@ -1,8 +1,9 @@
 """What a codec is: it encodes a flat gradient into a payload and says what that costs.
 
 The engine picks one codec per parameter (`engine.route`) and calls nothing else of it. A
-new codec is a module with a `Codec` subclass, named in `CODEC_NAMES` and in
-`engine.route` (`_make`, and `LADDER` if ``codec=None`` may choose it); no pipeline code changes.
+new codec is a module with a `Codec` subclass and one entry in `registry.CODECS` (its
+builder, whether ``codec=None`` may choose it, its options class if it has knobs); no
+pipeline code changes.
 """
 
 from __future__ import annotations
