@@ -90,7 +90,9 @@ def test_trainer_logs_the_cache_summary_through_its_logging(tmp_path) -> None:
         entry for entry in trainer.state.log_history if "gradient_cache/kept_fraction" in entry
     ]
     assert [entry["step"] for entry in logged] == [2, 4, 6]  # every logging step
-    assert all(set(entry) >= {f"gradient_cache/{k}" for k in hf.LOGGED_FIELDS} for entry in logged)
+    assert all(
+        set(entry) >= {f"gradient_cache/{k}" for k in hf.TRAINER_LOGGED_FIELDS} for entry in logged
+    )
     assert 0.005 < logged[-1]["gradient_cache/kept_fraction"] < 0.02
     assert not any(isinstance(c, hf._CacheCallback) for c in trainer.callback_handler.callbacks)
 

@@ -17,8 +17,10 @@ import torch
 from ..engine.config import EngineConfig, validate_compression_ratio, validate_exclude_layers
 from ..manager import GradientCacheHookManager
 
-#: Summary fields the integrations log at every optimizer step, as ``gradient_cache/<field>``.
-LOGGED_FIELDS = (
+#: Summary fields every integration logs, as ``gradient_cache/<field>``: the Lightning
+#: callback logs these at every optimizer step; the Hugging Face wrapper logs these and
+#: ``host_held_mb`` (``integrations.transformers.TRAINER_LOGGED_FIELDS``).
+SUMMARY_LOGGED_FIELDS = (
     "memory_saved_mb",
     "stored_gradient_mb",
     "overall_compression_ratio",

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStra
 
 from ..engine.config import DEFAULT_COMPRESSION_RATIO
 from ..manager import GradientCacheHookManager
-from . import LOGGED_FIELDS, CacheOptions
+from . import SUMMARY_LOGGED_FIELDS, CacheOptions
 
 
 class GradientCacheCallback(pl.Callback):
@@ -44,7 +44,7 @@ class GradientCacheCallback(pl.Callback):
     optimization and the other multi-device strategies (DDP, FSDP1, DeepSpeed) are
     refused in ``setup`` with the reason.
 
-    At every optimizer step the figures in ``LOGGED_FIELDS`` are logged through the
+    At every optimizer step the figures in ``SUMMARY_LOGGED_FIELDS`` are logged through the
     LightningModule's ``log`` (so every logger of the trainer, at ``log_every_n_steps``)
     as ``gradient_cache/<field>``; ``last_summary`` holds the whole
     ``get_compression_summary()`` of the latest step, and stays after ``fit`` returns.
@@ -192,7 +192,7 @@ class GradientCacheCallback(pl.Callback):
         summary = self._manager.get_compression_summary()
         self.last_summary = summary
         pl_module.log_dict(
-            {f"gradient_cache/{field}": float(summary[field]) for field in LOGGED_FIELDS},
+            {f"gradient_cache/{field}": float(summary[field]) for field in SUMMARY_LOGGED_FIELDS},
             on_step=True,
             on_epoch=False,
         )

@@ -28,11 +28,12 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..engine.config import DEFAULT_COMPRESSION_RATIO
-from . import LOGGED_FIELDS as SUMMARY_FIELDS
+from . import SUMMARY_LOGGED_FIELDS
 from .decorator import manager_of, optimize
 
-#: Summary fields logged at each of the trainer's logging steps, as ``gradient_cache/<field>``.
-LOGGED_FIELDS = (*SUMMARY_FIELDS, "host_held_mb")
+#: Summary fields logged at each of the trainer's logging steps, as ``gradient_cache/<field>``:
+#: every integration's, and the host bytes held.
+TRAINER_LOGGED_FIELDS = (*SUMMARY_LOGGED_FIELDS, "host_held_mb")
 #: The cache's state in each of the trainer's checkpoint folders.
 STATE_FILE = "gradient_cache.pt"
 
@@ -52,7 +53,7 @@ def train(
     `gradient_cache.create_gradient_cache`. Every argument of the ``Trainer`` keeps its
     meaning, ``max_grad_norm`` (clipping) and ``gradient_accumulation_steps`` included;
     at ``compression_ratio=1`` the run ends with plain ``Trainer``'s weights, bit for bit
-    on the CPU. At each logging step the ``LOGGED_FIELDS`` of the cache's summary are
+    on the CPU. At each logging step the ``TRAINER_LOGGED_FIELDS`` of the cache's summary are
     logged as ``gradient_cache/<field>``. Each checkpoint the trainer saves gets the
     cache's ``state_dict()`` as ``gradient_cache.pt``; with ``resume_from_checkpoint``
     (a folder, or True for the last one in ``output_dir``) it is loaded before the first
@@ -115,7 +116,9 @@ class _CacheCallback(transformers.TrainerCallback):
         # DefaultFlowCallback, earlier in the list, has decided whether this step logs.
         if control.should_log and model is not None:
             summary = manager_of(model).get_compression_summary()
-            self.trainer.log({f"gradient_cache/{k}": float(summary[k]) for k in LOGGED_FIELDS})
+            self.trainer.log(
+                {f"gradient_cache/{k}": float(summary[k]) for k in TRAINER_LOGGED_FIELDS}
+            )
             # Trainer.log clears should_log; the trainer's own log of this step comes next.
             control.should_log = True
         return control
