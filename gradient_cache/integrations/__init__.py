@@ -29,6 +29,17 @@ SUMMARY_LOGGED_FIELDS = (
 )
 
 
+def missing_extra(module: str, package: str, extra: str, error: ImportError) -> ImportError:
+    """The error an integration module raises, from ``error``, when ``package`` fails to
+    import: it names the extra that installs it. A missing package stays a
+    ModuleNotFoundError with the original ``name``."""
+    message = f"{module} needs {package}: pip install 'gradient-cache[{extra}]'"
+    if isinstance(error, ModuleNotFoundError):
+        return ModuleNotFoundError(message, name=error.name, path=error.path)
+    # Installed but not importable (a version without a name this module uses, say).
+    return ImportError(f"{message} ({error})", name=error.name, path=error.path)
+
+
 @dataclass(frozen=True)
 class CacheOptions:
     """The validated arguments of an integration; makes one manager per model."""

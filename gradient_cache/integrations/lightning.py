@@ -17,14 +17,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
 from ..engine.config import DEFAULT_COMPRESSION_RATIO
 from ..manager import GradientCacheHookManager
-from . import SUMMARY_LOGGED_FIELDS, CacheOptions
+from . import SUMMARY_LOGGED_FIELDS, CacheOptions, missing_extra
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+except ImportError as error:
+    raise missing_extra(__name__, "lightning", "lightning", error) from error
 
 
 class GradientCacheCallback(pl.Callback):

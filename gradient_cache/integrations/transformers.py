@@ -24,12 +24,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import transformers
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..engine.config import DEFAULT_COMPRESSION_RATIO
-from . import SUMMARY_LOGGED_FIELDS
+from . import SUMMARY_LOGGED_FIELDS, missing_extra
 from .decorator import manager_of, optimize
+
+try:
+    import transformers
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+except ImportError as error:
+    raise missing_extra(__name__, "transformers", "transformers", error) from error
 
 #: Summary fields logged at each of the trainer's logging steps, as ``gradient_cache/<field>``:
 #: every integration's, and the host bytes held.
