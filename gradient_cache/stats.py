@@ -1,5 +1,5 @@
-"""The compression summary (a typed object; `as_dict()` gives the seed's dict) and the
-memory readings it carries."""
+"""The compression summary (a typed object; `as_dict()` gives the dict of the original API's
+``get_compression_summary()``) and the memory readings it carries."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class CompressionSummary:
 
     ``device``: where the gradients were made (on ``cpu`` host RAM: the offload moves
     gradients within the same memory). ``dense_gradient_mb``: dense gradient MiB taken off
-    the device (the seed's ``memory_saved_mb`` in `as_dict`); ``stored_gradient_mb``:
+    the device (``memory_saved_mb``, the original API's name, in `as_dict`); ``stored_gradient_mb``:
     what holds them, indices and scales included; ``overall_compression_ratio``: the two's
     ratio; ``stored_fraction``: its inverse. ``kept_fraction``: entries kept of the
     compressed tensors (1/100 at ratio 100). ``residual_mb``: error-feedback residuals held
@@ -75,7 +75,7 @@ class CompressionSummary:
     layers: dict[str, LayerSummary]
 
     def as_dict(self) -> dict[str, Any]:
-        """The seed-compatible dict: these fields, plus ``memory_saved_mb``."""
+        """The original API's summary dict: these fields, plus ``memory_saved_mb``."""
         figures = dataclasses.asdict(self)
         figures["memory_saved_mb"] = self.dense_gradient_mb
         return figures
