@@ -18,7 +18,7 @@ from gradient_cache.engine.backend import CpuBackend
 from gradient_cache.engine.backends import build_cuda_backend, parameter_device
 from gradient_cache.engine.bucket import BucketAssembler
 from gradient_cache.engine.cuda import CudaBackend
-from gradient_cache.engine.route import plan_params
+from gradient_cache.engine.route import plan_params, planner
 
 
 def test_bucket_assembler_fills_to_capacity_in_arrival_order() -> None:
@@ -50,7 +50,7 @@ def test_buckets_follow_backward_order_and_launch_during_backward(monkeypatch) -
     original = pipeline._encode
 
     def spy(param, grad, loss_scale):
-        launched.append(pipeline.names[param])
+        launched.append(pipeline.records[param].name)
         grads_left.append(sum(p.grad is not None for p in model.parameters()))
         return original(param, grad, loss_scale)
 
@@ -72,7 +72,7 @@ def fail_on(pipeline, name: str, monkeypatch) -> None:
     state = {"armed": True}
 
     def encode(param, grad, loss_scale):
-        if state["armed"] and pipeline.names[param] == name:
+        if state["armed"] and pipeline.records[param].name == name:
             state["armed"] = False
             raise torch.OutOfMemoryError("injected: out of memory")
         return original(param, grad, loss_scale)
@@ -93,7 +93,7 @@ def test_an_encode_failure_at_the_drain_loses_no_gradient(monkeypatch, ratio: in
     ref_manager.apply_gradients()
     loss_of(failing, tokens, targets).backward()  # one bucket, waiting for the drain
     engine = manager.engine
-    waiting = [engine.names[p] for p in engine.assembler.params()]
+    waiting = [engine.records[p].name for p in engine.assembler.params()]
     fail_on(engine, waiting[2], monkeypatch)
     with pytest.raises(torch.OutOfMemoryError):
         manager.compress_and_free_gradients()
@@ -345,7 +345,7 @@ def test_the_cuda_backends_host_check_counts_what_the_pool_reserves(monkeypatch)
         params,
         EngineConfig(),
         torch.device("cpu"),
-        ratio=1,
+        plan=planner(params, EngineConfig(), ratio=1),
         cuda=cuda,
         allocate=cuda.allocate_pinned,
     )
@@ -374,7 +374,8 @@ def test_cuda_backend_refusals_come_before_touching_cuda(options: dict, match: s
     params = [torch.nn.Parameter(torch.zeros(1024, 1024))]
     with pytest.raises(ValueError, match=match):
         config = EngineConfig.from_options(options)  # the ladder's selection, at ratio 3
-        build_cuda_backend(params, config, torch.device("cuda"), ratio=1)
+        plan = planner(params, config, ratio=1)
+        build_cuda_backend(params, config, torch.device("cuda"), plan=plan)
 
 
 def test_auto_selection_depends_on_the_backend() -> None:

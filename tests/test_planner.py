@@ -19,6 +19,7 @@ import gradient_cache
 from gradient_cache import Ladder, TopK, cli
 from gradient_cache.engine.backends import build_cuda_backend
 from gradient_cache.engine.config import EngineConfig
+from gradient_cache.engine.route import planner
 from gradient_cache.planner import (
     GRADIENTS_AT_STEP,
     GRADIENTS_IN_BACKWARD,
@@ -66,11 +67,12 @@ def test_pinned_pool_is_the_cuda_backends_pool(ratio: float) -> None:
     model = make_model()
     config = EngineConfig(min_compress_numel=1024)
     cuda = FakeCuda(StreamChecker())
+    params = list(model.parameters())
     backend = build_cuda_backend(
-        list(model.parameters()),
+        params,
         config,
         torch.device("cpu"),
-        ratio=ratio,
+        plan=planner(params, config, ratio=ratio),
         cuda=cuda,
         allocate=cuda.allocate_pinned,
     )

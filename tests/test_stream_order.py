@@ -39,12 +39,12 @@ def fake_cuda():
     checker = StreamChecker()
     cuda = FakeCuda(checker)
 
-    def factory(params, config, *, ratio):
+    def factory(params, config, *, plan):
         backend = build_cuda_backend(
             params,
             config,
             torch.device("cpu"),
-            ratio=ratio,
+            plan=plan,
             cuda=cuda,
             allocate=cuda.allocate_pinned,
         )
