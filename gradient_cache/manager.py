@@ -14,13 +14,13 @@ import torch
 
 from .data_parallel import check_data_parallel
 from .engine import checkpoint, fused_step, sharding
-from .engine.backends import BackendFactory, create_backend
 from .engine.config import (
     DEFAULT_COMPRESSION_RATIO,
     EngineConfig,
     validate_compression_ratio,
     validate_exclude_layers,
 )
+from .engine.factory import BackendFactory, create_backend
 from .engine.pipeline import HeldTensors, Pipeline
 from .model_watch import ParameterWatch
 from .stats import CompressionSummary, compression_summary

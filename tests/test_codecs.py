@@ -14,8 +14,8 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from gradient_cache.codecs import BLOCK_CODECS, LADDER, int8, make_codec
-from gradient_cache.codecs.int8 import (
+from gradient_cache.codecs import BLOCK_CODECS, LADDER, int8_kernels, make_codec
+from gradient_cache.codecs.int8_kernels import (
     CODEC_CHUNK,  # the block codecs' chunk
     INT8_BLOCK,
     int8_blocks_decode,
@@ -137,12 +137,12 @@ class NearlyOne:
         return torch.full((count,), 1 - 2**-24, device=device)
 
 
-@pytest.mark.parametrize("kernels", [int8.CPU_KERNELS, None], ids=["compiled", "eager"])
+@pytest.mark.parametrize("kernels", [int8_kernels.CPU_KERNELS, None], ids=["compiled", "eager"])
 def test_int8_never_flips_the_sign_of_a_blocks_largest_entry(kernels, monkeypatch):
     """max|x| / (max|x| / 127) rounds to just above 127 for some values; with noise near 1
     that floors to 128, which int8 cannot hold: the code must stay 127. On both paths (the
     compiled kernel's AVX2 packing would also saturate at 127; the eager cast wraps)."""
-    monkeypatch.setattr(int8, "CPU_KERNELS", kernels)
+    monkeypatch.setattr(int8_kernels, "CPU_KERNELS", kernels)
     candidates = torch.linspace(1, 2, 10_000)
     largest = candidates[candidates / (candidates / 127) > 127][0]
     x = torch.zeros(INT8_BLOCK)

@@ -15,9 +15,9 @@ from gradient_cache import EngineConfig, HostMemoryError, Ladder
 from gradient_cache.codecs import ResidualCodec
 from gradient_cache.engine import hostmem, pool
 from gradient_cache.engine.backend import CpuBackend
-from gradient_cache.engine.backends import build_cuda_backend, parameter_device
 from gradient_cache.engine.bucket import BucketAssembler
 from gradient_cache.engine.cuda import CudaBackend
+from gradient_cache.engine.factory import build_cuda_backend, parameter_device
 from gradient_cache.engine.route import plan_params, planner
 
 
@@ -335,10 +335,10 @@ def test_the_cuda_backends_host_check_counts_what_the_pool_reserves(monkeypatch)
     """The budget check sees the slabs' bytes (what gets pinned), not the slots' sum."""
     from stream_checker import FakeCuda, StreamChecker
 
-    from gradient_cache.engine import backends
+    from gradient_cache.engine import factory
 
     checked = []
-    monkeypatch.setattr(backends, "check_host_budget", lambda needed, **_: checked.append(needed))
+    monkeypatch.setattr(factory, "check_host_budget", lambda needed, **_: checked.append(needed))
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (300_000, 70_000, 10)]
     cuda = FakeCuda(StreamChecker())
     backend = build_cuda_backend(

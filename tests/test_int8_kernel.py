@@ -19,10 +19,10 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from gradient_cache.codecs import int8
+from gradient_cache.codecs import int8_kernels
 from gradient_cache.codecs.dither import Dither
 from gradient_cache.codecs.generators import DeviceGenerators
-from gradient_cache.codecs.int8 import (
+from gradient_cache.codecs.int8_kernels import (
     CODEC_CHUNK,
     INT8_BLOCK,
     int8_blocks_bytes,
@@ -32,21 +32,21 @@ from gradient_cache.codecs.int8 import (
 
 FAST = (Phase.explicit, Phase.reuse, Phase.generate)
 # The kernel splits work over threads from this many entries.
-PARALLEL = getattr(int8.CPU_KERNELS, "MIN_PARALLEL", 1 << 21)
+PARALLEL = getattr(int8_kernels.CPU_KERNELS, "MIN_PARALLEL", 1 << 21)
 # Whole blocks go through AVX2 where the CPU has it, else the portable loops: both run.
 VECTOR_PATHS = pytest.mark.parametrize("avx2", [True, False], ids=["avx2", "portable"])
 
 
 def eager(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with the kernels switched off: the eager PyTorch path."""
-    with mock.patch.object(int8, "CPU_KERNELS", None):
+    with mock.patch.object(int8_kernels, "CPU_KERNELS", None):
         return fn(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def whole_blocks_through(avx2: bool) -> Iterator[None]:
     """The kernel's whole blocks through AVX2 (where the CPU has it) or its portable loops."""
-    kernels = int8.CPU_KERNELS
+    kernels = int8_kernels.CPU_KERNELS
     previous = kernels.use_avx2(avx2) if kernels else None
     try:
         yield
@@ -58,7 +58,7 @@ def whole_blocks_through(avx2: bool) -> Iterator[None]:
 def test_the_kernels_are_built():
     """setup.py builds them on every install with a C compiler (CI's included); without
     them the codec is correct but slower, so a silent fallback here would hide a failure."""
-    assert int8.CPU_KERNELS is not None, (
+    assert int8_kernels.CPU_KERNELS is not None, (
         "gradient_cache.codecs._int8_cpu did not build: reinstall with a C compiler and "
         "Python's headers (pip install -e .) and read the build log"
     )
@@ -68,7 +68,7 @@ def test_the_portable_path_can_be_chosen_so_both_are_tested():
     """`whole_blocks_through(False)` really switches AVX2 off (the paths write the same
     bytes, so only the switch's own state shows it)."""
     with whole_blocks_through(False):
-        assert int8.CPU_KERNELS.use_avx2(False) is False
+        assert int8_kernels.CPU_KERNELS.use_avx2(False) is False
 
 
 def noise_source(kind: str, seed: int):
@@ -165,7 +165,7 @@ def test_encode_reads_a_strided_gradient_through_the_eager_path():
     """A non-contiguous tensor is not handed to the kernel (it reads flat memory)."""
     base = torch.randn(2 * 1000)
     strided = base[::2]
-    assert not int8.on_cpu_kernels(strided)
+    assert not int8_kernels.on_cpu_kernels(strided)
     decoded = int8_blocks_decode(int8_blocks_encode(strided, Dither(0)), 1000)
     assert torch.allclose(decoded, strided, atol=float(strided.abs().max()) / 100)
 
@@ -189,7 +189,7 @@ def test_a_short_noise_window_is_refused_before_the_kernel_reads_it():
 
 def test_the_kernel_refuses_too_few_windows_or_a_chunk_off_the_blocks():
     """Its own checks on what it is handed, before it reads any memory."""
-    kernels = int8.CPU_KERNELS
+    kernels = int8_kernels.CPU_KERNELS
     x, packed = torch.randn(CODEC_CHUNK + 1), torch.empty(int8_blocks_bytes(CODEC_CHUNK + 1))
     window = torch.rand(CODEC_CHUNK)
     args = (x.data_ptr(), x.numel(), (window.data_ptr(),), CODEC_CHUNK, packed.data_ptr())

@@ -17,8 +17,8 @@ from stream_checker import FakeCuda, StreamChecker
 
 import gradient_cache
 from gradient_cache import Ladder, TopK, cli
-from gradient_cache.engine.backends import build_cuda_backend
 from gradient_cache.engine.config import EngineConfig
+from gradient_cache.engine.factory import build_cuda_backend
 from gradient_cache.engine.route import planner
 from gradient_cache.planner import (
     GRADIENTS_AT_STEP,

@@ -9,8 +9,8 @@ import torch
 from helpers import assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
-from gradient_cache.codecs import ResidualCodec, TopKEncoder, int8
-from gradient_cache.codecs.int8 import INT8_BLOCK
+from gradient_cache.codecs import ResidualCodec, TopKEncoder, int8_kernels
+from gradient_cache.codecs.int8_kernels import INT8_BLOCK
 
 
 def heavy_tailed(numel: int, seed: int = 0) -> torch.Tensor:
@@ -29,14 +29,14 @@ def rounding_bound(dtype: str, x: torch.Tensor) -> torch.Tensor:
     return scale.expand_as(padded).reshape(-1)[: x.numel()]
 
 
-@pytest.mark.parametrize("chunk", [int8.CODEC_CHUNK, 128])
+@pytest.mark.parametrize("chunk", [int8_kernels.CODEC_CHUNK, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_stored_residual_is_within_its_bound_and_unbiased(
     dtype: str, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Stochastic rounding: every entry within one step, and right on average, also when
     the codec works through the tensor in chunks (the last one partial)."""
-    monkeypatch.setattr(int8, "CODEC_CHUNK", chunk)
+    monkeypatch.setattr(int8_kernels, "CODEC_CHUNK", chunk)
     codec = ResidualCodec(dtype, seed=3)
     x = heavy_tailed(1000)  # not a whole number of int8 blocks: the padding is exercised
     bound = rounding_bound(dtype, x)

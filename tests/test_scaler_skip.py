@@ -16,7 +16,7 @@ from helpers import assert_same_parameters, batches, loss_of, make_model
 from test_stream_order import fake_cuda  # noqa: F401
 
 import gradient_cache
-from gradient_cache.engine.backends import create_backend
+from gradient_cache.engine.factory import create_backend
 
 # codec name: its options (top-k keeps an error-feedback residual; int8 and q3 draw dither).
 CODECS = {

@@ -25,8 +25,8 @@ from stream_checker import FakeCuda, StreamChecker
 
 import gradient_cache
 from gradient_cache import Ladder, TopK
-from gradient_cache.engine.backends import build_cuda_backend
 from gradient_cache.engine.cuda import CudaBackend
+from gradient_cache.engine.factory import build_cuda_backend
 from gradient_cache.engine.residuals import HostSlotResiduals
 
 SMALL = 0.004  # MiB: several buckets per backward for these models

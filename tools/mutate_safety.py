@@ -71,7 +71,7 @@ MUTANTS = [
     ),
     (
         "budget checked before the pool is allocated",
-        "gradient_cache/engine/backends.py",
+        "gradient_cache/engine/factory.py",
         '    check_host_budget(\n        needed, fraction=config.host_memory_fraction, what="the host pool of payload slots"\n    )\n    pool = HostPool(layout, allocate_pinned=allocate if config.pin_memory else None)',
         '    pool = HostPool(layout, allocate_pinned=allocate if config.pin_memory else None)\n    check_host_budget(\n        needed, fraction=config.host_memory_fraction, what="the host pool of payload slots"\n    )',
         "tests/test_stream_order.py::test_refused_construction_leaves_no_pinned_memory_or_hook",
@@ -309,24 +309,24 @@ MUTANTS = [
         "        stored = slot.residual",
         "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
     ),
-    # --- the block codecs (codecs/blockquant.py, codecs/dither.py) ---
+    # --- the block codecs (codecs/block_kernels.py, codecs/dither.py) ---
     (
-        "blockquant: stochastic rounding adds the dither (not a deterministic floor)",
-        "gradient_cache/codecs/blockquant.py",
+        "block_kernels: stochastic rounding adds the dither (not a deterministic floor)",
+        "gradient_cache/codecs/block_kernels.py",
         "            level.add_(dither.uniform(level.numel(), flat.device).view_as(level)).floor_()",
         "            level.floor_()",
         "tests/test_codecs.py::test_stochastic_rounding_is_unbiased",
     ),
     (
-        "blockquant: codes masked to their bits (a NaN's byte)",
-        "gradient_cache/codecs/blockquant.py",
+        "block_kernels: codes masked to their bits (a NaN's byte)",
+        "gradient_cache/codecs/block_kernels.py",
         "            codes = level.clamp_(0, top).to(torch.uint8).bitwise_and_(top)",
         "            codes = level.clamp_(0, top).to(torch.uint8)",
         "tests/test_codecs.py",
     ),
     (
-        "blockquant: zeros pad the last chunk's last block",
-        "gradient_cache/codecs/blockquant.py",
+        "block_kernels: zeros pad the last chunk's last block",
+        "gradient_cache/codecs/block_kernels.py",
         "            part = torch.nn.functional.pad(part, (0, blocks * ROTATION_BLOCK - part.numel()))",
         "            part = torch.nn.functional.pad(part, (0, blocks * ROTATION_BLOCK - part.numel()), value=1.0)",
         "tests/test_codecs.py::test_each_blocks_error_is_within_its_bound",
@@ -376,7 +376,7 @@ MUTANTS = [
     ),
     (
         "int8: the scale's margin keeps codes within [-127, 127] (128 would flip the largest entry's sign)",
-        "gradient_cache/codecs/int8.py",
+        "gradient_cache/codecs/int8_kernels.py",
         "SCALE_MARGIN = 2**-20",
         "SCALE_MARGIN = 0",
         "tests/test_codecs.py::test_int8_never_flips_the_sign_of_a_blocks_largest_entry",

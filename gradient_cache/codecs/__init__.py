@@ -2,15 +2,16 @@
 
 `base.Codec` is the interface the engine uses; `payloads` the payload kinds and their
 behaviour; `lossless`, `values` (int8), `lowbit` (1-4 bit block codes) and `topk` the
-codecs; `int8`, `blockquant`, `bitpack`, `rotation`, `dither` and `residual` the kernels
+codecs; `int8`, `block_kernels`, `bitpack`, `rotation`, `dither` and `residual` the kernels
 and residual storage they share. `options` holds what users write to tune a codec
 (`TopK`, `Ladder`); `registry` is the one list of codec names (`CODECS`) and the engine's
 choice among them (`Codecs`).
 """
 
 from .base import Codec
+from .block import BlockQuantized
+from .int8 import Int8Quantizer, Int8Values
 from .lossless import Lossless
-from .lowbit import BlockQuantized
 from .options import Ladder, TopK
 from .payloads import (
     BlockCodesPayload,
@@ -34,7 +35,6 @@ from .registry import (
 )
 from .residual import RESIDUAL_DTYPES, ResidualCodec
 from .topk import SELECTIONS, TopKCodec, TopKEncoder, TopKSelector, index_dtype, keep_count
-from .values import Int8Quantizer, Int8Values
 
 __all__ = [
     "BLOCK_CODECS",

@@ -19,7 +19,7 @@ import torch
 
 TABLE_SEED = 0xD17E
 _MASK64 = (1 << 64) - 1
-# The longest window (a codec's chunk, `blockquant.BLOCK_CHUNK`); each table is twice it.
+# The longest window (a codec's chunk, `block_kernels.BLOCK_CHUNK`); each table is twice it.
 WINDOW = 1 << 18
 
 

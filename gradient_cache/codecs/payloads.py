@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import blockquant
-from .int8 import int8_blocks_decode
+from . import block_kernels
+from .int8_kernels import int8_blocks_decode
 
 Move = Callable[[torch.Tensor], torch.Tensor]
 
@@ -166,7 +166,7 @@ class SparsePayload(Payload):
 
 @dataclass
 class QuantizedPayload(Payload):
-    """Kept entries stored as int8 codes with a per-block scale (`int8.int8_blocks_encode`).
+    """Kept entries stored as int8 codes with a per-block scale (`int8_kernels.int8_blocks_encode`).
 
     ``indices`` None: every entry, in order (a dense gradient); else as `SparsePayload`.
     """
@@ -204,10 +204,10 @@ class QuantizedPayload(Payload):
 
 @dataclass
 class BlockCodesPayload(Payload):
-    """Every entry as a low-bit code with a scale per block (`blockquant`)."""
+    """Every entry as a low-bit code with a scale per block (`block_kernels`)."""
 
     kind: ClassVar[str] = "block_codes"
-    packed: torch.Tensor  # uint8: `blockquant.encode`'s codes, then its fp32 scales
+    packed: torch.Tensor  # uint8: `block_kernels.encode`'s codes, then its fp32 scales
     numel: int
     dtype: torch.dtype  # the gradient's
     bits: int
@@ -225,7 +225,7 @@ class BlockCodesPayload(Payload):
         return self.numel
 
     def kept_values(self) -> torch.Tensor:
-        decoded = blockquant.decode(self.packed, self.numel, bits=self.bits, rotate=self.rotated)
+        decoded = block_kernels.decode(self.packed, self.numel, bits=self.bits, rotate=self.rotated)
         return decoded.to(self.dtype)
 
 

@@ -16,11 +16,11 @@ from typing import Any, Protocol
 import torch
 
 from .base import Codec, shapes_bytes
+from .block import BlockQuantized
+from .int8 import Int8Values
 from .lossless import Lossless
-from .lowbit import BlockQuantized
 from .options import Ladder, TopK
 from .topk import TopKCodec
-from .values import Int8Values
 
 # Tensors smaller than this travel whole unless min_compress_numel says otherwise: one block
 # of the block codecs and int8.

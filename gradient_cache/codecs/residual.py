@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .generators import DeviceGenerators
-from .int8 import chunks, int8_blocks_bytes, int8_blocks_decode, int8_blocks_encode
+from .int8_kernels import chunks, int8_blocks_bytes, int8_blocks_decode, int8_blocks_encode
 
 RESIDUAL_DTYPES = ("float32", "bfloat16", "int8")
 
@@ -14,7 +14,7 @@ class ResidualCodec:
     """A residual's stored form: computed in fp32, stored as one flat tensor (``stored_shape``).
 
     ``"float32"`` as it is (4 bytes an entry); ``"bfloat16"`` rounded stochastically
-    (2 bytes); ``"int8"`` as blocks of `int8.INT8_BLOCK` entries, each an int8 code times
+    (2 bytes); ``"int8"`` as blocks of `int8_kernels.INT8_BLOCK` entries, each an int8 code times
     the block's fp32 scale (its largest magnitude / 127), rounded stochastically, packed
     with the scales into one uint8 tensor (1.0625 bytes). Stochastic rounding keeps the
     stored residual unbiased: ``E[decode(encode(x))] == x``, so what compression holds back

@@ -8,10 +8,10 @@ import torch
 
 from .base import Codec, Shapes
 from .generators import DeviceGenerators, RandomSource
-from .int8 import int8_blocks_bytes
+from .int8 import Int8Quantizer
+from .int8_kernels import int8_blocks_bytes
 from .payloads import Payload, SparsePayload
 from .residual import ResidualCodec
-from .values import Int8Quantizer
 
 # The threshold selection accepts a kept count within this band around the wanted count.
 THRESHOLD_TOLERANCE = 0.10

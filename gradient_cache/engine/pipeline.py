@@ -19,9 +19,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..codecs.generators import RandomSource
 from . import sharding
 from .backend import Encoded
-from .backends import BackendFactory, create_backend
 from .bucket import BucketAssembler, Item
 from .config import EngineConfig
+from .factory import BackendFactory, create_backend
 from .route import Codecs, Route, RoutePlan
 from .store import GradientStore, Part
 
@@ -163,7 +163,7 @@ class Pipeline:
     ) -> None:
         """``groups``: parameters whose gradients arrive together and share one buffer
         (FSDP2's reduce-scatter output); a bucket closes when a group is complete.
-        ``backend_factory``: builds the backend (`backends.create_backend` picks by device)."""
+        ``backend_factory``: builds the backend (`factory.create_backend` picks by device)."""
         self.config = config
         self.ratio = ratio
         params = [param for _, param in named_params]

@@ -23,7 +23,7 @@ import torch
 
 from .bitpack import pack, packed_bytes, unpack
 from .dither import WINDOW, Dither
-from .int8 import chunks
+from .int8_kernels import chunks
 from .rotation import ROTATION_BLOCK, rotation
 
 ROUNDINGS = ("stochastic", "sign")

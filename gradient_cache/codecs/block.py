@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import blockquant
+from . import block_kernels
 from .base import Codec, Shapes
 from .dither import Dither
 from .generators import RandomSource
@@ -18,7 +18,7 @@ from .rotation import held, rotation
 
 
 class BlockQuantized(Codec):
-    """``bits``-bit codes per entry after an optional block rotation (`blockquant`)."""
+    """``bits``-bit codes per entry after an optional block rotation (`block_kernels`)."""
 
     def __init__(self, *, name: str, bits: int, rotate: bool, rounding: str, seed: int = 0) -> None:
         if rounding == "sign" and bits != 1:
@@ -36,7 +36,7 @@ class BlockQuantized(Codec):
         *,
         loss_scale: torch.Tensor | None,
     ) -> tuple[BlockCodesPayload, None]:
-        packed = blockquant.encode(
+        packed = block_kernels.encode(
             flat, bits=self.bits, rotate=self.rotate, rounding=self.rounding, dither=self.dither
         )
         return BlockCodesPayload(packed, flat.numel(), flat.dtype, self.bits, self.rotate), None
@@ -46,7 +46,7 @@ class BlockQuantized(Codec):
         return rotation(device)
 
     def payload_shapes(self, numel: int, dtype: torch.dtype) -> Shapes:
-        return [(blockquant.encoded_bytes(numel, self.bits), torch.uint8)]
+        return [(block_kernels.encoded_bytes(numel, self.bits), torch.uint8)]
 
     def generators(self) -> dict[str, RandomSource]:
         return {} if self.rounding == "sign" else {"dither": self.dither}
