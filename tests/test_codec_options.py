@@ -213,3 +213,10 @@ def test_a_checkpoints_recipe_is_the_dict_it_was(ratio: float, options: dict, re
         "min_compress_numel",
         "warmup_steps",
     ]
+
+
+def test_a_bad_ratio_beside_an_old_keyword_is_named_first() -> None:
+    with pytest.raises(TypeError, match="compression_ratio must be a real number"):
+        gradient_cache.create_gradient_cache(
+            make_model(), compression_ratio="high", selection="exact"
+        )

@@ -118,7 +118,9 @@ class EngineConfig:
         if self.host_pool_mb is not None:
             _check_positive_number("host_pool_mb", self.host_pool_mb)
 
-    # --- derived from the codec's options (read-only; not options of their own) ------
+    # --- derived from the codec's options (read-only; not options of their own). The
+    # engine reads these: `residual_options` (route, backends, checkpoint's recipe), and
+    # `selection` / `residual_location` (the pipeline).
 
     @property
     def codec_name(self) -> str | None:
@@ -180,7 +182,8 @@ class EngineConfig:
         fields = {name: value for name, value in options.items() if name in known}
         keywords = {name: options[name] for name in TOPK_KEYWORDS if name in options}
         if keywords:
-            fields["codec"] = _codec_of_keywords(fields.get("codec"), keywords, compression_ratio)
+            ratio = validate_compression_ratio(compression_ratio)  # named before it is used
+            fields["codec"] = _codec_of_keywords(fields.get("codec"), keywords, ratio)
         return cls(**fields)
 
 
