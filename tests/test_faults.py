@@ -115,13 +115,13 @@ class RestoreFailsOnce(CpuBackend):
         super().__init__(torch.device("cpu"), keep_previous_residual=keep_previous)
         self.restores_left: int | None = None
 
-    def start_restore(self, items, *, scale):
+    def start_restore(self, items, *, clip_factor):
         if self.restores_left is not None:
             self.restores_left -= 1
             if self.restores_left < 0:
                 self.restores_left = None
                 raise torch.OutOfMemoryError("injected: out of memory while restoring")
-        return super().start_restore(items, scale=scale)
+        return super().start_restore(items, clip_factor=clip_factor)
 
 
 @pytest.mark.parametrize("ratio", [1, 100])

@@ -59,9 +59,10 @@ class Restore:
     done: Event | None = None  # the gradients are written
 
 
-def scaled(grad: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``grad * scale``, out of place: a payload a retried step reads again stays as it was."""
-    return grad if scale is None else grad * scale.to(grad.device)
+def clipped(grad: torch.Tensor, clip_factor: torch.Tensor | None) -> torch.Tensor:
+    """``grad * clip_factor``, out of place: a payload a retried step reads again stays as
+    it was."""
+    return grad if clip_factor is None else grad * clip_factor.to(grad.device)
 
 
 class Backend(ABC):
@@ -105,9 +106,9 @@ class Backend(ABC):
 
     @abstractmethod
     def start_restore(
-        self, items: list[tuple[Param, Payload]], *, scale: torch.Tensor | None
+        self, items: list[tuple[Param, Payload]], *, clip_factor: torch.Tensor | None
     ) -> Restore:
-        """Start bringing ``items`` back as dense gradients (times ``scale``, if given)."""
+        """Start bringing ``items`` back as dense gradients (times ``clip_factor``, if given)."""
 
     def finish_restore(self, restore: Restore) -> Grads:
         """The gradients, safe for work queued from now on to read."""
@@ -136,19 +137,19 @@ class CpuBackend(Backend):
         return {item.param: item.payload for item in encoded}
 
     def start_restore(
-        self, items: list[tuple[Param, Payload]], *, scale: torch.Tensor | None
+        self, items: list[tuple[Param, Payload]], *, clip_factor: torch.Tensor | None
     ) -> Restore:
         grads = []
         for param, payload in items:
             whole = payload.as_gradient()
             if whole is not None:  # lossless: the gradient itself, no copy
-                grad = scaled(whole, scale)
+                grad = clipped(whole, clip_factor)
             else:
                 route = self.routes[param]
                 grad = payload.decode_into(
                     torch.empty(route.numel, dtype=route.dtype, device=self.device)
                 )
-                if scale is not None:
-                    grad.mul_(scale)  # a fresh tensor: scaling in place costs no copy
+                if clip_factor is not None:
+                    grad.mul_(clip_factor)  # a fresh tensor: scaling in place costs no copy
             grads.append((param, grad.view(self.routes[param].shape)))
         return Restore(grads)

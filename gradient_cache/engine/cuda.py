@@ -15,7 +15,7 @@ from another stream than the hook's: `record_stream` then covers it (see `store`
 
 Restores run on a restore stream into blocks allocated on the compute stream:
 
-    compute ──(wait_stream)──► restore stream: H2D + decode (+ clip scale)
+    compute ──(wait_stream)──► restore stream: H2D + decode (+ clip factor)
     restore ──(event `done`)──► compute: the optimizer reads the gradients
 
 `torch.cuda` is reached through ``cuda`` (and pinned memory through ``allocate_pinned``),
@@ -184,21 +184,21 @@ class CudaBackend(Backend):
             self.pool = self.pool.relaid(layout)
 
     def start_restore(
-        self, items: list[tuple[Param, Payload]], *, scale: torch.Tensor | None
+        self, items: list[tuple[Param, Payload]], *, clip_factor: torch.Tensor | None
     ) -> Restore:
         compute = self.cuda.current_stream(self.device)
         # Allocated for the compute stream, which reads and frees them: the allocator then
         # reuses their blocks in compute-stream order, as for any gradient.
         routes = [self.routes[p] for p, _ in items]
         outs = [torch.empty(r.numel, dtype=r.dtype, device=self.device) for r in routes]
-        # Guarantees the restore writes these blocks (and reads ``scale``) only after the
+        # Guarantees the restore writes these blocks (and reads ``clip_factor``) only after the
         # compute-stream work queued so far, which may have used the blocks before.
         self.restore_stream.wait_stream(compute)
         with self.cuda.stream(self.restore_stream):
             for (_, payload), out in zip(items, outs, strict=True):
                 payload.restore_into(out, self.to_device)  # H2D, then decoded on the device
-                if scale is not None:
-                    out.mul_(scale)
+                if clip_factor is not None:
+                    out.mul_(clip_factor)
         done = self.cuda.Event()
         done.record(self.restore_stream)
         grads = [(p, out.view(r.shape)) for (p, _), r, out in zip(items, routes, outs, strict=True)]

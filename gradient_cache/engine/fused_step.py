@@ -4,7 +4,7 @@ Only one bucket's dense gradients (plus the one restoring ahead, on CUDA) are on
 device at once. A bucket's payloads leave the cache only after its ``optimizer.step()``
 returned, so if a step raises before changing anything (an injected failure, an OOM the
 user catches), calling `step` again finishes the job with plain PyTorch's result: the
-buckets already stepped are not stepped twice, and the clip scale of the first attempt
+buckets already stepped are not stepped twice, and the clip factor of the first attempt
 is reused.
 """
 
@@ -15,9 +15,9 @@ from collections import deque
 import torch
 
 from . import sharding
-from .backend import Restore, scaled
+from .backend import Restore, clipped
 from .pipeline import Pipeline
-from .store import Part
+from .store import BucketPayloads
 
 
 def step(
@@ -31,19 +31,19 @@ def step(
     pipeline.drain()
     # A dict, not a set: its order (the optimizer's) fixes the order norms are summed in,
     # so the clip factor has the same bits in every process and run.
-    owned = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
+    stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
     clip = pipeline.retry() if pipeline.interrupted else None
-    delivered = [p for p in pipeline.store if p in owned]
+    delivered = [p for p in pipeline.store if p in stepped]
     # A cached gradient that also has a device part is restored whole first: it then
     # behaves like any device gradient. Parameters of other optimizers stay cached.
     mixed = [p for p in delivered if p.grad is not None]
     pipeline.deliver(mixed)
     pipeline.restore(mixed)
-    held = {p: p.grad for p in owned if p.grad is not None}
-    parts = pipeline.parts(owned)
+    held = {p: p.grad for p in stepped if p.grad is not None}
+    parts = pipeline.parts(stepped)
     if clip is None:
-        clip = _clip_scale(pipeline, owned, parts, held, max_grad_norm, norm_type)
-    total_norm, scale = clip
+        clip = _clip_factor(pipeline, stepped, parts, held, max_grad_norm, norm_type)
+    total_norm, clip_factor = clip
     # Parameters only from here: a payload is let go as soon as its bucket is stepped.
     buckets = [[param for param, _ in part] for part in parts]
     del parts
@@ -57,7 +57,7 @@ def step(
             while len(ahead) <= backend.restore_ahead and i + len(ahead) < len(buckets):
                 later = buckets[i + len(ahead)]
                 items = [(param, store.payload(param)) for param in later]
-                ahead.append(backend.start_restore(items, scale=scale))
+                ahead.append(backend.start_restore(items, clip_factor=clip_factor))
             _step_with(optimizer, backend.finish_restore(ahead.popleft()))
             if i == 0:
                 # The step counts, and its residuals become current, once an optimizer
@@ -67,7 +67,7 @@ def step(
             store.remove(params)  # stepped: the payloads are spent
         if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
             for param, grad in held.items():
-                param.grad = sharding.as_grad_of(param, scaled(sharding.local(grad), scale))
+                param.grad = sharding.as_grad_of(param, clipped(sharding.local(grad), clip_factor))
             optimizer.step()
     except BaseException:
         for restore in ahead:
@@ -93,10 +93,10 @@ def _step_with(
             param.grad = None
 
 
-def _clip_scale(
+def _clip_factor(
     pipeline: Pipeline,
-    owned: dict[torch.nn.Parameter, None],
-    parts: list[Part],
+    stepped: dict[torch.nn.Parameter, None],
+    parts: list[BucketPayloads],
     held: dict[torch.nn.Parameter, torch.Tensor],
     max_grad_norm: float | None,
     norm_type: float,
@@ -121,7 +121,7 @@ def _clip_scale(
         )
     # Summed in the optimizer's order, as clip_grad_norm_(model.parameters()) sums: the
     # same bits on one CPU, and under FSDP2 (`sharding.global_norm`).
-    norms = [(param, local[param]) for param in owned if param in local]
+    norms = [(param, local[param]) for param in stepped if param in local]
     total = sharding.global_norm(norms, norm_type)
-    scale = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(pipeline.backend.device)
-    return total, scale
+    factor = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(pipeline.backend.device)
+    return total, factor

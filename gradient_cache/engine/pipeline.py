@@ -23,7 +23,7 @@ from .bucket import BucketAssembler, Item
 from .config import EngineConfig
 from .factory import BackendFactory, create_backend
 from .route import Codecs, Route, RoutePlan
-from .store import GradientStore, Part
+from .store import BucketPayloads, GradientStore
 
 Param = torch.nn.Parameter
 
@@ -83,7 +83,7 @@ class StepRecord:
 class ScaledStep:
     """A completed step a GradScaler may have skipped, and what it changed in the engine."""
 
-    scale: torch.Tensor  # the scaler's scale during its backward (a copy, on the device)
+    loss_scale: torch.Tensor  # the scaler's scale during its backward (a copy, on the device)
     random_state: dict[str, torch.Tensor]  # the generators' states before its backward
     steps: int  # the step count before it
 
@@ -129,7 +129,7 @@ class PendingStep:
     # The engine's generators as it found them (None: unknown, a checkpoint made on another
     # kind of device); `discard` rewinds them.
     random_state: dict[str, torch.Tensor] | None
-    scale: torch.Tensor | None  # the GradScaler's scale its backward saw (a device copy)
+    loss_scale: torch.Tensor | None  # the GradScaler's scale its backward saw (a device copy)
     counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
     clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
 
@@ -140,7 +140,7 @@ class StepStateError(RuntimeError):
 
 # Parameters whose gradients a live pipeline's hooks take. A second pipeline on one of them
 # would take gradients the first counts on; identity keys, since tensors compare by value.
-_owned: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_cached_params: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class Pipeline:
@@ -174,7 +174,7 @@ class Pipeline:
             members = [p for p in group if p in set(params)]
             arrivals = GroupArrivals(len(members))
             group_of.update(dict.fromkeys(members, arrivals))
-        taken = [name for name, param in named_params if param in _owned]
+        taken = [name for name, param in named_params if param in _cached_params]
         if taken:
             raise ValueError(
                 f"{len(taken)} of these parameters ({', '.join(taken[:3])}"
@@ -227,7 +227,7 @@ class Pipeline:
         self.unsettled: ScaledStep | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         for param in params:
-            _owned[param] = True
+            _cached_params[param] = True
 
     def _follow_plan(self) -> None:
         """Take every parameter's route for the current step count, backend included."""
@@ -397,13 +397,13 @@ class Pipeline:
     def restore(self, params: Iterable[Param]) -> None:
         """Put the cached gradients of ``params`` into ``param.grad`` (added to any there)."""
         for part in self.store.parts(set(params)):
-            restore = self.backend.start_restore(part, scale=None)
+            restore = self.backend.start_restore(part, clip_factor=None)
             for param, grad in self.backend.finish_restore(restore):
                 grad = sharding.as_grad_of(param, grad)
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
             self.store.remove([param for param, _ in part])
 
-    def parts(self, params: Iterable[Param]) -> list[Part]:
+    def parts(self, params: Iterable[Param]) -> list[BucketPayloads]:
         """The cached payloads of ``params``, bucket by bucket (`GradientStore.parts`)."""
         return self.store.parts(set(params))
 
@@ -421,9 +421,9 @@ class Pipeline:
             self.last_step.layers.update(record.layers)
         else:
             self.last_step = record
-            if self.pending.scale is not None:
+            if self.pending.loss_scale is not None:
                 self.unsettled = ScaledStep(
-                    self.pending.scale, self.pending.random_state or {}, self.steps
+                    self.pending.loss_scale, self.pending.random_state or {}, self.steps
                 )
             self.steps += 1
             self.pending.counted = True
@@ -433,7 +433,7 @@ class Pipeline:
         """A fused step raised: keep its clip for the retry (`retry`)."""
         self._enter("interrupt", INTERRUPTED)
         if self.pending is None:  # it had only gradients that never left the device
-            self.pending = PendingStep(random_state=None, scale=None)
+            self.pending = PendingStep(random_state=None, loss_scale=None)
         self.pending.clip = clip
 
     def retry(self) -> Clip:
@@ -477,7 +477,7 @@ class Pipeline:
         if scaled is None:
             return
         scale = self._loss_scale()
-        if scale is None or not bool(scale < scaled.scale):
+        if scale is None or not bool(scale < scaled.loss_scale):
             self.backend.residuals.forget_replaced()
             return
         self.backend.residuals.bring_back_replaced()
@@ -504,7 +504,7 @@ class Pipeline:
         """Take up a pending step a checkpoint saved, with the generators' states at its
         start; its payloads follow (`put_back`), then `drain`."""
         self._enter("resume", CAPTURING)
-        self.pending = PendingStep(random_state, scale=None)
+        self.pending = PendingStep(random_state, loss_scale=None)
 
     def put_back(self, encoded: list[Encoded]) -> None:
         """Store payloads a checkpoint saved, as a launch stores a bucket."""
@@ -584,5 +584,5 @@ class Pipeline:
             handle.remove()
         self._handles = []
         for param in self.records:
-            _owned.pop(param, None)
+            _cached_params.pop(param, None)
         self.backend.close()

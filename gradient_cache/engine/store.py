@@ -15,7 +15,7 @@ from ..codecs import Payload
 from .bucket import Bucket, BucketState
 
 Param = torch.nn.Parameter
-Part = list[tuple[Param, Payload]]
+BucketPayloads = list[tuple[Param, Payload]]
 
 
 class GradientStore:
@@ -58,7 +58,7 @@ class GradientStore:
         """The cached parameters, in the order they were first cached this step."""
         return iter(list(self._where))
 
-    def parts(self, params: Collection[Param]) -> list[Part]:
+    def parts(self, params: Collection[Param]) -> list[BucketPayloads]:
         """The payloads of those of ``params`` cached here, bucket by bucket in arrival order.
 
         Raises if a bucket has not landed: host payloads are read only after the drain.
@@ -83,7 +83,7 @@ class GradientStore:
         self._buckets = []
         self._where = {}
 
-    def buckets(self) -> list[Part]:
+    def buckets(self) -> list[BucketPayloads]:
         """Every bucket's (parameter, payload) pairs, in arrival order (checkpoints)."""
         return [list(b.payloads.items()) for b in self._buckets]
 
