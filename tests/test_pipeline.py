@@ -1,5 +1,6 @@
-"""The pipeline's step life (engine/pipeline.py): its states, the phases that move them, and
-the refusals of a phase started from the wrong state.
+"""The pipeline (engine/pipeline.py): its step life (the states, the phases that move them, the
+refusals of a phase started from the wrong state), buckets launched during backward, and an
+encode that fails losing no gradient.
 
 `test_call_orders.py` drives the same states in random legal orders against a model of
 them; here each transition is pinned down once, by name.
@@ -12,9 +13,10 @@ import pathlib
 
 import pytest
 import torch
-from helpers import FailsOnce, batches, loss_of, make_model
+from helpers import FailsOnce, assert_same_parameters, batches, loss_of, make_model, train
 
 import gradient_cache
+from gradient_cache import Ladder
 from gradient_cache.engine.pipeline import PHASES_FROM, StepState, StepStateError
 
 IDLE, CAPTURING, CACHED, STEPPING, INTERRUPTED = StepState
@@ -123,3 +125,87 @@ def _names_a_pipeline(node: ast.expr) -> bool:
     if isinstance(node, ast.Call):
         return isinstance(node.func, ast.Attribute) and node.func.attr == "_live"
     return False
+
+
+def test_buckets_follow_backward_order_and_launch_during_backward(monkeypatch) -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1, bucket_size_mb=1e-6)
+    pipeline = manager.engine
+    launched: list[str] = []
+    grads_left: list[int] = []
+    original = pipeline._encode
+
+    def spy(param, grad, loss_scale):
+        launched.append(pipeline.records[param].name)
+        grads_left.append(sum(p.grad is not None for p in model.parameters()))
+        return original(param, grad, loss_scale)
+
+    monkeypatch.setattr(pipeline, "_encode", spy)
+    tokens, targets = batches(1)[0]
+    loss_of(model, tokens, targets).backward()
+    assert launched.index("mlp.2.weight") < launched.index("mlp.0.weight")  # backward order
+    assert all(left == 0 for left in grads_left)  # each freed as soon as it was ready
+
+
+def fail_on(pipeline, name: str, monkeypatch) -> None:
+    """Make the encode of parameter ``name`` raise an out-of-memory error, once."""
+    original = pipeline._encode
+    state = {"armed": True}
+
+    def encode(param, grad, loss_scale):
+        if state["armed"] and pipeline.records[param].name == name:
+            state["armed"] = False
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return original(param, grad, loss_scale)
+
+    monkeypatch.setattr(pipeline, "_encode", encode)
+
+
+@pytest.mark.parametrize("ratio", [1, 20])
+def test_an_encode_failure_at_the_drain_loses_no_gradient(monkeypatch, ratio: int) -> None:
+    """Gradients not yet encoded go back to the parameters, whole; the rest stay cached."""
+    options = dict(compression_ratio=ratio, min_compress_numel=1, codec=Ladder(selection="exact"))
+    plain, reference, failing = make_model(), make_model(), make_model()
+    ref_manager = gradient_cache.create_gradient_cache(reference, **options)
+    manager = gradient_cache.create_gradient_cache(failing, **options)
+    tokens, targets = batches(1)[0]
+    for model in (plain, reference):
+        loss_of(model, tokens, targets).backward()
+    ref_manager.apply_gradients()
+    loss_of(failing, tokens, targets).backward()  # one bucket, waiting for the drain
+    engine = manager.engine
+    waiting = [engine.records[p].name for p in engine.assembler.params()]
+    fail_on(engine, waiting[2], monkeypatch)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.compress_and_free_gradients()
+    given_back = {n for n, p in failing.named_parameters() if p.grad is not None}
+    assert given_back == set(waiting[2:])  # the first two were cached
+    manager.apply_gradients()
+    for name, param in failing.named_parameters():
+        expected = plain if name in given_back else reference  # whole, or as cached
+        assert torch.equal(param.grad, expected.get_parameter(name).grad), name
+
+
+def test_an_encode_failure_in_backward_leaves_a_usable_manager(monkeypatch) -> None:
+    """Backward raises; the user skips the batch; training then matches plain PyTorch."""
+    data = batches(4)
+    plain = make_model()
+    train(plain, [data[0], *data[2:]])
+    cached = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=1, bucket_size_mb=0.004
+    )
+    optimizer = torch.optim.Adam(cached.parameters(), lr=1e-2)
+    for i, (tokens, targets) in enumerate(data):
+        if i == 1:
+            fail_on(manager.engine, "mlp.0.weight", monkeypatch)
+            with pytest.raises(torch.OutOfMemoryError):
+                loss_of(cached, tokens, targets).backward()
+            manager.discard_gradients()
+            optimizer.zero_grad()
+            continue
+        loss_of(cached, tokens, targets).backward()
+        manager.apply_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_same_parameters(plain, cached)
