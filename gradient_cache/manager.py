@@ -270,7 +270,7 @@ class GradientCacheHookManager:
             )
 
     def get_compression_summary(self) -> dict[str, Any]:
-        """`summary()` as the seed's dict (its fields, plus ``memory_saved_mb``).
+        """`summary()` as the original API's dict (its fields, plus ``memory_saved_mb``).
 
         While a step is pending (after backward or ``compress_and_free_gradients()``,
         before the restore) the figures describe what is cached now, and

@@ -202,7 +202,7 @@ def _codec_of_keywords(codec: Any, keywords: dict[str, Any], ratio: float) -> Co
         )
     rest = dict(keywords)
     if codec is None and ratio == 1 and rest.get("value_dtype") == "int8":
-        rest.pop("value_dtype")  # the seed's int8 option: every entry kept as an int8 code
+        rest.pop("value_dtype")  # the original API's int8 option: every entry kept as an int8 code
         codec = "int8"
     if codec is None and ratio > 1 and "selection" in rest:
         codec = Ladder(selection=rest.pop("selection"))  # the ladder's top-k rung

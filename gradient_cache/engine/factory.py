@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from ..units import MIB
 from .backend import Backend, CpuBackend
 from .config import EngineConfig
 from .cuda import CudaBackend, allocate_pinned
@@ -99,9 +100,9 @@ def build_cuda_backend(
     layout = {param: route.slot for param, route in routes.items()}
     # What the pool's power-of-two slabs reserve (a little above what its slots need).
     needed = reserved_bytes(layout)
-    if config.host_pool_mb is not None and needed > config.host_pool_mb * 2**20:
+    if config.host_pool_mb is not None and needed > config.host_pool_mb * MIB:
         raise ValueError(
-            f"host_pool_mb={config.host_pool_mb} is below the {needed / 2**20:.1f} MiB the "
+            f"host_pool_mb={config.host_pool_mb} is below the {needed / MIB:.1f} MiB the "
             "pool needs (one slot per parameter, sized for its largest payload). Raise "
             "host_pool_mb, raise compression_ratio, or leave host_pool_mb=None."
         )
