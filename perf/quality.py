@@ -77,7 +77,7 @@ VAL_SEED = 1234
 STEPS = 1500
 EVAL_EVERY = 500
 # Tuned for plain PyTorch (`--optimizers` with the plain setting and `--lr`), then used
-# for every setting: see perf/RESULTS.md.
+# for every setting: perf/RESULTS-archive.md, "Compression recipes: screening at 1,000 steps".
 LEARNING_RATES = {"adamw": 1e-3, "sgd": 0.03}
 
 # Settings: None is plain PyTorch; otherwise `create_gradient_cache` options.
