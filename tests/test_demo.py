@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import math
@@ -376,3 +377,25 @@ def test_a_second_plain_run_is_made_only_when_the_lossless_run_differs(
     assert started[3:] == ["plain, again"]
     assert result.weight_difference(result.plain_again) == 0.5
     assert result.weight_difference(result.runs[1], plain=result.plain_again) == 0
+
+
+def test_the_accountings_private_torch_names_fail_in_one_place_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch that moved its dispatch-mode names fails at the one guarded import, naming
+    the torch version and what needs them; the command line, which imports the demo's
+    run module, still imports (the accounting is imported when a run starts)."""
+    monkeypatch.setitem(sys.modules, "torch.utils._python_dispatch", None)  # import fails
+    fresh = ("_torch_private", "accounting", "training", "run", "report")
+    for name in [f"gradient_cache.demo.{module}" for module in fresh] + ["gradient_cache.cli"]:
+        package, _, attribute = name.rpartition(".")
+        if hasattr(sys.modules[package], attribute):  # restored afterwards, as sys.modules
+            monkeypatch.setattr(
+                sys.modules[package], attribute, getattr(sys.modules[package], attribute)
+            )
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ImportError, match=r"torch>=2\.3") as raised:
+        importlib.import_module("gradient_cache.demo.accounting")
+    assert f"torch {torch.__version__} " in str(raised.value)
+    assert "The rest of gradient_cache works without them" in str(raised.value)
+    assert importlib.import_module("gradient_cache.cli").main is not cli.main  # a fresh import

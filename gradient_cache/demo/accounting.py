@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import (
+
+from ..units import MIB as MIB  # re-exported: perf/ reads it from here
+from ._torch_private import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
     is_traceable_wrapper_subclass,
+    tree_leaves,
 )
-from torch.utils._pytree import tree_leaves
-
-from ..units import MIB as MIB  # re-exported: perf/ reads it from here
 
 if TYPE_CHECKING:
     from ..manager import GradientCacheHookManager

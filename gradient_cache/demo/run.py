@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import psutil
 import torch
@@ -35,8 +35,10 @@ from .. import __version__
 from ..engine.config import EngineConfig
 from ..manager import GradientCacheHookManager, create_gradient_cache
 from ..stats import MIB, process_rss_mb
-from .accounting import DeviceMemoryMeter, device_memory_meter
 from .models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
+
+if TYPE_CHECKING:
+    from .accounting import DeviceMemoryMeter
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -296,6 +298,10 @@ def measured_steps(steps: int, device: torch.device) -> list[int]:
 
 def _train(name: str, ratio: float | None, settings: DemoSettings) -> RunResult:
     """One run, in its own process: train, evaluate, and hand back figures and weights."""
+    # Here, not at the top: the accounting needs private torch names (._torch_private), and
+    # the command line, which imports this module, must work without them.
+    from .accounting import device_memory_meter
+
     torch.set_num_threads(settings.threads)
     device = settings.device
     config = GPT_SIZES[settings.model_size]
