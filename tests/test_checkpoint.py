@@ -26,6 +26,8 @@ from helpers import (
 from helpers import build_checkpointed as build
 from helpers import run_checkpointed as run
 
+import gradient_cache
+
 
 @pytest.mark.parametrize("cut", [4, 5], ids=["between steps", "mid-accumulation"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -113,3 +115,33 @@ def test_loading_needs_a_manager_with_nothing_pending() -> None:
         manager.load_state_dict(model.state_dict())
     with pytest.raises(ValueError, match="format_version 99"):
         manager.load_state_dict({**state, "format_version": 99})
+
+
+@pytest.mark.parametrize(
+    ("options", "old_recipe"),
+    [
+        # The int8 codec, once spelled value_dtype="int8" at ratio 1 with codec=None.
+        (
+            dict(compression_ratio=1, codec="int8"),
+            dict(codec=None, value_dtype="int8", error_feedback=True, residual_dtype="int8"),
+        ),
+        # The ladder, whose recipe once carried top-k options that did nothing there.
+        (
+            dict(compression_ratio=100),
+            dict(codec=None, value_dtype="int8", error_feedback=False, residual_dtype="float32"),
+        ),
+    ],
+    ids=["int8 at ratio 1", "ladder"],
+)
+def test_a_checkpoint_saved_with_the_old_option_spelling_loads(
+    options: dict, old_recipe: dict
+) -> None:
+    """Checkpoints from before the codec options moved onto the codec say the same run in
+    other words: they load (format 3 both), and other settings are still refused."""
+    model = make_model()
+    state = gradient_cache.create_gradient_cache(model, **options).state_dict()
+    state["recipe"] = state["recipe"] | old_recipe
+    gradient_cache.create_gradient_cache(make_model(), **options).load_state_dict(state)
+    state["recipe"]["warmup_steps"] = 5
+    with pytest.raises(ValueError, match="warmup_steps: checkpoint 5, this manager 0"):
+        gradient_cache.create_gradient_cache(make_model(), **options).load_state_dict(state)

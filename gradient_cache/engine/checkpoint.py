@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..codecs import payload_from_state
+from ..codecs import TopK, payload_from_state
 from . import sharding, state_check
 from .backend import Encoded
 from .pipeline import Pipeline
@@ -55,6 +55,26 @@ def recipe(pipeline: Pipeline) -> dict[str, Any]:
         "warmup_steps": config.warmup_steps,
     }
     return {"compression_ratio": pipeline.ratio} | {name: values[name] for name in RECIPE_FIELDS}
+
+
+def _as_today(saved: dict[str, Any]) -> dict[str, Any]:
+    """A recipe saved before the codec options moved onto the codec, as it is said today.
+
+    Then ``codec=None`` recorded the top-k options whether or not they acted; with
+    ``codec=None`` they never did, but at ratio 1 ``value_dtype="int8"`` chose the int8
+    codec, which is ``codec="int8"`` now. The same run has the same recipe either way.
+    """
+    if saved.get("codec") is not None:
+        return saved
+    defaults = TopK()
+    today = saved | {
+        "error_feedback": defaults.error_feedback,
+        "residual_dtype": defaults.residual_dtype,
+        "value_dtype": defaults.value_dtype,
+    }
+    if saved.get("compression_ratio") == 1 and saved.get("value_dtype") == "int8":
+        today["codec"] = "int8"
+    return today
 
 
 def save(pipeline: Pipeline) -> dict[str, Any]:
@@ -138,11 +158,11 @@ def _check(pipeline: Pipeline, state: Any) -> None:
             "load_state_dict() needs a manager with no step pending: call it before the first "
             "backward, or after a restore (apply_gradients() or step())."
         )
-    ours = recipe(pipeline)
+    ours, saved = recipe(pipeline), _as_today(state["recipe"])
     differences = [
-        f"{name}: checkpoint {state['recipe'].get(name)!r}, this manager {value!r}"
+        f"{name}: checkpoint {saved.get(name)!r}, this manager {value!r}"
         for name, value in ours.items()
-        if state["recipe"].get(name) != value
+        if saved.get(name) != value
     ]
     if differences:
         raise ValueError(

@@ -147,11 +147,6 @@ class EngineConfig:
         return options.selection if isinstance(options, (TopK, Ladder)) else "auto"
 
     @property
-    def residual_location(self) -> str:
-        """``residual_options.residual_location``."""
-        return self.residual_options.residual_location
-
-    @property
     def bucket_size_bytes(self) -> int:
         return max(1, int(self.bucket_size_mb * MIB))
 

@@ -568,7 +568,7 @@ class Pipeline:
         """What the engine holds now (a read-only view; see `HeldTensors`)."""
         residuals = self.backend.residuals
         kept_residuals = [*residuals.current().values(), *residuals.pending().values()]
-        on_host = self.config.residual_location == "host"
+        on_host = self.config.residual_options.residual_location == "host"
         return HeldTensors(
             host=(
                 *self.store.tensors(),
