@@ -38,6 +38,7 @@ from torch.distributed.fsdp import fully_shard
 
 from gradient_cache import create_gradient_cache
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT, make_batches
+from gradient_cache.demo.training import train_step
 from gradient_cache.units import MIB
 
 VARIANTS = (
@@ -97,15 +98,7 @@ def measure(model_size: str, ratio: float | None, fused: bool, batch_size: int) 
             seq_len=GPT_SIZES[model_size].seq_len,
             generator=generator,
         )
-        _, loss = model(x, y)
-        loss.backward()
-        if cache is not None and fused:
-            cache.step(optimizer)
-        else:
-            if cache is not None:
-                cache.apply_gradients()
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, cache, [(x, y)], fused=fused)
     for handle in handles:
         handle.remove()
     dense = sum(p.to_local().numel() * p.element_size() for p in sharded)

@@ -35,6 +35,7 @@ import torch
 import gradient_cache
 from gradient_cache.codecs import TopKSelector, keep_count
 from gradient_cache.demo.models import GPTConfig, TinyGPT
+from gradient_cache.demo.training import micro_batches, train_step
 from gradient_cache.units import MIB
 
 GPT2_SMALL = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12)
@@ -49,30 +50,6 @@ def make_model(config: GPTConfig) -> TinyGPT:
 def batch(config: GPTConfig, size: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(config.vocab_size, (size, seq + 1), device="cuda")
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def one_step(
-    model: TinyGPT,
-    optimizer: torch.optim.Optimizer,
-    manager: gradient_cache.GradientCacheHookManager | None,
-    data: tuple[torch.Tensor, torch.Tensor],
-    *,
-    micro_batches: int,
-    fused: bool,
-) -> None:
-    x, y = data
-    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
-        model(xs, ys)[1].div(micro_batches).backward()
-        if manager is not None:
-            manager.compress_and_free_gradients()
-    if manager is None:
-        optimizer.step()
-    elif fused:
-        manager.step(optimizer)
-    else:
-        manager.apply_gradients()
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def build(
@@ -98,19 +75,19 @@ def variants() -> list[tuple[str, float | None, bool]]:
 
 def peak_memory(config: GPTConfig, size: int, seq: int) -> list[dict[str, Any]]:
     rows = []
-    for micro_batches in (1, 4):
+    for count in (1, 4):
         for name, ratio, fused in variants():
             model, manager, optimizer = build(config, ratio)
-            data = batch(config, size, seq)
-            one_step(model, optimizer, manager, data, micro_batches=micro_batches, fused=fused)
+            batches = micro_batches(*batch(config, size, seq), count)
+            train_step(model, optimizer, manager, batches, fused=fused)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            one_step(model, optimizer, manager, data, micro_batches=micro_batches, fused=fused)
+            train_step(model, optimizer, manager, batches, fused=fused)
             torch.cuda.synchronize()
             rows.append(
                 {
                     "variant": name,
-                    "micro_batches": micro_batches,
+                    "micro_batches": count,
                     "peak_mib": torch.cuda.max_memory_allocated() / MIB,
                 }
             )
@@ -201,9 +178,7 @@ def step_time(config: GPTConfig, size: int, seq: int, repeats: int) -> list[dict
         model, manager, optimizer = build(config, ratio)
         data = batch(config, size, seq)
 
-        step = functools.partial(
-            one_step, model, optimizer, manager, data, micro_batches=1, fused=fused
-        )
+        step = functools.partial(train_step, model, optimizer, manager, [data], fused=fused)
         backward = functools.partial(backward_only, model, manager, data)
 
         for _ in range(3):
@@ -262,13 +237,8 @@ def largest_batch(config: GPTConfig, seq: int, cap_fraction: float, limit: int) 
                 model, manager, optimizer = build(config, ratio)
                 try:
                     for _ in range(2):
-                        one_step(
-                            model,
-                            optimizer,
-                            manager,
-                            batch(config, size, seq),
-                            micro_batches=1,
-                            fused=fused,
+                        train_step(
+                            model, optimizer, manager, [batch(config, size, seq)], fused=fused
                         )
                     torch.cuda.synchronize()
                     best = size

@@ -23,7 +23,8 @@ import psutil
 import torch
 
 from gradient_cache import create_gradient_cache
-from gradient_cache.demo.accounting import GRADIENTS, MIB, MemoryReading, device_memory_meter
+from gradient_cache.demo.accounting import GRADIENTS, MIB, device_memory_meter
+from gradient_cache.demo.training import Batch, PhaseRecorder, train_step
 from perf.steps import batch_stream, gpt
 
 
@@ -54,6 +55,13 @@ class MemorySettings:
     micro_batches: int = 4
     bucket_size_mb: float = 4.0  # the engine's default
     device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 2:
+            raise ValueError(
+                f"micro_batches={self.micro_batches}: the report compares the first "
+                "micro-batch with the later ones, so it needs at least 2."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,46 +98,26 @@ def measure(variant: MemoryVariant, settings: MemorySettings) -> MemoryFigures:
         )
     next_batch = batch_stream(model, batch_size=settings.batch_size)
 
-    def micro_batch() -> None:
-        x, y = (t.to(settings.device) for t in next_batch())
-        model(x, y)[1].backward()  # logits and loss die here, as in a tidy loop
-        if cache is not None:
-            cache.compress_and_free_gradients()
+    def draw() -> list[Batch]:
+        return [
+            (x.to(settings.device), y.to(settings.device))
+            for x, y in (next_batch() for _ in range(settings.micro_batches))
+        ]
 
-    def optimizer_step() -> None:
-        if cache is None:
-            optimizer.step()
-        elif variant.fused_step:
-            cache.step(optimizer)
-        else:
-            cache.apply_gradients()
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    for _ in range(settings.micro_batches):  # warm-up: optimizer state, engine scratch
-        micro_batch()
-    optimizer_step()
-
+    # A warm-up step makes the optimizer state and the engine's scratch.
+    train_step(model, optimizer, cache, draw(), fused=variant.fused_step)
+    batches = draw()  # before the meter: each batch counts from its forward on
     meter = device_memory_meter(model, optimizer=optimizer, cache=cache)
-    between: list[MemoryReading] = []
+    recorder = PhaseRecorder(meter)
     with meter:
-        x, y = (t.to(settings.device) for t in next_batch())
-        loss = model(x, y)[1]
-        with meter.phase("backward"):
-            loss.backward()
-            if cache is not None:
-                cache.compress_and_free_gradients()
-        del loss
-        between.append(meter.reading())
-        with meter.phase("accumulation"):
-            for index in range(1, settings.micro_batches):
-                micro_batch()
-                if index < settings.micro_batches - 1:
-                    between.append(meter.reading())
-        host_store = meter.reading().host_bytes
-        with meter.phase("step"):
-            optimizer_step()
-    backward = meter.peaks["backward"]
+        train_step(model, optimizer, cache, batches, fused=variant.fused_step, phase=recorder)
+    # The report's phases: the first micro-batch's backward (with the drain), the later
+    # micro-batches (their forward and backward), the optimizer step.
+    records = recorder.records
+    backwards = [r for r in records if r.name == "backward"]
+    backward = backwards[0].peak
+    later = [r.peak.peak.device_bytes for r in records[:-1] if r.micro_batch > 1]
+    step_peak = records[-1].peak  # the optimizer's
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     return MemoryFigures(
         variant=variant.name,
@@ -139,13 +127,14 @@ def measure(variant: MemoryVariant, settings: MemorySettings) -> MemoryFigures:
         backward_peak=backward.peak.device_bytes,
         gradients_at_backward_peak=backward.peak.by_category.get(GRADIENTS),
         max_gradients_in_backward=backward.max_by_category.get(GRADIENTS),
-        between_micro_batches=max(reading.device_bytes for reading in between),
-        accumulation_peak=meter.peaks["accumulation"].peak.device_bytes,
-        step_peak=meter.peaks["step"].peak.device_bytes,
-        host_store=host_store,
+        # What each micro-batch but the last leaves resident for the next.
+        between_micro_batches=max(r.end.device_bytes for r in backwards[:-1]),
+        accumulation_peak=max(later),
+        step_peak=step_peak.peak.device_bytes,
+        host_store=backwards[-1].end.host_bytes,  # all of the step's gradients, stored
         process_rss=psutil.Process().memory_info().rss,
         backward_peak_by_category=backward.peak.by_category,
-        step_peak_by_category=meter.peaks["step"].peak.by_category,
+        step_peak_by_category=step_peak.peak.by_category,
     )
 
 

@@ -8,12 +8,11 @@ betas (0.9, 0.999), weight decay 0.01). What a contender cannot do is said in wo
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,11 +27,10 @@ from gradient_cache.demo.accounting import (
     view_bytes,
 )
 from gradient_cache.demo.models import TinyGPT
+from gradient_cache.demo.training import Batch, PhaseScope, no_phase, train_step
 from gradient_cache.engine.config import DEFAULT_COMPRESSION_RATIO
 
 LEARNING_RATE = 1e-3
-Batch = tuple[torch.Tensor, torch.Tensor]
-PhaseScope = Callable[[str], contextlib.AbstractContextManager[None]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,11 +191,6 @@ CONTENDERS = {
 DEFAULT_CONTENDERS = tuple(k for k in CONTENDERS if k != "cache-fused-torchao")
 
 
-@contextlib.contextmanager
-def _no_phase(_name: str) -> Iterator[None]:
-    yield
-
-
 @dataclass(kw_only=True)
 class Trainer:
     """A model trained the way a contender says: ``step`` runs one scenario step."""
@@ -223,35 +216,20 @@ class Trainer:
         return [self.optimizer]
 
     def step(
-        self, micro_batches: Sequence[Batch], scenario: Scenario, *, phase: PhaseScope = _no_phase
+        self, micro_batches: Sequence[Batch], scenario: Scenario, *, phase: PhaseScope = no_phase
     ) -> float:
         """One step of ``scenario`` on ``micro_batches``; its mean loss."""
-        losses = []
-        for x, y in micro_batches:
-            with phase("forward"):
-                loss = self.model(x, y)[1]  # the logits go now, as in a tidy loop
-            with phase("backward"):
-                (loss / len(micro_batches)).backward()
-                if self.cache is not None:
-                    self.cache.compress_and_free_gradients()
-            losses.append(loss.detach())
-        with phase("optimizer"):
-            self._optimizer_step(scenario.max_grad_norm)
-        return torch.stack(losses).mean().item()
-
-    def _optimizer_step(self, max_grad_norm: float | None) -> None:
         way = self.contender.way
-        if way == "in backward":
-            return  # every parameter stepped in its gradient's hook
-        if way == "fused":
-            self.cache.step(self.optimizer, max_grad_norm=max_grad_norm)
-        else:
-            if self.cache is not None:
-                self.cache.apply_gradients()
-            if max_grad_norm is not None:
-                nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        loss = train_step(
+            self.model,
+            None if way == "in backward" else self.optimizer,  # stepped in its hooks
+            self.cache,
+            micro_batches,
+            fused=way == "fused",
+            max_grad_norm=scenario.max_grad_norm,
+            phase=phase,
+        )
+        return loss.item()
 
     def host_bytes(self) -> int:
         """Bytes this contender keeps in host memory now (on a CPU: what it would)."""

@@ -37,6 +37,7 @@ from gradient_cache.demo.accounting import (
     storage_bytes,
 )
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
+from gradient_cache.demo.training import PHASES, PhaseRecorder
 from perf.peers_contenders import (
     CONTENDERS,
     SCENARIOS,
@@ -160,22 +161,23 @@ def measure_step(
     """One step under the device meter: each phase's peak (the largest over micro-batches)
     with its components, what is held when backward ends, and the host bytes then."""
     meter = _meter(trainer, device)
-    peaks: dict[str, dict[str, Any]] = {}
+    recorder = PhaseRecorder(meter)
     at_end_of_backward: dict[str, Any] = {}
 
     @contextlib.contextmanager
     def phase(name: str) -> Iterator[None]:
-        with meter.phase(name):
+        with recorder(name):
             yield
-        peak = meter.peaks[name].peak
-        if name not in peaks or peak.device_bytes > peaks[name]["total"]:
-            peaks[name] = {"total": peak.device_bytes, **peak.by_category}
         if name == "backward":  # the last micro-batch's is what the step starts from
             at_end_of_backward.clear()
             at_end_of_backward.update(_reading(meter, trainer))
 
     with meter, _opaque_step(trainer, meter):
         loss = trainer.step(micro_batches, scenario, phase=phase)
+    peaks = {}
+    for name in PHASES:
+        memory = recorder.memory(name)
+        peaks[name] = {"total": memory.peak_bytes, **memory.peak_by_category}
     peak_phase = max(peaks, key=lambda name: peaks[name]["total"])
     return loss, {
         "phases": peaks,

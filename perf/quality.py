@@ -41,6 +41,7 @@ import torch
 
 from gradient_cache import EngineConfig, GradientCacheHookManager, create_gradient_cache
 from gradient_cache.codecs import BLOCK_CODECS
+from gradient_cache.demo import training
 from gradient_cache.demo.models import GPTConfig, TinyGPT, make_batches
 from gradient_cache.engine.route import plan_params
 
@@ -212,15 +213,12 @@ def train_step(
     train: torch.Tensor,
     generator: torch.Generator,
 ) -> None:
-    """One step of the user's loop: plain when ``manager`` is None."""
-    x, y = make_batches(
+    """One step on the next batch, ``apply_gradients()`` then ``optimizer.step()`` (the
+    shared step, not fused): plain when ``manager`` is None."""
+    batch = make_batches(
         train, batch_size=BATCH_SIZE, seq_len=model.config.seq_len, generator=generator
     )
-    model(x, y)[1].backward()
-    if manager is not None:
-        manager.apply_gradients()
-    optimizer.step()
-    optimizer.zero_grad()
+    training.train_step(model, optimizer, manager, [batch])
 
 
 def train_run(job: dict) -> dict:

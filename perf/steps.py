@@ -1,9 +1,10 @@
 """Training-step variants timed and measured by the perf runs, the naive reference included.
 
-Every variant trains its own copy of the same TinyGPT with Adam; ``build`` returns the
-one-step closure. The naive reference is the straightforward synchronous way to top-k
-gradients, written here and not in the library: after backward, copy each dense gradient
-to the host, run torch.topk there, and send the kept entries back.
+Every variant trains its own copy of the same TinyGPT with Adam; ``build`` returns its
+`Trainer`, whose step is the shared one (`gradient_cache.demo.training.train_step`). The
+naive reference is the straightforward synchronous way to top-k gradients, written here
+and not in the library: after backward, copy each dense gradient to the host, run
+torch.topk there, and send the kept entries back.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ import torch
 from gradient_cache import GradientCacheHookManager, create_gradient_cache
 from gradient_cache.codecs import keep_count
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT, make_batches
+from gradient_cache.demo.training import Batch, PhaseScope, no_phase, train_step
 from gradient_cache.engine.config import DEFAULT_COMPRESSION_RATIO
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-Step = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,12 +81,31 @@ def adam(model: torch.nn.Module, *, fused: bool) -> torch.optim.Optimizer:
 
 @dataclass
 class Trainer:
-    """A model copy, its optimizer, and the cache or reference a variant adds."""
+    """A model copy, its optimizer, and the cache a variant adds (None: plain or naive)."""
 
     model: TinyGPT
     optimizer: torch.optim.Optimizer
     cache: GradientCacheHookManager | None
-    step: Step
+    fused_step: bool
+
+    def step(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        phase: PhaseScope = no_phase,
+        keep_logits: bool = False,
+    ) -> None:
+        """One training step on the batch ``(x, y)`` (`train_step`'s options)."""
+        train_step(
+            self.model,
+            self.optimizer,
+            self.cache,
+            [(x, y)],
+            fused=self.fused_step,
+            keep_logits=keep_logits,
+            phase=phase,
+        )
 
 
 def build(variant: StepVariant, base: TinyGPT, **cache_options: object) -> Trainer:
@@ -95,27 +113,15 @@ def build(variant: StepVariant, base: TinyGPT, **cache_options: object) -> Train
     model = copy.deepcopy(base)
     optimizer = adam(model, fused=variant.fused_adam)
     cache = None
-    if variant.ratio is not None and not variant.naive:
+    if variant.naive:
+        # After backward, before the optimizer reads the gradients: where a user's loop
+        # would call it.
+        optimizer.register_step_pre_hook(lambda *_: naive_topk_(model, ratio=variant.ratio))
+    elif variant.ratio is not None:
         if variant.codec is not None:
             cache_options = {"codec": variant.codec, **cache_options}
         cache = create_gradient_cache(model, compression_ratio=variant.ratio, **cache_options)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        model(x, y)[1].backward()
-        if variant.naive:
-            naive_topk_(model, ratio=variant.ratio)
-            optimizer.step()
-        elif cache is None:
-            optimizer.step()
-        elif variant.fused_step:
-            cache.step(optimizer)
-        else:
-            cache.compress_and_free_gradients()
-            cache.apply_gradients()
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return Trainer(model=model, optimizer=optimizer, cache=cache, step=step)
+    return Trainer(model=model, optimizer=optimizer, cache=cache, fused_step=variant.fused_step)
 
 
 @torch.no_grad()

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..stats import MIB
-from .run import FINAL_LOSS_STEPS, PHASES, DemoResult, RunResult
+from .run import FINAL_LOSS_STEPS, DemoResult, RunResult
+from .training import PHASES
 
 MATPLOTLIB_MISSING = (
     "gradient-cache demo draws report.png with matplotlib, which is not installed. "

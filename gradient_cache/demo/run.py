@@ -13,8 +13,6 @@ its dispatch mode slows a step down (about 1.5x on the small model, 3x on the ti
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -23,24 +21,28 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import psutil
 import torch
 
 from .. import __version__
 from ..engine.config import EngineConfig
-from ..manager import GradientCacheHookManager, create_gradient_cache
+from ..manager import create_gradient_cache
 from ..stats import MIB, process_rss_mb
 from .models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
-
-if TYPE_CHECKING:
-    from .accounting import DeviceMemoryMeter
-
-PHASES = ("forward", "backward", "optimizer")
+from .training import (
+    PHASES,
+    PhaseMemory,
+    PhaseRecorder,
+    PhaseScope,
+    micro_batches,
+    no_phase,
+    train_step,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +99,6 @@ FINAL_LOSS_STEPS = 10
 CPU_MEASURED_STEPS = 4
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-PhaseScope = Callable[[str], contextlib.AbstractContextManager[None]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,16 +114,6 @@ class DemoSettings:
     # Every run uses the parent's intra-op thread count: a CPU kernel that sums per-thread
     # partial results (LayerNorm's backward does) gives other bits with other counts.
     threads: int = field(default_factory=torch.get_num_threads)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PhaseMemory:
-    """Device bytes of one phase of one step: its peak, what was left at its end, and
-    (CPU only) each category's bytes at the peak."""
-
-    peak_bytes: int
-    end_bytes: int
-    peak_by_category: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,6 +310,15 @@ def _train(name: str, ratio: float | None, settings: DemoSettings) -> RunResult:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     manager = None if ratio is None else create_gradient_cache(model, compression_ratio=ratio)
     generator = torch.Generator().manual_seed(settings.seed)  # the same batches in every run
+
+    def train(x: torch.Tensor, y: torch.Tensor, *, phase: PhaseScope = no_phase) -> torch.Tensor:
+        """One step of the scenario. The cache runs use the fused step, which restores one
+        bucket of dense gradients at a time (apply_gradients() would restore all at once)."""
+        batches = micro_batches(x, y, scenario.micro_batches)
+        return train_step(
+            model, optimizer, manager, batches, fused=True, keep_logits=True, phase=phase
+        )
+
     measured = measured_steps(settings.steps, device)
     losses, seconds, memory = [], [], []
     bar = ProgressBar(name, settings.steps, stream=sys.stderr)
@@ -335,13 +335,12 @@ def _train(name: str, ratio: float | None, settings: DemoSettings) -> RunResult:
             meter = device_memory_meter(model, optimizer=optimizer, cache=manager)
             with meter:
                 start_bytes = meter.reading().device_bytes
-                phases: dict[str, PhaseMemory] = {}
-                loss = _step(
-                    model, optimizer, manager, x, y, scenario, phase=_recorder(meter, phases)
-                )
+                recorder = PhaseRecorder(meter)
+                loss = train(x, y, phase=recorder)
+            phases = {name: recorder.memory(name) for name in PHASES}
             memory.append(StepMemory(step=step, start_bytes=start_bytes, phases=phases))
         else:
-            loss = _step(model, optimizer, manager, x, y, scenario)
+            loss = train(x, y)
         losses.append(loss.item())  # on CUDA this waits for the step, so the time is real
         seconds.append(time.perf_counter() - start)
         bar.update(step, losses[-1])
@@ -364,67 +363,6 @@ def _train(name: str, ratio: float | None, settings: DemoSettings) -> RunResult:
         summary=summary,
         weights={k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
     )
-
-
-@contextlib.contextmanager
-def _no_phase(_name: str) -> Iterator[None]:
-    yield
-
-
-def _recorder(meter: DeviceMemoryMeter, phases: dict[str, PhaseMemory]) -> PhaseScope:
-    """A phase scope that measures the phase and what it leaves behind into ``phases``."""
-
-    @contextlib.contextmanager
-    def phase(name: str) -> Iterator[None]:
-        with meter.phase(name):
-            yield
-        peak = meter.peaks[name]
-        end_bytes = meter.reading().device_bytes
-        earlier = phases.get(name)  # the same phase of an earlier micro-batch
-        if earlier is not None and earlier.peak_bytes >= peak.peak.device_bytes:
-            phases[name] = dataclasses.replace(earlier, end_bytes=end_bytes)
-            return
-        phases[name] = PhaseMemory(
-            peak_bytes=peak.peak.device_bytes,
-            end_bytes=end_bytes,
-            peak_by_category=dict(peak.peak.by_category),
-        )
-
-    return phase
-
-
-def _step(
-    model: TinyGPT,
-    optimizer: torch.optim.Optimizer,
-    manager: GradientCacheHookManager | None,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    scenario: Scenario,
-    *,
-    phase: PhaseScope = _no_phase,
-) -> torch.Tensor:
-    """One training step of ``scenario``: its micro-batches' forward and backward passes
-    (each phase's peak is the largest over them), then the optimizer. The cache runs use
-    the fused step, which restores one bucket of dense gradients at a time (plain
-    `apply_gradients()` would restore all at once). Returns the step's mean loss."""
-    losses = []
-    for xs, ys in zip(
-        x.split(scenario.micro_batch_size), y.split(scenario.micro_batch_size), strict=True
-    ):
-        with phase("forward"):
-            _, loss = model(xs, ys)
-        with phase("backward"):
-            (loss / scenario.micro_batches).backward()
-            if manager is not None:
-                manager.compress_and_free_gradients()
-        losses.append(loss.detach())
-    with phase("optimizer"):
-        if manager is None:
-            optimizer.step()
-        else:
-            manager.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-    return torch.stack(losses).mean()
 
 
 @torch.no_grad()
