@@ -7,8 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from perf.bench_core import cpu_model
-from perf.harness import ROWS, benchmarks_enabled, cpu_snapshot, others_share, render
+from perf.harness import ROWS, benchmarks_enabled, cpu_model, cpu_snapshot, others_share, render
 
 _SESSION_START = cpu_snapshot()
 

@@ -8,9 +8,11 @@ sizes as a smoke test and nothing is printed.
 
 from __future__ import annotations
 
+import platform
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -22,6 +24,17 @@ from perf import memory_report
 GB = 1e9
 
 ROWS: dict[str, list[dict[str, Any]]] = defaultdict(list)
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def benchmarks_enabled(config: pytest.Config) -> bool:

@@ -53,8 +53,7 @@ import torch
 
 from gradient_cache import __version__
 from gradient_cache.demo.models import GPT_SIZES
-from perf.bench_core import cpu_model
-from perf.harness import cpu_snapshot, others_share
+from perf.harness import cpu_model, cpu_snapshot, others_share
 from perf.peers_contenders import CONTENDERS, DEFAULT_CONTENDERS, SCENARIOS
 from perf.peers_run import PeerSettings, run_contender
 from perf.peers_table import markdown
