@@ -407,7 +407,7 @@ def _is_positive_number(value: Any) -> bool:
         isinstance(value, numbers.Real)
         and not isinstance(value, bool)
         and math.isfinite(value)
-        and value > 0
+        and not value <= 0  # as value > 0: numbers.Real promises < and <=, not >
     )
 
 

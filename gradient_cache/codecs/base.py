@@ -23,7 +23,8 @@ Shapes = list[tuple[int, torch.dtype]]
 class Codec(ABC):
     """Encodes flat gradients; one instance serves every parameter it is chosen for."""
 
-    name: ClassVar[str]
+    #: Its registry name: set on the class, or per instance (the block codecs).
+    name: str
     #: Whether its payloads differ from the gradient (the summary's ``compressed``).
     lossy: ClassVar[bool] = True
     #: The stored form of its error-feedback residual; None: it keeps no residual.

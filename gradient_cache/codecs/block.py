@@ -23,7 +23,7 @@ class BlockQuantized(Codec):
     def __init__(self, *, name: str, bits: int, rotate: bool, rounding: str, seed: int = 0) -> None:
         if rounding == "sign" and bits != 1:
             raise ValueError(f"Invalid bits for sign rounding: {bits}; expected 1.")
-        self.name = name  # type: ignore[misc]
+        self.name = name
         self.bits = bits
         self.rotate = rotate
         self.rounding = rounding

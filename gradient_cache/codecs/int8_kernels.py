@@ -10,17 +10,45 @@ serves every other device and any install without a C compiler.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 
 from .dither import WINDOW
 
+
+class CompiledKernels(Protocol):
+    """The compiled module `_int8_cpu` (typed in ``_int8_cpu.pyi``): addresses are
+    ``data_ptr()`` integers."""
+
+    MIN_PARALLEL: int
+
+    def encode(
+        self,
+        x: int,
+        count: int,
+        windows: Sequence[int],
+        chunk: int,
+        codes: int,
+        scales: int,
+        step: float,
+        threads: int,
+        /,
+    ) -> None: ...
+
+    def decode(self, codes: int, scales: int, out: int, count: int, threads: int, /) -> None: ...
+
+    def use_avx2(self, enabled: bool, /) -> bool: ...
+
+
+CPU_KERNELS: CompiledKernels | None
 try:
-    from . import _int8_cpu as CPU_KERNELS
+    from . import _int8_cpu
 except ImportError:  # built without a C compiler: the eager path does the same, slower
     CPU_KERNELS = None
+else:
+    CPU_KERNELS = _int8_cpu
 
 # Entries per scale: 64 keeps the scales at 1/16 of the int8 bytes.
 INT8_BLOCK = 64
@@ -113,6 +141,9 @@ def encode_on_cpu(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) ->
     chunk's entries padded to whole blocks), so the bytes and the generators' states after
     the call are the same too.
     """
+    kernels = CPU_KERNELS
+    if kernels is None:
+        raise RuntimeError("encode_on_cpu: gradient-cache was installed without its int8 kernels")
     padded = -(-x.numel() // INT8_BLOCK) * INT8_BLOCK
     windows = []
     for start, stop in chunks(padded):
@@ -124,7 +155,7 @@ def encode_on_cpu(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) ->
                 f"needs {stop - start} fp32 entries"
             )
         windows.append(window.contiguous())
-    CPU_KERNELS.encode(
+    kernels.encode(
         x.data_ptr(),
         x.numel(),
         tuple(window.data_ptr() for window in windows),
@@ -146,14 +177,16 @@ def int8_blocks_decode(
     scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
     if out is None:
         out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    kernels = CPU_KERNELS
     if (
-        on_cpu_kernels(packed, out)
+        kernels is not None
+        and on_cpu_kernels(packed, out)
         and out.dtype == torch.float32
         and out.numel() == numel
         and packed.numel() == int8_blocks_bytes(numel)
     ):  # else the eager path, which raises on a mismatch the kernel would write past
         threads = torch.get_num_threads()
-        CPU_KERNELS.decode(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), numel, threads)
+        kernels.decode(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), numel, threads)
         return out
     for start, stop in chunks(numel):
         part_blocks = -(-(stop - start) // INT8_BLOCK)

@@ -27,6 +27,8 @@ class Payload(ABC):
 
     kind: ClassVar[str]  # its name in a checkpoint
     numel: int
+    # Every payload is a dataclass (`state` reads its fields).
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
@@ -89,7 +91,7 @@ class Payload(ABC):
     def state(self) -> dict[str, Any]:
         """Plain CPU tensors and numbers for a checkpoint (`payload_from_state` reads it)."""
         fields = {}
-        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+        for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, torch.Tensor):
                 value = value.detach().to("cpu", copy=True)  # never a view of the pool's slab
@@ -107,7 +109,7 @@ class DensePayload(Payload):
     tensor: torch.Tensor  # flat, the gradient's dtype
 
     @property
-    def numel(self) -> int:  # type: ignore[override]
+    def numel(self) -> int:  # type: ignore[override]  # a property here, other payloads a field
         return self.tensor.numel()
 
     def tensors(self) -> list[torch.Tensor]:

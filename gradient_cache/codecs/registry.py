@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import torch
 
@@ -106,7 +106,7 @@ BLOCK_CODECS = tuple(name for name, entry in CODECS.items() if entry.block)
 DEFAULT_MIN_NUMEL = {name: entry.min_numel for name, entry in CODECS.items()}
 
 #: What ``EngineConfig.codec`` holds: a name, an options object, or None (the ladder).
-CodecChoice = str | TopK | Ladder | None
+CodecChoice: TypeAlias = str | TopK | Ladder | None
 
 
 def make_codec(

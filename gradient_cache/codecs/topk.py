@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
+from typing import TypeVar
 
 import torch
 
@@ -22,6 +24,8 @@ _MIN_SAMPLE = 1 << 13
 SELECTIONS = ("threshold", "exact")
 # Signed integers of each float width, to compare magnitudes by their bit patterns.
 _BITS_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+# A scratch cache's key (`TopKCodec._scratch`).
+_Key = TypeVar("_Key", bound=Hashable)
 # Elements per |x| pass of the threshold selection on a CPU (1 MiB of fp32).
 _CPU_CHUNK = 1 << 18
 # Up to this kept fraction, scanning the mask word by word first pays (`_true_positions`):
@@ -142,8 +146,8 @@ class TopKSelector:
 
     @staticmethod
     def _scratch(
-        cache: dict,
-        key: object,
+        cache: dict[_Key, torch.Tensor],
+        key: _Key,
         like: torch.Tensor,
         numel: int | None = None,
         *,

@@ -234,7 +234,7 @@ class CudaMemoryMeter(DeviceMemoryMeter):
 class _Entry:
     nbytes: int
     category: str
-    ref: weakref.ref
+    ref: weakref.ref[torch.UntypedStorage]
 
 
 class _OperatorObserver(TorchDispatchMode):
@@ -384,7 +384,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             self._by_category[category] += storage.nbytes()
         return key
 
-    def _forget(self, key: int, _ref: weakref.ref) -> None:
+    def _forget(self, key: int, _ref: weakref.ref[torch.UntypedStorage]) -> None:
         entry = self._entries.pop(key, None)
         self._host_made.discard(key)
         if entry is not None:

@@ -118,7 +118,11 @@ def write_plot(result: DemoResult, path: Path) -> None:
             index + 0.5, 0.4, phase, ha="center", transform=memory_axes.get_xaxis_transform()
         )
     # Lossless training repeats plain's curves exactly: distinct styles keep both visible.
-    styles = ({"lw": 4, "alpha": 0.5}, {"lw": 1.5, "ls": "--"}, {"lw": 1.5})
+    styles: tuple[dict[str, Any], ...] = (
+        {"lw": 4, "alpha": 0.5},
+        {"lw": 1.5, "ls": "--"},
+        {"lw": 1.5},
+    )
     for run, style in zip(result.runs, styles, strict=True):
         step = run.memory[-1]  # the last measured step: optimizer state exists by then
         xs, ys = [0.0], [step.start_bytes / MIB]

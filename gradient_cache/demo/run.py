@@ -268,6 +268,7 @@ class _RemoteTraceback(Exception):
 
 
 def _reply(sender: Connection, function: Callable[..., RunResult], *args: Any) -> None:
+    reply: tuple[str | None, RunResult | Exception]
     try:
         reply = (None, function(*args))
     except KeyboardInterrupt:
@@ -376,10 +377,10 @@ def _evaluate(model: TinyGPT, batches: list[Batch], device: torch.device) -> flo
 
 def _peak_rss_bytes() -> int:
     """The most resident memory this process has had (the OS's own high-water mark)."""
-    try:
-        import resource
-    except ImportError:  # Windows: psutil has the peak working set there
+    if sys.platform == "win32":  # no resource module: psutil has the peak working set
         return psutil.Process().memory_info().peak_wset
+    import resource
+
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB elsewhere
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 

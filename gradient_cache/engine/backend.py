@@ -13,7 +13,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -27,17 +27,21 @@ Grads = list[tuple[Param, torch.Tensor]]
 
 
 class Stream(Protocol):
-    """What the CUDA backend uses of `torch.cuda.Stream` (and the tests' stand-in)."""
+    """What the CUDA backend uses of `torch.cuda.Stream` (and the tests' stand-in).
 
-    def wait_stream(self, stream: Stream) -> None: ...
+    Streams and events take only their own kind (torch's, or the stand-in's), so what they
+    take is typed ``Any``: a `Stream` or an `Event` of the same kind.
+    """
 
-    def wait_event(self, event: Event) -> None: ...
+    def wait_stream(self, stream: Any) -> None: ...
+
+    def wait_event(self, event: Any) -> None: ...
 
 
 class Event(Protocol):
     """What the CUDA backend uses of `torch.cuda.Event` (and the tests' stand-in)."""
 
-    def record(self, stream: Stream | None = None) -> None: ...
+    def record(self, stream: Any = None) -> None: ...
 
     def synchronize(self) -> None: ...
 
@@ -97,7 +101,7 @@ class Backend(ABC):
         with host memory sized by them re-lays it."""
         self.routes = routes
 
-    def host_pool(self) -> HostPool | None:
+    def host_pool(self) -> HostPool[Param] | None:
         """Its pinned pool of payload slots, if it has one."""
         return None
 

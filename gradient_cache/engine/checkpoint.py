@@ -181,9 +181,10 @@ def _check(pipeline: Pipeline, state: Any) -> None:
                 f"{here_shards[1]}. Each rank holds the state of its own shards: load each "
                 "rank's own file, with the world size it was saved with."
             )
-    saved, here = set(state["parameters"]), set(pipeline.params_by_name())
-    if saved != here:
-        missing, extra = sorted(saved - here), sorted(here - saved)
+    saved_names, here_names = set(state["parameters"]), set(pipeline.params_by_name())
+    if saved_names != here_names:
+        missing = sorted(saved_names - here_names)
+        extra = sorted(here_names - saved_names)
         raise ValueError(
             "The checkpoint's gradient cache covers other parameters: "
             f"{len(missing)} saved but not cached here {missing[:3]}, {len(extra)} cached here "

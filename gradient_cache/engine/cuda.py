@@ -26,18 +26,31 @@ streams and events and check every ordering.
 from __future__ import annotations
 
 import contextlib
-import types
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from ..codecs import Payload
+from . import backend
 from .backend import Backend, Encoded, Event, Grads, Param, Restore
 from .pool import HostPool
 from .residuals import DeviceResiduals, HostSlotResiduals
 from .route import Route
+
+
+class CudaApi(Protocol):
+    """What the backend uses of `torch.cuda` (and of tests/stream_checker.py's stand-in)."""
+
+    def Stream(self, device: torch.device) -> backend.Stream: ...
+
+    def Event(self) -> backend.Event: ...
+
+    def current_stream(self, device: torch.device) -> backend.Stream: ...
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[object]: ...
 
 
 @dataclass
@@ -57,12 +70,12 @@ class CudaBackend(Backend):
     def __init__(
         self,
         device: torch.device,
-        pool: HostPool,
+        pool: HostPool[Param],
         *,
         staging_depth: int,
         host_residuals: bool,
         keep_previous_residual: bool,
-        cuda: types.ModuleType | object = torch.cuda,
+        cuda: CudaApi = torch.cuda,
         record_gradients: bool = False,
     ) -> None:
         """``host_residuals``: residuals live in the pool's slots, else on the device.
@@ -78,7 +91,9 @@ class CudaBackend(Backend):
         self.restore_stream = cuda.Stream(device=device)
         self.record_gradients = record_gradients
         # Tensor.record_stream, or the stand-in's (which tells its checker).
-        self.record_stream = getattr(cuda, "record_stream", torch.Tensor.record_stream)
+        self.record_stream: Callable[[torch.Tensor, Any], None] = getattr(
+            cuda, "record_stream", torch.Tensor.record_stream
+        )
         self.residuals = (
             HostSlotResiduals(
                 lambda: self.pool, self.to_device, keep_previous=keep_previous_residual
@@ -160,7 +175,7 @@ class CudaBackend(Backend):
         self._in_flight.append(Landing(copied, kept))
         return payloads
 
-    def host_pool(self) -> HostPool:
+    def host_pool(self) -> HostPool[Param]:
         return self.pool
 
     def drain(self) -> None:

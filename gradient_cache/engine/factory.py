@@ -15,7 +15,7 @@ import torch
 from ..units import MIB
 from .backend import Backend, CpuBackend
 from .config import EngineConfig
-from .cuda import CudaBackend, allocate_pinned
+from .cuda import CudaApi, CudaBackend, allocate_pinned
 from .hostmem import check_host_budget
 from .pool import HostPool, reserved_bytes
 from .route import RoutePlanner
@@ -82,7 +82,7 @@ def build_cuda_backend(
     device: torch.device,
     *,
     plan: RoutePlanner,
-    cuda: object = torch.cuda,
+    cuda: CudaApi = torch.cuda,
     allocate: Callable[[int], torch.Tensor] = allocate_pinned,
 ) -> CudaBackend:
     """A `CudaBackend` whose pinned pool has a slot for every parameter.

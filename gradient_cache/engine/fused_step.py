@@ -56,7 +56,7 @@ def step(
         for i, params in enumerate(buckets):
             while len(ahead) <= backend.restore_ahead and i + len(ahead) < len(buckets):
                 later = buckets[i + len(ahead)]
-                items = [(param, store.payload(param)) for param in later]
+                items = [(param, store[param]) for param in later]
                 ahead.append(backend.start_restore(items, clip_factor=clip_factor))
             _step_with(optimizer, backend.finish_restore(ahead.popleft()))
             if i == 0:

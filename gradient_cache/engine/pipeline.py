@@ -550,7 +550,7 @@ class Pipeline:
         """The figures of the cached payloads of ``params`` (sizes only: no data is read)."""
         record = StepRecord()
         for param in params:
-            payload = self.store.payload(param)
+            payload = self.store[param]
             route = self.records[param].route
             record.layers[self.records[param].name] = LayerRecord(
                 numel=route.numel,

@@ -20,12 +20,15 @@ import itertools
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 
 ALIGN = 64  # bytes: every region starts on a 64-byte boundary, fast copies for any dtype
 # Below this many bytes left to place, one power-of-two slab takes them all.
 SMALL_SLAB = 2**20
+# What a layout is keyed by: the engine's parameters (tests use other keys).
+K = TypeVar("K", bound=Hashable)
 
 
 def aligned(nbytes: int) -> int:
@@ -74,12 +77,12 @@ def _pack(left: list[int], sizes: Sequence[int]) -> list[tuple[int, list[tuple[i
     return min(in_parts, in_one, key=lambda slabs: sum(size for size, _ in slabs))
 
 
-def reserved_bytes(layout: Mapping[Hashable, SlotSpec]) -> int:
+def reserved_bytes(layout: Mapping[Any, SlotSpec]) -> int:
     """The pinned bytes a `HostPool` of ``layout`` reserves: its slabs' sizes."""
     return sum(size for size, _ in pack_slabs(_region_sizes(layout)))
 
 
-def _region_sizes(layout: Mapping[Hashable, SlotSpec]) -> list[int]:
+def _region_sizes(layout: Mapping[Any, SlotSpec]) -> list[int]:
     """Aligned bytes of every region of ``layout``, in `SlotSpec.parts` order."""
     return [aligned(nbytes) for spec in layout.values() for nbytes in spec.parts()]
 
@@ -131,7 +134,7 @@ class Slot:
         return self.regions[index][:nbytes].view(tensor.dtype)
 
 
-class HostPool:
+class HostPool(Generic[K]):
     """The slabs and their per-parameter slots, laid out by ``layout`` (`pack_slabs`).
 
     ``allocate_pinned(nbytes)`` gives a pinned slab; where it raises (a CPU-only torch,
@@ -141,7 +144,7 @@ class HostPool:
 
     def __init__(
         self,
-        layout: Mapping[Hashable, SlotSpec],
+        layout: Mapping[K, SlotSpec],
         *,
         allocate_pinned: Callable[[int], torch.Tensor] | None,
     ) -> None:
@@ -156,7 +159,7 @@ class HostPool:
             self._slabs.append(slab)
             for index, offset in placed:
                 views[index] = slab[offset : offset + sizes[index]]
-        self.slots: dict[Hashable, Slot] = {}
+        self.slots: dict[K, Slot] = {}
         taken = iter(views)
         for key, spec in self.layout.items():
             regions = [next(taken)[:nbytes] for nbytes in spec.regions]
@@ -184,7 +187,7 @@ class HostPool:
                 self.pinned = False
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def relaid(self, layout: Mapping[Hashable, SlotSpec]) -> HostPool:
+    def relaid(self, layout: Mapping[K, SlotSpec]) -> HostPool[K]:
         """A new pool with the same allocator for ``layout`` (the warm-up's room dropped)."""
         return HostPool(layout, allocate_pinned=self._allocate_pinned)
 

@@ -132,7 +132,7 @@ class HostSlotResiduals(ResidualStore):
 
     def __init__(
         self,
-        pool: Callable[[], HostPool],
+        pool: Callable[[], HostPool[Param]],
         to_device: Callable[[torch.Tensor], torch.Tensor],
         *,
         keep_previous: bool,
@@ -143,12 +143,14 @@ class HostSlotResiduals(ResidualStore):
         self._pending: set[Param] = set()  # params whose spare holds a pending residual
         self._replaced: set[Param] = set()  # params whose spare holds a replaced residual
 
-    def _slots(self) -> dict:
-        return {p: s for p, s in self._pool().slots.items() if s.residual is not None}
+    def _current(self, param: Param) -> torch.Tensor:
+        residual = self._pool().slots[param].residual
+        assert residual is not None  # called only for parameters whose slot holds a residual
+        return residual
 
     def _target(self, param: Param) -> torch.Tensor:
         slot = self._pool().slots[param]
-        return slot.residual if slot.spare_residual is None else slot.spare_residual
+        return self._current(param) if slot.spare_residual is None else slot.spare_residual
 
     def read(self, param: Param) -> torch.Tensor | None:
         slot = self._pool().slots[param]
@@ -187,16 +189,16 @@ class HostSlotResiduals(ResidualStore):
         self._pending = set()
 
     def current(self) -> dict[Param, torch.Tensor]:
-        return {p: s.residual for p, s in self._slots().items()}
+        slots = self._pool().slots.items()
+        return {p: s.residual for p, s in slots if s.residual is not None}
 
     def pending(self) -> dict[Param, torch.Tensor]:
         return {p: self._target(p) for p in self._pending}
 
     def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
-        slots = self._pool().slots
         self._replaced = set()
         for param, saved in current.items():
-            slots[param].residual.copy_(saved)  # nothing in flight: plain host copies
+            self._current(param).copy_(saved)  # nothing in flight: plain host copies
         self._pending = set()
         for param, saved in pending.items():
             self._target(param).copy_(saved)

@@ -10,14 +10,21 @@ tensor passes through unchanged.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+HAS_DTENSOR: bool
 try:  # public since torch 2.5; FSDP2 (fully_shard) since 2.6
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # an older torch, or a build without distributed: no DTensor to meet
-    DTensor = Replicate = Shard = None
+    HAS_DTENSOR = False
+else:
+    HAS_DTENSOR = True
 
 
 # What to do instead of classic DDP: the refusals' common advice.
@@ -35,8 +42,8 @@ def supported_placements() -> tuple[tuple[object, ...], ...]:
     return ((Shard(0),), (Replicate(),), (Replicate(), Shard(0)))
 
 
-def is_dtensor(tensor: object) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
+    return HAS_DTENSOR and isinstance(tensor, DTensor)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -77,7 +84,19 @@ def rank_and_world_size() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def fsdp_param_groups(model: torch.nn.Module) -> list[object]:
+class FSDPParam(Protocol):
+    """What the engine reads of FSDP2's (private) ``FSDPParam``."""
+
+    sharded_param: torch.nn.Parameter
+
+
+class FSDPParamGroup(Protocol):
+    """What the engine reads of FSDP2's (private) ``FSDPParamGroup``."""
+
+    fsdp_params: list[FSDPParam]
+
+
+def fsdp_param_groups(model: torch.nn.Module) -> list[FSDPParamGroup]:
     """FSDP2's parameter groups (one per ``fully_shard`` call) under ``model``.
 
     FSDP2 has no public getter for them: this reads its module state, as its own hooks do.
@@ -149,8 +168,10 @@ def global_norm(
     values = [norm.cpu() for _, norm in pairs]
     sharded = [i for i, (param, _) in enumerate(pairs) if _shard_dims(param)]
     if sharded:
-        mesh = pairs[sharded[0]][0].device_mesh
-        dims = _shard_dims(pairs[sharded[0]][0])
+        first = pairs[sharded[0]][0]
+        assert is_dtensor(first)  # only a DTensor has shard dimensions
+        mesh = first.device_mesh
+        dims = _shard_dims(first)
         reduced = _all_reduce(torch.stack([values[i] for i in sharded]), norm_type, mesh, dims)
         for i, value in zip(sharded, reduced, strict=True):
             values[i] = value
@@ -163,7 +184,9 @@ def _shard_dims(param: torch.Tensor) -> list[int]:
     return [d for d, p in enumerate(param.placements) if isinstance(p, Shard)]
 
 
-def _all_reduce(local: torch.Tensor, norm_type: float, mesh, dims: list[int]) -> torch.Tensor:
+def _all_reduce(
+    local: torch.Tensor, norm_type: float, mesh: DeviceMesh, dims: list[int]
+) -> torch.Tensor:
     """Each entry of ``local`` (this rank's norms) combined with every shard's: max for
     inf, else the p-th root of a sum of p-th powers."""
     # The collective runs where the mesh's backend does (nccl: the device; gloo: the CPU).

@@ -8,12 +8,14 @@ the engine changes: a refused state leaves the manager exactly as it was.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..codecs import payload_from_state
 from .pipeline import Pipeline
+from .route import Route
 
 STATE_KEYS = frozenset(
     {
@@ -112,7 +114,7 @@ def _check_random_state(pipeline: Pipeline, states: Any, key: str) -> None:
             raise ValueError(f"state[{key!r}][{name!r}]: {problem}.")
 
 
-def _named_tensors(entries: Any, key: str, by_name: dict[str, Any]):
+def _named_tensors(entries: Any, key: str, by_name: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     if not isinstance(entries, dict):
         raise ValueError(f"state[{key!r}] is a {type(entries).__name__}; expected a dict.")
     for name, tensor in entries.items():
@@ -136,7 +138,9 @@ def _check_tensor(tensor: Any, where: str, *, numel: int, dtype: torch.dtype) ->
         )
 
 
-def _check_buckets(buckets: Any, by_name: dict[str, Any], routes: dict) -> None:
+def _check_buckets(
+    buckets: Any, by_name: dict[str, Any], routes: dict[torch.nn.Parameter, Route]
+) -> None:
     if not isinstance(buckets, list):
         raise ValueError(f"state['buckets'] is a {type(buckets).__name__}; expected a list.")
     seen: set[str] = set()

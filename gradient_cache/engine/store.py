@@ -48,6 +48,10 @@ class GradientStore:
         bucket = self._where.get(param)
         return None if bucket is None else bucket.payloads[param]
 
+    def __getitem__(self, param: Param) -> Payload:
+        """The payload of ``param``, which is cached (KeyError if not)."""
+        return self._where[param].payloads[param]
+
     def __contains__(self, param: object) -> bool:
         return param in self._where
 

@@ -23,7 +23,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -135,11 +135,12 @@ def optimize(
                 with session:
                     return func(*args, **kwargs)
             finally:
+                # A function attribute, which no Callable type declares.
                 wrapper.last_summaries = session.summaries  # type: ignore[attr-defined]
                 _store_on_flow(args, session.summaries)
 
-        wrapper.last_summaries = []  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
+        wrapper.last_summaries = []  # type: ignore[attr-defined]  # as above
+        return cast(F, wrapper)  # functools.wraps keeps func's signature
 
     return decorate
 

@@ -48,12 +48,12 @@ def restore_before_gradient_reads(restore: Callable[[], None]) -> Iterator[None]
     """Within the block, the readers above call ``restore()`` before they read ``.grad``."""
     patched: list[tuple[object, str, Any]] = []
     try:
-        for owner in (torch.nn.utils, clip_grad):
+        for module in (torch.nn.utils, clip_grad):
             for name in CLIPPING_FUNCTIONS:
-                original = getattr(owner, name, None)
+                original = getattr(module, name, None)
                 if original is not None:  # clip_grads_with_norm_ arrived in torch 2.6
-                    patched.append((owner, name, original))
-                    setattr(owner, name, _restoring(original, restore))
+                    patched.append((module, name, original))
+                    setattr(module, name, _restoring(original, restore))
         methods: list[tuple[type, str]] = [(torch.amp.GradScaler, "unscale_")]
         accelerate = sys.modules.get("accelerate")
         if accelerate is not None and hasattr(accelerate, "Accelerator"):

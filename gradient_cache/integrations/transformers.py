@@ -65,10 +65,12 @@ def train(
     """
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}.")
-    resume_folder = resume_from_checkpoint
+    resume_folder: str | None
     if resume_from_checkpoint is True:
         resume_folder = get_last_checkpoint(trainer.args.output_dir)
-    logger = _CacheCallback(trainer, resume_folder or None)
+    else:
+        resume_folder = resume_from_checkpoint or None
+    logger = _CacheCallback(trainer, resume_folder)
     cached_train = optimize(
         compression_ratio, exclude_layers=exclude_layers, verbose=verbose, **options
     )(trainer.train)
@@ -137,6 +139,7 @@ class _CacheCallback(transformers.TrainerCallback):
     ) -> transformers.TrainerControl:
         # Called after the trainer wrote (and rotated) its checkpoint folders.
         if model is not None and args.should_save:
+            assert args.output_dir is not None  # TrainingArguments sets one where None is given
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             torch.save(manager_of(model).state_dict(), os.path.join(folder, STATE_FILE))
         return control
