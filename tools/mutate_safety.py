@@ -23,15 +23,18 @@ MUTANTS = [
     (
         "fused step: device gradients put back on failure",
         "gradient_cache/engine/fused_step.py",
-        "        for param, grad in held.items():\n            param.grad = grad\n        pipeline.interrupted_clip",
-        "        pipeline.interrupted_clip",
+        "        for param, grad in held.items():\n            param.grad = grad\n        pipeline.interrupt(clip)",
+        "        pipeline.interrupt(clip)",
         "tests/test_stream_order.py::test_a_failed_fused_step_retried_gives_the_plain_result",
     ),
     (
+        # Was: the interrupted_clip assignment deleted. The clip is now kept by
+        # pipeline.interrupt(clip) and handed back by pipeline.retry(); the retry still
+        # happens here (the state moves on) but its clip is dropped, so it is recomputed.
         "fused step: clip factor kept for the retry",
         "gradient_cache/engine/fused_step.py",
-        "        pipeline.interrupted_clip = (total_norm, scale)\n",
-        "",
+        "    clip = pipeline.retry() if pipeline.interrupted else None\n",
+        "    if pipeline.interrupted:\n        pipeline.retry()\n    clip = None\n",
         "tests/test_training.py::test_a_failed_fused_step_retried_gives_the_plain_result",
     ),
     (
@@ -44,8 +47,8 @@ MUTANTS = [
     (
         "fused step: payloads leave only after their step (remove before step)",
         "gradient_cache/engine/fused_step.py",
-        "            _step_with(optimizer, backend.finish_restore(ahead.popleft()))\n            if i == 0:\n                # The step counts, and its residuals become current, once an optimizer\n                # step went through: a step that failed before can still be discarded\n                # without a trace. (A retry completes again: counting is idempotent.)\n                pipeline.complete([p for p in delivered if p in store])\n            store.remove(params)  # stepped: the payloads are spent",
-        "            grads = backend.finish_restore(ahead.popleft())\n            if i == 0:\n                pipeline.complete([p for p in delivered if p in store])\n            store.remove(params)\n            _step_with(optimizer, grads)",
+        "            _step_with(optimizer, backend.finish_restore(ahead.popleft()))\n            if i == 0:\n                # The step counts, and its residuals become current, once an optimizer\n                # step went through: a step that failed before can still be discarded\n                # without a trace. (A retry completes again: counting is idempotent.)\n                pipeline.deliver([p for p in delivered if p in store])\n            store.remove(params)  # stepped: the payloads are spent",
+        "            grads = backend.finish_restore(ahead.popleft())\n            if i == 0:\n                pipeline.deliver([p for p in delivered if p in store])\n            store.remove(params)\n            _step_with(optimizer, grads)",
         "tests/test_training.py::test_a_failed_fused_step_retried_gives_the_plain_result",
     ),
     (
@@ -107,7 +110,7 @@ MUTANTS = [
     (
         "discard: the engine's generators are rewound",
         "gradient_cache/engine/pipeline.py",
-        "            self.set_random_state(self.random_state_at_step_start)",
+        "            self.set_random_state(self.pending.random_state)",
         "            pass",
         "tests/test_checkpoint.py::test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start",
     ),
@@ -170,7 +173,7 @@ MUTANTS = [
     (
         "ddp: a plain gradient across processes is refused at the first hook",
         "gradient_cache/engine/pipeline.py",
-        "            sharding.check_gradient_is_reduced(self.names[param], grad)",
+        "            sharding.check_gradient_is_reduced(self.records[param].name, grad)",
         "            pass",
         "tests/test_distributed.py::test_refused_on_every_rank_with_the_reason",
     ),
@@ -219,7 +222,7 @@ MUTANTS = [
     (
         "route: the pool's spare residual slots are counted (engine and planner)",
         "gradient_cache/engine/route.py",
-        "        spare_residual=config.keep_previous_residual,",
+        "        spare_residual=residuals.keep_previous_residual,",
         "        spare_residual=False,",
         "tests/test_engine.py::test_host_pool_sizes_residual_and_warmup_slots",
     ),
@@ -277,8 +280,10 @@ MUTANTS = [
     (
         "host residuals: promote swaps the slot and its spare",
         "gradient_cache/engine/residuals.py",
-        "                slot.residual, slot.spare_residual = slot.spare_residual, slot.residual",
-        "                pass",
+        # Since the scaler-skip work promote swaps through _swap (shared with
+        # bring_back_replaced): the call in promote is the one deleted.
+        "                self._pending.discard(param)\n                self._swap(param)\n",
+        "                self._pending.discard(param)\n",
         "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
     ),
     (
@@ -334,7 +339,9 @@ MUTANTS = [
     (
         "dither: each window starts at a random offset",
         "gradient_cache/codecs/dither.py",
-        "        start = int(torch.randint(WINDOW, (1,), generator=self._offsets))",
+        # The offsets come from a counter-based hash of (seed, draw) since the codec
+        # frontier work (no generator any more); the window still starts at it.
+        "        start = draw % WINDOW",
         "        start = 0",
         "tests/test_codecs.py::test_stochastic_rounding_is_unbiased",
     ),
@@ -387,6 +394,73 @@ MUTANTS = [
         "            tables = self._tables[device] = (table, 1 - table)",
         "            tables = self._tables[device] = (table, table)",
         "tests/test_codecs.py::test_rounding_is_unbiased_at_every_position_over_many_steps",
+    ),
+    # --- the step's state machine (engine/pipeline.py: StepState, PendingStep) ---
+    (
+        "drain: a capturing step becomes cached",
+        "gradient_cache/engine/pipeline.py",
+        '        self._enter("drain", CACHED if self.state is CAPTURING else self.state)',
+        '        self._enter("drain", self.state)',
+        "tests/test_pipeline.py::test_a_step_goes_idle_capturing_cached_idle_and_is_pending_exactly_when_not_idle tests/test_call_orders.py",
+    ),
+    (
+        "interrupt: a backward after an interrupted fused step is refused",
+        "gradient_cache/engine/pipeline.py",
+        '    "capture": frozenset({IDLE, CAPTURING, CACHED, STEPPING}),',
+        '    "capture": frozenset({IDLE, CAPTURING, CACHED, STEPPING, INTERRUPTED}),',
+        "tests/test_pipeline.py::test_a_backward_after_a_fused_step_raised_is_refused_naming_the_state_and_the_fix",
+    ),
+    (
+        "interrupt: the fused step's clip is kept on the pending step",
+        "gradient_cache/engine/pipeline.py",
+        "        self.pending.clip = clip\n",
+        "        self.pending.clip = (None, None)\n",
+        "tests/test_training.py::test_a_failed_fused_step_retried_gives_the_plain_result",
+    ),
+    (
+        "retry: the kept clip comes back",
+        "gradient_cache/engine/pipeline.py",
+        "        if self.state is IDLE:\n            self.pending = None\n        return clip",
+        "        if self.state is IDLE:\n            self.pending = None\n        return None",
+        "tests/test_training.py::test_a_failed_fused_step_retried_gives_the_plain_result",
+    ),
+    (
+        "capture: the generators' states at the step's start are kept (for discard)",
+        "gradient_cache/engine/pipeline.py",
+        "            self.pending = PendingStep(\n                self.random_state(), None",
+        "            self.pending = PendingStep(\n                None, None",
+        "tests/test_checkpoint.py::test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start tests/test_api.py::test_a_discarded_batch_leaves_no_trace",
+    ),
+    (
+        "deliver: a step is counted once, however many restores deliver it",
+        "gradient_cache/engine/pipeline.py",
+        "            self.steps += 1\n            self.pending.counted = True",
+        "            self.steps += 1",
+        "tests/test_pipeline.py::test_a_fused_step_of_one_optimizer_of_two_leaves_the_step_stepping",
+    ),
+    (
+        "finish: a finished step's record is dropped (the next step keeps its own)",
+        "gradient_cache/engine/pipeline.py",
+        '        self._enter("finish", self._after_restores())\n        if self.state is IDLE:\n            self.pending = None',
+        '        self._enter("finish", self._after_restores())',
+        "tests/test_training.py tests/test_call_orders.py",
+    ),
+    (
+        "finish: the routes move on where the warm-up ends",
+        "gradient_cache/engine/pipeline.py",
+        "        if self._planned_at < self.config.warmup_steps <= self.steps:\n            self._follow_plan()",
+        "        if False:\n            self._follow_plan()",
+        "tests/test_route.py tests/test_training.py",
+    ),
+    (
+        "route plan: planned once, not again where the warm-up ends",
+        "gradient_cache/engine/pipeline.py",
+        "        if self._planned_at < self.config.warmup_steps <= self.steps:\n            self._follow_plan()",
+        "        if self._planned_at < self.config.warmup_steps <= self.steps:\n"
+        "            shapes = {p: (tuple(sharding.local_shape(p)), p.dtype) for p in self.records}\n"
+        "            self.plan = RoutePlan(shapes, codecs=self.codecs, config=self.config, selection=self.plan.selection)\n"
+        "            self._follow_plan()",
+        "tests/test_route.py::test_routes_are_planned_once_per_manager_through_warm_up_and_a_checkpoint",
     ),
 ]
 
