@@ -65,6 +65,17 @@ def test_the_state_holds_residuals_and_the_cached_gradients_by_name() -> None:
     assert state["residuals"]["embed.weight"].data_ptr() != residual.data_ptr()
 
 
+def test_a_checkpoint_between_steps_holds_no_bucket_and_loads_with_no_step_pending() -> None:
+    """A restored step leaves no (empty) bucket behind: saved, one would load as a step."""
+    model, manager, optimizer = build(RECIPES["lossless"])
+    run(model, manager, optimizer, range(MICRO_BATCHES))  # one step, every gradient restored
+    state = manager.state_dict()
+    assert state["buckets"] == []
+    resumed = build(RECIPES["lossless"])[1]
+    resumed.load_state_dict(state)
+    assert not resumed.engine.step_pending
+
+
 def test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start() -> None:
     """The pending step's start (residuals, generators) travels with the checkpoint."""
     options = RECIPES["r100 error feedback"]
