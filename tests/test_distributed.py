@@ -144,3 +144,14 @@ def test_refused_on_every_rank_with_the_reason(replica_results, scenario, expect
     for message in each_rank(replica_results, scenario):
         assert message.startswith(expected), message
         assert "fully_shard" in message or "CPUOffloadPolicy" in message
+
+
+def test_norms_are_reduced_on_the_parameters_device_not_the_current_one():
+    """nccl on ``cuda:1`` reduces there: ``"cuda"`` alone is the current device (``cuda:0``
+    in a process that never called ``set_device``). A gloo mesh keeps the CPU."""
+    from gradient_cache.engine.sharding import collective_device
+
+    assert collective_device(torch.device("cuda", 1), "cuda") == torch.device("cuda", 1)
+    assert collective_device(torch.device("cpu"), "cpu") == torch.device("cpu")
+    # Parameters on the device, a gloo mesh on the CPU: the collective runs on the CPU.
+    assert collective_device(torch.device("cuda", 1), "cpu") == torch.device("cpu")

@@ -172,7 +172,9 @@ def global_norm(
         assert is_dtensor(first)  # only a DTensor has shard dimensions
         mesh = first.device_mesh
         dims = _shard_dims(first)
-        reduced = _all_reduce(torch.stack([values[i] for i in sharded]), norm_type, mesh, dims)
+        device = collective_device(local(first).device, mesh.device_type)
+        stacked = torch.stack([values[i] for i in sharded])
+        reduced = _all_reduce(stacked, norm_type, mesh, dims, device)
         for i, value in zip(sharded, reduced, strict=True):
             values[i] = value
     return torch.linalg.vector_norm(torch.stack(values), norm_type)
@@ -184,13 +186,23 @@ def _shard_dims(param: torch.Tensor) -> list[int]:
     return [d for d, p in enumerate(param.placements) if isinstance(p, Shard)]
 
 
+def collective_device(param_device: torch.device, mesh_device_type: str) -> torch.device:
+    """Where the norms' all-reduce runs: on the parameters' own device when the mesh's
+    backend runs there (nccl on ``cuda:1``, say), else on the mesh's device type (gloo on
+    a CPU mesh). Not ``mesh.device_type`` alone: ``"cuda"`` is the current device, which
+    a process that never called ``torch.cuda.set_device`` leaves at ``cuda:0``, and nccl
+    then fails or hangs on every rank but the first."""
+    if param_device.type == mesh_device_type:
+        return param_device
+    return torch.device(mesh_device_type)
+
+
 def _all_reduce(
-    local: torch.Tensor, norm_type: float, mesh: DeviceMesh, dims: list[int]
+    local: torch.Tensor, norm_type: float, mesh: DeviceMesh, dims: list[int], device: torch.device
 ) -> torch.Tensor:
-    """Each entry of ``local`` (this rank's norms) combined with every shard's: max for
-    inf, else the p-th root of a sum of p-th powers."""
-    # The collective runs where the mesh's backend does (nccl: the device; gloo: the CPU).
-    value = local.to(mesh.device_type)
+    """Each entry of ``local`` (this rank's norms) combined with every shard's on
+    ``device``: max for inf, else the p-th root of a sum of p-th powers."""
+    value = local.to(device)
     if norm_type == float("inf"):
         op = dist.ReduceOp.MAX
     else:
