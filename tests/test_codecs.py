@@ -7,12 +7,14 @@ bias where it says so, and draw only from its own seeded generators.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradient_cache.codecs import BLOCK_CODECS, LADDER, int8_kernels, make_codec
 from gradient_cache.codecs.int8_kernels import (
@@ -21,7 +23,7 @@ from gradient_cache.codecs.int8_kernels import (
     int8_blocks_decode,
     int8_blocks_encode,
 )
-from gradient_cache.codecs.rotation import ROTATION_BLOCK
+from gradient_cache.codecs.rotation import ROTATION_BLOCK, rotate_blocks, unrotate_blocks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # No shrinking: a failure is reported as found (shrinking 700-entry tensors takes minutes).
@@ -205,6 +207,69 @@ def test_sign_sends_the_scaled_sign_of_the_rotated_block():
     expected = rotated.sign() * rotated.abs().mean()
     decoded = roundtrip("sign", x) @ make_codec("sign").rotation_matrix(x.device)
     torch.testing.assert_close(decoded, expected, atol=1e-6, rtol=1e-5)
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+# Matrix products: on a GPU each runs in TF32 under set_float32_matmul_precision("high"),
+# which the CPU ignores.
+PRODUCTS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "mv", "addmv", "dot"})
+
+
+class MatmulRecorder(TorchDispatchMode):
+    """Records every matrix product dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.products: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in PRODUCTS:
+            self.products.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_rotation_is_fp32_whatever_the_matmul_precision():
+    """Under TF32 matmuls a matmul rotation is orthonormal to about 1e-4 only and decodes
+    differently on a GPU: the rotation multiplies no matrices, matches the float64 product
+    with its matrix to a few fp32 roundings, inverts to a few roundings, and gives the same
+    bits under "high" as under "highest"."""
+    x = torch.randn(300, ROTATION_BLOCK, generator=torch.Generator().manual_seed(5))
+    x[7, 3] = 1e4  # an outlier: its block's error scales with the block's norm
+    with matmul_precision("highest"):
+        exact = rotate_blocks(x)
+    with matmul_precision("high"), MatmulRecorder() as recorder:
+        rotated = rotate_blocks(x)
+        back = unrotate_blocks(rotated)
+    assert recorder.products == []
+    assert torch.equal(rotated, exact)
+    # Seven butterfly stages and a scaling: a few roundings of the block's norm.
+    tolerance = 4 * torch.finfo(torch.float32).eps * x.norm(dim=1, keepdim=True)
+    matrix = make_codec("q4").rotation_matrix(x.device).double()
+    assert ((rotated.double() - x.double() @ matrix).abs() <= tolerance).all()
+    assert ((back - x).abs() <= tolerance).all()
+
+
+@pytest.mark.parametrize("name", BLOCK_CODECS)
+def test_block_codecs_encode_and_decode_alike_whatever_the_matmul_precision(name):
+    x = torch.randn(2 * ROTATION_BLOCK + 5, generator=torch.Generator().manual_seed(6))
+    with matmul_precision("highest"):
+        payload = codec(name).encode(x, None, loss_scale=None)[0]
+        exact = payload.decode_into(torch.empty_like(x))
+    with matmul_precision("high"), MatmulRecorder() as recorder:
+        tf32_payload = codec(name).encode(x, None, loss_scale=None)[0]
+        decoded = tf32_payload.decode_into(torch.empty_like(x))
+    assert recorder.products == []
+    assert torch.equal(tf32_payload.packed, payload.packed)
+    assert torch.equal(decoded, exact)
 
 
 @pytest.mark.parametrize("name", [*BLOCK_CODECS, "int8"])

@@ -24,7 +24,7 @@ import torch
 from .bitpack import pack, packed_bytes, unpack
 from .dither import WINDOW, Dither
 from .int8_kernels import chunks
-from .rotation import ROTATION_BLOCK, rotation
+from .rotation import ROTATION_BLOCK, rotate_blocks, unrotate_blocks
 
 ROUNDINGS = ("stochastic", "sign")
 
@@ -73,7 +73,7 @@ def encode(
             part = torch.nn.functional.pad(part, (0, blocks * ROTATION_BLOCK - part.numel()))
         part = part.view(blocks, ROTATION_BLOCK)
         if rotate:
-            part = part @ rotation(flat.device)
+            part = rotate_blocks(part)
         if rounding == "sign":
             scales = part.abs().mean(dim=1)
             codes = (part >= 0).to(torch.uint8)
@@ -109,6 +109,6 @@ def decode(packed: torch.Tensor, numel: int, *, bits: int, rotate: bool) -> torc
         scales = scales_in[first : first + blocks].unsqueeze(1)
         part = codes.view(blocks, ROTATION_BLOCK).float().mul_(step).sub_(1).mul_(scales)
         if rotate:
-            part = part @ rotation(packed.device).T
+            part = unrotate_blocks(part)
         out[start:stop] = part.view(-1)[: stop - start]
     return out
