@@ -155,5 +155,5 @@ class CpuBackend(Backend):
                 )
                 if clip_factor is not None:
                     grad.mul_(clip_factor)  # a fresh tensor: scaling in place costs no copy
-            grads.append((param, grad.view(self.routes[param].shape)))
+            grads.append((param, self.routes[param].shaped(grad)))
         return Restore(grads)

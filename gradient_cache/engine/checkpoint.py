@@ -18,6 +18,7 @@ import torch
 from ..codecs import TopK, payload_from_state
 from . import sharding, state_check
 from .backend import Encoded
+from .layout import contiguous_strides
 from .pipeline import Pipeline
 
 # 2: generators named by codec ("topk.selection"); the codec among the recipe fields.
@@ -103,6 +104,12 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
             [{"name": names[p], "payload": payload.state()} for p, payload in bucket]
             for bucket in pipeline.store.buckets()
         ],
+        # Payloads and residuals are in memory order (`layout`): the layouts not contiguous.
+        "layouts": {
+            names[p]: list(route.stride)
+            for p, route in pipeline.routes.items()
+            if route.stride != contiguous_strides(route.shape)
+        },
     }
 
 

@@ -216,7 +216,7 @@ class CudaBackend(Backend):
                     out.mul_(clip_factor)
         done = self.cuda.Event()
         done.record(self.restore_stream)
-        grads = [(p, out.view(r.shape)) for (p, _), r, out in zip(items, routes, outs, strict=True)]
+        grads = [(p, r.shaped(out)) for (p, _), r, out in zip(items, routes, outs, strict=True)]
         return Restore(grads, done)
 
     def finish_restore(self, restore: Restore) -> Grads:

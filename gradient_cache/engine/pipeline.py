@@ -22,6 +22,7 @@ from .backend import Encoded
 from .bucket import BucketAssembler, Item
 from .config import EngineConfig
 from .factory import BackendFactory, create_backend
+from .layout import gradient_strides
 from .route import Codecs, Route, RoutePlan
 from .store import BucketPayloads, GradientStore
 
@@ -184,6 +185,7 @@ class Pipeline:
                 "notebook cell run twice must reuse the first manager or rebuild the model."
             )
         shapes = {p: (tuple(sharding.local_shape(p)), p.dtype) for p in params}
+        strides = {p: gradient_strides(sharding.local(p)) for p in params}
         plans: list[RoutePlan[Param]] = []
 
         def plan(selection: str) -> dict[Param, Route]:
@@ -192,7 +194,11 @@ class Pipeline:
                 selection = config.selection
             if not plans:
                 codecs = Codecs.for_options(config, ratio=ratio, selection=selection)
-                plans.append(RoutePlan(shapes, codecs=codecs, config=config, selection=selection))
+                plans.append(
+                    RoutePlan(
+                        shapes, codecs=codecs, config=config, selection=selection, strides=strides
+                    )
+                )
             return plans[0].at(0)
 
         # Checks the host budget before it allocates anything; no hook exists yet either.
@@ -328,8 +334,9 @@ class Pipeline:
 
     def _encode(self, param: Param, grad: torch.Tensor, loss_scale: torch.Tensor | None) -> Encoded:
         """Runs where the backend's `encoding` puts it; reads but never changes cached state."""
-        codec = self.records[param].route.codec
-        flat = grad.detach().reshape(-1)
+        route = self.records[param].route
+        codec = route.codec
+        flat = route.flatten(grad.detach())
         held = self.store.payload(param)
         if held is not None:  # gradient accumulation: the cached part joins this one
             flat = held.moved(self.backend.to_device).add_to(flat)

@@ -21,8 +21,9 @@ import torch
 from ..codecs import Codec, Codecs, ResidualCodec
 from ..codecs.base import shapes_bytes
 from .config import EngineConfig
+from .layout import contiguous_strides, gradient_strides, memory_order
 from .pool import SlotSpec
-from .sharding import local_shape
+from .sharding import local, local_shape
 
 Key = TypeVar("Key")
 
@@ -45,6 +46,7 @@ class Route:
     """How one parameter's gradient travels at the current step."""
 
     shape: tuple[int, ...]  # this rank's shape (its shard's under FSDP2): what a restore gives
+    stride: tuple[int, ...]  # the strides a restore gives: the parameter's (`layout`)
     numel: int  # this rank's entries (its shard under FSDP2)
     dtype: torch.dtype
     codec: Codec  # encodes it now: lossless during the warm-up
@@ -52,6 +54,16 @@ class Route:
     residual_on_host: bool  # CUDA backend: its residual lives in its pinned slot
     spare_residual: bool  # a second residual for a pending step (keep_previous_residual)
     dense_room: bool  # warm-up steps are ahead: its slot must hold a dense payload
+
+    def flatten(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad``'s entries in its parameter's memory order, as one flat tensor (a view
+        where ``grad`` has the parameter's layout, as autograd gives it)."""
+        return grad.permute(memory_order(self.stride)).reshape(-1)
+
+    def shaped(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat gradient (`flatten`'s order) as the parameter's gradient: its shape and
+        strides, no copy."""
+        return flat.as_strided(self.shape, self.stride)
 
     @property
     def compressed(self) -> bool:
@@ -98,13 +110,16 @@ def route(
     codecs: Codecs,
     config: EngineConfig,
     steps: int,
+    stride: tuple[int, ...] | None = None,
 ) -> Route:
-    """The route of a gradient of ``shape`` and ``dtype`` after ``steps`` steps."""
+    """The route of a gradient of ``shape`` and ``dtype`` (laid out with ``stride``,
+    contiguous if None) after ``steps`` steps."""
     numel = math.prod(shape)
     steady = codecs.choose(numel, dtype, min_numel=config.min_compress_numel)
     residuals = config.residual_options
     planned = Route(
         shape=tuple(shape),
+        stride=contiguous_strides(tuple(shape)) if stride is None else tuple(stride),
         numel=numel,
         dtype=dtype,
         codec=steady,
@@ -122,10 +137,13 @@ def plan_routes(
     codecs: Codecs,
     config: EngineConfig,
     steps: int,
+    strides: Mapping[Key, tuple[int, ...]] | None = None,
 ) -> dict[Key, Route]:
-    """`route` for each of ``shapes``' (shape, dtype), keyed as they are."""
+    """`route` for each of ``shapes``' (shape, dtype), keyed as they are; ``strides``: the
+    gradients' layouts where not contiguous."""
+    strides = strides or {}
     return {
-        key: route(shape, dtype, codecs=codecs, config=config, steps=steps)
+        key: route(shape, dtype, codecs=codecs, config=config, steps=steps, stride=strides.get(key))
         for key, (shape, dtype) in shapes.items()
     }
 
@@ -140,11 +158,14 @@ class RoutePlan(Generic[Key]):
         codecs: Codecs,
         config: EngineConfig,
         selection: str,
+        strides: Mapping[Key, tuple[int, ...]] | None = None,
     ) -> None:
         self.codecs = codecs
         self.selection = selection
         self._warmup_steps = config.warmup_steps
-        self._steady = plan_routes(shapes, codecs=codecs, config=config, steps=config.warmup_steps)
+        self._steady = plan_routes(
+            shapes, codecs=codecs, config=config, steps=config.warmup_steps, strides=strides
+        )
 
     def at(self, steps: int) -> dict[Key, Route]:
         """The routes after ``steps`` steps: lossless while the warm-up lasts."""
@@ -178,4 +199,5 @@ def plan_params(
     """Each parameter's route, by its shape on this rank (its shard's under FSDP2)."""
     codecs = Codecs.for_options(config, ratio=ratio, selection=selection)
     shapes = {p: (tuple(local_shape(p)), p.dtype) for p in params}
-    return plan_routes(shapes, codecs=codecs, config=config, steps=steps)
+    strides = {p: gradient_strides(local(p)) for p in params}
+    return plan_routes(shapes, codecs=codecs, config=config, steps=steps, strides=strides)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..codecs import payload_from_state
+from .layout import contiguous_strides
 from .pipeline import Pipeline
 from .route import Route
 
@@ -32,10 +33,13 @@ STATE_KEYS = frozenset(
         "buckets",
     }
 )
+# Keys a state may lack (saved before they existed), with what their absence means.
+OPTIONAL_KEYS = frozenset({"layouts"})  # none: every parameter's layout was contiguous
 
 
 def check_keys(state: dict[str, Any]) -> None:
-    missing, extra = sorted(STATE_KEYS - state.keys()), sorted(state.keys() - STATE_KEYS)
+    missing = sorted(STATE_KEYS - state.keys())
+    extra = sorted(state.keys() - STATE_KEYS - OPTIONAL_KEYS)
     if missing or extra:
         raise ValueError(
             f"The gradient-cache state has missing keys {missing} and unknown keys {extra}; "
@@ -93,6 +97,35 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
                     "finite (a step with inf or NaN restarts it from zero): the file is damaged."
                 )
     _check_buckets(state["buckets"], by_name, routes)
+    _check_layouts(state, by_name, routes)
+
+
+def _check_layouts(
+    state: dict[str, Any], by_name: dict[str, Any], routes: dict[Any, Route]
+) -> None:
+    """Saved gradients and residuals are in their parameter's memory order (`layout`): they
+    mean the same here only where the parameter has the layout it had when saved."""
+    layouts = state.get("layouts", {})
+    if not isinstance(layouts, dict) or not all(
+        name in by_name and _all(stride, int) for name, stride in layouts.items()
+    ):
+        raise ValueError(
+            f"state['layouts'] is {layouts!r:.80}; expected a dict of cached parameter names "
+            "to strides."
+        )
+    saved = {*state["residuals"], *state["pending_residuals"]}
+    saved |= {item["name"] for bucket in state["buckets"] for item in bucket}
+    for name in sorted(saved):
+        route = routes[by_name[name]]
+        stride = tuple(layouts.get(name, contiguous_strides(route.shape)))
+        if stride != route.stride:
+            raise ValueError(
+                f"state['layouts'][{name!r}]: {name}'s cached gradient or residual was saved "
+                f"in the memory layout of strides {stride}; here {name} has strides "
+                f"{route.stride}, so its entries would be read in another order. Give the "
+                "model the memory format it had when saved (model.to(memory_format=...)) "
+                "before creating the cache."
+            )
 
 
 def _check_random_state(pipeline: Pipeline, states: Any, key: str) -> None:
