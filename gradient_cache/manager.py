@@ -116,6 +116,8 @@ class GradientCacheHookManager:
             )
         self.compression_ratio = ratio
         self.config = config
+        # model.parameters()' order: the fused step sums norms in it, as clip_grad_norm_ does.
+        self._model_order = tuple(p for _, p in trainable)
         self.verbose = verbose
         self._num_excluded = len(trainable) - len(included)
         if verbose and not logger.handlers:
@@ -177,10 +179,12 @@ class GradientCacheHookManager:
         optimizer's ``step()`` or for ``apply_gradients()``.
 
         ``max_grad_norm`` clips the global norm of the optimizer's gradients
-        (``norm_type``, as ``torch.nn.utils.clip_grad_norm_``), computed from the host
-        copies and any device gradients before anything is restored; the norm is returned
-        (a CPU tensor). Under FSDP2 the norm covers every rank's shards (an all-reduce:
-        every rank must call ``step``), as ``clip_grad_norm_`` does on the sharded model.
+        (``norm_type``), computed from the host copies and any device gradients before
+        anything is restored; the norm is returned (a CPU tensor): the one
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` returns over those
+        gradients, summed in the model's parameter order whatever the optimizer's. Under
+        FSDP2 the norm covers every rank's shards (an all-reduce: every rank must call
+        ``step``), as ``clip_grad_norm_`` does on the sharded model.
         For a GradScaler, use ``apply_gradients()`` and ``scaler.step(optimizer)``.
 
         If ``optimizer.step()`` raises (an out-of-memory error you catch, say), the
@@ -205,7 +209,11 @@ class GradientCacheHookManager:
         pipeline = self._live()
         steps = pipeline.steps
         total_norm = fused_step.step(
-            pipeline, optimizer, max_grad_norm=max_grad_norm, norm_type=float(norm_type)
+            pipeline,
+            optimizer,
+            max_grad_norm=max_grad_norm,
+            norm_type=float(norm_type),
+            model_order=self._model_order,
         )
         self._log_step(steps)
         return total_norm

@@ -11,6 +11,8 @@ is reused.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
@@ -26,11 +28,13 @@ def step(
     *,
     max_grad_norm: float | None,
     norm_type: float,
+    model_order: Sequence[torch.nn.Parameter],
 ) -> torch.Tensor | None:
-    """Restore and step bucket by bucket; see GradientCacheHookManager.step."""
+    """Restore and step bucket by bucket; see GradientCacheHookManager.step.
+
+    ``model_order``: the model's parameters in ``model.parameters()`` order, the order the
+    norms are summed in."""
     pipeline.drain()
-    # A dict, not a set: its order (the optimizer's) fixes the order norms are summed in,
-    # so the clip factor has the same bits in every process and run.
     stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
     clip = pipeline.retry() if pipeline.interrupted else None
     delivered = [p for p in pipeline.store if p in stepped]
@@ -42,7 +46,7 @@ def step(
     held = {p: p.grad for p in stepped if p.grad is not None}
     parts = pipeline.parts(stepped)
     if clip is None:
-        clip = _clip_factor(pipeline, stepped, parts, held, max_grad_norm, norm_type)
+        clip = _clip_factor(pipeline, model_order, parts, held, max_grad_norm, norm_type)
     total_norm, clip_factor = clip
     # Parameters only from here: a payload is let go as soon as its bucket is stepped.
     buckets = [[param for param, _ in part] for part in parts]
@@ -95,7 +99,7 @@ def _step_with(
 
 def _clip_factor(
     pipeline: Pipeline,
-    stepped: dict[torch.nn.Parameter, None],
+    model_order: Sequence[torch.nn.Parameter],
     parts: list[BucketPayloads],
     held: dict[torch.nn.Parameter, torch.Tensor],
     max_grad_norm: float | None,
@@ -109,19 +113,35 @@ def _clip_factor(
     """
     if max_grad_norm is None:
         return None, None
+    # Each norm in its gradient's dtype, as torch._foreach_norm gives it.
     local = {}
     for part in parts:
         for param, payload in part:
-            local[param] = torch.linalg.vector_norm(
-                payload.kept_values(), norm_type, dtype=torch.float32
-            )
+            local[param] = torch.linalg.vector_norm(payload.kept_values(), norm_type)
     for param, grad in held.items():
-        local[param] = torch.linalg.vector_norm(
-            sharding.local(grad), norm_type, dtype=torch.float32
-        )
-    # Summed in the optimizer's order, as clip_grad_norm_(model.parameters()) sums: the
-    # same bits on one CPU, and under FSDP2 (`sharding.global_norm`).
-    norms = [(param, local[param]) for param in stepped if param in local]
-    total = sharding.global_norm(norms, norm_type)
+        local[param] = torch.linalg.vector_norm(sharding.local(grad), norm_type)
+    total = sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
     factor = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(pipeline.backend.device)
     return total, factor
+
+
+Norm = TypeVar("Norm")
+
+
+def clip_grad_norm_order(
+    norms: dict[torch.nn.Parameter, Norm], model_order: Sequence[torch.nn.Parameter]
+) -> list[tuple[torch.nn.Parameter, Norm]]:
+    """``norms`` in the order ``clip_grad_norm_(model.parameters())`` sums them: grouped by
+    device and dtype (in order of first appearance), each group in the model's order.
+
+    A sum of floats depends on its order, so any other (the optimizer's: nanoGPT's decay
+    and no-decay groups) gives another norm in the last bit, and the weights drift. The
+    order is the same in every process, so under FSDP2 every rank sums alike. Parameters
+    the model does not list (another module's, in the same optimizer) go last.
+    """
+    position = {param: i for i, param in enumerate(model_order)}
+    ordered = sorted(norms, key=lambda param: position.get(param, len(position)))
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+    for param in ordered:
+        groups.setdefault((param.device, param.dtype), []).append(param)
+    return [(param, norms[param]) for group in groups.values() for param in group]
