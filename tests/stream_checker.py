@@ -19,6 +19,9 @@ the same program would be correct on a GPU, where streams run concurrently:
   `record_stream` named that stream.
 * Hooks: inside backward, the host may not wait (`synchronize`, `.item()`, `nonzero`, a
   blocking copy) nor allocate pinned memory.
+* Kernels: the compiled int8 kernels (`_int8_cpu.c`) write through raw pointers, which no
+  dispatch mode sees; while the checker is entered they are off, so the codecs take the
+  eager path a GPU runs, and `dispatched` counts each operation by actor and name.
 
 PyTorch's own `torch.cuda._sanitizer` keeps similar clocks, but skips CPU tensors, host
 accesses to pinned memory, `record_stream`, allocator reuse and byte ranges within a slab.
@@ -27,6 +30,7 @@ accesses to pinned memory, `record_stream`, allocator reuse and byte ranges with
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +38,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
+
+from gradient_cache.codecs import int8_kernels
 
 HOST = "host"
 # Operations whose result the host must read before it can go on.
@@ -89,6 +95,23 @@ class StreamChecker(TorchDispatchMode):
         self.clocks["compute"] = {"compute": 0}
         self.watched: set[str] = set()  # streams whose device memory `peak_watched_bytes` counts
         self.peak_watched_bytes = 0
+        self.dispatched: Counter[tuple[str, str]] = Counter()  # (actor, op name): calls
+        self._saved_kernels: list[int8_kernels.CompiledKernels | None] = []
+
+    # --- the eager int8 path while entered ----------------------------------------------
+
+    def __enter__(self) -> StreamChecker:
+        # int8_kernels reads CPU_KERNELS at each call: None sends CPU tensors down the eager
+        # path, the one CUDA tensors take, whose every write this mode sees.
+        self._saved_kernels.append(int8_kernels.CPU_KERNELS)
+        int8_kernels.CPU_KERNELS = None
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            int8_kernels.CPU_KERNELS = self._saved_kernels.pop()
 
     # --- actors and clocks ----------------------------------------------------------
 
@@ -236,6 +259,7 @@ class StreamChecker(TorchDispatchMode):
         self._tick(actor)
         out = func(*args, **kwargs)
         name = str(func.overloadpacket.__name__)
+        self.dispatched[actor, name] += 1
         for tensor, write in inputs:
             self._access(actor, tensor, write=write, what=name)
         known = {t.untyped_storage().data_ptr() for t in tensors}

@@ -25,6 +25,7 @@ from stream_checker import FakeCuda, StreamChecker
 
 import gradient_cache
 from gradient_cache import Ladder, TopK
+from gradient_cache.codecs import int8_kernels
 from gradient_cache.engine.cuda import CudaBackend
 from gradient_cache.engine.factory import build_cuda_backend
 from gradient_cache.engine.residuals import HostSlotResiduals
@@ -124,6 +125,39 @@ def test_checker_flags_host_reads_before_the_copy_and_waits_inside_hooks() -> No
         weight.register_post_accumulate_grad_hook(syncing_hook)
         (weight * 2).sum().backward()
         assert any("inside a backward hook" in v for v in checker.violations)
+
+
+def test_the_checker_turns_the_compiled_int8_kernels_off_while_entered() -> None:
+    """They write through raw pointers the checker cannot see; leaving restores them."""
+    before = int8_kernels.CPU_KERNELS
+    with StreamChecker():
+        assert int8_kernels.CPU_KERNELS is None
+    assert int8_kernels.CPU_KERNELS is before
+
+
+def test_the_default_codec_runs_its_eager_int8_path_under_the_checker(
+    fake_cuda: FakeCuda,
+) -> None:
+    """The default options give most tensors the int8 codec; the checker must see its
+    encode (on the encode stream) and decode (on the restore stream) as a GPU runs them,
+    not the compiled CPU kernels, whose writes no dispatch mode sees."""
+    data = batches(2)
+    with fake_cuda.checker.disabled():
+        reference = cpu_backend_run(data, dict(bucket_size_mb=SMALL))
+    cached = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        cached, backend_factory=fake_cuda.factory, bucket_size_mb=SMALL
+    )
+    assert "int8" in {route.codec.name for route in manager.engine.routes.values()}
+    train(cached, data, manager=manager)
+    assert_same_parameters(reference, cached)
+    fake_cuda.checker.assert_clean()
+    backend = manager.engine.backend
+    seen = fake_cuda.checker.dispatched
+    # The block maxima and the stochastic rounding, then the codes times their scales.
+    for op in ("abs", "amax", "floor_"):
+        assert seen[backend.encode_stream.name, op] > 0, f"no {op} on the encode stream"
+    assert seen[backend.restore_stream.name, "mul_"] > 0, "no int8 decode on the restore stream"
 
 
 # --- the engine ----------------------------------------------------------------------

@@ -42,6 +42,8 @@ class CompiledKernels(Protocol):
     def use_avx2(self, enabled: bool, /) -> bool: ...
 
 
+# Read at each call, never cached: setting it to None sends CPU tensors down the eager path
+# (the stand-in stream checker does, so that it sees every write the CUDA path makes).
 CPU_KERNELS: CompiledKernels | None
 try:
     from . import _int8_cpu
