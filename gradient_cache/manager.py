@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
 from .data_parallel import check_data_parallel
 from .engine import checkpoint, fused_step, sharding
@@ -94,7 +95,10 @@ class GradientCacheHookManager:
                 f"got {type(grad_scaler).__name__}."
             )
 
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # torch.compile(model) holds the model as `_orig_mod`: name the parameters as the
+        # model itself does, so checkpoints and exclude_layers mean the same compiled or not.
+        named = model._orig_mod if isinstance(model, OptimizedModule) else model
+        trainable = [(n, p) for n, p in named.named_parameters() if p.requires_grad]
         if not trainable:
             raise ValueError(
                 f"{type(model).__name__} has no trainable parameters (none has "
@@ -133,8 +137,14 @@ class GradientCacheHookManager:
             groups=groups,
             backend_factory=backend_factory,
         )
+        # The forward check stays on the module called (outside a compiled graph), under
+        # the names it gives.
+        called_names = {p: n for n, p in model.named_parameters()}
         self._watch = ParameterWatch(
-            model, included, excluded=patterns, device=self._pipeline.backend.device
+            model,
+            [(called_names[p], p) for _, p in included],
+            excluded=patterns,
+            device=self._pipeline.backend.device,
         )
 
     # --- the training-loop calls --------------------------------------------------

@@ -9,9 +9,20 @@ micro-batches, at the fused step) is unchanged; what it saved during backward is
 from __future__ import annotations
 
 import functools
+import warnings
 
+import pytest
 import torch
-from helpers import assert_same_parameters, batches, make_model, train
+from helpers import (
+    CHECKPOINT_MICRO_BATCHES,
+    CHECKPOINT_STEPS,
+    assert_same_parameters,
+    batches,
+    make_model,
+    run_checkpointed,
+    save_and_load,
+    train,
+)
 
 import gradient_cache
 
@@ -47,3 +58,66 @@ def test_compiled_autograd_with_the_cache_gives_the_plain_result() -> None:
     assert plain_losses == cached_losses
     assert_same_parameters(plain, cached)
     assert manager.get_compression_summary()["steps"] == 3
+
+
+# Error feedback: residuals and cached payloads are saved by name too.
+RESUMABLE = dict(compression_ratio=100, codec="topk", min_compress_numel=1)
+
+
+def _build(*, compiled: bool, **options):
+    """The model, what the loop calls (compiled or not), the cache on that, the optimizer."""
+    model = make_model()
+    called = torch.compile(model, backend="eager") if compiled else model
+    manager = gradient_cache.create_gradient_cache(called, **RESUMABLE, **options)
+    return model, called, manager, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize(
+    "saved_compiled", [True, False], ids=["compiled to plain", "plain to compiled"]
+)
+def test_a_checkpoint_resumes_with_or_without_compile(saved_compiled: bool) -> None:
+    """A cache on torch.compile(model) names the parameters as the model does: its
+    checkpoint, taken mid-accumulation, resumes on the plain model, and the reverse, bit
+    for bit with a run never interrupted."""
+    torch._dynamo.reset()
+    end, cut = CHECKPOINT_STEPS * CHECKPOINT_MICRO_BATCHES, 5
+    reference, _, reference_manager, reference_optimizer = _build(compiled=False)
+    run_checkpointed(reference, reference_manager, reference_optimizer, range(end))
+
+    model, called, manager, optimizer = _build(compiled=saved_compiled)
+    run_checkpointed(called, manager, optimizer, range(cut))
+    saved = save_and_load(model, manager, optimizer)
+    plain_names = [name for name, _ in model.named_parameters()]
+    assert saved["cache"]["parameters"] == plain_names
+    assert sorted(saved["cache"]["residuals"]) == sorted(plain_names)
+    assert saved["cache"]["buckets"]  # a micro-batch's gradients, cached by name
+    manager.remove_hooks()
+    model, called, manager, optimizer = _build(compiled=not saved_compiled)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    manager.load_state_dict(saved["cache"])
+    run_checkpointed(called, manager, optimizer, range(cut, end))
+    assert_same_parameters(reference, model)
+
+
+def test_exclude_layers_match_a_compiled_model_s_own_names() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "matches no trainable parameter name"
+        model, _, manager, _ = _build(compiled=True, exclude_layers=["norm."])
+    kept = [name for name, _ in model.named_parameters() if not name.startswith("norm.")]
+    assert manager.state_dict()["parameters"] == kept
+
+
+def test_a_compiled_submodule_s_names_are_refused_on_load_naming_compile() -> None:
+    """A submodule compiled on its own keeps its '_orig_mod' in the names: resuming
+    without it is refused with advice that names torch.compile."""
+    torch._dynamo.reset()
+    model = make_model()
+    model.mlp = torch.compile(model.mlp, backend="eager")
+    manager = gradient_cache.create_gradient_cache(model, **RESUMABLE)
+    run_checkpointed(model, manager, torch.optim.Adam(model.parameters()), range(1))
+    state = manager.state_dict()
+    manager.remove_hooks()
+    plain = _build(compiled=False)[2]
+    with pytest.raises(ValueError, match=r"'mlp\._orig_mod\.0\.bias'.*torch\.compile"):
+        plain.load_state_dict(state)

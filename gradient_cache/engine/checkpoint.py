@@ -192,10 +192,19 @@ def _check(pipeline: Pipeline, state: Any) -> None:
     if saved_names != here_names:
         missing = sorted(saved_names - here_names)
         extra = sorted(here_names - saved_names)
+        compiled = ""
+        if any("_orig_mod" in name.split(".") for name in (*missing, *extra)):
+            # A whole compiled model is named as the model; a compiled submodule is not.
+            compiled = (
+                " Names with '_orig_mod' come from a submodule wrapped by torch.compile: "
+                "compile the same submodules as when it was saved, or compile the whole "
+                "model instead (the cache names a compiled model's parameters as the "
+                "model's own)."
+            )
         raise ValueError(
             "The checkpoint's gradient cache covers other parameters: "
             f"{len(missing)} saved but not cached here {missing[:3]}, {len(extra)} cached here "
             f"but not saved {extra[:3]}. Build the same model with the same exclude_layers "
-            "(and the same trainable parameters) as when it was saved."
+            f"(and the same trainable parameters) as when it was saved.{compiled}"
         )
     state_check.check_contents(pipeline, state)
