@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -208,8 +210,10 @@ def backward_raising_on_syncs(loss: torch.Tensor) -> None:
             error_feedback=True,
             residual_location="device",
         ),
+        dict(),  # the defaults: the ladder at ratio 3 gives these layers the int8 codec
+        dict(compression_ratio=8),  # the ladder's q3, a block codec
     ],
-    ids=["lossless", "topk", "ef-host", "ef-device"],
+    ids=["lossless", "topk", "ef-host", "ef-device", "default", "ladder-q3"],
 )
 def test_backward_hooks_never_wait_on_the_host(options: dict, no_host_wait_in_hooks) -> None:
     model = ManyThinLayers(width=256, depth=8).cuda()
@@ -225,35 +229,61 @@ def test_backward_hooks_never_wait_on_the_host(options: dict, no_host_wait_in_ho
 SLEEP_CYCLES = 2_000_000  # about a millisecond: long enough to expose a missing wait
 
 
-@pytest.mark.parametrize("ratio", [1, 100])
+def widen_race_windows(
+    monkeypatch: pytest.MonkeyPatch,
+    backend: Any,
+    *,
+    cuda: Any = torch.cuda,
+    sleep: Callable[[], None] = lambda: torch.cuda._sleep(SLEEP_CYCLES),
+) -> None:
+    """Wrap ``backend``'s `encoding` and `store` so that ``sleep`` delays the compute
+    stream before each encode's wait, the encode stream before its encode and the copy
+    stream after its copies. The wrappers pass their arguments through and return what
+    the backend's methods return, whatever their signatures (the CPU stand-in checks it:
+    tests/test_gpu_check.py)."""
+    encoding, store = backend.encoding, backend.store
+
+    @contextlib.contextmanager
+    def slow_encoding(*args: Any, **kwargs: Any) -> Iterator[None]:
+        sleep()  # on the compute stream, before the encode's wait
+        with encoding(*args, **kwargs):
+            sleep()  # on the encode stream
+            yield
+
+    def slow_store(*args: Any, **kwargs: Any) -> Any:
+        payloads = store(*args, **kwargs)
+        with cuda.stream(backend.copy_stream):
+            sleep()
+        return payloads
+
+    monkeypatch.setattr(backend, "encoding", slow_encoding)
+    monkeypatch.setattr(backend, "store", slow_store)
+
+
+# Each with the codec the ladder gives ManyThinLayers' tensors (min_compress_numel=1).
+WIDENED = {
+    "lossless": (dict(compression_ratio=1), "lossless"),
+    "default": ({}, "int8"),  # the defaults: ratio 3, the ladder's first rung
+    "ladder-q3": (dict(compression_ratio=8), "q3"),
+    "ratio-100": (dict(compression_ratio=100), "topk"),
+}
+
+
+@pytest.mark.parametrize("case", list(WIDENED))
 def test_widened_race_windows_still_give_the_reference_result(
-    monkeypatch: pytest.MonkeyPatch, ratio: int
+    monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     """Sleep kernels delay the compute stream before each launch, the encode stream before
     its encode and the copy stream after its copies: a missing wait then reads stale data."""
     torch.manual_seed(0)
     reference = ManyThinLayers(width=256, depth=16).cuda()
     slowed = copy.deepcopy(reference)
-    options = dict(compression_ratio=ratio, min_compress_numel=1, bucket_size_mb=0.25)
+    ratio, codec = WIDENED[case]
+    options = dict(ratio, min_compress_numel=1, bucket_size_mb=0.25)
     ref_manager = gradient_cache.create_gradient_cache(reference, **options)
     manager = gradient_cache.create_gradient_cache(slowed, **options)
-    backend = manager.engine.backend
-    encoding, store = backend.encoding, backend.store
-
-    @contextlib.contextmanager
-    def slow_encoding(reads_host):
-        torch.cuda._sleep(SLEEP_CYCLES)  # on the compute stream, before the encode's wait
-        with encoding(reads_host):
-            torch.cuda._sleep(SLEEP_CYCLES)  # on the encode stream
-            yield
-
-    def slow_store(bucket, encoded, grads) -> None:
-        store(bucket, encoded, grads)
-        with torch.cuda.stream(backend.copy_stream):
-            torch.cuda._sleep(SLEEP_CYCLES)
-
-    monkeypatch.setattr(backend, "encoding", slow_encoding)
-    monkeypatch.setattr(backend, "store", slow_store)
+    assert {route.codec.name for route in manager.engine.routes.values()} == {codec}
+    widen_race_windows(monkeypatch, manager.engine.backend)
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (reference, slowed)]
     for step in range(6):
         x = torch.randn(
