@@ -8,10 +8,20 @@
 # writes its log (and JSON, where it makes one) to $OUT (else perf/results/gpu/) as soon as
 # it ends, and a line to summary.tsv, so a call killed midway keeps what it had. --quick
 # runs the first four parts with shorter timeouts (under 3 minutes): for a rerun.
-# --dry-run prints the parts and their timeouts and exits (no CUDA needed).
 #
-# Uses the python3 on PATH as it is (on a lent H200 it holds a CUDA build of torch, pytest
-# and pytest-benchmark) and this checkout's package. Exits non-zero if any part failed.
+# A preflight first imports what each part needs and says plainly what is missing: a part
+# that cannot import is skipped (and the check fails), and the peers that need
+# bitsandbytes or torchao are left out, with a line saying so, where those are absent.
+#
+# --dry-run (no CUDA needed) runs the preflight, prints each part and its timeout, and
+# checks each pytest part's selection on the CPU: its exact command (less environment
+# settings) plus --collect-only, which with the command's -q lists the ids, printed
+# indented after the count; it exits non-zero if an import fails or a selection is empty
+# or does not collect.
+#
+# Uses $PYTHON, else the python3 on PATH, as it is (on a lent H200: a CUDA build of torch,
+# pytest, psutil, hypothesis), and this checkout's package: no install, no build step.
+# Exits non-zero if any part failed or was skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -28,46 +38,157 @@ for arg in "$@"; do
 done
 
 out="${OUT:-perf/results/gpu}"
-budget=$(( quick ? 170 : 470 ))  # seconds, for every part together
-# name | timeout (s) | quick timeout (0: not in --quick) | command
+py="${PYTHON:-python3}"
+budget=$(( quick ? 170 : 470 ))  # seconds, for the preflight and every part together
+# pyproject's addopts holds --benchmark-disable, which pytest refuses (exit 4) where
+# pytest-benchmark is absent: the parts' pytest runs without it, and writes no cache.
+pytest="$py -m pytest -q -rs -p no:cacheprovider -o addopts="
+# Part 1's selection of tests/test_cuda.py; tests_cuda_rest runs every other CUDA test.
+races="never_wait or race or widened or pinned_pool"
+# The peers on CUDA, in this order, with the package each needs beyond torch (key:package).
+peers=(cpu-offload:torchao cpu-offload-grads:torchao fsdp-offload cache-fused
+       bnb:bitsandbytes cache-fused-bnb:bitsandbytes in-backward cache-apply cache-default
+       torchao:torchao)
+# name | timeout (s) | quick timeout (0: not in --quick) | modules to import | command
 parts=(
-    "tests_sync_and_races|100|60|python3 -m pytest -q -rs -p no:cacheprovider -k 'never_wait or race or widened or pinned_pool or bit_for_bit' tests/test_cuda.py"
-    "memory_table|60|40|python3 -m perf.memory_report --device cuda --json $out/memory_cuda.json"
-    "link_and_pinned_pool|30|20|python3 -m perf.gpu_link --json $out/gpu_link.json"
-    "step_time|120|40|python3 perf/gpu_report.py --json $out/gpu_report.json QUICK_FLAG"
-    "tests_cuda_rest|60|0|python3 -m pytest -q -rs -p no:cacheprovider -k 'cuda or Cuda' tests/test_cuda.py tests/test_accounting.py tests/test_training.py tests/test_eight_bit.py"
-    "fsdp2_example|40|0|python3 -m torch.distributed.run --nproc-per-node 1 examples/train_fsdp.py --steps 10"
-    "sanitizer|60|0|TORCH_CUDA_SANITIZER=1 python3 -m pytest -q -rs -p no:cacheprovider -k 'bit_for_bit or exact' tests/test_cuda.py"
-    "peers_cuda|180|0|python3 -m perf.peers --device cuda --contenders cpu-offload cpu-offload-grads fsdp-offload cache-fused bnb cache-fused-bnb in-backward cache-apply cache-default torchao --json $out/peers_cuda.json"
+    "tests_sync_and_races|120|60|pytest,gradient_cache|$pytest -k '$races' tests/test_cuda.py"
+    "memory_table|45|30|perf.memory_report|$py -m perf.memory_report --device cuda --json $out/memory_cuda.json"
+    "link_and_pinned_pool|20|15|perf.gpu_link|$py -m perf.gpu_link --json $out/gpu_link.json"
+    "step_time|90|40|perf.gpu_report|$py perf/gpu_report.py --json $out/gpu_report.json QUICK_FLAG"
+    "tests_cuda_rest|50|0|pytest,gradient_cache|$pytest -k 'cuda and not ($races)' tests/test_cuda.py tests/test_accounting.py tests/test_training.py"
+    # The same tests as the parts above, under PyTorch's CUDA sanitizer: a failure here
+    # and not there is a stream race the sanitizer saw.
+    "sanitizer|40|0|pytest,gradient_cache|TORCH_CUDA_SANITIZER=1 $pytest -k 'widened or exact' tests/test_cuda.py"
+    "fsdp2_example|25|0|torch.distributed.fsdp,gradient_cache.demo.models|$py -m torch.distributed.run --nproc-per-node 1 examples/train_fsdp.py --steps 10"
+    "peers_cuda|80|0|perf.peers|$py -m perf.peers --device cuda --no-search --contenders PEERS --json $out/peers_cuda.json"
 )
 
+# Prints "missing<TAB>part<TAB>why" for each part with a module that does not import, and
+# "absent<TAB>package" for each of the peers' optional packages not installed.
+preflight() {
+    local spec="" part name full short needs command
+    for part in "${parts[@]}"; do
+        IFS='|' read -r name full short needs command <<< "$part"
+        spec+="$name $needs"$'\n'
+    done
+    "$py" - "$spec" <<'PYTHON'
+import importlib
+import importlib.util
+import sys
+
+why = {}
+for line in sys.argv[1].splitlines():
+    part, needs = line.split(" ", 1)
+    for module in needs.split(","):
+        if module not in why:
+            try:
+                importlib.import_module(module)
+                why[module] = None
+            except Exception as error:  # ModuleNotFoundError names the module missing
+                why[module] = f"import {module} fails ({type(error).__name__}: {error})"
+        if why[module]:
+            print(f"missing\t{part}\t{why[module]}")
+            break
+for package in ("bitsandbytes", "torchao"):
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except ImportError:
+        found = False
+    if not found:
+        print(f"absent\t{package}")
+PYTHON
+}
+
+# Runs the preflight; fills `missing` (part: why) and `contenders`, and prints its findings.
+declare -A missing=()
+contenders=()
+run_preflight() {
+    local kind what why absent=" " entry key package report
+    report=$(preflight)
+    local code=$?
+    if (( code != 0 )); then
+        echo "preflight: $py could not run the import check (exit $code)"
+        return 1
+    fi
+    while IFS=$'\t' read -r kind what why; do
+        case $kind in
+            missing) missing[$what]=$why
+                     echo "preflight: $what will be skipped: $why" ;;
+            absent) absent+="$what " ;;
+        esac
+    done <<< "$report"
+    declare -A left_out=()
+    for entry in "${peers[@]}"; do
+        key=${entry%%:*}
+        package=${entry#"$key"}
+        package=${package#:}
+        if [[ -n $package && $absent == *" $package "* ]]; then
+            left_out[$package]+=" $key"
+        else
+            contenders+=("$key")
+        fi
+    done
+    for package in "${!left_out[@]}"; do
+        echo "preflight: peers_cuda leaves out${left_out[$package]}: $package is not installed"
+    done
+    (( ${#missing[@]} == 0 ))
+}
+
 if (( dry_run )); then
+    run_preflight >&2
+    failed=$?
     total=0
     for part in "${parts[@]}"; do
-        IFS='|' read -r name full short command <<< "$part"
+        IFS='|' read -r name full short needs command <<< "$part"
         limit=$(( quick ? short : full ))
         (( limit == 0 )) && continue
         total=$(( total + limit ))
-        echo "$name $limit"
+        if [[ $command != *" -m pytest "* || -n ${missing[$name]+set} ]]; then
+            echo "$name $limit"  # the preflight said why a pytest part cannot collect
+            continue
+        fi
+        # Environment settings go: the sanitizer needs CUDA even to collect.
+        collect=$command
+        while [[ $collect =~ ^[A-Za-z_][A-Za-z0-9_]*=[^[:space:]]*[[:space:]]+ ]]; do
+            collect=${collect#"${BASH_REMATCH[0]}"}
+        done
+        listing=$(timeout 120 bash -c "$collect --collect-only" 2>&1)
+        code=$?
+        ids=$(grep -E '^[^[:space:]]+::' <<< "$listing")
+        count=$(grep -cE '^[^[:space:]]+::' <<< "$listing")
+        echo "$name $limit selects $count tests"
+        [[ -n $ids ]] && sed 's/^/    /' <<< "$ids"
+        if (( code != 0 || count == 0 )); then
+            echo "dry run: $name's selection failed (pytest exit $code, $count tests):" >&2
+            tail -n 20 <<< "$listing" >&2
+            failed=1
+        fi
     done
     echo "total $total budget $budget"
-    exit 0
+    exit "$failed"
 fi
 
-python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
-    echo "gpu_check.sh needs a CUDA device: this python3 has no torch that sees one (torch.cuda.is_available() is not True). Nothing was run." >&2
+"$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
+    echo "gpu_check.sh needs a CUDA device: this $py has no torch that sees one (torch.cuda.is_available() is not True). Nothing was run." >&2
     exit 1
 }
+start=$SECONDS
 mkdir -p "$out"
 printf 'part\tstatus\tseconds\n' > "$out/summary.tsv"
-python3 -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name())" \
+"$py" -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name())" \
     | tee "$out/device.txt"
-start=$SECONDS
+run_preflight > "$out/preflight.txt"
+cat "$out/preflight.txt"
 status=0
 for part in "${parts[@]}"; do
-    IFS='|' read -r name full short command <<< "$part"
+    IFS='|' read -r name full short needs command <<< "$part"
     limit=$(( quick ? short : full ))
     (( limit == 0 )) && continue
+    if [[ -n ${missing[$name]+set} ]]; then
+        printf '%s\tskipped (%s)\t0\n' "$name" "${missing[$name]}" | tee -a "$out/summary.tsv"
+        status=1
+        continue
+    fi
     left=$(( budget - (SECONDS - start) ))
     if (( left < 10 )); then
         printf '%s\tskipped (budget)\t0\n' "$name" | tee -a "$out/summary.tsv"
@@ -76,6 +197,7 @@ for part in "${parts[@]}"; do
     fi
     (( limit > left )) && limit=$left
     command="${command//QUICK_FLAG/$( (( quick )) && echo --quick )}"
+    command="${command//PEERS/${contenders[*]}}"
     began=$SECONDS
     timeout --kill-after=5 "$limit" bash -c "$command" > "$out/$name.log" 2>&1
     code=$?

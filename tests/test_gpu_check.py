@@ -1,16 +1,47 @@
-"""perf/gpu_check.sh on a machine without a GPU: its arguments, its time plan, its refusal."""
+"""perf/gpu_check.sh on a machine without a GPU: its arguments, its time plan, its
+preflight, what each pytest part selects (its --dry-run collects them on the CPU), its
+refusal; and test_cuda.py's widened-race helper on the stand-in streams."""
 
 from __future__ import annotations
 
+import functools
+import os
 import pathlib
 import subprocess
+import sys
+import tempfile
 
 import pytest
+import test_cuda
 import torch
+from helpers import assert_same_parameters, batches, make_model, train
+from test_cuda import widen_race_windows
+from test_stream_order import SMALL, fake_cuda  # noqa: F401  (the stand-in's fixture)
+
+import gradient_cache
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "perf" / "gpu_check.sh"
 # One lent-GPU command may run 600 s; the check keeps a margin for the machine's start.
 FULL_BUDGET_S, QUICK_BUDGET_S = 480, 180
+PYTEST_PARTS = ("tests_sync_and_races", "tests_cuda_rest", "sanitizer")
+# Makes the modules in GC_BLOCK absent for the script's pythons, as on the lent image.
+SITECUSTOMIZE = """
+import os
+import sys
+
+BLOCKED = {name for name in os.environ.get("GC_BLOCK", "").split(",") if name}
+
+
+class Absent:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Absent)
+"""
 
 
 def check(*args: str) -> subprocess.CompletedProcess:
@@ -19,28 +50,128 @@ def check(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@functools.cache
+def absent_modules() -> str:
+    """A folder whose sitecustomize.py hides the modules GC_BLOCK names."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="gpu_check_absent_"))
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return str(folder)
+
+
+@functools.cache
+def on_the_image(*args: str, absent: str = "bitsandbytes,torchao") -> subprocess.CompletedProcess:
+    """The script as on the lent image: this python, no bitsandbytes or torchao (or what
+    ``absent`` names) and no pytest plugin loaded from an entry point, so no
+    pytest-benchmark, whose --benchmark-disable pyproject's addopts holds."""
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        PYTHONPATH=absent_modules(),
+        GC_BLOCK=absent,
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+    )
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
+
+
 def plan(*args: str) -> dict[str, int]:
-    result = check("--dry-run", *args)
+    result = on_the_image("--dry-run", *args)
     assert result.returncode == 0, result.stderr
     return {
         name: int(seconds)
-        for name, seconds in (line.split()[:2] for line in result.stdout.splitlines())
+        for name, seconds in (
+            line.split()[:2] for line in result.stdout.splitlines() if not line[:1].isspace()
+        )
     }
+
+
+def selections(*args: str) -> dict[str, list[str]]:
+    """Each pytest part's test ids, as its --dry-run line counts and lists them."""
+    result = on_the_image("--dry-run", *args)
+    assert result.returncode == 0, result.stderr
+    selected: dict[str, list[str]] = {}
+    counts: dict[str, int] = {}
+    part = ""
+    for line in result.stdout.splitlines():
+        if line[:1].isspace():
+            selected[part].append(line.strip())
+        elif "selects" in line:
+            part, _, _, count, _ = line.split()
+            selected[part], counts[part] = [], int(count)
+    assert counts == {part: len(ids) for part, ids in selected.items()}
+    return selected
 
 
 def test_the_parts_run_most_valuable_first_within_the_budget() -> None:
     full, quick = plan(), plan("--quick")
     assert list(full)[:2] == ["tests_sync_and_races", "memory_table"]
     assert list(full)[-1] == "total"  # then the budget, on the same line
-    full_budget = int(check("--dry-run").stdout.split()[-1])
-    quick_budget = int(check("--dry-run", "--quick").stdout.split()[-1])
+    full_budget = int(on_the_image("--dry-run").stdout.split()[-1])
+    quick_budget = int(on_the_image("--dry-run", "--quick").stdout.split()[-1])
     assert full_budget <= FULL_BUDGET_S and quick_budget <= QUICK_BUDGET_S
+    # Every part's timeout together fits the budget: no part is cut short by another.
+    assert full["total"] <= full_budget and quick["total"] <= quick_budget
+    assert full["total"] == sum(seconds for name, seconds in full.items() if name != "total")
     # --quick: the first parts only, each at most its full timeout, all within its budget.
     quick_parts = [name for name in quick if name != "total"]
     assert quick_parts == [name for name in full if name != "total"][: len(quick_parts)]
     assert all(quick[name] <= full[name] for name in quick_parts)
     assert quick["total"] <= quick_budget
     assert all(seconds > 0 for seconds in full.values())
+
+
+def test_each_pytest_part_selects_its_own_tests() -> None:
+    """Collected on the CPU by --dry-run, with each part's exact pytest command."""
+    selected = selections()
+    assert set(selected) == set(PYTEST_PARTS)
+    assert all(selected.values())  # none empty
+    first = selected["tests_sync_and_races"]
+    widened = "tests/test_cuda.py::test_widened_race_windows_still_give_the_reference_result"
+    never_wait = "tests/test_cuda.py::test_backward_hooks_never_wait_on_the_host"
+    # Part 1: the widened race and the sync-free hooks, the default codec's (int8) included.
+    for case in ("lossless", "default", "ladder-q3", "ratio-100"):
+        assert f"{widened}[{case}]" in first
+    assert f"{never_wait}[default]" in first
+    # No test runs twice plainly; the sanitizer reruns tests the plain parts run.
+    plain = selected["tests_sync_and_races"] + selected["tests_cuda_rest"]
+    assert len(plain) == len(set(plain))
+    assert set(selected["sanitizer"]) <= set(plain)
+    # Every test of test_cuda.py runs in a plain part, and the CUDA variants elsewhere.
+    functions = {name for name in dir(test_cuda) if name.startswith("test_")}
+    assert functions == {
+        test.split("::")[1].split("[")[0] for test in plain if test.startswith("tests/test_cuda")
+    }
+    assert "tests/test_accounting.py::test_cuda_meter_reads_the_allocator" in plain
+    assert any(test.endswith("-cuda]") for test in plain if "test_training.py" in test)
+    assert not any(test.endswith("-cpu]") for test in plain)
+    # --quick collects its pytest part too.
+    assert selections("--quick") == {"tests_sync_and_races": first}
+
+
+def test_the_preflight_leaves_out_the_peers_whose_packages_are_absent() -> None:
+    errors = on_the_image("--dry-run").stderr
+    assert "peers_cuda leaves out bnb cache-fused-bnb: bitsandbytes is not installed" in errors
+    assert (
+        "peers_cuda leaves out cpu-offload cpu-offload-grads torchao: torchao is not installed"
+        in errors
+    )
+
+
+def test_the_preflight_says_what_a_bare_image_lacks() -> None:
+    """Without psutil, `import gradient_cache` fails: every part says so, none collects."""
+    result = on_the_image("--dry-run", absent="psutil")
+    assert result.returncode == 1
+    for part in plan():
+        if part != "total":
+            assert f"preflight: {part} will be skipped: import " in result.stderr
+    assert result.stderr.count("No module named 'psutil'") == len(plan()) - 1
+    assert "selects" not in result.stdout
 
 
 def test_an_unknown_argument_is_refused_with_the_usage() -> None:
@@ -63,3 +194,28 @@ def test_without_a_gpu_it_stops_at_once_and_says_why(args: tuple[str, ...], tmp_
     assert result.returncode == 1
     assert "needs a CUDA device" in result.stderr and "Nothing was run" in result.stderr
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_the_widened_race_helper_fits_the_backend_it_wraps(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """test_cuda.py's `widen_race_windows` around the real CUDA backend on the stand-in
+    streams (its sleeps noted, not slept): training through it is bit for bit training
+    without it, and the sleeps land on the compute, encode and copy streams."""
+    cuda = request.getfixturevalue("fake_cuda")
+    data = batches(3)
+    reference, widened = make_model(), make_model()
+    options = dict(backend_factory=cuda.factory, bucket_size_mb=SMALL)  # default codec
+    ref_manager = gradient_cache.create_gradient_cache(reference, **options)
+    manager = gradient_cache.create_gradient_cache(widened, **options)
+    backend = manager.engine.backend
+    sleeps: list[str] = []
+    widen_race_windows(
+        monkeypatch, backend, cuda=cuda, sleep=lambda: sleeps.append(cuda.checker.active)
+    )
+    for fused_step in (False, True):
+        train(reference, data, manager=ref_manager, fused_step=fused_step)
+        train(widened, data, manager=manager, fused_step=fused_step)
+    assert_same_parameters(reference, widened)
+    cuda.checker.assert_clean()
+    assert set(sleeps) == {"compute", backend.encode_stream.name, backend.copy_stream.name}
