@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .data_parallel import check_data_parallel
 from .engine import checkpoint, fused_step, sharding
@@ -120,8 +121,9 @@ class GradientCacheHookManager:
             )
         self.compression_ratio = ratio
         self.config = config
-        # model.parameters()' order: the fused step sums norms in it, as clip_grad_norm_ does.
-        self._model_order = tuple(p for _, p in trainable)
+        # Each parameter's place in model.parameters(): the fused step sums norms in that
+        # order, as clip_grad_norm_ does. Weak keys: a replaced parameter is not kept alive.
+        self._model_order = WeakIdKeyDictionary({p: i for i, (_, p) in enumerate(trainable)})
         self.verbose = verbose
         self._num_excluded = len(trainable) - len(included)
         if verbose and not logger.handlers:

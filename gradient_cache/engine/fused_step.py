@@ -11,7 +11,7 @@ is reused.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import TypeVar
 
 import torch
@@ -28,12 +28,12 @@ def step(
     *,
     max_grad_norm: float | None,
     norm_type: float,
-    model_order: Sequence[torch.nn.Parameter],
+    model_order: Mapping[torch.nn.Parameter, int],
 ) -> torch.Tensor | None:
     """Restore and step bucket by bucket; see GradientCacheHookManager.step.
 
-    ``model_order``: the model's parameters in ``model.parameters()`` order, the order the
-    norms are summed in."""
+    ``model_order``: each parameter's place in ``model.parameters()``, the order the norms
+    are summed in."""
     pipeline.drain()
     stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
     clip = pipeline.retry() if pipeline.interrupted else None
@@ -99,7 +99,7 @@ def _step_with(
 
 def _clip_factor(
     pipeline: Pipeline,
-    model_order: Sequence[torch.nn.Parameter],
+    model_order: Mapping[torch.nn.Parameter, int],
     parts: list[BucketPayloads],
     held: dict[torch.nn.Parameter, torch.Tensor],
     max_grad_norm: float | None,
@@ -129,7 +129,7 @@ Norm = TypeVar("Norm")
 
 
 def clip_grad_norm_order(
-    norms: dict[torch.nn.Parameter, Norm], model_order: Sequence[torch.nn.Parameter]
+    norms: dict[torch.nn.Parameter, Norm], model_order: Mapping[torch.nn.Parameter, int]
 ) -> list[tuple[torch.nn.Parameter, Norm]]:
     """``norms`` in the order ``clip_grad_norm_(model.parameters())`` sums them: grouped by
     device and dtype (in order of first appearance), each group in the model's order.
@@ -139,8 +139,8 @@ def clip_grad_norm_order(
     order is the same in every process, so under FSDP2 every rank sums alike. Parameters
     the model does not list (another module's, in the same optimizer) go last.
     """
-    position = {param: i for i, param in enumerate(model_order)}
-    ordered = sorted(norms, key=lambda param: position.get(param, len(position)))
+    last = len(model_order)
+    ordered = sorted(norms, key=lambda param: model_order.get(param, last))
     groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
     for param in ordered:
         groups.setdefault((param.device, param.dtype), []).append(param)
