@@ -7,7 +7,8 @@ the same program would be correct on a GPU, where streams run concurrently:
 
 * Vector clocks: the host and each stream are actors. An operation enqueued on a stream
   is ordered after everything the host did before enqueuing it; `wait_stream`,
-  `wait_event` and the host's `synchronize` join clocks; nothing else orders two actors.
+  `wait_event`, the host's `synchronize` and a blocking copy to the host (`.to("cpu")`) join
+  clocks; nothing else orders two actors.
 * Memory: every storage is tracked by byte range. Two accesses to overlapping bytes by two
   actors, at least one a write, must be ordered, or it is a race. Pinned host memory
   (`allocate_pinned`) is host memory: an operation whose tensors are all host tensors is a
@@ -262,6 +263,11 @@ class StreamChecker(TorchDispatchMode):
         self.dispatched[actor, name] += 1
         for tensor, write in inputs:
             self._access(actor, tensor, write=write, what=name)
+        # A blocking `.to("cpu")` of a device tensor (a checkpoint's copy): CUDA's copy to
+        # pageable host memory returns once it is done, so the host is ordered after it.
+        to_host = func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None
+        if to_host and not _non_blocking(args, kwargs):
+            self.join(HOST, dict(self.clocks[actor]))
         known = {t.untyped_storage().data_ptr() for t in tensors}
         for tensor in tree_leaves(out):
             if (

@@ -459,10 +459,21 @@ def test_a_discarded_step_leaves_the_host_residual_as_it_was(
     fake_cuda.checker.assert_clean()
 
 
+@pytest.mark.parametrize(
+    "residuals",
+    [{}, dict(residual_location="device", keep_previous_residual=False)],
+    ids=["host slots", "one device residual"],
+)
 @pytest.mark.parametrize("cut", [4, 5], ids=["between steps", "mid-accumulation"])
-def test_a_resumed_run_continues_bit_for_bit(fake_cuda: FakeCuda, cut: int) -> None:
-    """Host residuals and cached payloads go back into their pinned slots."""
-    options = dict(compression_ratio=20, codec="topk", selection="exact", bucket_size_mb=SMALL)
+def test_a_resumed_run_continues_bit_for_bit(
+    fake_cuda: FakeCuda, cut: int, residuals: dict
+) -> None:
+    """Host residuals and cached payloads go back into their pinned slots. A device residual
+    is loaded on the compute stream: the encode that reads it (and replaces it, with one
+    residual a parameter) keeps it until its bucket is known to be done."""
+    options = dict(
+        compression_ratio=20, codec="topk", selection="exact", bucket_size_mb=SMALL, **residuals
+    )
     with fake_cuda.checker.disabled():
         reference, reference_manager, optimizer = helpers.build_checkpointed(
             {**options, "backend": "cpu"}

@@ -53,6 +53,9 @@ class Encoded:
     param: Param
     payload: Payload
     residual: torch.Tensor | None
+    # Device tensors the encode read besides the gradient (the residual it started from):
+    # queued kernels may still read them after the residual store lets them go.
+    reads: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass

@@ -165,6 +165,10 @@ class CudaBackend(Backend):
                     ]
                 )
                 kept += tensors
+                # A residual loaded from a checkpoint was allocated on the compute stream,
+                # and with one residual a parameter `write` drops it: kept until the
+                # retirement wait orders the compute stream after the encode that read it.
+                kept += item.reads
                 if item.residual is not None:
                     self.residuals.write(item.param, item.residual, non_blocking=pinned)
                     kept.append(item.residual)

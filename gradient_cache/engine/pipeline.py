@@ -342,7 +342,7 @@ class Pipeline:
             flat = held.moved(self.backend.to_device).add_to(flat)
         residual = None if codec.residual is None else self.backend.residuals.read(param)
         payload, new_residual = codec.encode(flat, residual, loss_scale=loss_scale)
-        return Encoded(param, payload, new_residual)
+        return Encoded(param, payload, new_residual, () if residual is None else (residual,))
 
     def _loss_scale(self) -> torch.Tensor | None:
         """The GradScaler's scale as a device tensor (no host sync), or None if unscaled."""

@@ -118,8 +118,9 @@ class DeviceResiduals(ResidualStore):
         return dict(self._pending)
 
     def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
-        self._current = {p: r.to(self.device) for p, r in current.items()}
-        self._pending = {p: r.to(self.device) for p, r in pending.items()}
+        # Copies, allocated on the current stream (the caller's tensors stay the caller's).
+        self._current = {p: r.to(self.device, copy=True) for p, r in current.items()}
+        self._pending = {p: r.to(self.device, copy=True) for p, r in pending.items()}
         self._replaced = {}
 
 
