@@ -91,3 +91,26 @@ def test_a_skipped_step_leaves_no_trace(
     ):
         assert_same_state(skipped, clean)
     assert_same_parameters(skipped_model, clean_model)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_fused_step_refuses_an_enabled_scaler_and_takes_a_disabled_one(enabled: bool) -> None:
+    """Until it unscales and skips as scaler.step() does, the fused step refuses an enabled
+    scaler, before it changes anything; a disabled scaler is no scaler."""
+    model, reference = make_model(), make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=enabled)
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1, grad_scaler=scaler)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, targets = batches(1)[0]
+    scaler.scale(loss_of(model, tokens, targets)).backward()
+    loss_of(reference, tokens, targets).backward()
+    if not enabled:
+        manager.step(optimizer)
+        torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
+        assert_same_parameters(model, reference)
+        return
+    with pytest.raises(RuntimeError, match=r"enabled GradScaler.*scaler.unscale_\(optimizer\)"):
+        manager.step(optimizer)
+    manager.apply_gradients()  # nothing was stepped or lost: the AMP path goes on from here
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad * 2.0**10)  # the scaled gradients, whole
