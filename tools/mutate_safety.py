@@ -13,6 +13,7 @@ mutant must be killed. The stream waits have their own tool: ../shared/tools/mut
 import argparse
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import sys
@@ -56,16 +57,18 @@ MUTANTS = [
         "gradient_cache/engine/pipeline.py",
         "            for param, grad in items[len(encoded) :]:\n                param.grad = sharding.as_grad_of(param, grad)\n",
         "",
-        "tests/test_engine.py",
+        "tests/test_pipeline.py",
     ),
     (
         "launch: keep what was encoded before the failure",
         "gradient_cache/engine/pipeline.py",
         "        finally:\n            self._keep(encoded, [grad for _, grad in items[: len(encoded)]])",
         "        else:\n            self._keep(encoded, [grad for _, grad in items[: len(encoded)]])",
-        "tests/test_engine.py",
+        "tests/test_pipeline.py",
     ),
     (
+        # Killed only where the encode allocates (top-k at ratio 100): lossless, the
+        # retired bucket's tensors went at the end of `encoding` just the same.
         "cuda: drop the retired bucket's device tensors (memory bound)",
         "gradient_cache/engine/cuda.py",
         "            retired.tensors.clear()  # safe now",
@@ -84,7 +87,7 @@ MUTANTS = [
         "gradient_cache/engine/hostmem.py",
         "        directory = directory.parent",
         "        return found",
-        "tests/test_engine.py",
+        "tests/test_hostmem.py",
     ),
     (
         "accumulation: a waiting gradient is added, not replaced",
@@ -117,8 +120,8 @@ MUTANTS = [
     (
         "host residuals: a pending step's residual goes to the spare slot",
         "gradient_cache/engine/residuals.py",
-        "        return slot.residual if slot.spare_residual is None else slot.spare_residual",
-        "        return slot.residual",
+        "        return self._current(param) if slot.spare_residual is None else slot.spare_residual",
+        "        return self._current(param)",
         "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
     ),
     (
@@ -131,7 +134,7 @@ MUTANTS = [
     (
         "checkpoint: host residuals loaded into their slots",
         "gradient_cache/engine/residuals.py",
-        "            slots[param].residual.copy_(saved)  # nothing in flight",
+        "            self._current(param).copy_(saved)  # nothing in flight",
         "            pass  # nothing in flight",
         "tests/test_stream_order.py::test_a_resumed_run_continues_bit_for_bit",
     ),
@@ -224,7 +227,7 @@ MUTANTS = [
         "gradient_cache/engine/route.py",
         "        spare_residual=residuals.keep_previous_residual,",
         "        spare_residual=False,",
-        "tests/test_engine.py::test_host_pool_sizes_residual_and_warmup_slots",
+        "tests/test_pool.py::test_host_pool_sizes_residual_and_warmup_slots",
     ),
     (
         "planner: Adam's per-tensor step counters are counted",
@@ -260,7 +263,7 @@ MUTANTS = [
         "gradient_cache/engine/store.py",
         '            if bucket.state is not BucketState.CACHED:\n                raise RuntimeError("gradient-cache internal error: a restore before the drain")\n',
         "",
-        "tests/test_engine.py",
+        "tests/test_store.py",
     ),
     (
         "store: clear forgets where each parameter is cached",
@@ -323,6 +326,7 @@ MUTANTS = [
         "tests/test_codecs.py::test_stochastic_rounding_is_unbiased",
     ),
     (
+        # One of EQUIVALENT_ON_X86: without the mask nothing changes on this CPU.
         "block_kernels: codes masked to their bits (a NaN's byte)",
         "gradient_cache/codecs/block_kernels.py",
         "            codes = level.clamp_(0, top).to(torch.uint8).bitwise_and_(top)",
@@ -450,7 +454,7 @@ MUTANTS = [
         "gradient_cache/engine/pipeline.py",
         "        if self._planned_at < self.config.warmup_steps <= self.steps:\n            self._follow_plan()",
         "        if False:\n            self._follow_plan()",
-        "tests/test_route.py tests/test_training.py",
+        "tests/test_recipes.py::test_warmup_steps_are_plain_then_compressed",
     ),
     (
         "route plan: planned once, not again where the warm-up ends",
@@ -463,6 +467,11 @@ MUTANTS = [
         "tests/test_route.py::test_routes_are_planned_once_per_manager_through_warm_up_and_a_checkpoint",
     ),
 ]
+
+# Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
+# NaN cast to uint8 gives 0, a valid code, so the mask only matters where a cast of NaN
+# gives another byte (C leaves it undefined). Run and reported; a kill is reported too.
+EQUIVALENT_ON_X86 = {"block_kernels: codes masked to their bits (a NaN's byte)"}
 
 
 def main() -> int:
@@ -497,8 +506,10 @@ def main() -> int:
             lines = r.stdout.strip().splitlines() or ["?"]
             # The first failing test (pytest's short summary), else the result line.
             by = next((x for x in lines if x.startswith(("FAILED ", "ERROR "))), lines[-1])
-            survived += r.returncode == 0
-            print(f"{'killed' if r.returncode else 'SURVIVED'}: {label} [{tests}] -> {by[:200]}")
+            equivalent = label in EQUIVALENT_ON_X86 and platform.machine() in ("x86_64", "AMD64")
+            survived += r.returncode == 0 and not equivalent
+            verdict = "killed" if r.returncode else "equivalent here" if equivalent else "SURVIVED"
+            print(f"{verdict}: {label} [{tests}] -> {by[:200]}")
     return 1 if survived else 0
 
 
