@@ -226,6 +226,34 @@ def test_backward_hooks_never_wait_on_the_host(options: dict, no_host_wait_in_ho
         model.zero_grad()
 
 
+@pytest.mark.parametrize(
+    "options",
+    [dict(compression_ratio=100, codec="topk", min_compress_numel=1, error_feedback=True), dict()],
+    ids=["ef-host", "default"],
+)
+def test_backward_hooks_never_wait_on_the_host_with_a_grad_scaler(
+    options: dict, no_host_wait_in_hooks
+) -> None:
+    """The skip verdict of the last step is settled in the next backward's first hook from
+    host facts (the scaler's update, an optimizer's step), never a device read; a skipped
+    step (an inf) included."""
+    model = ManyThinLayers(width=256, depth=8).cuda()
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    manager = gradient_cache.create_gradient_cache(
+        model, bucket_size_mb=0.25, grad_scaler=scaler, **options
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, 256, device="cuda")
+    for step in range(4):
+        loss = model(x).square().mean() * (float("inf") if step == 1 else 1.0)
+        backward_raising_on_syncs(scaler.scale(loss))
+        manager.apply_gradients()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert scaler.get_scale() < 2.0**10  # the inf step was skipped
+
+
 SLEEP_CYCLES = 2_000_000  # about a millisecond: long enough to expose a missing wait
 
 

@@ -2,8 +2,9 @@
 
 The skipped step's backward still runs through the cache: its error-feedback residuals,
 random draws and step count change. The engine learns of the skip at the next step's
-start (the scaler lowered its scale) and undoes them, so a run with a skipped bad batch
-goes on exactly like a run that never saw that batch.
+start and undoes them, so a run with a skipped bad batch goes on exactly like a run that
+never saw that batch. It learns of it on the host, with no device read in that hook: the
+scaler's update() ran (its scale's version moved) and no optimizer stepped since the restore.
 """
 
 from __future__ import annotations
@@ -86,11 +87,15 @@ def test_a_skipped_step_leaves_no_trace(
     # After the skipped step the state is the one before it, and every later step's state
     # and the trained parameters are the clean run's, bit for bit.
     assert_same_state(skipped_states[BAD_BATCH], skipped_states[BAD_BATCH - 1])
+    # The steps taken count (a taken step is not undone).
+    assert [state["steps"] for state in clean_states] == [1, 2, 3, 4]
     for skipped, clean in zip(
         skipped_states[BAD_BATCH + 1 :], clean_states[BAD_BATCH:], strict=True
     ):
         assert_same_state(skipped, clean)
     assert_same_parameters(skipped_model, clean_model)
+    if backend != "cpu":  # the verdict read no device value in a hook, nor anything else
+        request.getfixturevalue("fake_cuda").checker.assert_clean()
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -114,3 +119,36 @@ def test_the_fused_step_refuses_an_enabled_scaler_and_takes_a_disabled_one(enabl
     manager.apply_gradients()  # nothing was stepped or lost: the AMP path goes on from here
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad * 2.0**10)  # the scaled gradients, whole
+
+
+@pytest.mark.parametrize("backend", ["cpu", "stand-in cuda"])
+def test_micro_batches_restored_one_by_one_under_a_scaler_are_not_taken_for_skips(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """apply_gradients() after each micro-batch, one scaler.step() and update() per step:
+    a restore followed by another backward with no update in between is no skip, so the
+    run counts and draws exactly as the same run without a scaler (int8 at a power-of-two
+    scale: the same codes)."""
+    factory = create_backend if backend == "cpu" else request.getfixturevalue("fake_cuda").factory
+
+    def accumulate(scaled: bool) -> tuple[torch.nn.Module, int]:
+        model = make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+        manager = gradient_cache.create_gradient_cache(
+            model, codec="int8", min_compress_numel=1, grad_scaler=scaler, backend_factory=factory
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = batches(6)
+        for step in range(3):
+            for tokens, targets in data[2 * step : 2 * step + 2]:
+                scaler.scale(loss_of(model, tokens, targets)).backward()
+                manager.apply_gradients()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        return model, manager.get_compression_summary()["steps"]
+
+    scaled_model, scaled_steps = accumulate(True)
+    plain_model, plain_steps = accumulate(False)
+    assert scaled_steps == plain_steps == 6
+    assert_same_parameters(scaled_model, plain_model)

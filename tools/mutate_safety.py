@@ -372,6 +372,20 @@ MUTANTS = [
         "tests/test_scaler_skip.py",
     ),
     (
+        "scaler skip: an optimizer's step since the restore means the step was taken",
+        "gradient_cache/engine/pipeline.py",
+        "        if scaled.stepped or not updated:",
+        "        if not updated:",
+        "tests/test_scaler_skip.py",
+    ),
+    (
+        "scaler skip: no update() since the restore is no skip (micro-batches restored one by one)",
+        "gradient_cache/engine/pipeline.py",
+        "        if scaled.stepped or not updated:",
+        "        if scaled.stepped:",
+        "tests/test_scaler_skip.py",
+    ),
+    (
         "scaler skip: the next step's first launch settles the verdict",
         "gradient_cache/engine/pipeline.py",
         "            self.settle_scaled_step()\n",

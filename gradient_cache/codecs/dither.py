@@ -76,4 +76,6 @@ class Dither:
         return None
 
     def set_state(self, device: torch.device, state: torch.Tensor | None) -> None:
-        self._draws = 0 if state is None else int(state[0])
+        # A CPU tensor (`get_state`'s): read on the host, no device operation, as this may
+        # run in a backward hook (a skipped step's rewind).
+        self._draws = 0 if state is None else int(state.tolist()[0])

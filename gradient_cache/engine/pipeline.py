@@ -10,10 +10,12 @@ lives in the `GradientStore`, residuals in the backend's `ResidualStore`.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..codecs.generators import RandomSource
@@ -84,9 +86,10 @@ class StepRecord:
 class ScaledStep:
     """A completed step a GradScaler may have skipped, and what it changed in the engine."""
 
-    loss_scale: torch.Tensor  # the scaler's scale during its backward (a copy, on the device)
+    scale_version: int  # the scale tensor's in-place version when the step was delivered
     random_state: dict[str, torch.Tensor]  # the generators' states before its backward
     steps: int  # the step count before it
+    stepped: bool = False  # an optimizer holding a cached parameter stepped since
 
 
 class StepState(enum.Enum):
@@ -130,7 +133,6 @@ class PendingStep:
     # The engine's generators as it found them (None: unknown, a checkpoint made on another
     # kind of device); `discard` rewinds them.
     random_state: dict[str, torch.Tensor] | None
-    loss_scale: torch.Tensor | None  # the GradScaler's scale its backward saw (a device copy)
     counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
     clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
 
@@ -232,6 +234,18 @@ class Pipeline:
         # skipped it (`settle_scaled_step`); None without a scaler.
         self.unsettled: ScaledStep | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        if grad_scaler is not None:
+            # Whether an optimizer stepped after a step's restore: with the scaler's update,
+            # the skip verdict, known on the host (`settle_scaled_step`). Every optimizer's
+            # hook, so it holds the pipeline weakly.
+            this = weakref.ref(self)
+
+            def on_optimizer_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
+                pipeline = this()
+                if pipeline is not None:
+                    pipeline._on_optimizer_step(optimizer)
+
+            self._handles.append(register_optimizer_step_post_hook(on_optimizer_step))
         for param in params:
             _cached_params[param] = True
 
@@ -285,11 +299,7 @@ class Pipeline:
         self._enter("capture", CAPTURING)
         if self.pending is None:
             self.settle_scaled_step()
-            loss_scale = self._loss_scale()
-            # A copy: the scaler's `update()` changes its scale tensor in place.
-            self.pending = PendingStep(
-                self.random_state(), None if loss_scale is None else loss_scale.clone()
-            )
+            self.pending = PendingStep(self.random_state())
 
     def _enter(self, phase: str, state: StepState) -> None:
         """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
@@ -428,9 +438,10 @@ class Pipeline:
             self.last_step.layers.update(record.layers)
         else:
             self.last_step = record
-            if self.pending.loss_scale is not None:
+            scale = self._loss_scale()
+            if scale is not None:
                 self.unsettled = ScaledStep(
-                    self.pending.loss_scale, self.pending.random_state or {}, self.steps
+                    scale._version, self.pending.random_state or {}, self.steps
                 )
             self.steps += 1
             self.pending.counted = True
@@ -440,7 +451,7 @@ class Pipeline:
         """A fused step raised: keep its clip for the retry (`retry`)."""
         self._enter("interrupt", INTERRUPTED)
         if self.pending is None:  # it had only gradients that never left the device
-            self.pending = PendingStep(random_state=None, loss_scale=None)
+            self.pending = PendingStep(random_state=None)
         self.pending.clip = clip
 
     def retry(self) -> Clip:
@@ -475,21 +486,33 @@ class Pipeline:
         its count. Called before anything could build on that step (the next step's first
         launch, a discard, a checkpoint).
 
-        The scaler's ``update()`` lowers its scale exactly when it found non-finite
-        gradients (its backoff factor is below 1, its growth factor above), so a lower
-        scale than the step's backward saw means that step was skipped. Reading it is one
-        host synchronisation per step, only with an enabled GradScaler.
+        Known on the host, with no device read (this runs in backward's first hook): the
+        scaler's ``step(optimizer)`` calls ``optimizer.step()`` only if it found no inf or
+        NaN, and its ``update()`` changes its scale tensor in place (its version counter
+        moves). So the step was skipped if ``update()`` ran since its restore and no
+        optimizer holding a cached parameter stepped. No update yet (micro-batches each
+        restored with ``apply_gradients()``): not skipped. With several optimizers, one
+        that stepped makes the step taken for all.
         """
         scaled, self.unsettled = self.unsettled, None
         if scaled is None:
             return
         scale = self._loss_scale()
-        if scale is None or not bool(scale < scaled.loss_scale):
+        updated = scale is not None and scale._version != scaled.scale_version
+        if scaled.stepped or not updated:
             self.backend.residuals.forget_replaced()
             return
         self.backend.residuals.bring_back_replaced()
         self.set_random_state(scaled.random_state)
         self.steps = scaled.steps
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After any optimizer's step: note a step of the cached parameters."""
+        scaled = self.unsettled
+        if scaled is None or scaled.stepped:
+            return
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        scaled.stepped = any(p in self.records for p in params)
 
     def finish_step(self) -> None:
         """After a restore: close the step once nothing of it is cached, and move the
@@ -511,7 +534,7 @@ class Pipeline:
         """Take up a pending step a checkpoint saved, with the generators' states at its
         start; its payloads follow (`put_back`), then `drain`."""
         self._enter("resume", CAPTURING)
-        self.pending = PendingStep(random_state, loss_scale=None)
+        self.pending = PendingStep(random_state)
 
     def put_back(self, encoded: list[Encoded]) -> None:
         """Store payloads a checkpoint saved, as a launch stores a bucket."""
