@@ -162,3 +162,53 @@ def test_host_pool_falls_back_to_pageable_memory_with_one_warning() -> None:
     with pytest.warns(RuntimeWarning, match="could not pin host memory") as record:
         host_pool = pool.HostPool(slots([param], ratio=1), allocate_pinned=refuse)
     assert len(record) == 1 and not host_pool.pinned
+
+
+def test_relaid_cuts_the_steady_slots_from_the_warmups_slabs() -> None:
+    """The warm-up's end allocates nothing: each parameter's steady slot lies at the front of
+    its warm-up room, the residuals start again at zero, and no two slots overlap. A layout
+    that does not fit (larger than the slabs were cut for) gets slabs of its own."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (100_000, 3000, 10)]
+    config = EngineConfig.from_options(
+        dict(codec="topk", min_compress_numel=1000, warmup_steps=2), compression_ratio=100
+    )
+
+    def layout(steps: int) -> dict:
+        routes = plan_params(params, config, ratio=100, selection="exact", steps=steps)
+        return {param: route.slot for param, route in routes.items()}
+
+    requests = []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        requests.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    warmup = pool.HostPool(layout(0), allocate_pinned=allocate)
+    for slot in warmup.slots.values():
+        if slot.residual is not None:
+            slot.residual.fill_(1.0)
+    allocated = list(requests)
+    steady = warmup.relaid(layout(2))
+    assert requests == allocated  # nothing new pinned
+    assert steady.needed_bytes < warmup.needed_bytes
+    assert steady.capacity_bytes == warmup.capacity_bytes  # the same slabs, counted once
+    assert steady.layout == layout(2) and steady.pinned
+    for param in params:
+        before, after = warmup.slots[param], steady.slots[param]
+        starts = [view.data_ptr() for view in before.regions]
+        assert [view.data_ptr() for view in after.regions] == starts
+    residuals = [s.residual for s in steady.slots.values() if s.residual is not None]
+    assert residuals and all(torch.count_nonzero(r) == 0 for r in residuals)
+    views = [
+        view
+        for slot in steady.slots.values()
+        for view in (*slot.regions, slot.residual, slot.spare_residual)
+        if view is not None
+    ]
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in views)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+    # Back to a warm-up's room from a pool cut for the steady slots: new slabs.
+    small = pool.HostPool(layout(2), allocate_pinned=allocate)
+    allocated = list(requests)
+    larger = small.relaid(layout(0))
+    assert len(requests) > len(allocated) and larger.capacity_bytes > small.capacity_bytes

@@ -349,7 +349,7 @@ def test_error_feedback_matches_the_cpu_backend(
     fake_cuda.checker.assert_clean()
 
 
-def test_the_pool_has_room_for_warmup_then_shrinks(fake_cuda: FakeCuda) -> None:
+def test_the_pool_has_room_for_warmup_then_its_slots_shrink_in_place(fake_cuda: FakeCuda) -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(
         model,
@@ -364,7 +364,10 @@ def test_the_pool_has_room_for_warmup_then_shrinks(fake_cuda: FakeCuda) -> None:
     dense = sum(4 * p.numel() for p in model.parameters())
     assert pool.capacity_bytes > dense  # dense values and room for indices
     train(model, batches(2), manager=manager)
-    assert manager.engine.backend.pool.capacity_bytes < dense / 5
+    steady = manager.engine.backend.pool
+    assert steady.needed_bytes < dense / 5
+    assert steady.capacity_bytes == pool.capacity_bytes  # the same slabs
+    assert fake_cuda.pinned_allocations == 1
     fake_cuda.checker.assert_clean()
 
 
@@ -495,3 +498,65 @@ def test_refused_construction_leaves_no_pinned_memory_or_hook(fake_cuda: FakeCud
         )
     assert fake_cuda.pinned_allocations == 0
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+class PinnedNeverGivenBack:
+    """A pinned allocator that never gives memory back, as PyTorch's caching host allocator
+    keeps a freed pinned block for requests of its size: every slab it ever handed out stays
+    held, and `held_bytes` is what the process pins."""
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        self._allocate = cuda.allocate_pinned
+        self.slabs: list[torch.Tensor] = []
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        slab = self._allocate(nbytes)
+        self.slabs.append(slab)
+        return slab
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(slab.numel() for slab in self.slabs)
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [{}, dict(compression_ratio=20, codec="topk")],
+    ids=["default", "top-k"],
+)
+def test_the_warmups_end_pins_nothing_beyond_what_the_host_check_approved(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, codec: dict
+) -> None:
+    """The steady slots are cut from the warm-up's slabs: new, smaller slabs could not reuse
+    the old ones' pinned bytes, so the process would pin more than the check approved."""
+    from gradient_cache.engine import factory
+
+    approved = []
+    check = factory.check_host_budget
+
+    def recording_check(needed: int, *, what: str, **options) -> None:
+        if what == "the host pool of payload slots":
+            approved.append(needed)
+        check(needed, what=what, **options)
+
+    monkeypatch.setattr(factory, "check_host_budget", recording_check)
+    allocate = PinnedNeverGivenBack(fake_cuda)
+    fake_cuda.allocate_pinned = allocate  # what the fixture's factory pins with
+    options = dict(warmup_steps=2, bucket_size_mb=SMALL, min_compress_numel=1, **codec)
+    data = batches(4)
+    with fake_cuda.checker.disabled():
+        reference = cpu_backend_run(data, options)
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        model, backend_factory=fake_cuda.factory, **options
+    )
+    warmup_pool = manager.engine.backend.pool
+    train(model, data, manager=manager)
+    pool = manager.engine.backend.pool
+    assert not any(route.dense_room for route in manager.engine.routes.values())
+    assert pool.layout != warmup_pool.layout and pool.needed_bytes < warmup_pool.needed_bytes
+    assert len(approved) == 1 and allocate.slabs
+    assert allocate.held_bytes <= approved[0]
+    assert pool.capacity_bytes == allocate.held_bytes  # the slabs held, counted once
+    assert_same_parameters(reference, model)
+    fake_cuda.checker.assert_clean()

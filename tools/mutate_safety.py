@@ -83,6 +83,14 @@ MUTANTS = [
         "tests/test_stream_order.py::test_refused_construction_leaves_no_pinned_memory_or_hook",
     ),
     (
+        # Issue 33, item 7: new smaller slabs cannot reuse the warm-up's cached pinned block.
+        "pool: the warm-up's end cuts the steady slots from the slabs already pinned",
+        "gradient_cache/engine/pool.py",
+        "        if all(key in rooms and _fits(spec, rooms[key]) for key, spec in layout.items()):",
+        "        if False:",
+        "tests/test_stream_order.py::test_the_warmups_end_pins_nothing_beyond_what_the_host_check_approved",
+    ),
+    (
         "cgroup: ancestors' limits count",
         "gradient_cache/engine/hostmem.py",
         "        directory = directory.parent",

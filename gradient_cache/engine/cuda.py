@@ -190,15 +190,19 @@ class CudaBackend(Backend):
         self._unwaited.clear()
 
     def follow_routes(self, routes: Mapping[Param, Route]) -> None:
-        """Shrink the pool once warm-up steps (dense payloads) are over.
+        """Cut the steady slots from the pool's slabs once warm-up steps (dense payloads)
+        are over: no new pinned memory (`HostPool.relaid`).
 
-        The old slab is freed once no payload views it, while restores may still copy
-        from it: the caching host allocator keeps a pinned block that non-blocking
-        copies read from reuse until their streams have passed those copies.
+        Each parameter keeps its bytes (its slot shrinks in place), so restores still
+        reading a payload region are ordered before the next copy into it as at any step:
+        `finish_restore` makes the compute stream wait on the restore, the next encode on
+        the compute stream, and the copy on the encode.
         """
         super().follow_routes(routes)
         layout = {param: route.slot for param, route in routes.items()}
         if layout != self.pool.layout:
+            # Guarantees no copy still writes a slot, nor an encode reads a host residual,
+            # when the host zeroes the residual slots (the restores never read those).
             self.drain()
             self.pool = self.pool.relaid(layout)
 

@@ -3,7 +3,8 @@
 Every parameter's payload has a largest size known before training starts (its route:
 the dense gradient, or ``keep_count`` values and indices, since the CUDA backend selects
 exactly), so the slabs are laid out at construction and never grow: a backward hook never
-allocates host memory, and a full pool cannot happen. A slot is rewritten by the next
+allocates host memory, and a full pool cannot happen. The warm-up's end cuts the smaller
+steady slots from the same slabs (`HostPool.relaid`). A slot is rewritten by the next
 device-to-host copy of its parameter; see docs/ARCHITECTURE.md for what orders that copy
 after the slot's last restore.
 
@@ -16,6 +17,7 @@ slabs' unfilled ends (within 2% on the models tested).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -134,6 +136,22 @@ class Slot:
         return self.regions[index][:nbytes].view(tensor.dtype)
 
 
+def _fits(spec: SlotSpec, room: Slot) -> bool:
+    """Whether ``spec``'s slot fits in ``room`` (uint8 views), part by part."""
+    if len(spec.regions) != len(room.regions):
+        return False
+    if any(nbytes > view.numel() for nbytes, view in zip(spec.regions, room.regions, strict=True)):
+        return False
+    if spec.residual is None:
+        return True
+    numel, dtype = spec.residual
+    nbytes = numel * dtype.itemsize
+    if room.residual is None or room.residual.numel() < nbytes:
+        return False
+    spare = room.spare_residual
+    return not spec.spare_residual or (spare is not None and spare.numel() >= nbytes)
+
+
 class HostPool(Generic[K]):
     """The slabs and their per-parameter slots, laid out by ``layout`` (`pack_slabs`).
 
@@ -148,10 +166,9 @@ class HostPool(Generic[K]):
         *,
         allocate_pinned: Callable[[int], torch.Tensor] | None,
     ) -> None:
-        self.layout = dict(layout)
         self.pinned = allocate_pinned is not None
         self._allocate_pinned = allocate_pinned
-        sizes = _region_sizes(self.layout)
+        sizes = _region_sizes(layout)
         views: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(sizes)
         self._slabs = []
         for size, placed in pack_slabs(sizes):
@@ -159,17 +176,39 @@ class HostPool(Generic[K]):
             self._slabs.append(slab)
             for index, offset in placed:
                 views[index] = slab[offset : offset + sizes[index]]
-        self.slots: dict[K, Slot] = {}
+        # Each parameter's bytes in the slabs (uint8, aligned sizes), as ``layout`` cut
+        # them: `relaid` cuts a later layout's slots from these, so the slabs are never
+        # allocated twice.
+        self._rooms: dict[K, Slot] = {}
         taken = iter(views)
-        for key, spec in self.layout.items():
-            regions = [next(taken)[:nbytes] for nbytes in spec.regions]
+        for key, spec in layout.items():
+            regions = [next(taken) for _ in spec.regions]
             residual = spare = None
             if spec.residual is not None:
+                residual = next(taken)
+                if spec.spare_residual:
+                    spare = next(taken)
+            self._rooms[key] = Slot(regions, residual, spare)
+        self._lay(layout)
+
+    def _lay(self, layout: Mapping[K, SlotSpec]) -> None:
+        """Cut each slot of ``layout`` from the front of its parameter's room (it fits)."""
+        self.layout = dict(layout)
+        self.slots: dict[K, Slot] = {}
+        for key, spec in self.layout.items():
+            room = self._rooms[key]
+            regions = [
+                view[:nbytes] for view, nbytes in zip(room.regions, spec.regions, strict=True)
+            ]
+            residual = spare = None
+            if spec.residual is not None:
+                assert room.residual is not None  # `_fits` checked it
                 numel, dtype = spec.residual
                 nbytes = numel * dtype.itemsize
-                residual = next(taken)[:nbytes].view(dtype).zero_()
+                residual = room.residual[:nbytes].view(dtype).zero_()
                 if spec.spare_residual:
-                    spare = next(taken)[:nbytes].view(dtype)
+                    assert room.spare_residual is not None
+                    spare = room.spare_residual[:nbytes].view(dtype)
             self.slots[key] = Slot(regions, residual, spare)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
@@ -188,7 +227,25 @@ class HostPool(Generic[K]):
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def relaid(self, layout: Mapping[K, SlotSpec]) -> HostPool[K]:
-        """A new pool with the same allocator for ``layout`` (the warm-up's room dropped)."""
+        """A pool for ``layout`` (the warm-up's room dropped), in this pool's slabs.
+
+        Where every slot of ``layout`` fits in the room its parameter had when the slabs
+        were cut (the pool is built for the first step's layout, which holds every later
+        one), the new pool cuts its slots from the same bytes, at the same offsets, and
+        allocates nothing. New slabs would pin more than the host check approved:
+        PyTorch's caching host allocator keeps a freed pinned block for later requests of
+        its size rather than giving it back, and smaller slabs cannot reuse it. Otherwise
+        it allocates a new pool.
+
+        The caller orders the reuse: nothing in flight may still write these bytes, nor
+        read the residual slots (zeroed here, by the host), and a later copy into a
+        payload region must follow any restore still reading it.
+        """
+        rooms = self._rooms
+        if all(key in rooms and _fits(spec, rooms[key]) for key, spec in layout.items()):
+            pool = copy.copy(self)  # the same slabs, rooms, allocator and pinned-ness
+            pool._lay(layout)
+            return pool
         return HostPool(layout, allocate_pinned=self._allocate_pinned)
 
     @property
