@@ -197,8 +197,11 @@ class GradientCacheHookManager:
         gradients, summed in the model's parameter order whatever the optimizer's. Under
         FSDP2 the norm covers every rank's shards (an all-reduce: every rank must call
         ``step``), as ``clip_grad_norm_`` does on the sharded model.
-        Refused with an enabled GradScaler given to the cache (``grad_scaler=``): use
-        ``apply_gradients()`` and ``scaler.step(optimizer)``.
+        With an enabled GradScaler given to the cache (``grad_scaler=``), it does what
+        ``scaler.unscale_(optimizer)``, ``clip_grad_norm_`` and ``scaler.step(optimizer)``
+        do: gradients are unscaled as they are restored, the norm returned is the unscaled
+        one, and a step with any inf or NaN gradient steps nothing; call
+        ``scaler.update()`` after it, and neither ``unscale_`` nor ``scaler.step``.
 
         If ``optimizer.step()`` raises (an out-of-memory error you catch, say), the
         buckets not yet stepped stay cached and the device gradients stay in place:
@@ -220,17 +223,6 @@ class GradientCacheHookManager:
         if not (_is_positive_number(norm_type) or norm_type == math.inf):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         pipeline = self._live()
-        scaler = pipeline.grad_scaler
-        if scaler is not None and scaler.is_enabled():
-            # Until the fused step unscales and skips as scaler.step() does, refused: it
-            # would clip and step the scaled gradients and never skip a non-finite step.
-            raise RuntimeError(
-                "step(optimizer) cannot step with the enabled GradScaler this cache was "
-                "given (grad_scaler=): it would clip and step the scaled gradients and never "
-                "skip a step with inf or NaN. Restore with apply_gradients(), then "
-                "scaler.unscale_(optimizer), clip, scaler.step(optimizer) and "
-                "scaler.update(), as docs/training-loop.md shows under Mixed precision."
-            )
         steps = pipeline.steps
         total_norm = fused_step.step(
             pipeline,

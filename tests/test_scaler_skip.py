@@ -98,27 +98,89 @@ def test_a_skipped_step_leaves_no_trace(
         request.getfixturevalue("fake_cuda").checker.assert_clean()
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_the_fused_step_refuses_an_enabled_scaler_and_takes_a_disabled_one(enabled: bool) -> None:
-    """Until it unscales and skips as scaler.step() does, the fused step refuses an enabled
-    scaler, before it changes anything; a disabled scaler is no scaler."""
+def plain_amp(steps: int, *, clip: float | None) -> tuple[torch.nn.Module, list, list]:
+    """Plain AMP: unscale_, clip_grad_norm_, scaler.step, update; the norms and scales."""
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norms, scales = [], []
+    for step, (tokens, targets) in enumerate(batches(steps)):
+        handle = poisoned(model) if step == BAD_BATCH else None
+        scaler.scale(loss_of(model, tokens, targets)).backward()
+        if handle is not None:
+            handle.remove()
+        scaler.unscale_(optimizer)
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        optimizer.zero_grad()
+    return model, norms, scales
+
+
+@pytest.mark.parametrize("bucket_mb", [0.004, 25], ids=["buckets", "one bucket"])
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("backend", ["cpu", "stand-in cuda"])
+def test_the_fused_step_with_a_grad_scaler_is_plain_amp(
+    clip: float | None, backend: str, bucket_mb: float, request: pytest.FixtureRequest
+) -> None:
+    """step(optimizer) does unscale_, clip_grad_norm_ and scaler.step in one: the same norms
+    (unscaled), the same skip of the step with an inf, the same scales after update(), the
+    same weights, bit for bit at ratio 1."""
+    factory = create_backend if backend == "cpu" else request.getfixturevalue("fake_cuda").factory
+    steps = 5
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    manager = gradient_cache.create_gradient_cache(
+        model,
+        compression_ratio=1,
+        grad_scaler=scaler,
+        backend_factory=factory,
+        bucket_size_mb=bucket_mb,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norms, scales = [], []
+    for step, (tokens, targets) in enumerate(batches(steps)):
+        handle = poisoned(model) if step == BAD_BATCH else None
+        scaler.scale(loss_of(model, tokens, targets)).backward()
+        if handle is not None:
+            handle.remove()
+        norms.append(manager.step(optimizer, max_grad_norm=clip))
+        scaler.update()
+        scales.append(scaler.get_scale())
+        optimizer.zero_grad()
+    reference, plain_norms, plain_scales = plain_amp(steps, clip=clip)
+    assert scales == plain_scales and scales[BAD_BATCH] < scales[BAD_BATCH - 1]  # skipped
+    if clip is not None:
+        for norm, plain_norm in zip(norms, plain_norms, strict=True):
+            torch.testing.assert_close(norm, plain_norm, rtol=0, atol=0, equal_nan=True)
+    assert_same_parameters(model, reference)
+    assert manager.get_compression_summary()["steps"] == steps - 1  # the skip is not counted
+    if backend != "cpu":
+        request.getfixturevalue("fake_cuda").checker.assert_clean()
+
+
+def test_the_fused_step_refuses_a_scaler_already_unscaled_and_takes_a_disabled_one() -> None:
     model, reference = make_model(), make_model()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=enabled)
+    scaler = torch.amp.GradScaler("cpu")
     manager = gradient_cache.create_gradient_cache(model, compression_ratio=1, grad_scaler=scaler)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens, targets = batches(1)[0]
     scaler.scale(loss_of(model, tokens, targets)).backward()
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match=r"UNSCALED already.*neither scaler.unscale_"):
+        manager.step(optimizer)
+    manager.discard_gradients()
+    manager.remove_hooks()
+    model = make_model()
+    disabled = torch.amp.GradScaler("cpu", enabled=False)
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1, grad_scaler=disabled)
+    disabled.scale(loss_of(model, tokens, targets)).backward()
     loss_of(reference, tokens, targets).backward()
-    if not enabled:
-        manager.step(optimizer)
-        torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
-        assert_same_parameters(model, reference)
-        return
-    with pytest.raises(RuntimeError, match=r"enabled GradScaler.*scaler.unscale_\(optimizer\)"):
-        manager.step(optimizer)
-    manager.apply_gradients()  # nothing was stepped or lost: the AMP path goes on from here
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad * 2.0**10)  # the scaled gradients, whole
+    manager.step(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
+    assert_same_parameters(model, reference)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "stand-in cuda"])

@@ -394,6 +394,27 @@ MUTANTS = [
         "tests/test_scaler_skip.py",
     ),
     (
+        "fused step under a scaler: a non-finite gradient skips the step",
+        "gradient_cache/engine/fused_step.py",
+        "        skip = scaling.found_inf(pipeline, parts, held)",
+        "        skip = False",
+        "tests/test_scaler_skip.py",
+    ),
+    (
+        "fused step under a scaler: the encodes flag non-finite gradients",
+        "gradient_cache/engine/pipeline.py",
+        "            torch.logical_or(found_inf, ~torch.isfinite(flat).all(), out=found_inf)",
+        "            pass",
+        "tests/test_scaler_skip.py",
+    ),
+    (
+        "fused step under a scaler: a stepped step is marked taken (one bucket)",
+        "gradient_cache/engine/fused_step.py",
+        "        pipeline.stepped()\n",
+        "",
+        "tests/test_scaler_skip.py",
+    ),
+    (
         "scaler skip: the next step's first launch settles the verdict",
         "gradient_cache/engine/pipeline.py",
         "            self.settle_scaled_step()\n",

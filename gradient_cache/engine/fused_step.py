@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from . import sharding
+from . import scaling, sharding
 from .backend import Restore, clipped
 from .pipeline import Pipeline
 from .store import BucketPayloads
@@ -45,9 +45,20 @@ def step(
     pipeline.restore(mixed)
     held = {p: p.grad for p in stepped if p.grad is not None}
     parts = pipeline.parts(stepped)
+    scaler = scaling.enabled_scaler(pipeline, optimizer)
+    skip, inv_scale = False, None
+    if scaler is not None:
+        inv_scale = scaling.inv_scale(scaler)
+        skip = scaling.found_inf(pipeline, parts, held)
     if clip is None:
-        clip = _clip_factor(pipeline, model_order, parts, held, max_grad_norm, norm_type)
+        clip = _clip_factor(
+            pipeline, model_order, parts, held, max_grad_norm, norm_type, inv_scale=inv_scale
+        )
     total_norm, clip_factor = clip
+    if skip:
+        assert scaler is not None
+        _skip(pipeline, scaler, optimizer, parts, held, delivered, clip_factor)
+        return total_norm
     # Parameters only from here: a payload is let go as soon as its bucket is stepped.
     buckets = [[param for param, _ in part] for part in parts]
     del parts
@@ -70,8 +81,7 @@ def step(
                 pipeline.deliver([p for p in delivered if p in store])
             store.remove(params)  # stepped: the payloads are spent
         if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
-            for param, grad in held.items():
-                param.grad = sharding.as_grad_of(param, clipped(sharding.local(grad), clip_factor))
+            _put_back_scaled(held, clip_factor)
             optimizer.step()
     except BaseException:
         for restore in ahead:
@@ -80,8 +90,41 @@ def step(
             param.grad = grad
         pipeline.interrupt(clip)
         raise
+    if scaler is not None:
+        scaling.record(scaler, optimizer, found_inf=False)
+        pipeline.stepped()
     pipeline.finish_step()
     return total_norm
+
+
+def _put_back_scaled(
+    held: dict[torch.nn.Parameter, torch.Tensor], factor: torch.Tensor | None
+) -> None:
+    """The device gradients back in ``param.grad``, times ``factor`` (unscale and clip)."""
+    for param, grad in held.items():
+        param.grad = sharding.as_grad_of(param, clipped(sharding.local(grad), factor))
+
+
+def _skip(
+    pipeline: Pipeline,
+    scaler: torch.amp.GradScaler,
+    optimizer: torch.optim.Optimizer,
+    parts: list[BucketPayloads],
+    held: dict[torch.nn.Parameter, torch.Tensor],
+    delivered: list[torch.nn.Parameter],
+    factor: torch.Tensor | None,
+) -> None:
+    """A gradient was not finite: step nothing, as scaler.step() skips. The step is
+    delivered (counted, its residuals current) and the scaler told, so its update() backs
+    off and the engine undoes the step at the next backward (`settle_scaled_step`); the
+    payloads are spent; device gradients are left unscaled and clipped, as plain AMP
+    leaves them."""
+    pipeline.deliver([p for p in delivered if p in pipeline.store])
+    for part in parts:
+        pipeline.store.remove([param for param, _ in part])
+    _put_back_scaled(held, factor)
+    scaling.record(scaler, optimizer, found_inf=True)
+    pipeline.finish_step()
 
 
 def _step_with(
@@ -104,15 +147,19 @@ def _clip_factor(
     held: dict[torch.nn.Parameter, torch.Tensor],
     max_grad_norm: float | None,
     norm_type: float,
+    *,
+    inv_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The global norm of the optimizer's gradients and the clip factor, or (None, None).
+    """The global norm of the optimizer's gradients and the factor the restores apply:
+    the clip factor, times ``inv_scale`` (a GradScaler's) where given; (None, factor)
+    without clipping.
 
     Read from the host payloads (complete after the drain) and the device gradients; a
     sparse payload's norm is that of its values, the zeros adding nothing. Under FSDP2
     each rank holds shards: their norms are combined across ranks (`sharding.global_norm`).
     """
     if max_grad_norm is None:
-        return None, None
+        return None, inv_scale
     # Each norm in its gradient's dtype, as torch._foreach_norm gives it.
     local = {}
     for part in parts:
@@ -121,8 +168,14 @@ def _clip_factor(
     for param, grad in held.items():
         local[param] = torch.linalg.vector_norm(sharding.local(grad), norm_type)
     total = sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
+    if inv_scale is None:
+        factor = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(pipeline.backend.device)
+        return total, factor
+    # The norms of the scaled gradients times 1/scale, a power of two: exactly the norm of
+    # the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
+    total = total * inv_scale.cpu()
     factor = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(pipeline.backend.device)
-    return total, factor
+    return total, factor * inv_scale.to(pipeline.backend.device)
 
 
 Norm = TypeVar("Norm")

@@ -133,6 +133,9 @@ class PendingStep:
     # The engine's generators as it found them (None: unknown, a checkpoint made on another
     # kind of device); `discard` rewinds them.
     random_state: dict[str, torch.Tensor] | None
+    # With an enabled GradScaler: whether any gradient it encoded was not finite (a device
+    # bool, written by the encodes); None without a scaler, or unknown (a resumed step).
+    found_inf: torch.Tensor | None = None
     counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
     clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
 
@@ -299,7 +302,10 @@ class Pipeline:
         self._enter("capture", CAPTURING)
         if self.pending is None:
             self.settle_scaled_step()
-            self.pending = PendingStep(self.random_state())
+            found_inf = None
+            if self._loss_scale() is not None:
+                found_inf = torch.zeros((), dtype=torch.bool, device=self.backend.device)
+            self.pending = PendingStep(self.random_state(), found_inf)
 
     def _enter(self, phase: str, state: StepState) -> None:
         """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
@@ -351,6 +357,9 @@ class Pipeline:
         if held is not None:  # gradient accumulation: the cached part joins this one
             flat = held.moved(self.backend.to_device).add_to(flat)
         residual = None if codec.residual is None else self.backend.residuals.read(param)
+        found_inf = None if self.pending is None else self.pending.found_inf
+        if found_inf is not None:  # the fused step skips on it, as scaler.step() would
+            torch.logical_or(found_inf, ~torch.isfinite(flat).all(), out=found_inf)
         payload, new_residual = codec.encode(flat, residual, loss_scale=loss_scale)
         return Encoded(param, payload, new_residual, () if residual is None else (residual,))
 
@@ -506,6 +515,12 @@ class Pipeline:
         self.set_random_state(scaled.random_state)
         self.steps = scaled.steps
 
+    def stepped(self) -> None:
+        """The fused step stepped the delivered step (its optimizer's hook may have fired
+        before the delivery)."""
+        if self.unsettled is not None:
+            self.unsettled.stepped = True
+
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After any optimizer's step: note a step of the cached parameters."""
         scaled = self.unsettled
@@ -517,7 +532,7 @@ class Pipeline:
     def finish_step(self) -> None:
         """After a restore: close the step once nothing of it is cached, and move the
         routes on where the step count changed them (the warm-up's end; never inside a
-        backward hook: the CUDA backend allocates a new pinned pool)."""
+        backward hook: the CUDA backend re-lays its pinned pool, after a drain)."""
         self._enter("finish", self._after_restores())
         if self.state is IDLE:
             self.pending = None
