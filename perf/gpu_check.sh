@@ -16,8 +16,8 @@
 # --dry-run (no CUDA needed) runs the preflight, prints each part and its timeout, and
 # checks each pytest part's selection on the CPU: its exact command (less environment
 # settings) plus --collect-only, which with the command's -q lists the ids, printed
-# indented after the count; it exits non-zero if an import fails or a selection is empty
-# or does not collect.
+# indented after the count (with --quick, the same commands are not collected again); it
+# exits non-zero if an import fails or a selection is empty or does not collect.
 #
 # Uses $PYTHON, else the python3 on PATH, as it is (on a lent H200: a CUDA build of torch,
 # pytest, psutil, hypothesis), and this checkout's package: no install, no build step.
@@ -143,8 +143,10 @@ if (( dry_run )); then
         limit=$(( quick ? short : full ))
         (( limit == 0 )) && continue
         total=$(( total + limit ))
-        if [[ $command != *" -m pytest "* || -n ${missing[$name]+set} ]]; then
-            echo "$name $limit"  # the preflight said why a pytest part cannot collect
+        # --quick runs the same commands, only with shorter timeouts: collected once, in
+        # the full dry run. A part the preflight refused says why instead.
+        if (( quick )) || [[ $command != *" -m pytest "* || -n ${missing[$name]+set} ]]; then
+            echo "$name $limit"
             continue
         fi
         # Environment settings go: the sanitizer needs CUDA even to collect.

@@ -150,8 +150,6 @@ def test_each_pytest_part_selects_its_own_tests() -> None:
     assert "tests/test_accounting.py::test_cuda_meter_reads_the_allocator" in plain
     assert any(test.endswith("-cuda]") for test in plain if "test_training.py" in test)
     assert not any(test.endswith("-cpu]") for test in plain)
-    # --quick collects its pytest part too.
-    assert selections("--quick") == {"tests_sync_and_races": first}
 
 
 def test_the_preflight_leaves_out_the_peers_whose_packages_are_absent() -> None:
