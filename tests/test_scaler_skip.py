@@ -9,6 +9,8 @@ scaler's update() ran (its scale's version moved) and no optimizer stepped since
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from helpers import assert_same_parameters, batches, loss_of, make_model
@@ -98,25 +100,35 @@ def test_a_skipped_step_leaves_no_trace(
         request.getfixturevalue("fake_cuda").checker.assert_clean()
 
 
-def plain_amp(steps: int, *, clip: float | None) -> tuple[torch.nn.Module, list, list]:
-    """Plain AMP: unscale_, clip_grad_norm_, scaler.step, update; the norms and scales."""
+def amp_run(*, clip: float | None, cache: dict | None) -> tuple[torch.nn.Module, list, list, Any]:
+    """Five AMP steps, the third with an inf; the norms and scales. ``cache``: None for
+    plain AMP (unscale_, clip_grad_norm_, scaler.step), else the options of a cache whose
+    fused step takes their place. Then update(), as both do."""
     model = make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    manager = None
+    if cache is not None:
+        manager = gradient_cache.create_gradient_cache(
+            model, compression_ratio=1, grad_scaler=scaler, **cache
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     norms, scales = [], []
-    for step, (tokens, targets) in enumerate(batches(steps)):
+    for step, (tokens, targets) in enumerate(batches(5)):
         handle = poisoned(model) if step == BAD_BATCH else None
         scaler.scale(loss_of(model, tokens, targets)).backward()
         if handle is not None:
             handle.remove()
-        scaler.unscale_(optimizer)
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-        scaler.step(optimizer)
+        if manager is not None:
+            norms.append(manager.step(optimizer, max_grad_norm=clip))
+        else:
+            scaler.unscale_(optimizer)
+            if clip is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+            scaler.step(optimizer)
         scaler.update()
         scales.append(scaler.get_scale())
         optimizer.zero_grad()
-    return model, norms, scales
+    return model, norms, scales, manager
 
 
 @pytest.mark.parametrize("bucket_mb", [0.004, 25], ids=["buckets", "one bucket"])
@@ -129,34 +141,15 @@ def test_the_fused_step_with_a_grad_scaler_is_plain_amp(
     (unscaled), the same skip of the step with an inf, the same scales after update(), the
     same weights, bit for bit at ratio 1."""
     factory = create_backend if backend == "cpu" else request.getfixturevalue("fake_cuda").factory
-    steps = 5
-    model = make_model()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-    manager = gradient_cache.create_gradient_cache(
-        model,
-        compression_ratio=1,
-        grad_scaler=scaler,
-        backend_factory=factory,
-        bucket_size_mb=bucket_mb,
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    norms, scales = [], []
-    for step, (tokens, targets) in enumerate(batches(steps)):
-        handle = poisoned(model) if step == BAD_BATCH else None
-        scaler.scale(loss_of(model, tokens, targets)).backward()
-        if handle is not None:
-            handle.remove()
-        norms.append(manager.step(optimizer, max_grad_norm=clip))
-        scaler.update()
-        scales.append(scaler.get_scale())
-        optimizer.zero_grad()
-    reference, plain_norms, plain_scales = plain_amp(steps, clip=clip)
+    cache = dict(backend_factory=factory, bucket_size_mb=bucket_mb)
+    model, norms, scales, manager = amp_run(clip=clip, cache=cache)
+    reference, plain_norms, plain_scales, _ = amp_run(clip=clip, cache=None)
     assert scales == plain_scales and scales[BAD_BATCH] < scales[BAD_BATCH - 1]  # skipped
     if clip is not None:
         for norm, plain_norm in zip(norms, plain_norms, strict=True):
             torch.testing.assert_close(norm, plain_norm, rtol=0, atol=0, equal_nan=True)
     assert_same_parameters(model, reference)
-    assert manager.get_compression_summary()["steps"] == steps - 1  # the skip is not counted
+    assert manager.get_compression_summary()["steps"] == len(scales) - 1  # the skip: not counted
     if backend != "cpu":
         request.getfixturevalue("fake_cuda").checker.assert_clean()
 
