@@ -242,7 +242,7 @@ MUTANTS = [
         "gradient_cache/planner.py",
         " + inputs.optimizer_tensor_bytes * len(tensors)",
         "",
-        "tests/test_demo.py::test_the_planner_matches_the_demos_measured_components",
+        "tests/test_demo_default_scenario.py::test_the_planner_matches_the_demos_measured_components",
     ),
     (
         "fsdp: plain parameters beside sharded ones are refused",
