@@ -27,22 +27,22 @@ def test_quality_benchmark_pairs_seeds_and_counts_bytes(tmp_path: Path) -> None:
     out_json = tmp_path / "quality.json"
     out = run(
         "-m", "perf.quality", "--settings", "r1", "r100-ef-int8", "--optimizers", "adamw",
-        "sgd", "--seeds", "0", "1", "--steps", "3", "--jobs", "2", "--any-corpus",
+        "--seeds", "0", "1", "--steps", "3", "--jobs", "2", "--any-corpus",
         "--out", str(out_json),
     )  # fmt: skip
     report = json.loads(out_json.read_text())
-    assert len(report["runs"]) == 2 * 2 * 3  # plain is always run, to pair with
+    assert len(report["runs"]) == 2 * 3  # plain is always run, to pair with
     rows = {(row["optimizer"], row["setting"]): row for row in report["rows"]}
-    for optimizer in ("adamw", "sgd"):
-        assert rows[(optimizer, "r1")]["gap_mean"] == 0  # lossless offload is plain, bit for bit
-        assert rows[(optimizer, "r1")]["host_bytes"] >= rows[(optimizer, "r1")]["dense_bytes"]
-        compressed = rows[(optimizer, "r100-ef-int8")]
-        assert compressed["gap_mean"] != 0 and compressed["gap_std"] is not None
-        # Two int8 residuals (1.0625 B an entry each: the current one and a pending
-        # step's) and 1% payloads: about 56% of lossless; one residual crosses PCIe.
-        assert 0.5 < compressed["host_bytes"] / compressed["dense_bytes"] < 0.6
-        assert 0.25 < compressed["pcie_bytes"] / (2 * compressed["dense_bytes"]) < 0.35
-        assert compressed["device_bytes"] == 0
+    optimizer = "adamw"  # one: the benchmark runs each optimizer alike
+    assert rows[(optimizer, "r1")]["gap_mean"] == 0  # lossless offload is plain, bit for bit
+    assert rows[(optimizer, "r1")]["host_bytes"] >= rows[(optimizer, "r1")]["dense_bytes"]
+    compressed = rows[(optimizer, "r100-ef-int8")]
+    assert compressed["gap_mean"] != 0 and compressed["gap_std"] is not None
+    # Two int8 residuals (1.0625 B an entry each: the current one and a pending
+    # step's) and 1% payloads: about 56% of lossless; one residual crosses PCIe.
+    assert 0.5 < compressed["host_bytes"] / compressed["dense_bytes"] < 0.6
+    assert 0.25 < compressed["pcie_bytes"] / (2 * compressed["dense_bytes"]) < 0.35
+    assert compressed["device_bytes"] == 0
     assert "| adamw | r100-ef-int8 |" in out
     assert run("-m", "perf.quality", "--summarize", str(out_json)).strip() in out  # re-printed
 
