@@ -18,7 +18,6 @@ from gradient_cache import cli
 from gradient_cache.demo import run as demo_run
 from gradient_cache.demo.run import ProgressBar
 from gradient_cache.engine.config import DEFAULT_COMPRESSION_RATIO
-from gradient_cache.units import MIB
 
 SCRIPT = Path(sys.executable).parent / "gradient-cache"
 # The activations scenario's run: five steps, of which the tracker measures four (1, 2, 4,
@@ -47,7 +46,9 @@ def run_console_script(out: Path, *args: str) -> tuple[dict[str, Any], Path, str
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str, str]:
     """The scenario of one batch per step, where activations set the peak."""
     out = tmp_path_factory.mktemp("demo")
-    return run_console_script(out, "--scenario", "activations", "--steps", str(STEPS))
+    return run_console_script(
+        out, "--scenario", "activations", "--steps", str(STEPS), "--model-size", "tiny"
+    )
 
 
 def runs_by_name(report: dict[str, Any]) -> tuple[dict[str, Any], ...]:
@@ -99,18 +100,6 @@ def test_report_holds_sane_figures(demo: tuple) -> None:
     assert compressed["max_abs_weight_diff_vs_plain"] > 0
     # The default ratio holds at least that many times fewer bytes.
     assert compressed["stored_gradient_mb"] <= lossless["stored_gradient_mb"] / DEFAULT_RATIO
-
-
-def test_optimizer_step_holds_one_bucket_of_gradients_not_all(demo: tuple) -> None:
-    """Plain PyTorch holds every dense gradient at its step; the fused step of the cache
-    restores one bucket (4 MiB, or one larger tensor) at a time, so its peak there falls
-    by most of the gradient bytes (53.6 MiB on the small model)."""
-    report, _, _, _ = demo
-    plain, lossless, compressed = runs_by_name(report)
-    gradient_bytes = report["model"]["gradient_bytes"]
-    for cache in (lossless, compressed):
-        saved = plain["phase_peak_bytes"]["optimizer"] - cache["phase_peak_bytes"]["optimizer"]
-        assert saved > gradient_bytes / 2, (cache["name"], saved / MIB)
 
 
 def test_cpu_memory_figures_follow_from_the_accounting(demo: tuple) -> None:

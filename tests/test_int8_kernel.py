@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from unittest import mock
 
@@ -87,6 +88,11 @@ def same_encoding(x: torch.Tensor, kind: str = "dither") -> torch.Tensor:
     return fast
 
 
+# Gradients per vector path: 60 in the suite; a longer run sets the variable (150 found
+# nothing more on 2026-12-03).
+KERNEL_EXAMPLES = int(os.environ.get("GRADIENT_CACHE_KERNEL_EXAMPLES", "60"))
+
+
 @st.composite
 def finite_gradients(draw):
     """fp32 gradients of 0-700 entries: ordinary, huge, tiny, subnormal and zero values."""
@@ -100,7 +106,7 @@ def finite_gradients(draw):
 
 
 @VECTOR_PATHS
-@settings(max_examples=150, deadline=None, derandomize=True, phases=FAST)
+@settings(max_examples=KERNEL_EXAMPLES, deadline=None, derandomize=True, phases=FAST)
 @given(x=finite_gradients(), kind=st.sampled_from(["dither", "generator"]))
 def test_kernel_writes_the_eager_bytes_for_finite_gradients(avx2, x, kind):
     with whole_blocks_through(avx2):
