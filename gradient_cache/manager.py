@@ -51,11 +51,11 @@ class GradientCacheHookManager:
             feedback the residual is then kept unscaled, so that the scaler's scale changes
             do not re-weight what compression held back; and a step the scaler skips
             (non-finite gradients) leaves no trace in the cache: at the next backward
-            (or ``state_dict()``) the cache sees the scale lowered by ``scaler.update()``
-            and puts back the residuals, random draws and step count of before that step
-            (one host read of the scale per step). Without it, a scaled run with error
-            feedback mixes gradients of different scales in the residual, and a skipped
-            step's residual restarts from zero.
+            (or ``state_dict()``) the cache sees that ``scaler.update()`` ran and no
+            optimizer stepped, and puts back the residuals, random draws and step count
+            of before that step (known on the host: no device read). Without it, a
+            scaled run with error feedback mixes gradients of different scales in the
+            residual, and a skipped step's residual restarts from zero.
         backend_factory: what builds the engine's backend from the parameters, the config
             and the ratio; the default picks by the parameters' device. Tests pass one that
             runs the CUDA backend on stand-in streams.

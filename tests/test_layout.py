@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from helpers import finish_step
 from test_stream_order import fake_cuda  # noqa: F401
 from torch import nn
 
@@ -58,14 +59,7 @@ def train(model: nn.Module, kind: str, *, manager=None, fused_step: bool = False
     )
     for images in data():
         model(images).square().mean().backward()
-        if manager is None:
-            optimizer.step()
-        elif fused_step:
-            manager.step(optimizer)
-        else:
-            manager.apply_gradients()
-            optimizer.step()
-        optimizer.zero_grad()
+        finish_step(manager, optimizer, fused_step=fused_step)
     return seen
 
 

@@ -66,7 +66,10 @@ def found_inf(
     elif parts:  # a resumed step: its encodes' flag was not saved
         flags += [~torch.isfinite(p.kept_values()).all() for part in parts for _, p in part]
     flags += [~torch.isfinite(sharding.local(grad)).all() for grad in held.values()]
-    return bool(torch.stack([flag.cpu() for flag in flags]).any()) if flags else False
+    if not flags:
+        return False
+    device = pipeline.backend.device  # gathered there: one read, not one per flag
+    return bool(torch.stack([flag.to(device) for flag in flags]).any())
 
 
 def record(
