@@ -191,10 +191,12 @@ class GradientCacheHookManager:
         optimizer's ``step()`` or for ``apply_gradients()``.
 
         ``max_grad_norm`` clips the global norm of the optimizer's gradients
-        (``norm_type``), computed from the host copies and any device gradients before
-        anything is restored; the norm is returned (a CPU tensor): the one
-        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` returns over those
-        gradients, summed in the model's parameter order whatever the optimizer's. Under
+        (``norm_type``) before anything is restored, and returns it on the device, as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` returns it over those
+        gradients: summed in the model's parameter order whatever the optimizer's, from
+        per-gradient norms the encodes computed on the device during backward (of each
+        gradient before encoding; the first clipped step, which asks for them, reads them
+        from the host copies instead). Under
         FSDP2 the norm covers every rank's shards (an all-reduce: every rank must call
         ``step``), as ``clip_grad_norm_`` does on the sharded model.
         With an enabled GradScaler given to the cache (``grad_scaler=``), it does what

@@ -106,6 +106,33 @@ def train(
     return losses
 
 
+class MadeGradients:
+    """Each gradient of ``model`` as backward made it, before the cache takes it (hooks
+    registered before the cache's run first): what the fused step's clip norm is of."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.grads: dict[nn.Parameter, torch.Tensor] = {}
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(self._keep)
+
+    def _keep(self, param: nn.Parameter) -> None:
+        assert param.grad is not None
+        self.grads[param] = param.grad.clone()
+
+    def clip_as_the_fused_step(
+        self, model: nn.Module, step: int, max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Clip ``model``'s restored gradients (``apply_gradients``) as ``step(optimizer,
+        max_grad_norm=max_norm)`` does at its ``step``-th call (from 0): by the norm of the
+        restored gradients at the first (read from the payloads), of the gradients as
+        backward made them afterwards (computed by the encodes). Returns that norm."""
+        if step == 0:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        norm = torch.nn.utils.get_total_norm([self.grads[p] for p in model.parameters()], norm_type)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        return norm
+
+
 def assert_same_parameters(left: nn.Module, right: nn.Module, *, atol: float = 0.0) -> None:
     for (name, a), (_, b) in zip(left.named_parameters(), right.named_parameters(), strict=True):
         if atol == 0.0:

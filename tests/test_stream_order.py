@@ -13,6 +13,7 @@ import helpers
 import pytest
 import torch
 from helpers import (
+    MadeGradients,
     assert_same_parameters,
     batches,
     loss_of,
@@ -382,6 +383,7 @@ def test_fused_step_with_clipping_matches_apply_and_clip_grad_norm(
         bucket_size_mb=SMALL,
     )
     reference, fused = make_model(), make_model()
+    made = MadeGradients(reference)
     ref_manager = gradient_cache.create_gradient_cache(
         reference, backend_factory=fake_cuda.factory, **options
     )
@@ -390,10 +392,10 @@ def test_fused_step_with_clipping_matches_apply_and_clip_grad_norm(
     )
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     fused_opt = torch.optim.SGD(fused.parameters(), lr=0.5)
-    for tokens, targets in batches(3):
+    for step, (tokens, targets) in enumerate(batches(3)):
         loss_of(reference, tokens, targets).backward()
         ref_manager.apply_gradients()
-        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        expected = made.clip_as_the_fused_step(reference, step, 0.05)
         ref_opt.step()
         ref_opt.zero_grad()
         loss_of(fused, tokens, targets).backward()

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from helpers import (
+    MadeGradients,
     assert_same_parameters,
     batches,
     loss_of,
@@ -16,6 +17,7 @@ from helpers import (
 )
 
 import gradient_cache
+from gradient_cache.engine import fused_step
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -222,14 +224,44 @@ def test_fused_step_frees_the_restored_gradients() -> None:
         assert (p.grad is not None) == name.startswith("norm"), name
 
 
+def test_the_encodes_compute_the_clip_norms_once_a_clipped_step_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a clipped fused step, the next backward's encodes compute each gradient's
+    norm of its type, so the step computes none from the payloads; a step with another
+    norm type (or none) reads the payloads once more, and the encodes follow it."""
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=4, **SMALL_BUCKETS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    from_payloads = []
+    norm = fused_step.gradient_norm
+    monkeypatch.setattr(
+        fused_step, "gradient_norm", lambda grad, p: from_payloads.append(grad) or norm(grad, p)
+    )
+    norm_types = [2.0, 2.0, 2.0, float("inf"), float("inf"), None, 2.0]
+    read_payloads = []
+    for norm_type, (tokens, targets) in zip(norm_types, batches(len(norm_types)), strict=True):
+        loss_of(model, tokens, targets).backward()
+        from_payloads.clear()
+        clip = None if norm_type is None else 1e-3
+        manager.step(optimizer, max_grad_norm=clip, norm_type=norm_type or 2.0)
+        read_payloads.append(bool(from_payloads))
+    assert read_payloads == [True, False, False, True, False, False, True]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 @pytest.mark.parametrize("ratio", [1, 20])
 def test_fused_step_clipping_matches_clip_grad_norm(
     norm_type: float, ratio: int, device: str
 ) -> None:
-    """Many small buckets, so each is restored while the one before steps (on CUDA)."""
+    """The clip norm is plain PyTorch's, of the gradients backward made (before any
+    compression), computed by the encodes from the step after the first clipped one; the
+    first reads it from the host payloads (the compressed gradients' norm, as
+    apply_gradients then clip_grad_norm_ give it). Many small buckets, so each is
+    restored while the one before steps (on CUDA)."""
     reference, fused = make_model().to(device), make_model().to(device)
+    made = MadeGradients(reference)
     options = dict(
         compression_ratio=ratio,
         min_compress_numel=1,
@@ -240,21 +272,21 @@ def test_fused_step_clipping_matches_clip_grad_norm(
     fused_manager = gradient_cache.create_gradient_cache(fused, **options)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     fused_opt = torch.optim.SGD(fused.parameters(), lr=0.5)
-    for tokens, targets in batches(4):
+    for step, (tokens, targets) in enumerate(batches(4)):
         tokens, targets = tokens.to(device), targets.to(device)
         loss_of(reference, tokens, targets).backward()
         ref_manager.apply_gradients()
-        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type).cpu()
+        expected = made.clip_as_the_fused_step(reference, step, 0.05, norm_type)
         ref_opt.step()
         ref_opt.zero_grad()
         loss_of(fused, tokens, targets).backward()
         total = fused_manager.step(fused_opt, max_grad_norm=0.05, norm_type=norm_type)
         fused_opt.zero_grad()
-        # Lossless on the CPU: the very sums clip_grad_norm_ does. Compressed, the kept
-        # values alone (no zeros), and on CUDA, host norms against _foreach_norm, round
-        # differently.
-        tolerance = 0 if ratio == 1 and device == "cpu" else 1e-5
-        torch.testing.assert_close(total.cpu(), expected, rtol=tolerance, atol=0)
+        assert total.device == expected.device
+        # The very sums clip_grad_norm_ does, but for the first step on CUDA: host norms
+        # against _foreach_norm's.
+        tolerance = 1e-5 if step == 0 and device == "cuda" else 0
+        torch.testing.assert_close(total, expected, rtol=tolerance, atol=0)
         assert expected > 0.05  # clipping really happened
     assert_same_parameters(reference, fused, atol=1e-6)
 

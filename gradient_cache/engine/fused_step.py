@@ -18,6 +18,7 @@ import torch
 
 from . import scaling, sharding
 from .backend import Restore, clipped
+from .norms import gradient_norm
 from .pipeline import Pipeline
 from .store import BucketPayloads
 
@@ -154,28 +155,37 @@ def _clip_factor(
     the clip factor, times ``inv_scale`` (a GradScaler's) where given; (None, factor)
     without clipping.
 
-    Read from the host payloads (complete after the drain) and the device gradients; a
-    sparse payload's norm is that of its values, the zeros adding nothing. Under FSDP2
-    each rank holds shards: their norms are combined across ranks (`sharding.global_norm`).
+    Each parameter's norm is the one its last encode computed on the device, of the
+    gradient before encoding (`PendingStep.norms`), or else read from its host payload
+    (complete after the drain; a sparse payload's norm is that of its values); the device
+    gradients' are computed here. They are reduced on the device, in the model's order.
+    Under FSDP2 each rank holds shards: their norms are combined across ranks
+    (`sharding.global_norm`).
     """
+    pipeline.clip_with(None if max_grad_norm is None else norm_type)
     if max_grad_norm is None:
         return None, inv_scale
-    # Each norm in its gradient's dtype, as torch._foreach_norm gives it.
+    pending = pipeline.pending
+    encoded = None if pending is None else pending.norms
+    if encoded is not None and encoded.norm_type != norm_type:
+        encoded = None
     local = {}
     for part in parts:
         for param, payload in part:
-            local[param] = torch.linalg.vector_norm(payload.kept_values(), norm_type)
+            norm = None if encoded is None else encoded.get(param)
+            # Read from the host payload where no encode computed it: the first clipped
+            # step, a step resumed from a checkpoint.
+            local[param] = gradient_norm(payload.kept_values(), norm_type) if norm is None else norm
     for param, grad in held.items():
-        local[param] = torch.linalg.vector_norm(sharding.local(grad), norm_type)
+        local[param] = gradient_norm(sharding.local(grad), norm_type)
     total = sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
-    if inv_scale is None:
-        factor = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(pipeline.backend.device)
-        return total, factor
-    # The norms of the scaled gradients times 1/scale, a power of two: exactly the norm of
-    # the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
-    total = total * inv_scale.cpu()
-    factor = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(pipeline.backend.device)
-    return total, factor * inv_scale.to(pipeline.backend.device)
+    if inv_scale is not None:
+        # The norms of the scaled gradients times 1/scale, a power of two: exactly the
+        # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
+        total = total * inv_scale.to(total.device)
+    device = pipeline.backend.device
+    factor = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(device)
+    return total, factor if inv_scale is None else factor * inv_scale.to(device)
 
 
 Norm = TypeVar("Norm")

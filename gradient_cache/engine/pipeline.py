@@ -25,6 +25,7 @@ from .bucket import BucketAssembler, Item
 from .config import EngineConfig
 from .factory import BackendFactory, create_backend
 from .layout import gradient_strides
+from .norms import StepNorms, norm_slots
 from .route import Codecs, Route, RoutePlan
 from .store import BucketPayloads, GradientStore
 
@@ -136,6 +137,9 @@ class PendingStep:
     # With an enabled GradScaler: whether any gradient it encoded was not finite (a device
     # bool, written by the encodes); None without a scaler, or unknown (a resumed step).
     found_inf: torch.Tensor | None = None
+    # Each encoded gradient's norm of the type the last clipped fused step used, written
+    # by its last encode (the accumulated gradient's); None: the encodes compute none.
+    norms: StepNorms | None = None
     counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
     clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
 
@@ -236,6 +240,9 @@ class Pipeline:
         # The last completed step until the engine has learnt whether the GradScaler
         # skipped it (`settle_scaled_step`); None without a scaler.
         self.unsettled: ScaledStep | None = None
+        # The norm type the last fused step clipped by (`clip_with`).
+        self.clip_norm_type: float | None = None
+        self._norm_slots = norm_slots(params)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         if grad_scaler is not None:
             # Whether an optimizer stepped after a step's restore: with the scaler's update,
@@ -305,7 +312,10 @@ class Pipeline:
             found_inf = None
             if self._loss_scale() is not None:
                 found_inf = torch.zeros((), dtype=torch.bool, device=self.backend.device)
-            self.pending = PendingStep(self.random_state(), found_inf)
+            norms = None
+            if self.clip_norm_type is not None:
+                norms = StepNorms(self._norm_slots, self.clip_norm_type, self.backend.device)
+            self.pending = PendingStep(self.random_state(), found_inf, norms)
 
     def _enter(self, phase: str, state: StepState) -> None:
         """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
@@ -360,6 +370,10 @@ class Pipeline:
         found_inf = None if self.pending is None else self.pending.found_inf
         if found_inf is not None:  # the fused step skips on it, as scaler.step() would
             torch.logical_or(found_inf, ~torch.isfinite(flat).all(), out=found_inf)
+        if self.pending is not None and self.pending.norms is not None:
+            # The gradient's norm, before any encoding: plain PyTorch's, read by the fused
+            # step's clip (`fused_step._clip_factor`) with no pass over the payloads.
+            self.pending.norms.write(param, flat)
         payload, new_residual = codec.encode(flat, residual, loss_scale=loss_scale)
         return Encoded(param, payload, new_residual, () if residual is None else (residual,))
 
@@ -514,6 +528,11 @@ class Pipeline:
         self.backend.residuals.bring_back_replaced()
         self.set_random_state(scaled.random_state)
         self.steps = scaled.steps
+
+    def clip_with(self, norm_type: float | None) -> None:
+        """A fused step clips by the norm of ``norm_type`` (None: it does not clip): the
+        next steps' encodes compute each gradient's norm of that type (`PendingStep.norms`)."""
+        self.clip_norm_type = norm_type
 
     def stepped(self) -> None:
         """The fused step stepped the delivered step (its optimizer's hook may have fired

@@ -155,7 +155,8 @@ def check_placements(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> 
 def global_norm(
     norms: Iterable[tuple[torch.Tensor, torch.Tensor]], norm_type: float
 ) -> torch.Tensor:
-    """The norm over every rank of ``(parameter, local norm)`` pairs, as a CPU tensor.
+    """The norm over every rank of ``(parameter, local norm)`` pairs, on the first norm's
+    device, as ``clip_grad_norm_`` returns it (no host read).
 
     A sharded parameter's norm is combined over the mesh's shard dimensions first (one
     all-reduce for all of them), then the parameters' norms are combined in the given
@@ -165,19 +166,20 @@ def global_norm(
     pairs = list(norms)
     if not pairs:
         return torch.zeros(())
-    values = [norm.cpu() for _, norm in pairs]
+    values = [norm for _, norm in pairs]
+    device = values[0].device
     sharded = [i for i, (param, _) in enumerate(pairs) if _shard_dims(param)]
     if sharded:
         first = pairs[sharded[0]][0]
         assert is_dtensor(first)  # only a DTensor has shard dimensions
         mesh = first.device_mesh
         dims = _shard_dims(first)
-        device = collective_device(local(first).device, mesh.device_type)
-        stacked = torch.stack([values[i] for i in sharded])
-        reduced = _all_reduce(stacked, norm_type, mesh, dims, device)
+        collective = collective_device(local(first).device, mesh.device_type)
+        stacked = torch.stack([values[i].to(collective) for i in sharded])
+        reduced = _all_reduce(stacked, norm_type, mesh, dims)
         for i, value in zip(sharded, reduced, strict=True):
             values[i] = value
-    return torch.linalg.vector_norm(torch.stack(values), norm_type)
+    return torch.linalg.vector_norm(torch.stack([v.to(device) for v in values]), norm_type)
 
 
 def _shard_dims(param: torch.Tensor) -> list[int]:
@@ -198,11 +200,11 @@ def collective_device(param_device: torch.device, mesh_device_type: str) -> torc
 
 
 def _all_reduce(
-    local: torch.Tensor, norm_type: float, mesh: DeviceMesh, dims: list[int], device: torch.device
+    local: torch.Tensor, norm_type: float, mesh: DeviceMesh, dims: list[int]
 ) -> torch.Tensor:
-    """Each entry of ``local`` (this rank's norms) combined with every shard's on
-    ``device``: max for inf, else the p-th root of a sum of p-th powers."""
-    value = local.to(device)
+    """Each entry of ``local`` (this rank's norms, on the collective's device) combined
+    with every shard's: max for inf, else the p-th root of a sum of p-th powers."""
+    value = local
     if norm_type == float("inf"):
         op = dist.ReduceOp.MAX
     else:
@@ -212,7 +214,7 @@ def _all_reduce(
         dist.all_reduce(value, op=op, group=mesh.get_group(dim))
     if norm_type != float("inf"):
         value = value.pow(1.0 / norm_type)
-    return value.cpu()
+    return value
 
 
 def check_gradient_is_reduced(name: str, grad: torch.Tensor) -> None:

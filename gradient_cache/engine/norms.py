@@ -1,0 +1,71 @@
+"""Gradient norms as ``torch.nn.utils.clip_grad_norm_`` computes them, on the device.
+
+The fused step's clip norm is summed from per-parameter norms. The encodes compute them
+on the encode stream while backward goes on (`Pipeline._encode`, once a clipped fused
+step asked for a norm type), so the step reduces a handful of device scalars instead of
+reading every payload on the host while the device idles.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch.utils._foreach_utils import _has_foreach_support
+
+
+def gradient_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``grad``'s norm in its dtype, by the kernel ``clip_grad_norm_`` uses on its device:
+    ``torch._foreach_norm`` where foreach runs (CUDA), else ``linalg.vector_norm``. Each
+    tensor's foreach norm is reduced alone, so one tensor gives the bits it gets in the
+    list ``clip_grad_norm_`` passes."""
+    if _has_foreach_support([grad], grad.device):
+        return torch._foreach_norm([grad], norm_type)[0]
+    return torch.linalg.vector_norm(grad, norm_type)
+
+
+class StepNorms:
+    """One step's per-gradient norms of ``norm_type``, in device buffers (one per dtype,
+    a slot per parameter) allocated as the step begins, in a hook: on the compute stream,
+    which reads and frees them. The encode stream writes a slot after its wait on the
+    compute stream, and the fused step reads them after the drain's host wait."""
+
+    def __init__(
+        self,
+        slots: Mapping[torch.nn.Parameter, tuple[torch.dtype, int]],
+        norm_type: float,
+        device: torch.device,
+    ) -> None:
+        self.norm_type = norm_type
+        self._slots = slots
+        sizes = Counter(dtype for dtype, _ in slots.values())
+        self._buffers = {
+            dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()
+        }
+        self._written: set[torch.nn.Parameter] = set()
+
+    def write(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """``grad``'s norm in ``param``'s slot (replacing an earlier micro-batch's)."""
+        dtype, index = self._slots[param]
+        self._buffers[dtype][index].copy_(gradient_norm(grad, self.norm_type))
+        self._written.add(param)
+
+    def get(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """``param``'s norm, None if no encode wrote it."""
+        if param not in self._written:
+            return None
+        dtype, index = self._slots[param]
+        return self._buffers[dtype][index]
+
+
+def norm_slots(
+    params: Iterable[torch.nn.Parameter],
+) -> dict[torch.nn.Parameter, tuple[torch.dtype, int]]:
+    """Each parameter's (buffer dtype, index) in a `StepNorms`: its gradient's dtype."""
+    counts: Counter[torch.dtype] = Counter()
+    slots = {}
+    for param in params:
+        slots[param] = (param.dtype, counts[param.dtype])
+        counts[param.dtype] += 1
+    return slots
