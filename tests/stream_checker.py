@@ -97,22 +97,24 @@ class StreamChecker(TorchDispatchMode):
         self.watched: set[str] = set()  # streams whose device memory `peak_watched_bytes` counts
         self.peak_watched_bytes = 0
         self.dispatched: Counter[tuple[str, str]] = Counter()  # (actor, op name): calls
-        self._saved_kernels: list[int8_kernels.CompiledKernels | None] = []
+        self._saved_kernels: list[tuple[int8_kernels.CompiledKernels | None, frozenset[str]]] = []
 
     # --- the eager int8 path while entered ----------------------------------------------
 
     def __enter__(self) -> StreamChecker:
-        # int8_kernels reads CPU_KERNELS at each call: None sends CPU tensors down the eager
-        # path, the one CUDA tensors take, whose every write this mode sees.
-        self._saved_kernels.append(int8_kernels.CPU_KERNELS)
+        # int8_kernels reads both at each call: CPU tensors then take the path CUDA tensors
+        # take, one fused operation per encode and decode (whose reads and writes its
+        # schema names), never the compiled kernels, whose writes no dispatch mode sees.
+        self._saved_kernels.append((int8_kernels.CPU_KERNELS, int8_kernels.FUSED_DEVICE_TYPES))
         int8_kernels.CPU_KERNELS = None
+        int8_kernels.FUSED_DEVICE_TYPES = int8_kernels.FUSED_DEVICE_TYPES | {"cpu"}
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            int8_kernels.CPU_KERNELS = self._saved_kernels.pop()
+            int8_kernels.CPU_KERNELS, int8_kernels.FUSED_DEVICE_TYPES = self._saved_kernels.pop()
 
     # --- actors and clocks ----------------------------------------------------------
 

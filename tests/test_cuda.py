@@ -367,3 +367,25 @@ def test_fsdp2_on_one_gpu_matches_plain_fsdp2(one_gpu_process_group, fused_step:
     run(cached, manager)
     for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
         assert torch.equal(a.full_tensor(), b.full_tensor())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_int8_kernels_give_the_eager_paths_bytes_on_the_gpu(dtype: torch.dtype) -> None:
+    """The Triton kernels compiled for the GPU (the interpreter checks their logic on the
+    CPU): the eager path's bytes there and on the CPU, the correctly rounded divide
+    included, across two noise windows; the decode likewise."""
+    from gradient_cache.codecs import int8_kernels
+    from gradient_cache.codecs.dither import Dither
+
+    assert "cuda" in int8_kernels.FUSED_DEVICE_TYPES, "Triton is not installed"
+    torch.manual_seed(0)
+    numel = int8_kernels.CODEC_CHUNK + 1000
+    x = (torch.randn(numel) * torch.logspace(-30, 3, numel)).to(dtype)
+    fused = int8_kernels.int8_blocks_encode(x.cuda(), Dither(3))
+    eager = torch.empty_like(fused)
+    int8_kernels.encode_eagerly(x.cuda().float(), Dither(3), eager)
+    on_cpu = int8_kernels.int8_blocks_encode(x, Dither(3))
+    assert torch.equal(fused, eager) and torch.equal(fused.cpu(), on_cpu)
+    decoded = int8_kernels.int8_blocks_decode(fused, numel)
+    reference = int8_kernels.decode_eagerly(fused, numel, torch.empty_like(decoded))
+    assert torch.equal(decoded, reference)

@@ -27,6 +27,7 @@ from stream_checker import FakeCuda, StreamChecker
 import gradient_cache
 from gradient_cache import Ladder, TopK
 from gradient_cache.codecs import int8_kernels
+from gradient_cache.codecs.registry import make_codec
 from gradient_cache.engine.cuda import CudaBackend
 from gradient_cache.engine.factory import build_cuda_backend
 from gradient_cache.engine.residuals import HostSlotResiduals
@@ -128,20 +129,27 @@ def test_checker_flags_host_reads_before_the_copy_and_waits_inside_hooks() -> No
         assert any("inside a backward hook" in v for v in checker.violations)
 
 
-def test_the_checker_turns_the_compiled_int8_kernels_off_while_entered() -> None:
-    """They write through raw pointers the checker cannot see; leaving restores them."""
-    before = int8_kernels.CPU_KERNELS
+def test_the_checker_sends_int8_down_the_cuda_path_while_entered() -> None:
+    """The compiled kernels write through raw pointers the checker cannot see: off, and
+    the fused operations on, as on CUDA; leaving restores both."""
+    kernels, fused = int8_kernels.CPU_KERNELS, int8_kernels.FUSED_DEVICE_TYPES
     with StreamChecker():
         assert int8_kernels.CPU_KERNELS is None
-    assert int8_kernels.CPU_KERNELS is before
+        assert "cpu" in int8_kernels.FUSED_DEVICE_TYPES
+    assert int8_kernels.CPU_KERNELS is kernels
+    assert int8_kernels.FUSED_DEVICE_TYPES is fused
 
 
-def test_the_default_codec_runs_its_eager_int8_path_under_the_checker(
-    fake_cuda: FakeCuda,
+@pytest.mark.parametrize("path", ["fused", "eager"])
+def test_the_default_codec_runs_its_cuda_int8_path_under_the_checker(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """The default options give most tensors the int8 codec; the checker must see its
-    encode (on the encode stream) and decode (on the restore stream) as a GPU runs them,
-    not the compiled CPU kernels, whose writes no dispatch mode sees."""
+    encode (on the encode stream) and decode (on the restore stream) as a GPU runs them:
+    one fused operation each where Triton is installed, else the eager path; never the
+    compiled CPU kernels, whose writes no dispatch mode sees. Both give the CPU's bytes."""
+    if path == "eager":
+        monkeypatch.setattr(int8_kernels, "FUSED_DEVICE_TYPES", frozenset())
     data = batches(2)
     with fake_cuda.checker.disabled():
         reference = cpu_backend_run(data, dict(bucket_size_mb=SMALL))
@@ -155,10 +163,35 @@ def test_the_default_codec_runs_its_eager_int8_path_under_the_checker(
     fake_cuda.checker.assert_clean()
     backend = manager.engine.backend
     seen = fake_cuda.checker.dispatched
+    encode_stream, restore_stream = backend.encode_stream.name, backend.restore_stream.name
+    if path == "fused":
+        assert seen[encode_stream, "int8_encode"] > 0, "no fused int8 encode on the encode stream"
+        assert seen[restore_stream, "int8_decode"] > 0, "no fused decode on the restore stream"
+        assert seen[encode_stream, "floor_"] == 0  # the eager path's rounding
+        return
     # The block maxima and the stochastic rounding, then the codes times their scales.
     for op in ("abs", "amax", "floor_"):
-        assert seen[backend.encode_stream.name, op] > 0, f"no {op} on the encode stream"
-    assert seen[backend.restore_stream.name, "mul_"] > 0, "no int8 decode on the restore stream"
+        assert seen[encode_stream, op] > 0, f"no {op} on the encode stream"
+    assert seen[restore_stream, "mul_"] > 0, "no int8 decode on the restore stream"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_int8_path_dispatches_a_bounded_number_of_operations(
+    fake_cuda: FakeCuda, dtype: torch.dtype
+) -> None:
+    """On CUDA each int8 encode and decode is one fused operation whatever the size (the
+    eager path costs a fixed number per chunk of 2^18 entries): the host's launch cost in
+    a hook does not grow with the tensor. Counted under the stand-in, kernels off."""
+    codec = make_codec("int8")
+    codec.encode(torch.ones(1), None, loss_scale=None)  # makes the noise table, once a backward
+    counts = []
+    for numel in (100, 3 * int8_kernels.CODEC_CHUNK + 5):
+        flat = torch.randn(numel).to(dtype)
+        fake_cuda.checker.dispatched.clear()
+        payload, _ = codec.encode(flat, None, loss_scale=None)
+        payload.decode_into(torch.empty(numel))
+        counts.append(sum(fake_cuda.checker.dispatched.values()))
+    assert counts[0] == counts[1] <= 4, counts  # empty, encode; empty, decode
 
 
 # --- the engine ----------------------------------------------------------------------

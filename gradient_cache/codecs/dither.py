@@ -19,8 +19,30 @@ import torch
 
 TABLE_SEED = 0xD17E
 _MASK64 = (1 << 64) - 1
-# The longest window (a codec's chunk, `block_kernels.BLOCK_CHUNK`); each table is twice it.
+# The longest window (a codec's chunk, `block_kernels.BLOCK_CHUNK`); the table is twice it,
+# and its complement as long again.
 WINDOW = 1 << 18
+
+
+def window_start(seed: int, draw: int) -> int:
+    """Where draw ``draw`` (counted from 1) of the dither seeded ``seed`` starts in its
+    device's noise table (`Dither.table`): SplitMix64 of the two, whose top bit picks the
+    table's half (the table or its complement) and whose low bits the offset in it."""
+    x = (seed * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return (x >> 63) * 2 * WINDOW + x % WINDOW
+
+
+def noise_table(device: torch.device) -> torch.Tensor:
+    """``2 * WINDOW`` uniform numbers from the fixed seed, then their complements."""
+    maker = torch.Generator(device=device).manual_seed(TABLE_SEED)
+    table = torch.empty(4 * WINDOW, device=device)  # filled in place: no temporaries
+    torch.rand(2 * WINDOW, generator=maker, device=device, out=table[: 2 * WINDOW])
+    # 1 - u: negating is exact, so adding 1 rounds as the subtraction does.
+    table[2 * WINDOW :].copy_(table[: 2 * WINDOW]).neg_().add_(1)
+    return table
 
 
 class Dither:
@@ -31,31 +53,28 @@ class Dither:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self._draws = 0
-        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[torch.device, torch.Tensor] = {}
 
     def uniform(self, count: int, device: torch.device) -> torch.Tensor:
         """``count`` (at most `WINDOW`) uniform numbers on ``device``, fp32 (read-only:
-        a view of a table)."""
-        tables = self._tables.get(device)
-        if tables is None:
-            maker = torch.Generator(device=device).manual_seed(TABLE_SEED)
-            table = torch.rand(2 * WINDOW, generator=maker, device=device)
-            tables = self._tables[device] = (table, 1 - table)
-        draw = self._next_draw()
-        start = draw % WINDOW
-        # The hash's top bit picks the table: independent of the offset's low bits.
-        return tables[draw >> 63][start : start + count]
+        a view of the table)."""
+        start = window_start(self.seed, self.take(1))
+        return self.table(device)[start : start + count]
 
-    def _next_draw(self) -> int:
-        """SplitMix64 of the seed and the draw number: 64 pseudo-random bits."""
-        self._draws += 1
-        x = (self.seed * 0x9E3779B97F4A7C15 + self._draws * 0xBF58476D1CE4E5B9) & _MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-        return x ^ (x >> 31)
+    def take(self, draws: int) -> int:
+        """Count ``draws`` draws (a fused kernel's windows); the number of the first."""
+        self._draws += draws
+        return self._draws - draws + 1
+
+    def table(self, device: torch.device) -> torch.Tensor:
+        """The noise table on ``device`` (`noise_table`), made at its first use there."""
+        table = self._tables.get(device)
+        if table is None:
+            table = self._tables[device] = noise_table(device)
+        return table
 
     def tables(self) -> list[torch.Tensor]:
-        return [table for pair in self._tables.values() for table in pair]
+        return list(self._tables.values())
 
     def release(self) -> None:
         self._tables.clear()

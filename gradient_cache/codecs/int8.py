@@ -23,7 +23,7 @@ class Int8Quantizer:
 
     def quantize(self, payload: Payload) -> QuantizedPayload:
         values, indices = payload.kept_values(), payload.kept_indices()
-        packed = int8_blocks_encode(values.float(), self.dither)
+        packed = int8_blocks_encode(values, self.dither)
         return QuantizedPayload(packed, indices, payload.numel, values.numel(), values.dtype)
 
 

@@ -3,19 +3,23 @@
 The kernels shared by int8 values (`values.Int8Quantizer`) and the int8 residual
 (`residual.ResidualCodec`). Rounding is stochastic, so decoding is unbiased.
 
-On a CPU, tensors go through the compiled one-pass kernels (`_int8_cpu.c`, built by
-setup.py) when they were built: the same bytes as the eager PyTorch code here, which
-serves every other device and any install without a C compiler.
+On CUDA, where Triton is installed, each tensor's encode and each decode is one operation
+(`int8_encode` / `int8_decode` in the ``gradient_cache`` op namespace, one Triton kernel
+each: `int8_triton`), whatever the tensor's size. On a CPU, tensors go through the compiled
+one-pass kernels (`_int8_cpu.c`, built by setup.py) when they were built. Both give the
+same bytes as the eager PyTorch code here, which serves every other case: a chunk at a
+time, a fixed number of operations per chunk.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 
-from .dither import WINDOW
+from .dither import WINDOW, Dither, window_start
 
 
 class CompiledKernels(Protocol):
@@ -51,6 +55,14 @@ except ImportError:  # built without a C compiler: the eager path does the same,
     CPU_KERNELS = None
 else:
     CPU_KERNELS = _int8_cpu
+
+# Device types whose encodes and decodes run as one fused operation per tensor: CUDA where
+# Triton is installed (imported at the first such call). Read at each call: the stand-in
+# stream checker adds "cpu", where the operations run the eager path inside, so that it
+# checks the operations a GPU dispatches.
+FUSED_DEVICE_TYPES: frozenset[str] = (
+    frozenset({"cuda"}) if importlib.util.find_spec("triton") is not None else frozenset()
+)
 
 # Entries per scale: 64 keeps the scales at 1/16 of the int8 bytes.
 INT8_BLOCK = 64
@@ -95,21 +107,40 @@ def on_cpu_kernels(*tensors: torch.Tensor) -> bool:
 
 
 def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
-    """Flat fp32 ``x`` as int8 codes per block of `INT8_BLOCK`, times the block's scale.
+    """Flat ``x`` (any float dtype) as int8 codes per block of `INT8_BLOCK`, times the
+    block's fp32 scale.
 
     The scale is the block's largest magnitude / 127 (raised by `SCALE_MARGIN`); uniform
     noise from ``noise`` rounds each code stochastically, so decoding is unbiased and off by
-    less than the scale. Codes and fp32 scales are packed into one uint8 tensor. Works
-    through ``x`` a chunk at a time in one reused fp32 buffer of a chunk, so its temporaries
-    stay a few MiB however large ``x`` is and no chunk allocates: per chunk |x|, the block
-    maxima (straight into the packed scales), the scaled value plus noise, floor, the cast.
+    less than the scale. Codes and fp32 scales are packed into one uint8 tensor. A window
+    of noise serves each `CODEC_CHUNK` entries, drawn in order, whichever path runs.
+    """
+    numel = x.numel()
+    packed = torch.empty(int8_blocks_bytes(numel), dtype=torch.uint8, device=x.device)
+    if isinstance(noise, Dither) and x.device.type in FUSED_DEVICE_TYPES and x.is_contiguous():
+        first = noise.take(-(-numel // CODEC_CHUNK))
+        if numel:
+            seed = noise.seed % 2**64 - (noise.seed % 2**64 >= 2**63) * 2**64  # as an int64
+            torch.ops.gradient_cache.int8_encode(x, noise.table(x.device), seed, first, packed)
+        return packed
+    x = x.float()
+    if on_cpu_kernels(x):
+        encode_on_cpu(x, noise, packed)
+    else:
+        encode_eagerly(x, noise, packed)
+    return packed
+
+
+def encode_eagerly(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) -> None:
+    """`int8_blocks_encode` of flat fp32 ``x`` into ``packed`` in PyTorch operations.
+
+    Works through ``x`` a chunk at a time in one reused fp32 buffer of a chunk, so its
+    temporaries stay a few MiB however large ``x`` is and no chunk allocates: per chunk
+    |x|, the block maxima (straight into the packed scales), the scaled value plus noise,
+    floor, the cast.
     """
     numel = x.numel()
     blocks = -(-numel // INT8_BLOCK)
-    packed = torch.empty(int8_blocks_bytes(numel), dtype=torch.uint8, device=x.device)
-    if on_cpu_kernels(x):
-        encode_on_cpu(x, noise, packed)
-        return packed
     codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
     scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
     work = torch.empty(min(blocks * INT8_BLOCK, CODEC_CHUNK), dtype=torch.float32, device=x.device)
@@ -133,7 +164,48 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
         # floor of their sum lies in [-127, 127] for every finite entry: no clamp is needed.
         torch.addcdiv(noise_part, part, safe, out=level).floor_()
         codes[start : start + level.numel()].view_as(level).copy_(level)
-    return packed
+
+
+class _DrawsFrom:
+    """The windows draws ``first``, ``first + 1``, ... of the dither seeded ``seed`` give
+    from its ``table``: a fused operation's noise, replayed by the eager path."""
+
+    def __init__(self, seed: int, first: int, table: torch.Tensor) -> None:
+        self.seed, self.draw, self.table = seed, first, table
+
+    def uniform(self, count: int, device: torch.device) -> torch.Tensor:
+        start = window_start(self.seed, self.draw)
+        self.draw += 1
+        return self.table[start : start + count]
+
+
+@torch.library.custom_op("gradient_cache::int8_encode", mutates_args=("packed",))
+def _fused_encode(
+    x: torch.Tensor, table: torch.Tensor, seed: int, first_draw: int, packed: torch.Tensor
+) -> None:
+    """`int8_blocks_encode` of flat contiguous ``x`` into ``packed`` as one operation, with
+    the windows of draws ``first_draw`` on of the dither seeded ``seed`` (``table``: its
+    `dither.noise_table`): one Triton kernel on CUDA, the eager path elsewhere."""
+    if x.device.type == "cuda":
+        from . import int8_triton  # Triton loads at the first CUDA call, not at import
+
+        int8_triton.encode(
+            x, table, seed, first_draw, packed, block=INT8_BLOCK, scale_step=SCALE_STEP
+        )
+    else:
+        encode_eagerly(x.float(), _DrawsFrom(seed, first_draw, table), packed)
+
+
+@torch.library.custom_op("gradient_cache::int8_decode", mutates_args=("out",))
+def _fused_decode(packed: torch.Tensor, out: torch.Tensor) -> None:
+    """`int8_blocks_decode` into flat contiguous fp32 ``out`` as one operation: one Triton
+    kernel on CUDA, the eager path elsewhere."""
+    if packed.device.type == "cuda":
+        from . import int8_triton
+
+        int8_triton.decode(packed, out, block=INT8_BLOCK)
+    else:
+        decode_eagerly(packed, out.numel(), out)
 
 
 def encode_on_cpu(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) -> None:
@@ -172,24 +244,37 @@ def encode_on_cpu(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) ->
 def int8_blocks_decode(
     packed: torch.Tensor, numel: int, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The fp32 values `int8_blocks_encode` packed, a chunk at a time: into ``out`` (flat
-    fp32, ``numel`` entries, on ``packed``'s device) if given, else a new tensor."""
-    blocks = -(-numel // INT8_BLOCK)
-    codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
-    scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
+    """The fp32 values `int8_blocks_encode` packed: into ``out`` (flat fp32, ``numel``
+    entries, on ``packed``'s device) if given, else a new tensor."""
     if out is None:
         out = torch.empty(numel, dtype=torch.float32, device=packed.device)
-    kernels = CPU_KERNELS
-    if (
-        kernels is not None
-        and on_cpu_kernels(packed, out)
-        and out.dtype == torch.float32
+    # Else the eager path, which raises on a mismatch a kernel would write past.
+    fits = (
+        out.dtype == torch.float32
         and out.numel() == numel
         and packed.numel() == int8_blocks_bytes(numel)
-    ):  # else the eager path, which raises on a mismatch the kernel would write past
+    )
+    contiguous = packed.is_contiguous() and out.is_contiguous()
+    if fits and contiguous and packed.device.type in FUSED_DEVICE_TYPES:
+        if numel:
+            torch.ops.gradient_cache.int8_decode(packed, out)
+        return out
+    kernels = CPU_KERNELS
+    if kernels is not None and fits and on_cpu_kernels(packed, out):
+        blocks = -(-numel // INT8_BLOCK)
+        codes, scales = packed[: blocks * INT8_BLOCK], packed[blocks * INT8_BLOCK :]
         threads = torch.get_num_threads()
         kernels.decode(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), numel, threads)
         return out
+    return decode_eagerly(packed, numel, out)
+
+
+def decode_eagerly(packed: torch.Tensor, numel: int, out: torch.Tensor) -> torch.Tensor:
+    """`int8_blocks_decode` of ``numel`` entries into ``out`` in PyTorch operations, a
+    chunk at a time."""
+    blocks = -(-numel // INT8_BLOCK)
+    codes = packed[: blocks * INT8_BLOCK].view(torch.int8)
+    scales = packed[blocks * INT8_BLOCK :].view(torch.float32)
     for start, stop in chunks(numel):
         part_blocks = -(-(stop - start) // INT8_BLOCK)
         part = codes[start : start + part_blocks * INT8_BLOCK].view(part_blocks, INT8_BLOCK)
