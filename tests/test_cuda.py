@@ -370,22 +370,25 @@ def test_fsdp2_on_one_gpu_matches_plain_fsdp2(one_gpu_process_group, fused_step:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_int8_kernels_give_the_eager_paths_bytes_on_the_gpu(dtype: torch.dtype) -> None:
-    """The Triton kernels compiled for the GPU (the interpreter checks their logic on the
-    CPU): the eager path's bytes there and on the CPU, the correctly rounded divide
-    included, across two noise windows; the decode likewise."""
+@pytest.mark.parametrize("name", ["int8", "q4", "q3", "sign"])
+def test_the_fused_codec_kernels_give_the_eager_paths_bytes_on_the_gpu(
+    name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton kernels compiled for this GPU (the interpreter checks their logic on the
+    CPU) against the eager path on the same GPU (the noise tables are the device's own):
+    the same bytes, the correctly rounded divide and unfused multiply-adds included,
+    across two noise windows; the decodes likewise."""
     from gradient_cache.codecs import int8_kernels
-    from gradient_cache.codecs.dither import Dither
+    from gradient_cache.codecs.registry import make_codec
 
     assert "cuda" in int8_kernels.FUSED_DEVICE_TYPES, "Triton is not installed"
     torch.manual_seed(0)
     numel = int8_kernels.CODEC_CHUNK + 1000
-    x = (torch.randn(numel) * torch.logspace(-30, 3, numel)).to(dtype)
-    fused = int8_kernels.int8_blocks_encode(x.cuda(), Dither(3))
-    eager = torch.empty_like(fused)
-    int8_kernels.encode_eagerly(x.cuda().float(), Dither(3), eager)
-    on_cpu = int8_kernels.int8_blocks_encode(x, Dither(3))
-    assert torch.equal(fused, eager) and torch.equal(fused.cpu(), on_cpu)
-    decoded = int8_kernels.int8_blocks_decode(fused, numel)
-    reference = int8_kernels.decode_eagerly(fused, numel, torch.empty_like(decoded))
-    assert torch.equal(decoded, reference)
+    flat = (torch.randn(numel) * torch.logspace(-30, 3, numel)).to(dtype).cuda()
+    fused, _ = make_codec(name).encode(flat, None, loss_scale=None)
+    fused_values = fused.kept_values()
+    monkeypatch.setattr(int8_kernels, "FUSED_DEVICE_TYPES", frozenset())
+    eager, _ = make_codec(name).encode(flat, None, loss_scale=None)
+    for left, right in zip(fused.tensors(), eager.tensors(), strict=True):
+        assert torch.equal(left, right)
+    assert torch.equal(fused_values, eager.kept_values())

@@ -98,3 +98,24 @@ class Dither:
         # A CPU tensor (`get_state`'s): read on the host, no device operation, as this may
         # run in a backward hook (a skipped step's rewind).
         self._draws = 0 if state is None else int(state.tolist()[0])
+
+
+class DrawsFrom:
+    """The windows draws ``first``, ``first + 1``, ... of the dither seeded ``seed`` give
+    from its ``table``: a fused operation's noise (`Dither.take`), replayed by an eager
+    path."""
+
+    def __init__(self, seed: int, first: int, table: torch.Tensor) -> None:
+        self.seed, self.draw, self.table = seed, first, table
+
+    def uniform(self, count: int, device: torch.device) -> torch.Tensor:
+        start = window_start(self.seed, self.draw)
+        self.draw += 1
+        return self.table[start : start + count]
+
+
+def as_int64(seed: int) -> int:
+    """``seed`` modulo 2^64 as a signed 64-bit integer (an operator's ``int``): the hash
+    reads only those bits."""
+    low = seed % 2**64
+    return low - 2**64 if low >= 2**63 else low

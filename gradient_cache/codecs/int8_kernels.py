@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from .dither import WINDOW, Dither, window_start
+from .dither import WINDOW, Dither, DrawsFrom, as_int64
 
 
 class CompiledKernels(Protocol):
@@ -120,8 +120,8 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     if isinstance(noise, Dither) and x.device.type in FUSED_DEVICE_TYPES and x.is_contiguous():
         first = noise.take(-(-numel // CODEC_CHUNK))
         if numel:
-            seed = noise.seed % 2**64 - (noise.seed % 2**64 >= 2**63) * 2**64  # as an int64
-            torch.ops.gradient_cache.int8_encode(x, noise.table(x.device), seed, first, packed)
+            table, seed = noise.table(x.device), as_int64(noise.seed)
+            torch.ops.gradient_cache.int8_encode(x, table, seed, first, packed)
         return packed
     x = x.float()
     if on_cpu_kernels(x):
@@ -166,19 +166,6 @@ def encode_eagerly(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) -
         codes[start : start + level.numel()].view_as(level).copy_(level)
 
 
-class _DrawsFrom:
-    """The windows draws ``first``, ``first + 1``, ... of the dither seeded ``seed`` give
-    from its ``table``: a fused operation's noise, replayed by the eager path."""
-
-    def __init__(self, seed: int, first: int, table: torch.Tensor) -> None:
-        self.seed, self.draw, self.table = seed, first, table
-
-    def uniform(self, count: int, device: torch.device) -> torch.Tensor:
-        start = window_start(self.seed, self.draw)
-        self.draw += 1
-        return self.table[start : start + count]
-
-
 @torch.library.custom_op("gradient_cache::int8_encode", mutates_args=("packed",))
 def _fused_encode(
     x: torch.Tensor, table: torch.Tensor, seed: int, first_draw: int, packed: torch.Tensor
@@ -190,10 +177,17 @@ def _fused_encode(
         from . import int8_triton  # Triton loads at the first CUDA call, not at import
 
         int8_triton.encode(
-            x, table, seed, first_draw, packed, block=INT8_BLOCK, scale_step=SCALE_STEP
+            x,
+            table,
+            seed,
+            first_draw,
+            packed,
+            block=INT8_BLOCK,
+            scale_step=SCALE_STEP,
+            chunk=CODEC_CHUNK,
         )
     else:
-        encode_eagerly(x.float(), _DrawsFrom(seed, first_draw, table), packed)
+        encode_eagerly(x.float(), DrawsFrom(seed, first_draw, table), packed)
 
 
 @torch.library.custom_op("gradient_cache::int8_decode", mutates_args=("out",))

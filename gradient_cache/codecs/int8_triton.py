@@ -4,7 +4,7 @@ The eager path (`int8_kernels`) costs about 19 dispatched operations per 2^18 en
 encode and 8 to decode: at a few microseconds of host time each, a large model's hooks
 would spend most of backward launching them, on the thread that launches backward's own
 kernels. These kernels do the same arithmetic in one pass, with no temporaries: the same
-bytes as the eager path (tests/test_int8_triton.py checks it through Triton's
+bytes as the eager path (tests/test_triton_kernels.py checks it through Triton's
 interpreter on the CPU). Importing this module needs Triton: `int8_kernels` imports it at
 the first encode or decode of a CUDA tensor, where Triton is installed.
 
@@ -22,9 +22,19 @@ import triton.language as tl
 
 from .dither import WINDOW
 
-# Blocks of 64 entries per program: 2048 entries, a divisor of a noise window, so a
-# program's entries all read one window.
+# Blocks of 64 entries per program: 2048 entries, a divisor of a chunk, so a program's
+# entries all read one noise window.
 ROWS = 32
+
+
+def window_start(seed, draw, WINDOW: tl.constexpr):
+    """`dither.window_start` in uint64: where draw ``draw`` of the dither seeded ``seed``
+    (modulo 2^64, as a signed int64) starts in its noise table."""
+    h = seed.to(tl.uint64) * 0x9E3779B97F4A7C15 + draw.to(tl.uint64) * 0xBF58476D1CE4E5B9
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EB
+    h = h ^ (h >> 31)
+    return ((h >> 63) * (2 * WINDOW) + (h & (WINDOW - 1))).to(tl.int64)
 
 
 def encode_blocks(
@@ -39,13 +49,14 @@ def encode_blocks(
     scale_step,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
     """`int8_kernels.int8_blocks_encode` of ``ROWS`` blocks: codes and scales.
 
     ``seed`` is the dither's seed modulo 2^64 (as a signed int64) and ``first_draw`` the
-    number of the draw that serves the tensor's first window of ``WINDOW`` entries: the
-    offsets are `dither.window_start`'s hash, computed here in uint64.
+    number of the draw that serves the tensor's first ``CHUNK`` entries, each later chunk
+    the next: the window offsets are `dither.window_start`'s hash, computed here in uint64.
     """
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
@@ -56,14 +67,9 @@ def encode_blocks(
     scale = tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis=1)) * scale_step
     tl.store(scales_ptr + rows, scale, mask=rows < blocks)
     safe = tl.where(scale > 0, scale, 1.0)
-    chunk = pid * ROWS * BLOCK // WINDOW
-    draw = (first_draw + chunk).to(tl.uint64)
-    h = seed.to(tl.uint64) * 0x9E3779B97F4A7C15 + draw * 0xBF58476D1CE4E5B9
-    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
-    h = (h ^ (h >> 27)) * 0x94D049BB133111EB
-    h = h ^ (h >> 31)
-    start = ((h >> 63) * (2 * WINDOW) + (h & (WINDOW - 1))).to(tl.int64)
-    noise = tl.load(table_ptr + start + (index - chunk * WINDOW))
+    chunk = pid * ROWS * BLOCK // CHUNK
+    start = WINDOW_START(seed, first_draw + chunk, WINDOW)
+    noise = tl.load(table_ptr + start + (index - chunk * CHUNK))
     # The correctly rounded divide addcdiv makes (a plain `/` is approximate on a GPU).
     level = tl.floor(noise + tl.div_rn(x, safe[:, None]))
     tl.store(codes_ptr + index, level.to(tl.int8), mask=rows[:, None] < blocks)
@@ -80,6 +86,7 @@ def decode_blocks(codes_ptr, scales_ptr, out_ptr, numel, ROWS: tl.constexpr, BLO
     tl.store(out_ptr + index, codes * scales[:, None], mask=inside)
 
 
+WINDOW_START: Any = triton.jit(window_start)
 ENCODE: Any = triton.jit(encode_blocks, do_not_specialize=["seed", "first_draw"])
 DECODE: Any = triton.jit(decode_blocks)
 
@@ -93,11 +100,12 @@ def encode(
     *,
     block: int,
     scale_step: float,
+    chunk: int,
     kernel: Any = ENCODE,
 ) -> None:
     """Launch ``kernel`` (`ENCODE`, or an interpreted body) over flat contiguous ``x``
     (any float dtype) into ``packed`` (`int8_kernels.int8_blocks_bytes` bytes), with
-    ``block`` entries per scale."""
+    ``block`` entries per scale and a noise window per ``chunk`` entries."""
     numel = x.numel()
     blocks = -(-numel // block)
     codes = packed[: blocks * block].view(torch.int8)
@@ -115,6 +123,7 @@ def encode(
         scale_step,
         ROWS=ROWS,
         BLOCK=block,
+        CHUNK=chunk,
         WINDOW=WINDOW,
     )
 

@@ -198,7 +198,7 @@ class QuantizedPayload(Payload):
         return self.indices
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
-        if self.indices is None and out.dtype == torch.float32 and out.is_contiguous():
+        if self.indices is None and _fp32_gradient(self.dtype, out):
             # Straight into ``out``: no full-size temporary, no second pass to copy it.
             return int8_blocks_decode(self.packed, self.count, out=out.view(-1))
         return super().decode_into(out)
@@ -229,6 +229,20 @@ class BlockCodesPayload(Payload):
     def kept_values(self) -> torch.Tensor:
         decoded = block_kernels.decode(self.packed, self.numel, bits=self.bits, rotate=self.rotated)
         return decoded.to(self.dtype)
+
+    def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        if _fp32_gradient(self.dtype, out):  # straight into ``out``, as for int8
+            flat = out.view(-1)
+            return block_kernels.decode(
+                self.packed, self.numel, bits=self.bits, rotate=self.rotated, out=flat
+            )
+        return super().decode_into(out)
+
+
+def _fp32_gradient(dtype: torch.dtype, out: torch.Tensor) -> bool:
+    """Whether a payload of a ``dtype`` gradient may decode straight into ``out``: fp32
+    both (a bf16 gradient's values round to bf16 first), ``out`` contiguous."""
+    return dtype == out.dtype == torch.float32 and out.is_contiguous()
 
 
 PAYLOAD_KINDS: dict[str, type[Payload]] = {

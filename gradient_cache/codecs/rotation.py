@@ -77,6 +77,12 @@ def unrotate_blocks(blocks: torch.Tensor) -> torch.Tensor:
     return _walsh_hadamard(blocks, plus_minus).mul_(scaled_signs)
 
 
+def scaled_signs(device: torch.device) -> torch.Tensor:
+    """The rotation's signs divided by sqrt(ROTATION_BLOCK) (fp32, kept for the process):
+    a fused kernel's constants."""
+    return _held_constants(device)[0]
+
+
 def rotation(device: torch.device) -> torch.Tensor:
     """The fp32 ``[ROTATION_BLOCK, ROTATION_BLOCK]`` orthonormal matrix ``R`` that `rotate_blocks`
     applies: a row block ``x`` rotates to ``x @ R`` and back with ``y @ R.T``. Built on
