@@ -21,8 +21,10 @@ the same program would be correct on a GPU, where streams run concurrently:
 * Hooks: inside backward, the host may not wait (`synchronize`, `.item()`, `nonzero`, a
   blocking copy) nor allocate pinned memory.
 * Kernels: the compiled int8 kernels (`_int8_cpu.c`) write through raw pointers, which no
-  dispatch mode sees; while the checker is entered they are off, so the codecs take the
-  eager path a GPU runs, and `dispatched` counts each operation by actor and name.
+  dispatch mode sees; while the checker is entered they are off and the codecs' fused
+  operations on (as on a GPU with Triton: one operation per encode and decode, whose
+  schema names what it writes), and `dispatched` counts each operation by actor and name.
+  `disabled()` runs a reference on the CPU's own paths.
 
 PyTorch's own `torch.cuda._sanitizer` keeps similar clocks, but skips CPU tensors, host
 accesses to pinned memory, `record_stream`, allocator reuse and byte ranges within a slab.
@@ -281,9 +283,17 @@ class StreamChecker(TorchDispatchMode):
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
-        """Run a reference computation unchecked (its tensors are never seen)."""
-        with _disable_current_modes():
-            yield
+        """Run a reference computation unchecked (its tensors are never seen), with the
+        int8 paths a CPU run takes (the compiled kernels, no fused operations), so that a
+        comparison with it checks the CUDA path's bytes against the CPU's."""
+        paths = int8_kernels.CPU_KERNELS, int8_kernels.FUSED_DEVICE_TYPES
+        if self._saved_kernels:
+            int8_kernels.CPU_KERNELS, int8_kernels.FUSED_DEVICE_TYPES = self._saved_kernels[-1]
+        try:
+            with _disable_current_modes():
+                yield
+        finally:
+            int8_kernels.CPU_KERNELS, int8_kernels.FUSED_DEVICE_TYPES = paths
 
     def assert_clean(self) -> None:
         assert not self.violations, "\n".join(dict.fromkeys(self.violations))

@@ -209,6 +209,17 @@ def test_sign_sends_the_scaled_sign_of_the_rotated_block():
     torch.testing.assert_close(decoded, expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["int8", "q4"])
+def test_a_bf16_gradients_payload_decodes_to_its_bf16_values_whatever_the_output(name):
+    """Decoding into an fp32 tensor (faster: no temporary) must not skip the rounding to
+    the gradient's dtype that decoding into its own dtype does."""
+    flat = torch.randn(1000, generator=torch.Generator().manual_seed(3)).bfloat16()
+    payload, _ = make_codec(name).encode(flat, None, loss_scale=None)
+    as_bf16 = payload.decode_into(torch.empty(1000, dtype=torch.bfloat16))
+    as_fp32 = payload.decode_into(torch.empty(1000))
+    assert torch.equal(as_fp32, as_bf16.float())
+
+
 @contextlib.contextmanager
 def matmul_precision(precision: str):
     before = torch.get_float32_matmul_precision()

@@ -509,6 +509,62 @@ MUTANTS = [
         "            self._follow_plan()",
         "tests/test_route.py::test_routes_are_planned_once_per_manager_through_warm_up_and_a_checkpoint",
     ),
+    (
+        "clip norm: the encodes compute each gradient's norm",
+        "gradient_cache/engine/pipeline.py",
+        "            self.pending.norms.write(param, flat)",
+        "            pass",
+        "tests/test_training.py::test_the_encodes_compute_the_clip_norms_once_a_clipped_step_asked",
+    ),
+    (
+        "clip norm: encode-time norms used only for the norm type they are of",
+        "gradient_cache/engine/fused_step.py",
+        "    if encoded is not None and encoded.norm_type != norm_type:\n        encoded = None\n",
+        "",
+        "tests/test_training.py::test_the_encodes_compute_the_clip_norms_once_a_clipped_step_asked",
+    ),
+    (
+        "clip norm: encode-time norms are of the gradient before encoding",
+        "gradient_cache/engine/pipeline.py",
+        "        payload, new_residual = codec.encode(flat, residual, loss_scale=loss_scale)\n",
+        "        payload, new_residual = codec.encode(flat, residual, loss_scale=loss_scale)\n        if self.pending is not None and self.pending.norms is not None:\n            self.pending.norms.write(param, payload.kept_values())\n",
+        "tests/test_training.py::test_fused_step_clipping_matches_clip_grad_norm",
+    ),
+    (
+        "int8: CUDA tensors take the fused operations",
+        "gradient_cache/codecs/int8_kernels.py",
+        "    if isinstance(noise, Dither) and x.device.type in FUSED_DEVICE_TYPES and x.is_contiguous():",
+        "    if False:",
+        "tests/test_stream_order.py::test_the_cuda_codec_paths_dispatch_a_bounded_number_of_operations",
+    ),
+    (
+        "int8: the fused encode counts its dither draws",
+        "gradient_cache/codecs/int8_kernels.py",
+        "        first = noise.take(-(-numel // CODEC_CHUNK))",
+        "        first = noise.take(0)",
+        "tests/test_stream_order.py::test_the_default_codec_runs_its_cuda_int8_path_under_the_checker",
+    ),
+    (
+        "block codes: CUDA tensors take the fused operations",
+        "gradient_cache/codecs/block_kernels.py",
+        "    if fused and bits in FUSED_BITS:",
+        "    if False:",
+        "tests/test_stream_order.py::test_the_cuda_codec_paths_dispatch_a_bounded_number_of_operations",
+    ),
+    (
+        "sign: the block mean summed in the fused kernel's order",
+        "gradient_cache/codecs/block_kernels.py",
+        "            scales = mean_magnitude(part)",
+        "            scales = part.abs().mean(dim=1)",
+        "tests/test_triton_kernels.py::test_the_triton_kernels_give_the_eager_paths_bytes",
+    ),
+    (
+        "payloads: a bf16 gradient's payload rounds to bf16 before an fp32 output",
+        "gradient_cache/codecs/payloads.py",
+        "    return dtype == out.dtype == torch.float32 and out.is_contiguous()",
+        "    return out.dtype == torch.float32 and out.is_contiguous()",
+        "tests/test_codecs.py::test_a_bf16_gradients_payload_decodes_to_its_bf16_values_whatever_the_output",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
