@@ -43,7 +43,8 @@ budget=$(( quick ? 170 : 470 ))  # seconds, for the preflight and every part tog
 # pyproject's addopts holds --benchmark-disable, which pytest refuses (exit 4) where
 # pytest-benchmark is absent: the parts' pytest runs without it, and writes no cache.
 pytest="$py -m pytest -q -rs -p no:cacheprovider -o addopts="
-# Part 1's selection of tests/test_cuda.py; tests_cuda_rest runs every other CUDA test.
+# Part 1's selection of tests/test_cuda.py; tests_cuda_rest runs every other CUDA test (not
+# the "stand-in cuda" variants, which run on CPU tensors in CI).
 races="never_wait or race or widened or pinned_pool"
 # The peers on CUDA, in this order, with the package each needs beyond torch (key:package).
 peers=(cpu-offload:torchao cpu-offload-grads:torchao fsdp-offload cache-fused
@@ -55,7 +56,7 @@ parts=(
     "memory_table|45|30|perf.memory_report|$py -m perf.memory_report --device cuda --json $out/memory_cuda.json"
     "link_and_pinned_pool|20|15|perf.gpu_link|$py -m perf.gpu_link --json $out/gpu_link.json"
     "step_time|90|40|perf.gpu_report|$py perf/gpu_report.py --json $out/gpu_report.json QUICK_FLAG"
-    "tests_cuda_rest|50|0|pytest,gradient_cache|$pytest -k 'cuda and not ($races)' tests/test_cuda.py tests/test_accounting.py tests/test_training.py"
+    "tests_cuda_rest|50|0|pytest,gradient_cache|$pytest -k 'cuda and not stand and not ($races)' tests/test_cuda.py tests/test_accounting.py tests/test_training.py tests/test_layout.py"
     # The same tests as the parts above, under PyTorch's CUDA sanitizer: a failure here
     # and not there is a stream race the sanitizer saw.
     "sanitizer|40|0|pytest,gradient_cache|TORCH_CUDA_SANITIZER=1 $pytest -k 'widened or exact' tests/test_cuda.py"

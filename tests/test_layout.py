@@ -19,6 +19,7 @@ import gradient_cache
 from gradient_cache.engine.layout import contiguous_strides, gradient_strides
 
 STEPS = 3
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def conv_model() -> nn.Module:
@@ -44,7 +45,9 @@ def optimizer_for(model: nn.Module, kind: str) -> torch.optim.Optimizer:
 
 
 def train(model: nn.Module, kind: str, *, manager=None, fused_step: bool = False) -> list:
-    """Train; return each step's gradient strides as the optimizer saw them."""
+    """Train (on the model's device); return each step's gradient strides as the
+    optimizer saw them."""
+    device = next(model.parameters()).device
     optimizer = optimizer_for(model, kind)
     seen = []
     optimizer.register_step_pre_hook(
@@ -58,20 +61,25 @@ def train(model: nn.Module, kind: str, *, manager=None, fused_step: bool = False
         )
     )
     for images in data():
-        model(images).square().mean().backward()
+        model(images.to(device)).square().mean().backward()
         finish_step(manager, optimizer, fused_step=fused_step)
     return seen
 
 
 @pytest.mark.parametrize("kind", ["fused", "foreach"])
 @pytest.mark.parametrize("fused_step", [False, True], ids=["apply", "fused step"])
-@pytest.mark.parametrize("backend", ["cpu", "stand-in cuda"])
+@pytest.mark.parametrize(
+    "backend", ["cpu", "stand-in cuda", pytest.param("cuda", marks=needs_cuda)]
+)
 def test_channels_last_trains_bit_for_bit_as_plain(
     kind: str, fused_step: bool, backend: str, request: pytest.FixtureRequest
 ) -> None:
-    plain = conv_model()
+    """On CUDA, fused AdamW needs the gradient's strides to match the weight's, and
+    foreach takes its slow path otherwise."""
+    plain = conv_model().to("cuda" if backend == "cuda" else "cpu")
     cached = copy.deepcopy(plain)
-    factory = None if backend == "cpu" else request.getfixturevalue("fake_cuda").factory
+    stand_in = backend == "stand-in cuda"
+    factory = request.getfixturevalue("fake_cuda").factory if stand_in else None
     options = {} if factory is None else {"backend_factory": factory}
     manager = gradient_cache.create_gradient_cache(
         cached, compression_ratio=1, bucket_size_mb=0.001, **options
