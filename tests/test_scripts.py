@@ -102,3 +102,24 @@ def test_gpu_report_tables_align_rows_with_different_columns() -> None:
     header, _, plain, cache = table.splitlines()
     assert header == "| variant | ms | x |"
     assert plain == "| plain | 1.000 |  |" and cache == "| cache | 2.000 | 3 |"
+
+
+def test_launch_counts_prints_eager_growing_and_fused_fixed(capsys) -> None:
+    """In this process (it puts the codec paths back): two sizes, two codecs."""
+    from gradient_cache.codecs import int8_kernels
+    from perf import launch_counts
+
+    paths = int8_kernels.CPU_KERNELS, int8_kernels.FUSED_DEVICE_TYPES
+    launch_counts.main(["--sizes", "10", "19", "--codecs", "int8", "q3"])
+    assert paths == (int8_kernels.CPU_KERNELS, int8_kernels.FUSED_DEVICE_TYPES)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [row[:2] for row in rows] == [
+        ["int8", "2^10"],
+        ["int8", "2^19"],
+        ["q3", "2^10"],
+        ["q3", "2^19"],
+    ]
+    for small, large in (rows[:2], rows[2:]):
+        eager_small, eager_large = map(int, small[2:4]), map(int, large[2:4])
+        assert all(a < b for a, b in zip(eager_small, eager_large, strict=True))  # 1 chunk, 2
+        assert small[4:] == large[4:] == ["2", "2"]  # one allocation and one operation each
