@@ -56,12 +56,12 @@ parts=(
     "memory_table|45|30|perf.memory_report|$py -m perf.memory_report --device cuda --json $out/memory_cuda.json"
     "link_and_pinned_pool|20|15|perf.gpu_link|$py -m perf.gpu_link --json $out/gpu_link.json"
     "step_time|90|40|perf.gpu_report|$py perf/gpu_report.py --json $out/gpu_report.json QUICK_FLAG"
-    "tests_cuda_rest|50|0|pytest,gradient_cache|$pytest -k 'cuda and not stand and not ($races)' tests/test_cuda.py tests/test_accounting.py tests/test_training.py tests/test_layout.py"
+    "tests_cuda_rest|70|0|pytest,gradient_cache|$pytest -k 'cuda and not stand and not ($races)' tests/test_cuda.py tests/test_accounting.py tests/test_training.py tests/test_layout.py"
     # The same tests as the parts above, under PyTorch's CUDA sanitizer: a failure here
     # and not there is a stream race the sanitizer saw.
     "sanitizer|40|0|pytest,gradient_cache|TORCH_CUDA_SANITIZER=1 $pytest -k 'widened or exact' tests/test_cuda.py"
     "fsdp2_example|25|0|torch.distributed.fsdp,gradient_cache.demo.models|$py -m torch.distributed.run --nproc-per-node 1 examples/train_fsdp.py --steps 10"
-    "peers_cuda|80|0|perf.peers|$py -m perf.peers --device cuda --no-search --contenders PEERS --json $out/peers_cuda.json"
+    "peers_cuda|60|0|perf.peers|$py -m perf.peers --device cuda --no-search --contenders PEERS --json $out/peers_cuda.json"
 )
 
 # Prints "missing<TAB>part<TAB>why" for each part with a module that does not import, and
