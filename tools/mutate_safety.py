@@ -135,7 +135,7 @@ MUTANTS = [
     (
         "checkpoint: residuals loaded",
         "gradient_cache/engine/residuals.py",
-        "        self._current = {p: r.to(self.device) for p, r in current.items()}",
+        "        self._current = {p: r.to(self.device, copy=True) for p, r in current.items()}",
         "        pass",
         "tests/test_checkpoint.py",
     ),
@@ -329,7 +329,7 @@ MUTANTS = [
     (
         "block_kernels: stochastic rounding adds the dither (not a deterministic floor)",
         "gradient_cache/codecs/block_kernels.py",
-        "            level.add_(dither.uniform(level.numel(), flat.device).view_as(level)).floor_()",
+        "            level.add_(noise.uniform(level.numel(), flat.device).view_as(level)).floor_()",
         "            level.floor_()",
         "tests/test_codecs.py::test_stochastic_rounding_is_unbiased",
     ),
@@ -352,9 +352,10 @@ MUTANTS = [
         "dither: each window starts at a random offset",
         "gradient_cache/codecs/dither.py",
         # The offsets come from a counter-based hash of (seed, draw) since the codec
-        # frontier work (no generator any more); the window still starts at it.
-        "        start = draw % WINDOW",
-        "        start = 0",
+        # frontier work (no generator any more); the window still starts at it (the table
+        # or its complement, then the offset in it).
+        "    return (x >> 63) * 2 * WINDOW + x % WINDOW",
+        "    return (x >> 63) * 2 * WINDOW",
         "tests/test_codecs.py::test_stochastic_rounding_is_unbiased",
     ),
     # --- a step the GradScaler skipped (engine/pipeline.py, engine/residuals.py) ---
@@ -438,8 +439,8 @@ MUTANTS = [
     (
         "dither: half the draws read the complement table (exact mean 1/2 everywhere)",
         "gradient_cache/codecs/dither.py",
-        "            tables = self._tables[device] = (table, 1 - table)",
-        "            tables = self._tables[device] = (table, table)",
+        "    table[2 * WINDOW :].copy_(table[: 2 * WINDOW]).neg_().add_(1)",
+        "    table[2 * WINDOW :].copy_(table[: 2 * WINDOW])",
         "tests/test_codecs.py::test_rounding_is_unbiased_at_every_position_over_many_steps",
     ),
     # --- the step's state machine (engine/pipeline.py: StepState, PendingStep) ---
@@ -474,8 +475,8 @@ MUTANTS = [
     (
         "capture: the generators' states at the step's start are kept (for discard)",
         "gradient_cache/engine/pipeline.py",
-        "            self.pending = PendingStep(\n                self.random_state(), None",
-        "            self.pending = PendingStep(\n                None, None",
+        "            self.pending = PendingStep(self.random_state(), found_inf, norms)",
+        "            self.pending = PendingStep(None, found_inf, norms)",
         "tests/test_checkpoint.py::test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start tests/test_api.py::test_a_discarded_batch_leaves_no_trace",
     ),
     (
