@@ -39,6 +39,36 @@ def test_the_triton_kernels_give_the_eager_paths_bytes() -> None:
     assert non_finite.count(3) == 2 and non_finite.count(0) == 10  # NaN and inf blocks
 
 
+def test_a_kernel_triton_cannot_build_falls_back_to_the_eager_path_with_a_warning(
+    monkeypatch,
+) -> None:
+    """An unsupported GPU (or too few resources for a kernel) costs launches, not the step:
+    the failing call writes the eager path's bytes, later calls take the eager path, and
+    the user is told. Errors other than Triton's still raise."""
+    import pytest
+    from triton.compiler.errors import CompilationError
+
+    from gradient_cache.codecs import int8_kernels
+
+    monkeypatch.setattr(int8_kernels, "FUSED_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    ran = []
+
+    def cannot_build() -> None:
+        raise CompilationError("", None, "no such instruction on this GPU")
+
+    with pytest.warns(RuntimeWarning, match="could not build a codec kernel"):
+        int8_kernels.run_fused(cannot_build, lambda: ran.append("eager"))
+    assert ran == ["eager"]
+    assert "cuda" not in int8_kernels.FUSED_DEVICE_TYPES  # and "cpu" stays
+
+    def faulty() -> None:
+        raise ValueError("a bug, not a missing feature")
+
+    with pytest.raises(ValueError, match="a bug"):
+        int8_kernels.run_fused(faulty, lambda: ran.append("eager"))
+    assert ran == ["eager"]
+
+
 def hopper_ptx(kernel, signature: dict[str, str], constexprs: dict[str, int | bool]) -> str:
     """``kernel`` compiled for an H100/H200 (sm_90) on this machine, no GPU needed, with
     the options the launches pass: the PTX, after Triton's lowering and ptxas ran."""

@@ -200,25 +200,32 @@ def _fused_encode(
     the windows of draws ``first_draw`` on of the dither seeded ``seed`` (``table``: its
     noise table) or by sign; ``signs``: `rotation.scaled_signs`. One Triton kernel on
     CUDA, the eager path elsewhere."""
+    rounding = "sign" if sign else "stochastic"
+
+    def eager() -> None:
+        noise = DrawsFrom(seed, first_draw, table)
+        encode_eagerly(flat, packed, bits=bits, rotate=rotate, rounding=rounding, noise=noise)
+
     if flat.device.type == "cuda":
         from . import block_triton  # Triton loads at the first CUDA call, not at import
 
-        block_triton.encode(
-            flat,
-            packed,
-            signs=signs,
-            table=table,
-            seed=seed,
-            first_draw=first_draw,
-            bits=bits,
-            rotate=rotate,
-            sign=sign,
-            chunk=BLOCK_CHUNK,
-        )
+        def launch() -> None:
+            block_triton.encode(
+                flat,
+                packed,
+                signs=signs,
+                table=table,
+                seed=seed,
+                first_draw=first_draw,
+                bits=bits,
+                rotate=rotate,
+                sign=sign,
+                chunk=BLOCK_CHUNK,
+            )
+
+        int8_kernels.run_fused(launch, eager)
     else:
-        rounding = "sign" if sign else "stochastic"
-        noise = DrawsFrom(seed, first_draw, table)
-        encode_eagerly(flat, packed, bits=bits, rotate=rotate, rounding=rounding, noise=noise)
+        eager()
 
 
 @torch.library.custom_op("gradient_cache::block_decode", mutates_args=("out",))
@@ -227,9 +234,18 @@ def _fused_decode(
 ) -> None:
     """`decode` into flat contiguous fp32 ``out`` as one operation: one Triton kernel on
     CUDA, the eager path elsewhere."""
+
+    def eager() -> None:
+        decode_eagerly(packed, out.numel(), out, bits=bits, rotate=rotate)
+
     if packed.device.type == "cuda":
         from . import block_triton
 
-        block_triton.decode(packed, out, signs=signs, bits=bits, rotate=rotate, chunk=BLOCK_CHUNK)
+        def launch() -> None:
+            block_triton.decode(
+                packed, out, signs=signs, bits=bits, rotate=rotate, chunk=BLOCK_CHUNK
+            )
+
+        int8_kernels.run_fused(launch, eager)
     else:
-        decode_eagerly(packed, out.numel(), out, bits=bits, rotate=rotate)
+        eager()

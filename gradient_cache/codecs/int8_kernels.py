@@ -14,7 +14,8 @@ time, a fixed number of operations per chunk.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -166,6 +167,28 @@ def encode_eagerly(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) -
         codes[start : start + level.numel()].view_as(level).copy_(level)
 
 
+def run_fused(launch: Callable[[], None], eager: Callable[[], object]) -> None:
+    """Run a fused operation's Triton ``launch``; where Triton cannot build its kernel for
+    this GPU (a compile error, too few resources: raised before anything is written),
+    warn, send every later call down the eager path, and run ``eager`` now, which writes
+    the same bytes."""
+    global FUSED_DEVICE_TYPES
+    from triton.errors import TritonError  # a launch runs only where Triton is installed
+
+    try:
+        launch()
+    except TritonError as error:
+        warnings.warn(
+            f"gradient-cache: Triton could not build a codec kernel for this GPU ({error!r}); "
+            "the codecs run their PyTorch path from now on (the same bytes, more launches). "
+            "Please report it with your GPU and Triton version.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        FUSED_DEVICE_TYPES = FUSED_DEVICE_TYPES - {"cuda"}
+        eager()
+
+
 @torch.library.custom_op("gradient_cache::int8_encode", mutates_args=("packed",))
 def _fused_encode(
     x: torch.Tensor, table: torch.Tensor, seed: int, first_draw: int, packed: torch.Tensor
@@ -173,33 +196,44 @@ def _fused_encode(
     """`int8_blocks_encode` of flat contiguous ``x`` into ``packed`` as one operation, with
     the windows of draws ``first_draw`` on of the dither seeded ``seed`` (``table``: its
     `dither.noise_table`): one Triton kernel on CUDA, the eager path elsewhere."""
+
+    def eager() -> None:
+        encode_eagerly(x.float(), DrawsFrom(seed, first_draw, table), packed)
+
     if x.device.type == "cuda":
         from . import int8_triton  # Triton loads at the first CUDA call, not at import
 
-        int8_triton.encode(
-            x,
-            table,
-            seed,
-            first_draw,
-            packed,
-            block=INT8_BLOCK,
-            scale_step=SCALE_STEP,
-            chunk=CODEC_CHUNK,
-        )
+        def launch() -> None:
+            int8_triton.encode(
+                x,
+                table,
+                seed,
+                first_draw,
+                packed,
+                block=INT8_BLOCK,
+                scale_step=SCALE_STEP,
+                chunk=CODEC_CHUNK,
+            )
+
+        run_fused(launch, eager)
     else:
-        encode_eagerly(x.float(), DrawsFrom(seed, first_draw, table), packed)
+        eager()
 
 
 @torch.library.custom_op("gradient_cache::int8_decode", mutates_args=("out",))
 def _fused_decode(packed: torch.Tensor, out: torch.Tensor) -> None:
     """`int8_blocks_decode` into flat contiguous fp32 ``out`` as one operation: one Triton
     kernel on CUDA, the eager path elsewhere."""
+
+    def eager() -> None:
+        decode_eagerly(packed, out.numel(), out)
+
     if packed.device.type == "cuda":
         from . import int8_triton
 
-        int8_triton.decode(packed, out, block=INT8_BLOCK)
+        run_fused(lambda: int8_triton.decode(packed, out, block=INT8_BLOCK), eager)
     else:
-        decode_eagerly(packed, out.numel(), out)
+        eager()
 
 
 def encode_on_cpu(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) -> None:
