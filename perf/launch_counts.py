@@ -1,7 +1,7 @@
 """How many operations each codec dispatches to encode and to decode one tensor, by size:
 the eager path (what CUDA runs without Triton) against the fused one (with Triton).
 
-    python -m perf.launch_counts [--sizes 18 20 22 24] [--codecs int8 q4 q3 sign]
+    python -m perf.launch_counts [--sizes 18 20 22 24] [--codecs int8 q4 q3 q2 q1 sign]
 
 Counted on the CPU with the compiled int8 kernels off, as the stand-in stream checker
 counts: on CUDA each operation is at least one kernel launch, and each costs host time on
@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradient_cache.codecs import int8_kernels
-from gradient_cache.codecs.registry import make_codec
+from gradient_cache.codecs.registry import BLOCK_CODECS, make_codec
 
 
 class Counter(TorchDispatchMode):
@@ -67,7 +67,8 @@ def counts(name: str, numel: int, *, fused: bool) -> tuple[int, int]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[18, 20, 22, 24], help="log2")
-    parser.add_argument("--codecs", nargs="+", default=["int8", "q4", "q3", "sign"])
+    # The codecs with fused kernels: int8 and every block codec.
+    parser.add_argument("--codecs", nargs="+", default=["int8", *BLOCK_CODECS])
     args = parser.parse_args(argv)
     header = f"{'codec':<6} {'entries':>8} {'eager encode':>13} {'decode':>7}"
     print(f"{header} {'fused encode':>13} {'decode':>7}")
