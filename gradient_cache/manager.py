@@ -194,9 +194,10 @@ class GradientCacheHookManager:
         (``norm_type``) before anything is restored, and returns it on the device, as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` returns it over those
         gradients: summed in the model's parameter order whatever the optimizer's, from
-        per-gradient norms the encodes computed on the device during backward (of each
-        gradient before encoding; the first clipped step, which asks for them, reads them
-        from the host copies instead). Under
+        per-gradient norms the encodes computed on the device during backward (of what
+        each last encode received before compressing it: under gradient accumulation, the
+        earlier micro-batches' decoded sum plus the last one's gradient; the first clipped
+        step, which asks for them, reads them from the host copies instead). Under
         FSDP2 the norm covers every rank's shards (an all-reduce: every rank must call
         ``step``), as ``clip_grad_norm_`` does on the sharded model.
         With an enabled GradScaler given to the cache (``grad_scaler=``), it does what

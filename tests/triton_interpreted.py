@@ -79,7 +79,7 @@ def int8_case(numel: int, seed: int, before: int, dtype: torch.dtype, bad: tuple
     expected = torch.empty(int8_kernels.int8_blocks_bytes(numel), dtype=torch.uint8)
     int8_kernels.encode_eagerly(x.float(), eager, expected)
     packed = torch.full_like(expected, 0xA5)  # a byte no path may leave
-    first = fused.take(-(-numel // int8_kernels.CODEC_CHUNK))
+    first = fused.take(int8_kernels.noise_windows(numel))  # as the fused operation takes
     int8_triton.encode(
         x,
         fused.table(CPU),
@@ -112,7 +112,7 @@ def block_case(
     block_kernels.encode_eagerly(x, expected, rounding=rounding, noise=eager, **options)
     packed = torch.full_like(expected, 0xA5)
     sign = rounding == "sign"
-    first = fused.take(0 if sign else len(range(0, numel, block_kernels.BLOCK_CHUNK)))
+    first = fused.take(block_kernels.noise_windows(numel, rounding))
     chunk = block_kernels.BLOCK_CHUNK
     signs = scaled_signs(CPU)
     block_triton.encode(

@@ -88,7 +88,7 @@ def encode(
     fused = flat.device.type in int8_kernels.FUSED_DEVICE_TYPES and flat.is_contiguous()
     if fused and bits in FUSED_BITS:
         sign = rounding == "sign"
-        first = dither.take(0 if sign else len(range(0, numel, BLOCK_CHUNK)))
+        first = dither.take(noise_windows(numel, rounding))
         if numel:
             table, seed = dither.table(flat.device), as_int64(dither.seed)
             signs = scaled_signs(flat.device)
@@ -98,6 +98,12 @@ def encode(
         return packed
     encode_eagerly(flat, packed, bits=bits, rotate=rotate, rounding=rounding, noise=dither)
     return packed
+
+
+def noise_windows(numel: int, rounding: str) -> int:
+    """The dither draws (noise windows) an encode of ``numel`` entries takes: one a chunk
+    for stochastic rounding, as the eager path draws them; none for sign rounding."""
+    return 0 if rounding == "sign" else -(-numel // BLOCK_CHUNK)
 
 
 def encode_eagerly(
@@ -207,9 +213,10 @@ def _fused_encode(
         encode_eagerly(flat, packed, bits=bits, rotate=rotate, rounding=rounding, noise=noise)
 
     if flat.device.type == "cuda":
-        from . import block_triton  # Triton loads at the first CUDA call, not at import
 
         def launch() -> None:
+            from . import block_triton  # Triton loads at the first CUDA launch, not at import
+
             block_triton.encode(
                 flat,
                 packed,
@@ -223,7 +230,8 @@ def _fused_encode(
                 chunk=BLOCK_CHUNK,
             )
 
-        int8_kernels.run_fused(launch, eager)
+        kernel = ("block_encode", flat.dtype, bits, rotate, sign)
+        int8_kernels.run_fused(kernel, launch, eager)
     else:
         eager()
 
@@ -239,13 +247,14 @@ def _fused_decode(
         decode_eagerly(packed, out.numel(), out, bits=bits, rotate=rotate)
 
     if packed.device.type == "cuda":
-        from . import block_triton
 
         def launch() -> None:
+            from . import block_triton
+
             block_triton.decode(
                 packed, out, signs=signs, bits=bits, rotate=rotate, chunk=BLOCK_CHUNK
             )
 
-        int8_kernels.run_fused(launch, eager)
+        int8_kernels.run_fused(("block_decode", bits, rotate), launch, eager)
     else:
         eager()

@@ -5,8 +5,8 @@ Each program takes ``ROWS`` blocks of `rotation.ROTATION_BLOCK` entries and does
 stages, the scale, the rounding, the bit packing, in registers, with no temporaries.
 Packed layout and noise draws are the eager path's, chunk by chunk (a chunk: a noise
 window and a packing run). Importing this module needs Triton: `block_kernels`
-imports it at the first encode or decode of a CUDA tensor. Every launch turns Triton's
-fused multiply-add off: PyTorch rounds each multiply and each add.
+imports it at the first encode or decode of a CUDA tensor. Every launch passes
+`int8_triton.OPTIONS`: PyTorch's rounding, subnormals kept.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .dither import WINDOW
-from .int8_triton import WINDOW_START
+from .int8_triton import OPTIONS, WINDOW_START
 from .rotation import ROTATION_BLOCK
 
 # Blocks per program: 2048 entries, a divisor of a chunk.
@@ -103,6 +103,8 @@ def encode_blocks(
     run (``BITS`` where it divides 8; 2 for 3-bit codes, whose third bit follows in a
     1-bit run after the chunk's first run, as `bitpack.pack` lays them). Each ``CHUNK``
     entries are a packing run and read one noise window (`int8_triton.window_start`)."""
+    # A program's blocks lie in one chunk, and a chunk's draws in one noise window.
+    tl.static_assert(CHUNK % (ROWS * 128) == 0 and CHUNK <= WINDOW)
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, 128)
@@ -234,7 +236,7 @@ def encode(
         SIGN=sign,
         CHUNK=chunk,
         WINDOW=WINDOW,
-        enable_fp_fusion=False,
+        **OPTIONS,
     )
 
 
@@ -267,5 +269,5 @@ def decode(
         LOW=low_bits(bits),
         ROTATE=rotate,
         CHUNK=chunk,
-        enable_fp_fusion=False,
+        **OPTIONS,
     )

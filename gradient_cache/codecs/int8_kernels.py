@@ -119,7 +119,7 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     numel = x.numel()
     packed = torch.empty(int8_blocks_bytes(numel), dtype=torch.uint8, device=x.device)
     if isinstance(noise, Dither) and x.device.type in FUSED_DEVICE_TYPES and x.is_contiguous():
-        first = noise.take(-(-numel // CODEC_CHUNK))
+        first = noise.take(noise_windows(numel))
         if numel:
             table, seed = noise.table(x.device), as_int64(noise.seed)
             torch.ops.gradient_cache.int8_encode(x, table, seed, first, packed)
@@ -130,6 +130,12 @@ def int8_blocks_encode(x: torch.Tensor, noise: UniformNoise) -> torch.Tensor:
     else:
         encode_eagerly(x, noise, packed)
     return packed
+
+
+def noise_windows(numel: int) -> int:
+    """The dither draws (noise windows) an encode of ``numel`` entries takes: one a chunk,
+    as the eager path draws them."""
+    return -(-numel // CODEC_CHUNK)
 
 
 def encode_eagerly(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) -> None:
@@ -167,26 +173,42 @@ def encode_eagerly(x: torch.Tensor, noise: UniformNoise, packed: torch.Tensor) -
         codes[start : start + level.numel()].view_as(level).copy_(level)
 
 
-def run_fused(launch: Callable[[], None], eager: Callable[[], object]) -> None:
-    """Run a fused operation's Triton ``launch``; where Triton cannot build its kernel for
-    this GPU (a compile error, too few resources: raised before anything is written),
-    warn, send every later call down the eager path, and run ``eager`` now, which writes
-    the same bytes."""
-    global FUSED_DEVICE_TYPES
-    from triton.errors import TritonError  # a launch runs only where Triton is installed
+# The fused kernels, each with its compile-time arguments, that have built and run once in
+# this process: an error from one of them later is the call's own and raises.
+_BUILT: set[tuple[object, ...]] = set()
 
+
+def run_fused(
+    kernel: tuple[object, ...], launch: Callable[[], None], eager: Callable[[], object]
+) -> None:
+    """Run a fused operation's Triton ``launch``, which imports the Triton module itself.
+
+    The first launch of each ``kernel`` (a name and the arguments Triton compiles for) can
+    fail for reasons of the machine, not of the call: Triton too old or broken, no C
+    compiler for its launcher, a lowering Triton lacks for this GPU, too few resources.
+    Each raises before anything is written, and Triton gives them no common type; so any
+    error there warns, sends every later call down the eager path, and runs ``eager`` now,
+    which writes the same bytes. Once a kernel has run, its errors raise.
+    """
+    global FUSED_DEVICE_TYPES
+    if kernel in _BUILT:
+        launch()
+        return
     try:
         launch()
-    except TritonError as error:
+    except Exception as error:
         warnings.warn(
-            f"gradient-cache: Triton could not build a codec kernel for this GPU ({error!r}); "
-            "the codecs run their PyTorch path from now on (the same bytes, more launches). "
-            "Please report it with your GPU and Triton version.",
+            f"gradient-cache: Triton could not build or launch the codec kernel {kernel[0]} "
+            f"on this machine ({error!r}); the codecs run their PyTorch path from now on "
+            "(the same bytes, more launches). Please report it with your GPU, CUDA and "
+            "Triton versions.",
             RuntimeWarning,
             stacklevel=2,
         )
         FUSED_DEVICE_TYPES = FUSED_DEVICE_TYPES - {"cuda"}
         eager()
+        return
+    _BUILT.add(kernel)
 
 
 @torch.library.custom_op("gradient_cache::int8_encode", mutates_args=("packed",))
@@ -201,9 +223,10 @@ def _fused_encode(
         encode_eagerly(x.float(), DrawsFrom(seed, first_draw, table), packed)
 
     if x.device.type == "cuda":
-        from . import int8_triton  # Triton loads at the first CUDA call, not at import
 
         def launch() -> None:
+            from . import int8_triton  # Triton loads at the first CUDA launch, not at import
+
             int8_triton.encode(
                 x,
                 table,
@@ -215,7 +238,7 @@ def _fused_encode(
                 chunk=CODEC_CHUNK,
             )
 
-        run_fused(launch, eager)
+        run_fused(("int8_encode", x.dtype), launch, eager)
     else:
         eager()
 
@@ -229,9 +252,13 @@ def _fused_decode(packed: torch.Tensor, out: torch.Tensor) -> None:
         decode_eagerly(packed, out.numel(), out)
 
     if packed.device.type == "cuda":
-        from . import int8_triton
 
-        run_fused(lambda: int8_triton.decode(packed, out, block=INT8_BLOCK), eager)
+        def launch() -> None:
+            from . import int8_triton
+
+            int8_triton.decode(packed, out, block=INT8_BLOCK)
+
+        run_fused(("int8_decode",), launch, eager)
     else:
         eager()
 

@@ -22,6 +22,11 @@ import triton.language as tl
 
 from .dither import WINDOW
 
+# The compile options of every codec kernel, for PyTorch's arithmetic: each multiply and
+# add rounded on its own (no fused multiply-add), and subnormals kept (Triton's default
+# links libdevice's flush-to-zero functions: its floor of a negative subnormal gives 0).
+OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
 # Blocks of 64 entries per program: 2048 entries, a divisor of a chunk, so a program's
 # entries all read one noise window.
 ROWS = 32
@@ -58,6 +63,8 @@ def encode_blocks(
     number of the draw that serves the tensor's first ``CHUNK`` entries, each later chunk
     the next: the window offsets are `dither.window_start`'s hash, computed here in uint64.
     """
+    # A program's blocks lie in one chunk, and a chunk's draws in one noise window.
+    tl.static_assert(CHUNK % (ROWS * BLOCK) == 0 and CHUNK <= WINDOW)
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     index = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -125,6 +132,7 @@ def encode(
         BLOCK=block,
         CHUNK=chunk,
         WINDOW=WINDOW,
+        **OPTIONS,
     )
 
 
@@ -136,4 +144,4 @@ def decode(packed: torch.Tensor, out: torch.Tensor, *, block: int, kernel: Any =
     codes = packed[: blocks * block].view(torch.int8)
     scales = packed[blocks * block :].view(torch.float32)
     grid = (-(-blocks // ROWS),)
-    kernel[grid](codes, scales, out, numel, ROWS=ROWS, BLOCK=block)
+    kernel[grid](codes, scales, out, numel, ROWS=ROWS, BLOCK=block, **OPTIONS)

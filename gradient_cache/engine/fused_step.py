@@ -156,11 +156,11 @@ def _clip_factor(
     without clipping.
 
     Each parameter's norm is the one its last encode computed on the device, of the
-    gradient before encoding (`PendingStep.norms`), or else read from its host payload
-    (complete after the drain; a sparse payload's norm is that of its values); the device
-    gradients' are computed here. They are reduced on the device, in the model's order.
-    Under FSDP2 each rank holds shards: their norms are combined across ranks
-    (`sharding.global_norm`).
+    gradient it received before compressing it (`PendingStep.norms`), or else read from
+    its host payload (complete after the drain; a sparse payload's norm is that of its
+    values); the device gradients' are computed here. They are reduced on the device, in
+    the model's order. Under FSDP2 each rank holds shards: their norms are combined across
+    ranks (`sharding.global_norm`).
     """
     pipeline.clip_with(None if max_grad_norm is None else norm_type)
     if max_grad_norm is None:
@@ -169,13 +169,17 @@ def _clip_factor(
     encoded = None if pending is None else pending.norms
     if encoded is not None and encoded.norm_type != norm_type:
         encoded = None
+    device = pipeline.backend.device
     local = {}
     for part in parts:
         for param, payload in part:
             norm = None if encoded is None else encoded.get(param)
-            # Read from the host payload where no encode computed it: the first clipped
-            # step, a step resumed from a checkpoint.
-            local[param] = gradient_norm(payload.kept_values(), norm_type) if norm is None else norm
+            if norm is None:
+                # Read from the host payload where no encode computed it (the first clipped
+                # step, a step resumed from a checkpoint), and taken to the device, where
+                # clip_grad_norm_ returns its norm.
+                norm = gradient_norm(payload.kept_values(), norm_type).to(device)
+            local[param] = norm
     for param, grad in held.items():
         local[param] = gradient_norm(sharding.local(grad), norm_type)
     total = sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
@@ -183,7 +187,6 @@ def _clip_factor(
         # The norms of the scaled gradients times 1/scale, a power of two: exactly the
         # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
         total = total * inv_scale.to(total.device)
-    device = pipeline.backend.device
     factor = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(device)
     return total, factor if inv_scale is None else factor * inv_scale.to(device)
 

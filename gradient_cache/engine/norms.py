@@ -27,9 +27,13 @@ def gradient_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 class StepNorms:
     """One step's per-gradient norms of ``norm_type``, in device buffers (one per dtype,
-    a slot per parameter) allocated as the step begins, in a hook: on the compute stream,
-    which reads and frees them. The encode stream writes a slot after its wait on the
-    compute stream, and the fused step reads them after the drain's host wait."""
+    a slot per parameter) allocated as the step begins, in the step's first hook, on the
+    stream current there: the compute stream, or under FSDP2 its post-reduce stream. The
+    encode stream writes a slot after its wait on that stream; the fused step reads them
+    on its own stream after the drain's host wait (which the writes precede), and drops
+    them as the step finishes. The allocating stream's next use of the blocks comes in the
+    next backward, after that backward's compute-stream work (FSDP2 orders its post-reduce
+    stream after it), and so after the step's reads, queued before on that stream."""
 
     def __init__(
         self,

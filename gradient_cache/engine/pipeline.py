@@ -371,8 +371,9 @@ class Pipeline:
         if found_inf is not None:  # the fused step skips on it, as scaler.step() would
             torch.logical_or(found_inf, ~torch.isfinite(flat).all(), out=found_inf)
         if self.pending is not None and self.pending.norms is not None:
-            # The gradient's norm, before any encoding: plain PyTorch's, read by the fused
-            # step's clip (`fused_step._clip_factor`) with no pass over the payloads.
+            # The norm of what this encode compresses (under accumulation, the decoded
+            # earlier micro-batches plus this one), read by the fused step's clip
+            # (`fused_step._clip_factor`) with no pass over the payloads.
             self.pending.norms.write(param, flat)
         payload, new_residual = codec.encode(flat, residual, loss_scale=loss_scale)
         return Encoded(param, payload, new_residual, () if residual is None else (residual,))
