@@ -541,9 +541,23 @@ MUTANTS = [
     (
         "int8: the fused encode counts its dither draws",
         "gradient_cache/codecs/int8_kernels.py",
-        "        first = noise.take(-(-numel // CODEC_CHUNK))",
-        "        first = noise.take(0)",
+        "    return -(-numel // CODEC_CHUNK)",
+        "    return 0",
         "tests/test_stream_order.py::test_the_default_codec_runs_its_cuda_int8_path_under_the_checker",
+    ),
+    (
+        "fused kernels: a kernel that has run raises its errors",
+        "gradient_cache/codecs/int8_kernels.py",
+        "    _BUILT.add(kernel)\n",
+        "",
+        "tests/test_triton_kernels.py::test_a_kernel_triton_cannot_build_falls_back_to_the_eager_path_with_a_warning",
+    ),
+    (
+        "fused kernels: subnormals kept (no flush-to-zero libdevice)",
+        "gradient_cache/codecs/int8_triton.py",
+        '"enable_reflect_ftz": False',
+        '"enable_reflect_ftz": True',
+        "tests/test_triton_kernels.py::test_the_triton_kernels_compile_for_hopper_with_the_eager_paths_rounding",
     ),
     (
         "block codes: CUDA tensors take the fused operations",
