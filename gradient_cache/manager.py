@@ -167,6 +167,14 @@ class GradientCacheHookManager:
         manager was disabled) is added to, not overwritten.
         """
         pipeline = self._live()
+        if pipeline.optimizer_state is not None:
+            raise RuntimeError(
+                "apply_gradients() cannot run with offload_optimizer_state=True: the "
+                "optimizer's state is in host memory between steps, and optimizer.step() "
+                "would need all of it on the device at once. Call "
+                "hook_manager.step(optimizer) instead (it takes max_grad_norm= for "
+                "clipping), which brings the state to the device a bucket at a time."
+            )
         steps = pipeline.steps
         pipeline.apply()
         self._log_step(steps)
@@ -236,6 +244,19 @@ class GradientCacheHookManager:
         )
         self._log_step(steps)
         return total_norm
+
+    def offload_state_of(self, optimizer: torch.optim.Optimizer) -> None:
+        """With ``offload_optimizer_state=True``: from now on ``optimizer.load_state_dict``
+        puts the state it loads in host memory, never on the device. ``step(optimizer)``
+        does this itself; call it before loading when resuming, else the loaded state
+        lands on the device, whole, until the first step moves it to the host."""
+        pipeline = self._live()
+        if pipeline.optimizer_state is None:
+            raise RuntimeError(
+                "offload_state_of() needs offload_optimizer_state=True in "
+                "create_gradient_cache(...): without it the state stays on the device."
+            )
+        pipeline.optimizer_state.attach(optimizer)
 
     def discard_gradients(self) -> None:
         """Drop every cached gradient, as ``optimizer.zero_grad()`` drops device ones.

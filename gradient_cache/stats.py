@@ -51,7 +51,10 @@ class CompressionSummary:
     compressed tensors (1/100 at ratio 100). ``residual_mb``: error-feedback residuals held
     now, as stored (a pending step's new ones too); ``host_held_mb``: stored gradients plus
     residuals. ``process_rss_mb`` (psutil) and ``host_available_mb`` (psutil, capped by the
-    cgroup). ``host_pool``: the CUDA backend's pool, None elsewhere. ``steps``: steps
+    cgroup). ``host_pool``: the CUDA backend's pool, None elsewhere.
+    ``optimizer_state_host_mb``: host memory held for the optimizer's state
+    (``offload_optimizer_state``); ``optimizer_state_moved_mb``: the state bytes the last
+    fused step moved, to the device and back. ``steps``: steps
     restored so far (a step delivered by several optimizers counts once), less those a
     GradScaler skipped (a skip is learnt when the next step begins).
     """
@@ -68,6 +71,8 @@ class CompressionSummary:
     process_rss_mb: float
     host_available_mb: float
     host_pool: PoolSummary | None
+    optimizer_state_host_mb: float
+    optimizer_state_moved_mb: float
     steps: int
     step_pending: bool
     num_offloaded_parameters: int
@@ -93,6 +98,7 @@ def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> Compression
     compressed_numel = sum(layer.numel for layer in compressed)
     residual = pipeline.backend.residuals.nbytes()
     pool = pipeline.backend.host_pool()
+    states = pipeline.optimizer_state
     return CompressionSummary(
         compression_ratio=pipeline.ratio,
         device=str(pipeline.backend.device),
@@ -108,6 +114,8 @@ def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> Compression
         process_rss_mb=process_rss_mb(),
         host_available_mb=available_host_bytes() / MIB,
         host_pool=None if pool is None else PoolSummary(pool.capacity_bytes / MIB, pool.pinned),
+        optimizer_state_host_mb=0.0 if states is None else states.host_bytes / MIB,
+        optimizer_state_moved_mb=0.0 if states is None else states.moved_bytes / MIB,
         steps=pipeline.steps,
         step_pending=pending,
         num_offloaded_parameters=len(pipeline.records),

@@ -32,6 +32,8 @@ STEPS = 3
 MICRO_BATCHES = 2
 MAX_NORM = 1.0
 LEARNING_RATE = 1e-2
+# The fused step with offload_optimizer_state: gradients and 8-bit state both on the host.
+STATE_ON_HOST = "fused step, state on the host"
 
 
 def bitsandbytes_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -96,7 +98,10 @@ def train(
     if way != "plain":
         # Buckets smaller than any gradient: the fused step steps each tensor on its own.
         cache = gradient_cache.create_gradient_cache(
-            model, compression_ratio=1, bucket_size_mb=1e-3
+            model,
+            compression_ratio=1,
+            bucket_size_mb=1e-3,
+            offload_optimizer_state=way == STATE_ON_HOST,
         )
     norms = []
     for x, y in data():
@@ -105,7 +110,7 @@ def train(
             loss.backward()
             if cache is not None:
                 cache.compress_and_free_gradients()
-        if way == "fused step":
+        if way in ("fused step", STATE_ON_HOST):
             norms.append(cache.step(optimizer, max_grad_norm=MAX_NORM))
         else:
             if cache is not None:
@@ -113,6 +118,11 @@ def train(
             norms.append(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if way == STATE_ON_HOST:  # every state tensor with a dimension is the cache's host copy
+        host = cache.engine.optimizer_state.host
+        for param in model.parameters():
+            for key, value in optimizer.state[param].items():
+                assert not torch.is_tensor(value) or value.dim() == 0 or value is host[param][key]
     if cache is not None:
         cache.remove_hooks()
     return model, optimizer, [float(n) for n in norms]
@@ -132,7 +142,7 @@ def state_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[to
 
 
 @pytest.mark.parametrize("library", sorted(LIBRARIES))
-@pytest.mark.parametrize("way", ["fused step", "apply_gradients()"])
+@pytest.mark.parametrize("way", ["fused step", "apply_gradients()", STATE_ON_HOST])
 def test_cache_at_ratio_1_gives_the_8bit_optimizers_own_weights_and_state(
     library: str, way: str
 ) -> None:

@@ -154,6 +154,25 @@ def test_the_fused_step_with_a_grad_scaler_is_plain_amp(
         request.getfixturevalue("fake_cuda").checker.assert_clean()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "stand-in cuda"])
+def test_the_fused_step_with_the_state_on_the_host_and_a_grad_scaler_is_plain_amp(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """offload_optimizer_state with a GradScaler: the skipped step moves no state and
+    changes none; norms, scales and weights as plain AMP's, bit for bit."""
+    factory = create_backend if backend == "cpu" else request.getfixturevalue("fake_cuda").factory
+    cache = dict(backend_factory=factory, bucket_size_mb=0.004, offload_optimizer_state=True)
+    model, norms, scales, manager = amp_run(clip=0.05, cache=cache)
+    reference, plain_norms, plain_scales, _ = amp_run(clip=0.05, cache=None)
+    assert scales == plain_scales and scales[BAD_BATCH] < scales[BAD_BATCH - 1]
+    for norm, plain_norm in zip(norms, plain_norms, strict=True):
+        torch.testing.assert_close(norm, plain_norm, rtol=0, atol=0, equal_nan=True)
+    assert_same_parameters(model, reference)
+    assert manager.engine.optimizer_state.host_bytes > 0
+    if backend != "cpu":
+        request.getfixturevalue("fake_cuda").checker.assert_clean()
+
+
 def test_the_fused_step_refuses_a_scaler_already_unscaled_and_takes_a_disabled_one() -> None:
     model, reference = make_model(), make_model()
     scaler = torch.amp.GradScaler("cpu")

@@ -442,6 +442,19 @@ def test_fused_step_with_clipping_matches_apply_and_clip_grad_norm(
     fake_cuda.checker.assert_clean()
 
 
+def lossless_small_buckets(model, fake_cuda: FakeCuda, **options):
+    """A lossless cache on the stand-in streams, several buckets, the norm layer excluded
+    (its gradients stay on the device)."""
+    return gradient_cache.create_gradient_cache(
+        model,
+        backend_factory=fake_cuda.factory,
+        compression_ratio=1,
+        bucket_size_mb=SMALL,
+        exclude_layers=["norm"],
+        **options,
+    )
+
+
 @pytest.mark.parametrize("nth", [1, 2, 3])
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_a_failed_fused_step_retried_gives_the_plain_result(
@@ -449,15 +462,47 @@ def test_a_failed_fused_step_retried_gives_the_plain_result(
 ) -> None:
     """Bucket ``nth`` fails with the next bucket restoring ahead; the retry finishes the step."""
     plain, cached = make_model(), make_model()
-    manager = gradient_cache.create_gradient_cache(
-        cached,
-        backend_factory=fake_cuda.factory,
-        compression_ratio=1,
-        bucket_size_mb=SMALL,
-        exclude_layers=["norm"],
-    )
+    manager = lossless_small_buckets(cached, fake_cuda)
     train_through_a_failed_step(plain, cached, manager, nth=nth, clip=clip)
     assert_same_parameters(plain, cached, atol=0 if clip is None else 1e-6)
+    fake_cuda.checker.assert_clean()
+
+
+@pytest.mark.parametrize("nth", [None, 2])
+def test_the_optimizer_state_streamed_through_the_fused_step_is_ordered(
+    fake_cuda: FakeCuda, nth: int | None
+) -> None:
+    """offload_optimizer_state: each bucket's state comes to the device on the restore
+    stream a bucket ahead, steps, goes back on the copy stream and is freed only after;
+    the host reads it after the step (here: comparing it with plain's). With ``nth``,
+    that optimizer.step() of the second step raises once, with a bucket's state on its
+    way, and the retry finishes the step. AdamW with clipping, as plain, bit for bit."""
+    plain, cached = make_model(), make_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    failure = helpers.FailsOnce(cached_opt)
+    manager = lossless_small_buckets(cached, fake_cuda, offload_optimizer_state=True)
+    host = manager.engine.optimizer_state.host
+    for i, (tokens, targets) in enumerate(batches(3)):
+        with fake_cuda.checker.disabled():
+            loss_of(plain, tokens, targets).backward()
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+            plain_opt.step()
+            plain_opt.zero_grad()
+        loss_of(cached, tokens, targets).backward()
+        if i == 1 and nth is not None:
+            failure.arm(nth)
+            with pytest.raises(torch.OutOfMemoryError):
+                manager.step(cached_opt, max_grad_norm=0.05)
+        manager.step(cached_opt, max_grad_norm=0.05)
+        cached_opt.zero_grad()
+        for p, q in zip(plain.parameters(), cached.parameters(), strict=True):
+            state = cached_opt.state[q]
+            assert state["exp_avg"] is host[q]["exp_avg"]
+            with fake_cuda.checker.disabled():
+                assert torch.equal(plain_opt.state[p]["exp_avg_sq"], state["exp_avg_sq"])
+            assert state["exp_avg"].sum() is not None  # a host read, checked
+    assert_same_parameters(plain, cached)
     fake_cuda.checker.assert_clean()
 
 

@@ -10,6 +10,7 @@ waits for them (`drain`, the one host wait), and brings them back (`start_restor
 from __future__ import annotations
 
 import contextlib
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,16 @@ class Restore:
 
     grads: Grads
     done: Event | None = None  # the gradients are written
+
+
+@dataclass
+class Transfer:
+    """Tensors copied between host and device (an optimizer's state): the device ones,
+    kept until the copies are known to be done; ``done``: the copies are complete (None
+    where they ran at once)."""
+
+    tensors: list[torch.Tensor]
+    done: Event | None = None
 
 
 def clipped(grad: torch.Tensor, clip_factor: torch.Tensor | None) -> torch.Tensor:
@@ -124,6 +135,39 @@ class Backend(ABC):
     def close(self) -> None:
         """Wait for work in flight; the backend is not used afterwards."""
         self.drain()
+
+    # --- an optimizer's state between host and device (`optimizer_state`) ---------------
+
+    def host_layout(self, sizes: list[int]) -> list[tuple[int, list[tuple[int, int]]]]:
+        """Slabs for regions of ``sizes`` bytes: each slab's size and its (region index,
+        byte offset) pairs. Here one slab, exactly their sum."""
+        offsets = itertools.accumulate(sizes, initial=0)
+        return [(sum(sizes), list(enumerate(offsets))[: len(sizes)])]
+
+    def host_slab(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory (uint8) for host copies of optimizer state."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
+        """Start copying ``hosts`` to the device, into tensors of the same strides."""
+        return Transfer([host.clone() for host in hosts])
+
+    def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
+        """The device tensors, safe for work queued from now on to read and write."""
+        return transfer.tensors
+
+    def start_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
+        """Start copying each (device, host) pair's device tensor into its host one."""
+        for device, host in pairs:
+            host.copy_(device)
+        return Transfer([])
+
+    def release(self, transfer: Transfer) -> None:
+        """Let ``transfer``'s device tensors go, safely for the copies that read them."""
+        transfer.tensors.clear()
+
+    def settle(self, transfer: Transfer) -> None:  # noqa: B027 - the CPU's copies are done
+        """Block until ``transfer``'s copies, and every one before it, are complete."""
 
 
 class CpuBackend(Backend):

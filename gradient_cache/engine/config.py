@@ -88,6 +88,14 @@ class EngineConfig:
             allocated once before training; construction fails, naming the size
             needed, if that exceeds ``host_pool_mb``. None (default): no cap beyond
             ``host_memory_fraction``.
+        offload_optimizer_state: Keep the optimizer's per-parameter state tensors (Adam's
+            moments, SGD's momentum buffer) in host memory between steps, pinned on CUDA;
+            ``hook_manager.step(optimizer)`` brings each bucket's state to the device with
+            its gradients, steps there, and copies it back. The device then holds the
+            weights and about two buckets of gradients and state at the step; every step
+            moves the state across the link both ways (8 bytes per parameter each way for
+            fp32 Adam). Needs the fused step: ``apply_gradients()`` is refused. Default
+            False.
     """
 
     codec: CodecChoice = None
@@ -99,6 +107,7 @@ class EngineConfig:
     staging_depth: int = 2
     pin_memory: bool = True
     host_pool_mb: float | None = None
+    offload_optimizer_state: bool = False
 
     def __post_init__(self) -> None:
         check_codec(self.codec)
@@ -115,6 +124,7 @@ class EngineConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_positive_int("staging_depth", self.staging_depth)
         _check_bool("pin_memory", self.pin_memory)
+        _check_bool("offload_optimizer_state", self.offload_optimizer_state)
         if self.host_pool_mb is not None:
             _check_positive_number("host_pool_mb", self.host_pool_mb)
 

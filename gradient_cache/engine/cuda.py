@@ -35,8 +35,8 @@ import torch
 
 from ..codecs import Payload
 from . import backend
-from .backend import Backend, Encoded, Event, Grads, Param, Restore
-from .pool import HostPool
+from .backend import Backend, Encoded, Event, Grads, Param, Restore, Transfer
+from .pool import HostPool, pack_slabs
 from .residuals import DeviceResiduals, HostSlotResiduals
 from .route import Route
 
@@ -232,6 +232,61 @@ class CudaBackend(Backend):
         # an abandoned restore's blocks) starts after the restore stream wrote them.
         self.cuda.current_stream(self.device).wait_event(restore.done)
         return restore.grads
+
+    # --- an optimizer's state between host and device ----------------------------------
+
+    def host_layout(self, sizes: list[int]) -> list[tuple[int, list[tuple[int, int]]]]:
+        # Power-of-two slabs: the caching host allocator rounds a pinned block up to one.
+        return pack_slabs(sizes)
+
+    def host_slab(self, nbytes: int) -> torch.Tensor:
+        return self.pool.allocate_slab(nbytes)  # pinned where the pool's slabs are
+
+    def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
+        compute = self.cuda.current_stream(self.device)
+        # Allocated for the compute stream, which steps with them and frees them.
+        outs = [
+            torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
+            for h in hosts
+        ]
+        # Guarantees the copies write these blocks only after the compute-stream work
+        # queued so far, which may have used them before; and read the host copies only
+        # after the last step's copies back, which the host waited for (`settle`).
+        self.restore_stream.wait_stream(compute)
+        with self.cuda.stream(self.restore_stream):
+            for host, out in zip(hosts, outs, strict=True):
+                out.copy_(host, non_blocking=self.pool.pinned)
+        done = self.cuda.Event()
+        done.record(self.restore_stream)
+        return Transfer(outs, done)
+
+    def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
+        # Guarantees the step, queued next on the current stream, reads and updates the
+        # state only after the restore stream wrote it.
+        self.cuda.current_stream(self.device).wait_event(transfer.done)
+        return transfer.tensors
+
+    def start_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
+        # Guarantees the copies read the state only after the step (queued on the current
+        # stream) updated it, and overwrite the host copies only after this step's copies
+        # to the device read them (the current stream waited for those: `finish_to_device`).
+        self.copy_stream.wait_stream(self.cuda.current_stream(self.device))
+        with self.cuda.stream(self.copy_stream):
+            for device, host in pairs:
+                host.copy_(device, non_blocking=self.pool.pinned)
+        done = self.cuda.Event()
+        done.record(self.copy_stream)
+        return Transfer([device for device, _ in pairs], done)
+
+    def release(self, transfer: Transfer) -> None:
+        # Guarantees compute-stream work queued from now on (which may reuse the device
+        # copies' freed blocks) starts after the copies back have read them.
+        self.cuda.current_stream(self.device).wait_event(transfer.done)
+        transfer.tensors.clear()
+
+    def settle(self, transfer: Transfer) -> None:
+        assert transfer.done is not None  # this backend records every transfer's event
+        transfer.done.synchronize()  # a non-blocking D2H copy is readable only after this
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:

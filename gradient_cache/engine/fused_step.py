@@ -19,6 +19,7 @@ import torch
 from . import scaling, sharding
 from .backend import Restore, clipped
 from .norms import gradient_norm
+from .optimizer_state import Arrival
 from .pipeline import Pipeline
 from .store import BucketPayloads
 
@@ -67,30 +68,52 @@ def step(
         param.grad = None  # hidden from the bucket steps, stepped once at the end
     backend = pipeline.backend
     store = pipeline.store
+    states = pipeline.optimizer_state
+    if states is not None:
+        states.begin_step(optimizer)
     ahead: deque[Restore] = deque()
+    # Each bucket's optimizer state on its way, beside its gradients (offloaded state only).
+    arrivals: deque[Arrival] = deque()
     try:
         for i, params in enumerate(buckets):
             while len(ahead) <= backend.restore_ahead and i + len(ahead) < len(buckets):
                 later = buckets[i + len(ahead)]
                 items = [(param, store[param]) for param in later]
                 ahead.append(backend.start_restore(items, clip_factor=clip_factor))
-            _step_with(optimizer, backend.finish_restore(ahead.popleft()))
+                if states is not None:
+                    arrivals.append(states.bring(optimizer, later))
+            grads = backend.finish_restore(ahead.popleft())
+            if states is not None:
+                states.install(optimizer, arrivals[0])
+            _step_with(optimizer, grads)
             if i == 0:
                 # The step counts, and its residuals become current, once an optimizer
                 # step went through: a step that failed before can still be discarded
                 # without a trace. (A retry completes again: counting is idempotent.)
                 pipeline.deliver([p for p in delivered if p in store])
             store.remove(params)  # stepped: the payloads are spent
+            if states is not None:
+                states.send_back(optimizer, arrivals.popleft())
         if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
             _put_back_scaled(held, clip_factor)
+            if states is not None:
+                arrivals.append(states.bring(optimizer, list(held)))
+                states.install(optimizer, arrivals[0])
             optimizer.step()
+            if states is not None:
+                states.send_back(optimizer, arrivals.popleft())
     except BaseException:
         for restore in ahead:
             backend.finish_restore(restore)  # before its blocks are freed
+        if states is not None:
+            states.abandon(optimizer, arrivals)
+            states.settle()
         for param, grad in held.items():
             param.grad = grad
         pipeline.interrupt(clip)
         raise
+    if states is not None:
+        states.settle()
     if scaler is not None:
         scaling.record(scaler, optimizer, found_inf=False)
         pipeline.stepped()

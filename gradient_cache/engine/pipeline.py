@@ -26,6 +26,7 @@ from .config import EngineConfig
 from .factory import BackendFactory, create_backend
 from .layout import gradient_strides
 from .norms import StepNorms, norm_slots
+from .optimizer_state import HostOptimizerState
 from .route import Codecs, Route, RoutePlan
 from .store import BucketPayloads, GradientStore
 
@@ -178,6 +179,12 @@ class Pipeline:
         self.ratio = ratio
         params = [param for _, param in named_params]
         sharding.check_placements(named_params)
+        if config.offload_optimizer_state and any(sharding.is_dtensor(p) for p in params):
+            raise NotImplementedError(
+                "offload_optimizer_state=True does not support FSDP2's sharded parameters "
+                "yet (each rank's state shards would need their own host copies); leave it "
+                "False under fully_shard, or use FSDP2's CPUOffloadPolicy."
+            )
         self._gradient_checked = False
         group_of: dict[Param, GroupArrivals] = {}
         for group in groups:
@@ -215,6 +222,12 @@ class Pipeline:
         plan(self.backend.default_selection)  # a factory that did not ask plans here
         self.plan = plans[0]
         self.codecs = self.plan.codecs
+        # The optimizer's state in host memory between fused steps (offload_optimizer_state).
+        self.optimizer_state = (
+            HostOptimizerState(self.backend, config.host_memory_fraction)
+            if config.offload_optimizer_state
+            else None
+        )
         self.steps = 0
         self.records = {
             param: CachedParam(

@@ -172,7 +172,7 @@ class HostPool(Generic[K]):
         views: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(sizes)
         self._slabs = []
         for size, placed in pack_slabs(sizes):
-            slab = self._allocate(size)
+            slab = self.allocate_slab(size)
             self._slabs.append(slab)
             for index, offset in placed:
                 views[index] = slab[offset : offset + sizes[index]]
@@ -211,7 +211,8 @@ class HostPool(Generic[K]):
                     spare = room.spare_residual[:nbytes].view(dtype)
             self.slots[key] = Slot(regions, residual, spare)
 
-    def _allocate(self, nbytes: int) -> torch.Tensor:
+    def allocate_slab(self, nbytes: int) -> torch.Tensor:
+        """A slab (uint8) of ``nbytes``: pinned, unless pinning failed or is off."""
         if self.pinned and self._allocate_pinned is not None:
             try:
                 return self._allocate_pinned(nbytes)

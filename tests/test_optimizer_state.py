@@ -1,0 +1,306 @@
+"""The optimizer's state in host memory between steps (``offload_optimizer_state=True``):
+the fused step brings each bucket's state to the device, steps, and sends it back, with
+plain PyTorch's results bit for bit (ratio 1)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+from collections.abc import Iterator
+
+import pytest
+import torch
+from helpers import FailsOnce, batches, loss_of, make_model
+
+import gradient_cache
+
+SMALL_BUCKETS = dict(bucket_size_mb=0.004)  # ~4 KiB: several buckets per backward
+OPTIONS = dict(
+    compression_ratio=1, offload_optimizer_state=True, exclude_layers=["norm"], **SMALL_BUCKETS
+)
+CLIP = 0.5
+
+
+def two_groups(params, **kwargs):
+    """nanoGPT's decay and no-decay groups: the optimizer's order is not the model's."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2, **kwargs)
+
+
+OPTIMIZERS = {
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adam-amsgrad-forloop": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, foreach=False),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "two-groups": two_groups,
+}
+
+
+def plain_step(model, optimizer, micro_batches) -> None:
+    for tokens, targets in micro_batches:
+        (loss_of(model, tokens, targets) / len(micro_batches)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def cached_step(model, manager, optimizer, micro_batches) -> None:
+    for tokens, targets in micro_batches:
+        (loss_of(model, tokens, targets) / len(micro_batches)).backward()
+    manager.step(optimizer, max_grad_norm=CLIP)
+    optimizer.zero_grad()
+
+
+def data(steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Two micro-batches a step (gradient accumulation)."""
+    return [[(t[:2], y[:2]), (t[2:], y[2:])] for t, y in batches(steps)]
+
+
+def assert_same_state(plain_opt, cached_opt, plain, cached) -> None:
+    for p, q in zip(plain.parameters(), cached.parameters(), strict=True):
+        assert torch.equal(p, q)
+        expected, got = plain_opt.state[p], cached_opt.state[q]
+        assert expected.keys() == got.keys()
+        for key in expected:
+            assert torch.equal(expected[key], got[key]), key
+
+
+def assert_on_the_host(manager, optimizer) -> None:
+    """Every offloaded state tensor is the cache's host copy; scalars stay as they were."""
+    host = manager.engine.optimizer_state.host
+    offloaded = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state[param].items():
+                if value.dim() > 0:
+                    assert value is host[param][key], key
+                    offloaded += 1
+    assert offloaded > 0
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_state_on_the_host_trains_as_plain_pytorch(name: str) -> None:
+    """Five steps with accumulation, clipping and a learning-rate schedule; after each,
+    every state tensor with a dimension is a host copy, and weights and state equal
+    plain's bit for bit."""
+    make = OPTIMIZERS[name]
+    plain, cached = make_model(), make_model()
+    plain_opt, cached_opt = make(list(plain.parameters())), make(list(cached.parameters()))
+    schedules = [torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5) for o in (plain_opt, cached_opt)]
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS)
+    for step, micro_batches in enumerate(data(5)):
+        plain_step(plain, plain_opt, micro_batches)
+        cached_step(cached, manager, cached_opt, micro_batches)
+        for schedule in schedules:
+            schedule.step()
+        assert_on_the_host(manager, cached_opt)
+        assert_same_state(plain_opt, cached_opt, plain, cached)
+        # The summary: the state's host bytes, and what the step moved (the first step
+        # only sends the new state back; later ones bring it and send it back).
+        state_bytes = sum(
+            v.numel() * v.element_size()
+            for state in cached_opt.state.values()
+            for v in state.values()
+            if v.dim() > 0
+        )
+        summary = manager.get_compression_summary()
+        moved = summary["optimizer_state_moved_mb"] * 2**20
+        assert moved == (1 if step == 0 else 2) * state_bytes
+        assert state_bytes <= summary["optimizer_state_host_mb"] * 2**20 <= 1.1 * state_bytes
+
+
+def test_two_optimizers_over_one_model() -> None:
+    plain, cached = make_model(), make_model()
+
+    def split(model):
+        params = list(model.parameters())
+        return torch.optim.AdamW(params[:3], lr=1e-2), torch.optim.SGD(
+            params[3:], lr=0.1, momentum=0.9
+        )
+
+    plain_opts, cached_opts = split(plain), split(cached)
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS)
+    for micro_batches in data(4):
+        for tokens, targets in micro_batches:
+            (loss_of(plain, tokens, targets) / 2).backward()
+            (loss_of(cached, tokens, targets) / 2).backward()
+        for plain_opt, cached_opt in zip(plain_opts, cached_opts, strict=True):
+            plain_opt.step()
+            plain_opt.zero_grad()
+            manager.step(cached_opt)
+            cached_opt.zero_grad()
+            assert_on_the_host(manager, cached_opt)
+    for plain_opt, cached_opt in zip(plain_opts, cached_opts, strict=True):
+        assert_same_state(plain_opt, cached_opt, plain, cached)
+
+
+def test_only_the_bucket_being_stepped_has_its_state_off_the_host() -> None:
+    """The first step creates the state a bucket at a time (no whole-state spike), and
+    every step sends each bucket's state back before the next bucket steps."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    host = manager.engine.optimizer_state.host
+    seen = []
+
+    def check(optimizer, args, kwargs) -> None:
+        stepping = {p for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+        off_host = {
+            p
+            for p, state in optimizer.state.items()
+            if any(v.dim() > 0 and v is not host.get(p, {}).get(k) for k, v in state.items())
+        }
+        assert off_host <= stepping
+        # and the bucket stepped on device copies, not on the host copies
+        assert all(
+            v is not host.get(p, {}).get(k)
+            for p in stepping
+            for k, v in optimizer.state[p].items()
+            if v.dim() > 0
+        )
+        seen.append(len(stepping))
+
+    optimizer.register_step_post_hook(check)
+    for micro_batches in data(2):
+        cached_step(model, manager, optimizer, micro_batches)
+    calls_per_step = len(seen) // 2
+    assert calls_per_step > 3 and max(seen) < len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("attached", [True, False], ids=["offload_state_of", "first-step"])
+def test_the_state_dict_round_trip_resumes_bit_for_bit(attached: bool) -> None:
+    """Save the optimizer's state_dict mid-run, load it into a new optimizer on a new
+    model and cache, go on: the same as the uninterrupted plain run. Loaded after
+    ``offload_state_of``, the state goes straight to host copies."""
+    steps = data(5)
+    plain = make_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for micro_batches in steps:
+        plain_step(plain, plain_opt, micro_batches)
+
+    first = make_model()
+    first_opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(first, **OPTIONS)
+    for micro_batches in steps[:3]:
+        cached_step(first, manager, first_opt, micro_batches)
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": first_opt.state_dict()}, buffer)
+    manager.remove_hooks()
+    buffer.seek(0)
+    saved = torch.load(buffer)
+
+    resumed = make_model(seed=7)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(resumed, **OPTIONS)
+    if attached:
+        manager.offload_state_of(resumed_opt)
+    resumed_opt.load_state_dict(saved["optimizer"])
+    if attached:
+        assert_on_the_host(manager, resumed_opt)
+    for micro_batches in steps[3:]:
+        cached_step(resumed, manager, resumed_opt, micro_batches)
+        assert_on_the_host(manager, resumed_opt)
+    assert_same_state(plain_opt, resumed_opt, plain, resumed)
+
+
+@pytest.mark.parametrize("nth", [1, 3])
+@pytest.mark.parametrize("at_step", [0, 1])
+def test_a_raising_optimizer_step_retried_gives_plains_result(nth: int, at_step: int) -> None:
+    """The ``nth`` optimizer.step() of a step raises once (at the first step: while the
+    state is being created); the user calls step again."""
+    plain, cached = make_model(), make_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    failure = FailsOnce(cached_opt)
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS)
+
+    @contextlib.contextmanager
+    def armed() -> Iterator[None]:
+        failure.arm(nth)
+        yield
+
+    failures = [armed] if at_step == 0 else [None, armed]
+    train_through_a_failure(plain, cached, plain_opt, cached_opt, manager, failures)
+
+
+def train_through_a_failure(plain, cached, plain_opt, cached_opt, manager, failures) -> None:
+    """Three steps, plain against the cache's. ``failures[i]``: a context (made by calling
+    it) in which step i's first ``step(optimizer)`` raises once, or None; the user calls
+    ``step`` again. Then the cache's state and weights must be plain's."""
+    for i, micro_batches in enumerate(data(3)):
+        plain_step(plain, plain_opt, micro_batches)
+        for tokens, targets in micro_batches:
+            (loss_of(cached, tokens, targets) / 2).backward()
+        if i < len(failures) and failures[i] is not None:
+            with failures[i](), pytest.raises(torch.OutOfMemoryError):
+                manager.step(cached_opt, max_grad_norm=CLIP)
+            assert_on_the_host_or_absent(manager, cached_opt)
+        manager.step(cached_opt, max_grad_norm=CLIP)
+        cached_opt.zero_grad()
+    assert_same_state(plain_opt, cached_opt, plain, cached)
+
+
+def assert_on_the_host_or_absent(manager, optimizer) -> None:
+    host = manager.engine.optimizer_state.host
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            assert value.dim() == 0 or value is host[param][key]
+
+
+def test_apply_gradients_is_refused_with_the_fix() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    tokens, targets = batches(1)[0]
+    loss_of(model, tokens, targets).backward()
+    with pytest.raises(RuntimeError, match=r"hook_manager\.step\(optimizer\)"):
+        manager.apply_gradients()
+    plain = gradient_cache.create_gradient_cache(make_model(), compression_ratio=1)
+    with pytest.raises(RuntimeError, match="offload_optimizer_state=True"):
+        plain.offload_state_of(torch.optim.SGD(make_model().parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="offload_optimizer_state"):
+        gradient_cache.EngineConfig(offload_optimizer_state="yes")
+
+
+def test_a_copy_of_the_loaded_state_is_not_shared_with_the_saved_one() -> None:
+    """load_state_dict copies into the cache's host memory: the dict the user loaded from
+    stays theirs (changing it later changes nothing in training)."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    cached_step(model, manager, optimizer, data(1)[0])
+    saved = copy.deepcopy(optimizer.state_dict())
+    manager.offload_state_of(optimizer)
+    optimizer.load_state_dict(saved)
+    for state in saved["state"].values():
+        state["exp_avg"].fill_(1e9)
+    assert all(s["exp_avg"].abs().max() < 1e9 for s in optimizer.state.values())
+
+
+def test_an_allocation_failing_while_the_state_is_created_is_retried_as_plain(
+    monkeypatch,
+) -> None:
+    """An out-of-memory error inside the first step's state creation (exp_avg made,
+    exp_avg_sq not) leaves no half-made state: the retry creates it whole."""
+    plain, cached = make_model(), make_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, foreach=False)
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2, foreach=False)
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS)
+    zeros_like, calls = torch.zeros_like, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the second parameter's exp_avg_sq
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return zeros_like(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def failing_zeros_like() -> Iterator[None]:
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "zeros_like", fails_once)
+            yield
+
+    train_through_a_failure(plain, cached, plain_opt, cached_opt, manager, [failing_zeros_like])
