@@ -75,9 +75,15 @@ class Plan:
     pcie_bytes_per_step: dict[str, int]  # direction -> bytes
     restore_seconds: float
     compute_seconds: float | None
+    #: With offload_optimizer_state: the state's bytes each direction per step, and the
+    #: step's copies to the device (restores and state) at the link's rate, the floor of
+    #: its step (the copies back run the other way, at the same time).
+    state_bytes_per_step: int
+    state_step_seconds: float
 
 
-WAYS = ("plain", "cache, apply_gradients()", "cache, fused step()")
+WAYS = ("plain", "cache, apply_gradients()", "cache, fused step()", "fused step(), state on host")
+STATE_ON_HOST = WAYS[3]
 GRADIENTS_IN_BACKWARD = "gradients, end of backward"  # the cache's: buckets in flight
 GRADIENTS_AT_STEP = "gradients, optimizer step"
 
@@ -97,10 +103,18 @@ def plan(inputs: PlanInputs) -> Plan:
     fused_step_grads = min(grads, 2 * bucket)
     backward_grads = min(grads, in_flight)  # the cache's: buckets not yet copied
     step_grads = {"plain": grads, WAYS[1]: grads, WAYS[2]: fused_step_grads}
+    step_grads[STATE_ON_HOST] = fused_step_grads
+    # offload_optimizer_state: the state of the two buckets at the step (the one stepped,
+    # the one arriving) on the device; scalars (a step counter per tensor) stay there.
+    per_param_state = int(numel * inputs.optimizer_state_bytes)
+    bucket_state = int(2 * bucket / inputs.grad_bytes * inputs.optimizer_state_bytes)
+    tensor_state = inputs.optimizer_tensor_bytes * len(tensors)
+    step_state = {way: state for way in WAYS}
+    step_state[STATE_ON_HOST] = min(per_param_state, bucket_state) + tensor_state
     device = {
         way: {
             "parameters": params,
-            "optimizer state": state,
+            "optimizer state": step_state[way],
             GRADIENTS_IN_BACKWARD: grads if way == "plain" else backward_grads,
             GRADIENTS_AT_STEP: step_grads[way],
         }
@@ -112,6 +126,7 @@ def plan(inputs: PlanInputs) -> Plan:
         "stored gradients": payload,
         "error-feedback residual": residual,
         "pinned pool (CUDA)": pool,
+        "optimizer state (state on host)": per_param_state,
     }
     # Per micro-batch, each payload goes out; from the second on, the cached one comes back
     # to be added to (accumulation), and the last comes back at the restore. A host
@@ -132,6 +147,8 @@ def plan(inputs: PlanInputs) -> Plan:
         pcie_bytes_per_step=pcie,
         restore_seconds=restore_seconds,
         compute_seconds=compute_seconds,
+        state_bytes_per_step=per_param_state,
+        state_step_seconds=(payload + per_param_state) / (inputs.link_gbps * 1e9),
     )
 
 
@@ -200,6 +217,9 @@ def format_plan(result: Plan, inputs: PlanInputs) -> str:
         f"| PCIe per step, {direction} | {value / MIB:.1f} |"
         for direction, value in result.pcie_bytes_per_step.items()
     ]
+    lines.append(
+        f"| PCIe per step, state on host, each way | {result.state_bytes_per_step / MIB:.1f} |"
+    )
     numel = sum(inputs.tensors)
     lines += [
         "",
@@ -215,6 +235,14 @@ def format_plan(result: Plan, inputs: PlanInputs) -> str:
         f"Restore (the copies on the step's critical path): {result.restore_seconds * 1e3:.2f} ms "
         f"at {inputs.link_gbps:.3g} GB/s.",
     ]
+    lines.append(
+        f"State on host (offload_optimizer_state=True, the last column): the optimizer "
+        f"state crosses the link both ways every step, "
+        f"{result.state_bytes_per_step / MIB:.1f} MiB each way; the step's copies to the "
+        f"device (restores and state) take at least {result.state_step_seconds * 1e3:.2f} ms "
+        f"at {inputs.link_gbps:.3g} GB/s, the copies back overlapping them. Its state row is "
+        "the step's (two buckets' state); between steps the device holds none of it."
+    )
     copies = max(result.pcie_bytes_per_step.values()) / (inputs.link_gbps * 1e9)
     lines.append(
         f"All of a step's copies, one direction: {copies * 1e3:.2f} ms; they overlap "

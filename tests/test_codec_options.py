@@ -35,6 +35,7 @@ def test_engine_config_has_none_of_the_top_k_only_fields() -> None:
         "staging_depth",
         "pin_memory",
         "host_pool_mb",
+        "offload_optimizer_state",
     ]
     # Every top-k knob is TopK's, and the old keywords are exactly those.
     assert sorted(f.name for f in dataclasses.fields(TopK)) == sorted(TOPK_KEYWORDS)

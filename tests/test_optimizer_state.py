@@ -304,3 +304,21 @@ def test_an_allocation_failing_while_the_state_is_created_is_retried_as_plain(
             yield
 
     train_through_a_failure(plain, cached, plain_opt, cached_opt, manager, [failing_zeros_like])
+
+
+def test_the_memory_accounting_counts_the_state_as_host_memory() -> None:
+    """The demo's tensor accounting (`held_tensors`): between steps the optimizer state's
+    host copies are host bytes, and the device holds only its scalars (AdamW's steps)."""
+    from gradient_cache.demo.accounting import OPTIMIZER_STATE, device_memory_meter
+
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    for micro_batches in data(2):
+        cached_step(model, manager, optimizer, micro_batches)
+    with device_memory_meter(model, optimizer=optimizer, cache=manager) as meter:
+        reading = meter.reading()
+    params = list(model.parameters())
+    state_bytes = 2 * sum(p.numel() * p.element_size() for p in params)
+    assert reading.by_category[OPTIMIZER_STATE] <= 64 * len(params)  # the step scalars
+    assert reading.host_bytes >= state_bytes

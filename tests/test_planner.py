@@ -85,13 +85,39 @@ def test_device_figures_follow_the_engines_bounds() -> None:
     assert sum(tensors) == 10_000_000 and max(tensors) == 1_000_000
     figures = plan(PlanInputs(tensors=tensors, optimizer_state_bytes=8, optimizer_tensor_bytes=0))
     grads, bucket = 40_000_000, 4 * 2**20 + 4_000_000
-    plain, apply, fused = (figures.device[way] for way in WAYS)
+    plain, apply, fused, on_host = (figures.device[way] for way in WAYS)
     assert plain["parameters"] == grads and plain["optimizer state"] == 2 * grads
     assert plain[GRADIENTS_IN_BACKWARD] == plain[GRADIENTS_AT_STEP] == grads
     assert apply[GRADIENTS_IN_BACKWARD] == fused[GRADIENTS_IN_BACKWARD] == 2 * bucket
     assert apply[GRADIENTS_AT_STEP] == grads  # everything comes back before the step
-    assert fused[GRADIENTS_AT_STEP] == 2 * bucket
+    assert fused[GRADIENTS_AT_STEP] == on_host[GRADIENTS_AT_STEP] == 2 * bucket
     assert figures.compute_seconds is None
+    # State on host: two buckets' Adam state (8 bytes an entry, 4 a gradient) at the step;
+    # the whole state on the host, crossing each way every step.
+    assert on_host["optimizer state"] == 2 * (2 * bucket)
+    assert figures.host["optimizer state (state on host)"] == 2 * grads
+    assert figures.state_bytes_per_step == 2 * grads
+    assert figures.state_step_seconds == pytest.approx((grads + 2 * grads) / 50e9)
+
+
+def test_the_state_on_the_host_is_what_a_manager_holds_after_a_step() -> None:
+    """offload_optimizer_state: the planner's host state (AdamW: 8 bytes a parameter) is
+    what the engine's host copies take after a step, less their 64-byte alignment; what a
+    step moves is that state each way."""
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, offload_optimizer_state=True, bucket_size_mb=0.004
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    for tokens, targets in batches(2):
+        loss_of(model, tokens, targets).backward()
+        manager.step(optimizer)
+    figures = plan(PlanInputs(tensors=sizes(model), optimizer_state_bytes=8))
+    planned = figures.host["optimizer state (state on host)"]
+    summary = manager.summary()
+    held = summary.optimizer_state_host_mb * 2**20
+    assert planned <= held <= planned + 2 * 64 * len(sizes(model))
+    assert summary.optimizer_state_moved_mb * 2**20 == 2 * figures.state_bytes_per_step
 
 
 def test_time_floor_compares_the_restore_with_the_compute() -> None:

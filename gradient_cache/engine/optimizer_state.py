@@ -162,6 +162,11 @@ class HostOptimizerState:
                 if not had:
                     optimizer.state.pop(param, None)
 
+    def host_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The plain tensors of every host copy (memory accounting)."""
+        hosts = [host for copies in self.host.values() for host in copies.values()]
+        return tuple(leaf for host in hosts for leaf in leaves(host))
+
     def settle(self) -> None:
         """The step's end: wait until the host copies are complete, so that the host reads
         them (``state_dict()``, a checkpoint) and the next step brings them whole."""

@@ -69,7 +69,8 @@ class HeldTensors:
     """The tensors the engine holds at one moment, for memory accounting.
 
     ``host``: in host memory: the cached payloads, the error-feedback residuals kept on the
-    host (``residual_location="host"``) and the random states kept to undo the pending step.
+    host (``residual_location="host"``), the random states kept to undo the pending step and
+    the optimizer state's host copies (``offload_optimizer_state``).
     ``scratch``: on the device: the codecs' reusable buffers (held within a backward) and
     their fixed tables. ``waiting``: on the device: gradients waiting in the open bucket.
     """
@@ -652,6 +653,7 @@ class Pipeline:
                 *self.store.tensors(),
                 *(self.random_state_at_step_start or {}).values(),
                 *(kept_residuals if on_host else ()),
+                *(() if self.optimizer_state is None else self.optimizer_state.host_tensors()),
             ),
             scratch=tuple(t for codec in self.codecs.all() for t in codec.scratch_tensors()),
             waiting=tuple(self.assembler.waiting()),
