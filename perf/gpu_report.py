@@ -5,10 +5,13 @@
 Builds a GPT-2-small-shaped TinyGPT (124M parameters) in code and prints markdown tables:
 
 * peak device memory: plain vs cache at ratio 1 and 100, with `apply_gradients()` and with
-  the fused `step()`, with and without 4-micro-batch gradient accumulation;
-* step time against plain, and the share of encode and copy time hidden under backward
-  (CUDA events recorded by wrappers this report puts around the backend's `encoding` and
-  `store`: each bucket's span from encode start to copy end; the engine has no timing code);
+  the fused `step()`, and the fused step with the optimizer state on the host
+  (`offload_optimizer_state`), with and without 4-micro-batch gradient accumulation;
+* step time against plain (the state-on-host row beside the planner's link floor: its
+  gradients and state to the device at 50 GB/s), and the share of encode and copy time
+  hidden under backward (CUDA events recorded by wrappers this report puts around the
+  backend's `encoding` and `store`: each bucket's span from encode start to copy end; the
+  engine has no timing code);
 * encode throughput of the threshold selection, `torch.topk` and a device memcpy;
 * the largest batch that trains under a fixed memory cap, plain vs cache.
 
@@ -36,6 +39,7 @@ import gradient_cache
 from gradient_cache.codecs import TopKSelector, keep_count
 from gradient_cache.demo.models import GPTConfig, TinyGPT
 from gradient_cache.demo.training import micro_batches, train_step
+from gradient_cache.planner import DEFAULT_LINK_GBPS
 from gradient_cache.units import MIB
 
 GPT2_SMALL = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12)
@@ -53,14 +57,22 @@ def batch(config: GPTConfig, size: int, seq: int) -> tuple[torch.Tensor, torch.T
 
 
 def build(
-    config: GPTConfig, ratio: float | None
+    config: GPTConfig, ratio: float | None, *, state_on_host: bool = False
 ) -> tuple[TinyGPT, gradient_cache.GradientCacheHookManager | None, torch.optim.Optimizer]:
     """A fresh model, its cache (None for plain PyTorch) and AdamW."""
     model = make_model(config)
     manager = (
-        gradient_cache.create_gradient_cache(model, compression_ratio=ratio) if ratio else None
+        gradient_cache.create_gradient_cache(
+            model, compression_ratio=ratio, offload_optimizer_state=state_on_host
+        )
+        if ratio
+        else None
     )
     return model, manager, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+# The variant with the optimizer state in host memory (offload_optimizer_state).
+STATE_ON_HOST = "cache r=1 fused, state on host"
 
 
 def variants() -> list[tuple[str, float | None, bool]]:
@@ -70,6 +82,7 @@ def variants() -> list[tuple[str, float | None, bool]]:
         ("cache r=1 fused", 1, True),
         ("cache r=100 apply", 100, False),
         ("cache r=100 fused", 100, True),
+        (STATE_ON_HOST, 1, True),
     ]
 
 
@@ -77,7 +90,7 @@ def peak_memory(config: GPTConfig, size: int, seq: int) -> list[dict[str, Any]]:
     rows = []
     for count in (1, 4):
         for name, ratio, fused in variants():
-            model, manager, optimizer = build(config, ratio)
+            model, manager, optimizer = build(config, ratio, state_on_host=name == STATE_ON_HOST)
             batches = micro_batches(*batch(config, size, seq), count)
             train_step(model, optimizer, manager, batches, fused=fused)
             torch.cuda.synchronize()
@@ -175,7 +188,7 @@ def step_time(config: GPTConfig, size: int, seq: int, repeats: int) -> list[dict
     rows = []
     plain_backward = None
     for name, ratio, fused in variants():
-        model, manager, optimizer = build(config, ratio)
+        model, manager, optimizer = build(config, ratio, state_on_host=name == STATE_ON_HOST)
         data = batch(config, size, seq)
 
         step = functools.partial(train_step, model, optimizer, manager, [data], fused=fused)
@@ -185,6 +198,11 @@ def step_time(config: GPTConfig, size: int, seq: int, repeats: int) -> list[dict
             step()
         step_ms = cuda_ms(step, repeats)
         row: dict[str, Any] = {"variant": name, "step_ms": step_ms}
+        if name == STATE_ON_HOST:
+            # The planner's floor: gradients and AdamW's state (12 bytes a parameter) to
+            # the device at its assumed link rate (perf.gpu_link measures the real one).
+            params = sum(p.numel() for p in model.parameters())
+            row["link_floor_ms"] = 12 * params / (DEFAULT_LINK_GBPS * 1e9) * 1e3
         backend = manager.engine.backend if manager is not None else None
         with side_stream_spans(backend) as spans:
             backward_ms = cuda_ms(backward, repeats)

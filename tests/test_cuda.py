@@ -157,6 +157,46 @@ def test_device_memory_after_backward_and_at_the_fused_step() -> None:
     assert step_cached < step_plain
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_the_optimizer_state_on_the_host_trains_as_plain_and_leaves_the_device(
+    fused: bool,
+) -> None:
+    """offload_optimizer_state on a GPU: AdamW (foreach, or fused, which checks devices and
+    strides), two micro-batches and clipping, bit for bit with plain over five steps; the
+    state in pinned host memory between steps; at the step the device holds far less than
+    plain's state (two buckets of 1 MiB gradients and their state, plus the weights)."""
+    torch.manual_seed(0)
+    plain = ManyThinLayers(width=1024, depth=16).cuda()
+    cached = copy.deepcopy(plain)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=fused)
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-3, fused=fused)
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=1, bucket_size_mb=1, offload_optimizer_state=True
+    )
+    xs = torch.randn(5, 2, 32, 1024, device="cuda")
+    for step in range(5):
+        for x in xs[step]:
+            (plain(x).square().mean() / 2).backward()
+            (cached(x).square().mean() / 2).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        manager.step(cached_opt, max_grad_norm=0.1)
+        at_step = torch.cuda.max_memory_allocated() - before
+        cached_opt.zero_grad()
+        assert_same_parameters(plain, cached)
+        host = manager.engine.optimizer_state.host
+        for param in cached.parameters():
+            for key, value in cached_opt.state[param].items():
+                if value.dim() > 0:
+                    assert value is host[param][key] and value.is_pinned()
+    state = 2 * dense_gradient_bytes(plain)
+    assert at_step < 0.4 * state  # two 4 MiB buckets: 8 MiB of gradients, 16 of state, temporaries
+
+
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
