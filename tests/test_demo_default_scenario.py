@@ -34,6 +34,13 @@ def memory_bound(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, An
     return run_console_script(out, "--steps", str(MEMORY_BOUND_STEPS))
 
 
+def with_the_state_run(report: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The scenario's runs: the three of every scenario, then the state-on-host one."""
+    *three, state = report["runs"]
+    assert state["name"] == "cache r=1, state on host"
+    return (*runs_by_name({"runs": three}), state)
+
+
 def test_the_default_scenario_lowers_the_peak_by_most_of_the_offloaded_gradients(
     memory_bound: tuple,
 ) -> None:
@@ -42,7 +49,7 @@ def test_the_default_scenario_lowers_the_peak_by_most_of_the_offloaded_gradients
     report, _, stdout, _ = memory_bound
     assert report["scenario"] == "memory-bound"
     assert report["model"]["size"] == "medium" and report["model"]["micro_batches"] == 2
-    plain, lossless, compressed = runs_by_name(report)
+    plain, lossless, compressed, state = with_the_state_run(report)
     assert cli.check_lossless(report["lossless_max_abs_weight_diff"], report["plain_again"]) == 0
     for cache in (lossless, compressed):
         saved = plain["peak_device_bytes"] - cache["peak_device_bytes"]
@@ -50,6 +57,15 @@ def test_the_default_scenario_lowers_the_peak_by_most_of_the_offloaded_gradients
         assert cache["peak_saving_share_of_offloaded"] == pytest.approx(
             saved / cache["offloaded_gradient_bytes"]
         )
+    # The state on the host too: the peak and the optimizer step's peak both fall by at
+    # least 80% of the gradients plus AdamW's state (twice the parameters' bytes), and the
+    # run ends bit for bit on plain's weights.
+    offloaded = state["offloaded_gradient_bytes"] + state["offloaded_state_bytes"]
+    assert state["offloaded_state_bytes"] >= 2 * report["model"]["gradient_bytes"]
+    assert plain["peak_device_bytes"] - state["peak_device_bytes"] >= 0.8 * offloaded
+    step_saved = plain["phase_peak_bytes"]["optimizer"] - state["phase_peak_bytes"]["optimizer"]
+    assert step_saved >= 0.8 * offloaded, step_saved / MIB
+    assert state["max_abs_weight_diff_vs_plain"] == 0 or report["plain_again"] is not None
     assert "Peak below plain's: cache r=1" in stdout
     assert "Scenario 'memory-bound'" in stdout
 
@@ -64,7 +80,7 @@ def test_the_planner_matches_the_demos_measured_components(memory_bound: tuple) 
     if report["machine"]["device"] != "cpu":
         pytest.skip("the categories come from the CPU tracker")
     tensors = tensors_of_factory("gradient_cache.demo.models:medium")
-    plain, lossless, compressed = runs_by_name(report)
+    plain, lossless, compressed, _ = with_the_state_run(report)
 
     def measured(run: dict[str, Any], phase: str, category: str) -> int:
         return max(m["phases"][phase]["peak_by_category_bytes"][category] for m in run["memory"])
@@ -92,7 +108,7 @@ def test_optimizer_step_holds_one_bucket_of_gradients_not_all(memory_bound: tupl
     restores one bucket (4 MiB, or one larger tensor) at a time, so its peak there falls
     by most of the gradient bytes (most of the medium model's)."""
     report, _, _, _ = memory_bound
-    plain, lossless, compressed = runs_by_name(report)
+    plain, lossless, compressed, _ = with_the_state_run(report)
     gradient_bytes = report["model"]["gradient_bytes"]
     for cache in (lossless, compressed):
         saved = plain["phase_peak_bytes"]["optimizer"] - cache["phase_peak_bytes"]["optimizer"]

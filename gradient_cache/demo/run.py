@@ -1,6 +1,8 @@
-"""The `gradient-cache demo` comparison: one model trained three ways from the same seed.
+"""The `gradient-cache demo` comparison: one model trained three or four ways from one seed.
 
-Plain PyTorch, the cache lossless (ratio 1) and the cache at a chosen ratio train the
+Plain PyTorch, the cache lossless (ratio 1), the cache at a chosen ratio and, in the
+memory-bound scenario, the cache lossless with the optimizer state in host memory too
+(`offload_optimizer_state`) train the
 built-in TinyGPT on the embedded byte corpus from the same initial weights and batches,
 in one of two scenarios (`SCENARIOS`): "memory-bound" (the default: activation
 checkpointing and gradient accumulation, where gradients are part of the peak) or
@@ -58,6 +60,8 @@ class Scenario:
     # Defaults of the command line, chosen to finish in about 2 minutes on a 2-core CPU.
     model_size: str
     steps: int
+    # A fourth run, lossless with the optimizer state on the host (offload_optimizer_state).
+    state_run: bool = False
 
 
 SCENARIOS = {
@@ -75,6 +79,7 @@ SCENARIOS = {
             # about 13 MiB of scratch at the end of backward.
             model_size="medium",
             steps=12,
+            state_run=True,
         ),
         Scenario(
             name="activations",
@@ -89,6 +94,7 @@ SCENARIOS = {
     )
 }
 DEFAULT_SCENARIO = "memory-bound"
+STATE_RUN = "cache r=1, state on host"
 BATCH_SIZE = 4  # sequences per optimizer step, in every scenario
 LEARNING_RATE = 1e-3
 VAL_BATCHES = 4
@@ -138,6 +144,8 @@ class RunResult:
     peak_rss_mb: float  # the run's process, whole run
     summary: dict[str, Any] | None
     weights: dict[str, torch.Tensor]  # final, on the CPU; compared, not reported
+    # The optimizer state's bytes in host memory (offload_optimizer_state; else 0).
+    offloaded_state_bytes: int = 0
 
     @property
     def peak_device_bytes(self) -> int:
@@ -159,6 +167,11 @@ class RunResult:
         if self.summary is None:
             return 0
         return sum(layer["dense_bytes"] for layer in self.summary["layers"].values())
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """What the run takes off the device: its gradients, and its optimizer state."""
+        return self.offloaded_gradient_bytes + self.offloaded_state_bytes
 
 
 @dataclass(kw_only=True)
@@ -188,20 +201,22 @@ def run_demo(settings: DemoSettings) -> DemoResult:
     """
     started = time.perf_counter()
     config = GPT_SIZES[settings.model_size]
-    variants = (
-        ("plain", None),
-        ("cache r=1", 1.0),
-        (f"cache r={settings.ratio:g}", settings.ratio),
-    )
-    runs = [_in_fresh_process(_train, name, ratio, settings) for name, ratio in variants]
+    scenario = SCENARIOS[settings.scenario]
+    variants = [
+        ("plain", None, False),
+        ("cache r=1", 1.0, False),
+        (f"cache r={settings.ratio:g}", settings.ratio, False),
+    ]
+    if scenario.state_run:
+        variants.append((STATE_RUN, 1.0, True))
+    runs = [_in_fresh_process(_train, *variant, settings) for variant in variants]
     # Plain PyTorch itself has ended a run on other bits than its other runs on this CPU
     # (perf/RESULTS.md, "Determinism"): when the lossless run differs from plain, a second
     # plain run says whether the cache or that first plain run left the common path.
     plain_again = None
     if weights_differ(runs[0], runs[1]):
-        plain_again = _in_fresh_process(_train, "plain, again", None, settings)
+        plain_again = _in_fresh_process(_train, "plain, again", None, False, settings)
     train_tokens, val_tokens = byte_corpus()
-    scenario = SCENARIOS[settings.scenario]
     with torch.device("meta"):  # shapes only: count what each run trained
         params = list(TinyGPT(config).parameters())
     return DemoResult(
@@ -288,8 +303,11 @@ def measured_steps(steps: int, device: torch.device) -> list[int]:
     return sorted({1 + round(i * (steps - 1) / last) for i in range(CPU_MEASURED_STEPS)})
 
 
-def _train(name: str, ratio: float | None, settings: DemoSettings) -> RunResult:
-    """One run, in its own process: train, evaluate, and hand back figures and weights."""
+def _train(
+    name: str, ratio: float | None, state_on_host: bool, settings: DemoSettings
+) -> RunResult:
+    """One run, in its own process: train, evaluate, and hand back figures and weights.
+    ``state_on_host``: the cache keeps the optimizer state in host memory too."""
     # Here, not at the top: the accounting needs private torch names (._torch_private), and
     # the command line, which imports this module, must work without them.
     from .accounting import device_memory_meter
@@ -309,7 +327,11 @@ def _train(name: str, ratio: float | None, settings: DemoSettings) -> RunResult:
     torch.manual_seed(settings.seed)
     model = TinyGPT(config, activation_checkpointing=scenario.activation_checkpointing).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    manager = None if ratio is None else create_gradient_cache(model, compression_ratio=ratio)
+    manager = None
+    if ratio is not None:
+        manager = create_gradient_cache(
+            model, compression_ratio=ratio, offload_optimizer_state=state_on_host
+        )
     generator = torch.Generator().manual_seed(settings.seed)  # the same batches in every run
 
     def train(x: torch.Tensor, y: torch.Tensor, *, phase: PhaseScope = no_phase) -> torch.Tensor:
@@ -346,9 +368,10 @@ def _train(name: str, ratio: float | None, settings: DemoSettings) -> RunResult:
         seconds.append(time.perf_counter() - start)
         bar.update(step, losses[-1])
     bar.close()
-    summary = None
+    summary, state_bytes = None, 0
     if manager is not None:
         summary = manager.get_compression_summary()
+        state_bytes = round(summary["optimizer_state_host_mb"] * MIB)
         manager.remove_hooks()
     unmeasured = [s for s in range(1, settings.steps + 1) if s not in measured]
     return RunResult(
@@ -363,6 +386,7 @@ def _train(name: str, ratio: float | None, settings: DemoSettings) -> RunResult:
         peak_rss_mb=_peak_rss_bytes() / MIB,
         summary=summary,
         weights={k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        offloaded_state_bytes=state_bytes,
     )
 
 
