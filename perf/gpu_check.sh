@@ -47,7 +47,7 @@ pytest="$py -m pytest -q -rs -p no:cacheprovider -o addopts="
 # the "stand-in cuda" variants, which run on CPU tensors in CI).
 races="never_wait or race or widened or pinned_pool"
 # The peers on CUDA, in this order, with the package each needs beyond torch (key:package).
-peers=(cpu-offload:torchao cpu-offload-grads:torchao fsdp-offload cache-fused
+peers=(cpu-offload:torchao cpu-offload-grads:torchao fsdp-offload cache-fused-state cache-fused
        bnb:bitsandbytes cache-fused-bnb:bitsandbytes in-backward cache-apply cache-default
        torchao:torchao)
 # name | timeout (s) | quick timeout (0: not in --quick) | modules to import | command

@@ -11,8 +11,10 @@ S2, two micro-batches of 2 and clipping at 1.0. Contenders (perf/peers_contender
 plain AdamW; PyTorch's optimizer step in backward (one AdamW per parameter, stepped in its
 post-accumulate-grad hook); bitsandbytes' and torchao's AdamW8bit; the cache lossless with
 apply_gradients() and with the fused step, at the default ratio (fused), and its fused step
-with bitsandbytes' AdamW8bit; on CUDA also torchao's CPUOffloadOptimizer (with and without
-offload_gradients) and FSDP2's CPUOffloadPolicy at world size 1. A contender that cannot
+with bitsandbytes' AdamW8bit; the fused step with the optimizer state on the host
+(offload_optimizer_state), alone and with bitsandbytes' AdamW8bit; on CUDA also torchao's
+CPUOffloadOptimizer (with and without offload_gradients) and FSDP2's CPUOffloadPolicy at
+world size 1. A contender that cannot
 run a scenario says why in its row.
 
 Per contender and scenario: device bytes by component when backward ends and at the

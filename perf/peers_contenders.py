@@ -80,6 +80,7 @@ class Contender:
     way: str = "plain"  # "plain", "in backward", "apply", "fused"
     ratio: float | None = None  # the cache's compression ratio; None: no cache
     offload_gradients: bool = False  # cpu-offload only
+    state_on_host: bool = False  # the cache's offload_optimizer_state
     #: The contender whose final weights this one must equal bit for bit, if any.
     exact_reference: str | None = None
     cuda_only: bool = False
@@ -155,6 +156,23 @@ CONTENDERS = {
             optimizer="bitsandbytes",
             way="fused",
             ratio=1,
+            exact_reference="bnb",
+        ),
+        Contender(
+            key="cache-fused-state",
+            label="cache r=1, fused step, state on host",
+            way="fused",
+            ratio=1,
+            state_on_host=True,
+            exact_reference="plain",
+        ),
+        Contender(
+            key="cache-fused-state-bnb",
+            label="cache r=1, fused step, state on host + bitsandbytes AdamW8bit",
+            optimizer="bitsandbytes",
+            way="fused",
+            ratio=1,
+            state_on_host=True,
             exact_reference="bnb",
         ),
         Contender(
@@ -271,7 +289,11 @@ def build(contender: Contender, model: TinyGPT) -> Trainer:
     optimizer = make_optimizer(contender.optimizer, list(model.parameters()))
     cache = None
     if contender.ratio is not None:
-        cache = create_gradient_cache(model, compression_ratio=contender.ratio)
+        cache = create_gradient_cache(
+            model,
+            compression_ratio=contender.ratio,
+            offload_optimizer_state=contender.state_on_host,
+        )
     return Trainer(
         contender=contender,
         model=model,

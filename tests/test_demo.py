@@ -281,7 +281,9 @@ def test_a_second_plain_run_is_made_only_when_the_lossless_run_differs(
     final = {"plain": 1.0, "cache r=1": 1.5 if lossless_differs else 1.0, "plain, again": 1.5}
     started = []
 
-    def in_process(function, name: str, ratio: float | None, settings) -> demo_run.RunResult:
+    def in_process(
+        function, name: str, ratio: float | None, state_on_host: bool, settings
+    ) -> demo_run.RunResult:
         started.append(name)
         return demo_run.RunResult(
             name=name, ratio=ratio, losses=[], step_seconds=[], timed_steps=[], memory=[],
@@ -294,11 +296,12 @@ def test_a_second_plain_run_is_made_only_when_the_lossless_run_differs(
         steps=1, ratio=3.0, model_size="tiny", device=torch.device("cpu"), seed=0
     )
     result = demo_run.run_demo(settings)
-    assert started[:3] == ["plain", "cache r=1", "cache r=3"]
+    runs = ["plain", "cache r=1", "cache r=3", demo_run.STATE_RUN]  # the default scenario's
+    assert started[:4] == runs
     if not lossless_differs:
-        assert len(started) == 3 and result.plain_again is None
+        assert len(started) == 4 and result.plain_again is None
         return
-    assert started[3:] == ["plain, again"]
+    assert started[4:] == ["plain, again"]
     assert result.weight_difference(result.plain_again) == 0.5
     assert result.weight_difference(result.runs[1], plain=result.plain_again) == 0
 

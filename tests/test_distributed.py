@@ -71,6 +71,11 @@ def test_ratio_1_is_bit_identical_to_plain_fsdp2(fsdp_results, scenario):
     assert each_rank(fsdp_results, scenario) == [0.0, 0.0]
 
 
+def test_the_optimizer_state_on_the_host_matches_plain_fsdp2(fsdp_results):
+    expected = {"difference": 0.0, "on host": True}
+    assert each_rank(fsdp_results, "state_on_host_matches_plain") == [expected, expected]
+
+
 def test_fused_clipping_matches_clip_grad_norm(fsdp_results):
     for result in each_rank(fsdp_results, "fused_clip_against_clip_grad_norm"):
         assert result["clipped"], "the clip threshold must be below the norm to test anything"

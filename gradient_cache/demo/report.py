@@ -136,7 +136,7 @@ def write_plot(result: DemoResult, path: Path) -> None:
         for index, phase in enumerate(PHASES):
             xs += [index + 0.5, index + 1.0]
             ys += [step.phases[phase].peak_bytes / MIB, step.phases[phase].end_bytes / MIB]
-        line = memory_axes.plot(xs, ys, marker="o", label=f"{run.name} (step {step.step})", **style)
+        line = memory_axes.plot(xs, ys, marker="o", **style)  # the loss plot's legend names it
         color = line[0].get_color()
         loss_axes.plot(range(1, len(run.losses) + 1), run.losses, label=run.name, **style)
         loss_axes.scatter(  # plain's circle stays visible around the lossless run's cross
@@ -168,7 +168,7 @@ def write_plot(result: DemoResult, path: Path) -> None:
     )
     where = "CUDA allocator" if result.settings.device.type == "cuda" else "accounted on the CPU"
     memory_axes.set(
-        title=f"Device memory over one training step ({where})",
+        title=f"Device memory over step {result.runs[0].memory[-1].step} ({where})",
         xticks=[i / 2 for i in range(2 * len(PHASES) + 1)],
         xticklabels=["start", *["peak", "end"] * len(PHASES)],
         ylabel="MiB",
@@ -176,7 +176,6 @@ def write_plot(result: DemoResult, path: Path) -> None:
     )
     # Head room above the highest peak for the savings' box.
     memory_axes.set_ylim(0, 1.3 * max(run.peak_device_bytes for run in result.runs) / MIB)
-    memory_axes.legend(loc="lower left")
     loss_axes.set(
         title="Training loss per step (marker: validation loss at the end)",
         xlabel="step",

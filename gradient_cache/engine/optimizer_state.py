@@ -39,7 +39,8 @@ def leaves(value: torch.Tensor) -> list[torch.Tensor]:
     if not is_traceable_wrapper_subclass(value):
         return [value]
     names, _ = value.__tensor_flatten__()
-    return [leaf for name in names for leaf in leaves(getattr(value, name))]
+    inner = [getattr(value, name) for name in names]  # a DTensor also names its mesh
+    return [leaf for each in inner if isinstance(each, torch.Tensor) for leaf in leaves(each)]
 
 
 def rebuilt(value: torch.Tensor, tensors: Iterator[torch.Tensor]) -> torch.Tensor:
@@ -47,7 +48,11 @@ def rebuilt(value: torch.Tensor, tensors: Iterator[torch.Tensor]) -> torch.Tenso
     if not is_traceable_wrapper_subclass(value):
         return next(tensors)
     names, context = value.__tensor_flatten__()
-    inner = {name: rebuilt(getattr(value, name), tensors) for name in names}
+    inner = {name: getattr(value, name) for name in names}
+    inner = {
+        name: rebuilt(each, tensors) if isinstance(each, torch.Tensor) else each
+        for name, each in inner.items()
+    }
     return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())
 
 

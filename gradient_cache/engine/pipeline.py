@@ -180,12 +180,6 @@ class Pipeline:
         self.ratio = ratio
         params = [param for _, param in named_params]
         sharding.check_placements(named_params)
-        if config.offload_optimizer_state and any(sharding.is_dtensor(p) for p in params):
-            raise NotImplementedError(
-                "offload_optimizer_state=True does not support FSDP2's sharded parameters "
-                "yet (each rank's state shards would need their own host copies); leave it "
-                "False under fully_shard, or use FSDP2's CPUOffloadPolicy."
-            )
         self._gradient_checked = False
         group_of: dict[Param, GroupArrivals] = {}
         for group in groups:
