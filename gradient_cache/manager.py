@@ -411,6 +411,14 @@ class GradientCacheHookManager:
                 summary.overall_compression_ratio,
                 summary.kept_fraction,
             )
+            if self._live().optimizer_state is not None:
+                logger.info(
+                    "gradient-cache step %d: optimizer state %.1f MiB in host memory, "
+                    "%.1f MiB moved between host and device",
+                    summary.steps,
+                    summary.optimizer_state_host_mb,
+                    summary.optimizer_state_moved_mb,
+                )
 
 
 def create_gradient_cache(

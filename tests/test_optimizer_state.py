@@ -322,3 +322,17 @@ def test_the_memory_accounting_counts_the_state_as_host_memory() -> None:
     state_bytes = 2 * sum(p.numel() * p.element_size() for p in params)
     assert reading.by_category[OPTIMIZER_STATE] <= 64 * len(params)  # the step scalars
     assert reading.host_bytes >= state_bytes
+
+
+def test_verbose_logs_the_states_host_and_moved_bytes(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, verbose=True, **OPTIONS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with caplog.at_level(logging.INFO, logger="gradient_cache"):
+        for micro_batches in data(2):
+            cached_step(model, manager, optimizer, micro_batches)
+    momentum = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    assert f"optimizer state {momentum:.1f} MiB in host memory" in caplog.text
+    assert f"{2 * momentum:.1f} MiB moved between host and device" in caplog.text  # step 2
