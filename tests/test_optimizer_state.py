@@ -336,3 +336,13 @@ def test_verbose_logs_the_states_host_and_moved_bytes(caplog: pytest.LogCaptureF
     momentum = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     assert f"optimizer state {momentum:.1f} MiB in host memory" in caplog.text
     assert f"{2 * momentum:.1f} MiB moved between host and device" in caplog.text  # step 2
+
+
+def test_the_integrations_refuse_the_option_when_created() -> None:
+    """They restore with apply_gradients(): refused at decoration or construction, with
+    the loop that works, not at the first step."""
+    with pytest.raises(ValueError, match=r"hook_manager\.step\(optimizer\) in your own loop"):
+        gradient_cache.optimize(offload_optimizer_state=True)
+    lightning = pytest.importorskip("gradient_cache.integrations.lightning")
+    with pytest.raises(ValueError, match="offload_optimizer_state=True needs the fused step"):
+        lightning.GradientCacheCallback(offload_optimizer_state=True)

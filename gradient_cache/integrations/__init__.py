@@ -64,6 +64,15 @@ class CacheOptions:
         if not isinstance(verbose, bool):
             raise TypeError(f"verbose must be True or False, got {verbose!r}.")
         config = EngineConfig.from_options(options, compression_ratio=ratio)
+        if config.offload_optimizer_state:
+            raise ValueError(
+                "offload_optimizer_state=True needs the fused step, "
+                "hook_manager.step(optimizer), which brings the state to the device a "
+                "bucket at a time; the integrations restore with apply_gradients() and "
+                "would need the whole state on the device. Use create_gradient_cache("
+                "model, offload_optimizer_state=True) and hook_manager.step(optimizer) "
+                "in your own loop."
+            )
         return cls(ratio, patterns, verbose, config)
 
     def create_manager(
