@@ -37,6 +37,9 @@ def step(
     ``model_order``: each parameter's place in ``model.parameters()``, the order the norms
     are summed in."""
     pipeline.drain()
+    states = pipeline.optimizer_state
+    if states is not None:
+        states.begin_step(optimizer)  # a skipped step moves no state either
     stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
     clip = pipeline.retry() if pipeline.interrupted else None
     delivered = [p for p in pipeline.store if p in stepped]
@@ -68,9 +71,6 @@ def step(
         param.grad = None  # hidden from the bucket steps, stepped once at the end
     backend = pipeline.backend
     store = pipeline.store
-    states = pipeline.optimizer_state
-    if states is not None:
-        states.begin_step(optimizer)
     ahead: deque[Restore] = deque()
     # Each bucket's optimizer state on its way, beside its gradients (offloaded state only).
     arrivals: deque[Arrival] = deque()
