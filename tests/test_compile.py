@@ -44,6 +44,21 @@ def test_a_compiled_model_with_the_cache_gives_the_compiled_plain_result() -> No
     assert manager.get_compression_summary()["steps"] == 3
 
 
+def test_a_compiled_model_with_the_state_on_the_host_gives_the_compiled_plain_result() -> None:
+    """offload_optimizer_state under a compiled model (dynamo, eager backend): the state's
+    journeys are outside the graph; bit for bit with plain."""
+    torch._dynamo.reset()
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, offload_optimizer_state=True, **LOSSLESS)
+    data = batches(3)
+    compiled = functools.partial(torch.compile, backend="eager")
+    plain_losses = train(compiled(plain), data, micro_batches=2)
+    cached_losses = train(compiled(cached), data, manager=manager, micro_batches=2, fused_step=True)
+    assert plain_losses == cached_losses
+    assert_same_parameters(plain, cached)
+    assert manager.summary().optimizer_state_host_mb > 0
+
+
 def test_compiled_autograd_with_the_cache_gives_the_plain_result() -> None:
     """Compiled autograd calls the cache's hooks from its graph, each step."""
     torch._dynamo.reset()
