@@ -27,7 +27,7 @@ def test_quality_benchmark_pairs_seeds_and_counts_bytes(tmp_path: Path) -> None:
     out_json = tmp_path / "quality.json"
     out = run(
         "-m", "perf.quality", "--settings", "r1", "r100-ef-int8", "--optimizers", "adamw",
-        "--seeds", "0", "1", "--steps", "3", "--jobs", "2", "--any-corpus",
+        "--seeds", "0", "1", "--steps", "2", "--jobs", "2", "--any-corpus",
         "--out", str(out_json),
     )  # fmt: skip
     report = json.loads(out_json.read_text())
