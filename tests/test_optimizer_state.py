@@ -113,6 +113,8 @@ def test_the_state_on_the_host_trains_as_plain_pytorch(name: str) -> None:
 
 
 def test_two_optimizers_over_one_model() -> None:
+    """AdamW and SGD with momentum over parts of one model, each clipped over its own
+    parameters, five steps of two micro-batches: each keeps its state on the host."""
     plain, cached = make_model(), make_model()
 
     def split(model):
@@ -123,14 +125,15 @@ def test_two_optimizers_over_one_model() -> None:
 
     plain_opts, cached_opts = split(plain), split(cached)
     manager = gradient_cache.create_gradient_cache(cached, **OPTIONS)
-    for micro_batches in data(4):
+    for micro_batches in data(5):
         for tokens, targets in micro_batches:
             (loss_of(plain, tokens, targets) / 2).backward()
             (loss_of(cached, tokens, targets) / 2).backward()
         for plain_opt, cached_opt in zip(plain_opts, cached_opts, strict=True):
+            torch.nn.utils.clip_grad_norm_(plain_opt.param_groups[0]["params"], CLIP)
             plain_opt.step()
             plain_opt.zero_grad()
-            manager.step(cached_opt)
+            manager.step(cached_opt, max_grad_norm=CLIP)
             cached_opt.zero_grad()
             assert_on_the_host(manager, cached_opt)
     for plain_opt, cached_opt in zip(plain_opts, cached_opts, strict=True):
