@@ -2,6 +2,8 @@
 
     python -m perf.step_phases [--rounds 12] [--warmup 3] [--model small] [--json PATH]
     python -m perf.step_phases --variants "cache q4" "cache sign"   # these and their plain
+    python -m perf.step_phases --variants "cache r=1, fused step" \
+        "cache r=1, fused step, state on host"   # the optimizer state on the host too
 
 Trains copies of one TinyGPT with Adam, interleaved round robin on the same batches, and
 prints the median milliseconds of each phase per variant: forward, backward, drain
@@ -37,7 +39,11 @@ CODEC_VARIANTS = [
     for codec in LADDER
     if codec in BLOCK_CODECS
 ]
-ALL_VARIANTS = {v.name: v for v in VARIANTS + CODEC_VARIANTS}
+# The optimizer state in host memory too (offload_optimizer_state): on request only.
+STATE_VARIANT = StepVariant(
+    name="cache r=1, fused step, state on host", ratio=1, fused_step=True, state_on_host=True
+)
+ALL_VARIANTS = {v.name: v for v in [*VARIANTS, *CODEC_VARIANTS, STATE_VARIANT]}
 
 
 def baseline_name(variant: StepVariant) -> str:

@@ -32,6 +32,7 @@ class StepVariant:
     naive: bool = False  # the synchronous host top-k reference at ``ratio``
     fused_adam: bool = False  # torch.optim.Adam(fused=True), for plain and variant alike
     codec: str | None = None  # EngineConfig.codec; None: the ladder picks by ``ratio``
+    state_on_host: bool = False  # offload_optimizer_state (with the fused step)
 
     @property
     def baseline(self) -> StepVariant:
@@ -120,6 +121,8 @@ def build(variant: StepVariant, base: TinyGPT, **cache_options: object) -> Train
     elif variant.ratio is not None:
         if variant.codec is not None:
             cache_options = {"codec": variant.codec, **cache_options}
+        if variant.state_on_host:
+            cache_options = {"offload_optimizer_state": True, **cache_options}
         cache = create_gradient_cache(model, compression_ratio=variant.ratio, **cache_options)
     return Trainer(model=model, optimizer=optimizer, cache=cache, fused_step=variant.fused_step)
 
