@@ -66,6 +66,15 @@ def test_the_default_scenario_lowers_the_peak_by_most_of_the_offloaded_gradients
     step_saved = plain["phase_peak_bytes"]["optimizer"] - state["phase_peak_bytes"]["optimizer"]
     assert step_saved >= 0.8 * offloaded, step_saved / MIB
     assert state["max_abs_weight_diff_vs_plain"] == 0 or report["plain_again"] is not None
+    # The step holds at most the weights, the activations there (plain's, at its step) and
+    # two buckets of gradients and AdamW state (3 x 4 bytes an entry; a bucket closes past
+    # 4 MiB, so it holds at most 4 MiB plus the largest gradient).
+    largest = 4 * max(tensors_of_factory("gradient_cache.demo.models:medium"))
+    bucket = 4 * MIB + largest
+    at_step = max(m["phases"]["optimizer"]["peak_bytes"] for m in state["memory"])
+    plain_step = plain["memory"][-1]["phases"]["optimizer"]["peak_by_category_bytes"]
+    bound = plain_step["parameters"] + plain_step["activations and other"] + 2 * 3 * bucket
+    assert at_step <= bound, (at_step / MIB, bound / MIB)
     assert "Peak below plain's: cache r=1" in stdout
     assert "Scenario 'memory-bound'" in stdout
 
