@@ -349,3 +349,25 @@ def test_the_integrations_refuse_the_option_when_created() -> None:
     lightning = pytest.importorskip("gradient_cache.integrations.lightning")
     with pytest.raises(ValueError, match="offload_optimizer_state=True needs the fused step"):
         lightning.GradientCacheCallback(offload_optimizer_state=True)
+
+
+def test_the_accounting_counts_the_brought_state_as_device_memory_at_the_step() -> None:
+    """At the step a bucket's state is on the device: the step's accounted peak holds the
+    largest parameter's gradient and both AdamW moments beside the weights (a copy made
+    from a host tensor would count as host memory: the CPU backend makes new ones)."""
+    from gradient_cache.demo.accounting import device_memory_meter
+
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    steps = data(2)
+    cached_step(model, manager, optimizer, steps[0])  # the state exists from here on
+    for tokens, targets in steps[1]:
+        (loss_of(model, tokens, targets) / 2).backward()
+    with device_memory_meter(model, optimizer=optimizer, cache=manager) as meter:
+        with meter.phase("step"):
+            manager.step(optimizer, max_grad_norm=CLIP)
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    largest = max(p.numel() * p.element_size() for p in params)
+    assert meter.peaks["step"].peak.device_bytes >= weights + 3 * largest

@@ -149,8 +149,16 @@ class Backend(ABC):
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
-        """Start copying ``hosts`` to the device, into tensors of the same strides."""
-        return Transfer([host.clone() for host in hosts])
+        """Start copying ``hosts`` to the device, into tensors of the same strides (new
+        device tensors, as on a GPU: the demo's accounting counts them as device memory,
+        where a clone of a host tensor would count as host)."""
+        outs = [
+            torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
+            for h in hosts
+        ]
+        for host, out in zip(hosts, outs, strict=True):
+            out.copy_(host)
+        return Transfer(outs)
 
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         """The device tensors, safe for work queued from now on to read and write."""
