@@ -6,9 +6,9 @@ import logging
 import math
 import numbers
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
@@ -23,6 +23,7 @@ from .engine.config import (
     validate_exclude_layers,
 )
 from .engine.factory import BackendFactory, create_backend
+from .engine.norms import gradient_norm
 from .engine.pipeline import HeldTensors, Pipeline
 from .model_watch import ParameterWatch
 from .stats import CompressionSummary, compression_summary
@@ -175,6 +176,12 @@ class GradientCacheHookManager:
                 "hook_manager.step(optimizer) instead (it takes max_grad_norm= for "
                 "clipping), which brings the state to the device a bucket at a time."
             )
+        self._restore_all()
+
+    def _restore_all(self) -> None:
+        """Every cached gradient back in ``param.grad`` (whatever the optimizer state's
+        place: for the integrations, which restore what other optimizers left)."""
+        pipeline = self._live()
         steps = pipeline.steps
         pipeline.apply()
         self._log_step(steps)
@@ -245,6 +252,81 @@ class GradientCacheHookManager:
         self._log_step(steps)
         return total_norm
 
+    def gradient_norm(
+        self, parameters: torch.Tensor | Iterable[torch.Tensor], *, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """``torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type)``, with
+        the cached gradients counted where they are, none restored: the norm
+        ``clip_grad_norm_(parameters)`` returns, in its bits at ``compression_ratio=1``
+        (summed in the order of ``parameters``).
+
+        A cached gradient's norm is the one its last encode computed on the device (under
+        accumulation, of the earlier micro-batches' decoded sum plus the last one's
+        gradient; with a lossy codec, before compression), or, the first time a norm is
+        asked for, read from its host copy. Under FSDP2 the norm covers every rank's shards
+        (an all-reduce: every rank must call it). The integrations call this in place of
+        ``clip_grad_norm_``; a loop of your own can too, with `clip_grads_with_norm_`.
+        """
+        params = _parameter_list(parameters)
+        pipeline = self._clip_ready("gradient_norm")
+        norms = pipeline.read_norms(pipeline.parts(params), float(norm_type))
+        for param in params:
+            if param.grad is not None:
+                norms[param] = gradient_norm(sharding.local(param.grad), float(norm_type))
+        order = {param: i for i, param in enumerate(params)}
+        return sharding.global_norm(fused_step.clip_grad_norm_order(norms, order), float(norm_type))
+
+    def clip_grads_with_norm_(
+        self,
+        parameters: torch.Tensor | Iterable[torch.Tensor],
+        max_norm: float,
+        total_norm: torch.Tensor,
+    ) -> None:
+        """``torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)`` with
+        the cached gradients left cached: device gradients are clipped in place, and the
+        cached ones as they are restored (by ``step(optimizer)`` or ``apply_gradients()``),
+        by the same factor, so they come back with the bits the clip gives them in place.
+
+        A clip that covers only some of the step's cached gradients restores the ones it
+        covers and clips them in place. A backward before the step first restores the
+        clipped gradients (plain PyTorch adds the next micro-batch to clipped gradients).
+        """
+        params = _parameter_list(parameters)
+        pipeline = self._clip_ready("clip_grads_with_norm_")
+        cached = [param for param in params if param in pipeline.store]
+        if cached and not set(pipeline.store) <= set(params):
+            pipeline.deliver(cached)
+            pipeline.restore(cached)
+            cached = []
+        # clip_grads_with_norm_'s factor, in its bits, and its product with each gradient.
+        factor = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+        for param in params:
+            if param.grad is not None:
+                grad = sharding.local(param.grad)
+                grad.mul_(factor.to(grad.device))
+        if cached:
+            pipeline.defer_clip(factor.to(pipeline.backend.device))
+
+    def _clip_ready(self, caller: str) -> Pipeline:
+        """The pipeline, drained, with nothing cached that a device gradient also holds and
+        no deferred clip (what it clipped is restored): the state `gradient_norm` and
+        `clip_grads_with_norm_` read."""
+        pipeline = self._live()
+        if pipeline.grad_scaler is not None and pipeline.grad_scaler.is_enabled():
+            raise RuntimeError(
+                f"{caller}() cannot run with an enabled GradScaler given to the cache: the "
+                "cached gradients are scaled. Call step(optimizer, max_grad_norm=...), "
+                "which unscales, clips and steps, in place of unscale_, clip_grad_norm_ "
+                "and scaler.step."
+            )
+        pipeline.drain()
+        if pipeline.deferred_clip is not None:
+            self._restore_all()  # clipped again: from the clipped gradients, on the device
+        mixed = [param for param in pipeline.store if param.grad is not None]
+        pipeline.deliver(mixed)
+        pipeline.restore(mixed)
+        return pipeline
+
     def offload_state_of(self, optimizer: torch.optim.Optimizer) -> None:
         """With ``offload_optimizer_state=True``: from now on ``optimizer.load_state_dict``
         puts the state it loads in host memory, never on the device. ``step(optimizer)``
@@ -284,7 +366,14 @@ class GradientCacheHookManager:
         FSDP2 it holds this rank's shards: save one per rank, and load each into the same
         rank of a run with the same world size (anything else is refused).
         """
-        return checkpoint.save(self._live())
+        pipeline = self._live()
+        if pipeline.deferred_clip is not None:
+            raise RuntimeError(
+                "state_dict() was called between a clip_grad_norm_ answered from the cache and "
+                "optimizer.step(): the cached gradients' clip is applied as they are restored, "
+                "and a checkpoint would hold them unclipped. Save after optimizer.step()."
+            )
+        return checkpoint.save(pipeline)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from what ``state_dict()`` returned.
@@ -456,6 +545,16 @@ def create_gradient_cache(
         grad_scaler=grad_scaler,
         backend_factory=backend_factory,
     )
+
+
+def _parameter_list(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+) -> list[torch.nn.Parameter]:
+    """``parameters`` as clip_grad_norm_ takes them (one tensor, or an iterable), as a list.
+    Typed as parameters, which they are where the cache holds their gradients: a plain
+    tensor is found in no store and counts by its ``.grad``, as clip_grad_norm_ counts it."""
+    tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    return cast(list[torch.nn.Parameter], tensors)
 
 
 def _is_positive_number(value: Any) -> bool:

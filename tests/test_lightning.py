@@ -55,6 +55,24 @@ class Regressor(L.LightningModule):
         self.norms_before_step.append(torch.nn.utils.get_total_norm(grads).item())
 
 
+class Wide(L.LightningModule):
+    """Six 32x32 layers: a bucket (4 KiB) holds one weight, so the fused step's buckets are
+    small beside all the gradients, as in a large model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Sequential(*(nn.Linear(32, 32) for _ in range(6)))
+        self.net = nn.Sequential(nn.Linear(16, 32), self.inner, nn.Linear(32, 4))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.mse_loss(self.net(inputs), targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 def loader() -> DataLoader:
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(8 * BATCHES, 16, generator=generator)
@@ -103,49 +121,110 @@ PRECISIONS = {
 
 
 @pytest.mark.parametrize(
-    "precision,accumulate,clip",
+    "precision,accumulate,clip,fused",
     [
-        ("32-true", 1, None),
-        ("32-true", 3, 0.05),
-        ("bf16-mixed", 3, 0.05),
-        ("16-mixed", 1, None),
-        ("16-mixed", 3, 0.05),
+        ("32-true", 1, None, True),
+        ("32-true", 3, 0.05, True),
+        ("bf16-mixed", 3, 0.05, True),
+        ("32-true", 3, 0.05, False),
+        ("16-mixed", 1, None, False),
+        ("16-mixed", 3, 0.05, False),
     ],
 )
 def test_lossless_callback_ends_with_the_weights_of_a_plain_run(
-    precision: str, accumulate: int, clip: float | None
+    precision: str, accumulate: int, clip: float | None, fused: bool
 ) -> None:
+    """The fused step by default; restored before on_before_optimizer_step with
+    fused_step=False, and under 16-mixed (its GradScaler takes the restore path)."""
     settings = dict(accumulate_grad_batches=accumulate, gradient_clip_val=clip)
     plain, cached = Regressor(), Regressor()
     plain_trainer = fit(plain, [], **settings, **PRECISIONS[precision]())
-    callback = GradientCacheCallback(**LOSSLESS)
+    options = LOSSLESS if fused else dict(LOSSLESS, fused_step=False)
+    callback = GradientCacheCallback(**options)
     cached_trainer = fit(cached, [callback], **settings, **PRECISIONS[precision]())
 
     assert same_weights(cached, plain)
     assert not same_weights(plain, Regressor())  # it trained
+    if clip is not None:
+        finite = [norm for norm in plain.norms_before_step if math.isfinite(norm)]
+        assert finite and min(finite) > clip  # so clipping changed every step
+    assert not any(plain.emptied_after_backward)
+    steps = BATCHES // accumulate
+    if fused:
+        # The gradients stay cached through on_before_optimizer_step (and the clipping),
+        # and the fused step frees them, as zero_grad() would.
+        assert cached.emptied_after_backward == [True] * BATCHES
+        assert cached.norms_before_step == [0.0] * steps
+        assert all(p.grad is None for p in cached.parameters())
+        assert callback.last_summary["steps"] == steps
+        return
     # Every optimizer step saw the plain run's gradients, before clipping cut them.
     torch.testing.assert_close(  # NaN where fp16 overflowed and the scaler skipped the step
         cached.norms_before_step, plain.norms_before_step, rtol=0, atol=0, equal_nan=True
     )
-    if clip is not None:
-        finite = [norm for norm in plain.norms_before_step if math.isfinite(norm)]
-        assert finite and min(finite) > clip  # so clipping changed every step
     # The cache held the gradients between the micro-batches of each step.
-    assert not any(plain.emptied_after_backward)
-    assert cached.emptied_after_backward == ([True] * (accumulate - 1) + [False]) * (
-        BATCHES // accumulate
-    )
+    assert cached.emptied_after_backward == ([True] * (accumulate - 1) + [False]) * steps
     # Steps the scaler skipped are not counted; the last step's fate is learnt only when
     # a next step begins, and the summary was taken before its optimizer step.
     skipped_before_last = sum(not math.isfinite(norm) for norm in plain.norms_before_step[:-1])
     assert skipped_before_last == 0 or precision == "16-mixed"
-    assert callback.last_summary["steps"] == BATCHES // accumulate - skipped_before_last
+    assert callback.last_summary["steps"] == steps - skipped_before_last
     assert callback.last_summary["memory_saved_mb"] > 0
     if precision == "16-mixed":
         scales = [t.precision_plugin.scaler.get_scale() for t in (plain_trainer, cached_trainer)]
         assert scales[0] == scales[1] < 2.0**20  # the same overflow steps were skipped
     for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)  # the last step's gradients, as Lightning leaves them
+
+
+class StepPeak(L.Callback):
+    """The largest device peak (the CPU accounting) from on_before_optimizer_step to the
+    batch's end: the clipping and the optimizer step."""
+
+    def __init__(self, meter: Any) -> None:
+        self.meter = meter
+        self.peak = 0
+        self._phase: Any = None
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._phase = self.meter.phase("step")
+        self._phase.__enter__()
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if self._phase is not None:
+            self._phase.__exit__(None, None, None)
+            self._phase = None
+            self.peak = max(self.peak, self.meter.peaks["step"].peak.device_bytes)
+
+
+@pytest.mark.parametrize("state_on_host", [False, True], ids=["gradients", "gradients+state"])
+def test_the_fused_step_lowers_the_steps_device_peak(state_on_host: bool) -> None:
+    """accumulate_grad_batches and gradient_clip_val, bit for bit with plain Lightning, and
+    the step's accounted peak below plain's by most of the gradients' bytes (and of AdamW's
+    state, on the host): a few buckets of them are on the device at the step."""
+    from gradient_cache.demo.accounting import TensorMemoryTracker
+
+    settings = dict(accumulate_grad_batches=3, gradient_clip_val=0.05)
+    peaks = []
+    models = []
+    for cached in (False, True):
+        model = Wide()
+        callback = GradientCacheCallback(**LOSSLESS, offload_optimizer_state=state_on_host)
+
+        def host(callback: GradientCacheCallback = callback) -> tuple[torch.Tensor, ...]:
+            manager = callback._manager
+            return () if manager is None else manager.held_tensors().host
+
+        meter = TensorMemoryTracker(params=list(model.parameters()), host=host)
+        peak = StepPeak(meter)
+        with meter:
+            fit(model, [peak, callback] if cached else [peak], **settings)
+        peaks.append(peak.peak)
+        models.append(model)
+    assert same_weights(*models)
+    gradients = sum(p.numel() * p.element_size() for p in models[0].parameters())
+    saved = (peaks[0] - peaks[1]) / gradients
+    assert saved > (2.0 if state_on_host else 0.6)  # of 1 (gradients) and 3 (and AdamW's)
 
 
 def test_summary_is_logged_through_the_trainer_logger(tmp_path: Path) -> None:

@@ -341,16 +341,6 @@ def test_verbose_logs_the_states_host_and_moved_bytes(caplog: pytest.LogCaptureF
     assert f"{2 * momentum:.1f} MiB moved between host and device" in caplog.text  # step 2
 
 
-def test_the_integrations_refuse_the_option_when_created() -> None:
-    """They restore with apply_gradients(): refused at decoration or construction, with
-    the loop that works, not at the first step."""
-    with pytest.raises(ValueError, match=r"hook_manager\.step\(optimizer\) in your own loop"):
-        gradient_cache.optimize(offload_optimizer_state=True)
-    lightning = pytest.importorskip("gradient_cache.integrations.lightning")
-    with pytest.raises(ValueError, match="offload_optimizer_state=True needs the fused step"):
-        lightning.GradientCacheCallback(offload_optimizer_state=True)
-
-
 def test_the_accounting_counts_the_brought_state_as_device_memory_at_the_step() -> None:
     """At the step a bucket's state is on the device: the step's accounted peak holds the
     largest parameter's gradient and both AdamW moments beside the weights (a copy made
@@ -364,9 +354,11 @@ def test_the_accounting_counts_the_brought_state_as_device_memory_at_the_step() 
     cached_step(model, manager, optimizer, steps[0])  # the state exists from here on
     for tokens, targets in steps[1]:
         (loss_of(model, tokens, targets) / 2).backward()
-    with device_memory_meter(model, optimizer=optimizer, cache=manager) as meter:
-        with meter.phase("step"):
-            manager.step(optimizer, max_grad_norm=CLIP)
+    with (
+        device_memory_meter(model, optimizer=optimizer, cache=manager) as meter,
+        meter.phase("step"),
+    ):
+        manager.step(optimizer, max_grad_norm=CLIP)
     params = list(model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     largest = max(p.numel() * p.element_size() for p in params)

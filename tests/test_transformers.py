@@ -69,18 +69,87 @@ def weight_gap(left: torch.nn.Module, right: torch.nn.Module) -> float:
 
 
 @pytest.mark.parametrize(
-    "arguments",
-    [{}, {"gradient_accumulation_steps": 2}, {"bf16": True}],
-    ids=["defaults", "accumulation", "bf16-autocast"],
+    "arguments,options",
+    [
+        ({}, {}),
+        ({"gradient_accumulation_steps": 2}, {}),
+        ({"bf16": True}, {}),
+        ({"gradient_accumulation_steps": 2}, {"offload_optimizer_state": True}),
+        ({}, {"fused_step": False}),
+    ],
+    ids=["defaults", "accumulation", "bf16-autocast", "state-on-host", "restore-path"],
 )
-def test_trainer_at_ratio_1_ends_bit_for_bit_as_plain_trainer(tmp_path, arguments) -> None:
+def test_trainer_at_ratio_1_ends_bit_for_bit_as_plain_trainer(tmp_path, arguments, options) -> None:
+    """Also the gradient norms the trainer logs: clip_grad_norm_ answered from the cache."""
     plain = tiny_gpt2()
     plain_trainer = trainer_for(plain, tmp_path / "plain", **arguments)
     plain_trainer.train()
     cached = tiny_gpt2()
-    hf.train(trainer_for(cached, tmp_path / "cached", **arguments), compression_ratio=1)
+    cached_trainer = trainer_for(cached, tmp_path / "cached", **arguments)
+    hf.train(cached_trainer, compression_ratio=1, bucket_size_mb=0.004, **options)
     assert plain_trainer.args.max_grad_norm == 1.0  # the default clipping is on
     assert weight_gap(plain, cached) == 0.0
+    assert grad_norms(cached_trainer) == grad_norms(plain_trainer)
+    assert len(grad_norms(plain_trainer)) == 3 and max(grad_norms(plain_trainer)) > 1.0  # clipped
+
+
+def grad_norms(trainer: transformers.Trainer) -> list[float]:
+    return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+
+
+class StepPeak(transformers.TrainerCallback):
+    """The largest device peak (the CPU accounting) over the trainer's optimizer steps."""
+
+    def __init__(self, meter) -> None:
+        self.meter = meter
+        self.peak = 0
+        self._phase = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self._phase = self.meter.phase("step")
+        self._phase.__enter__()
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self._phase.__exit__(None, None, None)
+        self.peak = max(self.peak, self.meter.peaks["step"].peak.device_bytes)
+
+
+def step_peak(tmp_path, cached: bool, **options) -> int:
+    """A default Trainer run's device peak at the optimizer step, with the cache or not."""
+    from gradient_cache.demo.accounting import TensorMemoryTracker
+
+    model = tiny_gpt2()
+    trainer = trainer_for(model, tmp_path)
+
+    def host() -> tuple[torch.Tensor, ...]:
+        try:
+            return gradient_cache.manager_of(model).held_tensors().host
+        except RuntimeError:  # before or after the cached run
+            return ()
+
+    meter = TensorMemoryTracker(params=list(model.parameters()), host=host)
+    peak = StepPeak(meter)
+    trainer.add_callback(peak)
+    with meter:
+        if cached:
+            hf.train(trainer, compression_ratio=1, bucket_size_mb=0.004, **options)
+        else:
+            trainer.train()
+    return peak.peak
+
+
+def test_the_trainers_step_peak_falls_by_the_offloaded_bytes(tmp_path) -> None:
+    """At the optimizer step the device holds a few buckets of gradients (and of AdamW's
+    state, with it on the host) instead of all of them: the accounted peak falls by most of
+    the gradients' bytes P (of P), and by most of 3P with the state (of 3P)."""
+    plain = step_peak(tmp_path / "plain", cached=False)
+    gradients = sum(p.numel() * p.element_size() for p in tiny_gpt2().parameters())
+    fused = step_peak(tmp_path / "fused", cached=True)
+    state = step_peak(tmp_path / "state", cached=True, offload_optimizer_state=True)
+    restored = step_peak(tmp_path / "restored", cached=True, fused_step=False)
+    assert (plain - fused) / gradients > 0.6
+    assert (plain - state) / gradients > 2.0
+    assert abs(plain - restored) < 0.05 * gradients  # the restore path: plain's peak
 
 
 def test_trainer_logs_the_cache_summary_through_its_logging(tmp_path) -> None:

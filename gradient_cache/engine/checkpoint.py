@@ -95,6 +95,10 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
         "parameters": list(names.values()),
         "shards": sharding.rank_and_world_size(),
         "steps": pipeline.steps,
+        # The norm type the encodes compute (a clipped fused step's or clip_grad_norm_'s):
+        # a resumed step clips by the norms the uninterrupted one would, not the host
+        # copies' (with a lossy codec they differ).
+        "clip_norm_type": pipeline.clip_norm_type,
         "random_device": pipeline.backend.device.type,
         "random_state": pipeline.random_state(),
         "random_state_at_step_start": pipeline.random_state_at_step_start,
@@ -118,6 +122,7 @@ def load(pipeline: Pipeline, state: Any) -> None:
     _check(pipeline, state)
     by_name = pipeline.params_by_name()
     pipeline.restart_at(state["steps"])  # the routes (and pool) the saved step had
+    pipeline.clip_with(state.get("clip_norm_type"))  # absent: saved before it was kept
     # Generator states are device-specific (a CPU and a CUDA generator's differ in kind).
     same_kind = state["random_device"] == pipeline.backend.device.type
     pipeline.set_random_state(state["random_state"] if same_kind else {})

@@ -41,7 +41,17 @@ def step(
     if states is not None:
         states.begin_step(optimizer)  # a skipped step moves no state either
     stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
+    # A clip_grad_norm_ answered from the cache (the integrations): its factor applies to
+    # the cached gradients as they are restored; the device ones it clipped in place.
+    deferred = pipeline.deferred_clip
     clip = pipeline.retry() if pipeline.interrupted else None
+    if clip is None and deferred is not None:
+        if max_grad_norm is not None:
+            raise ValueError(
+                "step(optimizer, max_grad_norm=...) after clip_grad_norm_ clipped these "
+                "gradients already: clip once, with one or the other."
+            )
+        clip = (None, deferred)
     delivered = [p for p in pipeline.store if p in stepped]
     # A cached gradient that also has a device part is restored whole first: it then
     # behaves like any device gradient. Parameters of other optimizers stay cached.
@@ -60,9 +70,10 @@ def step(
             pipeline, model_order, parts, held, max_grad_norm, norm_type, inv_scale=inv_scale
         )
     total_norm, clip_factor = clip
+    held_factor = None if deferred is not None else clip_factor
     if skip:
         assert scaler is not None
-        _skip(pipeline, scaler, optimizer, parts, held, delivered, clip_factor)
+        _skip(pipeline, scaler, optimizer, parts, held, delivered, held_factor)
         return total_norm
     # Parameters only from here: a payload is let go as soon as its bucket is stepped.
     buckets = [[param for param, _ in part] for part in parts]
@@ -95,7 +106,7 @@ def step(
             if states is not None:
                 states.send_back(optimizer, arrivals.popleft())
         if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
-            _put_back_scaled(held, clip_factor)
+            _put_back_scaled(held, held_factor)
             if states is not None:
                 arrivals.append(states.bring(optimizer, list(held)))
                 states.install(optimizer, arrivals[0])
@@ -178,31 +189,17 @@ def _clip_factor(
     the clip factor, times ``inv_scale`` (a GradScaler's) where given; (None, factor)
     without clipping.
 
-    Each parameter's norm is the one its last encode computed on the device, of the
-    gradient it received before compressing it (`PendingStep.norms`), or else read from
-    its host payload (complete after the drain; a sparse payload's norm is that of its
-    values); the device gradients' are computed here. They are reduced on the device, in
+    The cached gradients' norms come from `Pipeline.read_norms` (the encodes' or the host
+    payloads', complete after the drain); the device gradients' are computed here. They
+    are reduced on the device, in
     the model's order. Under FSDP2 each rank holds shards: their norms are combined across
     ranks (`sharding.global_norm`).
     """
-    pipeline.clip_with(None if max_grad_norm is None else norm_type)
     if max_grad_norm is None:
+        if pipeline.pending is None or not pipeline.pending.norm_read:
+            pipeline.clip_with(None)  # no one asks for norms: the encodes stop computing them
         return None, inv_scale
-    pending = pipeline.pending
-    encoded = None if pending is None else pending.norms
-    if encoded is not None and encoded.norm_type != norm_type:
-        encoded = None
-    device = pipeline.backend.device
-    local = {}
-    for part in parts:
-        for param, payload in part:
-            norm = None if encoded is None else encoded.get(param)
-            if norm is None:
-                # Read from the host payload where no encode computed it (the first clipped
-                # step, a step resumed from a checkpoint), and taken to the device, where
-                # clip_grad_norm_ returns its norm.
-                norm = gradient_norm(payload.kept_values(), norm_type).to(device)
-            local[param] = norm
+    local = pipeline.read_norms(parts, norm_type)
     for param, grad in held.items():
         local[param] = gradient_norm(sharding.local(grad), norm_type)
     total = sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
@@ -210,6 +207,7 @@ def _clip_factor(
         # The norms of the scaled gradients times 1/scale, a power of two: exactly the
         # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
         total = total * inv_scale.to(total.device)
+    device = pipeline.backend.device
     factor = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0).to(device)
     return total, factor if inv_scale is None else factor * inv_scale.to(device)
 

@@ -25,7 +25,7 @@ from .bucket import BucketAssembler, Item
 from .config import EngineConfig
 from .factory import BackendFactory, create_backend
 from .layout import gradient_strides
-from .norms import StepNorms, norm_slots
+from .norms import StepNorms, gradient_norm, norm_slots
 from .optimizer_state import HostOptimizerState
 from .route import Codecs, Route, RoutePlan
 from .store import BucketPayloads, GradientStore
@@ -144,6 +144,11 @@ class PendingStep:
     norms: StepNorms | None = None
     counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
     clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
+    # A clip_grad_norm_ answered from the cache (`defer_clip`): the factor every gradient
+    # of the step still cached is multiplied by as it is restored, as plain PyTorch
+    # multiplied it in place at the clip. None: no such clip.
+    deferred_clip: torch.Tensor | None = None
+    norm_read: bool = False  # a norm was read from the cache (`read_norms`) in this step
 
 
 class StepStateError(RuntimeError):
@@ -292,6 +297,10 @@ class Pipeline:
             return  # sparse (nn.Embedding(sparse=True)) gradients stay where they are
         if not self.enabled:
             return  # left on the device; what is cached joins it at the restore
+        if self.deferred_clip is not None:
+            # A backward after a clip answered from the cache: plain PyTorch adds to the
+            # clipped gradients, so they come back clipped first (a restore, once).
+            self.apply()
         if not self._gradient_checked:
             sharding.check_gradient_is_reduced(self.records[param].name, grad)
             self._gradient_checked = True
@@ -444,9 +453,10 @@ class Pipeline:
         self.finish_step()
 
     def restore(self, params: Iterable[Param]) -> None:
-        """Put the cached gradients of ``params`` into ``param.grad`` (added to any there)."""
+        """Put the cached gradients of ``params`` into ``param.grad`` (added to any there),
+        times the deferred clip's factor, if one is pending."""
         for part in self.store.parts(set(params)):
-            restore = self.backend.start_restore(part, clip_factor=None)
+            restore = self.backend.start_restore(part, clip_factor=self.deferred_clip)
             for param, grad in self.backend.finish_restore(restore):
                 grad = sharding.as_grad_of(param, grad)
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
@@ -537,6 +547,45 @@ class Pipeline:
         self.backend.residuals.bring_back_replaced()
         self.set_random_state(scaled.random_state)
         self.steps = scaled.steps
+
+    @property
+    def deferred_clip(self) -> torch.Tensor | None:
+        """The pending step's deferred clip factor (`defer_clip`), if any."""
+        return None if self.pending is None else self.pending.deferred_clip
+
+    def defer_clip(self, factor: torch.Tensor) -> None:
+        """Every gradient the step holds cached is clipped by ``factor`` (on the device):
+        applied as each is restored. Only for a clip that covers all of them."""
+        assert self.pending is not None and self.pending.deferred_clip is None
+        self.pending.deferred_clip = factor
+
+    def read_norms(
+        self, parts: Iterable[BucketPayloads], norm_type: float
+    ) -> dict[Param, torch.Tensor]:
+        """The norms of the cached gradients in ``parts``, on the device, without restoring
+        them: each one its last encode computed (`PendingStep.norms`), of the gradient it
+        received before compressing it, or else read from its host payload (a sparse
+        payload's norm is that of its values). Later steps' encodes compute norms of
+        ``norm_type``."""
+        pending = self.pending
+        encoded = None if pending is None else pending.norms
+        if encoded is not None and encoded.norm_type != norm_type:
+            encoded = None
+        if pending is not None:
+            pending.norm_read = True
+        self.clip_with(norm_type)
+        device = self.backend.device
+        norms = {}
+        for part in parts:
+            for param, payload in part:
+                norm = None if encoded is None else encoded.get(param)
+                if norm is None:
+                    # Where no encode computed it (the first step that asks, a step resumed
+                    # from a checkpoint): from the host payload, taken to the device, where
+                    # clip_grad_norm_ returns its norm.
+                    norm = gradient_norm(payload.kept_values(), norm_type).to(device)
+                norms[param] = norm
+        return norms
 
     def clip_with(self, norm_type: float | None) -> None:
         """A fused step clips by the norm of ``norm_type`` (None: it does not clip): the

@@ -34,7 +34,12 @@ STATE_KEYS = frozenset(
     }
 )
 # Keys a state may lack (saved before they existed), with what their absence means.
-OPTIONAL_KEYS = frozenset({"layouts"})  # none: every parameter's layout was contiguous
+OPTIONAL_KEYS = frozenset(
+    {
+        "layouts",  # none: every parameter's layout was contiguous
+        "clip_norm_type",  # none: the encodes computed no norms
+    }
+)
 
 
 def check_keys(state: dict[str, Any]) -> None:
@@ -67,6 +72,11 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
     steps = state["steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"state['steps'] is {steps!r}; expected a whole number >= 0.")
+    norm_type = state.get("clip_norm_type")
+    if norm_type is not None and (
+        isinstance(norm_type, bool) or not isinstance(norm_type, int | float) or not norm_type > 0
+    ):
+        raise ValueError(f"state['clip_norm_type'] is {norm_type!r}; expected None or a norm > 0.")
     if not isinstance(state["random_device"], str):
         raise ValueError(
             f"state['random_device'] is {state['random_device']!r}; expected a device type "

@@ -48,6 +48,9 @@ class CacheOptions:
     exclude_layers: tuple[str, ...]
     verbose: bool
     config: EngineConfig
+    #: Whether ``optimizer.step()`` is the fused step (`routing.StepRouting`); False
+    #: restores every gradient before any step or gradient reader.
+    fused_step: bool = True
 
     @classmethod
     def from_arguments(
@@ -63,17 +66,19 @@ class CacheOptions:
         patterns = validate_exclude_layers(exclude_layers)
         if not isinstance(verbose, bool):
             raise TypeError(f"verbose must be True or False, got {verbose!r}.")
+        options = dict(options)
+        fused_step = options.pop("fused_step", True)
+        if not isinstance(fused_step, bool):
+            raise TypeError(f"fused_step must be True or False, got {fused_step!r}.")
         config = EngineConfig.from_options(options, compression_ratio=ratio)
-        if config.offload_optimizer_state:
+        if config.offload_optimizer_state and not fused_step:
             raise ValueError(
-                "offload_optimizer_state=True needs the fused step, "
-                "hook_manager.step(optimizer), which brings the state to the device a "
-                "bucket at a time; the integrations restore with apply_gradients() and "
-                "would need the whole state on the device. Use create_gradient_cache("
-                "model, offload_optimizer_state=True) and hook_manager.step(optimizer) "
-                "in your own loop."
+                "offload_optimizer_state=True needs fused_step=True: the fused step brings "
+                "the state to the device a bucket at a time, while fused_step=False restores "
+                "every gradient before optimizer.step(), which would need the whole state "
+                "on the device. Drop fused_step=False, or the state offload."
             )
-        return cls(ratio, patterns, verbose, config)
+        return cls(ratio, patterns, verbose, config, fused_step)
 
     def create_manager(
         self,

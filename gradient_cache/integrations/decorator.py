@@ -4,8 +4,8 @@ While the decorated function runs, two process-wide PyTorch hooks are in place:
 
 * a module forward pre-hook attaches a `GradientCacheHookManager` to each root model the
   first time it runs a forward pass with gradients enabled;
-* an optimizer step pre-hook puts every cached gradient back into ``param.grad`` before
-  any ``torch.optim.Optimizer`` steps.
+* `routing.StepRouting`: ``optimizer.step()`` is the cache's fused step (restored and
+  stepped a bucket at a time), and ``clip_grad_norm_`` is answered from the cache.
 
 When the function returns or raises, both hooks are removed and every manager is
 detached, which puts any gradient still cached back into ``param.grad``.
@@ -13,7 +13,6 @@ detached, which puts any gradient still cached back into ``param.grad``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -27,13 +26,12 @@ from typing import Any, TypeVar, cast
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..data_parallel import check_data_parallel
 from ..engine.config import DEFAULT_COMPRESSION_RATIO
 from ..manager import GradientCacheHookManager
 from . import CacheOptions
-from .gradient_readers import restore_before_gradient_reads
+from .routing import StepRouting
 
 F = TypeVar("F", bound=Callable[..., Any])
 logger = logging.getLogger("gradient_cache")
@@ -57,13 +55,16 @@ def optimize(
     The function needs no change: a loop of ``loss.backward()``, ``optimizer.step()``
     and ``optimizer.zero_grad()`` trains as without the decorator (bit for bit at
     ``compression_ratio=1``), with each gradient held in host memory from the moment
-    backward produces it until the next ``optimizer.step()`` of any optimizer.
+    backward produces it until ``optimizer.step()``, which is the cache's fused step:
+    it restores and steps one bucket at a time (`routing.StepRouting`).
     Gradient accumulation (several backward passes per step) and closures
     (``optimizer.step(closure)``, e.g. LBFGS) work as in plain PyTorch.
 
     Args:
         compression_ratio, exclude_layers, verbose, options: as for
-            `gradient_cache.create_gradient_cache`, applied to every model.
+            `gradient_cache.create_gradient_cache`, applied to every model; and
+            ``fused_step=False`` to restore every gradient before any step instead (for an
+            optimizer whose update of a parameter reads other parameters' gradients).
             ``exclude_layers`` entries are matched against each model's own parameter
             names; an entry that matches no model's parameter is warned about when the
             function returns.
@@ -76,10 +77,10 @@ def optimize(
     submodule ran on its own first, its manager is replaced by its parent's.
 
     Clipping and unscaling work: while the function runs, ``torch.nn.utils``'s
-    ``clip_grad_norm_``, ``clip_grad_value_`` and ``clip_grads_with_norm_`` and
-    ``GradScaler.unscale_`` restore every cached gradient before they read any
-    (`gradient_readers`), so Hugging Face's ``Trainer`` and
-    ``accelerate`` clip as without the cache. Other code that reads or changes
+    ``clip_grad_norm_`` and ``clip_grads_with_norm_`` are answered from the cache, and
+    ``clip_grad_value_`` and ``GradScaler.unscale_`` restore every cached gradient before
+    they read any (`gradient_readers`), so Hugging Face's ``Trainer`` and ``accelerate``
+    clip as without the cache. Other code that reads or changes
     gradients between ``backward()`` and ``optimizer.step()`` (gradient logging, a
     ``zero_grad()`` that skips a step) sees none: call ``manager_of(model)``'s
     ``apply_gradients()`` (or ``discard_gradients()``) before it. Only one decorated
@@ -189,7 +190,7 @@ class _Session:
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._matched_patterns: set[str] = set()
         self._handles: list[Any] = []
-        self._readers: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        self._routing = StepRouting(self.managers.values, fused=settings.fused_step)
 
     # --- lifetime -----------------------------------------------------------------
 
@@ -204,13 +205,9 @@ class _Session:
                     "the decorator on the outermost training function only."
                 )
             _active = self
-        self._handles = [
-            register_module_forward_pre_hook(self._on_forward),
-            register_optimizer_step_pre_hook(self._before_step),
-        ]
-        # clip_grad_norm_ & co. and GradScaler.unscale_ restore first (gradient_readers).
-        self._readers = restore_before_gradient_reads(self._restore_all)
-        self._readers.__enter__()
+        self._handles = [register_module_forward_pre_hook(self._on_forward)]
+        # optimizer.step() is the fused step; clip_grad_norm_ & co. answered from the cache.
+        self._routing.__enter__()
         return self
 
     def __exit__(
@@ -221,7 +218,7 @@ class _Session:
     ) -> None:
         global _active
         try:
-            self._readers.__exit__(None, None, None)
+            self._routing.__exit__(None, None, None)
             for handle in self._handles:
                 handle.remove()
             self.summaries = [
@@ -293,32 +290,6 @@ class _Session:
                 len(trainable),
                 self.name,
             )
-
-    def _before_step(
-        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """Restore before any optimizer steps; with a closure, also after it ran."""
-        # Every model, not only the optimizer's: a backward through two models (a GAN's
-        # generator loss through its discriminator) leaves gradients on both, and plain
-        # PyTorch would show them in .grad until the other optimizer's zero_grad().
-        self._restore_all()
-        # args holds the optimizer itself, then step's own arguments: step(closure=None).
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if not callable(closure):
-            return None
-
-        def closure_then_restore() -> Any:
-            loss = closure()
-            self._restore_all()  # the closure's backward was cached; the step reads .grad next
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_restore}
-        return (args[0], closure_then_restore, *args[2:]), kwargs
-
-    def _restore_all(self) -> None:
-        for manager in self.managers.values():
-            manager.apply_gradients()
 
 
 def _store_on_flow(args: tuple[Any, ...], summaries: list[dict[str, Any]]) -> None:

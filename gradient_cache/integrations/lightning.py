@@ -6,10 +6,15 @@ Where Lightning touches gradients in one optimizer step (automatic optimization)
     last micro-batch: ... → on_after_backward → [16-mixed: scaler.unscale_]
                       → on_before_optimizer_step → gradient clipping → optimizer.step
 
-The callback offloads during every backward, drains in every ``on_after_backward`` (so
-nothing lingers between micro-batches) and restores in the ``on_after_backward`` of the
-micro-batch that is followed by a step: the last place that runs before a GradScaler
-unscales, ``on_before_optimizer_step`` hooks and clipping read the gradients.
+The callback offloads during every backward and drains in every ``on_after_backward`` (so
+nothing lingers between micro-batches). Then, by default, the step is the fused step
+(`routing.StepRouting`): Lightning's ``optimizer.step(closure)`` runs the closure (the
+last backward, ``on_before_optimizer_step``, clipping through ``clip_grad_norm_``, answered
+from the cache), then the cache restores and steps a bucket at a time. With a GradScaler
+(``"16-mixed"``), which unscales every gradient at once, or ``fused_step=False``, it
+restores in the ``on_after_backward`` of the micro-batch that is followed by a step: the
+last place that runs before a GradScaler unscales, ``on_before_optimizer_step`` hooks and
+clipping read the gradients.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch.distributed as dist
 from ..engine.config import DEFAULT_COMPRESSION_RATIO
 from ..manager import GradientCacheHookManager
 from . import SUMMARY_LOGGED_FIELDS, CacheOptions, missing_extra
+from .routing import StepRouting
 
 try:
     import lightning.pytorch as pl
@@ -42,11 +48,19 @@ class GradientCacheCallback(pl.Callback):
     Supported: a single device (``strategy="auto"`` with one device, or a
     ``SingleDeviceStrategy``) and FSDP2 through ``ModelParallelStrategy`` (``fully_shard``
     applied in ``configure_model``; each rank caches its shards), automatic
-    optimization, any ``accumulate_grad_batches``, ``gradient_clip_val`` (clipping sees
-    the restored gradients) and precision ``"32-true"``, ``"bf16-mixed"`` and
-    ``"16-mixed"`` (gradients are back before the GradScaler unscales them). Manual
-    optimization and the other multi-device strategies (DDP, FSDP1, DeepSpeed) are
-    refused in ``setup`` with the reason.
+    optimization, any ``accumulate_grad_batches``, ``gradient_clip_val`` and precision
+    ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"``. Manual optimization and the other
+    multi-device strategies (DDP, FSDP1, DeepSpeed) are refused in ``setup`` with the
+    reason.
+
+    The step: in ``"32-true"`` and ``"bf16-mixed"`` it is the fused step, so at most two
+    buckets of gradients (and, with ``offload_optimizer_state=True``, of optimizer state)
+    are on the device at the step; ``gradient_clip_val`` by norm is answered from the cache
+    and applied as each bucket is restored, with plain Lightning's bits. Gradients are then
+    None in ``.grad`` in ``on_before_optimizer_step``; a hook that reads them there needs
+    ``fused_step=False``, which restores every gradient before that hook, as does
+    ``"16-mixed"`` (its GradScaler unscales every gradient at once; the step's peak is then
+    plain's, and ``offload_optimizer_state=True`` is refused).
 
     At every optimizer step the figures in ``SUMMARY_LOGGED_FIELDS`` are logged through the
     LightningModule's ``log`` (so every logger of the trainer, at ``log_every_n_steps``)
@@ -82,6 +96,8 @@ class GradientCacheCallback(pl.Callback):
         # where the manager is created (most strategies), so it waits here until then.
         self._state_to_load: dict[str, Any] | None = None
         self._per_rank_state = False  # ModelParallelStrategy: see state_dict
+        self._routing: StepRouting | None = None  # in place from on_fit_start to teardown
+        self._logged_steps = -1  # the summary's step count when it was last logged
 
     # --- checks and lifetime ------------------------------------------------------
 
@@ -116,7 +132,18 @@ class GradientCacheCallback(pl.Callback):
         self._detach()
         # 16-mixed's GradScaler: error feedback then keeps its residual unscaled.
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        fused = self._options.fused_step and not (scaler is not None and scaler.is_enabled())
+        if self._options.config.offload_optimizer_state and not fused:
+            raise ValueError(
+                "offload_optimizer_state=True needs the fused step, which precision "
+                "'16-mixed' cannot take: its GradScaler unscales every gradient at once, and "
+                "the step would need the whole optimizer state on the device. Use "
+                "precision='bf16-mixed' or '32-true', or drop offload_optimizer_state."
+            )
         self._manager = self._options.create_manager(pl_module, grad_scaler=scaler)
+        self._logged_steps = -1
+        manager = self._manager
+        self._routing = StepRouting(lambda: [manager], fused=fused).__enter__()
         if self._state_to_load is not None:
             state, self._state_to_load = self._state_to_load, None
             self._manager.load_state_dict(state)
@@ -170,17 +197,22 @@ class GradientCacheCallback(pl.Callback):
 
     def _detach(self) -> None:
         """Put back anything still cached and remove the hooks from the model."""
+        routing, self._routing = self._routing, None
         manager, self._manager = self._manager, None
-        if manager is not None:
-            manager.remove_hooks()
+        try:
+            if routing is not None:
+                routing.__exit__(None, None, None)
+        finally:
+            if manager is not None:
+                manager.remove_hooks()
 
     # --- the training step --------------------------------------------------------
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._manager is None:
+        if self._manager is None or self._routing is None:
             return
         # Lightning's own ThroughputMonitor asks the fit loop the same question.
-        if trainer.fit_loop._should_accumulate():
+        if self._routing.fused or trainer.fit_loop._should_accumulate():
             self._manager.compress_and_free_gradients()
         else:
             self._manager.apply_gradients()
@@ -188,12 +220,26 @@ class GradientCacheCallback(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._manager is None:
+        if self._manager is None or self._routing is None or self._routing.fused:
             return
         # Normally a no-op: on_after_backward restored. Not when the step's own
         # training_step returned None (no backward) after micro-batches that did run.
         self._manager.apply_gradients()
+        self._log(pl_module)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._manager is not None and self._routing is not None and self._routing.fused:
+            self._log(pl_module)  # after the fused step, if this batch stepped
+
+    def _log(self, pl_module: pl.LightningModule) -> None:
+        """Log the summary of a step not logged yet."""
+        assert self._manager is not None
         summary = self._manager.get_compression_summary()
+        if summary["step_pending"] or summary["steps"] == self._logged_steps:
+            return
+        self._logged_steps = summary["steps"]
         self.last_summary = summary
         pl_module.log_dict(
             {f"gradient_cache/{field}": float(summary[field]) for field in SUMMARY_LOGGED_FIELDS},

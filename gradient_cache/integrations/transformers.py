@@ -6,10 +6,10 @@ Where ``Trainer`` touches gradients in one optimizer step (transformers 5):
     last micro-batch: ... → accelerator.clip_grad_norm_ (max_grad_norm, 1.0 by default;
                       unscale_ first under fp16) → on_pre_optimizer_step → optimizer.step
 
-Clipping comes before any callback hook that could restore, so the cache is attached by
-`gradient_cache.optimize` around ``trainer.train``: its clipping and unscaling readers put
-the gradients back before ``clip_grad_norm_`` reads them (`gradient_readers`), and its
-optimizer pre-hook before the step. A callback logs the figures through ``Trainer.log``,
+Clipping comes before any callback hook, so the cache is attached by
+`gradient_cache.optimize` around ``trainer.train``: ``accelerator.clip_grad_norm_`` is
+answered from the cache and ``optimizer.step()`` is the fused step (`routing`); under fp16
+the GradScaler's unscale restores every gradient first (`gradient_readers`). A callback logs the figures through ``Trainer.log``,
 so every reporter the trainer has (TensorBoard, W&B, ...) receives them, and they are in
 ``trainer.state.log_history``; it also saves the cache's state in every checkpoint folder
 (``gradient_cache.pt``) and loads it when training resumes from one. transformers is

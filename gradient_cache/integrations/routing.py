@@ -1,0 +1,167 @@
+"""How the integrations route a training loop's calls to the cache: `StepRouting`.
+
+While a `StepRouting` is in place (the decorator's function call, a Lightning fit):
+
+* ``optimizer.step()`` of an optimizer whose parameters a manager caches is that manager's
+  fused step, ``step(optimizer)``: restored and stepped a bucket at a time, the optimizer
+  state brought along where ``offload_optimizer_state=True``. An optimizer pre-hook runs
+  it (after the closure, where there is one: Lightning's, whose closure runs the backward
+  and the clipping); the device gradients it stepped are hidden from the call's own step,
+  which then steps nothing, and put back after it, clipped, as plain PyTorch leaves them.
+* ``clip_grad_norm_`` and ``clip_grads_with_norm_`` (torch's and accelerate's) are
+  answered from the cache (`GradientCacheHookManager.gradient_norm` and
+  ``clip_grads_with_norm_``): nothing is restored, and the clip is applied bucket by bucket
+  as the fused step restores.
+* What reads every gradient at once (``clip_grad_value_``, ``GradScaler.unscale_``, an
+  LBFGS step) restores every gradient first (`gradient_readers`), and the step that
+  follows is plain PyTorch's.
+
+With ``fused_step=False`` every step and every reader restores first, as before the fused
+step existed: for optimizers whose update of a parameter reads other parameters' gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ..manager import GradientCacheHookManager
+from .gradient_readers import CacheReads, route_gradient_reads
+
+Managers = Callable[[], Iterable[GradientCacheHookManager]]
+
+
+class StepRouting(CacheReads):
+    """Routes steps and gradient readers to the managers ``managers()`` returns (see the
+    module's docstring); a context manager that puts its hooks in place and takes them away.
+    """
+
+    def __init__(self, managers: Managers, *, fused: bool) -> None:
+        self._managers = managers
+        self.fused = fused
+        self._stepping = False  # inside a fused step: its per-bucket calls step as usual
+        # The device gradients a fused step stepped, hidden from the call's own step.
+        self._hidden: dict[torch.optim.Optimizer, dict[torch.Tensor, torch.Tensor]] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> StepRouting:
+        with contextlib.ExitStack() as stack:
+            stack.callback(register_optimizer_step_pre_hook(self._before_step).remove)
+            stack.callback(register_optimizer_step_post_hook(self._after_step).remove)
+            stack.enter_context(route_gradient_reads(self))
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+
+    # --- readers (`CacheReads`) ---------------------------------------------------
+
+    def restore(self, reader: str) -> None:
+        """Every cached gradient back in ``param.grad``, before ``reader`` reads them."""
+        for manager in self._managers():
+            engine = manager.engine
+            if engine is not None and engine.optimizer_state is not None and engine.store:
+                raise RuntimeError(
+                    f"{reader} reads every gradient at once, which with "
+                    "offload_optimizer_state=True would also need the whole optimizer state "
+                    "on the device at the step. Use clip_grad_norm_ (answered from the cache) "
+                    "and no GradScaler.unscale_, or offload_optimizer_state=False."
+                )
+            manager._restore_all()
+
+    def cache_for(self, parameters: list[torch.Tensor]) -> GradientCacheHookManager | None:
+        """The one manager holding cached gradients of ``parameters``, which answers a norm
+        or clip over them without restoring; None where that is not so (no fused step,
+        nothing cached, several managers, a GradScaler given to the cache)."""
+        if not self.fused:
+            return None
+        holders = []
+        for manager in self._managers():
+            manager.compress_and_free_gradients()
+            engine = manager.engine
+            assert engine is not None  # the integrations detach a manager before closing it
+            if any(param in engine.store for param in parameters):
+                holders.append(manager)
+        if len(holders) != 1:
+            return None
+        scaler = holders[0].engine.grad_scaler if holders[0].engine is not None else None
+        return None if scaler is not None and scaler.is_enabled() else holders[0]
+
+    # --- the optimizer hooks ------------------------------------------------------
+
+    def _before_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The fused step in place of this step; with a closure, once the closure ran."""
+        if self._stepping:
+            return None
+        # args holds the optimizer itself, then step's own arguments: step(closure=None).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            self._route(optimizer)
+            return None
+
+        def closure_then_route() -> Any:
+            loss = closure()
+            self._route(optimizer)  # the closure's backward (and clipping) ran
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_route}
+        return (args[0], closure_then_route, *args[2:]), kwargs
+
+    def _route(self, optimizer: torch.optim.Optimizer) -> None:
+        owned = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.fused and not isinstance(optimizer, torch.optim.LBFGS):
+            for manager in self._managers():
+                if _takes_fused_step(manager, owned):
+                    self._stepping = True
+                    try:
+                        manager.step(optimizer)
+                    finally:
+                        self._stepping = False
+                    self._hide(optimizer, owned)
+        # Every model's gradients that are left, not only this optimizer's: a backward
+        # through two models (a GAN's generator loss through its discriminator) leaves
+        # gradients on both, and plain PyTorch shows them in .grad until the other
+        # optimizer's zero_grad().
+        for manager in self._managers():
+            manager._restore_all()
+
+    def _hide(self, optimizer: torch.optim.Optimizer, owned: list[torch.Tensor]) -> None:
+        """The stepped device gradients out of ``param.grad`` until the call's own step is
+        over (`_after_step`): it must not step them again."""
+        hidden = self._hidden.setdefault(optimizer, {})
+        for param in owned:
+            if param.grad is not None:
+                hidden[param] = param.grad
+                param.grad = None
+
+    def _after_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if self._stepping:
+            return
+        for param, grad in self._hidden.pop(optimizer, {}).items():
+            param.grad = grad
+
+
+def _takes_fused_step(manager: GradientCacheHookManager, owned: list[torch.Tensor]) -> bool:
+    """Whether ``manager``'s fused step steps an optimizer over ``owned``: it caches
+    gradients of some of them, or it keeps the state of any it caches in host memory (a
+    plain step would find that state off the device)."""
+    engine = manager.engine
+    if engine is None:
+        return False
+    manager.compress_and_free_gradients()
+    if engine.optimizer_state is not None:
+        return any(param in engine.records for param in owned)
+    return any(param in engine.store for param in owned)
