@@ -36,7 +36,7 @@ def clipped_loop(
     """Accumulation, clip_grad_norm_ after the last micro-batch, the step; what it saw."""
     optimizer = optimizer_class(model.parameters(), lr=1e-2)
     watch = GradientWatch(optimizer)
-    norms, emptied_after_clip = [], []
+    norms, emptied_after_clip, after_step = [], [], []
     for tokens, targets in batches(5):
         for part in range(micro_batches):
             rows = slice(part * 4 // micro_batches, (part + 1) * 4 // micro_batches)
@@ -44,8 +44,9 @@ def clipped_loop(
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
         emptied_after_clip.append([p.grad is None for p in model.parameters()])
         optimizer.step()
+        after_step.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
         optimizer.zero_grad()
-    return {"norms": norms, "emptied": emptied_after_clip, "most": watch.most}
+    return {"norms": norms, "emptied": emptied_after_clip, "most": watch.most, "after": after_step}
 
 
 def gradient_bytes(model: nn.Module) -> int:
@@ -70,6 +71,11 @@ def test_the_decorated_step_is_the_fused_step_with_plain_bits(options: dict) -> 
     names = [name for name, _ in cached.named_parameters()]
     for emptied in got["emptied"]:  # the clip restored nothing
         assert emptied == [excluded not in name for name in names]
+    # After the step, the device gradients (excluded layers) are in .grad, clipped once, as
+    # plain PyTorch leaves them; the cached ones are freed.
+    for want, have in zip(expected["after"], got["after"], strict=True):
+        for name, plain_grad, grad in zip(names, want, have, strict=True):
+            assert grad is None if excluded not in name else torch.equal(grad, plain_grad)
     assert expected["most"] == gradient_bytes(plain)
     biggest = max(p.numel() * 4 for p in cached.parameters())
     assert got["most"] <= 2 * biggest + 4 * 4096  # a bucket (or the largest gradient) or so

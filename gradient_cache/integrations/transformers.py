@@ -9,11 +9,11 @@ Where ``Trainer`` touches gradients in one optimizer step (transformers 5):
 Clipping comes before any callback hook, so the cache is attached by
 `gradient_cache.optimize` around ``trainer.train``: ``accelerator.clip_grad_norm_`` is
 answered from the cache and ``optimizer.step()`` is the fused step (`routing`); under fp16
-the GradScaler's unscale restores every gradient first (`gradient_readers`). A callback logs the figures through ``Trainer.log``,
-so every reporter the trainer has (TensorBoard, W&B, ...) receives them, and they are in
-``trainer.state.log_history``; it also saves the cache's state in every checkpoint folder
-(``gradient_cache.pt``) and loads it when training resumes from one. transformers is
-imported only by this module.
+the GradScaler's unscale restores every gradient first (`gradient_readers`). A callback
+logs the figures through ``Trainer.log``, so every reporter the trainer has (TensorBoard,
+W&B, ...) receives them, and they are in ``trainer.state.log_history``; it also saves the
+cache's state in every checkpoint folder (``gradient_cache.pt``) and loads it when
+training resumes from one. transformers is imported only by this module.
 """
 
 from __future__ import annotations
