@@ -97,56 +97,20 @@ def grad_norms(trainer: transformers.Trainer) -> list[float]:
     return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
 
 
-class StepPeak(transformers.TrainerCallback):
-    """The largest device peak (the CPU accounting) over the trainer's optimizer steps."""
-
-    def __init__(self, meter) -> None:
-        self.meter = meter
-        self.peak = 0
-        self._phase = None
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
-        self._phase = self.meter.phase("step")
-        self._phase.__enter__()
-
-    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
-        self._phase.__exit__(None, None, None)
-        self.peak = max(self.peak, self.meter.peaks["step"].peak.device_bytes)
-
-
-def step_peak(tmp_path, cached: bool, **options) -> int:
-    """A default Trainer run's device peak at the optimizer step, with the cache or not."""
-    from gradient_cache.demo.accounting import TensorMemoryTracker
-
-    model = tiny_gpt2()
-    trainer = trainer_for(model, tmp_path)
-
-    def host() -> tuple[torch.Tensor, ...]:
-        try:
-            return gradient_cache.manager_of(model).held_tensors().host
-        except RuntimeError:  # before or after the cached run
-            return ()
-
-    meter = TensorMemoryTracker(params=list(model.parameters()), host=host)
-    peak = StepPeak(meter)
-    trainer.add_callback(peak)
-    with meter:
-        if cached:
-            hf.train(trainer, compression_ratio=1, bucket_size_mb=0.004, **options)
-        else:
-            trainer.train()
-    return peak.peak
-
-
 def test_the_trainers_step_peak_falls_by_the_offloaded_bytes(tmp_path) -> None:
     """At the optimizer step the device holds a few buckets of gradients (and of AdamW's
     state, with it on the host) instead of all of them: the accounted peak falls by most of
     the gradients' bytes P (of P), and by most of 3P with the state (of 3P)."""
-    plain = step_peak(tmp_path / "plain", cached=False)
+    from perf.trainer_memory import step_peak
+
+    def peak(options: dict | None) -> int:
+        return step_peak(tiny_gpt2(), lambda model, folder: trainer_for(model, folder), options)
+
+    plain = peak(None)
     gradients = sum(p.numel() * p.element_size() for p in tiny_gpt2().parameters())
-    fused = step_peak(tmp_path / "fused", cached=True)
-    state = step_peak(tmp_path / "state", cached=True, offload_optimizer_state=True)
-    restored = step_peak(tmp_path / "restored", cached=True, fused_step=False)
+    fused = peak({"bucket_size_mb": 0.004})
+    state = peak({"bucket_size_mb": 0.004, "offload_optimizer_state": True})
+    restored = peak({"fused_step": False})
     assert (plain - fused) / gradients > 0.6
     assert (plain - state) / gradients > 2.0
     assert abs(plain - restored) < 0.05 * gradients  # the restore path: plain's peak
