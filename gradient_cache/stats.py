@@ -56,7 +56,8 @@ class CompressionSummary:
     (``offload_optimizer_state``); ``optimizer_state_moved_mb``: the state bytes the last
     fused step moved, to the device and back. ``steps``: steps
     restored so far (a step delivered by several optimizers counts once), less those a
-    GradScaler skipped (a skip is learnt when the next step begins).
+    GradScaler skipped (a skip is learnt when the next step begins). ``memory_budget``:
+    with one, what it decided after the first step (or that there is nothing to budget).
     """
 
     compression_ratio: float
@@ -78,6 +79,7 @@ class CompressionSummary:
     num_offloaded_parameters: int
     num_excluded_parameters: int
     layers: dict[str, LayerSummary]
+    memory_budget: str = ""  # the budget's decision (`budget.BudgetWatch.note`); "": none
 
     def as_dict(self) -> dict[str, Any]:
         """The original API's summary dict: these fields, plus ``memory_saved_mb``."""
@@ -86,7 +88,9 @@ class CompressionSummary:
         return figures
 
 
-def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> CompressionSummary:
+def compression_summary(
+    pipeline: Pipeline, *, num_excluded: int, memory_budget: str = ""
+) -> CompressionSummary:
     """See `CompressionSummary`."""
     # Pending from the first gradient a backward hands over: one waiting in the last,
     # partial bucket is not cached yet (still on the device, in no figure) but the step is.
@@ -131,4 +135,5 @@ def compression_summary(pipeline: Pipeline, *, num_excluded: int) -> Compression
             )
             for name, layer in layers.items()
         },
+        memory_budget=memory_budget,
     )

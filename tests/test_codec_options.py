@@ -36,6 +36,8 @@ def test_engine_config_has_none_of_the_top_k_only_fields() -> None:
         "pin_memory",
         "host_pool_mb",
         "offload_optimizer_state",
+        "memory_budget",
+        "checkpoint_frequency",
     ]
     # Every top-k knob is TopK's, and the old keywords are exactly those.
     assert sorted(f.name for f in dataclasses.fields(TopK)) == sorted(TOPK_KEYWORDS)

@@ -104,7 +104,10 @@ def test_the_trainers_step_peak_falls_by_the_offloaded_bytes(tmp_path) -> None:
     from perf.trainer_memory import step_peak
 
     def peak(options: dict | None) -> int:
-        return step_peak(tiny_gpt2(), lambda model, folder: trainer_for(model, folder), options)
+        device, _ = step_peak(
+            tiny_gpt2(), lambda model, folder: trainer_for(model, folder), options
+        )
+        return device
 
     plain = peak(None)
     gradients = sum(p.numel() * p.element_size() for p in tiny_gpt2().parameters())

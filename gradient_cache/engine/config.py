@@ -12,6 +12,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from ..budget import MemoryBudget
 from ..codecs import TopK
 from ..codecs.options import Ladder, check_bool, check_choice
 from ..codecs.registry import CodecChoice, check_codec, codec_name, codec_options
@@ -96,6 +97,16 @@ class EngineConfig:
             moves the state across the link both ways (8 bytes per parameter each way for
             fp32 Adam). Needs the fused step: ``apply_gradients()`` is refused. Default
             False.
+        memory_budget: a device-memory budget, a share of the device's memory (``"80%"``
+            or ``0.8``) or an amount (``"20GiB"``): the first step runs with everything
+            offloaded and its device peak is measured; from then on the cache keeps on the
+            device the most that fits the budget, parameter by parameter, what frees the
+            fewest device bytes per link byte first (`gradient_cache.budget`). On a device
+            without memory statistics (a CPU) there is nothing to budget. Not with FSDP2.
+            Default None: everything offloaded.
+        checkpoint_frequency: how often, in steps, ``verbose=True`` logs the summary: every
+            step by default. (The seed's name: it set how often the compression statistics
+            were saved; they are in ``summary()`` at every step.)
     """
 
     codec: CodecChoice = None
@@ -108,6 +119,8 @@ class EngineConfig:
     pin_memory: bool = True
     host_pool_mb: float | None = None
     offload_optimizer_state: bool = False
+    memory_budget: str | float | None = None
+    checkpoint_frequency: int = 1
 
     def __post_init__(self) -> None:
         check_codec(self.codec)
@@ -127,6 +140,9 @@ class EngineConfig:
         _check_bool("offload_optimizer_state", self.offload_optimizer_state)
         if self.host_pool_mb is not None:
             _check_positive_number("host_pool_mb", self.host_pool_mb)
+        if self.memory_budget is not None:
+            MemoryBudget.parse(self.memory_budget)  # raises naming memory_budget
+        _check_positive_int("checkpoint_frequency", self.checkpoint_frequency)
 
     # --- derived from the codec's options (read-only; not options of their own). The
     # engine reads these: `residual_options` (route, backends, checkpoint's recipe), and

@@ -113,6 +113,10 @@ def step(
             optimizer.step()
             if states is not None:
                 states.send_back(optimizer, arrivals.popleft())
+            for param in held.keys() & pipeline.kept_on_device:
+                # A memory budget's: freed as a cached gradient is, so that a loop written
+                # for the fused step (no zero_grad) does not add it into the next step.
+                param.grad = None
     except BaseException:
         for restore in ahead:
             backend.finish_restore(restore)  # before its blocks are freed

@@ -95,6 +95,9 @@ class HostOptimizerState:
     _attached: set[int] = field(default_factory=set)
     _loading: list[dict[Param, dict[str, torch.Tensor]]] = field(default_factory=list)
     _sent: list[Transfer] = field(default_factory=list)
+    # Parameters whose state stays on the device (a memory budget's decision): brought
+    # once more from its host copy, then never sent back.
+    on_device: set[Param] = field(default_factory=set)
 
     # --- a bucket's journey ------------------------------------------------------------
 
@@ -127,6 +130,8 @@ class HostOptimizerState:
         state stays on the device, whole, and moves at its next step."""
         pairs = []
         for param in arrival.params:
+            if param in self.on_device:
+                continue
             state = optimizer.state.get(param, {})
             for key, value in state.items():
                 if offloaded(value) and self.host.get(param, {}).get(key) is not value:
@@ -166,6 +171,18 @@ class HostOptimizerState:
             for param, had in zip(arrival.params, arrival.had_state, strict=True):
                 if not had:
                     optimizer.state.pop(param, None)
+
+    def keep_on_device(self, params: Iterable[Param]) -> None:
+        """From the next step on, ``params``' state stays on the device (their host copies
+        stay allocated: they share slabs with the others')."""
+        self.on_device.update(params)
+
+    def bytes_by_param(self) -> dict[Param, int]:
+        """Each parameter's host copies, in bytes."""
+        return {
+            param: nbytes(leaf for host in copies.values() for leaf in leaves(host))
+            for param, copies in self.host.items()
+        }
 
     def host_tensors(self) -> tuple[torch.Tensor, ...]:
         """The plain tensors of every host copy (memory accounting)."""

@@ -244,6 +244,8 @@ class Pipeline:
         self.store = GradientStore()
         self.assembler = BucketAssembler(config.bucket_size_bytes)
         self.enabled = True  # `set_enabled`
+        # Gradients a memory budget keeps on the device (`keep_on_device`).
+        self.kept_on_device: set[Param] = set()
         # Error feedback keeps its residual unscaled by this GradScaler's current scale.
         self.grad_scaler = grad_scaler
         self.last_step = StepRecord()
@@ -295,7 +297,7 @@ class Pipeline:
         grad = param.grad
         if grad is None or grad.is_sparse:
             return  # sparse (nn.Embedding(sparse=True)) gradients stay where they are
-        if not self.enabled:
+        if not self.enabled or param in self.kept_on_device:
             return  # left on the device; what is cached joins it at the restore
         if self.deferred_clip is not None:
             # A backward after a clip answered from the cache: plain PyTorch adds to the
@@ -640,6 +642,11 @@ class Pipeline:
         self.backend.residuals.forget_replaced()
         self.steps = steps
         self._follow_plan()
+
+    def keep_on_device(self, params: Iterable[Param]) -> None:
+        """Later backward passes leave ``params``' gradients on the device (a memory
+        budget's decision), as ``exclude_layers`` would."""
+        self.kept_on_device.update(params)
 
     def set_enabled(self, enabled: bool) -> None:
         """Whether later backward passes offload (False: their gradients stay put)."""

@@ -49,7 +49,7 @@ def optimize(
     exclude_layers: Sequence[str] | None = None,
     verbose: bool = False,
     **options: Any,
-) -> Callable[[F], F]:
+) -> GradientCacheDecorator:
     """Cache the gradients of every model trained inside the decorated function.
 
     The function needs no change: a loop of ``loss.backward()``, ``optimizer.step()``
@@ -113,20 +113,39 @@ def optimize(
             "optimize must be called with its options: write @gradient_cache.optimize() or "
             "@gradient_cache.optimize(compression_ratio=100), not @gradient_cache.optimize."
         )
-    settings = CacheOptions.from_arguments(
-        compression_ratio=compression_ratio,
-        exclude_layers=exclude_layers,
-        verbose=verbose,
-        options=options,
+    return GradientCacheDecorator(
+        compression_ratio, exclude_layers=exclude_layers, verbose=verbose, **options
     )
 
-    def decorate(func: F) -> F:
+
+class GradientCacheDecorator:
+    """What `optimize` returns (the seed's name for it): applied to a function, it caches
+    the gradients of every model trained inside each call. Made with `optimize`'s
+    arguments, checked here."""
+
+    def __init__(
+        self,
+        compression_ratio: float = DEFAULT_COMPRESSION_RATIO,
+        *,
+        exclude_layers: Sequence[str] | None = None,
+        verbose: bool = False,
+        **options: Any,
+    ) -> None:
+        self.settings = CacheOptions.from_arguments(
+            compression_ratio=compression_ratio,
+            exclude_layers=exclude_layers,
+            verbose=verbose,
+            options=options,
+        )
+
+    def __call__(self, func: F) -> F:
         if inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
             raise TypeError(
                 f"optimize cannot decorate {func.__qualname__}: it is a generator or async "
                 "function, whose body runs after the call returns, when the cache's hooks "
                 "are already gone. Decorate the function that runs the training loop."
             )
+        settings = self.settings
 
         # functools.wraps sets __wrapped__, through which Metaflow reads the step's source.
         @functools.wraps(func)
@@ -142,8 +161,6 @@ def optimize(
 
         wrapper.last_summaries = []  # type: ignore[attr-defined]  # as above
         return cast(F, wrapper)  # functools.wraps keeps func's signature
-
-    return decorate
 
 
 def manager_of(model: torch.nn.Module) -> GradientCacheHookManager:

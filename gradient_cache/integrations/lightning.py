@@ -73,7 +73,7 @@ class GradientCacheCallback(pl.Callback):
 
     Gradients are empty in ``.grad`` during the micro-batches that accumulate: hooks
     that read them there (``on_after_backward`` of those micro-batches) see None;
-    ``on_before_optimizer_step`` sees them all.
+    ``on_before_optimizer_step`` sees them all only on the restore path (above).
     """
 
     def __init__(

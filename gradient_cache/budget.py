@@ -1,0 +1,259 @@
+"""``memory_budget``: offload only what must leave the device, decided from a measurement.
+
+Offloading frees device memory and costs link bytes every step. With a budget the cache
+offloads everything for the first step, reads that step's device peak (`DeviceMemory`: the
+CUDA allocator's peak statistics), and then keeps on the device the most it can without
+passing the budget, parameter by parameter: what frees the fewest device bytes per link
+byte stays first. A gradient compressed r-fold frees its dense bytes for 2/r of them on the
+link (down in backward, up at the step), so compressed gradients leave first; the optimizer
+state and lossless gradients free a byte per two link bytes, and of those the gradients
+leave first (a gradient is on the device only from backward to the step, the state always).
+
+The bound is conservative: each kept tensor is counted at full size at every moment of
+the step, on top of the measured peak. On a device without memory statistics (a CPU) the
+budget is accepted and there is nothing to budget: everything stays offloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .units import MIB
+
+logger = logging.getLogger("gradient_cache")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_AMOUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
+
+
+class MemoryBudgetError(RuntimeError):
+    """Even with everything offloaded, the measured step does not fit the budget."""
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """A device-memory budget: a share of the device's memory, or bytes."""
+
+    text: str  # as the user gave it, for messages
+    fraction: float | None = None
+    nbytes: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> MemoryBudget:
+        """``"80%"`` or ``0.8`` (a share in (0, 1]), or ``"20GiB"``, ``"512 MiB"``, ``"16GB"``."""
+        advice = (
+            "expected a share of the device's memory such as '80%' or 0.8, or an amount "
+            "such as '20GiB' or '512MiB'"
+        )
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise TypeError(f"memory_budget must be a string or a number, got {value!r}; {advice}.")
+        if isinstance(value, int | float):
+            if not (math.isfinite(value) and 0 < value <= 1):
+                raise ValueError(
+                    f"Invalid memory_budget: {value!r}; {advice} (a number is a share, so "
+                    "at most 1: write bytes with a unit)."
+                )
+            return cls(text=f"{value:g}", fraction=float(value))
+        text = value.strip().lower()
+        if text.endswith("%"):
+            try:
+                percent = float(text[:-1])
+            except ValueError:
+                percent = math.nan
+            if not (math.isfinite(percent) and 0 < percent <= 100):
+                raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
+            return cls(text=value, fraction=percent / 100)
+        match = _AMOUNT.match(text)
+        if match is None or match.group(2) not in _UNITS:
+            raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
+        nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
+        if nbytes <= 0:
+            raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
+        return cls(text=value, nbytes=nbytes)
+
+    def bytes_of(self, total: int) -> int:
+        """The budget in bytes on a device of ``total`` bytes."""
+        return self.nbytes if self.nbytes is not None else int(total * (self.fraction or 0))
+
+
+class DeviceMemory(Protocol):
+    """What a budget reads of the device (CUDA: `CudaMemory`; tests pass their own)."""
+
+    def reset_peak(self) -> None:
+        """Start counting the peak from now."""
+
+    def peak_bytes(self) -> int:
+        """The most bytes allocated since `reset_peak`."""
+
+    def total_bytes(self) -> int:
+        """The device's memory."""
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    """The CUDA caching allocator's statistics of ``device``."""
+
+    device: torch.device
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def total_bytes(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+
+def device_memory_of(device: torch.device) -> DeviceMemory | None:
+    """The statistics of ``device``, or None where it keeps none (a CPU)."""
+    return CudaMemory(device) if device.type == "cuda" else None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A tensor the budget may keep on the device: its device bytes while kept, and the
+    link bytes a step moves while it is offloaded."""
+
+    name: str  # the parameter's
+    kind: str  # "gradient" or "optimizer state"
+    device_bytes: int
+    link_bytes: int
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """What a budget kept on the device after measuring the first step."""
+
+    budget_bytes: int
+    measured_peak: int  # the first step's, everything offloaded
+    kept: tuple[Candidate, ...]
+    offloaded: tuple[Candidate, ...]
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(c.device_bytes for c in self.kept)
+
+    @property
+    def link_bytes(self) -> int:
+        """Link bytes a step moves for what stays offloaded."""
+        return sum(c.link_bytes for c in self.offloaded)
+
+    def kept_names(self, kind: str) -> set[str]:
+        return {c.name for c in self.kept if c.kind == kind}
+
+    def describe(self) -> str:
+        counts = {
+            kind: (len(self.kept_names(kind)), sum(c.kind == kind for c in self.offloaded))
+            for kind in ("gradient", "optimizer state")
+        }
+        parts = [f"{k} of {k + o} {kind}s" for kind, (k, o) in counts.items() if k + o]
+        return (
+            f"first step's peak {self.measured_peak / MIB:.1f} MiB with everything offloaded, "
+            f"budget {self.budget_bytes / MIB:.1f} MiB: kept on the device "
+            f"{' and '.join(parts)} ({self.kept_bytes / MIB:.1f} MiB); "
+            f"{self.link_bytes / MIB:.1f} MiB cross the link a step"
+        )
+
+
+def decide(
+    candidates: Sequence[Candidate], *, measured_peak: int, budget_bytes: int, budget: str
+) -> BudgetDecision:
+    """Keep on the device what fits the budget's room above the measured peak, fewest
+    device bytes freed per link byte first (the optimizer state before a gradient that
+    frees as much); raise if the measured step alone passes the budget."""
+    room = budget_bytes - measured_peak
+    if room < 0:
+        raise MemoryBudgetError(
+            f"memory_budget={budget!r} is {budget_bytes / MIB:.1f} MiB, and the first step "
+            f"peaked at {measured_peak / MIB:.1f} MiB with every gradient"
+            f"{' and the optimizer state' if any(c.kind != 'gradient' for c in candidates) else ''}"
+            f" offloaded: {(measured_peak - budget_bytes) / MIB:.1f} MiB over. Raise the budget, "
+            "offload the optimizer state (offload_optimizer_state=True), compress more, or "
+            "lower the activations (smaller micro-batches, activation checkpointing)."
+        )
+
+    def value(c: Candidate) -> tuple[float, bool]:
+        return c.device_bytes / max(c.link_bytes, 1), c.kind == "gradient"
+
+    kept, offloaded = [], []
+    for candidate in sorted(candidates, key=value):
+        if candidate.device_bytes <= room:
+            kept.append(candidate)
+            room -= candidate.device_bytes
+        else:
+            offloaded.append(candidate)
+    return BudgetDecision(budget_bytes, measured_peak, tuple(kept), tuple(offloaded))
+
+
+class BudgetWatch:
+    """A manager's budget: measures its first step, then keeps on the device what fits."""
+
+    def __init__(self, budget: MemoryBudget, memory: DeviceMemory | None, device: str) -> None:
+        self.budget = budget
+        self.memory = memory
+        self.decision: BudgetDecision | None = None
+        if memory is None:
+            self.note = (
+                f"memory_budget={budget.text!r}: a {device} device keeps no memory statistics, "
+                "so there is nothing to budget: everything is offloaded"
+            )
+            logger.info("gradient-cache: %s", self.note)
+        else:
+            self.note = f"memory_budget={budget.text!r}: measuring the first step"
+            memory.reset_peak()
+
+    def after_step(self, pipeline: Any) -> None:
+        """After the first completed step: decide, and keep what fits on the device."""
+        if self.memory is None or self.decision is not None or pipeline.steps < 1:
+            return
+        budget_bytes = self.budget.bytes_of(self.memory.total_bytes())
+        self.decision = decide(
+            candidates_of(pipeline),
+            measured_peak=self.memory.peak_bytes(),
+            budget_bytes=budget_bytes,
+            budget=self.budget.text,
+        )
+        by_name = pipeline.params_by_name()
+        pipeline.keep_on_device([by_name[n] for n in self.decision.kept_names("gradient")])
+        states = pipeline.optimizer_state
+        if states is not None:
+            states.keep_on_device([by_name[n] for n in self.decision.kept_names("optimizer state")])
+        self.note = f"memory_budget={self.budget.text!r}: {self.decision.describe()}"
+        logger.info("gradient-cache: %s", self.note)
+
+
+def candidates_of(pipeline: Any) -> list[Candidate]:
+    """Each cached gradient (its route after the warm-up: the link bytes of its payload and
+    residual, both ways) and, with the state offloaded, each parameter's state host copies.
+    A gradient encoded with error feedback stays offloaded: left on the device, it would
+    never get back what compression held back of it."""
+    routes = pipeline.plan.at(pipeline.config.warmup_steps)
+    candidates = []
+    for param, record in pipeline.records.items():
+        route = routes[param]
+        if route.residual is not None:
+            continue  # kept on the device, its residual (what compression held back) is lost
+        candidates.append(
+            Candidate(
+                record.name,
+                "gradient",
+                device_bytes=route.numel * param.element_size(),
+                link_bytes=2 * (route.payload_bytes + route.residual_bytes),
+            )
+        )
+    states = pipeline.optimizer_state
+    if states is not None:
+        for param, nbytes in states.bytes_by_param().items():
+            name = pipeline.records[param].name if param in pipeline.records else None
+            if name is not None and nbytes:
+                candidates.append(Candidate(name, "optimizer state", nbytes, 2 * nbytes))
+    return candidates

@@ -1,0 +1,156 @@
+"""``memory_budget``: the first step measured with everything offloaded (a stand-in for the
+CUDA allocator's statistics), then kept on the device what fits, bit for bit with plain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import assert_same_parameters, batches, loss_of, make_model
+
+import gradient_cache
+from gradient_cache.budget import MemoryBudget, MemoryBudgetError
+
+MIB = 2**20
+OPTIONS = dict(bucket_size_mb=0.004, offload_optimizer_state=True)
+
+
+@dataclass
+class FakeMemory:
+    """The device's statistics as a test sets them: the first step's peak, the total."""
+
+    peak: int
+    total: int = 80 * 2**30
+    resets: int = 0
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+    def peak_bytes(self) -> int:
+        return self.peak
+
+    def total_bytes(self) -> int:
+        return self.total
+
+
+def gradient_bytes() -> int:
+    return sum(p.numel() * p.element_size() for p in make_model().parameters())
+
+
+def train(model, optimizer, manager=None, steps: int = 4) -> None:
+    """Two micro-batches, a clipped step, each step."""
+    for tokens, targets in batches(steps):
+        for half in (slice(0, 2), slice(2, 4)):
+            (loss_of(model, tokens[half], targets[half]) / 2).backward()
+        if manager is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            manager.step(optimizer, max_grad_norm=0.05)
+
+
+def budgeted_run(room: int, *, ratio: float = 1, steps: int = 4):
+    """A run whose budget leaves ``room`` bytes above a measured 100 MiB first step."""
+    memory = FakeMemory(peak=100 * MIB)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(
+        model,
+        compression_ratio=ratio,
+        memory_budget=f"{100 * MIB + room}B",
+        device_memory=memory,
+        **OPTIONS,
+    )
+    train(model, optimizer, manager, steps)
+    return model, manager, memory
+
+
+def test_room_to_spare_keeps_everything_on_the_device() -> None:
+    """After the first step nothing crosses the link: no gradient cached, no state moved."""
+    plain = make_model()
+    train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9))
+    model, manager, memory = budgeted_run(room=10 * gradient_bytes())
+    assert_same_parameters(plain, model)
+    summary = manager.summary()
+    assert summary.optimizer_state_moved_mb == 0.0
+    assert memory.resets == 1
+    loss_of(model, *batches(1)[0]).backward()
+    manager.compress_and_free_gradients()
+    assert not manager.engine.store  # every gradient stayed on the device
+    assert all(p.grad is not None for p in model.parameters())
+    assert "kept on the device" in summary.memory_budget
+    assert "0.0 MiB cross the link a step" in summary.memory_budget
+
+
+def kept(manager, kind: str) -> int:
+    decision = manager._budget.decision
+    return len(decision.kept_names(kind))
+
+
+def test_tighter_takes_compressed_gradients_off_first_then_the_state() -> None:
+    """int8 gradients free 2 device bytes per link byte, the state (SGD's momentum) 0.5:
+    a budget with room for the state only keeps the state; less room keeps less state (and
+    what small gradient still fits)."""
+    parameters = len(list(make_model().parameters()))
+    state = gradient_bytes()  # the momentum buffers: the parameters' bytes
+    _, manager, _ = budgeted_run(room=state, ratio=4)
+    assert kept(manager, "optimizer state") == parameters
+    assert kept(manager, "gradient") == 0
+    _, manager, _ = budgeted_run(room=state // 2, ratio=4)
+    assert 0 < kept(manager, "optimizer state") < parameters
+    assert manager._budget.decision.kept_bytes <= state // 2
+    _, manager, _ = budgeted_run(room=0, ratio=4)
+    assert kept(manager, "optimizer state") == kept(manager, "gradient") == 0
+    assert manager.summary().optimizer_state_moved_mb > 0
+
+
+def test_a_decision_midway_trains_bit_for_bit_as_plain() -> None:
+    """Part of the state and of the (lossless) gradients kept on the device from step 2."""
+    plain = make_model()
+    train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), steps=5)
+    model, manager, _ = budgeted_run(room=gradient_bytes() * 3 // 2, steps=5)
+    assert kept(manager, "optimizer state") and kept(manager, "gradient")
+    assert manager._budget.decision.offloaded  # and some left the device
+    assert_same_parameters(plain, model)
+
+
+def test_a_budget_the_offloaded_step_already_passes_raises_with_the_numbers() -> None:
+    with pytest.raises(
+        MemoryBudgetError, match=r"is 99\.0 MiB, and the first step peaked at 100\.0"
+    ):
+        budgeted_run(room=-MIB)
+
+
+def test_on_a_cpu_there_is_nothing_to_budget() -> None:
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, memory_budget="80%", **OPTIONS)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), manager, steps=2)
+    summary = manager.summary()
+    assert "a cpu device keeps no memory statistics" in summary.memory_budget
+    assert summary.optimizer_state_moved_mb > 0  # everything still offloaded
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("80%", (0.8, None)),
+        (0.5, (0.5, None)),
+        ("20GiB", (None, 20 * 2**30)),
+        ("512 MiB", (None, 512 * MIB)),
+        ("16GB", (None, 16 * 10**9)),
+        (1, (1.0, None)),
+    ],
+)
+def test_budgets_parse(text, expected) -> None:
+    budget = MemoryBudget.parse(text)
+    assert (budget.fraction, budget.nbytes) == expected
+
+
+@pytest.mark.parametrize("value", ["120%", "0%", -0.5, 0, 1.5, "abc", "20 parsecs", "-3GiB"])
+def test_nonsense_budgets_are_refused_naming_the_option(value) -> None:
+    with pytest.raises(ValueError, match="Invalid memory_budget"):
+        gradient_cache.EngineConfig(memory_budget=value)
+    with pytest.raises(TypeError, match="memory_budget must be a string or a number"):
+        gradient_cache.EngineConfig(memory_budget=True)
