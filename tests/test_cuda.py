@@ -432,3 +432,31 @@ def test_the_fused_codec_kernels_give_the_eager_paths_bytes_on_the_gpu(
     for left, right in zip(fused.tensors(), eager.tensors(), strict=True):
         assert torch.equal(left, right)
     assert torch.equal(fused_values, eager.kept_values())
+
+
+@pytest.mark.parametrize("budget", ["100%", "1MiB"], ids=["room to spare", "too tight"])
+def test_a_memory_budget_reads_the_allocators_peak(budget: str) -> None:
+    """The whole device keeps everything on it after the first step (nothing cached, no
+    state moved), bit for bit with plain; a budget below the measured step raises with the
+    allocator's figure."""
+    plain, cached = on_gpu(make_model()), on_gpu(make_model())
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(
+        cached, compression_ratio=1, memory_budget=budget, offload_optimizer_state=True
+    )
+    for step, (tokens, targets) in enumerate(gpu_batches(4)):
+        loss_of(plain, tokens, targets).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        loss_of(cached, tokens, targets).backward()
+        if budget == "1MiB":
+            with pytest.raises(gradient_cache.MemoryBudgetError, match="first step peaked at"):
+                manager.step(cached_opt, max_grad_norm=0.05)
+            return
+        manager.step(cached_opt, max_grad_norm=0.05)
+        if step == 3:
+            assert manager.summary().optimizer_state_moved_mb == 0.0
+            assert not manager.engine.store
+    assert_same_parameters(plain, cached)
