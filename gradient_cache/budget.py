@@ -172,13 +172,16 @@ def decide(
     frees as much); raise if the measured step alone passes the budget."""
     room = budget_bytes - measured_peak
     if room < 0:
+        with_state = any(c.kind != "gradient" for c in candidates)
+        offloaded = "every gradient and the optimizer state" if with_state else "every gradient"
+        fixes = "raise the budget, "
+        if not with_state:
+            fixes += "offload the optimizer state (offload_optimizer_state=True), "
         raise MemoryBudgetError(
             f"memory_budget={budget!r} is {budget_bytes / MIB:.1f} MiB, and the first step "
-            f"peaked at {measured_peak / MIB:.1f} MiB with every gradient"
-            f"{' and the optimizer state' if any(c.kind != 'gradient' for c in candidates) else ''}"
-            f" offloaded: {(measured_peak - budget_bytes) / MIB:.1f} MiB over. Raise the budget, "
-            "offload the optimizer state (offload_optimizer_state=True), compress more, or "
-            "lower the activations (smaller micro-batches, activation checkpointing)."
+            f"peaked at {measured_peak / MIB:.1f} MiB with {offloaded} offloaded: "
+            f"{(measured_peak - budget_bytes) / MIB:.1f} MiB over. To fit: {fixes}compress "
+            "more, or lower the activations (smaller micro-batches, activation checkpointing)."
         )
 
     def value(c: Candidate) -> tuple[float, bool]:

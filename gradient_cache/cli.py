@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .budget import MemoryBudget, MemoryBudgetError
 from .codecs import CODEC_NAMES
 from .demo.models import GPT_SIZES
 from .demo.report import check_matplotlib, format_table, report_dict, write_json, write_plot
@@ -24,6 +25,7 @@ from .planner import (
     DEFAULT_LINK_GBPS,
     OPTIMIZER_STATE_BYTES,
     PlanInputs,
+    budget_decision,
     format_plan,
     optimizer_state_bytes,
     plan,
@@ -239,6 +241,22 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         help=f"the device's achieved TFLOP/s (default {DEFAULT_FLOPS / 1e12:.0f}: an H200 "
         "at 40%% of its dense bf16 peak)",
     )
+    plan.add_argument(
+        "--memory-budget",
+        default=None,
+        help="what memory_budget= would keep on the device ('80%%', '20GiB'), with the "
+        "optimizer state offloaded too; a share needs --device-gib",
+    )
+    plan.add_argument(
+        "--device-gib", type=_positive_float, default=None, help="the device's memory, GiB"
+    )
+    plan.add_argument(
+        "--activations-mib",
+        type=float,
+        default=0.0,
+        help="with --memory-budget: the activations at the end of backward, MiB (default 0: "
+        "measure them, or the budget keeps too much)",
+    )
     link = plan.add_mutually_exclusive_group()
     link.add_argument(
         "--link-gbps",
@@ -283,7 +301,28 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         flops=args.tflops * 1e12,
         **_link(args),
     )
-    print(format_plan(plan(inputs), inputs))
+    result = plan(inputs)
+    print(format_plan(result, inputs))
+    if args.memory_budget is not None:
+        try:
+            budget = MemoryBudget.parse(args.memory_budget)
+            device = None if args.device_gib is None else int(args.device_gib * 2**30)
+            decision = budget_decision(
+                result,
+                inputs,
+                budget=budget,
+                device_bytes=device,
+                activation_bytes=int(args.activations_mib * MIB),
+            )
+        except (ValueError, TypeError) as error:
+            parser.error(f"argument --memory-budget: {error}")
+        except MemoryBudgetError as error:
+            print(f"\nmemory_budget: {error}")
+            return 1
+        print(
+            f"\nmemory_budget={budget.text!r}, state offloaded too, activations "
+            f"{args.activations_mib:g} MiB: {decision.describe()}."
+        )
     return 0
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .budget import BudgetDecision, Candidate, MemoryBudget, decide
 from .engine.config import EngineConfig
 from .engine.pool import reserved_bytes
 from .engine.route import Codecs, Route, plan_routes
@@ -171,6 +172,45 @@ def _pool_bytes(tensors: list[int], inputs: PlanInputs) -> int:
     power-of-two slabs (what the pinned allocator reserves)."""
     routes = _routes(tensors, inputs, steps=0)
     return reserved_bytes({index: route.slot for index, route in enumerate(routes)})
+
+
+def budget_decision(
+    result: Plan,
+    inputs: PlanInputs,
+    *,
+    budget: MemoryBudget,
+    device_bytes: int | None,
+    activation_bytes: int,
+) -> BudgetDecision:
+    """What ``memory_budget`` would keep on the device after its first step, with the
+    state offloaded too: that step's peak taken as the last column's (everything off) plus
+    ``activation_bytes`` at the end of backward; each tensor's gradient and state the
+    candidates, as `budget.candidates_of` makes them for a live model."""
+    if budget.nbytes is None and device_bytes is None:
+        raise ValueError(
+            f"memory_budget={budget.text!r} is a share of the device's memory: give the "
+            "device's memory too (--device-gib)."
+        )
+    measured = max(
+        peak_bytes(result, STATE_ON_HOST, GRADIENTS_IN_BACKWARD) + activation_bytes,
+        peak_bytes(result, STATE_ON_HOST, GRADIENTS_AT_STEP),
+    )
+    routes = _routes(inputs.tensors, inputs, steps=inputs.config.warmup_steps)
+    candidates = []
+    for index, (numel, route) in enumerate(zip(inputs.tensors, routes, strict=True)):
+        name = f"tensor {index}"
+        if route.residual is None:
+            link = 2 * (route.payload_bytes + route.residual_bytes)
+            candidates.append(Candidate(name, "gradient", numel * inputs.grad_bytes, link))
+        state = int(numel * inputs.optimizer_state_bytes)
+        if state:
+            candidates.append(Candidate(name, "optimizer state", state, 2 * state))
+    return decide(
+        candidates,
+        measured_peak=measured,
+        budget_bytes=budget.bytes_of(device_bytes or 0),
+        budget=budget.text,
+    )
 
 
 def tensors_of_factory(path: str) -> list[int]:

@@ -5,6 +5,7 @@ tests/test_demo.py checks it against the demo's measured memory too.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -171,6 +172,9 @@ def test_plan_help_documents_every_input() -> None:
         "--tokens",
         "--tflops",
         "--link-gbps",
+        "--memory-budget",
+        "--device-gib",
+        "--activations-mib",
         "meta",
     ):
         assert option in result.stdout, option
@@ -182,6 +186,8 @@ def test_plan_help_documents_every_input() -> None:
         (["--model", "nowhere"], "package.module:function"),
         (["--model", "no_such_module:f"], "No module named"),
         (["--params", "10", "--optimizer", "lion?"], "--optimizer"),
+        (["--params", "10", "--memory-budget", "80%"], "--device-gib"),
+        (["--params", "10", "--memory-budget", "120%"], "Invalid memory_budget"),
     ],
 )
 def test_bad_plan_arguments_name_the_option(
@@ -191,3 +197,20 @@ def test_bad_plan_arguments_name_the_option(
         cli.main(["plan", *args])
     assert exit_info.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_plan_shows_what_a_memory_budget_keeps(capsys: pytest.CaptureFixture[str]) -> None:
+    """Room for everything keeps everything (no link bytes); a tighter budget keeps the state
+    before the gradients; one below the offloaded step says by how much, exit status 1."""
+    base = ["plan", "--model", "examples.plan_gpt:gpt_1b", "--activations-mib", "8000"]
+    assert cli.main([*base, "--memory-budget", "80%", "--device-gib", "139"]) == 0
+    out = capsys.readouterr().out
+    assert "kept on the device 292 of 292 gradients and 292 of 292 optimizer states" in out
+    assert "0.0 MiB cross the link a step" in out
+    assert cli.main([*base, "--memory-budget", "20GiB"]) == 0
+    kept = re.search(
+        r"kept on the device (\d+) of 292 gradients and (\d+) of 292", capsys.readouterr().out
+    )
+    assert kept and int(kept.group(1)) < int(kept.group(2)) < 292
+    assert cli.main([*base, "--memory-budget", "8GiB"]) == 1
+    assert "MiB over" in capsys.readouterr().out
