@@ -103,6 +103,15 @@ CASES = [
      "pin_memory must be True or False, got 'yes'"),
     ("negative pool size", "create_gradient_cache(model(), host_pool_mb=-1)", ValueError,
      "Invalid host_pool_mb: -1"),
+    ("memory budget above the device", 'create_gradient_cache(model(), memory_budget="120%")',
+     ValueError, "Invalid memory_budget: '120%'; expected a share of the device's memory"),
+    ("memory budget without a unit", "create_gradient_cache(model(), memory_budget=20)",
+     ValueError, "a number is a share, so at most 1: write bytes with a unit"),
+    ("checkpoint_frequency zero", "create_gradient_cache(model(), checkpoint_frequency=0)",
+     ValueError, "Invalid checkpoint_frequency: 0; expected an integer >= 1"),
+    ("the state offloaded without the fused step",
+     "gradient_cache.optimize(offload_optimizer_state=True, fused_step=False)", ValueError,
+     "offload_optimizer_state=True needs fused_step=True"),
     # --- codec options (gradient_cache.TopK)
     ("a top-k option without top-k", "create_gradient_cache(model(), error_feedback=False)",
      ValueError, "error_feedback=False does nothing with codec=None at compression_ratio=3: "
@@ -129,6 +138,10 @@ CASES = [
      "Invalid max_grad_norm: -1"),
     ("norm type zero", "cache.step(sgd, norm_type=0)", ValueError,
      "Invalid norm_type: 0; expected a number > 0 or inf"),
+    ("clipping twice: clip_grads_with_norm_, then step(max_grad_norm=)",
+     "cache.clip_grads_with_norm_(cached_model.parameters(), 1.0, "
+     "cache.gradient_norm(cached_model.parameters())); cache.step(sgd, max_grad_norm=1.0)",
+     ValueError, "clip once, with one or the other"),
     # --- order of calls and lifetime
     ("a closed manager", "closed.apply_gradients()", RuntimeError,
      "was closed by remove_hooks()"),
