@@ -301,11 +301,18 @@ MUTANTS = [
         "tests/test_lightning.py::test_fsdp2_through_model_parallel_strategy_on_two_processes",
     ),
     (
-        "decorator: clipping and unscaling restore the cached gradients first",
-        "gradient_cache/integrations/decorator.py",
-        "        self._readers.__enter__()",
-        "        pass",
-        "tests/test_decorator.py tests/test_transformers.py::test_trainer_at_ratio_1_ends_bit_for_bit_as_plain_trainer",
+        "readers: clip_grad_value_ and unscale_ restore the cached gradients first",
+        "gradient_cache/integrations/gradient_readers.py",
+        "        reads.restore(function.__qualname__)\n        return function(*args, **kwargs)",
+        "        return function(*args, **kwargs)",
+        "tests/test_decorator.py tests/test_fused_routing.py",
+    ),
+    (
+        "readers: clip_grad_norm_ answered from the cache (else restored first)",
+        "gradient_cache/integrations/routing.py",
+        "        if len(holders) != 1:\n            return None",
+        "        return None",
+        "tests/test_fused_routing.py::test_the_decorated_step_is_the_fused_step_with_plain_bits",
     ),
     (
         "transformers: the trainer's own log of a step is kept",
