@@ -617,8 +617,8 @@ MUTANTS = [
     ),
     (
         "clip norm: encode-time norms used only for the norm type they are of",
-        "gradient_cache/engine/fused_step.py",
-        "    if encoded is not None and encoded.norm_type != norm_type:\n        encoded = None\n",
+        "gradient_cache/engine/pipeline.py",
+        "        if encoded is not None and encoded.norm_type != norm_type:\n            encoded = None\n",
         "",
         "tests/test_training.py::test_the_encodes_compute_the_clip_norms_once_a_clipped_step_asked",
     ),
