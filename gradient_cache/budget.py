@@ -2,7 +2,9 @@
 
 Offloading frees device memory and costs link bytes every step. With a budget the cache
 offloads everything for the first step, reads that step's device peak (`DeviceMemory`: the
-CUDA allocator's peak statistics), and then keeps on the device the most it can without
+CUDA allocator's peak statistics, counted from the cache's creation until the second
+step's restore, so the first optimizer step and the state it creates are in it), and then
+keeps on the device the most it can without
 passing the budget, parameter by parameter: what frees the fewest device bytes per link
 byte stays first. A gradient compressed r-fold frees its dense bytes for 2/r of them on the
 link (down in backward, up at the step), so compressed gradients leave first; the optimizer
@@ -173,13 +175,13 @@ def decide(
     room = budget_bytes - measured_peak
     if room < 0:
         with_state = any(c.kind != "gradient" for c in candidates)
-        offloaded = "every gradient and the optimizer state" if with_state else "every gradient"
+        everything = "every gradient and the optimizer state" if with_state else "every gradient"
         fixes = "raise the budget, "
         if not with_state:
             fixes += "offload the optimizer state (offload_optimizer_state=True), "
         raise MemoryBudgetError(
             f"memory_budget={budget!r} is {budget_bytes / MIB:.1f} MiB, and the first step "
-            f"peaked at {measured_peak / MIB:.1f} MiB with {offloaded} offloaded: "
+            f"peaked at {measured_peak / MIB:.1f} MiB with {everything} offloaded: "
             f"{(measured_peak - budget_bytes) / MIB:.1f} MiB over. To fit: {fixes}compress "
             "more, or lower the activations (smaller micro-batches, activation checkpointing)."
         )
@@ -214,8 +216,10 @@ class BudgetWatch:
             self.note = f"memory_budget={budget.text!r}: measuring the first step"
             memory.reset_peak()
 
-    def after_step(self, pipeline: Any) -> None:
-        """After the first completed step: decide, and keep what fits on the device."""
+    def before_restore(self, pipeline: Any) -> None:
+        """Before the second step's restore (the first step and its optimizer step are
+        over, so the state exists and the peak holds them): decide, and keep what fits on
+        the device. Raises before anything of the step is restored if nothing can fit."""
         if self.memory is None or self.decision is not None or pipeline.steps < 1:
             return
         budget_bytes = self.budget.bytes_of(self.memory.total_bytes())

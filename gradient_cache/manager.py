@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, cast
 
@@ -203,6 +204,8 @@ class GradientCacheHookManager:
         place: for the integrations, which restore what other optimizers left)."""
         pipeline = self._live()
         steps = pipeline.steps
+        if pipeline.store:
+            self._before_restore()
         pipeline.apply()
         self._after_restore(steps)
 
@@ -260,14 +263,28 @@ class GradientCacheHookManager:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0.")
         if not (_is_positive_number(norm_type) or norm_type == math.inf):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
+        return self._fused_step(optimizer, max_grad_norm, float(norm_type), hooked=True)
+
+    def _fused_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_grad_norm: float | None,
+        norm_type: float,
+        *,
+        hooked: bool,
+    ) -> torch.Tensor | None:
+        """The fused step; ``hooked=False`` steps each bucket without the optimizer's step
+        hooks (the integrations: they fire once, around the user's ``optimizer.step()``)."""
         pipeline = self._live()
         steps = pipeline.steps
+        self._before_restore()
         total_norm = fused_step.step(
             pipeline,
             optimizer,
             max_grad_norm=max_grad_norm,
-            norm_type=float(norm_type),
+            norm_type=norm_type,
             model_order=self._model_order,
+            step_call=None if hooked else _unhooked_step(optimizer),
         )
         self._after_restore(steps)
         return total_norm
@@ -511,11 +528,15 @@ class GradientCacheHookManager:
             )
         return self._pipeline
 
+    def _before_restore(self) -> None:
+        """A memory budget decides before the second step's restore: its measurement then
+        holds a whole step, the optimizer's (which creates the state) included."""
+        if self._budget is not None:
+            self._budget.before_restore(self._live())
+
     def _after_restore(self, steps_before: int) -> None:
-        """After a restore that completed a step (a restore may find nothing): the memory
-        budget's decision after the first, and the verbose log line."""
-        if self._live().steps > steps_before and self._budget is not None:
-            self._budget.after_step(self._live())
+        """After a restore that completed a step (a restore may find nothing): the verbose
+        log line."""
         steps = self._live().steps
         if self.verbose and steps > steps_before and steps % self.config.checkpoint_frequency == 0:
             summary = self.summary()
@@ -575,6 +596,16 @@ def create_gradient_cache(
         backend_factory=backend_factory,
         device_memory=device_memory,
     )
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:
+    """``optimizer.step()`` without the step hooks PyTorch wraps it in (nor an instance
+    wrapper such as an LR scheduler's); its plain ``step`` where it has no wrapper."""
+    step = type(optimizer).step
+    original = getattr(step, "__wrapped__", None)
+    if original is None:
+        return optimizer.step
+    return functools.partial(original, optimizer)
 
 
 def _parameter_list(

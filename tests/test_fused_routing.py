@@ -17,25 +17,22 @@ LOSSLESS = dict(compression_ratio=1, bucket_size_mb=0.004)  # several buckets pe
 Loop = Callable[..., object]
 
 
-class GradientWatch:
-    """The most gradient bytes present in ``.grad`` at any ``optimizer.step()`` call."""
+class WatchedAdamW(torch.optim.AdamW):
+    """AdamW that records the most gradient bytes present in ``.grad`` at any step it takes
+    (a bucket's, under the fused step: its hooks would fire once per call, not per bucket)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.most = 0
-        optimizer.register_step_pre_hook(self._on_step)
+    most = 0
 
-    def _on_step(self, *_: object) -> None:
-        present = sum(p.grad.numel() * 4 for p in self.params if p.grad is not None)
+    def step(self, closure=None):  # type: ignore[override]
+        params = [p for group in self.param_groups for p in group["params"]]
+        present = sum(p.grad.numel() * 4 for p in params if p.grad is not None)
         self.most = max(self.most, present)
+        return super().step(closure)
 
 
-def clipped_loop(
-    model: nn.Module, *, micro_batches: int = 2, optimizer_class=torch.optim.AdamW
-) -> dict[str, object]:
+def clipped_loop(model: nn.Module, *, micro_batches: int = 2) -> dict[str, object]:
     """Accumulation, clip_grad_norm_ after the last micro-batch, the step; what it saw."""
-    optimizer = optimizer_class(model.parameters(), lr=1e-2)
-    watch = GradientWatch(optimizer)
+    optimizer = WatchedAdamW(model.parameters(), lr=1e-2)
     norms, emptied_after_clip, after_step = [], [], []
     for tokens, targets in batches(5):
         for part in range(micro_batches):
@@ -46,7 +43,12 @@ def clipped_loop(
         optimizer.step()
         after_step.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
         optimizer.zero_grad()
-    return {"norms": norms, "emptied": emptied_after_clip, "most": watch.most, "after": after_step}
+    return {
+        "norms": norms,
+        "emptied": emptied_after_clip,
+        "most": optimizer.most,
+        "after": after_step,
+    }
 
 
 def gradient_bytes(model: nn.Module) -> int:
@@ -107,9 +109,11 @@ def test_a_backward_after_the_clip_adds_to_the_clipped_gradients() -> None:
 
     plain, cached = make_model(), make_model()
     expected = loop(plain)
-    got = gradient_cache.optimize(**LOSSLESS)(loop)(cached)
+    decorated = gradient_cache.optimize(**LOSSLESS)(loop)
+    got = decorated(cached)
     assert_same_parameters(plain, cached)
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert decorated.last_summaries[0]["steps"] == 3  # one a step, not one a backward
 
 
 def test_gradient_readers_after_the_clip_see_clipped_gradients() -> None:
@@ -158,20 +162,26 @@ def test_one_optimizer_over_two_models_steps_each_gradient_once() -> None:
     assert len(decorated.last_summaries) == 2
 
 
+class FailsOnce(torch.optim.AdamW):
+    """AdamW whose first step with a gradient raises before it changes anything, as an
+    allocation failure does."""
+
+    failures = 0
+
+    def step(self, closure=None):  # type: ignore[override]
+        params = [p for group in self.param_groups for p in group["params"]]
+        if not self.failures and any(p.grad is not None for p in params):
+            self.failures += 1
+            raise torch.OutOfMemoryError("injected")
+        return super().step(closure)
+
+
 def test_a_step_that_raises_is_finished_by_calling_step_again() -> None:
-    """An error inside the fused step (here: a step hook, as an out-of-memory error would
-    come) leaves the rest cached; the user's retry of optimizer.step() finishes it."""
+    """An error inside the fused step (in a bucket's step) leaves the rest cached; the
+    user's retry of optimizer.step() finishes it with plain's result."""
 
     def loop(model: nn.Module) -> int:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        failures = []
-
-        def fail_once(opt: torch.optim.Optimizer, *_: object) -> None:
-            if not failures and any(p.grad is not None for p in model.parameters()):
-                failures.append(1)
-                raise torch.OutOfMemoryError("injected")
-
-        optimizer.register_step_pre_hook(fail_once)
+        optimizer = FailsOnce(model.parameters(), lr=1e-2)
         for tokens, targets in batches(3):
             loss_of(model, tokens, targets).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -180,12 +190,40 @@ def test_a_step_that_raises_is_finished_by_calling_step_again() -> None:
             except torch.OutOfMemoryError:
                 optimizer.step()
             optimizer.zero_grad()
-        return len(failures)
+        return optimizer.failures
 
     plain, cached = make_model(), make_model()
     assert loop(plain) == 1
     assert gradient_cache.optimize(**LOSSLESS)(loop)(cached) == 1
     assert_same_parameters(plain, cached)
+
+
+def test_the_optimizers_step_hooks_fire_once_per_step() -> None:
+    """The buckets are stepped without the optimizer's hooks, which fire once around the
+    user's optimizer.step(): a post-hook's weight average is plain's."""
+
+    def loop(model: nn.Module) -> tuple[int, list[torch.Tensor]]:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        average = [p.detach().clone() for p in model.parameters()]
+        calls = []
+
+        def ema(*_: object) -> None:
+            calls.append(1)
+            for kept, param in zip(average, model.parameters(), strict=True):
+                kept.mul_(0.9).add_(param.detach(), alpha=0.1)
+
+        optimizer.register_step_post_hook(ema)
+        for tokens, targets in batches(3):
+            loss_of(model, tokens, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return len(calls), average
+
+    plain, cached = make_model(), make_model()
+    plain_calls, plain_average = loop(plain)
+    cached_calls, cached_average = gradient_cache.optimize(**LOSSLESS)(loop)(cached)
+    assert plain_calls == cached_calls == 3
+    assert all(torch.equal(a, b) for a, b in zip(plain_average, cached_average, strict=True))
 
 
 def test_readers_of_every_gradient_are_refused_with_the_state_on_the_host() -> None:
@@ -194,7 +232,9 @@ def test_readers_of_every_gradient_are_refused_with_the_state_on_the_host() -> N
         loss_of(model, *batches(1)[0]).backward()
         torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
 
-    with pytest.raises(RuntimeError, match="clip_grad_value_ reads every gradient at once"):
+    with pytest.raises(
+        RuntimeError, match="clip_grad_value_ needs every gradient on the device at once"
+    ):
         loop(make_model())
 
 

@@ -154,3 +154,36 @@ def test_nonsense_budgets_are_refused_naming_the_option(value) -> None:
         gradient_cache.EngineConfig(memory_budget=value)
     with pytest.raises(TypeError, match="memory_budget must be a string or a number"):
         gradient_cache.EngineConfig(memory_budget=True)
+
+
+def test_the_measurement_holds_the_first_optimizer_step_on_every_path() -> None:
+    """apply_gradients() restores before the optimizer creates its state: the budget reads
+    the peak only at the second step's restore, once the first step's state exists."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    states_when_read = []
+
+    class Watching(FakeMemory):
+        def peak_bytes(self) -> int:
+            states_when_read.append(len(optimizer.state))
+            return self.peak
+
+    manager = gradient_cache.create_gradient_cache(
+        model, memory_budget="1TiB", device_memory=Watching(peak=MIB), bucket_size_mb=0.004
+    )
+    for tokens, targets in batches(3):
+        loss_of(model, tokens, targets).backward()
+        manager.apply_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert states_when_read == [len(list(model.parameters()))]
+
+
+def test_a_budget_covers_one_model_per_decorated_function() -> None:
+    @gradient_cache.optimize(memory_budget="80%")
+    def two_models() -> None:
+        for model in (make_model(), make_model(seed=1)):
+            loss_of(model, *batches(1)[0]).backward()
+
+    with pytest.raises(ValueError, match="covers one model per decorated function"):
+        two_models()

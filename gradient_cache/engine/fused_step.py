@@ -11,7 +11,7 @@ is reused.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import torch
@@ -31,11 +31,15 @@ def step(
     max_grad_norm: float | None,
     norm_type: float,
     model_order: Mapping[torch.nn.Parameter, int],
+    step_call: Callable[[], object] | None = None,
 ) -> torch.Tensor | None:
     """Restore and step bucket by bucket; see GradientCacheHookManager.step.
 
     ``model_order``: each parameter's place in ``model.parameters()``, the order the norms
-    are summed in."""
+    are summed in. ``step_call``: what steps a bucket; ``optimizer.step`` by default (its
+    hooks fire once per bucket); the integrations pass the optimizer's step without its
+    hooks, which then fire once, around the user's own ``optimizer.step()``."""
+    step_once = optimizer.step if step_call is None else step_call
     pipeline.drain()
     states = pipeline.optimizer_state
     if states is not None:
@@ -96,7 +100,7 @@ def step(
             grads = backend.finish_restore(ahead.popleft())
             if states is not None:
                 states.install(optimizer, arrivals[0])
-            _step_with(optimizer, grads)
+            _step_with(step_once, grads)
             if i == 0:
                 # The step counts, and its residuals become current, once an optimizer
                 # step went through: a step that failed before can still be discarded
@@ -110,7 +114,7 @@ def step(
             if states is not None:
                 arrivals.append(states.bring(optimizer, list(held)))
                 states.install(optimizer, arrivals[0])
-            optimizer.step()
+            step_once()
             if states is not None:
                 states.send_back(optimizer, arrivals.popleft())
             for param in held.keys() & pipeline.kept_on_device:
@@ -162,18 +166,20 @@ def _skip(
     for part in parts:
         pipeline.store.remove([param for param, _ in part])
     _put_back_scaled(held, factor)
+    for param in held.keys() & pipeline.kept_on_device:
+        param.grad = None  # freed as after a step (`step`)
     scaling.record(scaler, optimizer, found_inf=True)
     pipeline.finish_step()
 
 
 def _step_with(
-    optimizer: torch.optim.Optimizer, grads: list[tuple[torch.nn.Parameter, torch.Tensor]]
+    step_once: Callable[[], object], grads: list[tuple[torch.nn.Parameter, torch.Tensor]]
 ) -> None:
-    """``optimizer.step()`` with exactly ``grads`` set; ``param.grad`` is None afterwards."""
+    """A step with exactly ``grads`` set; ``param.grad`` is None afterwards."""
     for param, grad in grads:
         param.grad = sharding.as_grad_of(param, grad)
     try:
-        optimizer.step()
+        step_once()
     finally:
         for param, _ in grads:
             param.grad = None

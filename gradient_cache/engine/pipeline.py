@@ -302,7 +302,7 @@ class Pipeline:
         if self.deferred_clip is not None:
             # A backward after a clip answered from the cache: plain PyTorch adds to the
             # clipped gradients, so they come back clipped first (a restore, once).
-            self.apply()
+            self._restore_clipped()
         if not self._gradient_checked:
             sharding.check_gradient_is_reduced(self.records[param].name, grad)
             self._gradient_checked = True
@@ -554,6 +554,15 @@ class Pipeline:
     def deferred_clip(self) -> torch.Tensor | None:
         """The pending step's deferred clip factor (`defer_clip`), if any."""
         return None if self.pending is None else self.pending.deferred_clip
+
+    def _restore_clipped(self) -> None:
+        """Every cached gradient back in ``param.grad``, times the deferred clip, which is
+        then spent; the step goes on (not delivered, not counted: its gradients return to
+        the cache as this backward hands them over, as under accumulation)."""
+        self.drain()
+        self.restore(list(self.store))
+        assert self.pending is not None  # a deferred clip lives in the pending step
+        self.pending.deferred_clip = None
 
     def defer_clip(self, factor: torch.Tensor) -> None:
         """Every gradient the step holds cached is clipped by ``factor`` (on the device):

@@ -299,6 +299,15 @@ class _Session:
         for inner in [root for root in self.managers if root in modules]:
             # A submodule that ran on its own first: its parent's manager replaces it.
             self.managers.pop(inner).remove_hooks()
+        budget = self.settings.config.memory_budget
+        if budget is not None and self.managers:
+            raise ValueError(
+                f"memory_budget={budget!r} covers one model per decorated function, and "
+                f"{self.name} trains a second ({type(module).__name__}, beside "
+                f"{type(next(iter(self.managers))).__name__}): each model's cache would spend "
+                "the whole budget's room. Drop memory_budget, or decorate a function that "
+                "trains one model."
+            )
         self.managers[module] = self.settings.create_manager(module, exclude_layers=patterns)
         if self.settings.verbose:
             logger.info(

@@ -68,19 +68,20 @@ class StepRouting(CacheReads):
         """Every cached gradient back in ``param.grad``, before ``reader`` reads them."""
         for manager in self._managers():
             engine = manager.engine
-            if engine is not None and engine.optimizer_state is not None and engine.store:
+            if engine is not None and engine.optimizer_state is not None and engine.step_pending:
                 raise RuntimeError(
-                    f"{reader} reads every gradient at once, which with "
-                    "offload_optimizer_state=True would also need the whole optimizer state "
-                    "on the device at the step. Use clip_grad_norm_ (answered from the cache) "
-                    "and no GradScaler.unscale_, or offload_optimizer_state=False."
+                    f"{reader} needs every gradient on the device at once here, which with "
+                    "offload_optimizer_state=True would need the whole optimizer state there "
+                    "too at the step. Only clip_grad_norm_ over one model's parameters is "
+                    "answered from the cache: drop this call (clip_grad_value_, "
+                    "GradScaler.unscale_), or the state offload."
                 )
             manager._restore_all()
 
     def cache_for(self, parameters: list[torch.Tensor]) -> GradientCacheHookManager | None:
-        """The one manager holding cached gradients of ``parameters``, which answers a norm
-        or clip over them without restoring; None where that is not so (no fused step,
-        nothing cached, several managers, a GradScaler given to the cache)."""
+        """The one manager caching gradients of ``parameters``, which answers a norm or clip
+        over them without restoring; None where that is not so (no fused step, no manager
+        or several, a GradScaler given to the cache)."""
         if not self.fused:
             return None
         holders = []
@@ -88,7 +89,10 @@ class StepRouting(CacheReads):
             manager.compress_and_free_gradients()
             engine = manager.engine
             assert engine is not None  # the integrations detach a manager before closing it
-            if any(param in engine.store for param in parameters):
+            # The parameters it caches, not the gradients it holds now: the same on every
+            # rank (under FSDP2 a rank may hold no part of a gradient while the others do,
+            # and all must take the same path: the norm is all-reduced).
+            if any(param in engine.records for param in parameters):
                 holders.append(manager)
         if len(holders) != 1:
             return None
@@ -125,7 +129,9 @@ class StepRouting(CacheReads):
                 if _takes_fused_step(manager, owned):
                     self._stepping = True
                     try:
-                        manager.step(optimizer)
+                        # Each bucket stepped without the step hooks: they fire once,
+                        # around this call, as without the cache.
+                        manager._fused_step(optimizer, None, 2.0, hooked=False)
                     finally:
                         self._stepping = False
                     self._hide(optimizer, owned)
