@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import numbers
@@ -13,6 +12,7 @@ from typing import Any, cast
 
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .budget import BudgetWatch, DeviceMemory, MemoryBudget, device_memory_of
@@ -599,13 +599,31 @@ def create_gradient_cache(
 
 
 def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:
-    """``optimizer.step()`` without the step hooks PyTorch wraps it in (nor an instance
-    wrapper such as an LR scheduler's); its plain ``step`` where it has no wrapper."""
-    step = type(optimizer).step
-    original = getattr(step, "__wrapped__", None)
-    if original is None:
-        return optimizer.step
-    return functools.partial(original, optimizer)
+    """``optimizer.step()`` with no step hook firing: the class's ``step`` as it was before
+    ``Optimizer.__init__`` wrapped it in ``profile_hook_step`` (marked ``hooked``), no
+    instance wrapper (an LR scheduler's), and, while it runs, the global and the optimizer's
+    hook tables emptied: a subclass's ``super().step()`` reaches its parent's hooked
+    wrapper, which would fire them (and the integrations' own pre-hook, again)."""
+    step: Any = type(optimizer).step  # typed as overloads, which name no __wrapped__
+    original = step.__wrapped__ if getattr(step, "hooked", False) else step
+    tables: list[dict[int, Any]] = [
+        _global_optimizer_pre_hooks,
+        _global_optimizer_post_hooks,
+        optimizer._optimizer_step_pre_hooks,
+        optimizer._optimizer_step_post_hooks,
+    ]
+
+    def step_once() -> object:
+        saved = [dict(table) for table in tables]
+        for table in tables:
+            table.clear()
+        try:
+            return original(optimizer)
+        finally:
+            for table, hooks in zip(tables, saved, strict=True):
+                table.update(hooks)  # the same keys, in order: handles still remove them
+
+    return step_once
 
 
 def _parameter_list(

@@ -60,6 +60,13 @@ MUTANTS = [
         "tests/test_fused_routing.py::test_the_decorated_step_is_the_fused_step_with_plain_bits",
     ),
     (
+        "routing: no step hook fires inside a bucket's step (a subclass's super().step())",
+        "gradient_cache/manager.py",
+        "        for table in tables:\n            table.clear()\n",
+        "",
+        "tests/test_fused_routing.py::test_a_step_that_raises_is_finished_by_calling_step_again",
+    ),
+    (
         "routing: the hidden device gradients come back after the step",
         "gradient_cache/integrations/routing.py",
         "        for param, grad in self._hidden.pop(optimizer, {}).items():\n            param.grad = grad",
@@ -67,17 +74,17 @@ MUTANTS = [
         "tests/test_fused_routing.py::test_the_decorated_step_is_the_fused_step_with_plain_bits",
     ),
     (
-        "routing: the fused step's own bucket steps pass through",
-        "gradient_cache/integrations/routing.py",
-        "        if self._stepping:\n            return None\n",
-        "",
-        "tests/test_fused_routing.py::test_the_decorated_step_is_the_fused_step_with_plain_bits",
+        "routing: the buckets are stepped without the optimizer's step hooks",
+        "gradient_cache/manager.py",
+        "            step_call=None if hooked else _unhooked_step(optimizer),",
+        "            step_call=None,",
+        "tests/test_fused_routing.py::test_the_optimizers_step_hooks_fire_once_per_step",
     ),
     (
         "pipeline: a backward after a deferred clip restores the clipped gradients first",
         "gradient_cache/engine/pipeline.py",
-        "            # clipped gradients, so they come back clipped first (a restore, once).\n            self.apply()",
-        "            # clipped gradients, so they come back clipped first (a restore, once).\n            pass",
+        "            self._restore_clipped()",
+        "            pass",
         "tests/test_fused_routing.py::test_a_backward_after_the_clip_adds_to_the_clipped_gradients",
     ),
     (

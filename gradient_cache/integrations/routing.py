@@ -46,7 +46,6 @@ class StepRouting(CacheReads):
     def __init__(self, managers: Managers, *, fused: bool) -> None:
         self._managers = managers
         self.fused = fused
-        self._stepping = False  # inside a fused step: its per-bucket calls step as usual
         # The device gradients a fused step stepped, hidden from the call's own step.
         self._hidden: dict[torch.optim.Optimizer, dict[torch.Tensor, torch.Tensor]] = {}
         self._stack = contextlib.ExitStack()
@@ -105,8 +104,6 @@ class StepRouting(CacheReads):
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """The fused step in place of this step; with a closure, once the closure ran."""
-        if self._stepping:
-            return None
         # args holds the optimizer itself, then step's own arguments: step(closure=None).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if not callable(closure):
@@ -127,13 +124,9 @@ class StepRouting(CacheReads):
         if self.fused and not isinstance(optimizer, torch.optim.LBFGS):
             for manager in self._managers():
                 if _takes_fused_step(manager, owned):
-                    self._stepping = True
-                    try:
-                        # Each bucket stepped without the step hooks: they fire once,
-                        # around this call, as without the cache.
-                        manager._fused_step(optimizer, None, 2.0, hooked=False)
-                    finally:
-                        self._stepping = False
+                    # Each bucket stepped without the step hooks (these included): they
+                    # fire once, around this call, as without the cache.
+                    manager._fused_step(optimizer, None, 2.0, hooked=False)
                     self._hide(optimizer, owned)
         # Every model's gradients that are left, not only this optimizer's: a backward
         # through two models (a GAN's generator loss through its discriminator) leaves
@@ -154,8 +147,6 @@ class StepRouting(CacheReads):
     def _after_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if self._stepping:
-            return
         for param, grad in self._hidden.pop(optimizer, {}).items():
             param.grad = grad
 
