@@ -48,8 +48,8 @@ MUTANTS = [
     (
         "fused step: payloads leave only after their step (remove before step)",
         "gradient_cache/engine/fused_step.py",
-        "            _step_with(optimizer, grads)\n            if i == 0:\n                # The step counts, and its residuals become current, once an optimizer\n                # step went through: a step that failed before can still be discarded\n                # without a trace. (A retry completes again: counting is idempotent.)\n                pipeline.deliver([p for p in delivered if p in store])\n            store.remove(params)  # stepped: the payloads are spent",
-        "            if i == 0:\n                pipeline.deliver([p for p in delivered if p in store])\n            store.remove(params)\n            _step_with(optimizer, grads)",
+        "            _step_with(step_once, grads)\n            if i == 0:\n                # The step counts, and its residuals become current, once an optimizer\n                # step went through: a step that failed before can still be discarded\n                # without a trace. (A retry completes again: counting is idempotent.)\n                pipeline.deliver([p for p in delivered if p in store])\n            store.remove(params)  # stepped: the payloads are spent",
+        "            if i == 0:\n                pipeline.deliver([p for p in delivered if p in store])\n            store.remove(params)\n            _step_with(step_once, grads)",
         "tests/test_training.py::test_a_failed_fused_step_retried_gives_the_plain_result",
     ),
     (
