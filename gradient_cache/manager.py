@@ -204,7 +204,7 @@ class GradientCacheHookManager:
         place: for the integrations, which restore what other optimizers left)."""
         pipeline = self._live()
         steps = pipeline.steps
-        if pipeline.store:
+        if pipeline.step_pending:
             self._before_restore()
         pipeline.apply()
         self._after_restore(steps)
@@ -332,8 +332,7 @@ class GradientCacheHookManager:
         pipeline = self._clip_ready("clip_grads_with_norm_")
         cached = [param for param in params if param in pipeline.store]
         if cached and not set(pipeline.store) <= set(params):
-            pipeline.deliver(cached)
-            pipeline.restore(cached)
+            pipeline.deliver_and_restore(cached)
             cached = []
         # clip_grads_with_norm_'s factor, in its bits, and its product with each gradient.
         factor = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
@@ -359,9 +358,7 @@ class GradientCacheHookManager:
         pipeline.drain()
         if pipeline.deferred_clip is not None:
             self._restore_all()  # clipped again: from the clipped gradients, on the device
-        mixed = [param for param in pipeline.store if param.grad is not None]
-        pipeline.deliver(mixed)
-        pipeline.restore(mixed)
+        pipeline.deliver_and_restore(p for p in pipeline.store if p.grad is not None)
         return pipeline
 
     def offload_state_of(self, optimizer: torch.optim.Optimizer) -> None:

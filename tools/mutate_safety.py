@@ -118,8 +118,8 @@ MUTANTS = [
     (
         "budget: a kept gradient is freed after the fused step, as a cached one",
         "gradient_cache/engine/fused_step.py",
-        "            for param in held.keys() & pipeline.kept_on_device:",
-        "            for param in ():",
+        "    for param in held.keys() & pipeline.kept_on_device:",
+        "    for param in ():",
         "tests/test_memory_budget.py::test_a_decision_midway_trains_bit_for_bit_as_plain",
     ),
     (

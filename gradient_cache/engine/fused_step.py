@@ -60,8 +60,7 @@ def step(
     # A cached gradient that also has a device part is restored whole first: it then
     # behaves like any device gradient. Parameters of other optimizers stay cached.
     mixed = [p for p in delivered if p.grad is not None]
-    pipeline.deliver(mixed)
-    pipeline.restore(mixed)
+    pipeline.deliver_and_restore(mixed)
     held = {p: p.grad for p in stepped if p.grad is not None}
     parts = pipeline.parts(stepped)
     scaler = scaling.enabled_scaler(pipeline, optimizer)
@@ -117,10 +116,7 @@ def step(
             step_once()
             if states is not None:
                 states.send_back(optimizer, arrivals.popleft())
-            for param in held.keys() & pipeline.kept_on_device:
-                # A memory budget's: freed as a cached gradient is, so that a loop written
-                # for the fused step (no zero_grad) does not add it into the next step.
-                param.grad = None
+            _free_kept(pipeline, held)
     except BaseException:
         for restore in ahead:
             backend.finish_restore(restore)  # before its blocks are freed
@@ -166,10 +162,16 @@ def _skip(
     for part in parts:
         pipeline.store.remove([param for param, _ in part])
     _put_back_scaled(held, factor)
-    for param in held.keys() & pipeline.kept_on_device:
-        param.grad = None  # freed as after a step (`step`)
+    _free_kept(pipeline, held)
     scaling.record(scaler, optimizer, found_inf=True)
     pipeline.finish_step()
+
+
+def _free_kept(pipeline: Pipeline, held: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+    """The device gradients a memory budget keeps, freed as cached ones are after their
+    step: a loop written for the fused step (no zero_grad) must not add them into the next."""
+    for param in held.keys() & pipeline.kept_on_device:
+        param.grad = None
 
 
 def _step_with(
@@ -201,9 +203,8 @@ def _clip_factor(
 
     The cached gradients' norms come from `Pipeline.read_norms` (the encodes' or the host
     payloads', complete after the drain); the device gradients' are computed here. They
-    are reduced on the device, in
-    the model's order. Under FSDP2 each rank holds shards: their norms are combined across
-    ranks (`sharding.global_norm`).
+    are reduced on the device, in the model's order. Under FSDP2 each rank holds shards:
+    their norms are combined across ranks (`sharding.global_norm`).
     """
     if max_grad_norm is None:
         if pipeline.pending is None or not pipeline.pending.norm_read:

@@ -450,8 +450,7 @@ class Pipeline:
         self.drain()
         if self.state is INTERRUPTED:
             self.retry()  # restored whole: the interrupted fused step's clip is not used
-        self.deliver(list(self.store))
-        self.restore(list(self.store))
+        self.deliver_and_restore(list(self.store))
         self.finish_step()
 
     def restore(self, params: Iterable[Param]) -> None:
@@ -463,6 +462,13 @@ class Pipeline:
                 grad = sharding.as_grad_of(param, grad)
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
             self.store.remove([param for param, _ in part])
+
+    def deliver_and_restore(self, params: Iterable[Param]) -> None:
+        """`deliver` then `restore` ``params``: their gradients back in ``param.grad``, the
+        step counted."""
+        params = list(params)
+        self.deliver(params)
+        self.restore(params)
 
     def parts(self, params: Iterable[Param]) -> list[BucketPayloads]:
         """The cached payloads of ``params``, bucket by bucket (`GradientStore.parts`)."""

@@ -161,7 +161,8 @@ def _accelerator_clip(function: Callable[..., Any], reads: CacheReads) -> Callab
             reads.restore(function.__qualname__)
             return function(accelerator, params, max_norm, norm_type)
         if not hasattr(type(accelerator), "_clip_grad_norm_dtensor_aware"):
-            # Before accelerate 1.16 it called torch's clip_grad_norm_, routed above.
+            # Before accelerate 1.16 it called its unscale_gradients (routed: it restores
+            # first), then torch's clip_grad_norm_: correct, without the fused path.
             return function(accelerator, params, max_norm, norm_type)
         with torch.no_grad():
             norm = manager.gradient_norm(params, norm_type=norm_type)

@@ -95,8 +95,9 @@ class StepRouting(CacheReads):
                 holders.append(manager)
         if len(holders) != 1:
             return None
-        scaler = holders[0].engine.grad_scaler if holders[0].engine is not None else None
-        return None if scaler is not None and scaler.is_enabled() else holders[0]
+        (holder,) = holders
+        scaler = holder.engine.grad_scaler if holder.engine is not None else None
+        return None if scaler is not None and scaler.is_enabled() else holder
 
     # --- the optimizer hooks ------------------------------------------------------
 
