@@ -165,7 +165,7 @@ def state_on_host_matches_plain() -> dict[str, Any]:
         model, compression_ratio=1, offload_optimizer_state=True
     ) as cache:
         cached = train(model, cache=cache, fused=True, micro_batches=2, optimizer=optimizer)
-        host = cache.engine.optimizer_state.host
+        host = cache.engine.optimizer_state.copies_of(optimizer)
         on_host = [
             value is host[param][key]
             for param, state in optimizer.state.items()

@@ -188,7 +188,7 @@ def test_the_optimizer_state_on_the_host_trains_as_plain_and_leaves_the_device(
         at_step = torch.cuda.max_memory_allocated() - before
         cached_opt.zero_grad()
         assert_same_parameters(plain, cached)
-        host = manager.engine.optimizer_state.host
+        host = manager.engine.optimizer_state.copies_of(cached_opt)
         for param in cached.parameters():
             for key, value in cached_opt.state[param].items():
                 if value.dim() > 0:

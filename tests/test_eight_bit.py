@@ -119,7 +119,7 @@ def train(
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     if way == STATE_ON_HOST:  # every state tensor with a dimension is the cache's host copy
-        host = cache.engine.optimizer_state.host
+        host = cache.engine.optimizer_state.copies_of(optimizer)
         for param in model.parameters():
             for key, value in optimizer.state[param].items():
                 assert not torch.is_tensor(value) or value.dim() == 0 or value is host[param][key]

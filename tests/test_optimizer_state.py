@@ -70,7 +70,7 @@ def assert_same_state(plain_opt, cached_opt, plain, cached) -> None:
 
 def assert_on_the_host(manager, optimizer) -> None:
     """Every offloaded state tensor is the cache's host copy; scalars stay as they were."""
-    host = manager.engine.optimizer_state.host
+    host = manager.engine.optimizer_state.copies_of(optimizer)
     offloaded = 0
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -146,10 +146,10 @@ def test_only_the_bucket_being_stepped_has_its_state_off_the_host() -> None:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
-    host = manager.engine.optimizer_state.host
     seen = []
 
     def check(optimizer, args, kwargs) -> None:
+        host = manager.engine.optimizer_state.copies_of(optimizer)
         stepping = {p for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
         off_host = {
             p
@@ -248,7 +248,7 @@ def train_through_a_failure(plain, cached, plain_opt, cached_opt, manager, failu
 
 
 def assert_on_the_host_or_absent(manager, optimizer) -> None:
-    host = manager.engine.optimizer_state.host
+    host = manager.engine.optimizer_state.copies_of(optimizer)
     for param, state in optimizer.state.items():
         for key, value in state.items():
             assert value.dim() == 0 or value is host[param][key]

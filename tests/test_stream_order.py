@@ -482,7 +482,6 @@ def test_the_optimizer_state_streamed_through_the_fused_step_is_ordered(
     cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
     failure = helpers.FailsOnce(cached_opt)
     manager = lossless_small_buckets(cached, fake_cuda, offload_optimizer_state=True)
-    host = manager.engine.optimizer_state.host
     for i, (tokens, targets) in enumerate(batches(3)):
         with fake_cuda.checker.disabled():
             loss_of(plain, tokens, targets).backward()
@@ -496,6 +495,7 @@ def test_the_optimizer_state_streamed_through_the_fused_step_is_ordered(
                 manager.step(cached_opt, max_grad_norm=0.05)
         manager.step(cached_opt, max_grad_norm=0.05)
         cached_opt.zero_grad()
+        host = manager.engine.optimizer_state.copies_of(cached_opt)
         for p, q in zip(plain.parameters(), cached.parameters(), strict=True):
             state = cached_opt.state[q]
             assert state["exp_avg"] is host[q]["exp_avg"]

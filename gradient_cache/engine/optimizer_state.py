@@ -13,10 +13,18 @@ the device at once.
 A bucket's new host copies are cut from slabs laid out by the backend (on CUDA pinned,
 in power-of-two slabs as the payload pool's, which the pinned allocator does not round
 up), checked against the host budget before they are allocated.
+
+Host copies belong to one optimizer: two optimizers over one parameter (a trunk shared by
+two heads) each keep their own state, as in plain PyTorch. A state that sits on the device
+when a fused step begins (loaded before `attach`, or left there by a framework's resume)
+is sent to the host first (`send_to_host`). When the cache closes (`close`) every host
+copy goes back to its parameter's device, as new tensors, and the optimizer keeps working
+without the cache; nothing of the optimizer keeps the closed cache alive.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -24,6 +32,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .backend import Backend, Transfer
 from .hostmem import check_host_budget
@@ -31,6 +40,9 @@ from .layout import gradient_strides
 from .pool import aligned
 
 Param = torch.nn.Parameter
+Optimizer = torch.optim.Optimizer
+# One optimizer's host copies: per parameter, per state key.
+Copies = dict[Param, dict[str, torch.Tensor]]
 
 
 def leaves(value: torch.Tensor) -> list[torch.Tensor]:
@@ -85,14 +97,18 @@ class HostOptimizerState:
 
     backend: Backend
     fraction: float
-    # The host copy of each (parameter, key): a value in optimizer.state that *is* one of
-    # these is on the host; any other offloaded value is on the device.
-    host: dict[Param, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # Per optimizer (weakly: a dropped optimizer takes its copies along), the host copy of
+    # each (parameter, key): a value in optimizer.state that *is* one of these is on the
+    # host; any other offloaded value is on the device. Per optimizer, since two optimizers
+    # over one parameter each have their own state.
+    host: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     host_bytes: int = 0
     # The state bytes the last step moved, to the device and back (counted as it goes).
     moved_bytes: int = 0
-    # The optimizers whose load_state_dict puts their state on the host (`attach`).
-    _attached: set[int] = field(default_factory=set)
+    # The optimizers whose load_state_dict puts their state on the host (`attach`), and
+    # their hooks' handles, removed by `close`. Weak keys: the cache does not keep an
+    # optimizer alive, and the hooks hold the cache weakly (`_LoadHooks`).
+    _attached: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     _loading: list[dict[Param, dict[str, torch.Tensor]]] = field(default_factory=list)
     _sent: list[Transfer] = field(default_factory=list)
     # Parameters whose state stays on the device (a memory budget's decision): brought
@@ -105,8 +121,9 @@ class HostOptimizerState:
         """Start copying ``params``' host state to the device (the backend's restore
         stream on CUDA); a state not yet created comes from the step itself."""
         keys: list[tuple[Param, str, torch.Tensor]] = []
+        owned = self.copies_of(optimizer)
         for param in params:
-            copies = self.host.get(param, {})
+            copies = owned.get(param, {})
             for key, value in optimizer.state.get(param, {}).items():
                 if key in copies and copies[key] is value:
                     keys.append((param, key, copies[key]))
@@ -128,31 +145,54 @@ class HostOptimizerState:
         host copies in ``optimizer.state``, and let the device copies go once the copy has
         read them. New host copies are allocated first: if that raises, the bucket's
         state stays on the device, whole, and moves at its next step."""
+        self._send(optimizer, arrival.params)
+
+    def _send(self, optimizer: Optimizer, params: Iterable[Param]) -> None:
+        """`send_back` for ``params``: each offloaded value that is not its host copy."""
+        owned = self.copies_of(optimizer)
         pairs = []
-        for param in arrival.params:
+        for param in params:
             if param in self.on_device:
                 continue
             state = optimizer.state.get(param, {})
             for key, value in state.items():
-                if offloaded(value) and self.host.get(param, {}).get(key) is not value:
+                if offloaded(value) and owned.get(param, {}).get(key) is not value:
                     pairs.append((param, key, value))
-        self._allocate([item for item in pairs if not self._has_copy_for(*item)])
+        new = [item for item in pairs if not self._has_copy_for(owned, *item)]
+        if new:
+            self._allocate(new, self.host.setdefault(optimizer, owned))
         copies = [
             (device, host)
             for param, key, value in pairs
-            for device, host in zip(leaves(value), leaves(self.host[param][key]), strict=True)
+            for device, host in zip(leaves(value), leaves(owned[param][key]), strict=True)
         ]
         self.moved_bytes += nbytes([device for device, _ in copies])
         transfer = self.backend.start_to_host(copies)
         for param, key, _ in pairs:
-            optimizer.state[param][key] = self.host[param][key]
+            optimizer.state[param][key] = owned[param][key]
         # The device copies go only after the copy back read them (`Backend.release`).
         self.backend.release(transfer)
         self._sent.append(transfer)
 
-    def _has_copy_for(self, param: Param, key: str, value: torch.Tensor) -> bool:
-        """Whether a host copy like ``value`` (shape, dtype, kind) exists for (param, key)."""
-        host = self.host.get(param, {}).get(key)
+    def send_to_host(self, optimizer: Optimizer) -> None:
+        """Every offloaded state value of ``optimizer`` that sits on the device (a state
+        loaded before `attach`, one a framework moved there on resume, one a step without
+        the cache made) to its host copy, the device copies let go once copied; the
+        parameters whose state a memory budget keeps on the device excepted. Complete
+        when this returns (`settle`): the fused step brings these copies next."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._send(optimizer, params)
+        self.settle()
+
+    def copies_of(self, optimizer: Optimizer) -> Copies:
+        """``optimizer``'s host copies (empty if it has none): read-only for callers."""
+        copies: Copies = self.host.get(optimizer, {})
+        return copies
+
+    def _has_copy_for(self, copies: Copies, param: Param, key: str, value: torch.Tensor) -> bool:
+        """Whether ``copies`` hold a host copy like ``value`` (shape, dtype, kind) for
+        (param, key)."""
+        host = copies.get(param, {}).get(key)
         if host is None or type(host) is not type(value):
             return False
         return [(t.shape, t.dtype) for t in leaves(host)] == [
@@ -178,15 +218,23 @@ class HostOptimizerState:
         self.on_device.update(params)
 
     def bytes_by_param(self) -> dict[Param, int]:
-        """Each parameter's host copies, in bytes."""
-        return {
-            param: nbytes(leaf for host in copies.values() for leaf in leaves(host))
-            for param, copies in self.host.items()
-        }
+        """Each parameter's host copies, in bytes, every optimizer's together (what keeping
+        that parameter's state on the device costs there)."""
+        total: dict[Param, int] = {}
+        for owned in self.host.values():
+            for param, copies in owned.items():
+                size = nbytes(leaf for host in copies.values() for leaf in leaves(host))
+                total[param] = total.get(param, 0) + size
+        return total
 
     def host_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The plain tensors of every host copy (memory accounting)."""
-        hosts = [host for copies in self.host.values() for host in copies.values()]
+        """The plain tensors of every host copy, every optimizer's (memory accounting)."""
+        hosts = [
+            host
+            for owned in self.host.values()
+            for copies in owned.values()
+            for host in copies.values()
+        ]
         return tuple(leaf for host in hosts for leaf in leaves(host))
 
     def settle(self) -> None:
@@ -196,10 +244,10 @@ class HostOptimizerState:
             self.backend.settle(self._sent[-1])  # the copies back run in order
         self._sent.clear()
 
-    def _allocate(self, items: list[tuple[Param, str, torch.Tensor]]) -> None:
+    def _allocate(self, items: list[tuple[Param, str, torch.Tensor]], copies: Copies) -> None:
         """Host copies like ``items``' values (each plain tensor inside with its shape,
-        strides and dtype), cut from new slabs (`Backend.host_layout`), after the host
-        budget check."""
+        strides and dtype) in ``copies`` (one optimizer's), cut from new slabs
+        (`Backend.host_layout`), after the host budget check."""
         inner = [leaves(value) for _, _, value in items]
         flat = [leaf for values in inner for leaf in values]
         sizes = [aligned(leaf.numel() * leaf.element_size()) for leaf in flat]
@@ -219,26 +267,58 @@ class HostOptimizerState:
                 )
         taken = iter(hosts)
         for param, key, value in items:
-            self.host.setdefault(param, {})[key] = rebuilt(value, taken)
+            copies.setdefault(param, {})[key] = rebuilt(value, taken)
         self.host_bytes += total
 
     # --- optimizer.load_state_dict -------------------------------------------------------
 
     def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """A fused step begins: its moved bytes count from zero, and ``optimizer``'s
-        loads put their state on the host (`attach`)."""
+        """A fused step begins: its moved bytes count from zero, ``optimizer``'s loads put
+        their state on the host (`attach`), and any of its state on the device goes there
+        now (`send_to_host`: a loop that loaded it before `attach`)."""
         self.moved_bytes = 0
         self.attach(optimizer)
+        self.send_to_host(optimizer)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """From now on ``optimizer.load_state_dict`` puts the offloaded state in host
         memory, never on the device (the loaded values, cast as the optimizer casts them);
-        once per optimizer."""
-        if id(optimizer) in self._attached:
+        once per optimizer, until `close`."""
+        if optimizer in self._attached:
             return
-        self._attached.add(id(optimizer))
-        optimizer.register_load_state_dict_pre_hook(self._take_tensors)
-        optimizer.register_load_state_dict_post_hook(self._place_on_host)
+        hooks = _LoadHooks(weakref.ref(self))
+        self._attached[optimizer] = [
+            optimizer.register_load_state_dict_pre_hook(hooks.take_tensors),
+            optimizer.register_load_state_dict_post_hook(hooks.place_on_host),
+        ]
+
+    def close(self) -> None:
+        """The cache closes: each optimizer's load hooks removed, and its state put back
+        where plain PyTorch keeps it, each host copy copied to the device as a new tensor
+        (the host copies then dropped), so that it steps on without the cache and a later
+        cache takes it up again."""
+        self.settle()  # the last copies back complete before they are read
+        for handles in list(self._attached.values()):
+            for handle in handles:
+                handle.remove()
+        self._attached = WeakIdKeyDictionary()
+        for optimizer, owned in list(self.host.items()):
+            self._bring_home(optimizer, owned)
+        self.host = WeakIdKeyDictionary()
+        self.host_bytes = 0
+
+    def _bring_home(self, optimizer: Optimizer, owned: Copies) -> None:
+        """``optimizer``'s values that are host copies, as new device tensors."""
+        places = [
+            (param, key, host)
+            for param, copies in owned.items()
+            for key, host in copies.items()
+            if optimizer.state.get(param, {}).get(key) is host
+        ]
+        hosts = [leaf for _, _, host in places for leaf in leaves(host)]
+        device = iter(self.backend.finish_to_device(self.backend.start_to_device(hosts)))
+        for param, key, host in places:
+            optimizer.state[param][key] = rebuilt(host, device)
 
     def _take_tensors(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> Any:
         """Take the tensors the cache offloads out of the loaded state, before the
@@ -254,21 +334,41 @@ class HostOptimizerState:
         return {**state_dict, "state": kept}
 
     def _place_on_host(self, optimizer: torch.optim.Optimizer) -> None:
-        """The taken tensors into host copies (an existing one of the same shape and dtype
-        is reused), cast as the optimizer casts a loaded state: floating values to a
-        floating parameter's dtype."""
+        """The taken tensors into ``optimizer``'s host copies (an existing one of the same
+        shape and dtype is reused), cast as the optimizer casts a loaded state: floating
+        values to a floating parameter's dtype."""
         taken = self._loading.pop()
+        owned = self.host.setdefault(optimizer, {})
         new = []
         for param, values in taken.items():
             for key, value in values.items():
                 if param.is_floating_point() and value.is_floating_point():
                     values[key] = value = value.to(dtype=param.dtype)
-                if not self._has_copy_for(param, key, value):
+                if not self._has_copy_for(owned, param, key, value):
                     new.append((param, key, value))
-        self._allocate(new)
+        if new:
+            self._allocate(new, owned)
         for param, values in taken.items():
             for key, value in values.items():
-                host = self.host[param][key]
+                host = owned[param][key]
                 for host_leaf, leaf in zip(leaves(host), leaves(value), strict=True):
                     host_leaf.copy_(leaf)
                 optimizer.state[param][key] = host
+
+
+@dataclass(frozen=True)
+class _LoadHooks:
+    """An optimizer's load_state_dict hooks for a `HostOptimizerState`, which they hold
+    weakly: an optimizer that outlives its cache does not keep the cache alive (`close`
+    removes them; a cache dropped unclosed leaves them doing nothing)."""
+
+    states: weakref.ref[HostOptimizerState]
+
+    def take_tensors(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> Any:
+        states = self.states()
+        return None if states is None else states._take_tensors(optimizer, state_dict)
+
+    def place_on_host(self, optimizer: Optimizer) -> None:
+        states = self.states()
+        if states is not None:
+            states._place_on_host(optimizer)

@@ -725,9 +725,15 @@ class Pipeline:
         )
 
     def close(self) -> None:
+        """Detach: the hooks removed, the parameters free for another cache, the optimizer
+        state back where plain PyTorch keeps it (`HostOptimizerState.close`)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         for param in self.records:
             _cached_params.pop(param, None)
-        self.backend.close()
+        try:
+            if self.optimizer_state is not None:
+                self.optimizer_state.close()
+        finally:
+            self.backend.close()
