@@ -4,10 +4,14 @@ run begins; handed back to the optimizer, on its device, when the cache closes."
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from torch import nn
 
 import gradient_cache
+from gradient_cache.engine.optimizer_state import HostOptimizerState
 
 OPTIONS = dict(compression_ratio=1, offload_optimizer_state=True, bucket_size_mb=0.0005)
 
@@ -90,3 +94,70 @@ def test_two_optimizers_over_a_shared_trunk_keep_their_own_state() -> None:
     assert states.bytes_by_param()[weight] == trunk_bytes
     held = {id(t) for t in states.host_tensors()}
     assert {id(t) for o in cached_opts for t in state_tensors(o)} == held
+
+
+def train_one_epoch(model: TwoHeads, optimizer: torch.optim.Optimizer, epoch: int) -> None:
+    """Three steps of both heads' losses, one optimizer (a plain loop: with the decorator,
+    optimizer.step() is the fused step)."""
+    for inputs, targets in data(3 * (epoch + 1))[3 * epoch :]:
+        sum(head_losses(model, inputs, targets)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def live_states() -> list[HostOptimizerState]:
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is HostOptimizerState]
+
+
+def test_remove_hooks_hands_the_state_back_to_the_optimizer() -> None:
+    """After remove_hooks the optimizer has none of the cache's load hooks and no state
+    tensor is (or shares memory with) a host copy; it steps on without the cache as plain
+    PyTorch, and the closed cache is collected while the optimizer lives."""
+    plain, cached = TwoHeads(), TwoHeads()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS)
+    for inputs, targets in data(2):
+        sum(head_losses(plain, inputs, targets)).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        sum(head_losses(cached, inputs, targets)).backward()
+        manager.step(cached_opt)
+        cached_opt.zero_grad()
+    assert manager.engine is not None
+    states = weakref.ref(manager.engine.optimizer_state)
+    hosts = list(manager.engine.optimizer_state.host_tensors())
+    assert len(hosts) == len(state_tensors(cached_opt)) > 0
+    manager.remove_hooks()
+    assert not cached_opt._optimizer_load_state_dict_pre_hooks
+    assert not cached_opt._optimizer_load_state_dict_post_hooks
+    host_memory = {h.untyped_storage().data_ptr() for h in hosts}
+    for value in state_tensors(cached_opt):
+        assert all(value is not h for h in hosts)
+        assert value.untyped_storage().data_ptr() not in host_memory
+    del manager, hosts
+    gc.collect()
+    assert states() is None  # the optimizer does not keep the closed cache alive
+    train_one_epoch(plain, plain_opt, 2)
+    train_one_epoch(cached, cached_opt, 2)
+    assert same_weights(plain, cached)
+
+
+def test_a_decorated_epoch_function_reusing_one_optimizer_trains_as_plain() -> None:
+    """@optimize(offload_optimizer_state=True) on a per-epoch function, called three times
+    with one AdamW made outside it: each call's cache takes the state to the host and hands
+    it back on exit, so the run is plain's bit for bit and no closed cache stays alive."""
+    plain, cached = TwoHeads(), TwoHeads()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    epoch_with_cache = gradient_cache.optimize(**OPTIONS)(train_one_epoch)
+    before = len(live_states())
+    for epoch in range(3):
+        train_one_epoch(plain, plain_opt, epoch)
+        epoch_with_cache(cached, cached_opt, epoch)
+        assert len(live_states()) == before
+        assert same_weights(plain, cached)
+    for p, q in zip(plain.parameters(), cached.parameters(), strict=True):
+        for key, value in plain_opt.state[p].items():
+            assert torch.equal(value, cached_opt.state[q][key]), key
