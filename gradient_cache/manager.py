@@ -362,10 +362,11 @@ class GradientCacheHookManager:
         return pipeline
 
     def offload_state_of(self, optimizer: torch.optim.Optimizer) -> None:
-        """With ``offload_optimizer_state=True``: from now on ``optimizer.load_state_dict``
-        puts the state it loads in host memory, never on the device. ``step(optimizer)``
-        does this itself; call it before loading when resuming, else the loaded state
-        lands on the device, whole, until the first step moves it to the host."""
+        """With ``offload_optimizer_state=True``: ``optimizer``'s state now on the device
+        goes to host memory, and from now on ``optimizer.load_state_dict`` puts the state
+        it loads there, never on the device. ``step(optimizer)`` does both itself when it
+        begins; call it before loading when resuming, else the loaded state sits on the
+        device, whole, until then. The integrations call it when training starts."""
         pipeline = self._live()
         if pipeline.optimizer_state is None:
             raise RuntimeError(
@@ -373,6 +374,20 @@ class GradientCacheHookManager:
                 "create_gradient_cache(...): without it the state stays on the device."
             )
         pipeline.optimizer_state.attach(optimizer)
+        pipeline.optimizer_state.send_to_host(optimizer)
+
+    def _offload_loaded_state(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """For the integrations, when training starts (before any forward): the state a
+        framework loaded on resume (and moved to the device) to host memory, for each of
+        ``optimizers`` that steps a parameter this cache holds (its step is the fused one).
+        Nothing without ``offload_optimizer_state``."""
+        pipeline = self._live()
+        if pipeline.optimizer_state is None:
+            return
+        for optimizer in optimizers:
+            owned = (p for group in optimizer.param_groups for p in group["params"])
+            if any(param in pipeline.records for param in owned):
+                self.offload_state_of(optimizer)
 
     def discard_gradients(self) -> None:
         """Drop every cached gradient, as ``optimizer.zero_grad()`` drops device ones.

@@ -367,3 +367,46 @@ def test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one(
         ckpt_path=str(first_epoch[0]),
     )
     assert same_weights(uninterrupted, resumed)
+
+
+class StateOnTheHost(L.Callback):
+    """At each step's start, whether every state tensor with a dimension of the trainer's
+    optimizer is the cache's host copy (the cache's callback holds its manager)."""
+
+    def __init__(self, cache: GradientCacheCallback) -> None:
+        self.cache = cache
+        self.seen: list[bool] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        (optimizer,) = trainer.optimizers
+        assert self.cache._manager is not None and self.cache._manager.engine is not None
+        host = self.cache._manager.engine.optimizer_state.copies_of(optimizer)
+        values = [
+            value is host.get(param, {}).get(key)
+            for param, state in optimizer.state.items()
+            for key, value in state.items()
+            if value.dim() > 0
+        ]
+        self.seen.append(all(values) and bool(values))
+
+
+def test_a_resumed_run_with_the_state_offloaded_keeps_it_on_the_host(tmp_path: Path) -> None:
+    """Lightning loads the optimizer's state and moves it to the device before the first
+    resumed step: the callback sends it to the host in on_train_start, so at that step's
+    start every state tensor is a host copy, and the run ends as the uninterrupted one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    options = dict(**LOSSLESS, offload_optimizer_state=True)
+    short = dict(max_epochs=2, limit_train_batches=2)
+    uninterrupted = Regressor()
+    saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1)
+    fit(
+        uninterrupted, [GradientCacheCallback(**options), saver], enable_checkpointing=True, **short
+    )
+    (first_epoch,) = sorted(tmp_path.glob("epoch=0*.ckpt"))
+    resumed = Regressor()
+    cache = GradientCacheCallback(**options)
+    spy = StateOnTheHost(cache)
+    fit(resumed, [cache, spy], ckpt_path=str(first_epoch), **short)
+    assert spy.seen == [True, True]
+    assert same_weights(uninterrupted, resumed)

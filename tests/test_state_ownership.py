@@ -4,6 +4,7 @@ run begins; handed back to the optimizer, on its device, when the cache closes."
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -161,3 +162,47 @@ def test_a_decorated_epoch_function_reusing_one_optimizer_trains_as_plain() -> N
     for p, q in zip(plain.parameters(), cached.parameters(), strict=True):
         for key, value in plain_opt.state[p].items():
             assert torch.equal(value, cached_opt.state[q][key]), key
+
+
+def cached_steps(model: TwoHeads, manager, optimizer, steps) -> None:
+    for inputs, targets in steps:
+        sum(head_losses(model, inputs, targets)).backward()
+        manager.step(optimizer)
+        optimizer.zero_grad()
+
+
+def test_a_state_loaded_before_offload_state_of_goes_to_the_host_when_the_step_begins() -> None:
+    """A loop that loads the optimizer's state without offload_state_of (the state then
+    lands on the device, whole): the first fused step sends it all to the host before its
+    first bucket steps, so each bucket steps with only its own state off the host; and
+    the run goes on as the uninterrupted one, bit for bit."""
+    steps = data(4)
+    first = TwoHeads()
+    first_opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(first, **OPTIONS)
+    cached_steps(first, manager, first_opt, steps[:2])
+    saved = copy.deepcopy({"model": first.state_dict(), "optimizer": first_opt.state_dict()})
+    cached_steps(first, manager, first_opt, steps[2:])
+    manager.remove_hooks()
+
+    resumed = TwoHeads()
+    resumed.load_state_dict(saved["model"])
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    optimizer.load_state_dict(saved["optimizer"])  # no cache yet: the state is not on the host
+    cache = gradient_cache.create_gradient_cache(resumed, **OPTIONS)
+    only_its_own = []
+
+    def check(optimizer, args, kwargs) -> None:
+        host = cache.engine.optimizer_state.copies_of(optimizer)
+        stepping = {p for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+        off_host = {
+            p
+            for p, state in optimizer.state.items()
+            if any(v.dim() > 0 and v is not host.get(p, {}).get(k) for k, v in state.items())
+        }
+        only_its_own.append(off_host <= stepping)
+
+    optimizer.register_step_post_hook(check)
+    cached_steps(resumed, cache, optimizer, steps[2:])
+    assert len(only_its_own) >= 4 and all(only_its_own)  # two buckets a step
+    assert same_weights(first, resumed)

@@ -223,3 +223,40 @@ def test_peft_lora_caches_only_the_adapters_and_matches_plain(tmp_path) -> None:
     manager.remove_hooks()
     assert summary["num_offloaded_parameters"] == len([n for n in adapters if "lora_A" in n])
     assert summary["num_excluded_parameters"] == len([n for n in adapters if "lora_B" in n])
+
+
+class StateOnTheHost(transformers.TrainerCallback):
+    """At each step's start, whether every state tensor with a dimension of the trainer's
+    optimizer is the cache's host copy."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        inner = optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch one
+        engine = gradient_cache.manager_of(model).engine
+        host = engine.optimizer_state.copies_of(inner)
+        values = [
+            value is host.get(param, {}).get(key)
+            for param, held in inner.state.items()
+            for key, value in held.items()
+            if value.dim() > 0
+        ]
+        self.seen.append(all(values) and bool(values))
+
+
+def test_a_resumed_trainer_with_the_state_offloaded_keeps_it_on_the_host(tmp_path) -> None:
+    """The Trainer loads the optimizer's state onto the device before on_train_begin: the
+    cache's callback sends it to the host there, so the first resumed step starts with
+    every state tensor a host copy, and the run ends as the uninterrupted one."""
+    options = dict(compression_ratio=1, bucket_size_mb=0.004, offload_optimizer_state=True)
+    steps = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    uninterrupted = tiny_gpt2()
+    hf.train(trainer_for(uninterrupted, tmp_path / "a", **steps), **options)
+    resumed = tiny_gpt2()
+    trainer = trainer_for(resumed, tmp_path / "b", **steps)
+    spy = StateOnTheHost()
+    trainer.add_callback(spy)
+    hf.train(trainer, resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"), **options)
+    assert spy.seen == [True, True]
+    assert weight_gap(uninterrupted, resumed) == 0.0

@@ -148,6 +148,13 @@ class GradientCacheCallback(pl.Callback):
             state, self._state_to_load = self._state_to_load, None
             self._manager.load_state_dict(state)
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A resumed fit loaded the optimizers' state and moved it to the device after
+        # on_fit_start: with offload_optimizer_state=True it goes to host memory here,
+        # before the first forward (and before a memory budget measures a step).
+        if self._manager is not None:
+            self._manager._offload_loaded_state(trainer.optimizers)
+
     # --- checkpoints ----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -94,8 +94,13 @@ class _CacheCallback(transformers.TrainerCallback):
         state: transformers.TrainerState,
         control: transformers.TrainerControl,
         model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         **kwargs: Any,
     ) -> transformers.TrainerControl:
+        if model is not None and optimizer is not None:
+            # A resumed run loaded the optimizer's state onto the device before this hook:
+            # with offload_optimizer_state=True it goes to host memory before the first step.
+            manager_of(model)._offload_loaded_state([_unwrapped(optimizer)])
         if self.resume_folder is None or model is None:
             return control
         path = os.path.join(self.resume_folder, STATE_FILE)
@@ -143,3 +148,11 @@ class _CacheCallback(transformers.TrainerCallback):
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             torch.save(manager_of(model).state_dict(), os.path.join(folder, STATE_FILE))
         return control
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (its ``optimizer``):
+    the one whose step the fused step runs, and whose state the cache keys."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
