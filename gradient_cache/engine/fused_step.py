@@ -45,6 +45,7 @@ def step(
     if states is not None:
         states.begin_step(optimizer)  # a skipped step moves no state either
     stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
+    pipeline.check_not_taken(optimizer, stepped)  # a shared parameter another step took
     # A clip_grad_norm_ answered from the cache (the integrations): its factor applies to
     # the cached gradients as they are restored; the device ones it clipped in place.
     deferred = pipeline.deferred_clip
@@ -57,6 +58,7 @@ def step(
             )
         clip = (None, deferred)
     delivered = [p for p in pipeline.store if p in stepped]
+    pipeline.take_for(optimizer, delivered)
     # A cached gradient that also has a device part is restored whole first: it then
     # behaves like any device gradient. Parameters of other optimizers stay cached.
     mixed = [p for p in delivered if p.grad is not None]

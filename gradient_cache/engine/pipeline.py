@@ -257,6 +257,9 @@ class Pipeline:
         self.unsettled: ScaledStep | None = None
         # The norm type the last fused step clipped by (`clip_with`).
         self.clip_norm_type: float | None = None
+        # The cached gradients fused steps took in the pending step (or the last one, until
+        # the next begins), each with the optimizer that stepped it (a weak reference).
+        self.stepped_by: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._norm_slots = norm_slots(params)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         if grad_scaler is not None:
@@ -335,6 +338,7 @@ class Pipeline:
             if self.clip_norm_type is not None:
                 norms = StepNorms(self._norm_slots, self.clip_norm_type, self.backend.device)
             self.pending = PendingStep(self.random_state(), found_inf, norms)
+            self.stepped_by = WeakIdKeyDictionary()  # a new step: its gradients are new
 
     def _enter(self, phase: str, state: StepState) -> None:
         """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
@@ -440,6 +444,7 @@ class Pipeline:
             self.set_random_state(self.pending.random_state)
         self._enter("discard", IDLE)
         self.pending = None
+        self.stepped_by = WeakIdKeyDictionary()
 
     def apply(self) -> None:
         """Drain, then put every cached gradient back into ``param.grad``.
@@ -496,6 +501,39 @@ class Pipeline:
             self.steps += 1
             self.pending.counted = True
         self.backend.residuals.promote(params, keep_replaced=self.unsettled is not None)
+
+    def take_for(self, optimizer: torch.optim.Optimizer, params: Iterable[Param]) -> None:
+        """A fused step of ``optimizer`` takes the cached gradients of ``params`` (they
+        leave the cache once stepped, as if ``zero_grad()`` had run)."""
+        for param in params:
+            self.stepped_by[param] = weakref.ref(optimizer)
+
+    def check_not_taken(self, optimizer: torch.optim.Optimizer, params: Iterable[Param]) -> None:
+        """Refuse a fused step of ``optimizer`` over a parameter whose cached gradient
+        another optimizer's fused step took in this step, and that has none now: plain
+        PyTorch would step it again with that gradient, left in ``.grad``, unless a
+        ``zero_grad()`` ran in between, which the cache cannot see. Raises before
+        anything changes."""
+        taken = [
+            self.records[param].name
+            for param in params
+            if param.grad is None
+            and param not in self.store
+            and param in self.stepped_by
+            and self.stepped_by[param]() is not optimizer
+        ]
+        if taken:
+            raise RuntimeError(
+                f"step({type(optimizer).__name__}) steps {len(taken)} parameters "
+                f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}) whose cached "
+                "gradients another optimizer's step already stepped in this step and freed "
+                "(the fused step frees what it restores, as zero_grad() would). Plain PyTorch "
+                "leaves them in .grad, so this optimizer would step them again, unless "
+                "zero_grad() ran in between: the cache cannot tell which you meant. Give each "
+                "parameter to one optimizer; or run a backward before each optimizer's step; "
+                "or keep the shared parameters' gradients on the device (exclude_layers=[...]: "
+                "both steps then find them in .grad, as in plain PyTorch)."
+            )
 
     def interrupt(self, clip: Clip) -> None:
         """A fused step raised: keep its clip for the retry (`retry`)."""

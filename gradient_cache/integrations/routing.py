@@ -162,4 +162,6 @@ def _takes_fused_step(manager: GradientCacheHookManager, owned: list[torch.Tenso
     manager.compress_and_free_gradients()
     if engine.optimizer_state is not None:
         return any(param in engine.records for param in owned)
-    return any(param in engine.store for param in owned)
+    # Or a fused step took some of their gradients in this step (another optimizer's, over
+    # a shared parameter): the fused step refuses what plain PyTorch would step again.
+    return any(param in engine.store or param in engine.stepped_by for param in owned)
