@@ -153,6 +153,7 @@ class _CacheCallback(transformers.TrainerCallback):
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (its ``optimizer``):
     the one whose step the fused step runs, and whose state the cache keys."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer):
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
     return optimizer
