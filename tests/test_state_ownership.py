@@ -246,3 +246,22 @@ def test_a_shared_gradient_another_optimizers_step_took_is_refused_with_the_fix(
     assert same_weights(plain, cached)
     weight = cached.trunk.weight
     assert cached_opts[0].state[weight]["exp_avg"] is not cached_opts[1].state[weight]["exp_avg"]
+
+
+def test_the_load_hooks_hold_the_cache_weakly() -> None:
+    """An optimizer attached to a cache that is dropped unclosed does not keep it alive;
+    its load_state_dict then works as plain PyTorch's (the hooks do nothing)."""
+    model = TwoHeads()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    assert manager.engine is not None
+    states = HostOptimizerState(manager.engine.backend, 0.5)
+    states.attach(optimizer)
+    alive = weakref.ref(states)
+    del states
+    gc.collect()
+    assert alive() is None
+    manager.remove_hooks()
+    saved = copy.deepcopy(optimizer.state_dict())
+    optimizer.load_state_dict(saved)
+    assert optimizer.state_dict()["param_groups"] == saved["param_groups"]

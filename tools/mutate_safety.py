@@ -762,6 +762,13 @@ MUTANTS = [
         "",
         "tests/test_state_ownership.py::test_a_shared_gradient_another_optimizers_step_took_is_refused_with_the_fix",
     ),
+    (
+        "optimizer state: the load hooks hold the cache weakly",
+        "gradient_cache/engine/optimizer_state.py",
+        "        hooks = _LoadHooks(weakref.ref(self))\n",
+        "        hooks = _LoadHooks(lambda: self)  # type: ignore[arg-type]\n",
+        "tests/test_state_ownership.py::test_the_load_hooks_hold_the_cache_weakly",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
