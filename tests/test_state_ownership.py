@@ -265,3 +265,27 @@ def test_the_load_hooks_hold_the_cache_weakly() -> None:
     saved = copy.deepcopy(optimizer.state_dict())
     optimizer.load_state_dict(saved)
     assert optimizer.state_dict()["param_groups"] == saved["param_groups"]
+
+
+def test_a_state_the_device_has_no_room_for_at_close_stays_on_the_host(monkeypatch) -> None:
+    """remove_hooks at the end of a run whose state fits only in host memory: bringing it
+    to the device runs out of memory, and the state stays in host memory, with a warning,
+    instead of failing the close; the optimizer's state_dict still reads it."""
+    model = TwoHeads()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    for inputs, targets in data(1):
+        sum(head_losses(model, inputs, targets)).backward()
+        manager.step(optimizer)
+    assert manager.engine is not None
+    hosts = list(manager.engine.optimizer_state.host_tensors())
+
+    def no_room(tensors):
+        raise torch.OutOfMemoryError("injected: out of memory")
+
+    monkeypatch.setattr(manager.engine.backend, "start_to_device", no_room)
+    with pytest.warns(UserWarning, match="did not fit on the device"):
+        manager.remove_hooks()
+    assert all(any(v is h for h in hosts) for v in state_tensors(optimizer))
+    assert not optimizer._optimizer_load_state_dict_pre_hooks
+    assert len(optimizer.state_dict()["state"]) == len(list(model.parameters()))

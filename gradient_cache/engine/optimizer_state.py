@@ -24,6 +24,7 @@ without the cache; nothing of the optimizer keeps the closed cache alive.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -296,14 +297,29 @@ class HostOptimizerState:
         """The cache closes: each optimizer's load hooks removed, and its state put back
         where plain PyTorch keeps it, each host copy copied to the device as a new tensor
         (the host copies then dropped), so that it steps on without the cache and a later
-        cache takes it up again."""
+        cache takes it up again. A state the device has no room for stays in host memory,
+        with a warning (the end of a run whose state fits only there must not fail)."""
         self.settle()  # the last copies back complete before they are read
         for handles in list(self._attached.values()):
             for handle in handles:
                 handle.remove()
         self._attached = WeakIdKeyDictionary()
         for optimizer, owned in list(self.host.items()):
-            self._bring_home(optimizer, owned)
+            try:
+                self._bring_home(optimizer, owned)
+            except torch.OutOfMemoryError:
+                size = nbytes(
+                    leaf for c in owned.values() for h in c.values() for leaf in leaves(h)
+                )
+                warnings.warn(
+                    f"The gradient cache closed, and {type(optimizer).__name__}'s state "
+                    f"({size / 2**20:.1f} MiB) did not fit on the device, where plain PyTorch "
+                    "keeps it: it stays in host memory. Save it (optimizer.state_dict()) or "
+                    "hand it to a new cache with offload_optimizer_state=True; a plain "
+                    "optimizer.step() needs it on the device.",
+                    UserWarning,
+                    stacklevel=4,
+                )
         self.host = WeakIdKeyDictionary()
         self.host_bytes = 0
 
