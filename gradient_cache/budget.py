@@ -216,6 +216,14 @@ class BudgetWatch:
             self.note = f"memory_budget={budget.text!r}: measuring the first step"
             memory.reset_peak()
 
+    def measure_from_now(self) -> None:
+        """Training starts (the integrations, once a resume's loaded optimizer state went
+        from the device to the host): an undecided budget's peak counts from here, not from
+        the manager's creation, so that the loaded state's stay on the device, no part of
+        any step, is not measured as one."""
+        if self.memory is not None and self.decision is None:
+            self.memory.reset_peak()
+
     def before_restore(self, pipeline: Any) -> None:
         """Before the second step's restore (the first step and its optimizer step are
         over, so the state exists and the peak holds them): decide, and keep what fits on

@@ -379,8 +379,8 @@ class GradientCacheHookManager:
     def _offload_loaded_state(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """For the integrations, when training starts (before any forward): the state a
         framework loaded on resume (and moved to the device) to host memory, for each of
-        ``optimizers`` that steps a parameter this cache holds (its step is the fused one).
-        Nothing without ``offload_optimizer_state``."""
+        ``optimizers`` that steps a parameter this cache holds (its step is the fused one);
+        a memory budget then measures from here. Nothing without ``offload_optimizer_state``."""
         pipeline = self._live()
         if pipeline.optimizer_state is None:
             return
@@ -388,6 +388,8 @@ class GradientCacheHookManager:
             owned = (p for group in optimizer.param_groups for p in group["params"])
             if any(param in pipeline.records for param in owned):
                 self.offload_state_of(optimizer)
+        if self._budget is not None:
+            self._budget.measure_from_now()  # before any forward: the steps are measured
 
     def discard_gradients(self) -> None:
         """Drop every cached gradient, as ``optimizer.zero_grad()`` drops device ones.

@@ -289,3 +289,34 @@ def test_a_state_the_device_has_no_room_for_at_close_stays_on_the_host(monkeypat
     assert all(any(v is h for h in hosts) for v in state_tensors(optimizer))
     assert not optimizer._optimizer_load_state_dict_pre_hooks
     assert len(optimizer.state_dict()["state"]) == len(list(model.parameters()))
+
+
+class CountedResets:
+    """A device's statistics (`budget.DeviceMemory`) that count the peak's resets."""
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+    def peak_bytes(self) -> int:
+        return 0
+
+    def total_bytes(self) -> int:
+        return 2**40
+
+
+def test_a_budget_measures_from_training_start_not_from_the_loaded_state() -> None:
+    """The integrations' call when training starts (after a resume loaded the state onto
+    the device and it went to the host) restarts an undecided budget's measurement, so
+    the loaded state's stay on the device is not measured as a step's peak."""
+    model = TwoHeads()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    memory = CountedResets()
+    manager = gradient_cache.create_gradient_cache(
+        model, memory_budget="50%", device_memory=memory, **OPTIONS
+    )
+    assert memory.resets == 1  # at creation
+    manager._offload_loaded_state([optimizer])
+    assert memory.resets == 2

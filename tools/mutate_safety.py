@@ -776,6 +776,13 @@ MUTANTS = [
         "            except ZeroDivisionError:\n                size = ",
         "tests/test_state_ownership.py::test_a_state_the_device_has_no_room_for_at_close_stays_on_the_host",
     ),
+    (
+        "budget: measured from training start under the integrations",
+        "gradient_cache/manager.py",
+        "            self._budget.measure_from_now()  # before any forward: the steps are measured\n",
+        "            pass\n",
+        "tests/test_state_ownership.py::test_a_budget_measures_from_training_start_not_from_the_loaded_state",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
