@@ -506,6 +506,43 @@ def test_the_optimizer_state_streamed_through_the_fused_step_is_ordered(
     fake_cuda.checker.assert_clean()
 
 
+@pytest.mark.parametrize("offload_state_of", [False, True])
+def test_a_state_loaded_onto_the_device_goes_to_the_host_in_order(
+    fake_cuda: FakeCuda, offload_state_of: bool
+) -> None:
+    """A state loaded without offload_state_of sits on the device. The fused step's begin
+    (or offload_state_of, after which the host reads it) copies it to the host on the copy
+    stream; the first bucket brings it back on the restore stream after that copy; a closed
+    cache copies it to the device again after the last copy back. AdamW, bit for bit with
+    plain."""
+    plain, cached = make_model(), make_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    data = batches(3)
+    with fake_cuda.checker.disabled():
+        for tokens, targets in data:
+            loss_of(plain, tokens, targets).backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+        warm = make_model()
+        warm_opt = torch.optim.AdamW(warm.parameters(), lr=1e-2)
+        loss_of(warm, *data[0]).backward()
+        warm_opt.step()
+        cached.load_state_dict(warm.state_dict())
+        cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+        cached_opt.load_state_dict(warm_opt.state_dict())  # on the device, no cache yet
+    manager = lossless_small_buckets(cached, fake_cuda, offload_optimizer_state=True)
+    if offload_state_of:
+        manager.offload_state_of(cached_opt)
+        assert all(s["exp_avg"].sum() is not None for s in cached_opt.state.values())  # host
+    for tokens, targets in data[1:]:
+        loss_of(cached, tokens, targets).backward()
+        manager.step(cached_opt)
+        cached_opt.zero_grad()
+    manager.remove_hooks()
+    assert_same_parameters(plain, cached)
+    fake_cuda.checker.assert_clean()
+
+
 def test_discard_then_train_on(fake_cuda: FakeCuda) -> None:
     """Discarded payloads are never read; the slots are rewritten by the next step."""
     data = batches(3)

@@ -783,6 +783,13 @@ MUTANTS = [
         "            pass\n",
         "tests/test_state_ownership.py::test_a_budget_measures_from_training_start_not_from_the_loaded_state",
     ),
+    (
+        "optimizer state: offload_state_of settles before the host reads",
+        "gradient_cache/manager.py",
+        "        pipeline.optimizer_state.settle()  # the host may read them next (a checkpoint)\n",
+        "",
+        "tests/test_stream_order.py::test_a_state_loaded_onto_the_device_goes_to_the_host_in_order",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

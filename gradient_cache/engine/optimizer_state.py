@@ -179,11 +179,12 @@ class HostOptimizerState:
         """Every offloaded state value of ``optimizer`` that sits on the device (a state
         loaded before `attach`, one a framework moved there on resume, one a step without
         the cache made) to its host copy, the device copies let go once copied; the
-        parameters whose state a memory budget keeps on the device excepted. Complete
-        when this returns (`settle`): the fused step brings these copies next."""
+        parameters whose state a memory budget keeps on the device excepted. As
+        `send_back`: a bring of these copies is ordered after the copy (`Backend.release`
+        makes the compute stream wait for it, the restore stream waits for compute); the
+        host reads them only after `settle`."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._send(optimizer, params)
-        self.settle()
 
     def copies_of(self, optimizer: Optimizer) -> Copies:
         """``optimizer``'s host copies (empty if it has none): read-only for callers."""
