@@ -97,12 +97,12 @@ class _CacheCallback(transformers.TrainerCallback):
         optimizer: torch.optim.Optimizer | None = None,
         **kwargs: Any,
     ) -> transformers.TrainerControl:
-        if model is not None and optimizer is not None:
-            # A resumed run loaded the optimizer's state onto the device before this hook:
-            # with offload_optimizer_state=True it goes to host memory before the first step.
-            manager_of(model)._offload_loaded_state([_unwrapped(optimizer)])
         if self.resume_folder is None or model is None:
             return control
+        if optimizer is not None:
+            # The trainer loaded the optimizer's state onto the device before this hook: with
+            # offload_optimizer_state=True it goes to host memory before the first step.
+            manager_of(model)._offload_loaded_state([_unwrapped(optimizer)])
         path = os.path.join(self.resume_folder, STATE_FILE)
         if not os.path.exists(path):
             warnings.warn(
