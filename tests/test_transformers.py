@@ -142,8 +142,13 @@ def test_trainer_at_ratio_100_trains(tmp_path) -> None:
 
 
 def test_a_run_resumed_from_a_trainer_checkpoint_ends_as_the_uninterrupted_one(tmp_path):
-    """Ratio 100 with error feedback: the residuals travel in the checkpoint folder."""
-    options = dict(compression_ratio=100, codec="topk", min_compress_numel=1024)
+    """Ratio 100 with error feedback: the residuals travel in the checkpoint folder. With
+    the state offloaded: the Trainer loads the optimizer's state onto the device before
+    on_train_begin, where the cache's callback sends it to the host, so every resumed step
+    starts with each state tensor a host copy."""
+    options = dict(
+        compression_ratio=100, codec="topk", min_compress_numel=1024, offload_optimizer_state=True
+    )
     steps = dict(max_steps=8, save_strategy="steps", save_steps=4, learning_rate=1e-2)
     uninterrupted = tiny_gpt2()
     hf.train(trainer_for(uninterrupted, tmp_path / "a", **steps), **options)
@@ -153,7 +158,10 @@ def test_a_run_resumed_from_a_trainer_checkpoint_ends_as_the_uninterrupted_one(t
     shutil.copytree(tmp_path / "a" / "checkpoint-4", tmp_path / "b" / "checkpoint-4")
     resumed = tiny_gpt2()
     trainer = trainer_for(resumed, tmp_path / "b", **steps)
+    spy = StateOnTheHost()
+    trainer.add_callback(spy)
     hf.train(trainer, resume_from_checkpoint=True, **options)  # the last checkpoint
+    assert spy.seen == [True] * 4
     assert trainer.state.global_step == 8
     assert weight_gap(uninterrupted, resumed) == 0.0
 
@@ -243,20 +251,3 @@ class StateOnTheHost(transformers.TrainerCallback):
             if value.dim() > 0
         ]
         self.seen.append(all(values) and bool(values))
-
-
-def test_a_resumed_trainer_with_the_state_offloaded_keeps_it_on_the_host(tmp_path) -> None:
-    """The Trainer loads the optimizer's state onto the device before on_train_begin: the
-    cache's callback sends it to the host there, so the first resumed step starts with
-    every state tensor a host copy, and the run ends as the uninterrupted one."""
-    options = dict(compression_ratio=1, bucket_size_mb=0.004, offload_optimizer_state=True)
-    steps = dict(max_steps=4, save_strategy="steps", save_steps=2)
-    uninterrupted = tiny_gpt2()
-    hf.train(trainer_for(uninterrupted, tmp_path / "a", **steps), **options)
-    resumed = tiny_gpt2()
-    trainer = trainer_for(resumed, tmp_path / "b", **steps)
-    spy = StateOnTheHost()
-    trainer.add_callback(spy)
-    hf.train(trainer, resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"), **options)
-    assert spy.seen == [True, True]
-    assert weight_gap(uninterrupted, resumed) == 0.0

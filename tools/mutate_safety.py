@@ -746,14 +746,14 @@ MUTANTS = [
         "gradient_cache/integrations/lightning.py",
         "            self._manager._offload_loaded_state(trainer.optimizers)\n",
         "            pass\n",
-        "tests/test_lightning.py::test_a_resumed_run_with_the_state_offloaded_keeps_it_on_the_host",
+        "tests/test_lightning.py::test_a_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one",
     ),
     (
         "optimizer state: the Trainer's resumed state goes to the host at train begin",
         "gradient_cache/integrations/transformers.py",
         "            manager_of(model)._offload_loaded_state([_unwrapped(optimizer)])\n",
         "            pass\n",
-        "tests/test_transformers.py::test_a_resumed_trainer_with_the_state_offloaded_keeps_it_on_the_host",
+        "tests/test_transformers.py::test_a_run_resumed_from_a_trainer_checkpoint_ends_as_the_uninterrupted_one",
     ),
     (
         "fused step: a shared gradient another optimizer's step took is refused",
