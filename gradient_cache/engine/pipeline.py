@@ -730,4 +730,6 @@ class Pipeline:
         self._handles = []
         for param in self.records:
             _cached_params.pop(param, None)
+        if self.optimizer_state is not None:
+            self.optimizer_state.close()
         self.backend.close()
