@@ -25,6 +25,7 @@ from helpers import (
     train_with_a_skipped_batch,
 )
 from stream_checker import FakeCuda, FakeEvent, StreamChecker
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradient_cache
 from gradient_cache import Ladder, TopK
@@ -586,6 +587,7 @@ def test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact(
         if load:
             cached_opt.load_state_dict(saved)
     manager.remove_hooks()
+    assert not cached_opt._optimizer_state_dict_post_hooks  # the closed cache let go
     assert all(state["exp_avg"].sum() is not None for state in cached_opt.state.values())
     fake_cuda.checker.assert_clean()
 
@@ -727,3 +729,56 @@ def test_the_warmups_end_pins_nothing_beyond_what_the_host_check_approved(
     assert pool.capacity_bytes == allocate.held_bytes  # the slabs held, counted once
     assert_same_parameters(reference, model)
     fake_cuda.checker.assert_clean()
+
+
+class CopiesInto(TorchDispatchMode):
+    """Each ``copy_``'s destination storage and whether it was non-blocking."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[int, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default:
+            non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+            self.copies.append((args[0].untyped_storage().data_ptr(), non_blocking))
+        return func(*args, **kwargs)
+
+
+def test_a_slab_that_could_not_be_pinned_blocks_only_its_own_copies(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The OS refuses to pin the pool's second slab: copies into the first stay
+    non-blocking (one refused pin once made every copy block), those into the second
+    block (the price of pageable memory, warned of)."""
+    allocate = fake_cuda.allocate_pinned
+
+    def second_refused(nbytes: int) -> torch.Tensor:
+        if fake_cuda.pinned_allocations == 1:
+            fake_cuda.pinned_allocations += 1
+            raise RuntimeError("cannot lock more pages")
+        return allocate(nbytes)
+
+    fake_cuda.allocate_pinned = second_refused  # what the fixture's factory pins with
+    model = layers(n=2, width=512)  # two 1 MiB weights: two slabs
+    with pytest.warns(RuntimeWarning, match="could not pin host memory"):
+        manager = gradient_cache.create_gradient_cache(
+            model, backend_factory=fake_cuda.factory, compression_ratio=1, bucket_size_mb=SMALL
+        )
+    pool = manager.engine.backend.pool
+    slabs = {
+        view.untyped_storage().data_ptr(): pool.is_pinned(view)
+        for slot in pool.slots.values()
+        for view in slot.regions
+    }
+    assert sorted(slabs.values()) == [False, True]
+    recorder = CopiesInto()
+    with recorder:
+        model(torch.randn(4, 512)).sum().backward()
+        manager.compress_and_free_gradients()
+    into_slabs = [
+        (slabs[ptr], non_blocking) for ptr, non_blocking in recorder.copies if ptr in slabs
+    ]
+    assert {pinned for pinned, _ in into_slabs} == {False, True}
+    assert all(pinned == non_blocking for pinned, non_blocking in into_slabs)

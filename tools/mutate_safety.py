@@ -713,6 +713,70 @@ MUTANTS = [
         "    return out.dtype == torch.float32 and out.is_contiguous()",
         "tests/test_codecs.py::test_a_bf16_gradients_payload_decodes_to_its_bf16_values_whatever_the_output",
     ),
+    # --- issue 41 items 10, 11: the state's layout, its state_dict, the host waits ---
+    (
+        "optimizer state: state_dict() waits for the copies back",
+        "gradient_cache/engine/optimizer_state.py",
+        '        self.wait_on_host()\n        state_dict["state"] = {',
+        '        state_dict["state"] = {',
+        "tests/test_stream_order.py::test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact",
+    ),
+    (
+        "optimizer state: a load waits before it overwrites host copies",
+        "gradient_cache/engine/optimizer_state.py",
+        "        self.wait_on_host()  # before the host overwrites",
+        "        pass  # before the host overwrites",
+        "tests/test_stream_order.py::test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact",
+    ),
+    (
+        "optimizer state: the cache's close waits for the copies back",
+        "gradient_cache/engine/optimizer_state.py",
+        "        self.wait_on_host()\n        for handle in self._state_dict_handles:",
+        "        for handle in self._state_dict_handles:",
+        "tests/test_stream_order.py::test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact",
+    ),
+    (
+        "optimizer state: the cache's close removes its state_dict hook",
+        "gradient_cache/engine/optimizer_state.py",
+        "            handle.remove()\n        self._state_dict_handles.clear()",
+        "            pass\n        self._state_dict_handles.clear()",
+        "tests/test_stream_order.py::test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact",
+    ),
+    (
+        "optimizer state: state_dict() hands out compact copies of the host views",
+        "gradient_cache/engine/optimizer_state.py",
+        "        return rebuilt(value, iter([leaf.clone() for leaf in leaves(value)]))",
+        "        return value",
+        "tests/test_optimizer_state.py::test_a_saved_state_dict_holds_the_states_bytes_not_its_slabs",
+    ),
+    (
+        "state slabs: a request's regions go into the slabs' room before a new slab",
+        "gradient_cache/engine/state_slabs.py",
+        "            index = next((k for k, (used, end) in enumerate(rooms) if end - used >= need), None)",
+        "            index = next((k for k, (used, end) in enumerate(rooms[existing:], existing) if end - used >= need), None)",
+        "tests/test_optimizer_state.py::test_gpt2_124m_adamw_state_pins_within_ten_percent_of_its_bytes",
+    ),
+    (
+        "state slabs: the host budget checked before a new slab",
+        "gradient_cache/engine/state_slabs.py",
+        "        if new:\n            check_host_budget(",
+        "        if not new:\n            check_host_budget(",
+        "tests/test_optimizer_state.py::test_gpt2_124m_adamw_state_pins_within_ten_percent_of_its_bytes",
+    ),
+    (
+        "pool: a refused pin makes only its own slab pageable",
+        "gradient_cache/engine/pool.py",
+        "                self._warn_once(error)",
+        "                self._warn_once(error)\n                self._allocate_pinned = None",
+        "tests/test_pool.py::test_a_failed_pin_makes_only_its_slab_pageable",
+    ),
+    (
+        "cuda: a copy into a pinned slab is non-blocking beside a pageable one",
+        "gradient_cache/engine/cuda.py",
+        "        return host.copy_(device, non_blocking=self.pool.is_pinned(host))",
+        "        return host.copy_(device, non_blocking=self.pool.pinned)",
+        "tests/test_stream_order.py::test_a_slab_that_could_not_be_pinned_blocks_only_its_own_copies",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
