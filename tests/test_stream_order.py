@@ -782,3 +782,30 @@ def test_a_slab_that_could_not_be_pinned_blocks_only_its_own_copies(
     ]
     assert {pinned for pinned, _ in into_slabs} == {False, True}
     assert all(pinned == non_blocking for pinned, non_blocking in into_slabs)
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_load_after_a_failed_step_waits_for_the_state_brought_ahead(
+    fake_cuda: FakeCuda, nth: int
+) -> None:
+    """``optimizer.step()`` raises with a bucket's state on its way to the device (brought
+    ahead, after the last copy back): a load then overwrites host copies that copy may
+    still read, so the load's host wait covers the copies to the device too. The retry
+    after the load steps from the loaded state."""
+    cached = make_model()
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    failure = helpers.FailsOnce(cached_opt)
+    manager = lossless_small_buckets(cached, fake_cuda, offload_optimizer_state=True)
+    (tokens, targets), then = batches(2)
+    loss_of(cached, tokens, targets).backward()
+    manager.step(cached_opt)
+    cached_opt.zero_grad()
+    saved = cached_opt.state_dict()
+    loss_of(cached, *then).backward()
+    failure.arm(nth)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(cached_opt)
+    cached_opt.load_state_dict(saved)
+    fake_cuda.checker.assert_clean()
+    manager.step(cached_opt)
+    fake_cuda.checker.assert_clean()

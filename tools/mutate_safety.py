@@ -777,6 +777,13 @@ MUTANTS = [
         "        return host.copy_(device, non_blocking=self.pool.pinned)",
         "tests/test_stream_order.py::test_a_slab_that_could_not_be_pinned_blocks_only_its_own_copies",
     ),
+    (
+        "cuda: the host's wait for the state covers the copies to the device (a failed step's)",
+        "gradient_cache/engine/cuda.py",
+        '        self._unwaited_state["to the device"] = done\n',
+        "",
+        "tests/test_stream_order.py::test_a_load_after_a_failed_step_waits_for_the_state_brought_ahead",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
