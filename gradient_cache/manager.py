@@ -375,7 +375,7 @@ class GradientCacheHookManager:
             )
         pipeline.optimizer_state.attach(optimizer)
         pipeline.optimizer_state.send_to_host(optimizer)
-        pipeline.optimizer_state.settle()  # the host may read them next (a checkpoint)
+        pipeline.optimizer_state.wait_on_host()  # the host may read them next (a checkpoint)
 
     def _offload_loaded_state(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """For the integrations, when training starts (before any forward): the state a

@@ -172,9 +172,20 @@ def state_on_host_matches_plain() -> dict[str, Any]:
             for key, value in state.items()
             if value.dim() > 0
         ]
+        # state_dict(): each shard's compact copy (a tensor of its own, not its slab).
+        saved = optimizer.state_dict()["state"]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        compact = [
+            saved[i][key].to_local().untyped_storage().nbytes() == value.to_local().nbytes
+            and torch.equal(saved[i][key].to_local(), value.to_local())
+            for i, param in enumerate(params)
+            for key, value in optimizer.state[param].items()
+            if value.dim() > 0
+        ]
     return {
         "difference": max_difference(plain["weights"], cached["weights"]),
         "on host": bool(on_host) and all(on_host),
+        "compact state_dict": bool(compact) and all(compact),
     }
 
 

@@ -164,6 +164,31 @@ def test_host_pool_falls_back_to_pageable_memory_with_one_warning() -> None:
     assert len(record) == 1 and not host_pool.pinned
 
 
+def test_a_failed_pin_makes_only_its_slab_pageable() -> None:
+    """The OS refuses the second slab's pinning: that slab is pageable (one warning), the
+    first and the third stay pinned, so only copies into the second block the host. A
+    relaid pool and the optimizer state's slabs (`allocate_slab`) share the allocator,
+    which still knows the pageable slab."""
+    calls = []
+
+    def second_fails(nbytes: int) -> torch.Tensor:
+        calls.append(nbytes)
+        if len(calls) == 2:
+            raise RuntimeError("cannot lock more pages")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    params = [torch.nn.Parameter(torch.zeros(2**18)) for _ in range(2)]  # 1 MiB each
+    with pytest.warns(RuntimeWarning, match="could not pin host memory") as record:
+        host_pool = pool.HostPool(slots(params, ratio=1), allocate_pinned=second_fails)
+        third = host_pool.allocate_slab(4096)
+    assert len(record) == 1 and len(calls) == 3
+    first, second = (host_pool.slots[p].regions[0] for p in params)
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    assert [host_pool.is_pinned(view) for view in (first, second, third)] == [True, False, True]
+    assert not host_pool.pinned  # not every slab: the summary says so
+    assert host_pool.relaid(slots(params, ratio=1)).is_pinned(second) is False
+
+
 def test_relaid_cuts_the_steady_slots_from_the_warmups_slabs() -> None:
     """The warm-up's end allocates nothing: each parameter's steady slot lies at the front of
     its warm-up room, the residuals start again at zero, and no two slots overlap. A layout

@@ -9,6 +9,8 @@ in gradient_cache/engine/ in turn: every deletion must make this file fail.
 
 from __future__ import annotations
 
+import io
+
 import helpers
 import pytest
 import torch
@@ -22,7 +24,8 @@ from helpers import (
     train_through_a_failed_step,
     train_with_a_skipped_batch,
 )
-from stream_checker import FakeCuda, StreamChecker
+from stream_checker import FakeCuda, FakeEvent, StreamChecker
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradient_cache
 from gradient_cache import Ladder, TopK
@@ -474,7 +477,8 @@ def test_the_optimizer_state_streamed_through_the_fused_step_is_ordered(
 ) -> None:
     """offload_optimizer_state: each bucket's state comes to the device on the restore
     stream a bucket ahead, steps, goes back on the copy stream and is freed only after;
-    the host reads it after the step (here: comparing it with plain's). With ``nth``,
+    the host reads it after ``optimizer.state_dict()``, which waits for the copies back
+    (the step's end does not: the next step's bring is ordered on the device). With ``nth``,
     that optimizer.step() of the second step raises once, with a bucket's state on its
     way, and the retry finishes the step. AdamW with clipping, as plain, bit for bit."""
     plain, cached = make_model(), make_model()
@@ -495,13 +499,15 @@ def test_the_optimizer_state_streamed_through_the_fused_step_is_ordered(
                 manager.step(cached_opt, max_grad_norm=0.05)
         manager.step(cached_opt, max_grad_norm=0.05)
         cached_opt.zero_grad()
+        saved = cached_opt.state_dict()["state"]  # waits for the copies back
         host = manager.engine.optimizer_state.copies_of(cached_opt)
-        for p, q in zip(plain.parameters(), cached.parameters(), strict=True):
+        for index, (p, q) in enumerate(zip(plain.parameters(), cached.parameters(), strict=True)):
             state = cached_opt.state[q]
             assert state["exp_avg"] is host[q]["exp_avg"]
             with fake_cuda.checker.disabled():
                 assert torch.equal(plain_opt.state[p]["exp_avg_sq"], state["exp_avg_sq"])
-            assert state["exp_avg"].sum() is not None  # a host read, checked
+            assert state["exp_avg"].sum() is not None  # host reads, checked
+            assert saved[index]["exp_avg"].sum() is not None
     assert_same_parameters(plain, cached)
     fake_cuda.checker.assert_clean()
 
@@ -540,6 +546,87 @@ def test_a_state_loaded_onto_the_device_goes_to_the_host_in_order(
         cached_opt.zero_grad()
     manager.remove_hooks()
     assert_same_parameters(plain, cached)
+
+
+class HostWaits:
+    """Which events the host waits on (`FakeEvent.synchronize`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.events: list[FakeEvent] = []
+        synchronize = FakeEvent.synchronize
+
+        def recorded(event: FakeEvent) -> None:
+            self.events.append(event)
+            synchronize(event)
+
+        monkeypatch.setattr(FakeEvent, "synchronize", recorded)
+
+
+def test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """offload_optimizer_state on the stand-in streams: the host never waits for a copy of
+    state back inside ``manager.step`` (the next forward can be queued); the next step's
+    bring and ``optimizer.state_dict()`` still read complete host copies (the checker);
+    ``state_dict()`` waits, and ``torch.save`` of it writes the state's bytes, not the
+    slabs' (within 5%, beside plain PyTorch's own pickle overhead). AdamW as plain, bit
+    for bit."""
+    plain, cached = make_model(), make_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    manager = lossless_small_buckets(cached, fake_cuda, offload_optimizer_state=True)
+    backend = manager.engine.backend
+    copies_back = []
+    start_to_host = backend.start_to_host
+
+    def recorded_start_to_host(pairs):
+        transfer = start_to_host(pairs)
+        copies_back.append(transfer.done)
+        return transfer
+
+    monkeypatch.setattr(backend, "start_to_host", recorded_start_to_host)
+    waits = HostWaits(monkeypatch)
+    for tokens, targets in batches(3):
+        with fake_cuda.checker.disabled():
+            loss_of(plain, tokens, targets).backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+        loss_of(cached, tokens, targets).backward()
+        manager.step(cached_opt)
+        cached_opt.zero_grad()
+    assert copies_back and not set(map(id, waits.events)) & set(map(id, copies_back))
+    waited_before = len(waits.events)
+    saved = cached_opt.state_dict()
+    # The host waits where it reads: for the last copy back.
+    assert any(event is copies_back[-1] for event in waits.events[waited_before:])
+    fake_cuda.checker.assert_clean()
+    with fake_cuda.checker.disabled():
+        assert_same_parameters(plain, cached)
+        expected = plain_opt.state_dict()
+        for index, values in expected["state"].items():
+            for key, value in values.items():
+                assert torch.equal(saved["state"][index][key], value), key
+        state_bytes = sum(
+            v.numel() * v.element_size()
+            for values in expected["state"].values()
+            for v in values.values()
+            if v.dim() > 0
+        )
+        plain_file, cached_file = io.BytesIO(), io.BytesIO()
+        torch.save(expected, plain_file)
+        torch.save(saved, cached_file)
+    overhead = plain_file.tell() - state_bytes  # the pickle's, plain PyTorch's own
+    assert cached_file.tell() <= 1.05 * state_bytes + overhead
+    # A load overwrites host copies that the last step's copies back may still write; and
+    # once the cache closes, the optimizer's host copies are the host's to read.
+    for load in (True, False):
+        loss_of(cached, *batches(1)[0]).backward()
+        manager.step(cached_opt)
+        if load:
+            cached_opt.load_state_dict(saved)
+    manager.remove_hooks()
+    assert not cached_opt._optimizer_state_dict_post_hooks  # the closed cache let go
+    assert all(state["exp_avg"].sum() is not None for state in cached_opt.state.values())
     fake_cuda.checker.assert_clean()
 
 
@@ -679,4 +766,84 @@ def test_the_warmups_end_pins_nothing_beyond_what_the_host_check_approved(
     assert allocate.held_bytes <= approved[0]
     assert pool.capacity_bytes == allocate.held_bytes  # the slabs held, counted once
     assert_same_parameters(reference, model)
+    fake_cuda.checker.assert_clean()
+
+
+class CopiesInto(TorchDispatchMode):
+    """Each ``copy_``'s destination storage and whether it was non-blocking."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[int, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default:
+            non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+            self.copies.append((args[0].untyped_storage().data_ptr(), non_blocking))
+        return func(*args, **kwargs)
+
+
+def test_a_slab_that_could_not_be_pinned_blocks_only_its_own_copies(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The OS refuses to pin the pool's second slab: copies into the first stay
+    non-blocking (one refused pin once made every copy block), those into the second
+    block (the price of pageable memory, warned of)."""
+    allocate = fake_cuda.allocate_pinned
+
+    def second_refused(nbytes: int) -> torch.Tensor:
+        if fake_cuda.pinned_allocations == 1:
+            fake_cuda.pinned_allocations += 1
+            raise RuntimeError("cannot lock more pages")
+        return allocate(nbytes)
+
+    fake_cuda.allocate_pinned = second_refused  # what the fixture's factory pins with
+    model = layers(n=2, width=512)  # two 1 MiB weights: two slabs
+    with pytest.warns(RuntimeWarning, match="could not pin host memory"):
+        manager = gradient_cache.create_gradient_cache(
+            model, backend_factory=fake_cuda.factory, compression_ratio=1, bucket_size_mb=SMALL
+        )
+    pool = manager.engine.backend.pool
+    slabs = {
+        view.untyped_storage().data_ptr(): pool.is_pinned(view)
+        for slot in pool.slots.values()
+        for view in slot.regions
+    }
+    assert sorted(slabs.values()) == [False, True]
+    recorder = CopiesInto()
+    with recorder:
+        model(torch.randn(4, 512)).sum().backward()
+        manager.compress_and_free_gradients()
+    into_slabs = [
+        (slabs[ptr], non_blocking) for ptr, non_blocking in recorder.copies if ptr in slabs
+    ]
+    assert {pinned for pinned, _ in into_slabs} == {False, True}
+    assert all(pinned == non_blocking for pinned, non_blocking in into_slabs)
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_load_after_a_failed_step_waits_for_the_state_brought_ahead(
+    fake_cuda: FakeCuda, nth: int
+) -> None:
+    """``optimizer.step()`` raises with a bucket's state on its way to the device (brought
+    ahead, after the last copy back): a load then overwrites host copies that copy may
+    still read, so the load's host wait covers the copies to the device too. The retry
+    after the load steps from the loaded state."""
+    cached = make_model()
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    failure = helpers.FailsOnce(cached_opt)
+    manager = lossless_small_buckets(cached, fake_cuda, offload_optimizer_state=True)
+    (tokens, targets), then = batches(2)
+    loss_of(cached, tokens, targets).backward()
+    manager.step(cached_opt)
+    cached_opt.zero_grad()
+    saved = cached_opt.state_dict()
+    loss_of(cached, *then).backward()
+    failure.arm(nth)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(cached_opt)
+    cached_opt.load_state_dict(saved)
+    fake_cuda.checker.assert_clean()
+    manager.step(cached_opt)
     fake_cuda.checker.assert_clean()

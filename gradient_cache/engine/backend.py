@@ -10,7 +10,6 @@ waits for them (`drain`, the one host wait), and brings them back (`start_restor
 from __future__ import annotations
 
 import contextlib
-import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -94,6 +93,9 @@ class Backend(ABC):
     restore_ahead: int = 0
     #: Top-k selection for ``selection="auto"``.
     default_selection: str = "threshold"
+    #: Whether `host_slab`'s memory comes rounded up to a power of two (pinned memory):
+    #: the optimizer state's slabs are then large powers of two (`state_slabs`).
+    host_slabs_round_up: bool = False
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (a host payload's) where the encode or restore can read it."""
@@ -138,14 +140,9 @@ class Backend(ABC):
 
     # --- an optimizer's state between host and device (`optimizer_state`) ---------------
 
-    def host_layout(self, sizes: list[int]) -> list[tuple[int, list[tuple[int, int]]]]:
-        """Slabs for regions of ``sizes`` bytes: each slab's size and its (region index,
-        byte offset) pairs. Here one slab, exactly their sum."""
-        offsets = itertools.accumulate(sizes, initial=0)
-        return [(sum(sizes), list(enumerate(offsets))[: len(sizes)])]
-
     def host_slab(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of host memory (uint8) for host copies of optimizer state."""
+        """A slab of ``nbytes`` of host memory (uint8) for host copies of optimizer state
+        (`state_slabs.StateSlabs` cuts them)."""
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
@@ -174,8 +171,9 @@ class Backend(ABC):
         """Let ``transfer``'s device tensors go, safely for the copies that read them."""
         transfer.tensors.clear()
 
-    def settle(self, transfer: Transfer) -> None:  # noqa: B027 - the CPU's copies are done
-        """Block until ``transfer``'s copies, and every one before it, are complete."""
+    def wait_for_state_copies(self) -> None:  # noqa: B027 - the CPU's copies are done at once
+        """Block the host until every copy started by `start_to_device` and
+        `start_to_host` is complete."""
 
 
 class CpuBackend(Backend):

@@ -36,7 +36,7 @@ import torch
 from ..codecs import Payload
 from . import backend
 from .backend import Backend, Encoded, Event, Grads, Param, Restore, Transfer
-from .pool import HostPool, pack_slabs
+from .pool import HostPool
 from .residuals import DeviceResiduals, HostSlotResiduals
 from .route import Route
 
@@ -65,6 +65,7 @@ class CudaBackend(Backend):
     """Overlaps encoding and device-to-host copies with backward on one CUDA device."""
 
     restore_ahead = 1
+    host_slabs_round_up = True  # the caching host allocator's pinned blocks
     default_selection = "exact"  # torch.topk needs no host sync; the threshold's count does
 
     def __init__(
@@ -104,11 +105,13 @@ class CudaBackend(Backend):
         self._in_flight: deque[Landing] = deque()
         # The `copied` event of the last copy into each slot not yet waited for by the host.
         self._unwaited: dict[Param, Event] = {}
+        # The last copy of optimizer state each way not yet waited for by the host.
+        self._unwaited_state: dict[str, Event] = {}
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         # An explicit H2D copy on the current stream, into a block allocated for it.
         out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-        return out.copy_(tensor, non_blocking=self.pool.pinned)
+        return out.copy_(tensor, non_blocking=self.pool.is_pinned(tensor))
 
     @contextlib.contextmanager
     def encoding(self, params: Sequence[Param]) -> Iterator[None]:
@@ -149,7 +152,6 @@ class CudaBackend(Backend):
             for grad in grads:
                 self.record_stream(grad, self.encode_stream)
                 self.record_stream(grad, self.copy_stream)
-        pinned = self.pool.pinned  # pageable memory: the copies block the host
         payloads: dict[Param, Payload] = {}
         with (
             torch.profiler.record_function("gradient_cache.copy"),
@@ -159,10 +161,7 @@ class CudaBackend(Backend):
                 slot = self.pool.slots[item.param]
                 tensors = item.payload.tensors()
                 payloads[item.param] = item.payload.with_tensors(
-                    [
-                        slot.region_for(i, t).copy_(t, non_blocking=pinned)
-                        for i, t in enumerate(tensors)
-                    ]
+                    [self._to_host(slot.region_for(i, t), t) for i, t in enumerate(tensors)]
                 )
                 kept += tensors
                 # A residual loaded from a checkpoint was allocated on the compute stream,
@@ -170,7 +169,7 @@ class CudaBackend(Backend):
                 # retirement wait orders the compute stream after the encode that read it.
                 kept += item.reads
                 if item.residual is not None:
-                    self.residuals.write(item.param, item.residual, non_blocking=pinned)
+                    self.residuals.write(item.param, item.residual, non_blocking=True)
                     kept.append(item.residual)
         copied = self.cuda.Event()
         copied.record(self.copy_stream)
@@ -181,6 +180,12 @@ class CudaBackend(Backend):
 
     def host_pool(self) -> HostPool[Param]:
         return self.pool
+
+    def _to_host(self, host: torch.Tensor, device: torch.Tensor) -> torch.Tensor:
+        """``device`` copied into ``host`` (of the pool's slabs), on the current stream:
+        non-blocking where ``host`` is pinned; into a pageable slab (whose pinning failed)
+        the copy blocks the host."""
+        return host.copy_(device, non_blocking=self.pool.is_pinned(host))
 
     def drain(self) -> None:
         while self._in_flight:
@@ -235,12 +240,8 @@ class CudaBackend(Backend):
 
     # --- an optimizer's state between host and device ----------------------------------
 
-    def host_layout(self, sizes: list[int]) -> list[tuple[int, list[tuple[int, int]]]]:
-        # Power-of-two slabs: the caching host allocator rounds a pinned block up to one.
-        return pack_slabs(sizes)
-
     def host_slab(self, nbytes: int) -> torch.Tensor:
-        return self.pool.allocate_slab(nbytes)  # pinned where the pool's slabs are
+        return self.pool.allocate_slab(nbytes)  # pinned where it can be, as the pool's slabs
 
     def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
         compute = self.cuda.current_stream(self.device)
@@ -251,13 +252,15 @@ class CudaBackend(Backend):
         ]
         # Guarantees the copies write these blocks only after the compute-stream work
         # queued so far, which may have used them before; and read the host copies only
-        # after the last step's copies back, which the host waited for (`settle`).
+        # after the copies back that wrote them (the compute stream waited on each:
+        # `release`), though the host did not wait for those.
         self.restore_stream.wait_stream(compute)
         with self.cuda.stream(self.restore_stream):
             for host, out in zip(hosts, outs, strict=True):
-                out.copy_(host, non_blocking=self.pool.pinned)
+                out.copy_(host, non_blocking=self.pool.is_pinned(host))
         done = self.cuda.Event()
         done.record(self.restore_stream)
+        self._unwaited_state["to the device"] = done
         return Transfer(outs, done)
 
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
@@ -273,9 +276,10 @@ class CudaBackend(Backend):
         self.copy_stream.wait_stream(self.cuda.current_stream(self.device))
         with self.cuda.stream(self.copy_stream):
             for device, host in pairs:
-                host.copy_(device, non_blocking=self.pool.pinned)
+                self._to_host(host, device)
         done = self.cuda.Event()
         done.record(self.copy_stream)
+        self._unwaited_state["to the host"] = done
         return Transfer([device for device, _ in pairs], done)
 
     def release(self, transfer: Transfer) -> None:
@@ -284,9 +288,13 @@ class CudaBackend(Backend):
         self.cuda.current_stream(self.device).wait_event(transfer.done)
         transfer.tensors.clear()
 
-    def settle(self, transfer: Transfer) -> None:
-        assert transfer.done is not None  # this backend records every transfer's event
-        transfer.done.synchronize()  # a non-blocking D2H copy is readable only after this
+    def wait_for_state_copies(self) -> None:
+        # Each stream's copies complete in order: its last event covers the ones before.
+        for done in self._unwaited_state.values():
+            # A non-blocking D2H copy is readable on the host only after this; and a host
+            # copy is rewritten by the host only after the H2D copies reading it.
+            done.synchronize()
+        self._unwaited_state.clear()
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:

@@ -124,13 +124,10 @@ def step(
             backend.finish_restore(restore)  # before its blocks are freed
         if states is not None:
             states.abandon(optimizer, arrivals)
-            states.settle()
         for param, grad in held.items():
             param.grad = grad
         pipeline.interrupt(clip)
         raise
-    if states is not None:
-        states.settle()
     if scaler is not None:
         scaling.record(scaler, optimizer, found_inf=False)
         pipeline.stepped()

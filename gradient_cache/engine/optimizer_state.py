@@ -10,9 +10,19 @@ its device copy let go once that copy has read it. A state the optimizer creates
 bucket's step (its first) goes to the host the same way, so the whole state is never on
 the device at once.
 
-A bucket's new host copies are cut from slabs laid out by the backend (on CUDA pinned,
-in power-of-two slabs as the payload pool's, which the pinned allocator does not round
-up), checked against the host budget before they are allocated.
+The host copies of the whole state are cut one after another from large slabs
+(`state_slabs.StateSlabs`; on CUDA pinned, powers of two as the payload pool's, which the
+pinned allocator does not round up), checked against the host budget before each new slab.
+A host copy is a view of a slab: ``optimizer.state_dict()`` hands out compact copies of
+them (`HostOptimizerState.attach`), so that a checkpoint holds the state's bytes, not
+its slabs'.
+
+The step's end does not wait on the host: the copies back are complete for everything
+the device does later (the compute stream waits on each, `Backend.release`, and the next
+bring's restore stream on the compute stream), and the host waits for them only where
+it reads or writes the host copies (`HostOptimizerState.wait_on_host`): in
+``optimizer.state_dict()`` and ``load_state_dict``, before the step's post-hooks, and when
+the cache closes.
 
 Host copies belong to one optimizer: two optimizers over one parameter (a trunk shared by
 two heads) each keep their own state, as in plain PyTorch. A state that sits on the device
@@ -36,9 +46,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .backend import Backend, Transfer
-from .hostmem import check_host_budget
 from .layout import gradient_strides
-from .pool import aligned
+from .state_slabs import StateSlabs
 
 Param = torch.nn.Parameter
 Optimizer = torch.optim.Optimizer
@@ -108,13 +117,20 @@ class HostOptimizerState:
     moved_bytes: int = 0
     # The optimizers whose load_state_dict puts their state on the host (`attach`), and
     # their hooks' handles, removed by `close`. Weak keys: the cache does not keep an
-    # optimizer alive, and the hooks hold the cache weakly (`_LoadHooks`).
+    # optimizer alive, and the hooks hold the cache weakly (`_OptimizerHooks`).
     _attached: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     _loading: list[dict[Param, dict[str, torch.Tensor]]] = field(default_factory=list)
-    _sent: list[Transfer] = field(default_factory=list)
     # Parameters whose state stays on the device (a memory budget's decision): brought
     # once more from its host copy, then never sent back.
     on_device: set[Param] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        # Where every host copy is cut from (the backend's slabs: pinned on CUDA).
+        self._slabs = StateSlabs(
+            self.backend.host_slab,
+            fraction=self.fraction,
+            round_up=self.backend.host_slabs_round_up,
+        )
 
     # --- a bucket's journey ------------------------------------------------------------
 
@@ -173,7 +189,6 @@ class HostOptimizerState:
             optimizer.state[param][key] = owned[param][key]
         # The device copies go only after the copy back read them (`Backend.release`).
         self.backend.release(transfer)
-        self._sent.append(transfer)
 
     def send_to_host(self, optimizer: Optimizer) -> None:
         """Every offloaded state value of ``optimizer`` that sits on the device (a state
@@ -182,7 +197,7 @@ class HostOptimizerState:
         parameters whose state a memory budget keeps on the device excepted. As
         `send_back`: a bring of these copies is ordered after the copy (`Backend.release`
         makes the compute stream wait for it, the restore stream waits for compute); the
-        host reads them only after `settle`."""
+        host reads them only after `wait_on_host`."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._send(optimizer, params)
 
@@ -239,38 +254,45 @@ class HostOptimizerState:
         ]
         return tuple(leaf for host in hosts for leaf in leaves(host))
 
-    def settle(self) -> None:
-        """The step's end: wait until the host copies are complete, so that the host reads
-        them (``state_dict()``, a checkpoint) and the next step brings them whole."""
-        if self._sent:
-            self.backend.settle(self._sent[-1])  # the copies back run in order
-        self._sent.clear()
+    def wait_on_host(self) -> None:
+        """Block the host until every copy of the state started so far is complete: call
+        it before the host reads a host copy (a step post-hook, a checkpoint) or writes one
+        (a load). The step itself ends without it (see the module docstring)."""
+        self.backend.wait_for_state_copies()
 
     def _allocate(self, items: list[tuple[Param, str, torch.Tensor]], copies: Copies) -> None:
         """Host copies like ``items``' values (each plain tensor inside with its shape,
-        strides and dtype) in ``copies`` (one optimizer's), cut from new slabs
-        (`Backend.host_layout`), after the host budget check."""
-        inner = [leaves(value) for _, _, value in items]
-        flat = [leaf for values in inner for leaf in values]
-        sizes = [aligned(leaf.numel() * leaf.element_size()) for leaf in flat]
-        if not sum(sizes):
-            return
-        layout = self.backend.host_layout(sizes)
-        total = sum(size for size, _ in layout)
-        check_host_budget(total, fraction=self.fraction, what="the optimizer's state")
-        hosts: list[torch.Tensor] = [torch.empty(0)] * len(flat)
-        for size, placed in layout:
-            slab = self.backend.host_slab(size)
-            for index, offset in placed:
-                leaf = flat[index]
-                region = slab[offset : offset + leaf.numel() * leaf.element_size()]
-                hosts[index] = region.view(leaf.dtype).as_strided(
-                    leaf.shape, gradient_strides(leaf)
-                )
-        taken = iter(hosts)
+        strides and dtype) in ``copies`` (one optimizer's), cut from the state's slabs
+        (`StateSlabs.take`, which checks the host budget before a new slab)."""
+        flat = [leaf for _, _, value in items for leaf in leaves(value)]
+        regions = self._slabs.take([leaf.numel() * leaf.element_size() for leaf in flat])
+        taken = (
+            region.view(leaf.dtype).as_strided(leaf.shape, gradient_strides(leaf))
+            for region, leaf in zip(regions, flat, strict=True)
+        )
         for param, key, value in items:
             copies.setdefault(param, {})[key] = rebuilt(value, taken)
-        self.host_bytes += total
+        self.host_bytes = self._slabs.reserved_bytes
+
+    def _compact_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``optimizer.state_dict()``'s post-hook: each host copy (a view of a slab, which
+        ``torch.save`` would write whole) replaced by a compact copy of its own, read once
+        the copies back are complete. The per-parameter dicts are new: the optimizer's
+        own keep the host copies."""
+        self.wait_on_host()
+        state_dict["state"] = {
+            index: {key: self._compact(value) for key, value in values.items()}
+            for index, values in state_dict["state"].items()
+        }
+        return state_dict
+
+    def _compact(self, value: object) -> object:
+        """A host copy's value in tensors of its own; anything else as it is."""
+        if not isinstance(value, torch.Tensor) or not self._slabs.holds(leaves(value)[0]):
+            return value
+        return rebuilt(value, iter([leaf.clone() for leaf in leaves(value)]))
 
     # --- optimizer.load_state_dict -------------------------------------------------------
 
@@ -279,6 +301,7 @@ class HostOptimizerState:
         their state on the host (`attach`), and any of its state on the device goes there
         now (`send_to_host`: a loop that loaded it before `attach`)."""
         self.moved_bytes = 0
+        self._slabs.expect(p for group in optimizer.param_groups for p in group["params"])
         self.attach(optimizer)
         self.send_to_host(optimizer)
 
@@ -288,10 +311,12 @@ class HostOptimizerState:
         once per optimizer, until `close`."""
         if optimizer in self._attached:
             return
-        hooks = _LoadHooks(weakref.ref(self))
+        hooks = _OptimizerHooks(weakref.ref(self))
         self._attached[optimizer] = [
             optimizer.register_load_state_dict_pre_hook(hooks.take_tensors),
             optimizer.register_load_state_dict_post_hook(hooks.place_on_host),
+            # A checkpoint holds the state's bytes, not its slabs' (`_compact_state_dict`).
+            optimizer.register_state_dict_post_hook(hooks.compact_state_dict),
         ]
 
     def close(self) -> None:
@@ -300,7 +325,7 @@ class HostOptimizerState:
         (the host copies then dropped), so that it steps on without the cache and a later
         cache takes it up again. A state the device has no room for stays in host memory,
         with a warning (the end of a run whose state fits only there must not fail)."""
-        self.settle()  # the last copies back complete before they are read
+        self.wait_on_host()  # the last copies back complete before they are read
         for handles in list(self._attached.values()):
             for handle in handles:
                 handle.remove()
@@ -354,6 +379,7 @@ class HostOptimizerState:
         """The taken tensors into ``optimizer``'s host copies (an existing one of the same
         shape and dtype is reused), cast as the optimizer casts a loaded state: floating
         values to a floating parameter's dtype."""
+        self.wait_on_host()  # before the host overwrites host copies a copy may still use
         taken = self._loading.pop()
         owned = self.host.setdefault(optimizer, {})
         new = []
@@ -374,10 +400,10 @@ class HostOptimizerState:
 
 
 @dataclass(frozen=True)
-class _LoadHooks:
-    """An optimizer's load_state_dict hooks for a `HostOptimizerState`, which they hold
-    weakly: an optimizer that outlives its cache does not keep the cache alive (`close`
-    removes them; a cache dropped unclosed leaves them doing nothing)."""
+class _OptimizerHooks:
+    """An optimizer's load_state_dict and state_dict hooks for a `HostOptimizerState`,
+    which they hold weakly: an optimizer that outlives its cache does not keep the cache
+    alive (`close` removes them; a cache dropped unclosed leaves them doing nothing)."""
 
     states: weakref.ref[HostOptimizerState]
 
@@ -389,3 +415,7 @@ class _LoadHooks:
         states = self.states()
         if states is not None:
             states._place_on_host(optimizer)
+
+    def compact_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> Any:
+        states = self.states()
+        return None if states is None else states._compact_state_dict(optimizer, state_dict)

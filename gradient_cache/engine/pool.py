@@ -13,6 +13,9 @@ library cannot change that for its user: one slab of exactly the bytes needed wo
 up to twice them (5 GiB pins 8). So the regions are packed (`pack_slabs`) into slabs
 whose sizes are powers of two already, and the reserve is what the slots need plus the
 slabs' unfilled ends (within 2% on the models tested).
+
+Pinning is decided slab by slab (`HostSlabs`): where the OS refuses to pin one slab, that
+slab is pageable and its copies block, while every other slab stays pinned.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 ALIGN = 64  # bytes: every region starts on a 64-byte boundary, fast copies for any dtype
 # Below this many bytes left to place, one power-of-two slab takes them all.
@@ -152,22 +156,74 @@ def _fits(spec: SlotSpec, room: Slot) -> bool:
     return not spec.spare_residual or (spare is not None and spare.numel() >= nbytes)
 
 
+class HostSlabs:
+    """Host slabs, pinned where the OS lets it: a slab whose pinning fails is pageable (one
+    warning), and only its copies block; later slabs are pinned again where they can be.
+
+    ``allocate_pinned(nbytes)`` gives a pinned slab (None: pinning is off, every slab is
+    pageable). `is_pinned` answers for any view of a slab it gave.
+    """
+
+    def __init__(self, allocate_pinned: Callable[[int], torch.Tensor] | None) -> None:
+        self.pinning = allocate_pinned is not None
+        self._allocate_pinned = allocate_pinned
+        self._warned = False
+        # The pageable slabs given while pinning is on, by storage address (their weak
+        # references tell a freed slab's address, reused by a later slab, from its own).
+        self._pageable: dict[int, StorageWeakRef] = {}
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        """A slab (uint8) of ``nbytes``: pinned, unless pinning is off or this one failed."""
+        if self._allocate_pinned is not None:
+            try:
+                return self._allocate_pinned(nbytes)
+            except RuntimeError as error:
+                self._warn_once(error)
+        slab = torch.empty(nbytes, dtype=torch.uint8)
+        storage = slab.untyped_storage()
+        self._pageable[storage.data_ptr()] = StorageWeakRef(storage)
+        return slab
+
+    def is_pinned(self, view: torch.Tensor) -> bool:
+        """Whether ``view`` (of a slab from here) lies in pinned memory: a copy to or from
+        it may be non-blocking."""
+        if not self.pinning:
+            return False
+        storage = view.untyped_storage()
+        ref = self._pageable.get(storage.data_ptr())
+        return ref is None or ref.expired()
+
+    def _warn_once(self, error: RuntimeError) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"gradient-cache could not pin host memory ({error}); using pageable memory for "
+            "what could not be pinned, so device-to-host copies into it will block. Set "
+            "pin_memory=False to silence this.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
 class HostPool(Generic[K]):
     """The slabs and their per-parameter slots, laid out by ``layout`` (`pack_slabs`).
 
     ``allocate_pinned(nbytes)`` gives a pinned slab; where it raises (a CPU-only torch,
-    or an OS that refuses to lock pages) the pool warns once and uses pageable memory,
-    whose copies block. Host residual slots start at zero, as a new residual does.
+    or an OS that refuses to lock pages) that slab is pageable, with one warning
+    (`HostSlabs`), and copies into it block. ``slabs``: allocate from these instead (a
+    relaid pool keeps its predecessor's, which know every slab given so far). Host
+    residual slots start at zero, as a new residual does.
     """
 
     def __init__(
         self,
         layout: Mapping[K, SlotSpec],
         *,
-        allocate_pinned: Callable[[int], torch.Tensor] | None,
+        allocate_pinned: Callable[[int], torch.Tensor] | None = None,
+        slabs: HostSlabs | None = None,
     ) -> None:
-        self.pinned = allocate_pinned is not None
-        self._allocate_pinned = allocate_pinned
+        self.host_slabs = HostSlabs(allocate_pinned) if slabs is None else slabs
         sizes = _region_sizes(layout)
         views: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(sizes)
         self._slabs = []
@@ -212,20 +268,17 @@ class HostPool(Generic[K]):
             self.slots[key] = Slot(regions, residual, spare)
 
     def allocate_slab(self, nbytes: int) -> torch.Tensor:
-        """A slab (uint8) of ``nbytes``: pinned, unless pinning failed or is off."""
-        if self.pinned and self._allocate_pinned is not None:
-            try:
-                return self._allocate_pinned(nbytes)
-            except RuntimeError as error:
-                warnings.warn(
-                    f"gradient-cache could not pin host memory ({error}); using pageable "
-                    "memory, so device-to-host copies will block. Set pin_memory=False to "
-                    "silence this.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                self.pinned = False
-        return torch.empty(nbytes, dtype=torch.uint8)
+        """A slab (uint8) of ``nbytes``, pinned where it can be (`HostSlabs`)."""
+        return self.host_slabs(nbytes)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether pinning is on and every slab of the pool is pinned."""
+        return self.host_slabs.pinning and all(map(self.is_pinned, self._slabs))
+
+    def is_pinned(self, view: torch.Tensor) -> bool:
+        """Whether ``view`` (of a slab the pool allocated) lies in pinned memory."""
+        return self.host_slabs.is_pinned(view)
 
     def relaid(self, layout: Mapping[K, SlotSpec]) -> HostPool[K]:
         """A pool for ``layout`` (the warm-up's room dropped), in this pool's slabs.
@@ -244,10 +297,10 @@ class HostPool(Generic[K]):
         """
         rooms = self._rooms
         if all(key in rooms and _fits(spec, rooms[key]) for key, spec in layout.items()):
-            pool = copy.copy(self)  # the same slabs, rooms, allocator and pinned-ness
+            pool = copy.copy(self)  # the same slabs, rooms and allocator
             pool._lay(layout)
             return pool
-        return HostPool(layout, allocate_pinned=self._allocate_pinned)
+        return HostPool(layout, slabs=self.host_slabs)
 
     @property
     def needed_bytes(self) -> int:

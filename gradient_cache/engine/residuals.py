@@ -159,7 +159,9 @@ class HostSlotResiduals(ResidualStore):
         return None if stored is None else self._to_device(stored)
 
     def write(self, param: Param, new: torch.Tensor, *, non_blocking: bool) -> None:
-        self._target(param).copy_(new, non_blocking=non_blocking)
+        target = self._target(param)
+        # Into a pageable slab (its pinning failed) the copy blocks the host.
+        target.copy_(new, non_blocking=non_blocking and self._pool().is_pinned(target))
         if self.keep_previous:
             self._pending.add(param)
 
