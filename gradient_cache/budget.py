@@ -61,11 +61,12 @@ class MemoryBudget:
         )
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             raise TypeError(f"memory_budget must be a string or a number, got {value!r}; {advice}.")
-        text = value.strip().lower() if isinstance(value, str) else ""
         # A number, or a string of one without a unit ("80", "0.8"), is a share, never bytes.
-        share: float | None = None if isinstance(value, str) else float(value)
-        if isinstance(value, str):
-            with contextlib.suppress(ValueError):
+        given = value if isinstance(value, str) else f"{value:g}"
+        text = given.strip().lower()
+        share = None if isinstance(value, str) else float(value)
+        if share is None:
+            with contextlib.suppress(ValueError):  # else a percentage or an amount, below
                 share = float(text)
         if share is not None:
             if not (math.isfinite(share) and 0 < share <= 1):
@@ -74,7 +75,7 @@ class MemoryBudget:
                     f"Invalid memory_budget: {value!r}; {advice} (a number is a share, so "
                     f"at most 1: write bytes with a unit, or a percentage{fix})."
                 )
-            return cls(text=value if isinstance(value, str) else f"{value:g}", fraction=share)
+            return cls(text=given, fraction=share)
         if text.endswith("%"):
             try:
                 percent = float(text[:-1])
@@ -82,14 +83,14 @@ class MemoryBudget:
                 percent = math.nan
             if not (math.isfinite(percent) and 0 < percent <= 100):
                 raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
-            return cls(text=value, fraction=percent / 100)
+            return cls(text=given, fraction=percent / 100)
         match = _AMOUNT.match(text)
         if match is None or match.group(2) not in _UNITS:
             raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
         nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
         if nbytes <= 0:
             raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
-        return cls(text=value, nbytes=nbytes)
+        return cls(text=given, nbytes=nbytes)
 
     def bytes_of(self, total: int) -> int:
         """The budget in bytes on a device of ``total`` bytes."""
