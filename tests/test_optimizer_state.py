@@ -210,6 +210,26 @@ def test_the_state_dict_round_trip_resumes_bit_for_bit(attached: bool) -> None:
     assert_same_state(plain_opt, resumed_opt, plain, resumed)
 
 
+def test_a_checkpoint_whose_group_sizes_differ_is_refused_as_torch_refuses_it() -> None:
+    """A damaged optimizer checkpoint (a group one parameter short) gets torch's own error,
+    not the cache's zip() failing, and the state and the cache are as before the load."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    cached_step(model, manager, optimizer, data(1)[0])
+    damaged = copy.deepcopy(optimizer.state_dict())
+    damaged["param_groups"][0]["params"].pop()
+    states = manager.engine.optimizer_state
+    before = {p: dict(values) for p, values in optimizer.state.items()}
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        torch.optim.AdamW(make_model().parameters()).load_state_dict(damaged)  # plain's
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        optimizer.load_state_dict(damaged)
+    assert {p: dict(values) for p, values in optimizer.state.items()} == before
+    assert not states._loading
+    assert_on_the_host(manager, optimizer)
+
+
 @pytest.mark.parametrize("nth", [1, 3])
 @pytest.mark.parametrize("at_step", [0, 1])
 def test_a_raising_optimizer_step_retried_gives_plains_result(nth: int, at_step: int) -> None:
