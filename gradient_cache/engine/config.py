@@ -122,6 +122,21 @@ class EngineConfig:
     memory_budget: str | float | None = None
     checkpoint_frequency: int = 1
 
+    def __new__(cls, **fields: Any) -> EngineConfig:
+        # Before the dataclass's __init__, whose TypeError would only say "unexpected
+        # keyword": the top-k options that were fields here are named with their new place.
+        moved = [name for name in TOPK_KEYWORDS if name in fields]
+        if moved:
+            name = moved[0]
+            raise TypeError(
+                f"EngineConfig got {name}={fields[name]!r}: it is an option of the top-k "
+                "codec now, not of EngineConfig. Pass "
+                f"EngineConfig(codec=gradient_cache.TopK({name}={fields[name]!r})) (top-k keeps "
+                "numel / compression_ratio entries), or the keyword to "
+                "create_gradient_cache(...), which takes it where it acts."
+            )
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         check_codec(self.codec)
         _check_positive_number("bucket_size_mb", self.bucket_size_mb)
