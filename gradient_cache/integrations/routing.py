@@ -162,18 +162,19 @@ def _refuse_lbfgs_with_state_offload(
     integration ends)."""
     for manager in managers:
         engine = manager.engine
-        if engine is not None and engine.optimizer_state is not None:
-            if any(param in engine.records for param in owned):
-                raise RuntimeError(
-                    "LBFGS cannot step with offload_optimizer_state=True: it updates every "
-                    "parameter along one direction found from all the gradients and its "
-                    "whole history (a line search re-evaluating the closure), so its state "
-                    "and every gradient must be on the device at once, while the state "
-                    "offload brings the state a bucket at a time. Drop "
-                    "offload_optimizer_state=True (the gradients are still offloaded), or "
-                    "use an optimizer that updates each parameter from its own gradient "
-                    "(SGD, Adam, AdamW)."
-                )
+        if engine is None or engine.optimizer_state is None:
+            continue
+        if any(param in engine.records for param in owned):
+            raise RuntimeError(
+                "LBFGS cannot step with offload_optimizer_state=True: it updates every "
+                "parameter along one direction found from all the gradients and its "
+                "whole history (a line search re-evaluating the closure), so its state "
+                "and every gradient must be on the device at once, while the state "
+                "offload brings the state a bucket at a time. Drop "
+                "offload_optimizer_state=True (the gradients are still offloaded), or "
+                "use an optimizer that updates each parameter from its own gradient "
+                "(SGD, Adam, AdamW)."
+            )
 
 
 def _takes_fused_step(manager: GradientCacheHookManager, owned: list[torch.Tensor]) -> bool:
