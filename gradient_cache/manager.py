@@ -276,6 +276,8 @@ class GradientCacheHookManager:
         """The fused step; ``hooked=False`` steps each bucket without the optimizer's step
         hooks (the integrations: they fire once, around the user's ``optimizer.step()``)."""
         pipeline = self._live()
+        if pipeline.optimizer_state is not None:
+            _refuse_sparse_momentum(pipeline, optimizer)
         steps = pipeline.steps
         self._before_restore()
         total_norm = fused_step.step(
@@ -631,6 +633,31 @@ def _parameter_list(
     tensor is found in no store and counts by its ``.grad``, as clip_grad_norm_ counts it."""
     tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     return cast(list[torch.nn.Parameter], tensors)
+
+
+def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> None:
+    """Raise, before anything steps, where SGD with momentum meets a sparse gradient: its
+    momentum buffer is then a sparse tensor, which the state offload's dense host copies
+    cannot hold (torch's "copy_() between dense and sparse" after the step, on every retry).
+    SparseAdam's and Adagrad's states are dense: they step as usual."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        sparse = [p for p in group["params"] if p.grad is not None and p.grad.is_sparse]
+        if group["momentum"] == 0 or not sparse:
+            continue
+        record = pipeline.records.get(sparse[0])
+        name = (
+            record.name if record is not None else f"a parameter of shape {tuple(sparse[0].shape)}"
+        )
+        raise RuntimeError(
+            f"{name} has a sparse gradient (nn.Embedding(sparse=True), say), and SGD with "
+            f"momentum={group['momentum']} keeps a sparse momentum buffer for it, which "
+            "offload_optimizer_state=True cannot keep in host memory (its host copies are "
+            "dense). Nothing was stepped. Step that parameter with an optimizer whose state "
+            "is dense (torch.optim.SparseAdam, Adagrad) or SGD without momentum, make the "
+            "embedding dense (sparse=False), or drop offload_optimizer_state=True."
+        )
 
 
 def _is_positive_number(value: Any) -> bool:

@@ -210,6 +210,58 @@ def test_the_state_dict_round_trip_resumes_bit_for_bit(attached: bool) -> None:
     assert_same_state(plain_opt, resumed_opt, plain, resumed)
 
 
+class SparseEmbedding(torch.nn.Module):
+    """An embedding with sparse gradients under a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens)).square().mean()
+
+
+SPARSE_OPTIONS = dict(compression_ratio=1, offload_optimizer_state=True, **SMALL_BUCKETS)
+
+
+def test_sgd_momentum_on_a_sparse_gradient_is_refused_before_anything_steps() -> None:
+    """Its momentum buffer would be sparse, which the host copies cannot hold: named, with
+    the fix, before a parameter changes (it failed after the step, in the copy back, on
+    every retry)."""
+    model = SparseEmbedding()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(model, **SPARSE_OPTIONS)
+    model(torch.tensor([1, 2, 3])).backward()
+    for _ in range(2):  # the same answer again: nothing changed in between
+        with pytest.raises(RuntimeError, match=r"embed\.weight has a sparse gradient"):
+            manager.step(optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not optimizer.state
+
+
+@pytest.mark.parametrize("make", [torch.optim.SparseAdam, torch.optim.Adagrad])
+def test_optimizers_with_a_dense_state_for_sparse_gradients_step_as_plain(make) -> None:
+    plain, cached = SparseEmbedding(), SparseEmbedding()
+    plain_opt = make([plain.embed.weight], lr=0.1)
+    cached_opt = make([cached.embed.weight], lr=0.1)
+    manager = gradient_cache.create_gradient_cache(cached, **SPARSE_OPTIONS)
+    for step in range(3):
+        tokens = torch.tensor([step, step + 1, 5])
+        plain(tokens).backward()
+        cached(tokens).backward()
+        plain_opt.step()
+        manager.step(cached_opt)
+        plain_opt.zero_grad()
+        cached_opt.zero_grad()
+    assert torch.equal(plain.embed.weight, cached.embed.weight)
+    host = manager.engine.optimizer_state.host[cached.embed.weight]
+    moments = {k: v for k, v in cached_opt.state[cached.embed.weight].items() if k != "step"}
+    assert moments and all(value is host[key] for key, value in moments.items())
+
+
 def test_a_checkpoint_whose_group_sizes_differ_is_refused_as_torch_refuses_it() -> None:
     """A damaged optimizer checkpoint (a group one parameter short) gets torch's own error,
     not the cache's zip() failing, and the state and the cache are as before the load."""
