@@ -33,6 +33,9 @@ CASES = [
     ("a parameter replaced after creation",
      "cached_model.weight = torch.nn.Parameter(torch.zeros(4, 4)); cached_model(torch.zeros(1, 4))",
      RuntimeError, "'weight' replaced by a new Parameter"),
+    ("a model cast after creation",
+     "cached_model.to(torch.bfloat16); cached_model(torch.zeros(1, 4, dtype=torch.bfloat16))",
+     RuntimeError, "'weight' cast from torch.float32 to torch.bfloat16"),
     # --- compression_ratio
     ("ratio zero", "create_gradient_cache(model(), compression_ratio=0)", ValueError,
      "Invalid compression_ratio: 0; expected a finite number >= 1"),
