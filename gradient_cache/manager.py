@@ -263,7 +263,26 @@ class GradientCacheHookManager:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0.")
         if not (_is_positive_number(norm_type) or norm_type == math.inf):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
+        self._warn_of_a_missing_grad_scaler()
         return self._fused_step(optimizer, max_grad_norm, float(norm_type), hooked=True)
+
+    def _warn_of_a_missing_grad_scaler(self) -> None:
+        """Once: the forward ran under float16 autocast and no GradScaler was given. The
+        fused step would step the scaled gradients as they are, and ``scaler.update()``
+        raise torch's "No inf checks were recorded" after it, with no word of the cache."""
+        if self._live().grad_scaler is not None or not self._watch.saw_fp16_autocast:
+            return
+        self._watch.saw_fp16_autocast = False  # warned once per manager
+        warnings.warn(
+            "The forward ran under float16 autocast and this gradient cache was given no "
+            "GradScaler. If you scale the loss with one, pass it: "
+            "create_gradient_cache(model, grad_scaler=scaler); then step(optimizer) "
+            "unscales, skips a step with an inf and records the step for scaler.update() "
+            "(without it the scaled gradients are stepped as they are, and scaler.update() "
+            "raises 'No inf checks were recorded'). Without a GradScaler, ignore this.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _fused_step(
         self,

@@ -36,6 +36,9 @@ class ParameterWatch:
         self._dtypes = {name: param.dtype for name, param in cached}
         self._excluded = tuple(excluded)
         self._device = device
+        # Whether a forward ran under float16 autocast: then a GradScaler is all but sure,
+        # and the manager warns if it was not given one (`grad_scaler=`).
+        self.saw_fp16_autocast = False
         self._handle = model.register_forward_pre_hook(self._check)
 
     def remove(self) -> None:
@@ -43,6 +46,13 @@ class ParameterWatch:
 
     @torch.compiler.disable
     def _check(self, model: torch.nn.Module, args: object) -> None:
+        kind = self._device.type
+        if (
+            torch.amp.is_autocast_available(kind)  # not on "meta"
+            and torch.is_autocast_enabled(kind)
+            and torch.get_autocast_dtype(kind) == torch.float16
+        ):
+            self.saw_fp16_autocast = True
         changes = []
         present = dict(model.named_parameters())
         for name, ref in self._cached.items():
