@@ -469,4 +469,3 @@ def test_the_default_buckets_save_device_memory_at_the_step_of_a_small_model() -
         return meter.peaks["step"].peak.device_bytes
 
     assert step_peak(offload=True) < 0.6 * step_peak(offload=False)
-
