@@ -713,6 +713,62 @@ MUTANTS = [
         "    return out.dtype == torch.float32 and out.is_contiguous()",
         "tests/test_codecs.py::test_a_bf16_gradients_payload_decodes_to_its_bf16_values_whatever_the_output",
     ),
+    (
+        "issue 41 (h5): a nonsense peak from the budget's reader is refused",
+        "gradient_cache/budget.py",
+        "            measured_peak=checked_peak(self.memory),",
+        "            measured_peak=self.memory.peak_bytes(),",
+        "tests/test_memory_budget.py::test_a_reader_giving_a_nonsense_peak_is_named",
+    ),
+    (
+        "issue 41 (h5): a checkpoint's group sizes checked before the state is taken",
+        "gradient_cache/engine/optimizer_state.py",
+        "        if saved_sizes != sizes:",
+        "        if False:",
+        "tests/test_optimizer_state.py::test_a_checkpoint_whose_group_sizes_differ_is_refused_as_torch_refuses_it",
+    ),
+    (
+        "issue 41 (h5): SGD momentum on a sparse gradient refused before the step",
+        "gradient_cache/manager.py",
+        "            _refuse_sparse_momentum(pipeline, optimizer)",
+        "            pass",
+        "tests/test_optimizer_state.py::test_sgd_momentum_on_a_sparse_gradient_is_refused_before_anything_steps",
+    ),
+    (
+        "issue 41 (h5): LBFGS refused with the state offloaded",
+        "gradient_cache/integrations/routing.py",
+        "            _refuse_lbfgs_with_state_offload(self._managers(), owned)",
+        "            pass",
+        "tests/test_decorator.py::test_lbfgs_with_the_state_offloaded_is_refused_and_loses_nothing",
+    ),
+    (
+        "issue 41 (h5): a cast parameter refused at the forward",
+        "gradient_cache/model_watch.py",
+        "    if cached is None or cached.dtype == dtype:",
+        "    if True:",
+        "tests/test_bad_inputs.py::test_bad_input_is_refused_with_its_message",
+    ),
+    (
+        "issue 41 (h5): fp16 autocast without grad_scaler= warned at the step",
+        "gradient_cache/manager.py",
+        "        self._warn_of_a_missing_grad_scaler()\n",
+        "",
+        "tests/test_scaler_skip.py::test_an_fp16_loop_that_forgets_grad_scaler_is_told_so",
+    ),
+    (
+        "issue 41 (h5): buckets sized from the model",
+        "gradient_cache/engine/pipeline.py",
+        "        self.assembler = BucketAssembler(config.bucket_bytes(dense_bytes))",
+        "        self.assembler = BucketAssembler(config.bucket_size_bytes)",
+        "tests/test_optimizer_state.py::test_the_default_buckets_save_device_memory_at_the_step_of_a_small_model",
+    ),
+    (
+        "issue 41 (h5): Trainer fp16 refused with the state offloaded",
+        "gradient_cache/integrations/transformers.py",
+        "    if offload_optimizer_state and args.fp16:",
+        "    if False:",
+        "tests/test_transformers.py::test_fp16_with_the_state_offloaded_is_refused_before_any_step",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
