@@ -18,8 +18,10 @@ budget is accepted and there is nothing to budget: everything stays offloaded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from .units import MIB
 
 logger = logging.getLogger("gradient_cache")
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _AMOUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
 
@@ -50,21 +52,30 @@ class MemoryBudget:
 
     @classmethod
     def parse(cls, value: Any) -> MemoryBudget:
-        """``"80%"`` or ``0.8`` (a share in (0, 1]), or ``"20GiB"``, ``"512 MiB"``, ``"16GB"``."""
+        """``"80%"`` or ``0.8`` (a share in (0, 1]), or ``"20GiB"``, ``"512 MiB"``, ``"16GB"``.
+        A number written as a string (``"0.8"``) is a share too: ``"80"`` is refused as 80
+        is, never taken as 80 bytes."""
         advice = (
             "expected a share of the device's memory such as '80%' or 0.8, or an amount "
             "such as '20GiB' or '512MiB'"
         )
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             raise TypeError(f"memory_budget must be a string or a number, got {value!r}; {advice}.")
-        if isinstance(value, int | float):
-            if not (math.isfinite(value) and 0 < value <= 1):
+        # A number, or a string of one without a unit ("80", "0.8"), is a share, never bytes.
+        given = value if isinstance(value, str) else f"{value:g}"
+        text = given.strip().lower()
+        share = None if isinstance(value, str) else float(value)
+        if share is None:
+            with contextlib.suppress(ValueError):  # else a percentage or an amount, below
+                share = float(text)
+        if share is not None:
+            if not (math.isfinite(share) and 0 < share <= 1):
+                fix = f": '{share:g}%' or '{share:g}GiB'" if 1 < share < math.inf else ""
                 raise ValueError(
                     f"Invalid memory_budget: {value!r}; {advice} (a number is a share, so "
-                    "at most 1: write bytes with a unit)."
+                    f"at most 1: write bytes with a unit, or a percentage{fix})."
                 )
-            return cls(text=f"{value:g}", fraction=float(value))
-        text = value.strip().lower()
+            return cls(text=given, fraction=share)
         if text.endswith("%"):
             try:
                 percent = float(text[:-1])
@@ -72,14 +83,14 @@ class MemoryBudget:
                 percent = math.nan
             if not (math.isfinite(percent) and 0 < percent <= 100):
                 raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
-            return cls(text=value, fraction=percent / 100)
+            return cls(text=given, fraction=percent / 100)
         match = _AMOUNT.match(text)
         if match is None or match.group(2) not in _UNITS:
             raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
         nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
         if nbytes <= 0:
             raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
-        return cls(text=value, nbytes=nbytes)
+        return cls(text=given, nbytes=nbytes)
 
     def bytes_of(self, total: int) -> int:
         """The budget in bytes on a device of ``total`` bytes."""
@@ -233,7 +244,7 @@ class BudgetWatch:
         budget_bytes = self.budget.bytes_of(self.memory.total_bytes())
         self.decision = decide(
             candidates_of(pipeline),
-            measured_peak=self.memory.peak_bytes(),
+            measured_peak=checked_peak(self.memory),
             budget_bytes=budget_bytes,
             budget=self.budget.text,
         )
@@ -244,6 +255,19 @@ class BudgetWatch:
             states.keep_on_device([by_name[n] for n in self.decision.kept_names("optimizer state")])
         self.note = f"memory_budget={self.budget.text!r}: {self.decision.describe()}"
         logger.info("gradient-cache: %s", self.note)
+
+
+def checked_peak(memory: DeviceMemory) -> int:
+    """``memory.peak_bytes()``, refused unless a whole number of bytes >= 0: a NaN would
+    silently offload everything, a negative peak keep more than fits."""
+    peak = memory.peak_bytes()
+    if isinstance(peak, bool) or not isinstance(peak, numbers.Integral) or peak < 0:
+        raise RuntimeError(
+            f"memory_budget: the device-memory reader {type(memory).__name__}.peak_bytes() "
+            f"returned {peak!r}; expected a whole number of bytes >= 0. Fix that reader (the "
+            "device_memory= passed to create_gradient_cache), or drop memory_budget."
+        )
+    return int(peak)
 
 
 def candidates_of(pipeline: Any) -> list[Candidate]:

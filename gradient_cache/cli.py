@@ -223,7 +223,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         "the 8-bit ones 2.03), or the optimizer state's bytes per parameter (default adamw)",
     )
     plan.add_argument("--micro-batches", type=_positive_int, default=1)
-    plan.add_argument("--bucket-size-mb", type=float, default=EngineConfig().bucket_size_mb)
+    plan.add_argument(
+        "--bucket-size-mb",
+        type=float,
+        default=None,
+        help="dense gradient MiB per bucket (default: sized from the model, as the cache "
+        "sizes it: an eighth of the gradients, 64 KiB to 4 MiB)",
+    )
     plan.add_argument("--ratio", type=_ratio, default=1.0, help="compression ratio (default 1)")
     plan.add_argument(
         "--codec",

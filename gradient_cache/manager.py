@@ -263,7 +263,26 @@ class GradientCacheHookManager:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0.")
         if not (_is_positive_number(norm_type) or norm_type == math.inf):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
+        self._warn_of_a_missing_grad_scaler()
         return self._fused_step(optimizer, max_grad_norm, float(norm_type), hooked=True)
+
+    def _warn_of_a_missing_grad_scaler(self) -> None:
+        """Once: the forward ran under float16 autocast and no GradScaler was given. The
+        fused step would step the scaled gradients as they are, and ``scaler.update()``
+        raise torch's "No inf checks were recorded" after it, with no word of the cache."""
+        if self._live().grad_scaler is not None or not self._watch.saw_fp16_autocast:
+            return
+        self._watch.saw_fp16_autocast = False  # warned once per manager
+        warnings.warn(
+            "The forward ran under float16 autocast and this gradient cache was given no "
+            "GradScaler. If you scale the loss with one, pass it: "
+            "create_gradient_cache(model, grad_scaler=scaler); then step(optimizer) "
+            "unscales, skips a step with an inf and records the step for scaler.update() "
+            "(without it the scaled gradients are stepped as they are, and scaler.update() "
+            "raises 'No inf checks were recorded'). Without a GradScaler, ignore this.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _fused_step(
         self,
@@ -276,6 +295,8 @@ class GradientCacheHookManager:
         """The fused step; ``hooked=False`` steps each bucket without the optimizer's step
         hooks (the integrations: they fire once, around the user's ``optimizer.step()``)."""
         pipeline = self._live()
+        if pipeline.optimizer_state is not None:
+            _refuse_sparse_momentum(pipeline, optimizer)
         steps = pipeline.steps
         self._before_restore()
         total_norm = fused_step.step(
@@ -649,6 +670,31 @@ def _parameter_list(
     tensor is found in no store and counts by its ``.grad``, as clip_grad_norm_ counts it."""
     tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     return cast(list[torch.nn.Parameter], tensors)
+
+
+def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> None:
+    """Raise, before anything steps, where SGD with momentum meets a sparse gradient: its
+    momentum buffer is then a sparse tensor, which the state offload's dense host copies
+    cannot hold (torch's "copy_() between dense and sparse" after the step, on every retry).
+    SparseAdam's and Adagrad's states are dense: they step as usual."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        sparse = [p for p in group["params"] if p.grad is not None and p.grad.is_sparse]
+        if group["momentum"] == 0 or not sparse:
+            continue
+        record = pipeline.records.get(sparse[0])
+        name = (
+            record.name if record is not None else f"a parameter of shape {tuple(sparse[0].shape)}"
+        )
+        raise RuntimeError(
+            f"{name} has a sparse gradient (nn.Embedding(sparse=True), say), and SGD with "
+            f"momentum={group['momentum']} keeps a sparse momentum buffer for it, which "
+            "offload_optimizer_state=True cannot keep in host memory (its host copies are "
+            "dense). Nothing was stepped. Step that parameter with an optimizer whose state "
+            "is dense (torch.optim.SparseAdam, Adagrad) or SGD without momentum, make the "
+            "embedding dense (sparse=False), or drop offload_optimizer_state=True."
+        )
 
 
 def _is_positive_number(value: Any) -> bool:

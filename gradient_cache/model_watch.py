@@ -1,8 +1,9 @@
 """Refuses a forward pass once the model's parameters no longer match the cache's.
 
 The cache hooks the parameters it was created with. A parameter added, replaced or
-unfrozen later would keep its gradient on the device unseen, and a model moved to another
-device would meet a backend built for the old one. Raising in a forward pre-hook stops
+unfrozen later would keep its gradient on the device unseen, a model moved to another
+device would meet a backend built for the old one, and one cast to another dtype would
+meet routes planned for the old one. Raising in a forward pre-hook stops
 the step before backward, where an error would leave ``.grad`` half updated.
 """
 
@@ -31,8 +32,13 @@ class ParameterWatch:
         device: torch.device,
     ) -> None:
         self._cached = {name: weakref.ref(param) for name, param in cached}
+        # The routes, slots and restores are planned for these dtypes.
+        self._dtypes = {name: param.dtype for name, param in cached}
         self._excluded = tuple(excluded)
         self._device = device
+        # Whether a forward ran under float16 autocast: then a GradScaler is all but sure,
+        # and the manager warns if it was not given one (`grad_scaler=`).
+        self.saw_fp16_autocast = False
         self._handle = model.register_forward_pre_hook(self._check)
 
     def remove(self) -> None:
@@ -40,6 +46,13 @@ class ParameterWatch:
 
     @torch.compiler.disable
     def _check(self, model: torch.nn.Module, args: object) -> None:
+        kind = self._device.type
+        if (
+            torch.amp.is_autocast_available(kind)  # not on "meta"
+            and torch.is_autocast_enabled(kind)
+            and torch.get_autocast_dtype(kind) == torch.float16
+        ):
+            self.saw_fp16_autocast = True
         changes = []
         present = dict(model.named_parameters())
         for name, ref in self._cached.items():
@@ -48,6 +61,8 @@ class ParameterWatch:
                 changes.append(f"{name!r} removed")
             elif param is not ref() and not _unsharded_of(param, ref()):
                 changes.append(f"{name!r} replaced by a new Parameter")
+            elif (cast := _cast_of(ref(), self._dtypes[name])) is not None:
+                changes.append(f"{name!r} {cast}")
             elif param.device != self._device:
                 changes.append(f"{name!r} moved from {self._device} to {param.device}")
         for name, param in present.items():
@@ -63,9 +78,18 @@ class ParameterWatch:
                 f"The model's parameters changed after the gradient cache was created "
                 f"({shown}). The cache only takes the gradients of the parameters it was "
                 "created with, on their device then. Call remove_hooks() on the manager "
-                "and create a new one after changing the model (freezing a parameter needs "
-                "no new cache)."
+                "and create a new one after changing the model (after casting it with "
+                "model.to(dtype) too; freezing a parameter needs no new cache)."
             )
+
+
+def _cast_of(cached: torch.nn.Parameter | None, dtype: torch.dtype) -> str | None:
+    """How ``cached`` was cast since creation (``model.to(torch.bfloat16)`` casts in place),
+    or None. The cached parameter itself is read: FSDP2's unsharded stand-in may have
+    another dtype by design (its mixed-precision policy)."""
+    if cached is None or cached.dtype == dtype:
+        return None
+    return f"cast from {dtype} to {cached.dtype}"
 
 
 def _unsharded_of(present: torch.nn.Parameter, cached: torch.nn.Parameter | None) -> bool:

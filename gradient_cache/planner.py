@@ -98,7 +98,7 @@ def plan(inputs: PlanInputs) -> Plan:
     grads = numel * inputs.grad_bytes
     state = int(numel * inputs.optimizer_state_bytes) + inputs.optimizer_tensor_bytes * len(tensors)
     largest = max(tensors) * inputs.grad_bytes
-    bucket = int(config.bucket_size_mb * MIB) + largest  # a bucket closes past its size
+    bucket = config.bucket_bytes(grads) + largest  # a bucket closes past its size
     in_flight = config.staging_depth * bucket
     # The fused step restores the bucket it steps and the next one (restore_ahead on CUDA).
     fused_step_grads = min(grads, 2 * bucket)
@@ -261,11 +261,12 @@ def format_plan(result: Plan, inputs: PlanInputs) -> str:
         f"| PCIe per step, state on host, each way | {result.state_bytes_per_step / MIB:.1f} |"
     )
     numel = sum(inputs.tensors)
+    bucket_mb = inputs.config.bucket_bytes(numel * inputs.grad_bytes) / MIB
     lines += [
         "",
         f"{numel / 1e6:.1f}M trainable parameters in {len(inputs.tensors)} tensors; "
         f"compression_ratio {inputs.compression_ratio:g}, {inputs.micro_batches} micro-batch(es) "
-        f"per step, buckets of {inputs.config.bucket_size_mb:g} MiB, staging depth "
+        f"per step, buckets of {bucket_mb:.3g} MiB, staging depth "
         f"{inputs.config.staging_depth}.",
         "Activations are left out: they depend on batch, sequence and checkpointing, and add "
         "to the end of backward's figure (the last micro-batch's) and not to the step's. The "

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one call that fits a lent machine's budget (one command
-# may run 10 minutes; the whole check stays under 8, a part that hangs included).
+# Everything that needs a GPU, in one call that fits a lent machine's budget: a session has
+# 15 device minutes, the machine's start (1-2) included, so the full check stays within 420 s
+# and a --quick rerun after it within 180 s, a part that hangs included.
 #
 #   bash perf/gpu_check.sh [--quick] [--dry-run]
 #
-# Parts run most valuable first, each under its own timeout and a global deadline; each
-# writes its log (and JSON, where it makes one) to $OUT (else perf/results/gpu/) as soon as
-# it ends, and a line to summary.tsv, so a call killed midway keeps what it had. --quick
-# runs the first four parts with shorter timeouts (under 3 minutes): for a rerun.
+# Setup first, under its own timeouts (the device query, then the preflight: SETUP_S in
+# all); then the parts, most valuable first, each under its own timeout and a deadline that
+# starts once the preflight is over (the parts' timeouts plus a little slack for their
+# kill-after), so setup time never cuts the last part. Each part writes its log (and JSON,
+# where it makes one) to $OUT (else perf/results/gpu/) as soon as it ends, and a line to
+# summary.tsv, so a call killed midway keeps what it had. --quick runs the first four parts
+# with shorter timeouts: for a rerun.
 #
 # A preflight first imports what each part needs and says plainly what is missing: a part
 # that cannot import is skipped (and the check fails), and the peers that need
@@ -39,7 +43,9 @@ done
 
 out="${OUT:-perf/results/gpu}"
 py="${PYTHON:-python3}"
-budget=$(( quick ? 170 : 470 ))  # seconds, for the preflight and every part together
+device_s=20     # the device query (is CUDA there; its name)
+preflight_s=30  # the preflight's imports
+slack_s=$(( quick ? 8 : 15 ))  # the parts' kill-after (5 s each at most), within the deadline
 # pyproject's addopts holds --benchmark-disable, which pytest refuses (exit 4) where
 # pytest-benchmark is absent: the parts' pytest runs without it, and writes no cache.
 pytest="$py -m pytest -q -rs -p no:cacheprovider -o addopts="
@@ -51,18 +57,29 @@ peers=(cpu-offload:torchao cpu-offload-grads:torchao fsdp-offload cache-fused-st
        bnb:bitsandbytes cache-fused-bnb:bitsandbytes in-backward cache-apply cache-default
        torchao:torchao)
 # name | timeout (s) | quick timeout (0: not in --quick) | modules to import | command
+# tests_cuda_rest holds the stand-ins of issue 41's GPU items (test_cuda.py): a budget that
+# keeps some gradients fits at a clipped step with one copy of each, the step's end leaves
+# the host free, the host state's bytes, a post-hook reading final state.
 parts=(
-    "tests_sync_and_races|120|60|pytest,gradient_cache|$pytest -k '$races' tests/test_cuda.py"
-    "memory_table|45|30|perf.memory_report|$py -m perf.memory_report --device cuda --json $out/memory_cuda.json"
-    "link_and_pinned_pool|20|15|perf.gpu_link|$py -m perf.gpu_link --json $out/gpu_link.json"
-    "step_time|90|40|perf.gpu_report|$py perf/gpu_report.py --json $out/gpu_report.json QUICK_FLAG"
-    "tests_cuda_rest|70|0|pytest,gradient_cache|$pytest -k 'cuda and not stand and not ($races)' tests/test_cuda.py tests/test_accounting.py tests/test_training.py tests/test_layout.py"
+    "tests_sync_and_races|85|55|pytest,gradient_cache|$pytest -k '$races' tests/test_cuda.py"
+    "memory_table|35|25|perf.memory_report|$py -m perf.memory_report --device cuda --json $out/memory_cuda.json"
+    "link_and_pinned_pool|15|12|perf.gpu_link|$py -m perf.gpu_link --json $out/gpu_link.json"
+    "step_time|55|30|perf.gpu_report|$py perf/gpu_report.py --json $out/gpu_report.json QUICK_FLAG"
+    "tests_cuda_rest|75|0|pytest,gradient_cache|$pytest -k 'cuda and not stand and not ($races)' tests/test_cuda.py tests/test_accounting.py tests/test_training.py tests/test_layout.py"
     # The same tests as the parts above, under PyTorch's CUDA sanitizer: a failure here
     # and not there is a stream race the sanitizer saw.
-    "sanitizer|40|0|pytest,gradient_cache|TORCH_CUDA_SANITIZER=1 $pytest -k 'widened or exact' tests/test_cuda.py"
-    "fsdp2_example|25|0|torch.distributed.fsdp,gradient_cache.demo.models|$py -m torch.distributed.run --nproc-per-node 1 examples/train_fsdp.py --steps 10"
-    "peers_cuda|60|0|perf.peers|$py -m perf.peers --device cuda --no-search --contenders PEERS --json $out/peers_cuda.json"
+    "sanitizer|30|0|pytest,gradient_cache|TORCH_CUDA_SANITIZER=1 $pytest -k 'widened or exact' tests/test_cuda.py"
+    "fsdp2_example|20|0|torch.distributed.fsdp,gradient_cache.demo.models|$py -m torch.distributed.run --nproc-per-node 1 examples/train_fsdp.py --steps 10"
+    "peers_cuda|40|0|perf.peers|$py -m perf.peers --device cuda --no-search --contenders PEERS --json $out/peers_cuda.json"
 )
+# The parts' deadline: every part's timeout in this mode, plus the slack.
+total=0
+for part in "${parts[@]}"; do
+    IFS='|' read -r name full short needs command <<< "$part"
+    total=$(( total + (quick ? short : full) ))
+done
+budget=$(( total + slack_s ))
+setup=$(( device_s + preflight_s ))
 
 # Prints "missing<TAB>part<TAB>why" for each part with a module that does not import, and
 # "absent<TAB>package" for each of the peers' optional packages not installed.
@@ -72,7 +89,7 @@ preflight() {
         IFS='|' read -r name full short needs command <<< "$part"
         spec+="$name $needs"$'\n'
     done
-    "$py" - "$spec" <<'PYTHON'
+    timeout --kill-after=5 "$preflight_s" "$py" - "$spec" <<'PYTHON'
 import importlib
 import importlib.util
 import sys
@@ -138,12 +155,10 @@ run_preflight() {
 if (( dry_run )); then
     run_preflight >&2
     failed=$?
-    total=0
     for part in "${parts[@]}"; do
         IFS='|' read -r name full short needs command <<< "$part"
         limit=$(( quick ? short : full ))
         (( limit == 0 )) && continue
-        total=$(( total + limit ))
         # --quick runs the same commands, only with shorter timeouts: collected once, in
         # the full dry run. A part the preflight refused says why instead.
         if (( quick )) || [[ $command != *" -m pytest "* || -n ${missing[$name]+set} ]]; then
@@ -167,21 +182,23 @@ if (( dry_run )); then
             failed=1
         fi
     done
-    echo "total $total budget $budget"
+    echo "total $total budget $budget setup $setup whole $(( setup + budget ))"
     exit "$failed"
 fi
 
-"$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || {
+device=$(timeout --kill-after=5 "$device_s" "$py" -c "import torch, sys
+if not torch.cuda.is_available():
+    sys.exit(1)
+print('torch', torch.__version__, 'on', torch.cuda.get_device_name())" 2>/dev/null) || {
     echo "gpu_check.sh needs a CUDA device: this $py has no torch that sees one (torch.cuda.is_available() is not True). Nothing was run." >&2
     exit 1
 }
-start=$SECONDS
 mkdir -p "$out"
 printf 'part\tstatus\tseconds\n' > "$out/summary.tsv"
-"$py" -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name())" \
-    | tee "$out/device.txt"
+echo "$device" | tee "$out/device.txt"
 run_preflight > "$out/preflight.txt"
 cat "$out/preflight.txt"
+start=$SECONDS  # the parts' deadline counts from here: the preflight cuts no part
 status=0
 for part in "${parts[@]}"; do
     IFS='|' read -r name full short needs command <<< "$part"
@@ -213,7 +230,7 @@ for part in "${parts[@]}"; do
 done
 
 echo
-echo "== summary ($(( SECONDS - start )) s; logs in $out) =="
+echo "== summary (parts $(( SECONDS - start )) s of $budget, all $SECONDS s; logs in $out) =="
 column -t -s $'\t' "$out/summary.tsv" 2>/dev/null || cat "$out/summary.tsv"
 for figures in link_and_pinned_pool memory_table step_time; do
     [[ -s "$out/$figures.log" ]] && { echo; echo "-- $figures (tail)"; tail -n 12 "$out/$figures.log"; }

@@ -53,7 +53,7 @@ class MemorySettings:
     model: str = "small"
     batch_size: int = 8
     micro_batches: int = 4
-    bucket_size_mb: float = 4.0  # the engine's default
+    bucket_size_mb: float = 4.0  # the most the engine sizes a bucket from the model
     device: str = "cpu"
 
     def __post_init__(self) -> None:

@@ -33,6 +33,9 @@ CASES = [
     ("a parameter replaced after creation",
      "cached_model.weight = torch.nn.Parameter(torch.zeros(4, 4)); cached_model(torch.zeros(1, 4))",
      RuntimeError, "'weight' replaced by a new Parameter"),
+    ("a model cast after creation",
+     "cached_model.to(torch.bfloat16); cached_model(torch.zeros(1, 4, dtype=torch.bfloat16))",
+     RuntimeError, "'weight' cast from torch.float32 to torch.bfloat16"),
     # --- compression_ratio
     ("ratio zero", "create_gradient_cache(model(), compression_ratio=0)", ValueError,
      "Invalid compression_ratio: 0; expected a finite number >= 1"),
@@ -106,7 +109,11 @@ CASES = [
     ("memory budget above the device", 'create_gradient_cache(model(), memory_budget="120%")',
      ValueError, "Invalid memory_budget: '120%'; expected a share of the device's memory"),
     ("memory budget without a unit", "create_gradient_cache(model(), memory_budget=20)",
-     ValueError, "a number is a share, so at most 1: write bytes with a unit"),
+     ValueError, "a number is a share, so at most 1: write bytes with a unit, or a percentage: "
+     "'20%' or '20GiB'"),
+    ("memory budget as a string without a unit",
+     'create_gradient_cache(model(), memory_budget="80")', ValueError,
+     "Invalid memory_budget: '80'; expected a share of the device's memory"),
     ("checkpoint_frequency zero", "create_gradient_cache(model(), checkpoint_frequency=0)",
      ValueError, "Invalid checkpoint_frequency: 0; expected an integer >= 1"),
     ("the state offloaded without the fused step",
@@ -123,6 +130,9 @@ CASES = [
     ("a top-k option beside the codec's options",
      'create_gradient_cache(model(), codec=gradient_cache.TopK(), selection="exact")',
      TypeError, "selection='exact' was passed beside codec=TopK("),
+    ("a top-k option given to EngineConfig", "EngineConfig(error_feedback=False)", TypeError,
+     "it is an option of the top-k codec now, not of EngineConfig. Pass "
+     "EngineConfig(codec=gradient_cache.TopK(error_feedback=False))"),
     ("the options class instead of an instance", "EngineConfig(codec=gradient_cache.TopK)",
      TypeError, "codec=TopK is the class; pass an instance: codec=TopK()"),
     ("an unknown top-k option", "gradient_cache.TopK(error_feedbak=False)", TypeError,

@@ -262,6 +262,32 @@ def test_closure_optimizers_see_the_closure_gradients() -> None:
     assert_same_parameters(plain, cached)
 
 
+def test_lbfgs_with_the_state_offloaded_is_refused_and_loses_nothing() -> None:
+    """LBFGS needs its whole state and every gradient at once: refused at its step, before
+    it changes a parameter (it ran on the device without a word before); the closure's
+    gradients are back in .grad when the function ends."""
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    @gradient_cache.optimize(**LOSSLESS, offload_optimizer_state=True)
+    def run(model: nn.Module) -> None:
+        optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+        tokens, targets = batches(1)[0]
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = loss_of(model, tokens, targets)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+
+    with pytest.raises(RuntimeError, match="LBFGS cannot step with offload_optimizer_state=True"):
+        run(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_compressed_training_learns_and_reports_its_compression() -> None:
     @gradient_cache.optimize(compression_ratio=100, codec="topk", min_compress_numel=1)
     def run(model: nn.Module) -> list[float]:

@@ -156,6 +156,28 @@ def test_nonsense_budgets_are_refused_naming_the_option(value) -> None:
         gradient_cache.EngineConfig(memory_budget=True)
 
 
+@pytest.mark.parametrize("text,fix", [("80", "'80%' or '80GiB'"), ("1.5", "'1.5%' or '1.5GiB'")])
+def test_a_number_without_a_unit_is_a_share_in_a_string_too(text: str, fix: str) -> None:
+    """Not bytes: "80" is refused as 80 is, naming the spellings that mean something."""
+    with pytest.raises(ValueError, match=f"Invalid memory_budget: '{text}'.*{fix}"):
+        MemoryBudget.parse(text)
+    with pytest.raises(ValueError, match=f"Invalid memory_budget: {text}.*{fix}"):
+        MemoryBudget.parse(float(text))
+    assert MemoryBudget.parse("0.8").fraction == MemoryBudget.parse(0.8).fraction == 0.8
+
+
+@pytest.mark.parametrize("peak", [float("nan"), -MIB], ids=["nan", "negative"])
+def test_a_reader_giving_a_nonsense_peak_is_named(peak: float) -> None:
+    """A NaN peak would offload everything and a negative one keep more than fits, silently."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(
+        model, memory_budget="1GiB", device_memory=FakeMemory(peak=peak), **OPTIONS
+    )
+    with pytest.raises(RuntimeError, match=r"reader FakeMemory\.peak_bytes\(\) returned"):
+        train(model, optimizer, manager, steps=2)
+
+
 def test_the_measurement_holds_the_first_optimizer_step_on_every_path() -> None:
     """apply_gradients() restores before the optimizer creates its state: the budget reads
     the peak only at the second step's restore, once the first step's state exists."""

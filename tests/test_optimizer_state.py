@@ -210,6 +210,78 @@ def test_the_state_dict_round_trip_resumes_bit_for_bit(attached: bool) -> None:
     assert_same_state(plain_opt, resumed_opt, plain, resumed)
 
 
+class SparseEmbedding(torch.nn.Module):
+    """An embedding with sparse gradients under a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens)).square().mean()
+
+
+SPARSE_OPTIONS = dict(compression_ratio=1, offload_optimizer_state=True, **SMALL_BUCKETS)
+
+
+def test_sgd_momentum_on_a_sparse_gradient_is_refused_before_anything_steps() -> None:
+    """Its momentum buffer would be sparse, which the host copies cannot hold: named, with
+    the fix, before a parameter changes (it failed after the step, in the copy back, on
+    every retry)."""
+    model = SparseEmbedding()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(model, **SPARSE_OPTIONS)
+    model(torch.tensor([1, 2, 3])).backward()
+    for _ in range(2):  # the same answer again: nothing changed in between
+        with pytest.raises(RuntimeError, match=r"embed\.weight has a sparse gradient"):
+            manager.step(optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not optimizer.state
+
+
+@pytest.mark.parametrize("make", [torch.optim.SparseAdam, torch.optim.Adagrad])
+def test_optimizers_with_a_dense_state_for_sparse_gradients_step_as_plain(make) -> None:
+    plain, cached = SparseEmbedding(), SparseEmbedding()
+    plain_opt = make([plain.embed.weight], lr=0.1)
+    cached_opt = make([cached.embed.weight], lr=0.1)
+    manager = gradient_cache.create_gradient_cache(cached, **SPARSE_OPTIONS)
+    for step in range(3):
+        tokens = torch.tensor([step, step + 1, 5])
+        plain(tokens).backward()
+        cached(tokens).backward()
+        plain_opt.step()
+        manager.step(cached_opt)
+        plain_opt.zero_grad()
+        cached_opt.zero_grad()
+    assert torch.equal(plain.embed.weight, cached.embed.weight)
+    host = manager.engine.optimizer_state.copies_of(cached_opt)[cached.embed.weight]
+    moments = {k: v for k, v in cached_opt.state[cached.embed.weight].items() if k != "step"}
+    assert moments and all(value is host[key] for key, value in moments.items())
+
+
+def test_a_checkpoint_whose_group_sizes_differ_is_refused_as_torch_refuses_it() -> None:
+    """A damaged optimizer checkpoint (a group one parameter short) gets torch's own error,
+    not the cache's zip() failing, and the state and the cache are as before the load."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    cached_step(model, manager, optimizer, data(1)[0])
+    damaged = copy.deepcopy(optimizer.state_dict())
+    damaged["param_groups"][0]["params"].pop()
+    states = manager.engine.optimizer_state
+    before = {p: dict(values) for p, values in optimizer.state.items()}
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        torch.optim.AdamW(make_model().parameters()).load_state_dict(damaged)  # plain's
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        optimizer.load_state_dict(damaged)
+    assert {p: dict(values) for p, values in optimizer.state.items()} == before
+    assert not states._loading
+    assert_on_the_host(manager, optimizer)
+
+
 @pytest.mark.parametrize("nth", [1, 3])
 @pytest.mark.parametrize("at_step", [0, 1])
 def test_a_raising_optimizer_step_retried_gives_plains_result(nth: int, at_step: int) -> None:
@@ -450,3 +522,37 @@ def test_gpt2_124m_adamw_state_pins_within_ten_percent_of_its_bytes(
     assert checked == allocated and all(n & (n - 1) == 0 for n in allocated)
     assert states.host_bytes == sum(allocated) <= 1.1 * state_bytes
     assert all(copies[p][key].shape == p.shape for p in params for key in ("exp_avg",))
+
+
+def test_the_default_buckets_save_device_memory_at_the_step_of_a_small_model() -> None:
+    """A 0.2M-parameter model (0.8 MiB of gradients) with the default bucket size: buckets
+    sized from the model, so the step brings a bucket or two of AdamW's state, and its
+    accounted peak falls well below plain's (one 4 MiB bucket held everything: plain's)."""
+    from gradient_cache.demo.accounting import device_memory_meter
+
+    def step_peak(offload: bool) -> int:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(128, 128) for _ in range(12)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        manager = None
+        if offload:
+            manager = gradient_cache.create_gradient_cache(
+                model, compression_ratio=1, offload_optimizer_state=True
+            )
+        x = torch.randn(8, 128)
+
+        def step() -> None:
+            manager.step(optimizer) if manager else optimizer.step()
+
+        model(x).square().mean().backward()
+        step()  # the state exists from here on
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        with (
+            device_memory_meter(model, optimizer=optimizer, cache=manager) as meter,
+            meter.phase("step"),
+        ):
+            step()
+        return meter.peaks["step"].peak.device_bytes
+
+    assert step_peak(offload=True) < 0.6 * step_peak(offload=False)

@@ -195,6 +195,31 @@ def test_the_fused_step_refuses_a_scaler_already_unscaled_and_takes_a_disabled_o
     assert_same_parameters(model, reference)
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["forgotten", "given"])
+def test_an_fp16_loop_that_forgets_grad_scaler_is_told_so(given: bool) -> None:
+    """The cache cannot tell that the loss was scaled, but it sees the forward run under
+    float16 autocast: the fused step warns, naming grad_scaler=, before it steps (the step
+    then raised only in scaler.update(), torch's "No inf checks were recorded")."""
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu")
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, grad_scaler=scaler if given else None
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens, targets = batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = loss_of(model, tokens, targets)
+    scaler.scale(loss).backward()
+    if given:
+        manager.step(optimizer)  # no warning: warnings are errors in this suite
+        scaler.update()
+        return
+    with pytest.warns(UserWarning, match=r"given no GradScaler.*grad_scaler=scaler"):
+        manager.step(optimizer)
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        scaler.update()
+
+
 @pytest.mark.parametrize("backend", ["cpu", "stand-in cuda"])
 def test_micro_batches_restored_one_by_one_under_a_scaler_are_not_taken_for_skips(
     backend: str, request: pytest.FixtureRequest

@@ -92,6 +92,23 @@ def test_trainer_at_ratio_1_ends_bit_for_bit_as_plain_trainer(tmp_path, argument
     assert len(grad_norms(plain_trainer)) == 3 and max(grad_norms(plain_trainer)) > 1.0  # clipped
 
 
+def test_fp16_with_the_state_offloaded_is_refused_before_any_step(tmp_path) -> None:
+    """fp16's GradScaler unscales every gradient at once: refused when the cache is set up,
+    as Lightning's "16-mixed" is (it failed at the first step, after forward and backward);
+    without the state offload fp16 is taken."""
+    arguments = transformers.TrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True)
+    with pytest.raises(ValueError, match=r"fp16=True\).*Use bf16=True.*or drop offload"):
+        hf.check_precision(arguments, offload_optimizer_state=True)
+    hf.check_precision(arguments, offload_optimizer_state=False)
+    model = tiny_gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = trainer_for(model, tmp_path / "run", fp16=True)
+    with pytest.raises(ValueError, match="cannot run with TrainingArguments"):
+        hf.train(trainer, compression_ratio=1, offload_optimizer_state=True)
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 def grad_norms(trainer: transformers.Trainer) -> list[float]:
     return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
 

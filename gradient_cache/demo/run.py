@@ -232,7 +232,11 @@ def run_demo(settings: DemoSettings) -> DemoResult:
             "activation_checkpointing": scenario.activation_checkpointing,
             "micro_batches": scenario.micro_batches,
             "micro_batch_size": scenario.micro_batch_size,
-            "bucket_size_mb": EngineConfig().bucket_size_mb,
+            # The size the cache takes for this model (bucket_size_mb=None: sized from it).
+            "bucket_size_mb": EngineConfig().bucket_bytes(
+                sum(p.numel() * p.element_size() for p in params)
+            )
+            / MIB,
             "learning_rate": LEARNING_RATE,
             "optimizer": "AdamW",
             "corpus_bytes": {"train": train_tokens.numel(), "validation": val_tokens.numel()},

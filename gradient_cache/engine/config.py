@@ -24,6 +24,15 @@ from ..units import MIB
 # 4-bit codec. perf/RESULTS.md ("Codec frontier") has the table and why not more yet.
 DEFAULT_COMPRESSION_RATIO = 3.0
 BACKENDS = ("auto", "cpu", "cuda")
+# bucket_size_mb=None: a bucket holds 1/AUTO_BUCKETS of the cached gradients' bytes, at
+# least AUTO_BUCKET_MIN_BYTES (so small tensors still travel together) and at most
+# AUTO_BUCKET_MAX_MB (the fixed default before buckets were sized from the model). A small
+# model then steps in several buckets: with its state offloaded, the device holds a
+# bucket or two of state at the step, not all of it (one 4 MiB bucket held the whole state
+# of nanoGPT's 0.4M-parameter model: a step peak above plain's).
+AUTO_BUCKETS = 8
+AUTO_BUCKET_MIN_BYTES = 64 * 1024
+AUTO_BUCKET_MAX_MB = 4.0
 #: Options that were `EngineConfig` fields and are now the top-k codec's (`TopK`):
 #: `EngineConfig.from_options` still takes them where they act (see `_codec_of_keywords`).
 TOPK_KEYWORDS = (
@@ -60,7 +69,10 @@ class EngineConfig:
         bucket_size_mb: Dense gradient megabytes (2**20 bytes) gathered before a bucket is
             encoded and sent off the device. Smaller buckets free memory sooner during
             backward (the device holds about two buckets plus the largest gradient at
-            once) at the cost of more, smaller launches. Default 4.
+            once) and at the fused step (a bucket or two of gradients, and of optimizer
+            state where it is offloaded), at the cost of more, smaller launches. None
+            (default): sized from the model, an eighth of the cached gradients' bytes,
+            at least 64 KiB and at most 4 MiB (`bucket_bytes`).
         warmup_steps: Optimizer steps sent uncompressed at the start of training, as
             Deep Gradient Compression does, while gradients change fastest (what it gained
             is in perf/RESULTS.md, "Compression recipes"). Default 0: a good length depends on the
@@ -110,7 +122,7 @@ class EngineConfig:
     """
 
     codec: CodecChoice = None
-    bucket_size_mb: float = 4.0
+    bucket_size_mb: float | None = None
     warmup_steps: int = 0
     min_compress_numel: int | None = None
     host_memory_fraction: float = 0.5
@@ -122,9 +134,25 @@ class EngineConfig:
     memory_budget: str | float | None = None
     checkpoint_frequency: int = 1
 
+    def __new__(cls, **fields: Any) -> EngineConfig:
+        # Before the dataclass's __init__, whose TypeError would only say "unexpected
+        # keyword": the top-k options that were fields here are named with their new place.
+        moved = [name for name in TOPK_KEYWORDS if name in fields]
+        if moved:
+            name = moved[0]
+            raise TypeError(
+                f"EngineConfig got {name}={fields[name]!r}: it is an option of the top-k "
+                "codec now, not of EngineConfig. Pass "
+                f"EngineConfig(codec=gradient_cache.TopK({name}={fields[name]!r})) (top-k keeps "
+                "numel / compression_ratio entries), or the keyword to "
+                "create_gradient_cache(...), which takes it where it acts."
+            )
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         check_codec(self.codec)
-        _check_positive_number("bucket_size_mb", self.bucket_size_mb)
+        if self.bucket_size_mb is not None:
+            _check_positive_number("bucket_size_mb", self.bucket_size_mb)
         _check_non_negative_int("warmup_steps", self.warmup_steps)
         if self.min_compress_numel is not None:
             _check_positive_int("min_compress_numel", self.min_compress_numel)
@@ -174,7 +202,20 @@ class EngineConfig:
 
     @property
     def bucket_size_bytes(self) -> int:
-        return max(1, int(self.bucket_size_mb * MIB))
+        """The set bucket size in bytes; with ``bucket_size_mb=None``, the most a bucket
+        sized from the model holds (`bucket_bytes` gives one model's)."""
+        return self.bucket_bytes(None)
+
+    def bucket_bytes(self, gradient_bytes: int | None) -> int:
+        """A bucket's capacity for a model whose cached gradients hold ``gradient_bytes``
+        (dense): ``bucket_size_mb`` where set, else an eighth of them within 64 KiB and
+        4 MiB (None: that 4 MiB)."""
+        if self.bucket_size_mb is not None:
+            return max(1, int(self.bucket_size_mb * MIB))
+        largest = int(AUTO_BUCKET_MAX_MB * MIB)
+        if gradient_bytes is None:
+            return largest
+        return min(largest, max(AUTO_BUCKET_MIN_BYTES, gradient_bytes // AUTO_BUCKETS))
 
     @classmethod
     def from_options(

@@ -364,7 +364,22 @@ class HostOptimizerState:
 
     def _take_tensors(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> Any:
         """Take the tensors the cache offloads out of the loaded state, before the
-        optimizer moves them to the parameters' device."""
+        optimizer moves them to the parameters' device. A state whose groups do not match
+        the optimizer's is refused as ``load_state_dict`` refuses it, before anything
+        changes (this hook runs before torch's own check)."""
+        saved_sizes = [len(g["params"]) for g in state_dict["param_groups"]]
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
+        if len(saved_sizes) != len(sizes):
+            raise ValueError(
+                f"loaded state dict has a different number of parameter groups "
+                f"({len(saved_sizes)}) than the optimizer ({len(sizes)})"
+            )
+        if saved_sizes != sizes:
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of "
+                f"optimizer's group (parameters per group: saved {saved_sizes}, optimizer "
+                f"{sizes})"
+            )
         kept, taken = {}, {}
         for index, values in state_dict["state"].items():
             kept[index] = {k: v for k, v in values.items() if not offloaded(v)}

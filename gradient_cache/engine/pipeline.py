@@ -10,6 +10,7 @@ lives in the `GradientStore`, residuals in the backend's `ResidualStore`.
 from __future__ import annotations
 
 import enum
+import math
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -242,7 +243,8 @@ class Pipeline:
         self._planned_at = -1
         self._follow_plan()
         self.store = GradientStore()
-        self.assembler = BucketAssembler(config.bucket_size_bytes)
+        dense_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
+        self.assembler = BucketAssembler(config.bucket_bytes(dense_bytes))
         self.enabled = True  # `set_enabled`
         # Gradients a memory budget keeps on the device (`keep_on_device`).
         self.kept_on_device: set[Param] = set()

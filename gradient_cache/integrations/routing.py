@@ -122,6 +122,8 @@ class StepRouting(CacheReads):
 
     def _route(self, optimizer: torch.optim.Optimizer) -> None:
         owned = [p for group in optimizer.param_groups for p in group["params"]]
+        if isinstance(optimizer, torch.optim.LBFGS):
+            _refuse_lbfgs_with_state_offload(self._managers(), owned)
         if self.fused and not isinstance(optimizer, torch.optim.LBFGS):
             for manager in self._managers():
                 if _takes_fused_step(manager, owned):
@@ -150,6 +152,29 @@ class StepRouting(CacheReads):
     ) -> None:
         for param, grad in self._hidden.pop(optimizer, {}).items():
             param.grad = grad
+
+
+def _refuse_lbfgs_with_state_offload(
+    managers: Iterable[GradientCacheHookManager], owned: list[torch.Tensor]
+) -> None:
+    """LBFGS cannot take a state kept on the host: raise before its step changes anything
+    (the closure's backward ran; its gradients stay cached and go back when the
+    integration ends)."""
+    for manager in managers:
+        engine = manager.engine
+        if engine is None or engine.optimizer_state is None:
+            continue
+        if any(param in engine.records for param in owned):
+            raise RuntimeError(
+                "LBFGS cannot step with offload_optimizer_state=True: it updates every "
+                "parameter along one direction found from all the gradients and its "
+                "whole history (a line search re-evaluating the closure), so its state "
+                "and every gradient must be on the device at once, while the state "
+                "offload brings the state a bucket at a time. Drop "
+                "offload_optimizer_state=True (the gradients are still offloaded), or "
+                "use an optimizer that updates each parameter from its own gradient "
+                "(SGD, Adam, AdamW)."
+            )
 
 
 def _takes_fused_step(manager: GradientCacheHookManager, owned: list[torch.Tensor]) -> bool:

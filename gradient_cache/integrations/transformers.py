@@ -70,15 +70,34 @@ def train(
         resume_folder = get_last_checkpoint(trainer.args.output_dir)
     else:
         resume_folder = resume_from_checkpoint or None
-    logger = _CacheCallback(trainer, resume_folder)
-    cached_train = optimize(
+    decorator = optimize(
         compression_ratio, exclude_layers=exclude_layers, verbose=verbose, **options
-    )(trainer.train)
+    )
+    check_precision(
+        trainer.args, offload_optimizer_state=decorator.settings.config.offload_optimizer_state
+    )
+    logger = _CacheCallback(trainer, resume_folder)
+    cached_train = decorator(trainer.train)
     trainer.add_callback(logger)
     try:
         return cached_train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
         trainer.remove_callback(logger)
+
+
+def check_precision(args: transformers.TrainingArguments, *, offload_optimizer_state: bool) -> None:
+    """Refuse ``fp16=True`` with the state offloaded, before any step, as the Lightning
+    callback refuses ``"16-mixed"``: the Trainer's GradScaler unscales every gradient at
+    once (``unscale_`` before clipping), which would need the whole optimizer state on the
+    device at the step; it failed there, after a full forward and backward."""
+    if offload_optimizer_state and args.fp16:
+        raise ValueError(
+            "offload_optimizer_state=True cannot run with TrainingArguments(fp16=True): the "
+            "Trainer's GradScaler unscales every gradient at once before the step, which "
+            "would need the whole optimizer state on the device. Use bf16=True (no "
+            "GradScaler), or drop offload_optimizer_state (the gradients are still "
+            "offloaded)."
+        )
 
 
 class _CacheCallback(transformers.TrainerCallback):
