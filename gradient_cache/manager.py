@@ -70,7 +70,8 @@ class GradientCacheHookManager:
 
     Use ``compress_and_free_gradients()`` after backward and ``apply_gradients()`` before
     ``optimizer.step()``, or ``step(optimizer)`` in place of both the restore and the
-    step. As a context manager it removes its hooks on exit.
+    step. As a context manager it removes its hooks on exit; garbage-collected while
+    attached (never kept), it removes them too, with a warning where it did nothing.
 
     While it is attached, ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grads_with_norm_``)
     over parameters it caches, between backward and the restore, is answered from the
@@ -178,12 +179,18 @@ class GradientCacheHookManager:
             excluded=patterns,
             device=self._pipeline.backend.device,
         )
-        self._attach()
+        self._attach(model)
 
-    def _attach(self) -> None:
-        """The last step of construction: the gradient readers answer from this manager."""
+    def _attach(self, model: torch.nn.Module) -> None:
+        """The last step of construction: the gradient readers answer from this manager, and
+        its hooks go when it is garbage-collected while attached (`_detach_dropped`)."""
         _attached.add(self)
         gradient_readers.fall_back_to(_ATTACHED_READS)
+        # The finalizer holds the manager's attributes (the engine, the watch), not the
+        # manager: nothing it holds refers back to the manager, so an unkept manager is
+        # collected, and with it go its hooks. Not at exit: the process ends anyway.
+        finalizer = weakref.finalize(self, _detach_dropped, vars(self), weakref.ref(model))
+        finalizer.atexit = False
 
     # --- the training-loop calls --------------------------------------------------
 
@@ -682,6 +689,37 @@ def _detached() -> None:
     attached (unless an integration runs)."""
     if not any(manager.engine is not None for manager in _attached):
         gradient_readers.fall_back_to(None)
+
+
+def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Module]) -> None:
+    """The finalizer of a manager garbage-collected while attached: its hooks would keep
+    taking every gradient for a cache no one can restore (``.grad`` None after backward,
+    ``optimizer.step()`` stepping nothing) and hold the parameters against a new cache. So
+    it detaches as ``remove_hooks()`` does (cached gradients back in ``.grad``), run on a
+    stand-in holding the manager's attributes. It warns where the model lives on and the
+    manager never completed a step or held gradients: the result of
+    ``create_gradient_cache`` was not kept. (A model collected with its manager, one that
+    held it as an attribute, needs no word; nor a manager dropped after training.)"""
+    pipeline = attributes.get("_pipeline")
+    if pipeline is None:
+        return  # closed by remove_hooks() first
+    unused = model() is not None and (pipeline.steps == 0 or pipeline.step_pending)
+    stand_in = GradientCacheHookManager.__new__(GradientCacheHookManager)
+    vars(stand_in).update(attributes)
+    try:
+        stand_in.remove_hooks()
+    finally:
+        if unused:
+            warnings.warn(
+                "A GradientCacheHookManager was garbage-collected while attached, before it "
+                "completed a step or while it held gradients: its hooks are removed and the "
+                "gradients it held are back in .grad, so the model trains without the cache. "
+                "Keep the manager create_gradient_cache returns (hook_manager = "
+                "gradient_cache.create_gradient_cache(model)) and call hook_manager.step("
+                "optimizer), or use it as a context manager (with ... as hook_manager:).",
+                UserWarning,
+                stacklevel=3,  # the line that dropped it, where reference counting freed it
+            )
 
 
 def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:

@@ -152,7 +152,7 @@ def reader_functions() -> list[object]:
 
 def test_the_readers_are_swapped_while_a_manager_is_attached_and_only_then() -> None:
     """One swap, in place while any manager is attached: the originals come back when the
-    last one is detached."""
+    last one is detached, closed or collected, and the swap holds no manager alive."""
     gc.collect()  # managers earlier tests left unreachable
     originals = reader_functions()
     first = gradient_cache.create_gradient_cache(make_model(), **LOSSLESS)
@@ -164,6 +164,13 @@ def test_the_readers_are_swapped_while_a_manager_is_attached_and_only_then() -> 
     assert reader_functions() == swapped  # the second is still attached
     second.remove_hooks()
     assert reader_functions() == originals  # closed managers, still referenced, keep nothing
+    kept = make_model()
+    hook_manager = gradient_cache.create_gradient_cache(kept, **LOSSLESS)
+    loss_of(kept, *batches(1)[0]).backward()
+    hook_manager.step(torch.optim.SGD(kept.parameters(), lr=0.1))
+    del hook_manager  # dropped after a step: detached quietly
+    gc.collect()
+    assert reader_functions() == originals
 
 
 def test_readers_over_another_models_parameters_leave_the_cache_alone() -> None:

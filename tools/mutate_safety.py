@@ -714,6 +714,13 @@ MUTANTS = [
         "tests/test_codecs.py::test_a_bf16_gradients_payload_decodes_to_its_bf16_values_whatever_the_output",
     ),
     (
+        "unkept manager: its finalizer detaches it (hooks removed, gradients back in .grad)",
+        "gradient_cache/manager.py",
+        "        stand_in.remove_hooks()",
+        "        pass",
+        "tests/test_unkept_manager.py",
+    ),
+    (
         "readers: the swap ends when the last manager is detached",
         "gradient_cache/manager.py",
         "        self._watch.remove()\n        _detached()\n",
