@@ -142,6 +142,10 @@ CASES = [
      "cache.clip_grads_with_norm_(cached_model.parameters(), 1.0, "
      "cache.gradient_norm(cached_model.parameters())); cache.step(sgd, max_grad_norm=1.0)",
      ValueError, "clip once, with one or the other"),
+    ("a reader of every gradient with the state on the host",
+     "m = model(); c = create_gradient_cache(m, offload_optimizer_state=True); "
+     "m(torch.randn(2, 4)).sum().backward(); torch.nn.utils.clip_grad_value_(m.parameters(), 1)",
+     RuntimeError, "Clip with hook_manager.step(optimizer, max_grad_norm=...)"),
     # --- order of calls and lifetime
     ("a closed manager", "closed.apply_gradients()", RuntimeError,
      "was closed by remove_hooks()"),
