@@ -6,6 +6,7 @@ import logging
 import math
 import numbers
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, cast
@@ -15,6 +16,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import gradient_readers
 from .budget import BudgetWatch, DeviceMemory, MemoryBudget, device_memory_of
 from .data_parallel import check_data_parallel
 from .engine import checkpoint, fused_step, sharding
@@ -68,7 +70,14 @@ class GradientCacheHookManager:
 
     Use ``compress_and_free_gradients()`` after backward and ``apply_gradients()`` before
     ``optimizer.step()``, or ``step(optimizer)`` in place of both the restore and the
-    step. As a context manager it removes its hooks on exit.
+    step. As a context manager it removes its hooks on exit; garbage-collected while
+    attached (never kept), it removes them too, with a warning where it did nothing.
+
+    While it is attached, ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grads_with_norm_``)
+    over parameters it caches, between backward and the restore, is answered from the
+    cache: plain PyTorch's norm, the clip applied at the restore; ``clip_grad_value_`` and
+    an enabled ``GradScaler.unscale_`` restore the gradients they read first
+    (`gradient_cache.gradient_readers`).
     """
 
     def __init__(
@@ -170,6 +179,18 @@ class GradientCacheHookManager:
             excluded=patterns,
             device=self._pipeline.backend.device,
         )
+        self._attach(model)
+
+    def _attach(self, model: torch.nn.Module) -> None:
+        """The last step of construction: the gradient readers answer from this manager, and
+        its hooks go when it is garbage-collected while attached (`_detach_dropped`)."""
+        _attached.add(self)
+        gradient_readers.fall_back_to(_ATTACHED_READS)
+        # The finalizer holds the manager's attributes (the engine, the watch), not the
+        # manager: nothing it holds refers back to the manager, so an unkept manager is
+        # collected, and with it go its hooks. Not at exit: the process ends anyway.
+        finalizer = weakref.finalize(self, _detach_dropped, vars(self), weakref.ref(model))
+        finalizer.atexit = False
 
     # --- the training-loop calls --------------------------------------------------
 
@@ -526,6 +547,7 @@ class GradientCacheHookManager:
             return
         pipeline, self._pipeline = self._pipeline, None
         self._watch.remove()
+        _detached()
         try:
             pipeline.drain()
             pipeline.restore(list(pipeline.store))
@@ -632,6 +654,111 @@ def create_gradient_cache(
         backend_factory=backend_factory,
         device_memory=device_memory,
     )
+
+
+class ManagerReads:
+    """The gradient readers answered from ``managers()`` (`gradient_readers.CacheReads`).
+
+    A norm or clip over parameters one attached manager caches, while it has a step
+    pending, is that manager's `gradient_norm` and `clip_grads_with_norm_`: nothing
+    restored, the clip applied at the restore. Other readers restore the cached gradients
+    of the parameters they read first; with the optimizer state on the host that would
+    bring the whole state to the device at the step, so they are refused, with ``fix``.
+    """
+
+    def __init__(
+        self, managers: Callable[[], Iterable[GradientCacheHookManager]], *, fix: str
+    ) -> None:
+        self._managers = managers
+        self._fix = fix
+
+    def restore(self, reader: str, parameters: list[torch.Tensor] | None) -> None:
+        """The cached gradients of every manager caching any of ``parameters`` (None:
+        every manager) back in ``param.grad``, before ``reader`` reads them."""
+        for manager in self._caching(parameters):
+            engine = manager._live()
+            manager.compress_and_free_gradients()
+            if engine.optimizer_state is not None and engine.store:
+                raise RuntimeError(
+                    f"{reader} needs every gradient on the device at once here, which with "
+                    "offload_optimizer_state=True would need the whole optimizer state there "
+                    f"too at the step. {self._fix}"
+                )
+            manager._restore_all()
+
+    def cache_for(self, parameters: list[torch.Tensor]) -> GradientCacheHookManager | None:
+        """The one manager caching gradients of ``parameters`` with a step pending, which
+        answers a norm or clip over them without restoring; None where that is not so (no
+        manager or several, nothing pending, a GradScaler given to the cache)."""
+        # The parameters it caches and whether a step is pending, not the gradients it
+        # holds now: the same on every rank (under FSDP2 a rank may hold no part of a
+        # gradient while the others do, and all must take the same path: the norm is
+        # all-reduced).
+        holders = [m for m in self._caching(parameters) if m._live().step_pending]
+        if len(holders) != 1:
+            return None
+        (holder,) = holders
+        scaler = holder._live().grad_scaler
+        return None if scaler is not None and scaler.is_enabled() else holder
+
+    def _caching(self, parameters: list[torch.Tensor] | None) -> list[GradientCacheHookManager]:
+        """The attached managers caching any of ``parameters`` (None: every one)."""
+        return [
+            manager
+            for manager in self._managers()
+            if manager.engine is not None
+            and (parameters is None or any(p in manager.engine.records for p in parameters))
+        ]
+
+
+# Every manager constructed, held weakly; the attached ones answer the gradient readers
+# where no integration routes them (`gradient_readers.fall_back_to`).
+_attached: weakref.WeakSet[GradientCacheHookManager] = weakref.WeakSet()
+_ATTACHED_READS = ManagerReads(
+    lambda: [manager for manager in _attached if manager.engine is not None],
+    fix="Clip with hook_manager.step(optimizer, max_grad_norm=...) (or clip_grad_norm_ over "
+    "one model's parameters, answered from the cache), and give the GradScaler to the cache "
+    "(create_gradient_cache(..., grad_scaler=scaler)): step(optimizer) then unscales as it "
+    "restores, in place of scaler.unscale_(optimizer) and scaler.step(optimizer).",
+)
+
+
+def _detached() -> None:
+    """A manager detached: the originals of the gradient readers come back once none is
+    attached (unless an integration runs)."""
+    if not any(manager.engine is not None for manager in _attached):
+        gradient_readers.fall_back_to(None)
+
+
+def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Module]) -> None:
+    """The finalizer of a manager garbage-collected while attached: its hooks would keep
+    taking every gradient for a cache no one can restore (``.grad`` None after backward,
+    ``optimizer.step()`` stepping nothing) and hold the parameters against a new cache. So
+    it detaches as ``remove_hooks()`` does (cached gradients back in ``.grad``), run on a
+    stand-in holding the manager's attributes. It warns where the model lives on and the
+    manager never completed a step or held gradients: the result of
+    ``create_gradient_cache`` was not kept. (A model collected with its manager, one that
+    held it as an attribute, needs no word; nor a manager dropped after training.)"""
+    pipeline = attributes.get("_pipeline")
+    if pipeline is None:
+        return  # closed by remove_hooks() first
+    unused = model() is not None and (pipeline.steps == 0 or pipeline.step_pending)
+    stand_in = GradientCacheHookManager.__new__(GradientCacheHookManager)
+    vars(stand_in).update(attributes)
+    try:
+        stand_in.remove_hooks()
+    finally:
+        if unused:
+            warnings.warn(
+                "A GradientCacheHookManager was garbage-collected while attached, before it "
+                "completed a step or while it held gradients: its hooks are removed and the "
+                "gradients it held are back in .grad, so the model trains without the cache. "
+                "Keep the manager create_gradient_cache returns (hook_manager = "
+                "gradient_cache.create_gradient_cache(model)) and call hook_manager.step("
+                "optimizer), or use it as a context manager (with ... as hook_manager:).",
+                UserWarning,
+                stacklevel=3,  # the line that dropped it, where reference counting freed it
+            )
 
 
 def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:

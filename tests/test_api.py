@@ -399,7 +399,8 @@ def test_a_replaced_parameter_is_not_kept_alive_once_the_cache_is_removed() -> N
     manager.remove_hooks()
     gc.collect()
     assert old() is None
-    gradient_cache.create_gradient_cache(model, compression_ratio=1)  # the new one is cached
+    with gradient_cache.create_gradient_cache(model, compression_ratio=1):
+        pass  # the new one is cached
 
 
 def test_parameters_moved_in_place_to_another_device_are_refused() -> None:

@@ -140,6 +140,9 @@ CASES = [
     # --- the fused step
     ("a model instead of its optimizer", "cache.step(cached_model)", TypeError,
      "optimizer must be a torch.optim.Optimizer"),
+    ("a second optimizer's step over gradients another step took",
+     "cache.step(sgd); cache.step(torch.optim.SGD(cached_model.parameters(), lr=0.1))",
+     RuntimeError, "another optimizer's step already stepped in this step and freed"),
     ("LBFGS in the fused step", "cache.step(torch.optim.LBFGS(cached_model.parameters()))",
      TypeError, "cannot step LBFGS"),
     ("clip norm NaN", "cache.step(sgd, max_grad_norm=math.nan)", ValueError,
@@ -152,6 +155,10 @@ CASES = [
      "cache.clip_grads_with_norm_(cached_model.parameters(), 1.0, "
      "cache.gradient_norm(cached_model.parameters())); cache.step(sgd, max_grad_norm=1.0)",
      ValueError, "clip once, with one or the other"),
+    ("a reader of every gradient with the state on the host",
+     "m = model(); c = create_gradient_cache(m, offload_optimizer_state=True); "
+     "m(torch.randn(2, 4)).sum().backward(); torch.nn.utils.clip_grad_value_(m.parameters(), 1)",
+     RuntimeError, "Clip with hook_manager.step(optimizer, max_grad_norm=...)"),
     # --- order of calls and lifetime
     ("a closed manager", "closed.apply_gradients()", RuntimeError,
      "was closed by remove_hooks()"),

@@ -12,9 +12,10 @@ While a `StepRouting` is in place (the decorator's function call, a Lightning fi
   answered from the cache (`GradientCacheHookManager.gradient_norm` and
   ``clip_grads_with_norm_``): nothing is restored, and the clip is applied bucket by bucket
   as the fused step restores.
-* What reads every gradient at once (``clip_grad_value_``, ``GradScaler.unscale_``, an
-  LBFGS step) restores every gradient first (`gradient_readers`), and the step that
-  follows is plain PyTorch's.
+* What reads every gradient at once (``clip_grad_value_``, an enabled
+  ``GradScaler.unscale_``, an LBFGS step) restores every gradient first
+  (`gradient_cache.gradient_readers`; this routing takes precedence over the attached
+  managers' while it is in place), and the step that follows is plain PyTorch's.
 
 With ``fused_step=False`` every step and every reader restores first, as before the fused
 step existed: for optimizers whose update of a parameter reads other parameters' gradients.
@@ -32,13 +33,13 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ..manager import GradientCacheHookManager
-from .gradient_readers import CacheReads, route_gradient_reads
+from ..gradient_readers import route_gradient_reads
+from ..manager import GradientCacheHookManager, ManagerReads
 
 Managers = Callable[[], Iterable[GradientCacheHookManager]]
 
 
-class StepRouting(CacheReads):
+class StepRouting:
     """Routes steps and gradient readers to the managers ``managers()`` returns (see the
     module's docstring); a context manager that puts its hooks in place and takes them away.
     """
@@ -46,6 +47,11 @@ class StepRouting(CacheReads):
     def __init__(self, managers: Managers, *, fused: bool) -> None:
         self._managers = managers
         self.fused = fused
+        self._reads = ManagerReads(
+            managers,
+            fix="Only clip_grad_norm_ over one model's parameters is answered from the cache: "
+            "drop this call (clip_grad_value_, GradScaler.unscale_), or the state offload.",
+        )
         # The device gradients a fused step stepped, hidden from the call's own step.
         self._hidden: dict[torch.optim.Optimizer, dict[torch.Tensor, torch.Tensor]] = {}
         self._stack = contextlib.ExitStack()
@@ -61,43 +67,17 @@ class StepRouting(CacheReads):
     def __exit__(self, *exc_info: object) -> None:
         self._stack.close()
 
-    # --- readers (`CacheReads`) ---------------------------------------------------
+    # --- readers (`gradient_readers.CacheReads`) ------------------------------------
 
-    def restore(self, reader: str) -> None:
-        """Every cached gradient back in ``param.grad``, before ``reader`` reads them."""
-        for manager in self._managers():
-            engine = manager.engine
-            if engine is not None and engine.optimizer_state is not None and engine.step_pending:
-                raise RuntimeError(
-                    f"{reader} needs every gradient on the device at once here, which with "
-                    "offload_optimizer_state=True would need the whole optimizer state there "
-                    "too at the step. Only clip_grad_norm_ over one model's parameters is "
-                    "answered from the cache: drop this call (clip_grad_value_, "
-                    "GradScaler.unscale_), or the state offload."
-                )
-            manager._restore_all()
+    def restore(self, reader: str, parameters: list[torch.Tensor] | None) -> None:
+        """The cached gradients of ``parameters`` back in ``param.grad``, before ``reader``
+        reads them."""
+        self._reads.restore(reader, parameters)
 
     def cache_for(self, parameters: list[torch.Tensor]) -> GradientCacheHookManager | None:
-        """The one manager caching gradients of ``parameters``, which answers a norm or clip
-        over them without restoring; None where that is not so (no fused step, no manager
-        or several, a GradScaler given to the cache)."""
-        if not self.fused:
-            return None
-        holders = []
-        for manager in self._managers():
-            manager.compress_and_free_gradients()
-            engine = manager.engine
-            assert engine is not None  # the integrations detach a manager before closing it
-            # The parameters it caches, not the gradients it holds now: the same on every
-            # rank (under FSDP2 a rank may hold no part of a gradient while the others do,
-            # and all must take the same path: the norm is all-reduced).
-            if any(param in engine.records for param in parameters):
-                holders.append(manager)
-        if len(holders) != 1:
-            return None
-        (holder,) = holders
-        scaler = holder.engine.grad_scaler if holder.engine is not None else None
-        return None if scaler is not None and scaler.is_enabled() else holder
+        """The one manager answering a norm or clip over ``parameters`` from the cache
+        (`ManagerReads.cache_for`); None without the fused step."""
+        return self._reads.cache_for(parameters) if self.fused else None
 
     # --- the optimizer hooks ------------------------------------------------------
 
