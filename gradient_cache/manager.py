@@ -393,7 +393,8 @@ class GradientCacheHookManager:
 
         Holds error-feedback residuals, the step counter (warm-up), the engine's random
         generators and any gradients cached but not yet restored (mid-accumulation, say),
-        keyed by parameter name, as CPU tensors: ``torch.save`` writes it and
+        with those a ``memory_budget`` kept on the device for the pending step, keyed by
+        parameter name, as CPU tensors: ``torch.save`` writes it and
         ``torch.load(..., weights_only=True)`` reads it. Drains first, like
         ``compress_and_free_gradients()``. Loading it into a manager built the same way
         (``load_state_dict``) continues bit for bit as the uninterrupted run would. Under

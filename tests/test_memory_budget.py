@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_same_parameters, batches, loss_of, make_model
+from helpers import assert_same_parameters, batches, loss_of, make_model, save_and_load
 
 import gradient_cache
 from gradient_cache.budget import MemoryBudget, MemoryBudgetError
@@ -187,3 +187,60 @@ def test_a_budget_covers_one_model_per_decorated_function() -> None:
 
     with pytest.raises(ValueError, match="covers one model per decorated function"):
         two_models()
+
+
+def budgeted(memory: FakeMemory, room: int, **options):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(
+        model,
+        compression_ratio=1,
+        memory_budget=f"{memory.peak + room}B",
+        device_memory=memory,
+        **(OPTIONS | options),
+    )
+    return model, optimizer, manager
+
+
+def test_a_checkpoint_mid_accumulation_carries_the_gradients_the_budget_kept() -> None:
+    """Saved between two micro-batches of the third step (the budget kept some gradients
+    on the device since the second): the resumed run, in a fresh model, optimizer and
+    manager, ends bit for bit as plain PyTorch's uninterrupted one."""
+    steps = 4
+    plain = make_model()
+    train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), steps=steps)
+    room = gradient_bytes() * 3 // 2
+    model, optimizer, manager = budgeted(FakeMemory(peak=100 * MIB), room)
+    data = batches(steps)
+    train(model, optimizer, manager, steps=2)
+    assert kept(manager, "gradient")  # decided at the second step: some gradients kept
+    tokens, targets = data[2]
+    (loss_of(model, tokens[:2], targets[:2]) / 2).backward()
+    saved = save_and_load(model, manager, optimizer)
+    manager.remove_hooks()
+
+    model, optimizer, manager = budgeted(FakeMemory(peak=100 * MIB), room)
+    model.load_state_dict(saved["model"])
+    manager.offload_state_of(optimizer)
+    optimizer.load_state_dict(saved["optimizer"])
+    manager.load_state_dict(saved["cache"])
+    (loss_of(model, tokens[2:], targets[2:]) / 2).backward()
+    manager.step(optimizer, max_grad_norm=0.05)
+    tokens, targets = data[3]
+    for half in (slice(0, 2), slice(2, 4)):
+        (loss_of(model, tokens[half], targets[half]) / 2).backward()
+    manager.step(optimizer, max_grad_norm=0.05)
+    assert_same_parameters(plain, model)
+    assert saved["cache"]["kept_gradients"]  # they came through the checkpoint
+
+
+def test_a_checkpoint_after_a_restore_carries_no_kept_gradient() -> None:
+    """apply_gradients() then optimizer.step(), saved before zero_grad(): the kept
+    gradients left in `.grad` are the user's, stepped, as the restored ones are."""
+    memory = FakeMemory(peak=100 * MIB)
+    model, optimizer, manager = budgeted(memory, 10 * gradient_bytes(), offload_optimizer_state=False)
+    for tokens, targets in batches(3):
+        loss_of(model, tokens, targets).backward()
+        manager.step(optimizer) if manager.engine.steps < 2 else manager.apply_gradients()
+    assert all(p.grad is not None for p in model.parameters())
+    assert manager.state_dict()["kept_gradients"] == {}

@@ -169,9 +169,12 @@ def _skip(
 
 def _free_kept(pipeline: Pipeline, held: dict[torch.nn.Parameter, torch.Tensor]) -> None:
     """The device gradients a memory budget keeps, freed as cached ones are after their
-    step: a loop written for the fused step (no zero_grad) must not add them into the next."""
-    for param in held.keys() & pipeline.kept_on_device:
+    step: a loop written for the fused step (no zero_grad) must not add them into the next;
+    and no checkpoint carries them as part of a pending step any more."""
+    kept = held.keys() & pipeline.kept_on_device
+    for param in kept:
         param.grad = None
+    pipeline.kept_stepped(kept)
 
 
 def _step_with(

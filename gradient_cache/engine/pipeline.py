@@ -244,8 +244,11 @@ class Pipeline:
         self.store = GradientStore()
         self.assembler = BucketAssembler(config.bucket_size_bytes)
         self.enabled = True  # `set_enabled`
-        # Gradients a memory budget keeps on the device (`keep_on_device`).
+        # Gradients a memory budget keeps on the device (`keep_on_device`), and those of
+        # them whose ``.grad`` holds a part of a step not yet restored (`kept_stepped`
+        # ends it): a checkpoint carries these, as it carries the cached ones.
         self.kept_on_device: set[Param] = set()
+        self.kept_unstepped: set[Param] = set()
         # Error feedback keeps its residual unscaled by this GradScaler's current scale.
         self.grad_scaler = grad_scaler
         self.last_step = StepRecord()
@@ -297,8 +300,11 @@ class Pipeline:
         grad = param.grad
         if grad is None or grad.is_sparse:
             return  # sparse (nn.Embedding(sparse=True)) gradients stay where they are
-        if not self.enabled or param in self.kept_on_device:
+        if not self.enabled:
             return  # left on the device; what is cached joins it at the restore
+        if param in self.kept_on_device:
+            self.kept_unstepped.add(param)  # left on the device, part of the pending step
+            return
         if self.deferred_clip is not None:
             # A backward after a clip answered from the cache: plain PyTorch adds to the
             # clipped gradients, so they come back clipped first (a restore, once).
@@ -451,6 +457,7 @@ class Pipeline:
         if self.state is INTERRUPTED:
             self.retry()  # restored whole: the interrupted fused step's clip is not used
         self.deliver_and_restore(list(self.store))
+        self.kept_unstepped.clear()  # restored beside them: the user's, as plain leaves them
         self.finish_step()
 
     def restore(self, params: Iterable[Param]) -> None:
@@ -657,6 +664,20 @@ class Pipeline:
         self.backend.residuals.forget_replaced()
         self.steps = steps
         self._follow_plan()
+
+    def cache_gradients(self, grads: Sequence[tuple[Param, torch.Tensor]]) -> None:
+        """Cache ``grads`` (device tensors) as backward hands gradients over, bucket by
+        bucket: a checkpoint's gradients that a memory budget kept on the device, taken
+        before this manager's budget decided (until then everything is offloaded). After
+        `resume`; `drain` follows."""
+        for param, grad in grads:
+            items = self.assembler.add(param, grad)
+            if items is not None:
+                self._launch(items)
+
+    def kept_stepped(self, params: Iterable[Param]) -> None:
+        """The kept gradients of ``params`` were stepped (and freed): no longer pending."""
+        self.kept_unstepped.difference_update(params)
 
     def keep_on_device(self, params: Iterable[Param]) -> None:
         """Later backward passes leave ``params``' gradients on the device (a memory
