@@ -12,8 +12,10 @@ state and lossless gradients free a byte per two link bytes, and of those the gr
 leave first (a gradient is on the device only from backward to the step, the state always).
 
 The bound is conservative: each kept tensor is counted at full size at every moment of
-the step, on top of the measured peak. On a device without memory statistics (a CPU) the
-budget is accepted and there is nothing to budget: everything stays offloaded.
+the step, on top of the measured peak, and a kept gradient whose state is offloaded counts
+that state too (the fused step brings it to the device for the gradient's step). On a
+device without memory statistics (a CPU) the budget is accepted and there is nothing to
+budget: everything stays offloaded.
 """
 
 from __future__ import annotations
@@ -189,11 +191,20 @@ def decide(
     def value(c: Candidate) -> tuple[float, bool]:
         return c.device_bytes / max(c.link_bytes, 1), c.kind == "gradient"
 
-    kept, offloaded = [], []
+    # A kept gradient steps on the device with its parameter's state, which comes to the
+    # device for that step where it is offloaded: its cost counts that state too. (Every
+    # state candidate is decided before any gradient: see `value`.)
+    state_bytes = {c.name: c.device_bytes for c in candidates if c.kind == "optimizer state"}
+    kept, offloaded, kept_states = [], [], set()
     for candidate in sorted(candidates, key=value):
-        if candidate.device_bytes <= room:
+        cost = candidate.device_bytes
+        if candidate.kind == "gradient" and candidate.name not in kept_states:
+            cost += state_bytes.get(candidate.name, 0)
+        if cost <= room:
             kept.append(candidate)
-            room -= candidate.device_bytes
+            room -= cost
+            if candidate.kind != "gradient":
+                kept_states.add(candidate.name)
         else:
             offloaded.append(candidate)
     return BudgetDecision(budget_bytes, measured_peak, tuple(kept), tuple(offloaded))

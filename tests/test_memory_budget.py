@@ -7,10 +7,18 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_same_parameters, batches, loss_of, make_model, save_and_load
+from helpers import (
+    FailsOnce,
+    assert_same_parameters,
+    batches,
+    loss_of,
+    make_model,
+    save_and_load,
+)
 
 import gradient_cache
 from gradient_cache.budget import MemoryBudget, MemoryBudgetError
+from gradient_cache.demo.accounting import device_memory_meter
 
 MIB = 2**20
 OPTIONS = dict(bucket_size_mb=0.004, offload_optimizer_state=True)
@@ -238,9 +246,106 @@ def test_a_checkpoint_after_a_restore_carries_no_kept_gradient() -> None:
     """apply_gradients() then optimizer.step(), saved before zero_grad(): the kept
     gradients left in `.grad` are the user's, stepped, as the restored ones are."""
     memory = FakeMemory(peak=100 * MIB)
-    model, optimizer, manager = budgeted(memory, 10 * gradient_bytes(), offload_optimizer_state=False)
+    model, optimizer, manager = budgeted(
+        memory, 10 * gradient_bytes(), offload_optimizer_state=False
+    )
     for tokens, targets in batches(3):
         loss_of(model, tokens, targets).backward()
         manager.step(optimizer) if manager.engine.steps < 2 else manager.apply_gradients()
     assert all(p.grad is not None for p in model.parameters())
     assert manager.state_dict()["kept_gradients"] == {}
+
+
+def kept_everything(**options):
+    """A budgeted SGD run past its decision (every gradient and state kept on the device),
+    then one more backward of two micro-batches: the next step's gradients all in `.grad`."""
+    memory = FakeMemory(peak=100 * MIB)
+    model, optimizer, manager = budgeted(memory, 10 * gradient_bytes(), **options)
+    train(model, optimizer, manager, steps=2)
+    for tokens, targets in batches(3)[2:]:
+        for half in (slice(0, 2), slice(2, 4)):
+            (loss_of(model, tokens[half], targets[half]) / 2).backward()
+    assert kept(manager, "gradient") == len(list(model.parameters()))
+    return model, optimizer, manager
+
+
+def test_a_clipped_step_scales_the_kept_gradients_in_place() -> None:
+    """The kept gradients are clipped in place, as clip_grads_with_norm_ clips: the step
+    holds one copy of them, where a copy clipped out of place held two (CPU accounting)."""
+    model, optimizer, manager = kept_everything()
+    meter = device_memory_meter(model, optimizer=optimizer, cache=manager)
+    with meter:
+        before = meter.reading()
+        with meter.phase("step"):
+            manager.step(optimizer, max_grad_norm=0.05)
+    extra = meter.peaks["step"].peak.device_bytes - before.device_bytes
+    assert extra < gradient_bytes() // 2  # a second copy would add gradient_bytes()
+
+
+@pytest.mark.parametrize("nth", [1, 2], ids=["first chunk", "second chunk"])
+def test_a_failed_step_of_the_kept_gradients_retried_gives_plain_bits(nth: int) -> None:
+    """The kept gradients step a bucket at a time; a step that raises in the ``nth`` of
+    them is retried: none is clipped twice (they were clipped in place) nor stepped twice."""
+    plain = make_model()
+    train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), steps=3)
+    model, optimizer, manager = kept_everything()
+    failure = FailsOnce(optimizer)
+    failure.arm(nth)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer, max_grad_norm=0.05)
+    manager.step(optimizer, max_grad_norm=0.05)
+    assert_same_parameters(plain, model)
+
+
+class StateWatch(torch.optim.SGD):
+    """SGD that notes, at each step, which parameters' momentum is on the device (not the
+    cache's host copy) and which have a gradient."""
+
+    def __init__(self, params, manager_of) -> None:
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.manager_of = manager_of
+        self.seen: list[tuple[set, set]] = []
+
+    def step(self, closure=None):
+        host = self.manager_of().engine.optimizer_state.host
+        on_device = {
+            p
+            for p, state in self.state.items()
+            if "momentum_buffer" in state
+            and host.get(p, {}).get("momentum_buffer") is not state["momentum_buffer"]
+        }
+        self.seen.append((on_device, {p for p in self.state if p.grad is not None}))
+        return super().step(closure)
+
+
+def test_device_gradients_step_with_their_offloaded_state_a_bucket_at_a_time() -> None:
+    """Gradients that stay on the device (excluded layers, kept by a budget) step a
+    bucket's worth at a time, each with only its own state brought to the device."""
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, exclude_layers=["mlp", "norm"], **OPTIONS
+    )
+    optimizer = StateWatch(model.parameters(), lambda: manager)
+    train(model, optimizer, manager, steps=1)
+    optimizer.seen.clear()
+    train(model, optimizer, manager, steps=1)  # the state exists: it is brought
+    excluded = {p for n, p in model.named_parameters() if "mlp" in n or "norm" in n}
+    for on_device, with_grad in optimizer.seen:
+        assert on_device <= with_grad  # no state on the device but the step's own
+    assert sum(bool(with_grad & excluded) for _, with_grad in optimizer.seen) > 1
+
+
+def test_a_kept_gradient_counts_the_offloaded_state_its_step_brings() -> None:
+    """A gradient kept on the device while its state is offloaded brings that state to
+    the device at its step: the decision counts both."""
+    from gradient_cache.budget import Candidate, decide
+
+    gradient = Candidate("w", "gradient", device_bytes=100, link_bytes=200)
+    state = Candidate("w", "optimizer state", device_bytes=200, link_bytes=400)
+    other = Candidate("v", "optimizer state", device_bytes=250, link_bytes=500)
+    decision = decide([other, gradient, state], measured_peak=0, budget_bytes=350, budget="b")
+    # v's state fits (250); w's state does not (200 > 100 left); w's gradient alone would
+    # (100), but its step would bring w's state too (300).
+    assert decision.kept == (other,)
+    decision = decide([gradient, state], measured_peak=0, budget_bytes=300, budget="b")
+    assert set(decision.kept) == {gradient, state}

@@ -713,6 +713,48 @@ MUTANTS = [
         "    return out.dtype == torch.float32 and out.is_contiguous()",
         "tests/test_codecs.py::test_a_bf16_gradients_payload_decodes_to_its_bf16_values_whatever_the_output",
     ),
+    (
+        "memory_budget: a checkpoint carries only the pending step's kept gradients",
+        "gradient_cache/engine/checkpoint.py",
+        "            if p in pipeline.kept_unstepped and p.grad is not None",
+        "            if p in pipeline.kept_on_device and p.grad is not None",
+        "tests/test_memory_budget.py::test_a_checkpoint_after_a_restore_carries_no_kept_gradient",
+    ),
+    (
+        "memory_budget: a checkpoint's kept gradients are cached on load",
+        "gradient_cache/engine/checkpoint.py",
+        "    pipeline.cache_gradients([(by_name[name], to_device(grad)) for name, grad in kept.items()])\n",
+        "",
+        "tests/test_memory_budget.py::test_a_checkpoint_mid_accumulation_carries_the_gradients_the_budget_kept",
+    ),
+    (
+        "fused step: device gradients scaled in place are marked (a retry does not scale twice)",
+        "gradient_cache/engine/fused_step.py",
+        "            progress.scaled.add(param)\n",
+        "",
+        "tests/test_memory_budget.py::test_a_failed_step_of_the_kept_gradients_retried_gives_plain_bits",
+    ),
+    (
+        "fused step: device gradients already stepped are not stepped again by the retry",
+        "gradient_cache/engine/fused_step.py",
+        "                progress.stepped.update(chunk)\n",
+        "",
+        "tests/test_memory_budget.py::test_a_failed_step_of_the_kept_gradients_retried_gives_plain_bits",
+    ),
+    (
+        "fused step: device gradients step a bucket at a time with their own state",
+        "gradient_cache/engine/fused_step.py",
+        "                [p for p in held if p not in progress.stepped],\n                pipeline.config.bucket_size_bytes,",
+        "                [p for p in held if p not in progress.stepped],\n                2**62,",
+        "tests/test_memory_budget.py::test_device_gradients_step_with_their_offloaded_state_a_bucket_at_a_time",
+    ),
+    (
+        "memory_budget: a kept gradient counts its offloaded state",
+        "gradient_cache/budget.py",
+        "            cost += state_bytes.get(candidate.name, 0)\n",
+        "            pass\n",
+        "tests/test_memory_budget.py::test_a_kept_gradient_counts_the_offloaded_state_its_step_brings",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

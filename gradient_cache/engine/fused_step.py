@@ -17,10 +17,10 @@ from typing import TypeVar
 import torch
 
 from . import scaling, sharding
-from .backend import Restore, clipped
+from .backend import Restore
 from .norms import gradient_norm
 from .optimizer_state import Arrival
-from .pipeline import Pipeline
+from .pipeline import HeldProgress, Pipeline
 from .store import BucketPayloads
 
 
@@ -48,7 +48,7 @@ def step(
     # A clip_grad_norm_ answered from the cache (the integrations): its factor applies to
     # the cached gradients as they are restored; the device ones it clipped in place.
     deferred = pipeline.deferred_clip
-    clip = pipeline.retry() if pipeline.interrupted else None
+    clip, progress = pipeline.retry() if pipeline.interrupted else (None, HeldProgress())
     if clip is None and deferred is not None:
         if max_grad_norm is not None:
             raise ValueError(
@@ -109,13 +109,22 @@ def step(
             if states is not None:
                 states.send_back(optimizer, arrivals.popleft())
         if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
-            _put_back_scaled(held, held_factor)
-            if states is not None:
-                arrivals.append(states.bring(optimizer, list(held)))
-                states.install(optimizer, arrivals[0])
-            step_once()
-            if states is not None:
-                states.send_back(optimizer, arrivals.popleft())
+            _scale_in_place(held, held_factor, progress)
+            chunks = _chunks(
+                [p for p in held if p not in progress.stepped],
+                pipeline.config.bucket_size_bytes,
+            )
+            for chunk in chunks:
+                # A bucket's worth at a time: its state (offloaded) is on the device only
+                # for its own step, as a cached bucket's is.
+                if states is not None:
+                    arrivals.append(states.bring(optimizer, chunk))
+                    states.install(optimizer, arrivals[0])
+                _step_with(step_once, [(param, held[param]) for param in chunk])
+                progress.stepped.update(chunk)
+                if states is not None:
+                    states.send_back(optimizer, arrivals.popleft())
+            _put_back(held)
             _free_kept(pipeline, held)
     except BaseException:
         for restore in ahead:
@@ -123,9 +132,8 @@ def step(
         if states is not None:
             states.abandon(optimizer, arrivals)
             states.settle()
-        for param, grad in held.items():
-            param.grad = grad
-        pipeline.interrupt(clip)
+        _put_back(held)  # as the retry finds them: `progress` says what was done to them
+        pipeline.interrupt(clip, progress)
         raise
     if states is not None:
         states.settle()
@@ -136,12 +144,43 @@ def step(
     return total_norm
 
 
-def _put_back_scaled(
-    held: dict[torch.nn.Parameter, torch.Tensor], factor: torch.Tensor | None
+def _scale_in_place(
+    held: dict[torch.nn.Parameter, torch.Tensor],
+    factor: torch.Tensor | None,
+    progress: HeldProgress,
 ) -> None:
-    """The device gradients back in ``param.grad``, times ``factor`` (unscale and clip)."""
+    """The device gradients times ``factor`` (unscale and clip), in place, as
+    ``scaler.unscale_`` and ``clip_grads_with_norm_`` multiply them: no second copy lives
+    through the step. Each is marked in ``progress`` as it is scaled, so that a retry
+    after a failed step does not scale it twice."""
+    if factor is None:
+        return
     for param, grad in held.items():
-        param.grad = sharding.as_grad_of(param, clipped(sharding.local(grad), factor))
+        if param not in progress.scaled:
+            local = sharding.local(grad)
+            local.mul_(factor.to(local.device))
+            progress.scaled.add(param)
+
+
+def _put_back(held: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+    """The device gradients back in ``param.grad``."""
+    for param, grad in held.items():
+        param.grad = grad
+
+
+def _chunks(params: list[torch.nn.Parameter], size_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """``params`` in order, cut into runs of about ``size_bytes`` of gradient each (a
+    bucket's size; a larger gradient alone)."""
+    chunks: list[list[torch.nn.Parameter]] = []
+    filled = size_bytes
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if filled + nbytes > size_bytes and filled:
+            chunks.append([])
+            filled = 0
+        chunks[-1].append(param)
+        filled += nbytes
+    return chunks
 
 
 def _skip(
@@ -161,7 +200,8 @@ def _skip(
     pipeline.deliver([p for p in delivered if p in pipeline.store])
     for part in parts:
         pipeline.store.remove([param for param, _ in part])
-    _put_back_scaled(held, factor)
+    _scale_in_place(held, factor, HeldProgress())
+    _put_back(held)
     _free_kept(pipeline, held)
     scaling.record(scaler, optimizer, found_inf=True)
     pipeline.finish_step()

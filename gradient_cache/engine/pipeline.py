@@ -130,6 +130,16 @@ Clip = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass
+class HeldProgress:
+    """A fused step's progress on its device gradients (`fused_step`), kept for the retry
+    when it raises: those already multiplied in place by the step's factor (unscale and
+    clip: not twice), and those already stepped (not twice either)."""
+
+    scaled: set[torch.nn.Parameter] = field(default_factory=set)
+    stepped: set[torch.nn.Parameter] = field(default_factory=set)
+
+
+@dataclass
 class PendingStep:
     """The pending step: from its first gradient until all it cached is restored or dropped."""
 
@@ -144,6 +154,7 @@ class PendingStep:
     norms: StepNorms | None = None
     counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
     clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
+    held: HeldProgress | None = None  # INTERRUPTED: and how far it got with device gradients
     # A clip_grad_norm_ answered from the cache (`defer_clip`): the factor every gradient
     # of the step still cached is multiplied by as it is restored, as plain PyTorch
     # multiplied it in place at the clip. None: no such clip.
@@ -455,6 +466,14 @@ class Pipeline:
         """
         self.drain()
         if self.state is INTERRUPTED:
+            held = self.pending.held if self.pending is not None else None
+            if held is not None and (held.scaled or held.stepped):
+                raise RuntimeError(
+                    "apply_gradients() after a fused step(optimizer) that raised once it had "
+                    "scaled or stepped device gradients in place: restoring the rest whole "
+                    "would clip or step those twice. Call step(optimizer) again to finish "
+                    "that step."
+                )
             self.retry()  # restored whole: the interrupted fused step's clip is not used
         self.deliver_and_restore(list(self.store))
         self.kept_unstepped.clear()  # restored beside them: the user's, as plain leaves them
@@ -504,21 +523,25 @@ class Pipeline:
             self.pending.counted = True
         self.backend.residuals.promote(params, keep_replaced=self.unsettled is not None)
 
-    def interrupt(self, clip: Clip) -> None:
-        """A fused step raised: keep its clip for the retry (`retry`)."""
+    def interrupt(self, clip: Clip, held: HeldProgress) -> None:
+        """A fused step raised: keep its clip and its progress on the device gradients
+        for the retry (`retry`)."""
         self._enter("interrupt", INTERRUPTED)
         if self.pending is None:  # it had only gradients that never left the device
             self.pending = PendingStep(random_state=None)
         self.pending.clip = clip
+        self.pending.held = held
 
-    def retry(self) -> Clip:
-        """Take up an interrupted fused step again: the clip its first attempt computed."""
+    def retry(self) -> tuple[Clip, HeldProgress]:
+        """Take up an interrupted fused step again: the clip its first attempt computed,
+        and how far it got with the device gradients."""
         assert self.pending is not None and self.pending.clip is not None
         clip, self.pending.clip = self.pending.clip, None
+        held, self.pending.held = self.pending.held or HeldProgress(), None
         self._enter("retry", self._after_restores())
         if self.state is IDLE:
             self.pending = None
-        return clip
+        return clip, held
 
     @property
     def interrupted(self) -> bool:
