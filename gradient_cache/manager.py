@@ -159,7 +159,10 @@ class GradientCacheHookManager:
             device = self._pipeline.backend.device
             memory = device_memory if device_memory is not None else device_memory_of(device)
             self._budget = BudgetWatch(
-                MemoryBudget.parse(config.memory_budget), memory, device.type
+                MemoryBudget.parse(config.memory_budget),
+                memory,
+                device.type,
+                warmup_steps=config.warmup_steps,
             )
         # The forward check stays on the module called (outside a compiled graph), under
         # the names it gives.
@@ -527,14 +530,17 @@ class GradientCacheHookManager:
         return self._pipeline
 
     def _before_restore(self) -> None:
-        """A memory budget decides before the second step's restore: its measurement then
-        holds a whole step, the optimizer's (which creates the state) included."""
+        """A memory budget decides before the restore of the step after the first one past
+        the warm-up: its measurement then holds whole steps, the optimizer's (which
+        creates the state) included."""
         if self._budget is not None:
             self._budget.before_restore(self._live())
 
     def _after_restore(self, steps_before: int) -> None:
-        """After a restore that completed a step (a restore may find nothing): the verbose
-        log line."""
+        """After a restore (a restore may find nothing): a memory budget's sample, and,
+        where it completed a step, the verbose log line."""
+        if self._budget is not None:
+            self._budget.sample()
         steps = self._live().steps
         if self.verbose and steps > steps_before and steps % self.config.checkpoint_frequency == 0:
             summary = self.summary()

@@ -17,7 +17,7 @@ from helpers import (
 )
 
 import gradient_cache
-from gradient_cache.budget import MemoryBudget, MemoryBudgetError
+from gradient_cache.budget import CudaMemory, MemoryBudget, MemoryBudgetError
 from gradient_cache.demo.accounting import device_memory_meter
 
 MIB = 2**20
@@ -26,10 +26,13 @@ OPTIONS = dict(bucket_size_mb=0.004, offload_optimizer_state=True)
 
 @dataclass
 class FakeMemory:
-    """The device's statistics as a test sets them: the first step's peak, the total."""
+    """The device's statistics as a test sets them: the allocator's reserved peak, the
+    bytes outside the allocator, the total and a per-process fraction."""
 
     peak: int
     total: int = 80 * 2**30
+    outside: int = 0
+    fraction: float = 1.0
     resets: int = 0
 
     def reset_peak(self) -> None:
@@ -38,8 +41,14 @@ class FakeMemory:
     def peak_bytes(self) -> int:
         return self.peak
 
+    def outside_bytes(self) -> int:
+        return self.outside
+
     def total_bytes(self) -> int:
         return self.total
+
+    def process_fraction(self) -> float:
+        return self.fraction
 
 
 def gradient_bytes() -> int:
@@ -165,8 +174,8 @@ def test_nonsense_budgets_are_refused_naming_the_option(value) -> None:
 
 
 def test_the_measurement_holds_the_first_optimizer_step_on_every_path() -> None:
-    """apply_gradients() restores before the optimizer creates its state: the budget reads
-    the peak only at the second step's restore, once the first step's state exists."""
+    """apply_gradients() restores before the optimizer creates its state: the budget decides
+    only at the second step's restore, once the first step's state exists."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     states_when_read = []
@@ -184,7 +193,9 @@ def test_the_measurement_holds_the_first_optimizer_step_on_every_path() -> None:
         manager.apply_gradients()
         optimizer.step()
         optimizer.zero_grad()
-    assert states_when_read == [len(list(model.parameters()))]
+    # Sampled at each restore and its end; the decision's last sample, at the second
+    # step's restore, holds the first optimizer step's state. None after the decision.
+    assert states_when_read == [0, 0, len(list(model.parameters()))]
 
 
 def test_a_budget_covers_one_model_per_decorated_function() -> None:
@@ -349,3 +360,70 @@ def test_a_kept_gradient_counts_the_offloaded_state_its_step_brings() -> None:
     assert decision.kept == (other,)
     decision = decide([gradient, state], measured_peak=0, budget_bytes=300, budget="b")
     assert set(decision.kept) == {gradient, state}
+
+
+def decided(memory: FakeMemory, budget: str, *, steps: int = 3, **options):
+    """A budgeted run of ``steps`` steps; its manager's budget watch."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(
+        model, memory_budget=budget, device_memory=memory, **(OPTIONS | options)
+    )
+    train(model, optimizer, manager, steps)
+    return manager._budget
+
+
+def test_the_measure_counts_the_allocators_reserve_and_what_lies_outside_it() -> None:
+    """The reserved peak (cache and fragmentation) plus the bytes outside the allocator
+    (CUDA context, NCCL): a budget between the reserved peak and their sum is passed."""
+    watch = decided(FakeMemory(peak=100 * MIB, outside=20 * MIB), "1TiB")
+    assert watch.decision.measured_peak == 120 * MIB
+    with pytest.raises(MemoryBudgetError, match=r"peaked at 120\.0 MiB"):
+        decided(FakeMemory(peak=100 * MIB, outside=20 * MIB), "110MiB")
+
+
+def test_a_per_process_fraction_lowers_the_budget() -> None:
+    """set_per_process_memory_fraction(0.5): "80%" is 80% of half the device, and an
+    amount is cut to that half."""
+    total = 1000 * MIB
+    watch = decided(FakeMemory(peak=100 * MIB, total=total, fraction=0.5), "80%")
+    assert watch.decision.budget_bytes == int(total * 0.5 * 0.8)
+    watch = decided(FakeMemory(peak=100 * MIB, total=total, fraction=0.5), "900MiB")
+    assert watch.decision.budget_bytes == total // 2
+
+
+def test_an_outside_reset_between_samples_does_not_lower_the_measure() -> None:
+    """The first step peaks at 100 MiB; then a logger resets the peak statistics, and the
+    second step peaks at 10 MiB: the decision, at the third, counts 100."""
+    memory = FakeMemory(peak=100 * MIB)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(
+        model, memory_budget="1TiB", device_memory=memory, **OPTIONS
+    )
+    train(model, optimizer, manager, steps=1)
+    memory.peak = 10 * MIB  # torch.cuda.reset_peak_memory_stats() from outside
+    train(model, optimizer, manager, steps=2)
+    assert manager._budget.decision.measured_peak == 100 * MIB
+
+
+def test_the_cuda_reader_takes_the_reserve_the_outside_bytes_and_the_cap(monkeypatch) -> None:
+    """`CudaMemory` reads the allocator's reserved peak, the driver's used bytes beyond
+    what the allocator reserved, and the per-process fraction (stand-ins for torch.cuda)."""
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda device: 300)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device: 250)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda device: (600, 1000))  # free, total
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda device: 0.5)
+    memory = CudaMemory(torch.device("cuda", 0))
+    assert memory.peak_bytes() == 300
+    assert memory.outside_bytes() == 1000 - 600 - 250  # the context, NCCL, others
+    assert memory.process_fraction() == 0.5
+
+
+def test_the_decision_waits_for_the_first_step_after_the_warm_up() -> None:
+    """warmup_steps=2 (lossless steps): the steps measured run through the third, the
+    first with the steady codecs; the decision comes at the fourth's restore."""
+    memory = FakeMemory(peak=MIB)
+    assert decided(memory, "1TiB", steps=3, warmup_steps=2).decision is None
+    assert decided(memory, "1TiB", steps=4, warmup_steps=2).decision is not None

@@ -755,6 +755,41 @@ MUTANTS = [
         "            pass\n",
         "tests/test_memory_budget.py::test_a_kept_gradient_counts_the_offloaded_state_its_step_brings",
     ),
+    (
+        "budget: the cache's own running maximum of its samples",
+        "gradient_cache/budget.py",
+        "            self.peak = max(self.peak, self.memory.peak_bytes() + self.memory.outside_bytes())",
+        "            self.peak = self.memory.peak_bytes() + self.memory.outside_bytes()",
+        "tests/test_memory_budget.py::test_an_outside_reset_between_samples_does_not_lower_the_measure",
+    ),
+    (
+        "budget: the bytes outside the allocator are counted",
+        "gradient_cache/budget.py",
+        "            self.peak = max(self.peak, self.memory.peak_bytes() + self.memory.outside_bytes())",
+        "            self.peak = max(self.peak, self.memory.peak_bytes())",
+        "tests/test_memory_budget.py::test_the_measure_counts_the_allocators_reserve_and_what_lies_outside_it",
+    ),
+    (
+        "budget: a per-process fraction lowers the usable memory",
+        "gradient_cache/budget.py",
+        "        usable = int(self.memory.total_bytes() * self.memory.process_fraction())",
+        "        usable = self.memory.total_bytes()",
+        "tests/test_memory_budget.py::test_a_per_process_fraction_lowers_the_budget",
+    ),
+    (
+        "budget: the decision waits for the first step after the warm-up",
+        "gradient_cache/budget.py",
+        "        self.measured_steps = warmup_steps + 1",
+        "        self.measured_steps = 1",
+        "tests/test_memory_budget.py::test_the_decision_waits_for_the_first_step_after_the_warm_up",
+    ),
+    (
+        "budget: sampled at each step's end",
+        "gradient_cache/manager.py",
+        "        if self._budget is not None:\n            self._budget.sample()\n",
+        "",
+        "tests/test_memory_budget.py::test_the_measurement_holds_the_first_optimizer_step_on_every_path",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
