@@ -224,8 +224,14 @@ class GradientCacheHookManager:
         Equivalent to ``apply_gradients()`` then ``optimizer.step()`` for optimizers whose
         update of a parameter reads only that parameter's gradient and state (SGD, Adam,
         AdamW, ...): ``optimizer.step()`` is called once per bucket with only that
-        bucket's gradients set, then once for gradients that were never offloaded
-        (excluded layers). Step hooks therefore fire once per call. The restored
+        bucket's gradients set, then for gradients that were never offloaded (excluded
+        layers, those a ``memory_budget`` keeps) a bucket's worth at a time. The
+        optimizer's step hooks (``register_step_pre_hook``, ``register_step_post_hook``,
+        global ones too) fire once, as around a plain ``optimizer.step()``: the pre-hooks
+        before anything is restored, the post-hooks after every bucket stepped and, with
+        ``offload_optimizer_state=True``, after the state's copies back to the host are
+        complete, so a post-hook may read ``optimizer.state`` (an EMA, a logger). The
+        bucket steps run without them (an LR scheduler still sees the step). The restored
         gradients are freed afterwards (``param.grad`` is None, as after
         ``zero_grad()``); gradients of excluded layers are left as they were. Cached
         gradients of parameters ``optimizer`` does not own stay cached, for another
@@ -276,9 +282,12 @@ class GradientCacheHookManager:
         *,
         hooked: bool,
     ) -> torch.Tensor | None:
-        """The fused step; ``hooked=False`` steps each bucket without the optimizer's step
-        hooks (the integrations: they fire once, around the user's ``optimizer.step()``)."""
+        """The fused step, its buckets stepped without the optimizer's step hooks.
+        ``hooked=True`` (`step`) fires them once around the whole step, as around a plain
+        ``optimizer.step()``; ``hooked=False`` (the integrations) fires none here: they
+        fire once, around the user's own ``optimizer.step()``."""
         pipeline = self._live()
+        args, kwargs = _fire_pre_hooks(optimizer) if hooked else ((optimizer,), {})
         steps = pipeline.steps
         self._before_restore()
         total_norm = fused_step.step(
@@ -287,9 +296,15 @@ class GradientCacheHookManager:
             max_grad_norm=max_grad_norm,
             norm_type=norm_type,
             model_order=self._model_order,
-            step_call=None if hooked else _unhooked_step(optimizer),
+            step_call=_unhooked_step(optimizer, through_instance=hooked),
         )
         self._after_restore(steps)
+        if hooked:
+            if pipeline.optimizer_state is not None:
+                # The copies back of the state are complete before a post-hook reads
+                # optimizer.state on the host (an EMA, a logger).
+                pipeline.optimizer_state.settle()
+            _fire_post_hooks(optimizer, args, kwargs)
         return total_norm
 
     def gradient_norm(
@@ -602,14 +617,55 @@ def create_gradient_cache(
     )
 
 
-def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:
-    """``optimizer.step()`` with no step hook firing: the class's ``step`` as it was before
-    ``Optimizer.__init__`` wrapped it in ``profile_hook_step`` (marked ``hooked``), no
-    instance wrapper (an LR scheduler's), and, while it runs, the global and the optimizer's
-    hook tables emptied: a subclass's ``super().step()`` reaches its parent's hooked
-    wrapper, which would fire them (and the integrations' own pre-hook, again)."""
+def _step_hook_tables(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
+    """The pre- and post-hooks ``optimizer.step()`` fires, in the order torch fires them
+    (`Optimizer.profile_hook_step`): global pre-hooks first, global post-hooks last."""
+    pre = [*_global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()]
+    post = [*optimizer._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]
+    return pre, post
+
+
+def _fire_pre_hooks(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The step pre-hooks, once, as ``optimizer.step()`` fires them (with its arguments:
+    the optimizer, no closure); the arguments a hook may return go to the post-hooks."""
+    args: tuple[Any, ...] = (optimizer,)
+    kwargs: dict[str, Any] = {}
+    for hook in _step_hook_tables(optimizer)[0]:
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(
+                    f"A step pre-hook of {type(optimizer).__name__} must return None or a "
+                    f"tuple of (new_args, new_kwargs), but got {result!r}."
+                )
+            args, kwargs = result
+    return args, kwargs
+
+
+def _fire_post_hooks(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """The step post-hooks, once, after the whole fused step."""
+    for hook in _step_hook_tables(optimizer)[1]:
+        hook(optimizer, args, kwargs)
+
+
+def _unhooked_step(
+    optimizer: torch.optim.Optimizer, *, through_instance: bool = False
+) -> Callable[[], object]:
+    """``optimizer.step()`` with no step hook firing: while it runs, the global and the
+    optimizer's hook tables are emptied (a subclass's ``super().step()`` reaches its
+    parent's hooked wrapper, which would fire them, and the integrations' own pre-hook,
+    again). ``through_instance``: call ``optimizer.step`` itself, so that an instance
+    wrapper (an LR scheduler's, which notes that the optimizer stepped) runs, as it would
+    around a plain step; else the class's ``step`` as it was before ``Optimizer.__init__``
+    wrapped it in ``profile_hook_step`` (marked ``hooked``), no instance wrapper: the
+    integrations' user calls ``optimizer.step()`` itself."""
     step: Any = type(optimizer).step  # typed as overloads, which name no __wrapped__
-    original = step.__wrapped__ if getattr(step, "hooked", False) else step
+    unwrapped = step.__wrapped__ if getattr(step, "hooked", False) else step
+    original = (lambda _: optimizer.step()) if through_instance else unwrapped
     tables: list[dict[int, Any]] = [
         _global_optimizer_pre_hooks,
         _global_optimizer_post_hooks,

@@ -790,6 +790,20 @@ MUTANTS = [
         "",
         "tests/test_memory_budget.py::test_the_measurement_holds_the_first_optimizer_step_on_every_path",
     ),
+    (
+        "step hooks: fire once around hook_manager.step, not per bucket",
+        "gradient_cache/manager.py",
+        "            step_call=_unhooked_step(optimizer, through_instance=hooked),",
+        "            step_call=None if hooked else _unhooked_step(optimizer),",
+        "tests/test_optimizer_state.py::test_step_hooks_fire_once_around_the_fused_step_and_read_the_complete_state",
+    ),
+    (
+        "step hooks: the bucket steps go through the optimizer's own step (an LR scheduler's wrapper)",
+        "gradient_cache/manager.py",
+        "    original = (lambda _: optimizer.step()) if through_instance else unwrapped",
+        "    original = unwrapped",
+        "tests/test_optimizer_state.py::test_a_learning_rate_scheduler_sees_the_fused_step",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -37,8 +37,9 @@ def step(
 
     ``model_order``: each parameter's place in ``model.parameters()``, the order the norms
     are summed in. ``step_call``: what steps a bucket; ``optimizer.step`` by default (its
-    hooks fire once per bucket); the integrations pass the optimizer's step without its
-    hooks, which then fire once, around the user's own ``optimizer.step()``."""
+    hooks fire once per bucket); the manager passes the optimizer's step without its hooks
+    (`manager._unhooked_step`), which then fire once, around the whole fused step or the
+    user's own ``optimizer.step()`` (the integrations)."""
     step_once = optimizer.step if step_call is None else step_call
     pipeline.drain()
     states = pipeline.optimizer_state
