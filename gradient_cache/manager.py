@@ -228,10 +228,13 @@ class GradientCacheHookManager:
         layers, those a ``memory_budget`` keeps) a bucket's worth at a time. The
         optimizer's step hooks (``register_step_pre_hook``, ``register_step_post_hook``,
         global ones too) fire once, as around a plain ``optimizer.step()``: the pre-hooks
-        before anything is restored, the post-hooks after every bucket stepped and, with
+        before the first bucket steps (seeing no cached gradient in ``.grad``), the
+        post-hooks after every bucket stepped and, with
         ``offload_optimizer_state=True``, after the state's copies back to the host are
         complete, so a post-hook may read ``optimizer.state`` (an EMA, a logger). The
-        bucket steps run without them (an LR scheduler still sees the step). The restored
+        bucket steps run without them (an LR scheduler still sees the step). A step that
+        a GradScaler skips fires none, as ``scaler.step`` then calls no
+        ``optimizer.step()``. The restored
         gradients are freed afterwards (``param.grad`` is None, as after
         ``zero_grad()``); gradients of excluded layers are left as they were. Cached
         gradients of parameters ``optimizer`` does not own stay cached, for another
@@ -287,7 +290,9 @@ class GradientCacheHookManager:
         ``optimizer.step()``; ``hooked=False`` (the integrations) fires none here: they
         fire once, around the user's own ``optimizer.step()``."""
         pipeline = self._live()
-        args, kwargs = _fire_pre_hooks(optimizer) if hooked else ((optimizer,), {})
+        # The pre-hooks' (args, kwargs), once fired: not on a step a GradScaler skips, as
+        # scaler.step() then calls no optimizer.step().
+        fired: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         steps = pipeline.steps
         self._before_restore()
         total_norm = fused_step.step(
@@ -297,9 +302,11 @@ class GradientCacheHookManager:
             norm_type=norm_type,
             model_order=self._model_order,
             step_call=_unhooked_step(optimizer, through_instance=hooked),
+            before_steps=(lambda: fired.append(_fire_pre_hooks(optimizer))) if hooked else None,
         )
         self._after_restore(steps)
-        if hooked:
+        if fired:
+            args, kwargs = fired[0]
             if pipeline.optimizer_state is not None:
                 # The copies back of the state are complete before a post-hook reads
                 # optimizer.state on the host (an EMA, a logger).

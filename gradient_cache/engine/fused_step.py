@@ -32,6 +32,7 @@ def step(
     norm_type: float,
     model_order: Mapping[torch.nn.Parameter, int],
     step_call: Callable[[], object] | None = None,
+    before_steps: Callable[[], object] | None = None,
 ) -> torch.Tensor | None:
     """Restore and step bucket by bucket; see GradientCacheHookManager.step.
 
@@ -39,7 +40,10 @@ def step(
     are summed in. ``step_call``: what steps a bucket; ``optimizer.step`` by default (its
     hooks fire once per bucket); the manager passes the optimizer's step without its hooks
     (`manager._unhooked_step`), which then fire once, around the whole fused step or the
-    user's own ``optimizer.step()`` (the integrations)."""
+    user's own ``optimizer.step()`` (the integrations). ``before_steps``: called once the
+    step is known not to be skipped (a GradScaler's inf), before the first bucket steps:
+    the manager fires the pre-hooks there, as ``scaler.step`` calls ``optimizer.step()``
+    only when it steps."""
     step_once = optimizer.step if step_call is None else step_call
     pipeline.drain()
     states = pipeline.optimizer_state
@@ -79,6 +83,8 @@ def step(
         assert scaler is not None
         _skip(pipeline, scaler, optimizer, parts, held, delivered, held_factor)
         return total_norm
+    if before_steps is not None:
+        before_steps()
     # Parameters only from here: a payload is let go as soon as its bucket is stepped.
     buckets = [[param for param, _ in part] for part in parts]
     del parts
