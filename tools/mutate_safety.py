@@ -24,8 +24,8 @@ MUTANTS = [
     (
         "fused step: device gradients put back on failure",
         "gradient_cache/engine/fused_step.py",
-        "        for param, grad in held.items():\n            param.grad = grad\n        pipeline.interrupt(clip)",
-        "        pipeline.interrupt(clip)",
+        "        _put_back(held)  # as the retry finds them: `progress` says what was done to them\n        pipeline.interrupt(clip, progress)",
+        "        pipeline.interrupt(clip, progress)",
         "tests/test_stream_order.py::test_a_failed_fused_step_retried_gives_the_plain_result",
     ),
     (
@@ -34,8 +34,8 @@ MUTANTS = [
         # happens here (the state moves on) but its clip is dropped, so it is recomputed.
         "fused step: clip factor kept for the retry",
         "gradient_cache/engine/fused_step.py",
-        "    clip = pipeline.retry() if pipeline.interrupted else None\n",
-        "    if pipeline.interrupted:\n        pipeline.retry()\n    clip = None\n",
+        "    clip, progress = pipeline.retry() if pipeline.interrupted else (None, HeldProgress())\n",
+        "    progress = pipeline.retry()[1] if pipeline.interrupted else HeldProgress()\n    clip = None\n",
         "tests/test_training.py::test_a_failed_fused_step_retried_gives_the_plain_result",
     ),
     (
@@ -118,8 +118,8 @@ MUTANTS = [
     (
         "budget: a kept gradient is freed after the fused step, as a cached one",
         "gradient_cache/engine/fused_step.py",
-        "    for param in held.keys() & pipeline.kept_on_device:",
-        "    for param in ():",
+        "    kept = held.keys() & pipeline.kept_on_device\n",
+        "    kept: set[torch.nn.Parameter] = set()\n",
         "tests/test_memory_budget.py::test_a_decision_midway_trains_bit_for_bit_as_plain",
     ),
     (
