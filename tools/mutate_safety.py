@@ -804,6 +804,13 @@ MUTANTS = [
         "    original = unwrapped",
         "tests/test_optimizer_state.py::test_a_learning_rate_scheduler_sees_the_fused_step",
     ),
+    (
+        "step hooks: none on a step a GradScaler skips",
+        "gradient_cache/engine/fused_step.py",
+        "    if skip:\n        assert scaler is not None\n",
+        "    if skip:\n        assert scaler is not None\n        if before_steps is not None:\n            before_steps()\n",
+        "tests/test_scaler_skip.py::test_a_skipped_fused_step_fires_no_step_hook",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
