@@ -427,3 +427,15 @@ def test_the_decision_waits_for_the_first_step_after_the_warm_up() -> None:
     memory = FakeMemory(peak=MIB)
     assert decided(memory, "1TiB", steps=3, warmup_steps=2).decision is None
     assert decided(memory, "1TiB", steps=4, warmup_steps=2).decision is not None
+
+
+def test_apply_gradients_after_a_failed_step_that_clipped_kept_gradients_refuses() -> None:
+    """The failed step clipped the kept gradients in place and stepped some: restoring the
+    rest whole for optimizer.step() would clip or step those twice. The error names the fix."""
+    model, optimizer, manager = kept_everything(offload_optimizer_state=False)
+    failure = FailsOnce(optimizer)
+    failure.arm(2)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer, max_grad_norm=0.05)
+    with pytest.raises(RuntimeError, match=r"Call step\(optimizer\) again"):
+        manager.apply_gradients()
