@@ -1,9 +1,13 @@
 """``memory_budget``: offload only what must leave the device, decided from a measurement.
 
 Offloading frees device memory and costs link bytes every step. With a budget the cache
-offloads everything for the first step, reads that step's device peak (`DeviceMemory`: the
-CUDA allocator's peak statistics, counted from the cache's creation until the second
-step's restore, so the first optimizer step and the state it creates are in it), and then
+offloads everything through the first step after the warm-up (the first with the steady
+codecs), measures what the device held (`DeviceMemory`: the allocator's reserved peak, its
+cache and fragmentation included, plus what lies outside the allocator, such as the CUDA
+context and NCCL's buffers; sampled at each restore and step end from the cache's creation
+until the next step's restore, so the optimizer steps and the state they create are in it;
+the cache's own running maximum, which an outside reset of the peak statistics cannot
+lower), and then, against the usable memory (the device's, times a per-process fraction),
 keeps on the device the most it can without
 passing the budget, parameter by parameter: what frees the fewest device bytes per link
 byte stays first. A gradient compressed r-fold frees its dense bytes for 2/r of them on the
@@ -12,8 +16,10 @@ state and lossless gradients free a byte per two link bytes, and of those the gr
 leave first (a gradient is on the device only from backward to the step, the state always).
 
 The bound is conservative: each kept tensor is counted at full size at every moment of
-the step, on top of the measured peak. On a device without memory statistics (a CPU) the
-budget is accepted and there is nothing to budget: everything stays offloaded.
+the step, on top of the measured peak, and a kept gradient whose state is offloaded counts
+that state too (the fused step brings it to the device for the gradient's step). On a
+device without memory statistics (a CPU) the budget is accepted and there is nothing to
+budget: everything stays offloaded.
 """
 
 from __future__ import annotations
@@ -92,9 +98,13 @@ class MemoryBudget:
             raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
         return cls(text=given, nbytes=nbytes)
 
-    def bytes_of(self, total: int) -> int:
-        """The budget in bytes on a device of ``total`` bytes."""
-        return self.nbytes if self.nbytes is not None else int(total * (self.fraction or 0))
+    def bytes_of(self, total: int | None) -> int:
+        """The budget in bytes on a device of ``total`` usable bytes (an amount above them
+        is cut to them); ``total`` None (unknown: the planner without a device size) only
+        for an amount."""
+        if self.nbytes is not None:
+            return self.nbytes if total is None else min(self.nbytes, total)
+        return int((total or 0) * (self.fraction or 0))
 
 
 class DeviceMemory(Protocol):
@@ -104,15 +114,24 @@ class DeviceMemory(Protocol):
         """Start counting the peak from now."""
 
     def peak_bytes(self) -> int:
-        """The most bytes allocated since `reset_peak`."""
+        """The most bytes the allocator held since `reset_peak`: what it reserved from the
+        device, its cached blocks and fragmentation included, not only what tensors use."""
+
+    def outside_bytes(self) -> int:
+        """The bytes in use on the device now outside the allocator: the CUDA context,
+        NCCL's buffers, other libraries' and other processes' memory."""
 
     def total_bytes(self) -> int:
         """The device's memory."""
 
+    def process_fraction(self) -> float:
+        """The share of `total_bytes` this process's allocator may take (PyTorch's
+        ``set_per_process_memory_fraction``; 1.0 where none is set)."""
+
 
 @dataclass(frozen=True)
 class CudaMemory:
-    """The CUDA caching allocator's statistics of ``device``."""
+    """The CUDA caching allocator's statistics of ``device``, and the driver's view."""
 
     device: torch.device
 
@@ -120,10 +139,20 @@ class CudaMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def outside_bytes(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return max(0, total - free - torch.cuda.memory_reserved(self.device))
 
     def total_bytes(self) -> int:
         return torch.cuda.get_device_properties(self.device).total_memory
+
+    def process_fraction(self) -> float:
+        # torch.cuda.get_per_process_memory_fraction (torch 2.13; absent from older
+        # releases, where no cap can be read: the whole device is taken as usable).
+        read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        return 1.0 if read is None else float(read(self.device))
 
 
 def device_memory_of(device: torch.device) -> DeviceMemory | None:
@@ -200,23 +229,46 @@ def decide(
     def value(c: Candidate) -> tuple[float, bool]:
         return c.device_bytes / max(c.link_bytes, 1), c.kind == "gradient"
 
-    kept, offloaded = [], []
+    # A kept gradient steps on the device with its parameter's state, which comes to the
+    # device for that step where it is offloaded: its cost counts that state too. (Every
+    # state candidate is decided before any gradient: see `value`.)
+    state_bytes = {c.name: c.device_bytes for c in candidates if c.kind == "optimizer state"}
+    kept, offloaded, kept_states = [], [], set()
     for candidate in sorted(candidates, key=value):
-        if candidate.device_bytes <= room:
+        cost = candidate.device_bytes
+        if candidate.kind == "gradient" and candidate.name not in kept_states:
+            cost += state_bytes.get(candidate.name, 0)
+        if cost <= room:
             kept.append(candidate)
-            room -= candidate.device_bytes
+            room -= cost
+            if candidate.kind != "gradient":
+                kept_states.add(candidate.name)
         else:
             offloaded.append(candidate)
     return BudgetDecision(budget_bytes, measured_peak, tuple(kept), tuple(offloaded))
 
 
 class BudgetWatch:
-    """A manager's budget: measures its first step, then keeps on the device what fits."""
+    """A manager's budget: measures the steps up to the first after the warm-up, then keeps
+    on the device what fits.
 
-    def __init__(self, budget: MemoryBudget, memory: DeviceMemory | None, device: str) -> None:
+    The measure is the most the device held: the allocator's reserved peak (its cache and
+    fragmentation in it) plus what lies outside the allocator (the CUDA context, NCCL's
+    buffers), against the usable memory (the device's, times a per-process fraction where
+    one is set). The watch samples it itself at each restore and at each step's end and
+    keeps its own running maximum, so an outside ``torch.cuda.reset_peak_memory_stats()``
+    (per-step logging, a trainer's memory metrics) lowers no sample already taken."""
+
+    def __init__(
+        self, budget: MemoryBudget, memory: DeviceMemory | None, device: str, *, warmup_steps: int
+    ) -> None:
         self.budget = budget
         self.memory = memory
         self.decision: BudgetDecision | None = None
+        # Steps measured before deciding: through the first step after the warm-up, whose
+        # lossy codecs (warm-up steps are lossless) are the steady state's.
+        self.measured_steps = warmup_steps + 1
+        self.peak = 0  # the running maximum of the samples
         if memory is None:
             self.note = (
                 f"memory_budget={budget.text!r}: a {device} device keeps no memory statistics, "
@@ -224,7 +276,8 @@ class BudgetWatch:
             )
             logger.info("gradient-cache: %s", self.note)
         else:
-            self.note = f"memory_budget={budget.text!r}: measuring the first step"
+            steps = "the first step" if warmup_steps == 0 else f"the first {warmup_steps + 1} steps"
+            self.note = f"memory_budget={budget.text!r}: measuring {steps}"
             memory.reset_peak()
 
     def measure_from_now(self) -> None:
@@ -234,18 +287,28 @@ class BudgetWatch:
         any step, is not measured as one."""
         if self.memory is not None and self.decision is None:
             self.memory.reset_peak()
+            self.peak = 0
+
+    def sample(self) -> None:
+        """Take the device's figure now into the running maximum (until the decision)."""
+        if self.memory is not None and self.decision is None:
+            self.peak = max(self.peak, checked_peak(self.memory) + self.memory.outside_bytes())
 
     def before_restore(self, pipeline: Any) -> None:
-        """Before the second step's restore (the first step and its optimizer step are
-        over, so the state exists and the peak holds them): decide, and keep what fits on
-        the device. Raises before anything of the step is restored if nothing can fit."""
-        if self.memory is None or self.decision is not None or pipeline.steps < 1:
+        """Before the restore of the step after the measured ones (those steps and their
+        optimizer steps are over, so the state exists and the peak holds them): decide,
+        and keep what fits on the device. Raises before anything of the step is restored
+        if nothing can fit."""
+        self.sample()
+        if self.memory is None or self.decision is not None:
             return
-        budget_bytes = self.budget.bytes_of(self.memory.total_bytes())
+        if pipeline.steps < self.measured_steps:
+            return
+        usable = int(self.memory.total_bytes() * self.memory.process_fraction())
         self.decision = decide(
             candidates_of(pipeline),
-            measured_peak=checked_peak(self.memory),
-            budget_bytes=budget_bytes,
+            measured_peak=self.peak,
+            budget_bytes=self.budget.bytes_of(usable),
             budget=self.budget.text,
         )
         by_name = pipeline.params_by_name()

@@ -168,7 +168,10 @@ class GradientCacheHookManager:
             device = self._pipeline.backend.device
             memory = device_memory if device_memory is not None else device_memory_of(device)
             self._budget = BudgetWatch(
-                MemoryBudget.parse(config.memory_budget), memory, device.type
+                MemoryBudget.parse(config.memory_budget),
+                memory,
+                device.type,
+                warmup_steps=config.warmup_steps,
             )
         # The forward check stays on the module called (outside a compiled graph), under
         # the names it gives.
@@ -242,8 +245,17 @@ class GradientCacheHookManager:
         Equivalent to ``apply_gradients()`` then ``optimizer.step()`` for optimizers whose
         update of a parameter reads only that parameter's gradient and state (SGD, Adam,
         AdamW, ...): ``optimizer.step()`` is called once per bucket with only that
-        bucket's gradients set, then once for gradients that were never offloaded
-        (excluded layers). Step hooks therefore fire once per call. The restored
+        bucket's gradients set, then for gradients that were never offloaded (excluded
+        layers, those a ``memory_budget`` keeps) a bucket's worth at a time. The
+        optimizer's step hooks (``register_step_pre_hook``, ``register_step_post_hook``,
+        global ones too) fire once, as around a plain ``optimizer.step()``: the pre-hooks
+        before the first bucket steps (seeing no cached gradient in ``.grad``), the
+        post-hooks after every bucket stepped and, with
+        ``offload_optimizer_state=True``, after the state's copies back to the host are
+        complete, so a post-hook may read ``optimizer.state`` (an EMA, a logger). The
+        bucket steps run without them (an LR scheduler still sees the step). A step that
+        a GradScaler skips fires none, as ``scaler.step`` then calls no
+        ``optimizer.step()``. The restored
         gradients are freed afterwards (``param.grad`` is None, as after
         ``zero_grad()``); gradients of excluded layers are left as they were. Cached
         gradients of parameters ``optimizer`` does not own stay cached, for another
@@ -313,11 +325,16 @@ class GradientCacheHookManager:
         *,
         hooked: bool,
     ) -> torch.Tensor | None:
-        """The fused step; ``hooked=False`` steps each bucket without the optimizer's step
-        hooks (the integrations: they fire once, around the user's ``optimizer.step()``)."""
+        """The fused step, its buckets stepped without the optimizer's step hooks.
+        ``hooked=True`` (`step`) fires them once around the whole step, as around a plain
+        ``optimizer.step()``; ``hooked=False`` (the integrations) fires none here: they
+        fire once, around the user's own ``optimizer.step()``."""
         pipeline = self._live()
         if pipeline.optimizer_state is not None:
             _refuse_sparse_momentum(pipeline, optimizer)
+        # The pre-hooks' (args, kwargs), once fired: not on a step a GradScaler skips, as
+        # scaler.step() then calls no optimizer.step().
+        fired: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         steps = pipeline.steps
         self._before_restore()
         total_norm = fused_step.step(
@@ -326,9 +343,22 @@ class GradientCacheHookManager:
             max_grad_norm=max_grad_norm,
             norm_type=norm_type,
             model_order=self._model_order,
-            step_call=None if hooked else _unhooked_step(optimizer),
+            step_call=_unhooked_step(optimizer, through_instance=hooked),
+            before_steps=(lambda: fired.append(_fire_pre_hooks(optimizer))) if hooked else None,
         )
         self._after_restore(steps)
+        if fired:
+            args, kwargs = fired[0]
+            post_hooks = _step_hook_tables(optimizer)[1]
+            if pipeline.optimizer_state is not None and any(
+                not getattr(hook, "reads_no_state", False) for hook in post_hooks
+            ):
+                # The copies back of the state are complete before a post-hook reads
+                # optimizer.state on the host (an EMA, a logger); without such a hook the
+                # step ends with no host wait (the next forward is queued at once).
+                pipeline.optimizer_state.wait_on_host()
+            for hook in post_hooks:
+                hook(optimizer, args, kwargs)
         return total_norm
 
     def gradient_norm(
@@ -453,7 +483,8 @@ class GradientCacheHookManager:
 
         Holds error-feedback residuals, the step counter (warm-up), the engine's random
         generators and any gradients cached but not yet restored (mid-accumulation, say),
-        keyed by parameter name, as CPU tensors: ``torch.save`` writes it and
+        with those a ``memory_budget`` kept on the device for the pending step, keyed by
+        parameter name, as CPU tensors: ``torch.save`` writes it and
         ``torch.load(..., weights_only=True)`` reads it. Drains first, like
         ``compress_and_free_gradients()``. Loading it into a manager built the same way
         (``load_state_dict``) continues bit for bit as the uninterrupted run would. Under
@@ -587,14 +618,17 @@ class GradientCacheHookManager:
         return self._pipeline
 
     def _before_restore(self) -> None:
-        """A memory budget decides before the second step's restore: its measurement then
-        holds a whole step, the optimizer's (which creates the state) included."""
+        """A memory budget decides before the restore of the step after the first one past
+        the warm-up: its measurement then holds whole steps, the optimizer's (which
+        creates the state) included."""
         if self._budget is not None:
             self._budget.before_restore(self._live())
 
     def _after_restore(self, steps_before: int) -> None:
-        """After a restore that completed a step (a restore may find nothing): the verbose
-        log line."""
+        """After a restore (a restore may find nothing): a memory budget's sample, and,
+        where it completed a step, the verbose log line."""
+        if self._budget is not None:
+            self._budget.sample()
         steps = self._live().steps
         if self.verbose and steps > steps_before and steps % self.config.checkpoint_frequency == 0:
             summary = self.summary()
@@ -761,14 +795,47 @@ def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Modu
             )
 
 
-def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:
-    """``optimizer.step()`` with no step hook firing: the class's ``step`` as it was before
-    ``Optimizer.__init__`` wrapped it in ``profile_hook_step`` (marked ``hooked``), no
-    instance wrapper (an LR scheduler's), and, while it runs, the global and the optimizer's
-    hook tables emptied: a subclass's ``super().step()`` reaches its parent's hooked
-    wrapper, which would fire them (and the integrations' own pre-hook, again)."""
+def _step_hook_tables(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
+    """The pre- and post-hooks ``optimizer.step()`` fires, in the order torch fires them
+    (`Optimizer.profile_hook_step`): global pre-hooks first, global post-hooks last."""
+    pre = [*_global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()]
+    post = [*optimizer._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]
+    return pre, post
+
+
+def _fire_pre_hooks(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The step pre-hooks, once, as ``optimizer.step()`` fires them (with its arguments:
+    the optimizer, no closure); the arguments a hook may return go to the post-hooks."""
+    args: tuple[Any, ...] = (optimizer,)
+    kwargs: dict[str, Any] = {}
+    for hook in _step_hook_tables(optimizer)[0]:
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(
+                    f"A step pre-hook of {type(optimizer).__name__} must return None or a "
+                    f"tuple of (new_args, new_kwargs), but got {result!r}."
+                )
+            args, kwargs = result
+    return args, kwargs
+
+
+def _unhooked_step(
+    optimizer: torch.optim.Optimizer, *, through_instance: bool = False
+) -> Callable[[], object]:
+    """``optimizer.step()`` with no step hook firing: while it runs, the global and the
+    optimizer's hook tables are emptied (a subclass's ``super().step()`` reaches its
+    parent's hooked wrapper, which would fire them, and the integrations' own pre-hook,
+    again). ``through_instance``: call ``optimizer.step`` itself, so that an instance
+    wrapper (an LR scheduler's, which notes that the optimizer stepped) runs, as it would
+    around a plain step; else the class's ``step`` as it was before ``Optimizer.__init__``
+    wrapped it in ``profile_hook_step`` (marked ``hooked``), no instance wrapper: the
+    integrations' user calls ``optimizer.step()`` itself."""
     step: Any = type(optimizer).step  # typed as overloads, which name no __wrapped__
-    original = step.__wrapped__ if getattr(step, "hooked", False) else step
+    unwrapped = step.__wrapped__ if getattr(step, "hooked", False) else step
+    original = (lambda _: optimizer.step()) if through_instance else unwrapped
     tables: list[dict[int, Any]] = [
         _global_optimizer_pre_hooks,
         _global_optimizer_post_hooks,

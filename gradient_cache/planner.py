@@ -208,7 +208,7 @@ def budget_decision(
     return decide(
         candidates,
         measured_peak=measured,
-        budget_bytes=budget.bytes_of(device_bytes or 0),
+        budget_bytes=budget.bytes_of(device_bytes),
         budget=budget.text,
     )
 

@@ -142,20 +142,39 @@ def assert_same_parameters(left: nn.Module, right: nn.Module, *, atol: float = 0
 
 
 class FailsOnce:
-    """Once armed, makes the ``nth`` next ``optimizer.step()`` raise before changing anything."""
+    """Once armed, makes the ``nth`` next update of ``optimizer`` raise before changing
+    anything: each bucket's, in a fused step (which steps its buckets without step hooks,
+    so this is no hook: the optimizer's class becomes a subclass whose ``step`` counts)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.calls = 0
         self.fail_at = None
-        optimizer.register_step_pre_hook(self)
+        parent = type(optimizer)
+        watch = self
+
+        def step(opt, *args, **kwargs):
+            watch.calls += 1
+            if watch.calls == watch.fail_at:
+                raise torch.OutOfMemoryError("injected: out of memory")
+            return parent.step(opt, *args, **kwargs)
+
+        optimizer.__class__ = type(f"FailsOnce{parent.__name__}", (parent,), {"step": step})
 
     def arm(self, nth: int) -> None:
         self.fail_at = self.calls + nth
 
-    def __call__(self, optimizer, args, kwargs) -> None:
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise torch.OutOfMemoryError("injected: out of memory")
+
+def after_each_update(optimizer: torch.optim.Optimizer, check: Callable[..., None]) -> None:
+    """Call ``check(optimizer)`` after each update of ``optimizer``: each bucket's, in a
+    fused step (whose step hooks fire once, around the whole step: see `FailsOnce`)."""
+    parent = type(optimizer)
+
+    def step(opt, *args, **kwargs):
+        out = parent.step(opt, *args, **kwargs)
+        check(opt)
+        return out
+
+    optimizer.__class__ = type(f"Checked{parent.__name__}", (parent,), {"step": step})
 
 
 def train_through_a_failed_step(

@@ -7,10 +7,18 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_same_parameters, batches, loss_of, make_model
+from helpers import (
+    FailsOnce,
+    assert_same_parameters,
+    batches,
+    loss_of,
+    make_model,
+    save_and_load,
+)
 
 import gradient_cache
-from gradient_cache.budget import MemoryBudget, MemoryBudgetError
+from gradient_cache.budget import CudaMemory, MemoryBudget, MemoryBudgetError
+from gradient_cache.demo.accounting import device_memory_meter
 
 MIB = 2**20
 OPTIONS = dict(bucket_size_mb=0.004, offload_optimizer_state=True)
@@ -18,10 +26,13 @@ OPTIONS = dict(bucket_size_mb=0.004, offload_optimizer_state=True)
 
 @dataclass
 class FakeMemory:
-    """The device's statistics as a test sets them: the first step's peak, the total."""
+    """The device's statistics as a test sets them: the allocator's reserved peak, the
+    bytes outside the allocator, the total and a per-process fraction."""
 
     peak: int
     total: int = 80 * 2**30
+    outside: int = 0
+    fraction: float = 1.0
     resets: int = 0
 
     def reset_peak(self) -> None:
@@ -30,8 +41,14 @@ class FakeMemory:
     def peak_bytes(self) -> int:
         return self.peak
 
+    def outside_bytes(self) -> int:
+        return self.outside
+
     def total_bytes(self) -> int:
         return self.total
+
+    def process_fraction(self) -> float:
+        return self.fraction
 
 
 def gradient_bytes() -> int:
@@ -179,8 +196,8 @@ def test_a_reader_giving_a_nonsense_peak_is_named(peak: float) -> None:
 
 
 def test_the_measurement_holds_the_first_optimizer_step_on_every_path() -> None:
-    """apply_gradients() restores before the optimizer creates its state: the budget reads
-    the peak only at the second step's restore, once the first step's state exists."""
+    """apply_gradients() restores before the optimizer creates its state: the budget decides
+    only at the second step's restore, once the first step's state exists."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     states_when_read = []
@@ -198,7 +215,9 @@ def test_the_measurement_holds_the_first_optimizer_step_on_every_path() -> None:
         manager.apply_gradients()
         optimizer.step()
         optimizer.zero_grad()
-    assert states_when_read == [len(list(model.parameters()))]
+    # Sampled at each restore and its end; the decision's last sample, at the second
+    # step's restore, holds the first optimizer step's state. None after the decision.
+    assert states_when_read == [0, 0, len(list(model.parameters()))]
 
 
 def test_a_budget_covers_one_model_per_decorated_function() -> None:
@@ -209,3 +228,236 @@ def test_a_budget_covers_one_model_per_decorated_function() -> None:
 
     with pytest.raises(ValueError, match="covers one model per decorated function"):
         two_models()
+
+
+def budgeted(memory: FakeMemory, room: int, **options):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(
+        model,
+        compression_ratio=1,
+        memory_budget=f"{memory.peak + room}B",
+        device_memory=memory,
+        **(OPTIONS | options),
+    )
+    return model, optimizer, manager
+
+
+def test_a_checkpoint_mid_accumulation_carries_the_gradients_the_budget_kept() -> None:
+    """Saved between two micro-batches of the third step (the budget kept some gradients
+    on the device since the second): the resumed run, in a fresh model, optimizer and
+    manager, ends bit for bit as plain PyTorch's uninterrupted one."""
+    steps = 4
+    plain = make_model()
+    train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), steps=steps)
+    room = gradient_bytes() * 3 // 2
+    model, optimizer, manager = budgeted(FakeMemory(peak=100 * MIB), room)
+    data = batches(steps)
+    train(model, optimizer, manager, steps=2)
+    assert kept(manager, "gradient")  # decided at the second step: some gradients kept
+    tokens, targets = data[2]
+    (loss_of(model, tokens[:2], targets[:2]) / 2).backward()
+    saved = save_and_load(model, manager, optimizer)
+    manager.remove_hooks()
+
+    model, optimizer, manager = budgeted(FakeMemory(peak=100 * MIB), room)
+    model.load_state_dict(saved["model"])
+    manager.offload_state_of(optimizer)
+    optimizer.load_state_dict(saved["optimizer"])
+    manager.load_state_dict(saved["cache"])
+    (loss_of(model, tokens[2:], targets[2:]) / 2).backward()
+    manager.step(optimizer, max_grad_norm=0.05)
+    tokens, targets = data[3]
+    for half in (slice(0, 2), slice(2, 4)):
+        (loss_of(model, tokens[half], targets[half]) / 2).backward()
+    manager.step(optimizer, max_grad_norm=0.05)
+    assert_same_parameters(plain, model)
+    assert saved["cache"]["kept_gradients"]  # they came through the checkpoint
+
+
+def test_a_checkpoint_after_a_restore_carries_no_kept_gradient() -> None:
+    """apply_gradients() then optimizer.step(), saved before zero_grad(): the kept
+    gradients left in `.grad` are the user's, stepped, as the restored ones are."""
+    memory = FakeMemory(peak=100 * MIB)
+    model, optimizer, manager = budgeted(
+        memory, 10 * gradient_bytes(), offload_optimizer_state=False
+    )
+    for tokens, targets in batches(3):
+        loss_of(model, tokens, targets).backward()
+        manager.step(optimizer) if manager.engine.steps < 2 else manager.apply_gradients()
+    assert all(p.grad is not None for p in model.parameters())
+    assert manager.state_dict()["kept_gradients"] == {}
+
+
+def kept_everything(**options):
+    """A budgeted SGD run past its decision (every gradient and state kept on the device),
+    then one more backward of two micro-batches: the next step's gradients all in `.grad`."""
+    memory = FakeMemory(peak=100 * MIB)
+    model, optimizer, manager = budgeted(memory, 10 * gradient_bytes(), **options)
+    train(model, optimizer, manager, steps=2)
+    for tokens, targets in batches(3)[2:]:
+        for half in (slice(0, 2), slice(2, 4)):
+            (loss_of(model, tokens[half], targets[half]) / 2).backward()
+    assert kept(manager, "gradient") == len(list(model.parameters()))
+    return model, optimizer, manager
+
+
+def test_a_clipped_step_scales_the_kept_gradients_in_place() -> None:
+    """The kept gradients are clipped in place, as clip_grads_with_norm_ clips: the step
+    holds one copy of them, where a copy clipped out of place held two (CPU accounting)."""
+    model, optimizer, manager = kept_everything()
+    meter = device_memory_meter(model, optimizer=optimizer, cache=manager)
+    with meter:
+        before = meter.reading()
+        with meter.phase("step"):
+            manager.step(optimizer, max_grad_norm=0.05)
+    extra = meter.peaks["step"].peak.device_bytes - before.device_bytes
+    assert extra < gradient_bytes() // 2  # a second copy would add gradient_bytes()
+
+
+@pytest.mark.parametrize("nth", [1, 2], ids=["first chunk", "second chunk"])
+def test_a_failed_step_of_the_kept_gradients_retried_gives_plain_bits(nth: int) -> None:
+    """The kept gradients step a bucket at a time; a step that raises in the ``nth`` of
+    them is retried: none is clipped twice (they were clipped in place) nor stepped twice."""
+    plain = make_model()
+    train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), steps=3)
+    model, optimizer, manager = kept_everything()
+    failure = FailsOnce(optimizer)
+    failure.arm(nth)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer, max_grad_norm=0.05)
+    manager.step(optimizer, max_grad_norm=0.05)
+    assert_same_parameters(plain, model)
+
+
+class StateWatch(torch.optim.SGD):
+    """SGD that notes, at each step, which parameters' momentum is on the device (not the
+    cache's host copy) and which have a gradient."""
+
+    def __init__(self, params, manager_of) -> None:
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.manager_of = manager_of
+        self.seen: list[tuple[set, set]] = []
+
+    def step(self, closure=None):
+        host = self.manager_of().engine.optimizer_state.copies_of(self)
+        on_device = {
+            p
+            for p, state in self.state.items()
+            if "momentum_buffer" in state
+            and host.get(p, {}).get("momentum_buffer") is not state["momentum_buffer"]
+        }
+        self.seen.append((on_device, {p for p in self.state if p.grad is not None}))
+        return super().step(closure)
+
+
+def test_device_gradients_step_with_their_offloaded_state_a_bucket_at_a_time() -> None:
+    """Gradients that stay on the device (excluded layers, kept by a budget) step a
+    bucket's worth at a time, each with only its own state brought to the device."""
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, exclude_layers=["mlp", "norm"], **OPTIONS
+    )
+    optimizer = StateWatch(model.parameters(), lambda: manager)
+    train(model, optimizer, manager, steps=1)
+    optimizer.seen.clear()
+    train(model, optimizer, manager, steps=1)  # the state exists: it is brought
+    excluded = {p for n, p in model.named_parameters() if "mlp" in n or "norm" in n}
+    for on_device, with_grad in optimizer.seen:
+        assert on_device <= with_grad  # no state on the device but the step's own
+    assert sum(bool(with_grad & excluded) for _, with_grad in optimizer.seen) > 1
+
+
+def test_a_kept_gradient_counts_the_offloaded_state_its_step_brings() -> None:
+    """A gradient kept on the device while its state is offloaded brings that state to
+    the device at its step: the decision counts both."""
+    from gradient_cache.budget import Candidate, decide
+
+    gradient = Candidate("w", "gradient", device_bytes=100, link_bytes=200)
+    state = Candidate("w", "optimizer state", device_bytes=200, link_bytes=400)
+    other = Candidate("v", "optimizer state", device_bytes=250, link_bytes=500)
+    decision = decide([other, gradient, state], measured_peak=0, budget_bytes=350, budget="b")
+    # v's state fits (250); w's state does not (200 > 100 left); w's gradient alone would
+    # (100), but its step would bring w's state too (300).
+    assert decision.kept == (other,)
+    decision = decide([gradient, state], measured_peak=0, budget_bytes=300, budget="b")
+    assert set(decision.kept) == {gradient, state}
+
+
+def decided(memory: FakeMemory, budget: str, *, steps: int = 3, **options):
+    """A budgeted run of ``steps`` steps; its manager's budget watch."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(
+        model, memory_budget=budget, device_memory=memory, **(OPTIONS | options)
+    )
+    train(model, optimizer, manager, steps)
+    return manager._budget
+
+
+def test_the_measure_counts_the_allocators_reserve_and_what_lies_outside_it() -> None:
+    """The reserved peak (cache and fragmentation) plus the bytes outside the allocator
+    (CUDA context, NCCL): a budget between the reserved peak and their sum is passed."""
+    watch = decided(FakeMemory(peak=100 * MIB, outside=20 * MIB), "1TiB")
+    assert watch.decision.measured_peak == 120 * MIB
+    with pytest.raises(MemoryBudgetError, match=r"peaked at 120\.0 MiB"):
+        decided(FakeMemory(peak=100 * MIB, outside=20 * MIB), "110MiB")
+
+
+def test_a_per_process_fraction_lowers_the_budget() -> None:
+    """set_per_process_memory_fraction(0.5): "80%" is 80% of half the device, and an
+    amount is cut to that half."""
+    total = 1000 * MIB
+    watch = decided(FakeMemory(peak=100 * MIB, total=total, fraction=0.5), "80%")
+    assert watch.decision.budget_bytes == int(total * 0.5 * 0.8)
+    watch = decided(FakeMemory(peak=100 * MIB, total=total, fraction=0.5), "900MiB")
+    assert watch.decision.budget_bytes == total // 2
+
+
+def test_an_outside_reset_between_samples_does_not_lower_the_measure() -> None:
+    """The first step peaks at 100 MiB; then a logger resets the peak statistics, and the
+    second step peaks at 10 MiB: the decision, at the third, counts 100."""
+    memory = FakeMemory(peak=100 * MIB)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(
+        model, memory_budget="1TiB", device_memory=memory, **OPTIONS
+    )
+    train(model, optimizer, manager, steps=1)
+    memory.peak = 10 * MIB  # torch.cuda.reset_peak_memory_stats() from outside
+    train(model, optimizer, manager, steps=2)
+    assert manager._budget.decision.measured_peak == 100 * MIB
+
+
+def test_the_cuda_reader_takes_the_reserve_the_outside_bytes_and_the_cap(monkeypatch) -> None:
+    """`CudaMemory` reads the allocator's reserved peak, the driver's used bytes beyond
+    what the allocator reserved, and the per-process fraction (stand-ins for torch.cuda)."""
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda device: 300)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device: 250)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda device: (600, 1000))  # free, total
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda device: 0.5)
+    memory = CudaMemory(torch.device("cuda", 0))
+    assert memory.peak_bytes() == 300
+    assert memory.outside_bytes() == 1000 - 600 - 250  # the context, NCCL, others
+    assert memory.process_fraction() == 0.5
+
+
+def test_the_decision_waits_for_the_first_step_after_the_warm_up() -> None:
+    """warmup_steps=2 (lossless steps): the steps measured run through the third, the
+    first with the steady codecs; the decision comes at the fourth's restore."""
+    memory = FakeMemory(peak=MIB)
+    assert decided(memory, "1TiB", steps=3, warmup_steps=2).decision is None
+    assert decided(memory, "1TiB", steps=4, warmup_steps=2).decision is not None
+
+
+def test_apply_gradients_after_a_failed_step_that_clipped_kept_gradients_refuses() -> None:
+    """The failed step clipped the kept gradients in place and stepped some: restoring the
+    rest whole for optimizer.step() would clip or step those twice. The error names the fix."""
+    _, optimizer, manager = kept_everything(offload_optimizer_state=False)
+    failure = FailsOnce(optimizer)
+    failure.arm(2)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer, max_grad_norm=0.05)
+    with pytest.raises(RuntimeError, match=r"Call step\(optimizer\) again"):
+        manager.apply_gradients()

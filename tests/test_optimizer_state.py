@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers import FailsOnce, batches, loss_of, make_model
+from helpers import FailsOnce, after_each_update, batches, loss_of, make_model
 
 import gradient_cache
 
@@ -148,7 +149,7 @@ def test_only_the_bucket_being_stepped_has_its_state_off_the_host() -> None:
     manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
     seen = []
 
-    def check(optimizer, args, kwargs) -> None:
+    def check(optimizer) -> None:
         host = manager.engine.optimizer_state.copies_of(optimizer)
         stepping = {p for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
         off_host = {
@@ -166,7 +167,7 @@ def test_only_the_bucket_being_stepped_has_its_state_off_the_host() -> None:
         )
         seen.append(len(stepping))
 
-    optimizer.register_step_post_hook(check)
+    after_each_update(optimizer, check)
     for micro_batches in data(2):
         cached_step(model, manager, optimizer, micro_batches)
     calls_per_step = len(seen) // 2
@@ -556,3 +557,58 @@ def test_the_default_buckets_save_device_memory_at_the_step_of_a_small_model() -
         return meter.peaks["step"].peak.device_bytes
 
     assert step_peak(offload=True) < 0.6 * step_peak(offload=False)
+
+
+class StepHooks:
+    """A pre-hook that counts, and an EMA of the weights and a logger of Adam's first
+    moment as post-hooks: they read the parameters and ``optimizer.state`` on the host."""
+
+    def __init__(self, model, optimizer) -> None:
+        self.params = list(model.parameters())
+        self.pre = 0
+        self.ema = [p.detach().clone() for p in self.params]
+        self.logged: list[list[torch.Tensor]] = []
+        optimizer.register_step_pre_hook(self.before)
+        optimizer.register_step_post_hook(self.after)
+
+    def before(self, optimizer, args, kwargs) -> None:
+        self.pre += 1
+
+    def after(self, optimizer, args, kwargs) -> None:
+        for ema, param in zip(self.ema, self.params, strict=True):
+            ema.mul_(0.9).add_(param.detach(), alpha=0.1)
+        self.logged.append([optimizer.state[p]["exp_avg"].clone() for p in self.params])
+
+
+def test_step_hooks_fire_once_around_the_fused_step_and_read_the_complete_state() -> None:
+    """Under hook_manager.step(optimizer), as around a plain optimizer.step(): the pre-hooks
+    once before, the post-hooks once after, with every parameter stepped and the state's
+    host copies complete: an EMA of the weights and a log of exp_avg as plain's, bit for bit."""
+    plain, cached = make_model(), make_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    plain_hooks, cached_hooks = StepHooks(plain, plain_opt), StepHooks(cached, cached_opt)
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS)
+    for micro_batches in data(3):
+        plain_step(plain, plain_opt, micro_batches)
+        cached_step(cached, manager, cached_opt, micro_batches)
+    assert cached_hooks.pre == plain_hooks.pre == len(cached_hooks.logged) == 3
+    for mine, theirs in zip(cached_hooks.ema, plain_hooks.ema, strict=True):
+        assert torch.equal(mine, theirs)
+    for mine, theirs in zip(cached_hooks.logged, plain_hooks.logged, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
+def test_a_learning_rate_scheduler_sees_the_fused_step() -> None:
+    """No "lr_scheduler.step() before optimizer.step()" warning: the bucket steps run
+    through the optimizer's own step (the scheduler's wrapper), without its hooks."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for micro_batches in data(2):
+            cached_step(model, manager, optimizer, micro_batches)
+            scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 1e-2 / 4

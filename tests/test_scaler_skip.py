@@ -251,3 +251,26 @@ def test_micro_batches_restored_one_by_one_under_a_scaler_are_not_taken_for_skip
     plain_model, plain_steps = accumulate(False)
     assert scaled_steps == plain_steps == 6
     assert_same_parameters(scaled_model, plain_model)
+
+
+def test_a_skipped_fused_step_fires_no_step_hook() -> None:
+    """scaler.step(optimizer) calls no optimizer.step() on the step it skips: the fused
+    step's hooks fire as plain AMP's do, once on each of the four steps taken of five."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    calls: list[str] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda *_: calls.append("pre")),
+        register_optimizer_step_post_hook(lambda *_: calls.append("post")),
+    ]
+    try:
+        amp_run(clip=0.05, cache=None)
+        plain, calls[:] = list(calls), []
+        amp_run(clip=0.05, cache=dict(bucket_size_mb=0.004))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == plain == ["pre", "post"] * 4

@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import after_each_update
 from torch import nn
 
 import gradient_cache
@@ -193,7 +194,7 @@ def test_a_state_loaded_before_offload_state_of_goes_to_the_host_when_the_step_b
     cache = gradient_cache.create_gradient_cache(resumed, **OPTIONS)
     only_its_own = []
 
-    def check(optimizer, args, kwargs) -> None:
+    def check(optimizer) -> None:
         host = cache.engine.optimizer_state.copies_of(optimizer)
         stepping = {p for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
         off_host = {
@@ -203,7 +204,7 @@ def test_a_state_loaded_before_offload_state_of_goes_to_the_host_when_the_step_b
         }
         only_its_own.append(off_host <= stepping)
 
-    optimizer.register_step_post_hook(check)
+    after_each_update(optimizer, check)
     cached_steps(resumed, cache, optimizer, steps[2:])
     assert len(only_its_own) >= 4 and all(only_its_own)  # two buckets a step
     assert same_weights(first, resumed)

@@ -846,4 +846,27 @@ def test_a_load_after_a_failed_step_waits_for_the_state_brought_ahead(
     cached_opt.load_state_dict(saved)
     fake_cuda.checker.assert_clean()
     manager.step(cached_opt)
+
+
+def test_a_step_post_hook_reads_the_host_state_after_its_copy_back(fake_cuda: FakeCuda) -> None:
+    """offload_optimizer_state: a step post-hook (a logger) reads every parameter's
+    exp_avg on the host. It fires once, after the whole fused step, the copies back of the
+    state settled first: no read races a copy back on the copy stream."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = lossless_small_buckets(model, fake_cuda, offload_optimizer_state=True)
+    reads = []
+
+    def log(optimizer, args, kwargs) -> None:
+        host = manager.engine.optimizer_state.copies_of(optimizer)
+        for param in model.parameters():
+            state = optimizer.state[param].get("exp_avg")
+            if state is not None and state is host.get(param, {}).get("exp_avg"):
+                reads.append(state.sum())  # a host read, checked
+
+    optimizer.register_step_post_hook(log)
+    for tokens, targets in batches(3):
+        loss_of(model, tokens, targets).backward()
+        manager.step(optimizer, max_grad_norm=0.05)
+    assert reads
     fake_cuda.checker.assert_clean()

@@ -2,8 +2,10 @@
 
 Saved: the recipe (to refuse a checkpoint made with another one), the step counter (warm-up
 schedule), the engine's random generators, error-feedback residuals (current and those of
-a pending step) and gradients cached but not yet restored, bucket by bucket in arrival
-order (the fused step restores in that order), and, for FSDP2, the rank and world size (each
+a pending step), gradients cached but not yet restored, bucket by bucket in arrival
+order (the fused step restores in that order), the pending step's gradients a memory budget
+kept on the device (whole: they are cached on load, since the loading manager's budget
+has not decided yet), and, for FSDP2, the rank and world size (each
 rank saves its own shards). Every tensor is a CPU copy (a view of the pinned pool would
 save the whole slab), keyed by parameter name, so `torch.save` and
 ``torch.load(weights_only=True)`` carry it.
@@ -108,6 +110,13 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
             [{"name": names[p], "payload": payload.state()} for p, payload in bucket]
             for bucket in pipeline.store.buckets()
         ],
+        # Gradients a memory budget keeps on the device live only in `.grad` (no model or
+        # optimizer checkpoint holds them): those of the pending step, whole, by name.
+        "kept_gradients": {
+            names[p]: _cpu(p.grad)
+            for p in pipeline.records
+            if p in pipeline.kept_unstepped and p.grad is not None
+        },
         # Payloads and residuals are in memory order (`layout`): the layouts not contiguous.
         "layouts": {
             names[p]: list(route.stride)
@@ -135,7 +144,8 @@ def load(pipeline: Pipeline, state: Any) -> None:
     def to_device(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device)
 
-    if state["buckets"]:
+    kept = state.get("kept_gradients", {})  # absent: saved before they were carried
+    if state["buckets"] or kept:
         pipeline.resume(state["random_state_at_step_start"] if same_kind else None)
     for saved_bucket in state["buckets"]:
         # Stored as backward stores any encoded gradient: moved to the device where its
@@ -147,6 +157,9 @@ def load(pipeline: Pipeline, state: Any) -> None:
                 for param, item in zip(params, saved_bucket, strict=True)
             ]
         pipeline.put_back(encoded)
+    # This manager's budget has not decided yet (it measures its own first step), so it
+    # offloads everything: the kept gradients too, cached as backward would cache them.
+    pipeline.cache_gradients([(by_name[name], to_device(grad)) for name, grad in kept.items()])
     pipeline.drain()
 
 

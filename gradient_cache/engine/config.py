@@ -110,12 +110,13 @@ class EngineConfig:
             fp32 Adam). Needs the fused step: ``apply_gradients()`` is refused. Default
             False.
         memory_budget: a device-memory budget, a share of the device's memory (``"80%"``
-            or ``0.8``) or an amount (``"20GiB"``): the first step runs with everything
-            offloaded and its device peak is measured; from then on the cache keeps on the
-            device the most that fits the budget, parameter by parameter, what frees the
-            fewest device bytes per link byte first (`gradient_cache.budget`). On a device
-            without memory statistics (a CPU) there is nothing to budget. Not with FSDP2.
-            Default None: everything offloaded.
+            or ``0.8``) or an amount (``"20GiB"``): the steps through the first after the
+            warm-up run with everything offloaded and their device peak is measured (the
+            allocator's reserved peak plus what lies outside it); from then on the cache
+            keeps on the device the most that fits the budget, parameter by parameter,
+            what frees the fewest device bytes per link byte first
+            (`gradient_cache.budget`). On a device without memory statistics (a CPU) there
+            is nothing to budget. Not with FSDP2. Default None: everything offloaded.
         checkpoint_frequency: how often, in steps, ``verbose=True`` logs the summary: every
             step by default. (The seed's name: it set how often the compression statistics
             were saved; they are in ``summary()`` at every step.)

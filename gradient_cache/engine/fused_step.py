@@ -17,10 +17,10 @@ from typing import TypeVar
 import torch
 
 from . import scaling, sharding
-from .backend import Restore, clipped
+from .backend import Restore
 from .norms import gradient_norm
 from .optimizer_state import Arrival
-from .pipeline import Pipeline
+from .pipeline import HeldProgress, Pipeline
 from .store import BucketPayloads
 
 
@@ -32,13 +32,18 @@ def step(
     norm_type: float,
     model_order: Mapping[torch.nn.Parameter, int],
     step_call: Callable[[], object] | None = None,
+    before_steps: Callable[[], object] | None = None,
 ) -> torch.Tensor | None:
     """Restore and step bucket by bucket; see GradientCacheHookManager.step.
 
     ``model_order``: each parameter's place in ``model.parameters()``, the order the norms
     are summed in. ``step_call``: what steps a bucket; ``optimizer.step`` by default (its
-    hooks fire once per bucket); the integrations pass the optimizer's step without its
-    hooks, which then fire once, around the user's own ``optimizer.step()``."""
+    hooks fire once per bucket); the manager passes the optimizer's step without its hooks
+    (`manager._unhooked_step`), which then fire once, around the whole fused step or the
+    user's own ``optimizer.step()`` (the integrations). ``before_steps``: called once the
+    step is known not to be skipped (a GradScaler's inf), before the first bucket steps:
+    the manager fires the pre-hooks there, as ``scaler.step`` calls ``optimizer.step()``
+    only when it steps."""
     step_once = optimizer.step if step_call is None else step_call
     pipeline.drain()
     states = pipeline.optimizer_state
@@ -49,7 +54,7 @@ def step(
     # A clip_grad_norm_ answered from the cache (the integrations): its factor applies to
     # the cached gradients as they are restored; the device ones it clipped in place.
     deferred = pipeline.deferred_clip
-    clip = pipeline.retry() if pipeline.interrupted else None
+    clip, progress = pipeline.retry() if pipeline.interrupted else (None, HeldProgress())
     if clip is None and deferred is not None:
         if max_grad_norm is not None:
             raise ValueError(
@@ -80,6 +85,8 @@ def step(
         assert scaler is not None
         _skip(pipeline, scaler, optimizer, parts, held, delivered, held_factor)
         return total_norm
+    if before_steps is not None:
+        before_steps()
     # Parameters only from here: a payload is let go as soon as its bucket is stepped.
     buckets = [[param for param, _ in part] for part in parts]
     del parts
@@ -111,22 +118,30 @@ def step(
             if states is not None:
                 states.send_back(optimizer, arrivals.popleft())
         if held:  # left in place afterwards (clipped), as plain PyTorch leaves them
-            _put_back_scaled(held, held_factor)
-            if states is not None:
-                arrivals.append(states.bring(optimizer, list(held)))
-                states.install(optimizer, arrivals[0])
-            step_once()
-            if states is not None:
-                states.send_back(optimizer, arrivals.popleft())
+            _scale_in_place(held, held_factor, progress)
+            chunks = _chunks(
+                [p for p in held if p not in progress.stepped],
+                pipeline.assembler.capacity_bytes,
+            )
+            for chunk in chunks:
+                # A bucket's worth at a time: its state (offloaded) is on the device only
+                # for its own step, as a cached bucket's is.
+                if states is not None:
+                    arrivals.append(states.bring(optimizer, chunk))
+                    states.install(optimizer, arrivals[0])
+                _step_with(step_once, [(param, held[param]) for param in chunk])
+                progress.stepped.update(chunk)
+                if states is not None:
+                    states.send_back(optimizer, arrivals.popleft())
+            _put_back(held)
             _free_kept(pipeline, held)
     except BaseException:
         for restore in ahead:
             backend.finish_restore(restore)  # before its blocks are freed
         if states is not None:
             states.abandon(optimizer, arrivals)
-        for param, grad in held.items():
-            param.grad = grad
-        pipeline.interrupt(clip)
+        _put_back(held)  # as the retry finds them: `progress` says what was done to them
+        pipeline.interrupt(clip, progress)
         raise
     if scaler is not None:
         scaling.record(scaler, optimizer, found_inf=False)
@@ -135,12 +150,43 @@ def step(
     return total_norm
 
 
-def _put_back_scaled(
-    held: dict[torch.nn.Parameter, torch.Tensor], factor: torch.Tensor | None
+def _scale_in_place(
+    held: dict[torch.nn.Parameter, torch.Tensor],
+    factor: torch.Tensor | None,
+    progress: HeldProgress,
 ) -> None:
-    """The device gradients back in ``param.grad``, times ``factor`` (unscale and clip)."""
+    """The device gradients times ``factor`` (unscale and clip), in place, as
+    ``scaler.unscale_`` and ``clip_grads_with_norm_`` multiply them: no second copy lives
+    through the step. Each is marked in ``progress`` as it is scaled, so that a retry
+    after a failed step does not scale it twice."""
+    if factor is None:
+        return
     for param, grad in held.items():
-        param.grad = sharding.as_grad_of(param, clipped(sharding.local(grad), factor))
+        if param not in progress.scaled:
+            local = sharding.local(grad)
+            local.mul_(factor.to(local.device))
+            progress.scaled.add(param)
+
+
+def _put_back(held: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+    """The device gradients back in ``param.grad``."""
+    for param, grad in held.items():
+        param.grad = grad
+
+
+def _chunks(params: list[torch.nn.Parameter], size_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """``params`` in order, cut into runs of about ``size_bytes`` of gradient each (a
+    bucket's size; a larger gradient alone)."""
+    chunks: list[list[torch.nn.Parameter]] = []
+    filled = size_bytes
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if filled + nbytes > size_bytes and filled:
+            chunks.append([])
+            filled = 0
+        chunks[-1].append(param)
+        filled += nbytes
+    return chunks
 
 
 def _skip(
@@ -160,7 +206,8 @@ def _skip(
     pipeline.deliver([p for p in delivered if p in pipeline.store])
     for part in parts:
         pipeline.store.remove([param for param, _ in part])
-    _put_back_scaled(held, factor)
+    _scale_in_place(held, factor, HeldProgress())
+    _put_back(held)
     _free_kept(pipeline, held)
     scaling.record(scaler, optimizer, found_inf=True)
     pipeline.finish_step()
@@ -168,9 +215,12 @@ def _skip(
 
 def _free_kept(pipeline: Pipeline, held: dict[torch.nn.Parameter, torch.Tensor]) -> None:
     """The device gradients a memory budget keeps, freed as cached ones are after their
-    step: a loop written for the fused step (no zero_grad) must not add them into the next."""
-    for param in held.keys() & pipeline.kept_on_device:
+    step: a loop written for the fused step (no zero_grad) must not add them into the next;
+    and no checkpoint carries them as part of a pending step any more."""
+    kept = held.keys() & pipeline.kept_on_device
+    for param in kept:
         param.grad = None
+    pipeline.kept_stepped(kept)
 
 
 def _step_with(

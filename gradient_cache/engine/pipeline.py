@@ -131,6 +131,16 @@ Clip = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass
+class HeldProgress:
+    """A fused step's progress on its device gradients (`fused_step`), kept for the retry
+    when it raises: those already multiplied in place by the step's factor (unscale and
+    clip: not twice), and those already stepped (not twice either)."""
+
+    scaled: set[torch.nn.Parameter] = field(default_factory=set)
+    stepped: set[torch.nn.Parameter] = field(default_factory=set)
+
+
+@dataclass
 class PendingStep:
     """The pending step: from its first gradient until all it cached is restored or dropped."""
 
@@ -145,6 +155,7 @@ class PendingStep:
     norms: StepNorms | None = None
     counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
     clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
+    held: HeldProgress | None = None  # INTERRUPTED: and how far it got with device gradients
     # A clip_grad_norm_ answered from the cache (`defer_clip`): the factor every gradient
     # of the step still cached is multiplied by as it is restored, as plain PyTorch
     # multiplied it in place at the clip. None: no such clip.
@@ -246,8 +257,11 @@ class Pipeline:
         dense_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
         self.assembler = BucketAssembler(config.bucket_bytes(dense_bytes))
         self.enabled = True  # `set_enabled`
-        # Gradients a memory budget keeps on the device (`keep_on_device`).
+        # Gradients a memory budget keeps on the device (`keep_on_device`), and those of
+        # them whose ``.grad`` holds a part of a step not yet restored (`kept_stepped`
+        # ends it): a checkpoint carries these, as it carries the cached ones.
         self.kept_on_device: set[Param] = set()
+        self.kept_unstepped: set[Param] = set()
         # Error feedback keeps its residual unscaled by this GradScaler's current scale.
         self.grad_scaler = grad_scaler
         self.last_step = StepRecord()
@@ -275,6 +289,8 @@ class Pipeline:
                 if pipeline is not None:
                     pipeline._on_optimizer_step(optimizer)
 
+            # It reads no optimizer state: the fused step need not wait on the host for it.
+            on_optimizer_step.reads_no_state = True  # type: ignore[attr-defined]
             self._handles.append(register_optimizer_step_post_hook(on_optimizer_step))
         for param in params:
             _cached_params[param] = True
@@ -302,8 +318,11 @@ class Pipeline:
         grad = param.grad
         if grad is None or grad.is_sparse:
             return  # sparse (nn.Embedding(sparse=True)) gradients stay where they are
-        if not self.enabled or param in self.kept_on_device:
+        if not self.enabled:
             return  # left on the device; what is cached joins it at the restore
+        if param in self.kept_on_device:
+            self.kept_unstepped.add(param)  # left on the device, part of the pending step
+            return
         if self.deferred_clip is not None:
             # A backward after a clip answered from the cache: plain PyTorch adds to the
             # clipped gradients, so they come back clipped first (a restore, once).
@@ -456,8 +475,17 @@ class Pipeline:
         """
         self.drain()
         if self.state is INTERRUPTED:
+            held = self.pending.held if self.pending is not None else None
+            if held is not None and (held.scaled or held.stepped):
+                raise RuntimeError(
+                    "apply_gradients() after a fused step(optimizer) that raised once it had "
+                    "scaled or stepped device gradients in place: restoring the rest whole "
+                    "would clip or step those twice. Call step(optimizer) again to finish "
+                    "that step."
+                )
             self.retry()  # restored whole: the interrupted fused step's clip is not used
         self.deliver_and_restore(list(self.store))
+        self.kept_unstepped.clear()  # restored beside them: the user's, as plain leaves them
         self.finish_step()
 
     def restore(self, params: Iterable[Param]) -> None:
@@ -537,21 +565,25 @@ class Pipeline:
                 "both steps then find them in .grad, as in plain PyTorch)."
             )
 
-    def interrupt(self, clip: Clip) -> None:
-        """A fused step raised: keep its clip for the retry (`retry`)."""
+    def interrupt(self, clip: Clip, held: HeldProgress) -> None:
+        """A fused step raised: keep its clip and its progress on the device gradients
+        for the retry (`retry`)."""
         self._enter("interrupt", INTERRUPTED)
         if self.pending is None:  # it had only gradients that never left the device
             self.pending = PendingStep(random_state=None)
         self.pending.clip = clip
+        self.pending.held = held
 
-    def retry(self) -> Clip:
-        """Take up an interrupted fused step again: the clip its first attempt computed."""
+    def retry(self) -> tuple[Clip, HeldProgress]:
+        """Take up an interrupted fused step again: the clip its first attempt computed,
+        and how far it got with the device gradients."""
         assert self.pending is not None and self.pending.clip is not None
         clip, self.pending.clip = self.pending.clip, None
+        held, self.pending.held = self.pending.held or HeldProgress(), None
         self._enter("retry", self._after_restores())
         if self.state is IDLE:
             self.pending = None
-        return clip
+        return clip, held
 
     @property
     def interrupted(self) -> bool:
@@ -697,6 +729,20 @@ class Pipeline:
         self.backend.residuals.forget_replaced()
         self.steps = steps
         self._follow_plan()
+
+    def cache_gradients(self, grads: Sequence[tuple[Param, torch.Tensor]]) -> None:
+        """Cache ``grads`` (device tensors) as backward hands gradients over, bucket by
+        bucket: a checkpoint's gradients that a memory budget kept on the device, taken
+        before this manager's budget decided (until then everything is offloaded). After
+        `resume`; `drain` follows."""
+        for param, grad in grads:
+            items = self.assembler.add(param, grad)
+            if items is not None:
+                self._launch(items)
+
+    def kept_stepped(self, params: Iterable[Param]) -> None:
+        """The kept gradients of ``params`` were stepped (and freed): no longer pending."""
+        self.kept_unstepped.difference_update(params)
 
     def keep_on_device(self, params: Iterable[Param]) -> None:
         """Later backward passes leave ``params``' gradients on the device (a memory

@@ -38,6 +38,7 @@ OPTIONAL_KEYS = frozenset(
     {
         "layouts",  # none: every parameter's layout was contiguous
         "clip_norm_type",  # none: the encodes computed no norms
+        "kept_gradients",  # none: no gradient kept on the device by a memory budget
     }
 )
 
@@ -107,7 +108,28 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
                     "finite (a step with inf or NaN restarts it from zero): the file is damaged."
                 )
     _check_buckets(state["buckets"], by_name, routes)
+    _check_kept_gradients(state, by_name)
     _check_layouts(state, by_name, routes)
+
+
+def _check_kept_gradients(state: dict[str, Any], by_name: dict[str, Any]) -> None:
+    """Each kept gradient whole, in its parameter's shape and dtype, in no bucket too."""
+    cached = {item["name"] for bucket in state["buckets"] for item in bucket}
+    for name, grad in _named_tensors(state.get("kept_gradients", {}), "kept_gradients", by_name):
+        param = by_name[name]
+        where = f"state['kept_gradients'][{name!r}]"
+        if name in cached:
+            raise ValueError(f"{where}: {name} is in state['buckets'] too; expected one of them.")
+        if (
+            not isinstance(grad, torch.Tensor)
+            or grad.device.type != "cpu"
+            or grad.dtype != param.dtype
+            or grad.shape != param.shape
+        ):
+            raise ValueError(
+                f"{where} is {_describe(grad)}; expected a CPU {param.dtype} tensor of shape "
+                f"{tuple(param.shape)}."
+            )
 
 
 def _check_layouts(
