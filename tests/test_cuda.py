@@ -600,9 +600,8 @@ def test_the_host_state_takes_at_most_a_tenth_more_than_its_bytes() -> None:
 
 
 def test_a_step_post_hook_reads_the_final_state() -> None:
-    """A post-hook fires after each bucket's step; the state it reads of the buckets
-    stepped before (host copies by then) holds their final values, not a copy back still
-    in flight."""
+    """A post-hook fires once, after the whole fused step; the state it reads (host copies
+    by then) holds their final values, not a copy back still in flight."""
     torch.manual_seed(0)
     model = ManyThinLayers(width=1024, depth=16).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
