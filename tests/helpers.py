@@ -304,3 +304,16 @@ def resumed_run(options: dict, cut: int):
         model, manager, optimizer, range(cut, CHECKPOINT_STEPS * CHECKPOINT_MICRO_BATCHES)
     )
     return model, manager
+
+
+def detach_managers_other_tests_left() -> None:
+    """Detach every manager still attached in this process: pytest's saved tracebacks and
+    the docs' shared namespaces keep earlier tests' managers alive, and any attached
+    manager keeps the gradient readers swapped. For tests of the swap itself."""
+    import gc
+
+    from gradient_cache import manager
+
+    gc.collect()
+    for attached in list(manager._attached):
+        attached.remove_hooks()

@@ -9,7 +9,13 @@ import gc
 
 import pytest
 import torch
-from helpers import assert_same_parameters, batches, loss_of, make_model
+from helpers import (
+    assert_same_parameters,
+    batches,
+    detach_managers_other_tests_left,
+    loss_of,
+    make_model,
+)
 from torch import nn
 
 import gradient_cache
@@ -153,7 +159,7 @@ def reader_functions() -> list[object]:
 def test_the_readers_are_swapped_while_a_manager_is_attached_and_only_then() -> None:
     """One swap, in place while any manager is attached: the originals come back when the
     last one is detached, closed or collected, and the swap holds no manager alive."""
-    gc.collect()  # managers earlier tests left unreachable
+    detach_managers_other_tests_left()
     originals = reader_functions()
     first = gradient_cache.create_gradient_cache(make_model(), **LOSSLESS)
     swapped = reader_functions()

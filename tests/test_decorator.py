@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_same_parameters, batches, loss_of, make_model
+from helpers import (
+    assert_same_parameters,
+    batches,
+    detach_managers_other_tests_left,
+    loss_of,
+    make_model,
+)
 from torch import nn
 from torch.nn.modules.module import _global_forward_pre_hooks
 from torch.optim.optimizer import _global_optimizer_pre_hooks
@@ -154,6 +160,7 @@ def test_grad_scaler_unscale_between_backward_and_step_sees_the_cached_gradients
 
 
 def test_the_clipping_readers_come_back_when_the_function_returns_or_raises() -> None:
+    detach_managers_other_tests_left()
     originals = reader_patches()
 
     @gradient_cache.optimize(**LOSSLESS)

@@ -1044,6 +1044,13 @@ MUTANTS = [
         "    if skip:\n        assert scaler is not None\n        if before_steps is not None:\n            before_steps()\n",
         "tests/test_scaler_skip.py::test_a_skipped_fused_step_fires_no_step_hook",
     ),
+    (
+        "buckets sized from the model only with the state offloaded",
+        "gradient_cache/engine/config.py",
+        "        if gradient_bytes is None or not self.offload_optimizer_state:",
+        "        if gradient_bytes is None:",
+        "tests/test_demo.py::test_cpu_memory_figures_follow_from_the_accounting",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

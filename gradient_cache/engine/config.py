@@ -24,12 +24,14 @@ from ..units import MIB
 # 4-bit codec. perf/RESULTS.md ("Codec frontier") has the table and why not more yet.
 DEFAULT_COMPRESSION_RATIO = 3.0
 BACKENDS = ("auto", "cpu", "cuda")
-# bucket_size_mb=None: a bucket holds 1/AUTO_BUCKETS of the cached gradients' bytes, at
-# least AUTO_BUCKET_MIN_BYTES (so small tensors still travel together) and at most
-# AUTO_BUCKET_MAX_MB (the fixed default before buckets were sized from the model). A small
-# model then steps in several buckets: with its state offloaded, the device holds a
-# bucket or two of state at the step, not all of it (one 4 MiB bucket held the whole state
-# of nanoGPT's 0.4M-parameter model: a step peak above plain's).
+# bucket_size_mb=None: AUTO_BUCKET_MAX_MB; with the optimizer state offloaded, a bucket
+# holds 1/AUTO_BUCKETS of the cached gradients' bytes, at least AUTO_BUCKET_MIN_BYTES (so
+# small tensors still travel together) and at most AUTO_BUCKET_MAX_MB. A small model then
+# steps in several buckets, the device holding a bucket or two of state at the step, not
+# all of it (one 4 MiB bucket held the whole state of nanoGPT's 0.4M-parameter model: a step
+# peak above plain's). Only there: without the state, small buckets of a small model launch
+# codec encodes while backward's first activations are alive (the demo's tiny activations
+# scenario, int8: a backward peak 2.9 MiB above plain's where one bucket had none).
 AUTO_BUCKETS = 8
 AUTO_BUCKET_MIN_BYTES = 64 * 1024
 AUTO_BUCKET_MAX_MB = 4.0
@@ -71,8 +73,9 @@ class EngineConfig:
             backward (the device holds about two buckets plus the largest gradient at
             once) and at the fused step (a bucket or two of gradients, and of optimizer
             state where it is offloaded), at the cost of more, smaller launches. None
-            (default): sized from the model, an eighth of the cached gradients' bytes,
-            at least 64 KiB and at most 4 MiB (`bucket_bytes`).
+            (default): 4 MiB; with ``offload_optimizer_state=True``, sized from the
+            model, an eighth of the cached gradients' bytes, at least 64 KiB and at most
+            4 MiB (`bucket_bytes`).
         warmup_steps: Optimizer steps sent uncompressed at the start of training, as
             Deep Gradient Compression does, while gradients change fastest (what it gained
             is in perf/RESULTS.md, "Compression recipes"). Default 0: a good length depends on the
@@ -203,18 +206,18 @@ class EngineConfig:
 
     @property
     def bucket_size_bytes(self) -> int:
-        """The set bucket size in bytes; with ``bucket_size_mb=None``, the most a bucket
-        sized from the model holds (`bucket_bytes` gives one model's)."""
+        """The set bucket size in bytes; with ``bucket_size_mb=None``, 4 MiB, the most a
+        bucket sized from the model holds (`bucket_bytes` gives one model's)."""
         return self.bucket_bytes(None)
 
     def bucket_bytes(self, gradient_bytes: int | None) -> int:
         """A bucket's capacity for a model whose cached gradients hold ``gradient_bytes``
-        (dense): ``bucket_size_mb`` where set, else an eighth of them within 64 KiB and
-        4 MiB (None: that 4 MiB)."""
+        (dense): ``bucket_size_mb`` where set, else 4 MiB, or with the optimizer state
+        offloaded an eighth of them within 64 KiB and 4 MiB (None: 4 MiB)."""
         if self.bucket_size_mb is not None:
             return max(1, int(self.bucket_size_mb * MIB))
         largest = int(AUTO_BUCKET_MAX_MB * MIB)
-        if gradient_bytes is None:
+        if gradient_bytes is None or not self.offload_optimizer_state:
             return largest
         return min(largest, max(AUTO_BUCKET_MIN_BYTES, gradient_bytes // AUTO_BUCKETS))
 
