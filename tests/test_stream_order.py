@@ -546,6 +546,7 @@ def test_a_state_loaded_onto_the_device_goes_to_the_host_in_order(
         cached_opt.zero_grad()
     manager.remove_hooks()
     assert_same_parameters(plain, cached)
+    fake_cuda.checker.assert_clean()
 
 
 class HostWaits:

@@ -765,8 +765,8 @@ MUTANTS = [
     (
         "optimizer state: the load hooks hold the cache weakly",
         "gradient_cache/engine/optimizer_state.py",
-        "        hooks = _LoadHooks(weakref.ref(self))\n",
-        "        hooks = _LoadHooks(lambda: self)  # type: ignore[arg-type]\n",
+        "        hooks = _OptimizerHooks(weakref.ref(self))\n",
+        "        hooks = _OptimizerHooks(lambda: self)  # type: ignore[arg-type]\n",
         "tests/test_state_ownership.py::test_the_load_hooks_hold_the_cache_weakly",
     ),
     (
@@ -803,13 +803,6 @@ MUTANTS = [
         "gradient_cache/engine/optimizer_state.py",
         "        self.wait_on_host()  # before the host overwrites",
         "        pass  # before the host overwrites",
-        "tests/test_stream_order.py::test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact",
-    ),
-    (
-        "optimizer state: the cache's close waits for the copies back",
-        "gradient_cache/engine/optimizer_state.py",
-        "        self.wait_on_host()\n        for handle in self._state_dict_handles:",
-        "        for handle in self._state_dict_handles:",
         "tests/test_stream_order.py::test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact",
     ),
     (
@@ -860,6 +853,8 @@ MUTANTS = [
         '        self._unwaited_state["to the device"] = done\n',
         "",
         "tests/test_stream_order.py::test_a_load_after_a_failed_step_waits_for_the_state_brought_ahead",
+    ),
+    (
         "issue 41 (h5): a nonsense peak from the budget's reader is refused",
         "gradient_cache/budget.py",
         "            measured_peak=checked_peak(self.memory),",
@@ -914,6 +909,8 @@ MUTANTS = [
         "    if offload_optimizer_state and args.fp16:",
         "    if False:",
         "tests/test_transformers.py::test_fp16_with_the_state_offloaded_is_refused_before_any_step",
+    ),
+    (
         "unkept manager: its finalizer detaches it (hooks removed, gradients back in .grad)",
         "gradient_cache/manager.py",
         "        stand_in.remove_hooks()",
@@ -947,6 +944,8 @@ MUTANTS = [
         "            if engine.optimizer_state is not None and engine.store:",
         "            if False:",
         "tests/test_custom_loop_readers.py tests/test_fused_routing.py::test_readers_of_every_gradient_are_refused_with_the_state_on_the_host",
+    ),
+    (
         "memory_budget: a checkpoint carries only the pending step's kept gradients",
         "gradient_cache/engine/checkpoint.py",
         "            if p in pipeline.kept_unstepped and p.grad is not None",
@@ -1050,6 +1049,13 @@ MUTANTS = [
         "        if gradient_bytes is None or not self.offload_optimizer_state:",
         "        if gradient_bytes is None:",
         "tests/test_demo.py::test_cpu_memory_figures_follow_from_the_accounting",
+    ),
+    (
+        "step hooks: the host waits for the state only where a post-hook may read it",
+        "gradient_cache/manager.py",
+        '            if pipeline.optimizer_state is not None and any(\n                not getattr(hook, "reads_no_state", False) for hook in post_hooks\n            ):',
+        "            if pipeline.optimizer_state is not None:",
+        "tests/test_stream_order.py::test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact",
     ),
 ]
 
