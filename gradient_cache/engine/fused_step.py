@@ -145,7 +145,6 @@ def step(
         raise
     if scaler is not None:
         scaling.record(scaler, optimizer, found_inf=False)
-        pipeline.stepped()
     pipeline.finish_step()
     return total_norm
 

@@ -681,12 +681,6 @@ class Pipeline:
         next steps' encodes compute each gradient's norm of that type (`PendingStep.norms`)."""
         self.clip_norm_type = norm_type
 
-    def stepped(self) -> None:
-        """The fused step stepped the delivered step (its optimizer's hook may have fired
-        before the delivery)."""
-        if self.unsettled is not None:
-            self.unsettled.stepped = True
-
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After any optimizer's step: note a step of the cached parameters."""
         scaled = self.unsettled
