@@ -317,3 +317,18 @@ def detach_managers_other_tests_left() -> None:
     gc.collect()
     for attached in list(manager._attached):
         attached.remove_hooks()
+
+
+def stepping_and_off_the_host(
+    manager: gradient_cache.GradientCacheHookManager, optimizer: torch.optim.Optimizer
+) -> tuple[set[torch.nn.Parameter], set[torch.nn.Parameter]]:
+    """During a bucket's update (`after_each_update`): the parameters it steps (those with a
+    gradient) and those whose offloaded state is not their host copy (on the device)."""
+    host = manager.engine.optimizer_state.copies_of(optimizer)
+    stepping = {p for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+    off_host = {
+        p
+        for p, state in optimizer.state.items()
+        if any(v.dim() > 0 and v is not host.get(p, {}).get(k) for k, v in state.items())
+    }
+    return stepping, off_host

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers import FailsOnce, after_each_update, batches, loss_of, make_model
+from helpers import (
+    FailsOnce,
+    after_each_update,
+    batches,
+    loss_of,
+    make_model,
+    stepping_and_off_the_host,
+)
 
 import gradient_cache
 
@@ -150,13 +157,8 @@ def test_only_the_bucket_being_stepped_has_its_state_off_the_host() -> None:
     seen = []
 
     def check(optimizer) -> None:
+        stepping, off_host = stepping_and_off_the_host(manager, optimizer)
         host = manager.engine.optimizer_state.copies_of(optimizer)
-        stepping = {p for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
-        off_host = {
-            p
-            for p, state in optimizer.state.items()
-            if any(v.dim() > 0 and v is not host.get(p, {}).get(k) for k, v in state.items())
-        }
         assert off_host <= stepping
         # and the bucket stepped on device copies, not on the host copies
         assert all(

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import after_each_update
+from helpers import after_each_update, stepping_and_off_the_host
 from torch import nn
 
 import gradient_cache
@@ -195,13 +195,7 @@ def test_a_state_loaded_before_offload_state_of_goes_to_the_host_when_the_step_b
     only_its_own = []
 
     def check(optimizer) -> None:
-        host = cache.engine.optimizer_state.copies_of(optimizer)
-        stepping = {p for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
-        off_host = {
-            p
-            for p, state in optimizer.state.items()
-            if any(v.dim() > 0 and v is not host.get(p, {}).get(k) for k, v in state.items())
-        }
+        stepping, off_host = stepping_and_off_the_host(cache, optimizer)
         only_its_own.append(off_host <= stepping)
 
     after_each_update(optimizer, check)
