@@ -249,23 +249,25 @@ def test_two_models_two_optimizers_and_zero_grad_between_them() -> None:
         assert_same_parameters(a, b)
 
 
+def lbfgs_steps(model: nn.Module, steps: int) -> None:
+    """``steps`` LBFGS steps of ``model`` on one batch, through a closure."""
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    tokens, targets = batches(1)[0]
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = loss_of(model, tokens, targets)
+        loss.backward()
+        return loss
+
+    for _ in range(steps):
+        optimizer.step(closure)
+
+
 def test_closure_optimizers_see_the_closure_gradients() -> None:
-    def run(model: nn.Module) -> None:
-        optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
-        tokens, targets = batches(1)[0]
-
-        def closure() -> torch.Tensor:
-            optimizer.zero_grad()
-            loss = loss_of(model, tokens, targets)
-            loss.backward()
-            return loss
-
-        for _ in range(2):
-            optimizer.step(closure)
-
     plain, cached = make_model(), make_model()
-    run(plain)
-    gradient_cache.optimize(**LOSSLESS)(run)(cached)
+    lbfgs_steps(plain, 2)
+    gradient_cache.optimize(**LOSSLESS)(lbfgs_steps)(cached, 2)
     assert_same_parameters(plain, cached)
 
 
@@ -276,21 +278,10 @@ def test_lbfgs_with_the_state_offloaded_is_refused_and_loses_nothing() -> None:
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
 
-    @gradient_cache.optimize(**LOSSLESS, offload_optimizer_state=True)
-    def run(model: nn.Module) -> None:
-        optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
-        tokens, targets = batches(1)[0]
-
-        def closure() -> torch.Tensor:
-            optimizer.zero_grad()
-            loss = loss_of(model, tokens, targets)
-            loss.backward()
-            return loss
-
-        optimizer.step(closure)
+    run = gradient_cache.optimize(**LOSSLESS, offload_optimizer_state=True)(lbfgs_steps)
 
     with pytest.raises(RuntimeError, match="LBFGS cannot step with offload_optimizer_state=True"):
-        run(model)
+        run(model, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(p.grad is not None for p in model.parameters())
 
