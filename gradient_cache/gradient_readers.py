@@ -51,18 +51,11 @@ import torch.nn.utils.clip_grad as clip_grad
 
 
 class ClipAnswers(Protocol):
-    """What answers a norm or a clip from the cache (a manager)."""
+    """What answers a norm or a clip from the cache (a cache's `OptimizerStep`)."""
 
-    def gradient_norm(
-        self, parameters: torch.Tensor | Iterable[torch.Tensor], *, norm_type: float = 2.0
-    ) -> torch.Tensor: ...
+    def norm(self, params: Iterable[Any], norm_type: float) -> torch.Tensor: ...
 
-    def clip_grads_with_norm_(
-        self,
-        parameters: torch.Tensor | Iterable[torch.Tensor],
-        max_norm: float,
-        total_norm: torch.Tensor,
-    ) -> None: ...
+    def clip(self, params: Iterable[Any], max_norm: float, total: torch.Tensor) -> None: ...
 
 
 class CacheReads(Protocol):
@@ -198,14 +191,14 @@ def _clip_grad_norm(function: Callable[..., Any]) -> Callable[..., Any]:
             _restore(function, params)
             return function(params, max_norm, norm_type, error_if_nonfinite, foreach)
         with torch.no_grad():
-            total = cache.gradient_norm(params, norm_type=norm_type)
+            total = cache.norm(params, float(norm_type))
             if error_if_nonfinite and not bool(torch.isfinite(total)):
                 raise RuntimeError(
                     f"The total norm of order {norm_type} for gradients from `parameters` is "
                     "non-finite, so it cannot be clipped. To disable this error and scale the "
                     "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
                 )
-            cache.clip_grads_with_norm_(params, max_norm, total)
+            cache.clip(params, max_norm, total)
         return total
 
     return clip_grad_norm_
@@ -226,7 +219,7 @@ def _clip_grads_with_norm(function: Callable[..., Any]) -> Callable[..., Any]:
             function(params, max_norm, total_norm, foreach)
             return
         with torch.no_grad():
-            cache.clip_grads_with_norm_(params, max_norm, total_norm)
+            cache.clip(params, max_norm, total_norm)
 
     return clip_grads_with_norm_
 
@@ -256,10 +249,10 @@ def _accelerator_clip(function: Callable[..., Any]) -> Callable[..., Any]:
             # first), then torch's clip_grad_norm_: correct, without the fused path.
             return function(accelerator, params, max_norm, norm_type)
         with torch.no_grad():
-            norm = cache.gradient_norm(params, norm_type=norm_type)
+            norm = cache.norm(params, float(norm_type))
             total = torch.linalg.vector_norm(torch.stack([norm]), norm_type)
             if max_norm != float("inf"):
-                cache.clip_grads_with_norm_(params, max_norm, total)
+                cache.clip(params, max_norm, total)
         return total
 
     return clip_grad_norm_

@@ -13,13 +13,12 @@ from typing import Any, cast
 
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import gradient_readers
 from .budget import BudgetWatch, DeviceMemory, MemoryBudget, device_memory_of
 from .data_parallel import check_data_parallel
-from .engine import checkpoint, fused_step, sharding
+from .engine import checkpoint, sharding
 from .engine.config import (
     DEFAULT_COMPRESSION_RATIO,
     EngineConfig,
@@ -27,8 +26,9 @@ from .engine.config import (
     validate_exclude_layers,
 )
 from .engine.factory import BackendFactory, create_backend
-from .engine.norms import gradient_norm
-from .engine.pipeline import HeldTensors, Pipeline
+from .engine.figures import CacheTensors
+from .engine.pipeline import Pipeline
+from .engine.step import OptimizerStep
 from .model_watch import ParameterWatch
 from .stats import CompressionSummary, compression_summary
 
@@ -137,9 +137,6 @@ class GradientCacheHookManager:
             )
         self.compression_ratio = ratio
         self.config = config
-        # Each parameter's place in model.parameters(): the fused step sums norms in that
-        # order, as clip_grad_norm_ does. Weak keys: a replaced parameter is not kept alive.
-        self._model_order = WeakIdKeyDictionary({p: i for i, (_, p) in enumerate(trainable)})
         self.verbose = verbose
         self._num_excluded = len(trainable) - len(included)
         if verbose and not logger.handlers:
@@ -163,16 +160,34 @@ class GradientCacheHookManager:
         )
         if config.codec is None:
             _warn_of_the_ladders_last_rung(self._pipeline, ratio)
-        self._budget: BudgetWatch | None = None
+        budget = None
         if config.memory_budget is not None:
             device = self._pipeline.backend.device
             memory = device_memory if device_memory is not None else device_memory_of(device)
-            self._budget = BudgetWatch(
+            budget = BudgetWatch(
                 MemoryBudget.parse(config.memory_budget),
                 memory,
                 device.type,
                 warmup_steps=config.warmup_steps,
             )
+        # The step's owner; it holds the manager weakly (the log line), so that a manager no
+        # one keeps is still collected (`_detach_dropped`).
+        this = weakref.ref(self)
+
+        def on_restored(steps_before: int) -> None:
+            manager = this()
+            if manager is not None:
+                manager._log_step(steps_before)
+
+        self._step: OptimizerStep | None = OptimizerStep(
+            self._pipeline,
+            # Each parameter's place in model.parameters(): the fused step sums norms in
+            # that order, as clip_grad_norm_ does. Weak keys: a replaced parameter is not
+            # kept alive.
+            model_order=WeakIdKeyDictionary({p: i for i, (_, p) in enumerate(trainable)}),
+            budget=budget,
+            on_restored=on_restored,
+        )
         # The forward check stays on the module called (outside a compiled graph), under
         # the names it gives.
         called_names = {p: n for n, p in model.named_parameters()}
@@ -221,17 +236,7 @@ class GradientCacheHookManager:
                 "hook_manager.step(optimizer) instead (it takes max_grad_norm= for "
                 "clipping), which brings the state to the device a bucket at a time."
             )
-        self._restore_all()
-
-    def _restore_all(self) -> None:
-        """Every cached gradient back in ``param.grad`` (whatever the optimizer state's
-        place: for the integrations, which restore what other optimizers left)."""
-        pipeline = self._live()
-        steps = pipeline.steps
-        if pipeline.step_pending:
-            self._before_restore()
-        pipeline.apply()
-        self._after_restore(steps)
+        self._live_step().restore_all()
 
     def step(
         self,
@@ -297,7 +302,9 @@ class GradientCacheHookManager:
         if not (_is_positive_number(norm_type) or norm_type == math.inf):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         self._warn_of_a_missing_grad_scaler()
-        return self._fused_step(optimizer, max_grad_norm, float(norm_type), hooked=True)
+        return self._live_step().step(
+            optimizer, max_norm=max_grad_norm, norm_type=float(norm_type), hooks=True
+        )
 
     def _warn_of_a_missing_grad_scaler(self) -> None:
         """Once: the forward ran under float16 autocast and no GradScaler was given. The
@@ -317,50 +324,6 @@ class GradientCacheHookManager:
             stacklevel=3,
         )
 
-    def _fused_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        max_grad_norm: float | None,
-        norm_type: float,
-        *,
-        hooked: bool,
-    ) -> torch.Tensor | None:
-        """The fused step, its buckets stepped without the optimizer's step hooks.
-        ``hooked=True`` (`step`) fires them once around the whole step, as around a plain
-        ``optimizer.step()``; ``hooked=False`` (the integrations) fires none here: they
-        fire once, around the user's own ``optimizer.step()``."""
-        pipeline = self._live()
-        if pipeline.optimizer_state is not None:
-            _refuse_sparse_momentum(pipeline, optimizer)
-        # The pre-hooks' (args, kwargs), once fired: not on a step a GradScaler skips, as
-        # scaler.step() then calls no optimizer.step().
-        fired: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-        steps = pipeline.steps
-        self._before_restore()
-        total_norm = fused_step.step(
-            pipeline,
-            optimizer,
-            max_grad_norm=max_grad_norm,
-            norm_type=norm_type,
-            model_order=self._model_order,
-            step_call=_unhooked_step(optimizer, through_instance=hooked),
-            before_steps=(lambda: fired.append(_fire_pre_hooks(optimizer))) if hooked else None,
-        )
-        self._after_restore(steps)
-        if fired:
-            args, kwargs = fired[0]
-            post_hooks = _step_hook_tables(optimizer)[1]
-            if pipeline.optimizer_state is not None and any(
-                not getattr(hook, "reads_no_state", False) for hook in post_hooks
-            ):
-                # The copies back of the state are complete before a post-hook reads
-                # optimizer.state on the host (an EMA, a logger); without such a hook the
-                # step ends with no host wait (the next forward is queued at once).
-                pipeline.optimizer_state.wait_on_host()
-            for hook in post_hooks:
-                hook(optimizer, args, kwargs)
-        return total_norm
-
     def gradient_norm(
         self, parameters: torch.Tensor | Iterable[torch.Tensor], *, norm_type: float = 2.0
     ) -> torch.Tensor:
@@ -376,14 +339,7 @@ class GradientCacheHookManager:
         (an all-reduce: every rank must call it). The integrations call this in place of
         ``clip_grad_norm_``; a loop of your own can too, with `clip_grads_with_norm_`.
         """
-        params = _parameter_list(parameters)
-        pipeline = self._clip_ready("gradient_norm")
-        norms = pipeline.read_norms(pipeline.parts(params), float(norm_type))
-        for param in params:
-            if param.grad is not None:
-                norms[param] = gradient_norm(sharding.local(param.grad), float(norm_type))
-        order = {param: i for i, param in enumerate(params)}
-        return sharding.global_norm(fused_step.clip_grad_norm_order(norms, order), float(norm_type))
+        return self._live_step().norm(_parameter_list(parameters), float(norm_type))
 
     def clip_grads_with_norm_(
         self,
@@ -400,38 +356,7 @@ class GradientCacheHookManager:
         covers and clips them in place. A backward before the step first restores the
         clipped gradients (plain PyTorch adds the next micro-batch to clipped gradients).
         """
-        params = _parameter_list(parameters)
-        pipeline = self._clip_ready("clip_grads_with_norm_")
-        cached = [param for param in params if param in pipeline.store]
-        if cached and not set(pipeline.store) <= set(params):
-            pipeline.deliver_and_restore(cached)
-            cached = []
-        # clip_grads_with_norm_'s factor, in its bits, and its product with each gradient.
-        factor = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-        for param in params:
-            if param.grad is not None:
-                grad = sharding.local(param.grad)
-                grad.mul_(factor.to(grad.device))
-        if cached:
-            pipeline.defer_clip(factor.to(pipeline.backend.device))
-
-    def _clip_ready(self, caller: str) -> Pipeline:
-        """The pipeline, drained, with nothing cached that a device gradient also holds and
-        no deferred clip (what it clipped is restored): the state `gradient_norm` and
-        `clip_grads_with_norm_` read."""
-        pipeline = self._live()
-        if pipeline.grad_scaler is not None and pipeline.grad_scaler.is_enabled():
-            raise RuntimeError(
-                f"{caller}() cannot run with an enabled GradScaler given to the cache: the "
-                "cached gradients are scaled. Call step(optimizer, max_grad_norm=...), "
-                "which unscales, clips and steps, in place of unscale_, clip_grad_norm_ "
-                "and scaler.step."
-            )
-        pipeline.drain()
-        if pipeline.deferred_clip is not None:
-            self._restore_all()  # clipped again: from the clipped gradients, on the device
-        pipeline.deliver_and_restore(p for p in pipeline.store if p.grad is not None)
-        return pipeline
+        self._live_step().clip(_parameter_list(parameters), max_norm, total_norm)
 
     def offload_state_of(self, optimizer: torch.optim.Optimizer) -> None:
         """With ``offload_optimizer_state=True``: ``optimizer``'s state now on the device
@@ -439,30 +364,7 @@ class GradientCacheHookManager:
         it loads there, never on the device. ``step(optimizer)`` does both itself when it
         begins; call it before loading when resuming, else the loaded state sits on the
         device, whole, until then. The integrations call it when training starts."""
-        pipeline = self._live()
-        if pipeline.optimizer_state is None:
-            raise RuntimeError(
-                "offload_state_of() needs offload_optimizer_state=True in "
-                "create_gradient_cache(...): without it the state stays on the device."
-            )
-        pipeline.optimizer_state.attach(optimizer)
-        pipeline.optimizer_state.send_to_host(optimizer)
-        pipeline.optimizer_state.wait_on_host()  # the host may read them next (a checkpoint)
-
-    def _offload_loaded_state(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """For the integrations, when training starts (before any forward): the state a
-        framework loaded on resume (and moved to the device) to host memory, for each of
-        ``optimizers`` that steps a parameter this cache holds (its step is the fused one);
-        a memory budget then measures from here. Nothing without ``offload_optimizer_state``."""
-        pipeline = self._live()
-        if pipeline.optimizer_state is None:
-            return
-        for optimizer in optimizers:
-            owned = (p for group in optimizer.param_groups for p in group["params"])
-            if any(param in pipeline.records for param in owned):
-                self.offload_state_of(optimizer)
-        if self._budget is not None:
-            self._budget.measure_from_now()  # before any forward: the steps are measured
+        self._live_step().offload_state_of(optimizer)
 
     def discard_gradients(self) -> None:
         """Drop every cached gradient, as ``optimizer.zero_grad()`` drops device ones.
@@ -549,7 +451,7 @@ class GradientCacheHookManager:
         return compression_summary(
             self._live(),
             num_excluded=self._num_excluded,
-            memory_budget="" if self._budget is None else self._budget.note,
+            memory_budget=self._budget_note(),
         )
 
     # --- switches and lifetime ----------------------------------------------------
@@ -576,7 +478,7 @@ class GradientCacheHookManager:
         """
         if self._pipeline is None:
             return
-        pipeline, self._pipeline = self._pipeline, None
+        pipeline, self._pipeline, self._step = self._pipeline, None, None
         self._watch.remove()
         _detached()
         try:
@@ -596,16 +498,22 @@ class GradientCacheHookManager:
     ) -> None:
         self.remove_hooks()
 
-    def held_tensors(self) -> HeldTensors:
-        """The tensors the cache holds now, host and device (`HeldTensors`), for memory
+    def cache_tensors(self) -> CacheTensors:
+        """The tensors the cache has now, host and device (`CacheTensors`), for memory
         accounting; empty once closed, when everything went back to ``param.grad``."""
-        return HeldTensors() if self._pipeline is None else self._pipeline.held_tensors()
+        return CacheTensors() if self._pipeline is None else self._pipeline.cache_tensors()
 
     @property
     def engine(self) -> Pipeline | None:
         """The engine, for tests and benchmarks that look inside; None once closed.
         Internal: its attributes may change between versions."""
         return self._pipeline
+
+    @property
+    def optimizer_step(self) -> OptimizerStep | None:
+        """The owner of the step (`engine.step.OptimizerStep`), which the integrations
+        call; None once closed."""
+        return self._step
 
     # --- helpers ------------------------------------------------------------------
 
@@ -617,18 +525,17 @@ class GradientCacheHookManager:
             )
         return self._pipeline
 
-    def _before_restore(self) -> None:
-        """A memory budget decides before the restore of the step after the first one past
-        the warm-up: its measurement then holds whole steps, the optimizer's (which
-        creates the state) included."""
-        if self._budget is not None:
-            self._budget.before_restore(self._live())
+    def _live_step(self) -> OptimizerStep:
+        self._live()  # raises once closed
+        assert self._step is not None  # set and cleared with the pipeline
+        return self._step
 
-    def _after_restore(self, steps_before: int) -> None:
-        """After a restore (a restore may find nothing): a memory budget's sample, and,
-        where it completed a step, the verbose log line."""
-        if self._budget is not None:
-            self._budget.sample()
+    def _budget_note(self) -> str:
+        budget = None if self._step is None else self._step.budget
+        return budget.note if isinstance(budget, BudgetWatch) else ""
+
+    def _log_step(self, steps_before: int) -> None:
+        """After a restore: the verbose log line, where it completed a step."""
         steps = self._live().steps
         if self.verbose and steps > steps_before and steps % self.config.checkpoint_frequency == 0:
             summary = self.summary()
@@ -709,39 +616,38 @@ class ManagerReads:
     def restore(self, reader: str, parameters: list[torch.Tensor] | None) -> None:
         """The cached gradients of every manager caching any of ``parameters`` (None:
         every manager) back in ``param.grad``, before ``reader`` reads them."""
-        for manager in self._caching(parameters):
-            engine = manager._live()
-            manager.compress_and_free_gradients()
-            if engine.optimizer_state is not None and engine.store:
-                raise RuntimeError(
-                    f"{reader} needs every gradient on the device at once here, which with "
-                    "offload_optimizer_state=True would need the whole optimizer state there "
-                    f"too at the step. {self._fix}"
-                )
-            manager._restore_all()
+        refusal = (
+            f"{reader} needs every gradient on the device at once here, which with "
+            "offload_optimizer_state=True would need the whole optimizer state there "
+            f"too at the step. {self._fix}"
+        )
+        for step in self._caching(parameters):
+            step.restore_all(refusal=refusal)
 
-    def cache_for(self, parameters: list[torch.Tensor]) -> GradientCacheHookManager | None:
-        """The one manager caching gradients of ``parameters`` with a step pending, which
-        answers a norm or clip over them without restoring; None where that is not so (no
-        manager or several, nothing pending, a GradScaler given to the cache)."""
+    def cache_for(self, parameters: list[torch.Tensor]) -> OptimizerStep | None:
+        """The one cache holding gradients of ``parameters`` with a step pending, which
+        answers a norm or clip over them without restoring (`OptimizerStep.norm`,
+        ``clip``); None where that is not so (no cache or several, nothing pending, a
+        GradScaler given to the cache)."""
         # The parameters it caches and whether a step is pending, not the gradients it
         # holds now: the same on every rank (under FSDP2 a rank may hold no part of a
         # gradient while the others do, and all must take the same path: the norm is
         # all-reduced).
-        holders = [m for m in self._caching(parameters) if m._live().step_pending]
+        holders = [step for step in self._caching(parameters) if step.pipeline.step_pending]
         if len(holders) != 1:
             return None
         (holder,) = holders
-        scaler = holder._live().grad_scaler
+        scaler = holder.pipeline.grad_scaler
         return None if scaler is not None and scaler.is_enabled() else holder
 
-    def _caching(self, parameters: list[torch.Tensor] | None) -> list[GradientCacheHookManager]:
-        """The attached managers caching any of ``parameters`` (None: every one)."""
+    def _caching(self, parameters: list[torch.Tensor] | None) -> list[OptimizerStep]:
+        """The steps of the attached managers caching any of ``parameters`` (None: every
+        one)."""
+        steps = (manager.optimizer_step for manager in self._managers())
         return [
-            manager
-            for manager in self._managers()
-            if manager.engine is not None
-            and (parameters is None or any(p in manager.engine.records for p in parameters))
+            step
+            for step in steps
+            if step is not None and (parameters is None or step.caches(parameters))
         ]
 
 
@@ -795,67 +701,6 @@ def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Modu
             )
 
 
-def _step_hook_tables(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
-    """The pre- and post-hooks ``optimizer.step()`` fires, in the order torch fires them
-    (`Optimizer.profile_hook_step`): global pre-hooks first, global post-hooks last."""
-    pre = [*_global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()]
-    post = [*optimizer._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()]
-    return pre, post
-
-
-def _fire_pre_hooks(
-    optimizer: torch.optim.Optimizer,
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The step pre-hooks, once, as ``optimizer.step()`` fires them (with its arguments:
-    the optimizer, no closure); the arguments a hook may return go to the post-hooks."""
-    args: tuple[Any, ...] = (optimizer,)
-    kwargs: dict[str, Any] = {}
-    for hook in _step_hook_tables(optimizer)[0]:
-        result = hook(optimizer, args, kwargs)
-        if result is not None:
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(
-                    f"A step pre-hook of {type(optimizer).__name__} must return None or a "
-                    f"tuple of (new_args, new_kwargs), but got {result!r}."
-                )
-            args, kwargs = result
-    return args, kwargs
-
-
-def _unhooked_step(
-    optimizer: torch.optim.Optimizer, *, through_instance: bool = False
-) -> Callable[[], object]:
-    """``optimizer.step()`` with no step hook firing: while it runs, the global and the
-    optimizer's hook tables are emptied (a subclass's ``super().step()`` reaches its
-    parent's hooked wrapper, which would fire them, and the integrations' own pre-hook,
-    again). ``through_instance``: call ``optimizer.step`` itself, so that an instance
-    wrapper (an LR scheduler's, which notes that the optimizer stepped) runs, as it would
-    around a plain step; else the class's ``step`` as it was before ``Optimizer.__init__``
-    wrapped it in ``profile_hook_step`` (marked ``hooked``), no instance wrapper: the
-    integrations' user calls ``optimizer.step()`` itself."""
-    step: Any = type(optimizer).step  # typed as overloads, which name no __wrapped__
-    unwrapped = step.__wrapped__ if getattr(step, "hooked", False) else step
-    original = (lambda _: optimizer.step()) if through_instance else unwrapped
-    tables: list[dict[int, Any]] = [
-        _global_optimizer_pre_hooks,
-        _global_optimizer_post_hooks,
-        optimizer._optimizer_step_pre_hooks,
-        optimizer._optimizer_step_post_hooks,
-    ]
-
-    def step_once() -> object:
-        saved = [dict(table) for table in tables]
-        for table in tables:
-            table.clear()
-        try:
-            return original(optimizer)
-        finally:
-            for table, hooks in zip(tables, saved, strict=True):
-                table.update(hooks)  # the same keys, in order: handles still remove them
-
-    return step_once
-
-
 def _parameter_list(
     parameters: torch.Tensor | Iterable[torch.Tensor],
 ) -> list[torch.nn.Parameter]:
@@ -864,31 +709,6 @@ def _parameter_list(
     tensor is found in no store and counts by its ``.grad``, as clip_grad_norm_ counts it."""
     tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     return cast(list[torch.nn.Parameter], tensors)
-
-
-def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> None:
-    """Raise, before anything steps, where SGD with momentum meets a sparse gradient: its
-    momentum buffer is then a sparse tensor, which the state offload's dense host copies
-    cannot hold (torch's "copy_() between dense and sparse" after the step, on every retry).
-    SparseAdam's and Adagrad's states are dense: they step as usual."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return
-    for group in optimizer.param_groups:
-        sparse = [p for p in group["params"] if p.grad is not None and p.grad.is_sparse]
-        if group["momentum"] == 0 or not sparse:
-            continue
-        record = pipeline.records.get(sparse[0])
-        name = (
-            record.name if record is not None else f"a parameter of shape {tuple(sparse[0].shape)}"
-        )
-        raise RuntimeError(
-            f"{name} has a sparse gradient (nn.Embedding(sparse=True), say), and SGD with "
-            f"momentum={group['momentum']} keeps a sparse momentum buffer for it, which "
-            "offload_optimizer_state=True cannot keep in host memory (its host copies are "
-            "dense). Nothing was stepped. Step that parameter with an optimizer whose state "
-            "is dense (torch.optim.SparseAdam, Adagrad) or SGD without momentum, make the "
-            "embedding dense (sparse=False), or drop offload_optimizer_state=True."
-        )
 
 
 def _is_positive_number(value: Any) -> bool:

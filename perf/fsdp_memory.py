@@ -74,7 +74,7 @@ def measure(model_size: str, ratio: float | None, fused: bool, batch_size: int) 
 
     def waiting() -> list[torch.Tensor]:
         # The gradients in the cache's open bucket: still device tensors on a GPU.
-        return [] if cache is None else list(cache.held_tensors().waiting)
+        return [] if cache is None else list(cache.cache_tensors().waiting)
 
     def after_hook(param: torch.nn.Parameter) -> None:
         if measuring:

@@ -66,7 +66,7 @@ def step_peak(
 
         def host() -> tuple[torch.Tensor, ...]:
             try:
-                return gradient_cache.manager_of(model).held_tensors().host
+                return gradient_cache.manager_of(model).cache_tensors().host
             except RuntimeError:  # no decorated call running: no cache
                 return ()
 

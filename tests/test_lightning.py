@@ -213,7 +213,7 @@ def test_the_fused_step_lowers_the_steps_device_peak(state_on_host: bool) -> Non
 
         def host(callback: GradientCacheCallback = callback) -> tuple[torch.Tensor, ...]:
             manager = callback._manager
-            return () if manager is None else manager.held_tensors().host
+            return () if manager is None else manager.cache_tensors().host
 
         meter = TensorMemoryTracker(params=list(model.parameters()), host=host)
         peak = StepPeak(meter)

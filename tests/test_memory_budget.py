@@ -102,7 +102,7 @@ def test_room_to_spare_keeps_everything_on_the_device() -> None:
 
 
 def kept(manager, kind: str) -> int:
-    decision = manager._budget.decision
+    decision = manager.optimizer_step.budget.decision
     return len(decision.kept_names(kind))
 
 
@@ -117,7 +117,7 @@ def test_tighter_takes_compressed_gradients_off_first_then_the_state() -> None:
     assert kept(manager, "gradient") == 0
     _, manager, _ = budgeted_run(room=state // 2, ratio=4)
     assert 0 < kept(manager, "optimizer state") < parameters
-    assert manager._budget.decision.kept_bytes <= state // 2
+    assert manager.optimizer_step.budget.decision.kept_bytes <= state // 2
     _, manager, _ = budgeted_run(room=0, ratio=4)
     assert kept(manager, "optimizer state") == kept(manager, "gradient") == 0
     assert manager.summary().optimizer_state_moved_mb > 0
@@ -129,7 +129,7 @@ def test_a_decision_midway_trains_bit_for_bit_as_plain() -> None:
     train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), steps=5)
     model, manager, _ = budgeted_run(room=gradient_bytes() * 3 // 2, steps=5)
     assert kept(manager, "optimizer state") and kept(manager, "gradient")
-    assert manager._budget.decision.offloaded  # and some left the device
+    assert manager.optimizer_step.budget.decision.offloaded  # and some left the device
     assert_same_parameters(plain, model)
 
 
@@ -392,7 +392,7 @@ def decided(memory: FakeMemory, budget: str, *, steps: int = 3, **options):
         model, memory_budget=budget, device_memory=memory, **(OPTIONS | options)
     )
     train(model, optimizer, manager, steps)
-    return manager._budget
+    return manager.optimizer_step.budget
 
 
 def test_the_measure_counts_the_allocators_reserve_and_what_lies_outside_it() -> None:
@@ -426,7 +426,7 @@ def test_an_outside_reset_between_samples_does_not_lower_the_measure() -> None:
     train(model, optimizer, manager, steps=1)
     memory.peak = 10 * MIB  # torch.cuda.reset_peak_memory_stats() from outside
     train(model, optimizer, manager, steps=2)
-    assert manager._budget.decision.measured_peak == 100 * MIB
+    assert manager.optimizer_step.budget.decision.measured_peak == 100 * MIB
 
 
 def test_the_cuda_reader_takes_the_reserve_the_outside_bytes_and_the_cap(monkeypatch) -> None:

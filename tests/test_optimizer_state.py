@@ -385,7 +385,7 @@ def test_an_allocation_failing_while_the_state_is_created_is_retried_as_plain(
 
 
 def test_the_memory_accounting_counts_the_state_as_host_memory() -> None:
-    """The demo's tensor accounting (`held_tensors`): between steps the optimizer state's
+    """The demo's tensor accounting (`cache_tensors`): between steps the optimizer state's
     host copies are host bytes, and the device holds only its scalars (AdamW's steps)."""
     from gradient_cache.demo.accounting import OPTIMIZER_STATE, device_memory_meter
 

@@ -313,5 +313,5 @@ def test_a_budget_measures_from_training_start_not_from_the_loaded_state() -> No
         model, memory_budget="50%", device_memory=memory, **OPTIONS
     )
     assert memory.resets == 1  # at creation
-    manager._offload_loaded_state([optimizer])
+    manager.optimizer_step.offload_loaded_state([optimizer])
     assert memory.resets == 2

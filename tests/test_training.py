@@ -17,7 +17,7 @@ from helpers import (
 )
 
 import gradient_cache
-from gradient_cache.engine import pipeline
+from gradient_cache.engine import step as step_module
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -234,9 +234,9 @@ def test_the_encodes_compute_the_clip_norms_once_a_clipped_step_asked(
     manager = gradient_cache.create_gradient_cache(model, compression_ratio=4, **SMALL_BUCKETS)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     from_payloads = []
-    norm = pipeline.gradient_norm  # what reads a cached gradient's norm from its payload
+    norm = step_module.gradient_norm  # what reads a cached gradient's norm from its payload
     monkeypatch.setattr(
-        pipeline, "gradient_norm", lambda grad, p: from_payloads.append(grad) or norm(grad, p)
+        step_module, "gradient_norm", lambda grad, p: from_payloads.append(grad) or norm(grad, p)
     )
     norm_types = [2.0, 2.0, 2.0, float("inf"), float("inf"), None, 2.0]
     read_payloads = []

@@ -154,10 +154,10 @@ def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, Tensor
     """
 
     def host() -> tuple[torch.Tensor, ...]:
-        return cache.held_tensors().host
+        return cache.cache_tensors().host
 
     def scratch() -> tuple[torch.Tensor, ...]:
-        return cache.held_tensors().scratch
+        return cache.cache_tensors().scratch
 
     return host, scratch
 

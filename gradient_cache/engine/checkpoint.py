@@ -22,6 +22,7 @@ from . import sharding, state_check
 from .backend import Encoded
 from .layout import contiguous_strides
 from .pipeline import Pipeline
+from .records import GradientAt
 
 # 2: generators named by codec ("topk.selection"); the codec among the recipe fields.
 # 3: int8 values draw their rounding noise from a dither (a draw counter, not a generator).
@@ -114,8 +115,8 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
         # optimizer checkpoint holds them): those of the pending step, whole, by name.
         "kept_gradients": {
             names[p]: _cpu(p.grad)
-            for p in pipeline.records
-            if p in pipeline.kept_unstepped and p.grad is not None
+            for p, record in pipeline.records.items()
+            if record.gradient is GradientAt.KEPT_ON_DEVICE and p.grad is not None
         },
         # Payloads and residuals are in memory order (`layout`): the layouts not contiguous.
         "layouts": {
@@ -131,7 +132,7 @@ def load(pipeline: Pipeline, state: Any) -> None:
     _check(pipeline, state)
     by_name = pipeline.params_by_name()
     pipeline.restart_at(state["steps"])  # the routes (and pool) the saved step had
-    pipeline.clip_with(state.get("clip_norm_type"))  # absent: saved before it was kept
+    pipeline.compute_norms(state.get("clip_norm_type"))  # absent: saved before it was kept
     # Generator states are device-specific (a CPU and a CUDA generator's differ in kind).
     same_kind = state["random_device"] == pipeline.backend.device.type
     pipeline.set_random_state(state["random_state"] if same_kind else {})

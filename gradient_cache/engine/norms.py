@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 import torch
 from torch.utils._foreach_utils import _has_foreach_support
@@ -73,3 +74,32 @@ def norm_slots(
         slots[param] = (param.dtype, counts[param.dtype])
         counts[param.dtype] += 1
     return slots
+
+
+def clip_factor(max_norm: float, total: torch.Tensor) -> torch.Tensor:
+    """``clip_grads_with_norm_``'s factor, in its bits: ``max_norm / (total + 1e-6)``, at
+    most 1. The one place the clip factor is computed (the fused step's clip, a clip
+    answered from the cache)."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+Norm = TypeVar("Norm")
+
+
+def clip_grad_norm_order(
+    norms: dict[torch.nn.Parameter, Norm], model_order: Mapping[torch.nn.Parameter, int]
+) -> list[tuple[torch.nn.Parameter, Norm]]:
+    """``norms`` in the order ``clip_grad_norm_(model.parameters())`` sums them: grouped by
+    device and dtype (in order of first appearance), each group in the model's order.
+
+    A sum of floats depends on its order, so any other (the optimizer's: nanoGPT's decay
+    and no-decay groups) gives another norm in the last bit, and the weights drift. The
+    order is the same in every process, so under FSDP2 every rank sums alike. Parameters
+    the model does not list (another module's, in the same optimizer) go last.
+    """
+    last = len(model_order)
+    ordered = sorted(norms, key=lambda param: model_order.get(param, last))
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+    for param in ordered:
+        groups.setdefault((param.device, param.dtype), []).append(param)
+    return [(param, norms[param]) for group in groups.values() for param in group]

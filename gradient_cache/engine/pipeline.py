@@ -1,171 +1,56 @@
-"""The engine: hooks → buckets → encode → host memory → restore.
+"""The pipeline: hooks → buckets → encode → host memory → restore.
 
 Backward's post-accumulate-grad hook takes each gradient as soon as it is complete,
 frees it from the parameter and adds it to the open bucket; a full bucket is encoded by
 each parameter's route and sent to host memory while backward goes on. `drain()` flushes
-the partial bucket and waits; `apply()` and `fused_step.step()` restore. What is cached
-lives in the `GradientStore`, residuals in the backend's `ResidualStore`.
+the partial bucket and waits; `restoring` is the one path that takes payloads out of the
+store. The pipeline owns the step's state machine (`step_state`); what a step does with
+the restored gradients is the step's (`engine/step.py`).
 """
 
 from __future__ import annotations
 
-import enum
+import contextlib
 import math
 import weakref
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Sequence
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..codecs.generators import RandomSource
 from . import sharding
-from .backend import Encoded
-from .bucket import BucketAssembler, Item
+from .backend import Encoded, Restore
+from .bucket import BucketAssembler, BucketState, Item
 from .config import EngineConfig
 from .factory import BackendFactory, create_backend
+from .figures import CacheTensors, LayerFigures, StepFigures
 from .layout import gradient_strides
-from .norms import StepNorms, gradient_norm, norm_slots
+from .norms import StepNorms, norm_slots
 from .optimizer_state import HostOptimizerState
+from .records import CachedParam, GradientAt, GroupArrivals
 from .route import Codecs, Route, RoutePlan
+from .scaling import SkipWatch, loss_scale
+from .step_state import (
+    ADVICE,
+    CACHED,
+    CAPTURING,
+    IDLE,
+    INTERRUPTED,
+    PHASES_FROM,
+    STEPPING,
+    Clip,
+    HeldProgress,
+    PendingStep,
+    StepState,
+    StepStateError,
+)
 from .store import BucketPayloads, GradientStore
 
 Param = torch.nn.Parameter
-
-
-@dataclass
-class LayerRecord:
-    """What one parameter's gradient cost in the last completed step."""
-
-    numel: int
-    dense_bytes: int
-    stored_bytes: int
-    kept: int
-    compressed: bool
-    codec: str  # the name of the codec that encoded it
-
-
-@dataclass
-class GroupArrivals:
-    """Gradients of one group (`Pipeline`'s ``groups``) arrived in this backward so far."""
-
-    size: int
-    count: int = 0
-
-
-@dataclass
-class CachedParam:
-    """One cached parameter's facts, gathered once when the pipeline is made."""
-
-    name: str
-    param: Param
-    route: Route  # at the current step: the pipeline moves it on where the warm-up ends
-    group: GroupArrivals | None  # FSDP2: the gradients it arrives with, in one buffer
-    sharded: bool  # a DTensor: its gradient is taken as this rank's shard and handed back
-
-
-@dataclass(frozen=True)
-class HeldTensors:
-    """The tensors the engine holds at one moment, for memory accounting.
-
-    ``host``: in host memory: the cached payloads, the error-feedback residuals kept on the
-    host (``residual_location="host"``), the random states kept to undo the pending step and
-    the optimizer state's host copies (``offload_optimizer_state``).
-    ``scratch``: on the device: the codecs' reusable buffers (held within a backward) and
-    their fixed tables. ``waiting``: on the device: gradients waiting in the open bucket.
-    """
-
-    host: tuple[torch.Tensor, ...] = ()
-    scratch: tuple[torch.Tensor, ...] = ()
-    waiting: tuple[torch.Tensor, ...] = ()
-
-
-@dataclass
-class StepRecord:
-    layers: dict[str, LayerRecord] = field(default_factory=dict)
-
-
-@dataclass
-class ScaledStep:
-    """A completed step a GradScaler may have skipped, and what it changed in the engine."""
-
-    scale_version: int  # the scale tensor's in-place version when the step was delivered
-    random_state: dict[str, torch.Tensor]  # the generators' states before its backward
-    steps: int  # the step count before it
-    stepped: bool = False  # an optimizer holding a cached parameter stepped since
-
-
-class StepState(enum.Enum):
-    """Where the pending step is in its life; `Pipeline` moves it, phase by phase."""
-
-    IDLE = "idle"  # no step pending: nothing cached, waiting in a bucket or held back
-    CAPTURING = "capturing"  # backward hands gradients over; buckets may be in flight
-    CACHED = "cached"  # drained: host memory holds every gradient of the step
-    STEPPING = "stepping"  # a restore delivered part of it (counted); the rest is cached
-    INTERRUPTED = "interrupted"  # a fused step raised; its retry reuses the kept clip
-
-
-IDLE, CAPTURING, CACHED, STEPPING, INTERRUPTED = StepState
-# Each phase and the states it may start from (where it leads is the phase's to decide).
-PHASES_FROM: dict[str, frozenset[StepState]] = {
-    "capture": frozenset({IDLE, CAPTURING, CACHED, STEPPING}),
-    "launch": frozenset({CAPTURING}),
-    "drain": frozenset(StepState),
-    "deliver": frozenset({CACHED, STEPPING}),
-    "finish": frozenset({IDLE, CACHED, STEPPING}),
-    "interrupt": frozenset({IDLE, CACHED, STEPPING}),
-    "retry": frozenset({INTERRUPTED}),
-    "discard": frozenset(StepState),
-    "restart": frozenset({IDLE}),
-    "resume": frozenset({IDLE}),
-}
-# Why a phase cannot start from a state, where a user's call order can get there.
-_ADVICE = {
-    INTERRUPTED: "a fused step(optimizer) raised and was neither retried nor discarded: call "
-    "step(optimizer) again to finish that step, or discard_gradients(), first",
-}
-
-# A fused step's global gradient norm and clip factor (None, None without clipping).
-Clip = tuple[torch.Tensor | None, torch.Tensor | None]
-
-
-@dataclass
-class HeldProgress:
-    """A fused step's progress on its device gradients (`fused_step`), kept for the retry
-    when it raises: those already multiplied in place by the step's factor (unscale and
-    clip: not twice), and those already stepped (not twice either)."""
-
-    scaled: set[torch.nn.Parameter] = field(default_factory=set)
-    stepped: set[torch.nn.Parameter] = field(default_factory=set)
-
-
-@dataclass
-class PendingStep:
-    """The pending step: from its first gradient until all it cached is restored or dropped."""
-
-    # The engine's generators as it found them (None: unknown, a checkpoint made on another
-    # kind of device); `discard` rewinds them.
-    random_state: dict[str, torch.Tensor] | None
-    # With an enabled GradScaler: whether any gradient it encoded was not finite (a device
-    # bool, written by the encodes); None without a scaler, or unknown (a resumed step).
-    found_inf: torch.Tensor | None = None
-    # Each encoded gradient's norm of the type the last clipped fused step used, written
-    # by its last encode (the accumulated gradient's); None: the encodes compute none.
-    norms: StepNorms | None = None
-    counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
-    clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
-    held: HeldProgress | None = None  # INTERRUPTED: and how far it got with device gradients
-    # A clip_grad_norm_ answered from the cache (`defer_clip`): the factor every gradient
-    # of the step still cached is multiplied by as it is restored, as plain PyTorch
-    # multiplied it in place at the clip. None: no such clip.
-    deferred_clip: torch.Tensor | None = None
-    norm_read: bool = False  # a norm was read from the cache (`read_norms`) in this step
-
-
-class StepStateError(RuntimeError):
-    """A phase of a step started from a state it cannot start from."""
-
+NONE, OPEN_BUCKET, IN_FLIGHT, STORED, KEPT_ON_DEVICE, HELD_FOR_STEP = GradientAt
 
 # Parameters whose gradients a live pipeline's hooks take. A second pipeline on one of them
 # would take gradients the first counts on; identity keys, since tensors compare by value.
@@ -197,42 +82,15 @@ class Pipeline:
         self.ratio = ratio
         params = [param for _, param in named_params]
         sharding.check_placements(named_params)
+        _refuse_cached_twice(named_params)
         self._gradient_checked = False
-        group_of: dict[Param, GroupArrivals] = {}
-        for group in groups:
-            members = [p for p in group if p in set(params)]
-            arrivals = GroupArrivals(len(members))
-            group_of.update(dict.fromkeys(members, arrivals))
-        taken = [name for name, param in named_params if param in _cached_params]
-        if taken:
-            raise ValueError(
-                f"{len(taken)} of these parameters ({', '.join(taken[:3])}"
-                f"{', ...' if len(taken) > 3 else ''}) are already cached by another "
-                "GradientCacheHookManager; one model takes one manager. Call remove_hooks() "
-                "on the other one (or leave its with-block) before creating this one; a "
-                "notebook cell run twice must reuse the first manager or rebuild the model."
-            )
         shapes = {p: (tuple(sharding.local_shape(p)), p.dtype) for p in params}
-        strides = {p: gradient_strides(sharding.local(p)) for p in params}
-        plans: list[RoutePlan[Param]] = []
-
-        def plan(selection: str) -> dict[Param, Route]:
-            """The routes, planned on the first call (the backend's, for its budget check)."""
-            if config.selection != "auto":
-                selection = config.selection
-            if not plans:
-                codecs = Codecs.for_options(config, ratio=ratio, selection=selection)
-                plans.append(
-                    RoutePlan(
-                        shapes, codecs=codecs, config=config, selection=selection, strides=strides
-                    )
-                )
-            return plans[0].at(0)
-
+        planner = _Planner(
+            shapes, {p: gradient_strides(sharding.local(p)) for p in params}, config, ratio
+        )
         # Checks the host budget before it allocates anything; no hook exists yet either.
-        self.backend = backend_factory(params, config, plan=plan)
-        plan(self.backend.default_selection)  # a factory that did not ask plans here
-        self.plan = plans[0]
+        self.backend = backend_factory(params, config, plan=planner)
+        self.plan = planner.plan_for(self.backend.default_selection)
         self.codecs = self.plan.codecs
         # The optimizer's state in host memory between fused steps (offload_optimizer_state).
         self.optimizer_state = (
@@ -241,6 +99,7 @@ class Pipeline:
             else None
         )
         self.steps = 0
+        group_of = _arrival_groups(groups, params)
         self.records = {
             param: CachedParam(
                 name=name,
@@ -257,41 +116,22 @@ class Pipeline:
         dense_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
         self.assembler = BucketAssembler(config.bucket_bytes(dense_bytes))
         self.enabled = True  # `set_enabled`
-        # Gradients a memory budget keeps on the device (`keep_on_device`), and those of
-        # them whose ``.grad`` holds a part of a step not yet restored (`kept_stepped`
-        # ends it): a checkpoint carries these, as it carries the cached ones.
-        self.kept_on_device: set[Param] = set()
-        self.kept_unstepped: set[Param] = set()
         # Error feedback keeps its residual unscaled by this GradScaler's current scale.
         self.grad_scaler = grad_scaler
-        self.last_step = StepRecord()
+        self.last_step = StepFigures()
         # The step's life: its state, and its record while one is pending (None in IDLE).
         self.state = IDLE
         self.pending: PendingStep | None = None
-        # The last completed step until the engine has learnt whether the GradScaler
-        # skipped it (`settle_scaled_step`); None without a scaler.
-        self.unsettled: ScaledStep | None = None
-        # The norm type the last fused step clipped by (`clip_with`).
+        # The norm type the fused steps clip by (`compute_norms`): the encodes compute it.
         self.clip_norm_type: float | None = None
-        # The cached gradients fused steps took in the pending step (or the last one, until
-        # the next begins), each with the optimizer that stepped it (a weak reference).
-        self.stepped_by: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._norm_slots = norm_slots(params)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-        if grad_scaler is not None:
-            # Whether an optimizer stepped after a step's restore: with the scaler's update,
-            # the skip verdict, known on the host (`settle_scaled_step`). Every optimizer's
-            # hook, so it holds the pipeline weakly.
-            this = weakref.ref(self)
-
-            def on_optimizer_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
-                pipeline = this()
-                if pipeline is not None:
-                    pipeline._on_optimizer_step(optimizer)
-
-            # It reads no optimizer state: the fused step need not wait on the host for it.
-            on_optimizer_step.reads_no_state = True  # type: ignore[attr-defined]
-            self._handles.append(register_optimizer_step_post_hook(on_optimizer_step))
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params
+        ]
+        # Whether the GradScaler skipped the last completed step (`settle_scaled_step`).
+        self.skips = None if grad_scaler is None else SkipWatch(grad_scaler, self.records)
+        if self.skips is not None:
+            self._handles.append(self.skips.handle)
         for param in params:
             _cached_params[param] = True
 
@@ -320,15 +160,16 @@ class Pipeline:
             return  # sparse (nn.Embedding(sparse=True)) gradients stay where they are
         if not self.enabled:
             return  # left on the device; what is cached joins it at the restore
-        if param in self.kept_on_device:
-            self.kept_unstepped.add(param)  # left on the device, part of the pending step
+        record = self.records[param]
+        if record.keep_on_device:
+            record.gradient = KEPT_ON_DEVICE  # left in .grad, part of the pending step
             return
         if self.deferred_clip is not None:
             # A backward after a clip answered from the cache: plain PyTorch adds to the
             # clipped gradients, so they come back clipped first (a restore, once).
             self._restore_clipped()
         if not self._gradient_checked:
-            sharding.check_gradient_is_reduced(self.records[param].name, grad)
+            sharding.check_gradient_is_reduced(record.name, grad)
             self._gradient_checked = True
         self._capture()
         param.grad = None
@@ -337,8 +178,9 @@ class Pipeline:
             # the waiting bucket goes first, so the cached part joins the second gradient
             # before the third does ((a + b) + c, plain PyTorch's order).
             self._launch(self.assembler.flush() or [])
-        group_complete = self._group_complete(param)
+        group_complete = self._group_complete(record.group)
         items = self.assembler.add(param, sharding.local(grad))
+        record.gradient = OPEN_BUCKET
         if items is None and group_complete:
             # The group's shared buffer is freed once its last gradient is offloaded: send
             # it now rather than when the next group's gradients fill the bucket.
@@ -353,26 +195,26 @@ class Pipeline:
         if self.pending is None:
             self.settle_scaled_step()
             found_inf = None
-            if self._loss_scale() is not None:
+            if loss_scale(self.grad_scaler) is not None:
                 found_inf = torch.zeros((), dtype=torch.bool, device=self.backend.device)
             norms = None
             if self.clip_norm_type is not None:
                 norms = StepNorms(self._norm_slots, self.clip_norm_type, self.backend.device)
             self.pending = PendingStep(self.random_state(), found_inf, norms)
-            self.stepped_by = WeakIdKeyDictionary()  # a new step: its gradients are new
+            self._forget_takers()  # a new step: its gradients are new
 
     def _enter(self, phase: str, state: StepState) -> None:
         """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
         if self.state not in PHASES_FROM[phase]:
-            advice = _ADVICE.get(self.state, "this is a gradient-cache bug; please report it")
+            advice = ADVICE.get(self.state, "this is a gradient-cache bug; please report it")
             raise StepStateError(
                 f"The gradient cache cannot {phase} while its step is {self.state.value}: {advice}."
             )
         self.state = state
 
-    def _group_complete(self, param: Param) -> bool:
-        """Count ``param``'s arrival; whether it completes its group's arrivals."""
-        arrivals = self.records[param].group
+    @staticmethod
+    def _group_complete(arrivals: GroupArrivals | None) -> bool:
+        """Count an arrival in ``arrivals``; whether it completes the group."""
         if arrivals is None:
             return False
         arrivals.count += 1
@@ -389,53 +231,55 @@ class Pipeline:
         counted twice, and the next restore adds the cached part to them.
         """
         self._enter("launch", CAPTURING)
-        loss_scale = self._loss_scale()
+        scale = loss_scale(self.grad_scaler)
         encoded: list[Encoded] = []
         try:
             with self.backend.encoding([param for param, _ in items]):
                 for param, grad in items:
-                    encoded.append(self._encode(param, grad, loss_scale))
+                    encoded.append(self._encode(param, grad, scale))
         except BaseException:
             for param, grad in items[len(encoded) :]:
                 param.grad = sharding.as_grad_of(param, grad)
+                self.records[param].gradient = self._cached_part_at(param)
             raise
         finally:
             self._keep(encoded, [grad for _, grad in items[: len(encoded)]])
 
-    def _encode(self, param: Param, grad: torch.Tensor, loss_scale: torch.Tensor | None) -> Encoded:
+    def _encode(self, param: Param, grad: torch.Tensor, scale: torch.Tensor | None) -> Encoded:
         """Runs where the backend's `encoding` puts it; reads but never changes cached state."""
         route = self.records[param].route
         codec = route.codec
         flat = route.flatten(grad.detach())
-        held = self.store.payload(param)
-        if held is not None:  # gradient accumulation: the cached part joins this one
-            flat = held.moved(self.backend.to_device).add_to(flat)
+        cached = self.store.payload(param)
+        if cached is not None:  # gradient accumulation: the cached part joins this one
+            flat = cached.moved(self.backend.to_device).add_to(flat)
         residual = None if codec.residual is None else self.backend.residuals.read(param)
         found_inf = None if self.pending is None else self.pending.found_inf
         if found_inf is not None:  # the fused step skips on it, as scaler.step() would
             torch.logical_or(found_inf, ~torch.isfinite(flat).all(), out=found_inf)
         if self.pending is not None and self.pending.norms is not None:
             # The norm of what this encode compresses (under accumulation, the decoded
-            # earlier micro-batches plus this one), read by the fused step's clip
-            # (`fused_step._clip_factor`) with no pass over the payloads.
+            # earlier micro-batches plus this one), read by the fused step's clip with no
+            # pass over the payloads.
             self.pending.norms.write(param, flat)
-        payload, new_residual = codec.encode(flat, residual, loss_scale=loss_scale)
+        payload, new_residual = codec.encode(flat, residual, loss_scale=scale)
         return Encoded(param, payload, new_residual, () if residual is None else (residual,))
-
-    def _loss_scale(self) -> torch.Tensor | None:
-        """The GradScaler's scale as a device tensor (no host sync), or None if unscaled."""
-        scaler = self.grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return None
-        # GradScaler has no public sync-free getter; get_scale() would sync the host.
-        return scaler._get_scale_async()
 
     def _keep(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
         """Send ``encoded`` to host memory (the backend keeps their residuals) and store it."""
         if encoded:
             self.store.put(self.backend.store(encoded, grads))
+            for each in encoded:
+                self.records[each.param].gradient = IN_FLIGHT
 
-    # --- drain and restore (runs between backward and the optimizer) --------------
+    def _cached_part_at(self, param: Param) -> GradientAt:
+        """Where the store's part of ``param``'s gradient is (NONE: it has none)."""
+        state = self.store.bucket_state(param)
+        if state is None:
+            return NONE
+        return IN_FLIGHT if state is BucketState.LANDING else STORED
+
+    # --- drain, discard and the restore path (between backward and the optimizer) ---
 
     def drain(self) -> None:
         """Encode the partial bucket and wait until host memory holds every gradient."""
@@ -447,6 +291,8 @@ class Pipeline:
             self._launch(items)
         self.backend.drain()
         self.store.landed()
+        for param in self.store:
+            self.records[param].gradient = STORED
         self._enter("drain", CACHED if self.state is CAPTURING else self.state)
         for codec in self.codecs.all():
             codec.release_scratch()  # reused across one backward's tensors, not between steps
@@ -459,13 +305,52 @@ class Pipeline:
         """
         self.settle_scaled_step()
         self.drain()
-        self.store.clear()
+        self._spend(list(self.store))
         self.backend.residuals.drop_pending()
         if self.pending is not None and self.pending.random_state is not None:
             self.set_random_state(self.pending.random_state)
         self._enter("discard", IDLE)
         self.pending = None
-        self.stepped_by = WeakIdKeyDictionary()
+        self._forget_takers()
+
+    def restoring(
+        self,
+        buckets: Sequence[Sequence[Param]],
+        *,
+        clip_factor: torch.Tensor | None,
+        alongside: Callable[[Sequence[Param]], object] | None = None,
+    ) -> Generator[list[tuple[Param, torch.Tensor]], None, None]:
+        """The one restore path: each bucket's cached gradients as device tensors (times
+        ``clip_factor``), bucket by bucket, the backend's ``restore_ahead`` buckets
+        restoring ahead; ``alongside`` is called as a bucket's restore starts (its
+        optimizer state's journey). A bucket's payloads leave the store once the consumer
+        asks for the next bucket (for the fused step: once the bucket stepped); closed
+        early (an error), the restores ahead complete before their blocks are freed and
+        what was not spent stays cached."""
+        ahead: deque[Restore] = deque()
+        try:
+            for i, params in enumerate(buckets):
+                while len(ahead) <= self.backend.restore_ahead and i + len(ahead) < len(buckets):
+                    later = buckets[i + len(ahead)]
+                    items = [(param, self.store[param]) for param in later]
+                    ahead.append(self.backend.start_restore(items, clip_factor=clip_factor))
+                    if alongside is not None:
+                        alongside(later)
+                yield self.backend.finish_restore(ahead.popleft())
+                self._spend(params)
+        finally:
+            for restore in ahead:
+                self.backend.finish_restore(restore)  # before its blocks are freed
+
+    def restore(self, params: Iterable[Param]) -> None:
+        """Put the cached gradients of ``params`` into ``param.grad`` (added to any there),
+        times the deferred clip's factor, if one is pending."""
+        buckets = [[param for param, _ in part] for part in self.store.parts(set(params))]
+        with contextlib.closing(self.restoring(buckets, clip_factor=self.deferred_clip)) as each:
+            for grads in each:
+                for param, grad in grads:
+                    grad = sharding.as_grad_of(param, grad)
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
 
     def apply(self) -> None:
         """Drain, then put every cached gradient back into ``param.grad``.
@@ -485,18 +370,10 @@ class Pipeline:
                 )
             self.retry()  # restored whole: the interrupted fused step's clip is not used
         self.deliver_and_restore(list(self.store))
-        self.kept_unstepped.clear()  # restored beside them: the user's, as plain leaves them
+        for record in self.records.values():
+            if record.gradient is KEPT_ON_DEVICE:
+                record.gradient = NONE  # restored beside them: the user's, as plain leaves them
         self.finish_step()
-
-    def restore(self, params: Iterable[Param]) -> None:
-        """Put the cached gradients of ``params`` into ``param.grad`` (added to any there),
-        times the deferred clip's factor, if one is pending."""
-        for part in self.store.parts(set(params)):
-            restore = self.backend.start_restore(part, clip_factor=self.deferred_clip)
-            for param, grad in self.backend.finish_restore(restore):
-                grad = sharding.as_grad_of(param, grad)
-                param.grad = grad if param.grad is None else param.grad.add_(grad)
-            self.store.remove([param for param, _ in part])
 
     def deliver_and_restore(self, params: Iterable[Param]) -> None:
         """`deliver` then `restore` ``params``: their gradients back in ``param.grad``, the
@@ -505,9 +382,55 @@ class Pipeline:
         self.deliver(params)
         self.restore(params)
 
+    def skip(self, params: Iterable[Param]) -> None:
+        """A step the GradScaler skips: the cached gradients of ``params`` are delivered and
+        spent unrestored, as ``scaler.step()`` leaves a skipped step's gradients unused."""
+        params = [param for param in params if param in self.store]
+        self.deliver(params)
+        self._spend(params)
+
+    def hold_for_step(self, held: Iterable[Param]) -> dict[Param, GradientAt]:
+        """The device gradients of ``held`` out of ``param.grad`` while the fused step's
+        buckets step (`GradientAt.HELD_FOR_STEP`: stepped last); where each cached one was
+        before, for `release_held` if the step raises."""
+        before = {}
+        for param in held:
+            param.grad = None
+            record = self.records.get(param)
+            if record is not None:
+                before[param] = record.gradient
+                record.gradient = HELD_FOR_STEP
+        return before
+
+    def release_held(self, before: dict[Param, GradientAt]) -> None:
+        """A fused step raised: the held gradients are where they were before it."""
+        for param, at in before.items():
+            self.records[param].gradient = at
+
+    def held_stepped(self, held: Iterable[Param]) -> list[Param]:
+        """The held gradients were stepped: no longer part of the pending step. Returns
+        those a memory budget keeps on the device, which the step frees."""
+        kept = []
+        for param in held:
+            record = self.records.get(param)
+            if record is not None:
+                record.gradient = NONE
+                if record.keep_on_device:
+                    kept.append(param)
+        return kept
+
+    def _spend(self, params: Iterable[Param]) -> None:
+        """The payloads of ``params`` leave the store: restored, skipped or discarded."""
+        params = list(params)
+        self.store.remove(params)
+        for param in params:
+            self.records[param].gradient = NONE
+
     def parts(self, params: Iterable[Param]) -> list[BucketPayloads]:
         """The cached payloads of ``params``, bucket by bucket (`GradientStore.parts`)."""
         return self.store.parts(set(params))
+
+    # --- the step's phases ------------------------------------------------------------
 
     def deliver(self, params: Iterable[Param]) -> None:
         """The pending step delivers its gradients of ``params`` (before their restore):
@@ -518,56 +441,21 @@ class Pipeline:
             return
         self._enter("deliver", STEPPING)
         assert self.pending is not None  # every state deliver starts from has one
-        record = self.describe(params)
+        figures = self.describe(params)
         if self.pending.counted:
-            self.last_step.layers.update(record.layers)
+            self.last_step.layers.update(figures.layers)
         else:
-            self.last_step = record
-            scale = self._loss_scale()
-            if scale is not None:
-                self.unsettled = ScaledStep(
-                    scale._version, self.pending.random_state or {}, self.steps
-                )
+            self.last_step = figures
+            if self.skips is not None:
+                self.skips.delivered(self.pending.random_state, self.steps)
             self.steps += 1
             self.pending.counted = True
-        self.backend.residuals.promote(params, keep_replaced=self.unsettled is not None)
-
-    def take_for(self, optimizer: torch.optim.Optimizer, params: Iterable[Param]) -> None:
-        """A fused step of ``optimizer`` takes the cached gradients of ``params`` (they
-        leave the cache once stepped, as if ``zero_grad()`` had run)."""
-        for param in params:
-            self.stepped_by[param] = weakref.ref(optimizer)
-
-    def check_not_taken(self, optimizer: torch.optim.Optimizer, params: Iterable[Param]) -> None:
-        """Refuse a fused step of ``optimizer`` over a parameter whose cached gradient
-        another optimizer's fused step took in this step, and that has none now: plain
-        PyTorch would step it again with that gradient, left in ``.grad``, unless a
-        ``zero_grad()`` ran in between, which the cache cannot see. Raises before
-        anything changes."""
-        taken = [
-            self.records[param].name
-            for param in params
-            if param.grad is None
-            and param not in self.store
-            and param in self.stepped_by
-            and self.stepped_by[param]() is not optimizer
-        ]
-        if taken:
-            raise RuntimeError(
-                f"step({type(optimizer).__name__}) steps {len(taken)} parameters "
-                f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}) whose cached "
-                "gradients another optimizer's step already stepped in this step and freed "
-                "(the fused step frees what it restores, as zero_grad() would). Plain PyTorch "
-                "leaves them in .grad, so this optimizer would step them again, unless "
-                "zero_grad() ran in between: the cache cannot tell which you meant. Give each "
-                "parameter to one optimizer; or run a backward before each optimizer's step; "
-                "or keep the shared parameters' gradients on the device (exclude_layers=[...]: "
-                "both steps then find them in .grad, as in plain PyTorch)."
-            )
+        unsettled = self.skips is not None and self.skips.unsettled is not None
+        self.backend.residuals.promote(params, keep_replaced=unsettled)
 
     def interrupt(self, clip: Clip, held: HeldProgress) -> None:
-        """A fused step raised: keep its clip and its progress on the device gradients
-        for the retry (`retry`)."""
+        """A fused step raised: keep its clip and its progress on the held gradients for
+        the retry (`retry`)."""
         self._enter("interrupt", INTERRUPTED)
         if self.pending is None:  # it had only gradients that never left the device
             self.pending = PendingStep(random_state=None)
@@ -576,7 +464,7 @@ class Pipeline:
 
     def retry(self) -> tuple[Clip, HeldProgress]:
         """Take up an interrupted fused step again: the clip its first attempt computed,
-        and how far it got with the device gradients."""
+        and how far it got with the held gradients."""
         assert self.pending is not None and self.pending.clip is not None
         clip, self.pending.clip = self.pending.clip, None
         held, self.pending.held = self.pending.held or HeldProgress(), None
@@ -584,110 +472,6 @@ class Pipeline:
         if self.state is IDLE:
             self.pending = None
         return clip, held
-
-    @property
-    def interrupted(self) -> bool:
-        """Whether a fused step raised and waits for its retry (or a discard)."""
-        return self.state is INTERRUPTED
-
-    @property
-    def random_state_at_step_start(self) -> dict[str, torch.Tensor] | None:
-        """The generators as the pending step found them (None: none pending, or unknown)."""
-        return None if self.pending is None else self.pending.random_state
-
-    def _after_restores(self) -> StepState:
-        """The state once the restores so far are done: what is left cached decides."""
-        if not self.store:
-            return IDLE
-        assert self.pending is not None
-        return STEPPING if self.pending.counted else CACHED
-
-    def settle_scaled_step(self) -> None:
-        """Learn whether the GradScaler skipped the last completed step and, if it did,
-        undo what that step did to the engine: its residuals replaced, its random draws,
-        its count. Called before anything could build on that step (the next step's first
-        launch, a discard, a checkpoint).
-
-        Known on the host, with no device read (this runs in backward's first hook): the
-        scaler's ``step(optimizer)`` calls ``optimizer.step()`` only if it found no inf or
-        NaN, and its ``update()`` changes its scale tensor in place (its version counter
-        moves). So the step was skipped if ``update()`` ran since its restore and no
-        optimizer holding a cached parameter stepped. No update yet (micro-batches each
-        restored with ``apply_gradients()``): not skipped. With several optimizers, one
-        that stepped makes the step taken for all.
-        """
-        scaled, self.unsettled = self.unsettled, None
-        if scaled is None:
-            return
-        scale = self._loss_scale()
-        updated = scale is not None and scale._version != scaled.scale_version
-        if scaled.stepped or not updated:
-            self.backend.residuals.forget_replaced()
-            return
-        self.backend.residuals.bring_back_replaced()
-        self.set_random_state(scaled.random_state)
-        self.steps = scaled.steps
-
-    @property
-    def deferred_clip(self) -> torch.Tensor | None:
-        """The pending step's deferred clip factor (`defer_clip`), if any."""
-        return None if self.pending is None else self.pending.deferred_clip
-
-    def _restore_clipped(self) -> None:
-        """Every cached gradient back in ``param.grad``, times the deferred clip, which is
-        then spent; the step goes on (not delivered, not counted: its gradients return to
-        the cache as this backward hands them over, as under accumulation)."""
-        self.drain()
-        self.restore(list(self.store))
-        assert self.pending is not None  # a deferred clip lives in the pending step
-        self.pending.deferred_clip = None
-
-    def defer_clip(self, factor: torch.Tensor) -> None:
-        """Every gradient the step holds cached is clipped by ``factor`` (on the device):
-        applied as each is restored. Only for a clip that covers all of them."""
-        assert self.pending is not None and self.pending.deferred_clip is None
-        self.pending.deferred_clip = factor
-
-    def read_norms(
-        self, parts: Iterable[BucketPayloads], norm_type: float
-    ) -> dict[Param, torch.Tensor]:
-        """The norms of the cached gradients in ``parts``, on the device, without restoring
-        them: each one its last encode computed (`PendingStep.norms`), of the gradient it
-        received before compressing it, or else read from its host payload (a sparse
-        payload's norm is that of its values). Later steps' encodes compute norms of
-        ``norm_type``."""
-        pending = self.pending
-        encoded = None if pending is None else pending.norms
-        if encoded is not None and encoded.norm_type != norm_type:
-            encoded = None
-        if pending is not None:
-            pending.norm_read = True
-        self.clip_with(norm_type)
-        device = self.backend.device
-        norms = {}
-        for part in parts:
-            for param, payload in part:
-                norm = None if encoded is None else encoded.get(param)
-                if norm is None:
-                    # Where no encode computed it (the first step that asks, a step resumed
-                    # from a checkpoint): from the host payload, taken to the device, where
-                    # clip_grad_norm_ returns its norm.
-                    norm = gradient_norm(payload.kept_values(), norm_type).to(device)
-                norms[param] = norm
-        return norms
-
-    def clip_with(self, norm_type: float | None) -> None:
-        """A fused step clips by the norm of ``norm_type`` (None: it does not clip): the
-        next steps' encodes compute each gradient's norm of that type (`PendingStep.norms`)."""
-        self.clip_norm_type = norm_type
-
-    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """After any optimizer's step: note a step of the cached parameters."""
-        scaled = self.unsettled
-        if scaled is None or scaled.stepped:
-            return
-        params = (p for group in optimizer.param_groups for p in group["params"])
-        scaled.stepped = any(p in self.records for p in params)
 
     def finish_step(self) -> None:
         """After a restore: close the step once nothing of it is cached, and move the
@@ -699,11 +483,92 @@ class Pipeline:
         if self._planned_at < self.config.warmup_steps <= self.steps:
             self._follow_plan()
 
+    def _after_restores(self) -> StepState:
+        """The state once the restores so far are done: what is left cached decides."""
+        if not self.store:
+            return IDLE
+        assert self.pending is not None
+        return STEPPING if self.pending.counted else CACHED
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a fused step raised and waits for its retry (or a discard)."""
+        return self.state is INTERRUPTED
+
     @property
     def step_pending(self) -> bool:
         """Whether a step is pending: from the first gradient a backward hands over until
         all it cached is restored or discarded."""
         return self.state is not IDLE
+
+    @property
+    def random_state_at_step_start(self) -> dict[str, torch.Tensor] | None:
+        """The generators as the pending step found them (None: none pending, or unknown)."""
+        return None if self.pending is None else self.pending.random_state
+
+    def settle_scaled_step(self) -> None:
+        """Learn whether the GradScaler skipped the last completed step (`SkipWatch`) and,
+        if it did, undo what that step did to the engine: its residuals replaced, its
+        random draws, its count. Called before anything could build on that step (the
+        next step's first launch, a discard, a checkpoint); no device read."""
+        if self.skips is None or self.skips.unsettled is None:
+            return
+        skipped = self.skips.settle()
+        if skipped is None:
+            self.backend.residuals.forget_replaced()
+            return
+        self.backend.residuals.bring_back_replaced()
+        self.set_random_state(skipped.random_state)
+        self.steps = skipped.steps
+
+    def take_for(self, optimizer: torch.optim.Optimizer, params: Iterable[Param]) -> None:
+        """A fused step of ``optimizer`` takes the cached gradients of ``params`` (they
+        leave the cache once stepped, as if ``zero_grad()`` had run)."""
+        for param in params:
+            self.records[param].taken_by = weakref.ref(optimizer)
+
+    def _forget_takers(self) -> None:
+        for record in self.records.values():
+            record.taken_by = None
+
+    # --- the clip's and the norms' part of the pending step ---------------------------
+
+    @property
+    def deferred_clip(self) -> torch.Tensor | None:
+        """The pending step's deferred clip factor (`defer_clip`), if any."""
+        return None if self.pending is None else self.pending.deferred_clip
+
+    def defer_clip(self, factor: torch.Tensor) -> None:
+        """Every gradient the step holds cached is clipped by ``factor`` (on the device):
+        applied as each is restored. Only for a clip that covers all of them."""
+        assert self.pending is not None and self.pending.deferred_clip is None
+        self.pending.deferred_clip = factor
+
+    def _restore_clipped(self) -> None:
+        """Every cached gradient back in ``param.grad``, times the deferred clip, which is
+        then spent; the step goes on (not delivered, not counted: its gradients return to
+        the cache as this backward hands them over, as under accumulation)."""
+        self.drain()
+        self.restore(list(self.store))
+        assert self.pending is not None  # a deferred clip lives in the pending step
+        self.pending.deferred_clip = None
+
+    def compute_norms(self, norm_type: float | None) -> None:
+        """The next steps' encodes compute each gradient's norm of ``norm_type`` (None:
+        none), for the fused step's clip (`PendingStep.norms`)."""
+        self.clip_norm_type = norm_type
+
+    def encoded_norms(self, norm_type: float) -> StepNorms | None:
+        """The pending step's encoded norms if they are of ``norm_type`` (a norm is read
+        from the cache: the later steps' encodes compute that type)."""
+        pending = self.pending
+        if pending is not None:
+            pending.norm_read = True
+        self.compute_norms(norm_type)
+        norms = None if pending is None else pending.norms
+        return norms if norms is not None and norms.norm_type == norm_type else None
+
+    # --- checkpoints and a memory budget ------------------------------------------------
 
     def resume(self, random_state: dict[str, torch.Tensor] | None) -> None:
         """Take up a pending step a checkpoint saved, with the generators' states at its
@@ -719,7 +584,8 @@ class Pipeline:
     def restart_at(self, steps: int) -> None:
         """Continue as if ``steps`` steps were done (a loaded checkpoint); nothing pending."""
         self._enter("restart", IDLE)
-        self.unsettled = None
+        if self.skips is not None:
+            self.skips.unsettled = None
         self.backend.residuals.forget_replaced()
         self.steps = steps
         self._follow_plan()
@@ -731,23 +597,21 @@ class Pipeline:
         `resume`; `drain` follows."""
         for param, grad in grads:
             items = self.assembler.add(param, grad)
+            self.records[param].gradient = OPEN_BUCKET
             if items is not None:
                 self._launch(items)
-
-    def kept_stepped(self, params: Iterable[Param]) -> None:
-        """The kept gradients of ``params`` were stepped (and freed): no longer pending."""
-        self.kept_unstepped.difference_update(params)
 
     def keep_on_device(self, params: Iterable[Param]) -> None:
         """Later backward passes leave ``params``' gradients on the device (a memory
         budget's decision), as ``exclude_layers`` would."""
-        self.kept_on_device.update(params)
+        for param in params:
+            self.records[param].keep_on_device = True
 
     def set_enabled(self, enabled: bool) -> None:
         """Whether later backward passes offload (False: their gradients stay put)."""
         self.enabled = enabled
 
-    # --- bookkeeping --------------------------------------------------------------
+    # --- random generators, figures, tensors ----------------------------------------
 
     def random_sources(self) -> dict[str, RandomSource]:
         """The engine's own random generators, by the part that draws from them."""
@@ -770,13 +634,13 @@ class Pipeline:
         for name, generators in self.random_sources().items():
             generators.set_state(self.backend.device, states.get(name))
 
-    def describe(self, params: Iterable[Param]) -> StepRecord:
+    def describe(self, params: Iterable[Param]) -> StepFigures:
         """The figures of the cached payloads of ``params`` (sizes only: no data is read)."""
-        record = StepRecord()
+        figures = StepFigures()
         for param in params:
             payload = self.store[param]
             route = self.records[param].route
-            record.layers[self.records[param].name] = LayerRecord(
+            figures.layers[self.records[param].name] = LayerFigures(
                 numel=route.numel,
                 dense_bytes=route.numel * param.element_size(),
                 stored_bytes=payload.nbytes,
@@ -784,20 +648,18 @@ class Pipeline:
                 compressed=route.compressed,
                 codec=route.codec.name,
             )
-        return record
+        return figures
 
-    # --- inspection (memory accounting) -------------------------------------------
-
-    def held_tensors(self) -> HeldTensors:
-        """What the engine holds now (a read-only view; see `HeldTensors`)."""
+    def cache_tensors(self) -> CacheTensors:
+        """What the cache has now (a read-only view; see `CacheTensors`)."""
         residuals = self.backend.residuals
-        kept_residuals = [*residuals.current().values(), *residuals.pending().values()]
+        residual_tensors = [*residuals.current().values(), *residuals.pending().values()]
         on_host = self.config.residual_options.residual_location == "host"
-        return HeldTensors(
+        return CacheTensors(
             host=(
                 *self.store.tensors(),
                 *(self.random_state_at_step_start or {}).values(),
-                *(kept_residuals if on_host else ()),
+                *(residual_tensors if on_host else ()),
                 *(() if self.optimizer_state is None else self.optimizer_state.host_tensors()),
             ),
             scratch=tuple(t for codec in self.codecs.all() for t in codec.scratch_tensors()),
@@ -817,3 +679,62 @@ class Pipeline:
                 self.optimizer_state.close()
         finally:
             self.backend.close()
+
+
+class _Planner:
+    """The routes, planned on the first call (the backend factory's, for its budget check;
+    else the pipeline's, with the backend's default selection)."""
+
+    def __init__(
+        self,
+        shapes: dict[Param, tuple[tuple[int, ...], torch.dtype]],
+        strides: dict[Param, tuple[int, ...]],
+        config: EngineConfig,
+        ratio: float,
+    ) -> None:
+        self._shapes, self._strides, self._config, self._ratio = shapes, strides, config, ratio
+        self._plan: RoutePlan[Param] | None = None
+
+    def __call__(self, selection: str) -> dict[Param, Route]:
+        return self.plan_for(selection).at(0)
+
+    def plan_for(self, selection: str) -> RoutePlan[Param]:
+        if self._plan is None:
+            config = self._config
+            if config.selection != "auto":
+                selection = config.selection
+            codecs = Codecs.for_options(config, ratio=self._ratio, selection=selection)
+            self._plan = RoutePlan(
+                self._shapes,
+                codecs=codecs,
+                config=config,
+                selection=selection,
+                strides=self._strides,
+            )
+        return self._plan
+
+
+def _arrival_groups(
+    groups: Sequence[Sequence[Param]], params: list[Param]
+) -> dict[Param, GroupArrivals]:
+    """Each cached parameter of an FSDP2 group, with its group's shared arrival count."""
+    cached = set(params)
+    group_of: dict[Param, GroupArrivals] = {}
+    for group in groups:
+        members = [p for p in group if p in cached]
+        arrivals = GroupArrivals(len(members))
+        group_of.update(dict.fromkeys(members, arrivals))
+    return group_of
+
+
+def _refuse_cached_twice(named_params: Sequence[tuple[str, Param]]) -> None:
+    """Raise where another live pipeline caches one of these parameters."""
+    taken = [name for name, param in named_params if param in _cached_params]
+    if taken:
+        raise ValueError(
+            f"{len(taken)} of these parameters ({', '.join(taken[:3])}"
+            f"{', ...' if len(taken) > 3 else ''}) are already cached by another "
+            "GradientCacheHookManager; one model takes one manager. Call remove_hooks() "
+            "on the other one (or leave its with-block) before creating this one; a "
+            "notebook cell run twice must reuse the first manager or rebuild the model."
+        )

@@ -6,31 +6,46 @@ step does the same in one call: the restore multiplies by 1/scale (a power of tw
 unscaled gradients have plain's bits), the encodes flag non-finite gradients on the device
 as backward goes (`PendingStep.found_inf`), and a flagged step steps nothing.
 
-``update()`` reads what ``step()`` recorded for each optimizer; no public API lets another
-step record it, so `record` writes the two fields ``unscale_`` and ``step`` write
+``update()`` reads what ``step()`` reported for each optimizer; no public API lets another
+step report it, so `report_step` writes the two fields ``unscale_`` and ``step`` write
 (``_per_optimizer_states[id(optimizer)]``: ``"stage"``, ``"found_inf_per_device"``), the
 same private state since torch 1.6; tests/test_scaler_skip.py fails if torch changes it.
+
+`SkipWatch` learns afterwards, on the host, whether the scaler skipped a completed step, so
+that the pipeline can undo what that step did to the engine (`Pipeline.settle_scaled_step`).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Collection
+from dataclasses import dataclass
+
 import torch
 from torch.amp.grad_scaler import OptState
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 
 from . import sharding
-from .pipeline import Pipeline
 from .store import BucketPayloads
 
 
-def enabled_scaler(
-    pipeline: Pipeline, optimizer: torch.optim.Optimizer
-) -> torch.amp.GradScaler | None:
-    """The pipeline's GradScaler if it is enabled (a disabled scaler is no scaler), checked
-    ready to step ``optimizer``."""
-    scaler = pipeline.grad_scaler
+def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+    """The GradScaler's scale as a device tensor (no host sync), or None if unscaled."""
     if scaler is None or not scaler.is_enabled():
         return None
-    if any(record.sharded for record in pipeline.records.values()):
+    # GradScaler has no public sync-free getter; get_scale() would sync the host.
+    return scaler._get_scale_async()
+
+
+def enabled_scaler(
+    scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer, *, sharded: bool
+) -> torch.amp.GradScaler | None:
+    """``scaler`` if it is enabled (a disabled scaler is no scaler), checked ready to step
+    ``optimizer``; ``sharded``: FSDP2's parameters are cached."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    if sharded:
         # Each rank sees only its shards' inf: ranks would disagree on the skip.
         raise RuntimeError(
             "step(optimizer) does not take a GradScaler under FSDP2 (its verdict would be "
@@ -54,25 +69,27 @@ def inv_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
 
 
 def found_inf(
-    pipeline: Pipeline, parts: list[BucketPayloads], held: dict[torch.nn.Parameter, torch.Tensor]
+    encoded_flag: torch.Tensor | None,
+    parts: list[BucketPayloads],
+    held: dict[torch.nn.Parameter, torch.Tensor],
+    device: torch.device,
 ) -> bool:
     """Whether any gradient of the step is not finite: the encodes' flag (or, for a step
-    resumed from a checkpoint, the payloads') and the device gradients'. One host read,
+    resumed from a checkpoint, the payloads') and the held gradients'. One host read,
     outside backward, as ``scaler.step()`` makes."""
-    pending = pipeline.pending
     flags = []
-    if pending is not None and pending.found_inf is not None:
-        flags.append(pending.found_inf)
+    if encoded_flag is not None:
+        flags.append(encoded_flag)
     elif parts:  # a resumed step: its encodes' flag was not saved
         flags += [~torch.isfinite(p.kept_values()).all() for part in parts for _, p in part]
     flags += [~torch.isfinite(sharding.local(grad)).all() for grad in held.values()]
     if not flags:
         return False
-    device = pipeline.backend.device  # gathered there: one read, not one per flag
+    # Gathered on one device: one read, not one per flag.
     return bool(torch.stack([flag.to(device) for flag in flags]).any())
 
 
-def record(
+def report_step(
     scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *, found_inf: bool
 ) -> None:
     """Tell ``scaler`` what ``scaler.step(optimizer)`` would have: ``update()`` then backs
@@ -84,3 +101,64 @@ def record(
         scale.device: torch.full((), float(found_inf), dtype=torch.float32, device=scale.device)
     }
     state["stage"] = OptState.STEPPED
+
+
+@dataclass
+class ScaledStep:
+    """A completed step a GradScaler may have skipped, and what it changed in the engine."""
+
+    scale_version: int  # the scale tensor's in-place version when the step was delivered
+    random_state: dict[str, torch.Tensor]  # the generators' states before its backward
+    steps: int  # the step count before it
+    stepped: bool = False  # an optimizer holding a cached parameter stepped since
+
+
+class SkipWatch:
+    """Whether the GradScaler skipped the last completed step, learnt on the host.
+
+    The scaler's ``step(optimizer)`` calls ``optimizer.step()`` only if it found no inf or
+    NaN, and its ``update()`` changes its scale tensor in place (its version counter
+    moves). So the step was skipped if ``update()`` ran since its delivery and no optimizer
+    stepping a cached parameter stepped. No update yet (micro-batches each restored with
+    ``apply_gradients()``): not skipped. With several optimizers, one that stepped makes the
+    step taken for all."""
+
+    def __init__(self, scaler: torch.amp.GradScaler, cached: Collection[torch.nn.Parameter]):
+        self.scaler = scaler
+        self._cached = cached
+        # The last completed step until it is settled; None: nothing to settle.
+        self.unsettled: ScaledStep | None = None
+        this = weakref.ref(self)
+
+        def on_optimizer_step(optimizer: torch.optim.Optimizer, *_: object) -> None:
+            watch = this()  # every optimizer's hook: it holds the watch weakly
+            if watch is not None:
+                watch._note_step(optimizer)
+
+        # It reads no optimizer state: the fused step need not wait on the host for it.
+        on_optimizer_step.reads_no_state = True  # type: ignore[attr-defined]
+        self.handle: RemovableHandle = register_optimizer_step_post_hook(on_optimizer_step)
+
+    def delivered(self, random_state: dict[str, torch.Tensor] | None, steps: int) -> None:
+        """A step was delivered (counted): remember what to undo if it was skipped."""
+        scale = loss_scale(self.scaler)
+        if scale is not None:
+            self.unsettled = ScaledStep(scale._version, random_state or {}, steps)
+
+    def settle(self) -> ScaledStep | None:
+        """The last completed step if the scaler skipped it (then undo it), else None; it
+        is settled either way."""
+        scaled, self.unsettled = self.unsettled, None
+        if scaled is None or scaled.stepped:
+            return None
+        scale = loss_scale(self.scaler)
+        updated = scale is not None and scale._version != scaled.scale_version
+        return scaled if updated else None
+
+    def _note_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After any optimizer's step: note a step of the cached parameters."""
+        scaled = self.unsettled
+        if scaled is None or scaled.stepped:
+            return
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        scaled.stepped = any(p in self._cached for p in params)

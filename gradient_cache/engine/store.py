@@ -48,6 +48,11 @@ class GradientStore:
         bucket = self._where.get(param)
         return None if bucket is None else bucket.payloads[param]
 
+    def bucket_state(self, param: Param) -> BucketState | None:
+        """The state of the bucket holding ``param``'s payload (None: not cached)."""
+        bucket = self._where.get(param)
+        return None if bucket is None else bucket.state
+
     def __getitem__(self, param: Param) -> Payload:
         """The payload of ``param``, which is cached (KeyError if not)."""
         return self._where[param].payloads[param]

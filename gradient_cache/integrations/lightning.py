@@ -152,8 +152,9 @@ class GradientCacheCallback(pl.Callback):
         # A resumed fit loaded the optimizers' state and moved it to the device after
         # on_fit_start: with offload_optimizer_state=True it goes to host memory here,
         # before the first forward (and before a memory budget measures a step).
-        if self._manager is not None:
-            self._manager._offload_loaded_state(trainer.optimizers)
+        step = None if self._manager is None else self._manager.optimizer_step
+        if step is not None:
+            step.offload_loaded_state(trainer.optimizers)
 
     # --- checkpoints ----------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from ..engine.step import OptimizerStep
 from ..gradient_readers import route_gradient_reads
 from ..manager import GradientCacheHookManager, ManagerReads
 
@@ -52,8 +53,6 @@ class StepRouting:
             fix="Only clip_grad_norm_ over one model's parameters is answered from the cache: "
             "drop this call (clip_grad_value_, GradScaler.unscale_), or the state offload.",
         )
-        # The device gradients a fused step stepped, hidden from the call's own step.
-        self._hidden: dict[torch.optim.Optimizer, dict[torch.Tensor, torch.Tensor]] = {}
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> StepRouting:
@@ -74,8 +73,8 @@ class StepRouting:
         reads them."""
         self._reads.restore(reader, parameters)
 
-    def cache_for(self, parameters: list[torch.Tensor]) -> GradientCacheHookManager | None:
-        """The one manager answering a norm or clip over ``parameters`` from the cache
+    def cache_for(self, parameters: list[torch.Tensor]) -> OptimizerStep | None:
+        """The one cache answering a norm or clip over ``parameters`` from the cache
         (`ManagerReads.cache_for`); None without the fused step."""
         return self._reads.cache_for(parameters) if self.fused else None
 
@@ -101,72 +100,23 @@ class StepRouting:
         return (args[0], closure_then_route, *args[2:]), kwargs
 
     def _route(self, optimizer: torch.optim.Optimizer) -> None:
-        owned = [p for group in optimizer.param_groups for p in group["params"]]
-        if isinstance(optimizer, torch.optim.LBFGS):
-            _refuse_lbfgs_with_state_offload(self._managers(), owned)
-        if self.fused and not isinstance(optimizer, torch.optim.LBFGS):
-            for manager in self._managers():
-                if _takes_fused_step(manager, owned):
-                    # Each bucket stepped without the step hooks (these included): they
-                    # fire once, around this call, as without the cache.
-                    manager._fused_step(optimizer, None, 2.0, hooked=False)
-                    self._hide(optimizer, owned)
+        steps = [m.optimizer_step for m in self._managers() if m.optimizer_step is not None]
+        for step in steps:
+            if step.takes(optimizer) and self.fused:
+                # Each bucket stepped without the step hooks (these included): they fire
+                # once, around this call, as without the cache; what it held and stepped
+                # is hidden from this call's own step until `_after_step`.
+                step.step(optimizer, hooks=False)
         # Every model's gradients that are left, not only this optimizer's: a backward
         # through two models (a GAN's generator loss through its discriminator) leaves
         # gradients on both, and plain PyTorch shows them in .grad until the other
         # optimizer's zero_grad().
-        for manager in self._managers():
-            manager._restore_all()
-
-    def _hide(self, optimizer: torch.optim.Optimizer, owned: list[torch.Tensor]) -> None:
-        """The stepped device gradients out of ``param.grad`` until the call's own step is
-        over (`_after_step`): it must not step them again."""
-        hidden = self._hidden.setdefault(optimizer, {})
-        for param in owned:
-            if param.grad is not None:
-                hidden[param] = param.grad
-                param.grad = None
+        for step in steps:
+            step.restore_all()
 
     def _after_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        for param, grad in self._hidden.pop(optimizer, {}).items():
-            param.grad = grad
-
-
-def _refuse_lbfgs_with_state_offload(
-    managers: Iterable[GradientCacheHookManager], owned: list[torch.Tensor]
-) -> None:
-    """LBFGS cannot take a state kept on the host: raise before its step changes anything
-    (the closure's backward ran; its gradients stay cached and go back when the
-    integration ends)."""
-    for manager in managers:
-        engine = manager.engine
-        if engine is None or engine.optimizer_state is None:
-            continue
-        if any(param in engine.records for param in owned):
-            raise RuntimeError(
-                "LBFGS cannot step with offload_optimizer_state=True: it updates every "
-                "parameter along one direction found from all the gradients and its "
-                "whole history (a line search re-evaluating the closure), so its state "
-                "and every gradient must be on the device at once, while the state "
-                "offload brings the state a bucket at a time. Drop "
-                "offload_optimizer_state=True (the gradients are still offloaded), or "
-                "use an optimizer that updates each parameter from its own gradient "
-                "(SGD, Adam, AdamW)."
-            )
-
-
-def _takes_fused_step(manager: GradientCacheHookManager, owned: list[torch.Tensor]) -> bool:
-    """Whether ``manager``'s fused step steps an optimizer over ``owned``: it caches
-    gradients of some of them, or it keeps the state of any it caches in host memory (a
-    plain step would find that state off the device)."""
-    engine = manager.engine
-    if engine is None:
-        return False
-    manager.compress_and_free_gradients()
-    if engine.optimizer_state is not None:
-        return any(param in engine.records for param in owned)
-    # Or a fused step took some of their gradients in this step (another optimizer's, over
-    # a shared parameter): the fused step refuses what plain PyTorch would step again.
-    return any(param in engine.store or param in engine.stepped_by for param in owned)
+        for manager in self._managers():
+            if manager.optimizer_step is not None:
+                manager.optimizer_step.show_held(optimizer)

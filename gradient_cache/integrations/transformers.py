@@ -121,7 +121,9 @@ class _CacheCallback(transformers.TrainerCallback):
         if optimizer is not None:
             # The trainer loaded the optimizer's state onto the device before this hook: with
             # offload_optimizer_state=True it goes to host memory before the first step.
-            manager_of(model)._offload_loaded_state([_unwrapped(optimizer)])
+            step = manager_of(model).optimizer_step
+            if step is not None:
+                step.offload_loaded_state([_unwrapped(optimizer)])
         path = os.path.join(self.resume_folder, STATE_FILE)
         if not os.path.exists(path):
             warnings.warn(

@@ -1,0 +1,55 @@
+"""Each cached parameter's record: its facts, gathered once, and where its gradient is.
+
+Where a gradient is is a field of its record (`GradientAt`), set by the one phase that moves
+it; the containers that hold it (the open bucket, the store, ``param.grad``) follow the
+record. `tests/test_call_orders.py` checks after every call that they agree.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .route import Route
+
+Param = torch.nn.Parameter
+
+
+class GradientAt(enum.Enum):
+    """Where the cache has a parameter's gradient of the pending step (its newest part:
+    under accumulation an earlier part may be stored while the next waits in a bucket)."""
+
+    NONE = "none"  # the cache has none: in ``.grad`` (the user's), or no gradient at all
+    OPEN_BUCKET = "in an open bucket"  # taken from ``.grad``, on the device, not launched
+    IN_FLIGHT = "in flight"  # launched: encoded, its copy to the host not waited for
+    STORED = "stored"  # in host memory, in the store, complete (after a drain)
+    KEPT_ON_DEVICE = "kept on the device"  # left in ``.grad`` by a memory budget's decision
+    HELD_FOR_STEP = "held for the step"  # a device gradient the fused step steps last
+
+
+@dataclass
+class GroupArrivals:
+    """Gradients of one group (`Pipeline`'s ``groups``) arrived in this backward so far."""
+
+    size: int
+    count: int = 0
+
+
+@dataclass
+class CachedParam:
+    """One cached parameter's record."""
+
+    name: str
+    param: Param
+    route: Route  # at the current step: the pipeline moves it on where the warm-up ends
+    group: GroupArrivals | None  # FSDP2: the gradients it arrives with, in one buffer
+    sharded: bool  # a DTensor: its gradient is taken as this rank's shard and handed back
+    gradient: GradientAt = GradientAt.NONE
+    # A memory budget's decision: later backward passes leave its gradient on the device.
+    keep_on_device: bool = False
+    # The optimizer whose fused step took its gradient in the pending step (or the last
+    # one, until the next begins); weakly. None: no fused step took it.
+    taken_by: weakref.ref[torch.optim.Optimizer] | None = None

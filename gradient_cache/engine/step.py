@@ -1,0 +1,471 @@
+"""The step: one owner for everything from backward's end to the optimizer's update.
+
+`OptimizerStep` is what the manager and the integrations call (its public face: `step`,
+`norm`, `clip`, `restore_all`, `takes`, `caches`, `show_held`, `offload_state_of`,
+`offload_loaded_state`). It decides the step (the clip and its one factor, a GradScaler's
+unscale and skip, a retry's reuse of the first attempt's clip), fires the optimizer's step
+hooks once around it (`step_hooks`), hides the held gradients from an integration's own
+``optimizer.step()``, and runs a memory budget's measurement and decision. The phases it
+runs each live in one module: the restore path and the step's state in `pipeline`, the
+buckets in `fused_step`, the scaler in `scaling`, the norms in `norms`, the state's
+journeys in `optimizer_state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
+
+import torch
+
+from . import fused_step, scaling, sharding
+from .fused_step import BucketSteps
+from .norms import clip_factor, clip_grad_norm_order, gradient_norm
+from .pipeline import Pipeline
+from .records import GradientAt
+from .step_hooks import HookArgs, fire_post_hooks, fire_pre_hooks, unhooked_step
+from .step_state import Clip, HeldProgress
+from .store import BucketPayloads
+
+Param = torch.nn.Parameter
+Optimizer = torch.optim.Optimizer
+
+
+class Budget(Protocol):
+    """What the step asks of a memory budget (`budget.BudgetWatch`)."""
+
+    def before_restore(self, pipeline: Pipeline) -> None: ...
+
+    def sample(self) -> None: ...
+
+    def measure_from_now(self) -> None: ...
+
+
+class OptimizerStep:
+    """The step over what one pipeline caches (see the module docstring).
+
+    ``model_order``: each parameter's place in ``model.parameters()``, the order the fused
+    step sums norms in, as ``clip_grad_norm_`` does. ``budget``: a memory budget, measured
+    and decided around the restores. ``on_restored``: called after every restore with the
+    step count before it (the manager's verbose log)."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        model_order: Mapping[Param, int],
+        budget: Budget | None = None,
+        on_restored: Callable[[int], None] | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.budget = budget
+        self._model_order = model_order
+        self._on_restored = on_restored
+        # The held gradients a fused step stepped inside an integration's own
+        # optimizer.step(), out of .grad until that call's step is over (`show_held`).
+        self._hidden: dict[Optimizer, dict[Param, torch.Tensor]] = {}
+
+    # --- the public face ----------------------------------------------------------------
+
+    def step(
+        self,
+        optimizer: Optimizer,
+        *,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        hooks: bool = True,
+    ) -> torch.Tensor | None:
+        """The fused step (`GradientCacheHookManager.step` says what it does). ``hooks``:
+        fire the optimizer's step hooks once around it, as around a plain
+        ``optimizer.step()``; False inside an integration's own ``optimizer.step()``, which
+        fires them itself: the gradients it held and stepped are then hidden from that
+        call's step until `show_held`."""
+        pipeline = self.pipeline
+        if pipeline.optimizer_state is not None:
+            _refuse_sparse_momentum(pipeline, optimizer)
+        # The pre-hooks' (args, kwargs), once fired: not on a step a GradScaler skips, as
+        # scaler.step() then calls no optimizer.step().
+        fired: list[HookArgs] = []
+        steps_before = pipeline.steps
+        self._before_restore()
+        total_norm = self._fused(
+            optimizer,
+            max_norm,
+            norm_type,
+            step_once=unhooked_step(optimizer, through_instance=hooks),
+            before_steps=(lambda: fired.append(fire_pre_hooks(optimizer))) if hooks else None,
+        )
+        self._after_restore(steps_before)
+        if fired:
+            states = pipeline.optimizer_state
+            wait = None if states is None else states.wait_on_host
+            fire_post_hooks(optimizer, fired[0], wait_for_state=wait)
+        if not hooks:
+            self._hide(optimizer)
+        return total_norm
+
+    def norm(self, params: Iterable[Param], norm_type: float) -> torch.Tensor:
+        """``get_total_norm`` of ``params``' gradients, the cached ones counted where they
+        are, none restored, summed in the order of ``params`` (see
+        `GradientCacheHookManager.gradient_norm`)."""
+        params = list(params)
+        pipeline = self._clip_ready("gradient_norm")
+        norms = self._cached_norms(pipeline.parts(params), norm_type)
+        for param in params:
+            if param.grad is not None:
+                norms[param] = gradient_norm(sharding.local(param.grad), norm_type)
+        order = {param: i for i, param in enumerate(params)}
+        return sharding.global_norm(clip_grad_norm_order(norms, order), norm_type)
+
+    def clip(self, params: Iterable[Param], max_norm: float, total: torch.Tensor) -> None:
+        """``clip_grads_with_norm_``: device gradients clipped in place, the cached ones as
+        they are restored, by the same factor (see
+        `GradientCacheHookManager.clip_grads_with_norm_`)."""
+        params = list(params)
+        pipeline = self._clip_ready("clip_grads_with_norm_")
+        cached = [param for param in params if param in pipeline.store]
+        if cached and not set(pipeline.store) <= set(params):
+            pipeline.deliver_and_restore(cached)
+            cached = []
+        factor = clip_factor(float(max_norm), total)
+        for param in params:
+            if param.grad is not None:
+                grad = sharding.local(param.grad)
+                grad.mul_(factor.to(grad.device))
+        if cached:
+            pipeline.defer_clip(factor.to(pipeline.backend.device))
+
+    def restore_all(self, *, refusal: str | None = None) -> None:
+        """Every cached gradient back in ``param.grad`` (whatever the state's place: the
+        integrations restore what other optimizers left). ``refusal``: raised instead
+        where the state is on the host and gradients are cached (a reader that needs every
+        gradient on the device at once, which would need the whole state there at the
+        step)."""
+        pipeline = self.pipeline
+        if refusal is not None:
+            pipeline.drain()
+            if pipeline.optimizer_state is not None and pipeline.store:
+                raise RuntimeError(refusal)
+        steps_before = pipeline.steps
+        if pipeline.step_pending:
+            self._before_restore()
+        pipeline.apply()
+        self._after_restore(steps_before)
+
+    def caches(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether this cache takes the gradients of any of ``params``."""
+        records = self.pipeline.records
+        return any(param in records for param in params)
+
+    def takes(self, optimizer: Optimizer) -> bool:
+        """Whether this cache's fused step steps ``optimizer`` (an integration routes its
+        ``optimizer.step()`` here): it caches gradients of its parameters, or a fused step
+        took some of them in this step (the fused step refuses what plain PyTorch would
+        step again), or the state of any it caches is on the host (a plain step would find
+        it off the device). LBFGS, which steps every parameter at once, is never taken, and
+        refused where the state is on the host."""
+        owned = [p for group in optimizer.param_groups for p in group["params"]]
+        if not self.caches(owned):
+            return False
+        pipeline = self.pipeline
+        if isinstance(optimizer, torch.optim.LBFGS):
+            if pipeline.optimizer_state is not None:
+                raise RuntimeError(_LBFGS_REFUSAL)
+            return False
+        pipeline.drain()
+        if pipeline.optimizer_state is not None:
+            return True
+        records = [pipeline.records[p] for p in owned if p in pipeline.records]
+        return any(r.gradient is GradientAt.STORED or r.taken_by is not None for r in records)
+
+    def show_held(self, optimizer: Optimizer) -> None:
+        """An integration's own ``optimizer.step()`` is over: the gradients the fused step
+        held and stepped back in ``param.grad``, as plain PyTorch leaves them."""
+        for param, grad in self._hidden.pop(optimizer, {}).items():
+            param.grad = grad
+
+    def offload_state_of(self, optimizer: Optimizer) -> None:
+        """``optimizer``'s state on the device to the host, and its loads there from now
+        on (see `GradientCacheHookManager.offload_state_of`)."""
+        states = self.pipeline.optimizer_state
+        if states is None:
+            raise RuntimeError(
+                "offload_state_of() needs offload_optimizer_state=True in "
+                "create_gradient_cache(...): without it the state stays on the device."
+            )
+        states.attach(optimizer)
+        states.send_to_host(optimizer)
+        states.wait_on_host()  # the host may read them next (a checkpoint)
+
+    def offload_loaded_state(self, optimizers: Iterable[Optimizer]) -> None:
+        """When an integration's training starts (before any forward): the state a
+        framework loaded on resume (and moved to the device) to host memory, for each of
+        ``optimizers`` stepping a parameter this cache holds; a memory budget then measures
+        from here. Nothing without ``offload_optimizer_state``."""
+        if self.pipeline.optimizer_state is None:
+            return
+        for optimizer in optimizers:
+            if self.caches(p for group in optimizer.param_groups for p in group["params"]):
+                self.offload_state_of(optimizer)
+        if self.budget is not None:
+            self.budget.measure_from_now()  # before any forward: the steps are measured
+
+    # --- the fused step ---------------------------------------------------------------
+
+    def _fused(
+        self,
+        optimizer: Optimizer,
+        max_norm: float | None,
+        norm_type: float,
+        *,
+        step_once: Callable[[], object],
+        before_steps: Callable[[], object] | None,
+    ) -> torch.Tensor | None:
+        """Decide the step (delivered gradients, the clip, a GradScaler's skip), then run
+        its buckets (`fused_step.run`). ``before_steps``: called once the step is known
+        not to be skipped, before the first bucket steps (the pre-hooks)."""
+        pipeline = self.pipeline
+        stepped = self._begin(optimizer)
+        deferred = pipeline.deferred_clip
+        clip, progress = pipeline.retry() if pipeline.interrupted else (None, HeldProgress())
+        if clip is None and deferred is not None:
+            if max_norm is not None:
+                raise ValueError(
+                    "step(optimizer, max_grad_norm=...) after clip_grad_norm_ clipped these "
+                    "gradients already: clip once, with one or the other."
+                )
+            clip = (None, deferred)
+        delivered = [p for p in pipeline.store if p in stepped]
+        pipeline.take_for(optimizer, delivered)
+        # A cached gradient that also has a device part is restored whole first: it then
+        # behaves like any device gradient. Parameters of other optimizers stay cached.
+        pipeline.deliver_and_restore(p for p in delivered if p.grad is not None)
+        held = {p: p.grad for p in stepped if p.grad is not None}
+        parts = pipeline.parts(stepped)
+        scaler, inv_scale, skip = self._scaler_verdict(optimizer, parts, held)
+        if clip is None:
+            clip = self._clip(parts, held, max_norm, norm_type, inv_scale=inv_scale)
+        total_norm, factor = clip
+        held_factor = None if deferred is not None else factor  # a deferred clip clipped them
+        if skip:
+            assert scaler is not None
+            self._skip(scaler, optimizer, held, delivered, held_factor)
+            return total_norm
+        if before_steps is not None:
+            before_steps()
+        buckets = [[param for param, _ in part] for part in parts]
+        del parts  # parameters only from here: a payload goes as soon as its bucket stepped
+        steps = BucketSteps(
+            optimizer, buckets, held, delivered, factor, held_factor, clip, progress, step_once
+        )
+        fused_step.run(pipeline, steps)
+        if scaler is not None:
+            scaling.report_step(scaler, optimizer, found_inf=False)
+        pipeline.finish_step()
+        return total_norm
+
+    def _begin(self, optimizer: Optimizer) -> dict[Param, None]:
+        """The step begins: every gradient in host memory, ``optimizer``'s state there
+        too (offloaded), and a parameter another optimizer's step took refused. Returns
+        ``optimizer``'s parameters (a dict: ordered, fast to test)."""
+        pipeline = self.pipeline
+        pipeline.drain()
+        if pipeline.optimizer_state is not None:
+            pipeline.optimizer_state.begin_step(optimizer)  # a skipped step moves none either
+        stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
+        self._check_not_taken(optimizer, stepped)
+        return stepped
+
+    def _check_not_taken(self, optimizer: Optimizer, params: Iterable[Param]) -> None:
+        """Refuse a fused step of ``optimizer`` over a parameter whose cached gradient
+        another optimizer's fused step took in this step, and that has none now: plain
+        PyTorch would step it again with that gradient, left in ``.grad``, unless a
+        ``zero_grad()`` ran in between, which the cache cannot see. Raises before
+        anything changes."""
+        records = self.pipeline.records
+        taken = [
+            records[param].name
+            for param in params
+            if param in records
+            and param.grad is None
+            and records[param].gradient is GradientAt.NONE
+            and records[param].taken_by is not None
+            and records[param].taken_by() is not optimizer  # type: ignore[misc]
+        ]
+        if taken:
+            raise RuntimeError(
+                f"step({type(optimizer).__name__}) steps {len(taken)} parameters "
+                f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}) whose cached "
+                "gradients another optimizer's step already stepped in this step and freed "
+                "(the fused step frees what it restores, as zero_grad() would). Plain PyTorch "
+                "leaves them in .grad, so this optimizer would step them again, unless "
+                "zero_grad() ran in between: the cache cannot tell which you meant. Give each "
+                "parameter to one optimizer; or run a backward before each optimizer's step; "
+                "or keep the shared parameters' gradients on the device (exclude_layers=[...]: "
+                "both steps then find them in .grad, as in plain PyTorch)."
+            )
+
+    def _scaler_verdict(
+        self, optimizer: Optimizer, parts: list[BucketPayloads], held: dict[Param, torch.Tensor]
+    ) -> tuple[torch.amp.GradScaler | None, torch.Tensor | None, bool]:
+        """An enabled GradScaler, its 1/scale, and whether it skips this step (a gradient
+        not finite); (None, None, False) without one."""
+        pipeline = self.pipeline
+        sharded = any(record.sharded for record in pipeline.records.values())
+        scaler = scaling.enabled_scaler(pipeline.grad_scaler, optimizer, sharded=sharded)
+        if scaler is None:
+            return None, None, False
+        flag = None if pipeline.pending is None else pipeline.pending.found_inf
+        skip = scaling.found_inf(flag, parts, held, pipeline.backend.device)
+        return scaler, scaling.inv_scale(scaler), skip
+
+    def _clip(
+        self,
+        parts: list[BucketPayloads],
+        held: dict[Param, torch.Tensor],
+        max_norm: float | None,
+        norm_type: float,
+        *,
+        inv_scale: torch.Tensor | None,
+    ) -> Clip:
+        """The global norm of the step's gradients and the factor the restores apply: the
+        clip factor, times ``inv_scale`` where given; (None, inv_scale) without clipping.
+        Cached gradients' norms are the encodes' (or the payloads'), the held ones' are
+        computed here, reduced on the device in the model's order and, under FSDP2,
+        across ranks (`sharding.global_norm`)."""
+        pipeline = self.pipeline
+        if max_norm is None:
+            if pipeline.pending is None or not pipeline.pending.norm_read:
+                pipeline.compute_norms(None)  # no one asks for norms: the encodes stop
+            return None, inv_scale
+        local = self._cached_norms(parts, norm_type)
+        for param, grad in held.items():
+            local[param] = gradient_norm(sharding.local(grad), norm_type)
+        total = sharding.global_norm(clip_grad_norm_order(local, self._model_order), norm_type)
+        if inv_scale is not None:
+            # The norms of the scaled gradients times 1/scale, a power of two: exactly the
+            # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
+            total = total * inv_scale.to(total.device)
+        device = pipeline.backend.device
+        factor = clip_factor(max_norm, total).to(device)
+        return total, factor if inv_scale is None else factor * inv_scale.to(device)
+
+    def _cached_norms(
+        self, parts: list[BucketPayloads], norm_type: float
+    ) -> dict[Param, torch.Tensor]:
+        """The norms of the cached gradients in ``parts``, on the device, none restored:
+        each its last encode computed (of what it received before compressing it), or
+        else read from its host payload (a sparse payload's: its values'). Later steps'
+        encodes compute norms of ``norm_type``."""
+        encoded = self.pipeline.encoded_norms(norm_type)
+        device = self.pipeline.backend.device
+        norms = {}
+        for part in parts:
+            for param, payload in part:
+                norm = None if encoded is None else encoded.get(param)
+                if norm is None:
+                    # No encode computed it (the first step that asks, a resumed step):
+                    # from the host payload, to the device, where clip_grad_norm_ returns it.
+                    norm = gradient_norm(payload.kept_values(), norm_type).to(device)
+                norms[param] = norm
+        return norms
+
+    def _skip(
+        self,
+        scaler: torch.amp.GradScaler,
+        optimizer: Optimizer,
+        held: dict[Param, torch.Tensor],
+        delivered: list[Param],
+        factor: torch.Tensor | None,
+    ) -> None:
+        """A gradient was not finite: step nothing, as scaler.step() skips. The step is
+        delivered (counted, its residuals current), its payloads spent, and the scaler
+        told, so its update() backs off and the pipeline undoes the step at the next
+        backward (`settle_scaled_step`); held gradients are left unscaled and clipped, as
+        plain AMP leaves them."""
+        self.pipeline.skip(delivered)
+        fused_step.scale_in_place(held, factor, HeldProgress())
+        fused_step.put_back(held)
+        fused_step.free_kept(self.pipeline, held)
+        scaling.report_step(scaler, optimizer, found_inf=True)
+        self.pipeline.finish_step()
+
+    # --- around the restores ------------------------------------------------------------
+
+    def _clip_ready(self, caller: str) -> Pipeline:
+        """The pipeline, drained, with nothing cached that a device gradient also holds and
+        no deferred clip (what it clipped is restored): what `norm` and `clip` read."""
+        pipeline = self.pipeline
+        if pipeline.grad_scaler is not None and pipeline.grad_scaler.is_enabled():
+            raise RuntimeError(
+                f"{caller}() cannot run with an enabled GradScaler given to the cache: the "
+                "cached gradients are scaled. Call step(optimizer, max_grad_norm=...), "
+                "which unscales, clips and steps, in place of unscale_, clip_grad_norm_ "
+                "and scaler.step."
+            )
+        pipeline.drain()
+        if pipeline.deferred_clip is not None:
+            self.restore_all()  # clipped again: from the clipped gradients, on the device
+        pipeline.deliver_and_restore(p for p in pipeline.store if p.grad is not None)
+        return pipeline
+
+    def _hide(self, optimizer: Optimizer) -> None:
+        """The stepped gradients out of ``param.grad`` until the integration's own step
+        call is over (`show_held`): that call's step, which cannot be cancelled, must not
+        step them again."""
+        hidden = self._hidden.setdefault(optimizer, {})
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    hidden[param] = param.grad
+                    param.grad = None
+
+    def _before_restore(self) -> None:
+        """A memory budget decides before the restore of the step after the first one past
+        the warm-up: its measurement then holds whole steps, the optimizer's (which
+        creates the state) included."""
+        if self.budget is not None:
+            self.budget.before_restore(self.pipeline)
+
+    def _after_restore(self, steps_before: int) -> None:
+        """After a restore (a restore may find nothing): a memory budget's sample, and the
+        manager's word where it completed a step."""
+        if self.budget is not None:
+            self.budget.sample()
+        if self._on_restored is not None:
+            self._on_restored(steps_before)
+
+
+def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: Optimizer) -> None:
+    """Raise, before anything steps, where SGD with momentum meets a sparse gradient: its
+    momentum buffer is then a sparse tensor, which the state offload's dense host copies
+    cannot hold (torch's "copy_() between dense and sparse" after the step, on every retry).
+    SparseAdam's and Adagrad's states are dense: they step as usual."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        sparse = [p for p in group["params"] if p.grad is not None and p.grad.is_sparse]
+        if group["momentum"] == 0 or not sparse:
+            continue
+        record = pipeline.records.get(sparse[0])
+        name = (
+            record.name if record is not None else f"a parameter of shape {tuple(sparse[0].shape)}"
+        )
+        raise RuntimeError(
+            f"{name} has a sparse gradient (nn.Embedding(sparse=True), say), and SGD with "
+            f"momentum={group['momentum']} keeps a sparse momentum buffer for it, which "
+            "offload_optimizer_state=True cannot keep in host memory (its host copies are "
+            "dense). Nothing was stepped. Step that parameter with an optimizer whose state "
+            "is dense (torch.optim.SparseAdam, Adagrad) or SGD without momentum, make the "
+            "embedding dense (sparse=False), or drop offload_optimizer_state=True."
+        )
+
+
+_LBFGS_REFUSAL = (
+    "LBFGS cannot step with offload_optimizer_state=True: it updates every parameter along "
+    "one direction found from all the gradients and its whole history (a line search "
+    "re-evaluating the closure), so its state and every gradient must be on the device at "
+    "once, while the state offload brings the state a bucket at a time. Drop "
+    "offload_optimizer_state=True (the gradients are still offloaded), or use an optimizer "
+    "that updates each parameter from its own gradient (SGD, Adam, AdamW)."
+)

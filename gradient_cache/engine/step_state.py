@@ -1,0 +1,85 @@
+"""The pending step's life: its states, the phases that move it, and what it carries.
+
+`Pipeline` moves `StepState` phase by phase (`Pipeline._enter`); each phase may start only
+from the states `PHASES_FROM` lists for it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .norms import StepNorms
+
+
+class StepState(enum.Enum):
+    """Where the pending step is in its life; `Pipeline` moves it, phase by phase."""
+
+    IDLE = "idle"  # no step pending: nothing cached, waiting in a bucket or held back
+    CAPTURING = "capturing"  # backward hands gradients over; buckets may be in flight
+    CACHED = "cached"  # drained: host memory holds every gradient of the step
+    STEPPING = "stepping"  # a restore delivered part of it (counted); the rest is cached
+    INTERRUPTED = "interrupted"  # a fused step raised; its retry reuses the kept clip
+
+
+IDLE, CAPTURING, CACHED, STEPPING, INTERRUPTED = StepState
+# Each phase and the states it may start from (where it leads is the phase's to decide).
+PHASES_FROM: dict[str, frozenset[StepState]] = {
+    "capture": frozenset({IDLE, CAPTURING, CACHED, STEPPING}),
+    "launch": frozenset({CAPTURING}),
+    "drain": frozenset(StepState),
+    "deliver": frozenset({CACHED, STEPPING}),
+    "finish": frozenset({IDLE, CACHED, STEPPING}),
+    "interrupt": frozenset({IDLE, CACHED, STEPPING}),
+    "retry": frozenset({INTERRUPTED}),
+    "discard": frozenset(StepState),
+    "restart": frozenset({IDLE}),
+    "resume": frozenset({IDLE}),
+}
+# Why a phase cannot start from a state, where a user's call order can get there.
+ADVICE = {
+    INTERRUPTED: "a fused step(optimizer) raised and was neither retried nor discarded: call "
+    "step(optimizer) again to finish that step, or discard_gradients(), first",
+}
+
+# A fused step's global gradient norm and clip factor (None, None without clipping).
+Clip = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+class StepStateError(RuntimeError):
+    """A phase of a step started from a state it cannot start from."""
+
+
+@dataclass
+class HeldProgress:
+    """A fused step's progress on the gradients held for it (`GradientAt.HELD_FOR_STEP`),
+    kept for the retry when it raises: those already multiplied in place by the step's
+    factor (unscale and clip: not twice), and those already stepped (not twice either)."""
+
+    scaled: set[torch.nn.Parameter] = field(default_factory=set)
+    stepped: set[torch.nn.Parameter] = field(default_factory=set)
+
+
+@dataclass
+class PendingStep:
+    """The pending step: from its first gradient until all it cached is restored or dropped."""
+
+    # The engine's generators as it found them (None: unknown, a checkpoint made on another
+    # kind of device); `discard` rewinds them.
+    random_state: dict[str, torch.Tensor] | None
+    # With an enabled GradScaler: whether any gradient it encoded was not finite (a device
+    # bool, written by the encodes); None without a scaler, or unknown (a resumed step).
+    found_inf: torch.Tensor | None = None
+    # Each encoded gradient's norm of the type the last clipped fused step used, written
+    # by its last encode (the accumulated gradient's); None: the encodes compute none.
+    norms: StepNorms | None = None
+    counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
+    clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
+    held: HeldProgress | None = None  # INTERRUPTED: and how far it got with held gradients
+    # A clip_grad_norm_ answered from the cache (`defer_clip`): the factor every gradient
+    # of the step still cached is multiplied by as it is restored, as plain PyTorch
+    # multiplied it in place at the clip. None: no such clip.
+    deferred_clip: torch.Tensor | None = None
+    norm_read: bool = False  # a norm was read from the cache in this step
