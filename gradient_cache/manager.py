@@ -17,9 +17,9 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import gradient_readers
-from .budget import BudgetWatch, DeviceMemory, MemoryBudget, device_memory_of
 from .data_parallel import check_data_parallel
 from .engine import checkpoint, fused_step, sharding
+from .engine.budget import BudgetWatch, DeviceMemory, MemoryBudget, device_memory_of
 from .engine.config import (
     DEFAULT_COMPRESSION_RATIO,
     EngineConfig,
