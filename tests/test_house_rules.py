@@ -10,7 +10,8 @@ checked on the source files (no import of the package: a rule holds whatever run
   modules outside the engine, the integrations and perf/ use the public faces
   (``manager.engine`` is how a benchmark looks inside the engine). A private member of
   another library (torch's ``_foreach_norm``, ``optimizer._optimizer_step_pre_hooks``) is
-  not the project's and is not counted.
+  not the project's and is not counted, unless one of our classes defines the same name
+  (then rename ours, or read that library through a public name).
 """
 
 from __future__ import annotations
