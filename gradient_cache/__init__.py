@@ -1,8 +1,8 @@
 """gradient-cache: take gradients off the device during backward, restore them for the step."""
 
-from .budget import MemoryBudgetError
 from .codecs.options import Ladder, TopK
 from .compression import GradientCompressor
+from .engine.budget import MemoryBudgetError
 from .engine.config import EngineConfig
 from .engine.hostmem import HostMemoryError
 from .integrations.decorator import GradientCacheDecorator, manager_of, optimize

@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 
-from .budget import MemoryBudget, MemoryBudgetError
 from .codecs import CODEC_NAMES
 from .demo.models import GPT_SIZES
 from .demo.report import check_matplotlib, format_table, report_dict, write_json, write_plot
 from .demo.run import DEFAULT_SCENARIO, LEARNING_RATE, SCENARIOS, DemoSettings, run_demo
+from .engine.budget import MemoryBudget, MemoryBudgetError
 from .engine.config import DEFAULT_COMPRESSION_RATIO, EngineConfig
 from .engine.hostmem import HostMemoryError
+from .engine.units import MIB
 from .linkrate import measure_link
 from .planner import (
     DEFAULT_FLOPS,
@@ -32,7 +33,6 @@ from .planner import (
     tensors_of_count,
     tensors_of_factory,
 )
-from .units import MIB
 
 DEVICES = ("auto", "cpu", "cuda")
 # A lost or doubled gradient moves a weight by about the learning rate in one AdamW step;

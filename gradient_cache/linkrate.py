@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .units import MIB
+from .engine.units import MIB
 
 DEFAULT_COPY_BYTES = 256 * MIB
 DEFAULT_REPEATS = 5

@@ -16,9 +16,9 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import gradient_readers
-from .budget import BudgetWatch, DeviceMemory, MemoryBudget, device_memory_of
 from .data_parallel import check_data_parallel
 from .engine import checkpoint, sharding
+from .engine.budget import BudgetWatch, DeviceMemory, MemoryBudget, device_memory_of
 from .engine.config import (
     DEFAULT_COMPRESSION_RATIO,
     EngineConfig,
@@ -64,7 +64,7 @@ class GradientCacheHookManager:
         backend_factory: what builds the engine's backend from the parameters, the config
             and the ratio; the default picks by the parameters' device. Tests pass one that
             runs the CUDA backend on stand-in streams.
-        device_memory: what a ``memory_budget`` reads of the device (`budget.DeviceMemory`);
+        device_memory: what a ``memory_budget`` reads of the device (`engine.budget.DeviceMemory`);
             the default reads the CUDA allocator's statistics, and a CPU has none. Tests
             pass their own.
 
@@ -172,12 +172,12 @@ class GradientCacheHookManager:
             )
         # The step's owner; it holds the manager weakly (the log line), so that a manager no
         # one keeps is still collected (`_detach_dropped`).
-        this = weakref.ref(self)
+        log_step = weakref.WeakMethod(self._log_step)
 
         def on_restored(steps_before: int) -> None:
-            manager = this()
-            if manager is not None:
-                manager._log_step(steps_before)
+            method = log_step()
+            if method is not None:
+                method(steps_before)
 
         self._step: OptimizerStep | None = OptimizerStep(
             self._pipeline,

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .budget import BudgetDecision, Candidate, MemoryBudget, decide
+from .engine.budget import BudgetDecision, Candidate, MemoryBudget, decide
 from .engine.config import EngineConfig
 from .engine.pool import reserved_bytes
 from .engine.route import Codecs, Route, plan_routes
-from .units import MIB
+from .engine.units import MIB
 
 #: 8-bit Adam (bitsandbytes' and torchao's AdamW8bit, Adam8bit): two moments of one uint8
 #: code an entry, each with an fp32 scale per block of 256 entries.

@@ -11,7 +11,7 @@ import psutil
 
 from .engine.hostmem import available_host_bytes
 from .engine.pipeline import Pipeline
-from .units import MIB
+from .engine.units import MIB
 
 
 def process_rss_mb() -> float:

@@ -20,7 +20,7 @@ import psutil
 import torch
 
 import gradient_cache
-from gradient_cache.units import MIB
+from gradient_cache.engine.units import MIB
 
 WIDTH, DEPTH, BATCH = 4096, 4, 8
 

@@ -39,7 +39,7 @@ from torch.distributed.fsdp import fully_shard
 from gradient_cache import create_gradient_cache
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT, make_batches
 from gradient_cache.demo.training import train_step
-from gradient_cache.units import MIB
+from gradient_cache.engine.units import MIB
 
 VARIANTS = (
     ("plain FSDP2", None, False),

@@ -22,8 +22,8 @@ import torch
 
 from gradient_cache.engine.cuda import allocate_pinned
 from gradient_cache.engine.pool import HostPool, SlotSpec
+from gradient_cache.engine.units import MIB
 from gradient_cache.linkrate import measure_link
-from gradient_cache.units import MIB
 
 
 def resident_bytes() -> int:

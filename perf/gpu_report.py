@@ -39,8 +39,8 @@ import gradient_cache
 from gradient_cache.codecs import TopKSelector, keep_count
 from gradient_cache.demo.models import GPTConfig, TinyGPT
 from gradient_cache.demo.training import micro_batches, train_step
+from gradient_cache.engine.units import MIB
 from gradient_cache.planner import DEFAULT_LINK_GBPS
-from gradient_cache.units import MIB
 
 GPT2_SMALL = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12)
 QUICK = GPTConfig(vocab_size=1024, seq_len=128, d_model=256, n_layers=4, n_heads=4)

@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
-from gradient_cache.units import MIB as MIB  # re-exported: perf/test_bench_step.py reads it
+from gradient_cache.engine.units import MIB as MIB  # re-exported: perf/test_bench_step.py reads it
 from perf import memory_report
 
 GB = 1e9

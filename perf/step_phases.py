@@ -21,7 +21,7 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -63,19 +63,34 @@ def with_baselines(names: list[str]) -> list[StepVariant]:
 
 
 def timed_encoding(trainer: Trainer) -> Callable[[], float]:
-    """Wrap the cache's bucket launch with a timer; returns a read-and-reset function."""
-    spent = [0.0]
-    pipeline = trainer.cache.engine
-    launch = pipeline._launch
+    """Time the cache's encoding of each bucket; returns a read-and-reset function.
 
-    def timed(items: list) -> None:
+    Through the engine's backend, its public face (`manager.engine.backend`): a bucket's
+    encodes run inside its `encoding` context, and its `store` sends their payloads to host
+    memory, as the pipeline's launch of a bucket does (inside backward and in the drain).
+    """
+    spent = [0.0]
+    backend = trainer.cache.engine.backend
+    encoding, store = backend.encoding, backend.store
+
+    @contextlib.contextmanager
+    def timed_encoding_of(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            launch(items)
+            with encoding(params):
+                yield
         finally:
             spent[0] += time.perf_counter() - start
 
-    pipeline._launch = timed
+    def timed_store(encoded: list, grads: list[torch.Tensor]) -> dict:
+        start = time.perf_counter()
+        try:
+            return store(encoded, grads)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    backend.encoding = timed_encoding_of
+    backend.store = timed_store
 
     def take() -> float:
         value, spent[0] = spent[0], 0.0

@@ -487,7 +487,7 @@ def thin_model_run(**options: Any) -> tuple[torch.nn.Module, Any, Any, torch.Ten
 def offloaded_peak() -> int:
     """What a budget measures of the run below with everything offloaded (its first step and
     the second's backward), read as the budget reads the device (`device_memory_of`)."""
-    from gradient_cache.budget import device_memory_of
+    from gradient_cache.engine.budget import device_memory_of
 
     reader = device_memory_of(torch.device("cuda"))
     model, optimizer, manager, x = thin_model_run()
@@ -507,7 +507,7 @@ def budgeted_run(*, clip: float | None, steps: int = 4) -> tuple[int, int, int]:
     the second), the device's peak is checked against the budget, as the budget reads it.
     Returns (kept gradient bytes, all gradient bytes, the most the last step rose above
     what was allocated just before it)."""
-    from gradient_cache.budget import device_memory_of
+    from gradient_cache.engine.budget import device_memory_of
 
     reader = device_memory_of(torch.device("cuda"))
     with torch.device("meta"):

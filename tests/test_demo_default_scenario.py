@@ -13,6 +13,7 @@ import pytest
 from test_demo import run_console_script, runs_by_name
 
 from gradient_cache import cli
+from gradient_cache.engine.units import MIB
 from gradient_cache.planner import (
     GRADIENTS_AT_STEP,
     GRADIENTS_IN_BACKWARD,
@@ -20,7 +21,6 @@ from gradient_cache.planner import (
     plan,
     tensors_of_factory,
 )
-from gradient_cache.units import MIB
 
 # Its "medium" model is slower than the activations scenario's; every figure asserted of it
 # is a per-step maximum, measured on both steps.

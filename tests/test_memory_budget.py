@@ -17,8 +17,8 @@ from helpers import (
 )
 
 import gradient_cache
-from gradient_cache.budget import CudaMemory, MemoryBudget, MemoryBudgetError
 from gradient_cache.demo.accounting import device_memory_meter
+from gradient_cache.engine.budget import CudaMemory, MemoryBudget, MemoryBudgetError
 
 MIB = 2**20
 OPTIONS = dict(bucket_size_mb=0.004, offload_optimizer_state=True)
@@ -371,7 +371,7 @@ def test_device_gradients_step_with_their_offloaded_state_a_bucket_at_a_time() -
 def test_a_kept_gradient_counts_the_offloaded_state_its_step_brings() -> None:
     """A gradient kept on the device while its state is offloaded brings that state to
     the device at its step: the decision counts both."""
-    from gradient_cache.budget import Candidate, decide
+    from gradient_cache.engine.budget import Candidate, decide
 
     gradient = Candidate("w", "gradient", device_bytes=100, link_bytes=200)
     state = Candidate("w", "optimizer state", device_bytes=200, link_bytes=400)

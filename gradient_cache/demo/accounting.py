@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..units import MIB as MIB  # re-exported: perf/ reads it from here
+from ..engine.units import MIB as MIB  # re-exported: perf/ reads it from here
 from ._torch_private import (
     TorchDispatchMode,
     _get_current_dispatch_mode,

@@ -12,11 +12,11 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from ..budget import MemoryBudget
 from ..codecs import TopK
 from ..codecs.options import Ladder, check_bool, check_choice
 from ..codecs.registry import CodecChoice, check_codec, codec_name, codec_options
-from ..units import MIB
+from .budget import MemoryBudget
+from .units import MIB
 
 # create_gradient_cache's compression_ratio: gradients take at most a third of lossless
 # offload's bytes. fp32 gradients meet it with int8 codes (3.8x fewer), which trained
@@ -118,7 +118,7 @@ class EngineConfig:
             allocator's reserved peak plus what lies outside it); from then on the cache
             keeps on the device the most that fits the budget, parameter by parameter,
             what frees the fewest device bytes per link byte first
-            (`gradient_cache.budget`). On a device without memory statistics (a CPU) there
+            (`gradient_cache.engine.budget`). On a device without memory statistics (a CPU) there
             is nothing to budget. Not with FSDP2. Default None: everything offloaded.
         checkpoint_frequency: how often, in steps, ``verbose=True`` logs the summary: every
             step by default. (The seed's name: it set how often the compression statistics

@@ -12,7 +12,6 @@ from typing import Protocol
 
 import torch
 
-from ..units import MIB
 from .backend import Backend, CpuBackend
 from .config import EngineConfig
 from .cuda import CudaApi, CudaBackend, allocate_pinned
@@ -20,6 +19,7 @@ from .hostmem import check_host_budget
 from .pool import HostPool, reserved_bytes
 from .route import RoutePlanner
 from .sharding import is_dtensor
+from .units import MIB
 
 Param = torch.nn.Parameter
 

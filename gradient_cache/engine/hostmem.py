@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from ..units import MIB
+from .units import MIB
 
 # cgroup v1 reports "no limit" as a huge number (the page-rounded maximum of a signed 64-bit).
 _NO_LIMIT = 2**60

@@ -31,11 +31,14 @@ import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .units import MIB
+
+if TYPE_CHECKING:  # for the annotations only: the pipeline imports config, config imports this
+    from .pipeline import Pipeline
 
 logger = logging.getLogger("gradient_cache")
 
@@ -294,7 +297,7 @@ class BudgetWatch:
         if self.memory is not None and self.decision is None:
             self.peak = max(self.peak, checked_peak(self.memory) + self.memory.outside_bytes())
 
-    def before_restore(self, pipeline: Any) -> None:
+    def before_restore(self, pipeline: Pipeline) -> None:
         """Before the restore of the step after the measured ones (those steps and their
         optimizer steps are over, so the state exists and the peak holds them): decide,
         and keep what fits on the device. Raises before anything of the step is restored
@@ -333,7 +336,7 @@ def checked_peak(memory: DeviceMemory) -> int:
     return int(peak)
 
 
-def candidates_of(pipeline: Any) -> list[Candidate]:
+def candidates_of(pipeline: Pipeline) -> list[Candidate]:
     """Each cached gradient (its route after the warm-up: the link bytes of its payload and
     residual, both ways) and, with the state offloaded, each parameter's state host copies.
     A gradient encoded with error feedback stays offloaded: left on the device, it would
