@@ -26,7 +26,7 @@ from .engine.config import (
     validate_exclude_layers,
 )
 from .engine.factory import BackendFactory, create_backend
-from .engine.figures import CacheTensors
+from .engine.figures import CacheTensors, cache_tensors
 from .engine.pipeline import Pipeline
 from .engine.step import OptimizerStep
 from .model_watch import ParameterWatch
@@ -501,7 +501,7 @@ class GradientCacheHookManager:
     def cache_tensors(self) -> CacheTensors:
         """The tensors the cache has now, host and device (`CacheTensors`), for memory
         accounting; empty once closed, when everything went back to ``param.grad``."""
-        return CacheTensors() if self._pipeline is None else self._pipeline.cache_tensors()
+        return CacheTensors() if self._pipeline is None else cache_tensors(self._pipeline)
 
     @property
     def engine(self) -> Pipeline | None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import psutil
 
+from .engine.figures import describe
 from .engine.hostmem import available_host_bytes
 from .engine.pipeline import Pipeline
 from .engine.units import MIB
@@ -95,7 +96,11 @@ def compression_summary(
     # Pending from the first gradient a backward hands over: one waiting in the last,
     # partial bucket is not cached yet (still on the device, in no figure) but the step is.
     pending = pipeline.step_pending
-    layers = (pipeline.describe(pipeline.store) if pending else pipeline.last_step).layers
+    layers = (
+        describe(pipeline.store, pipeline.records, pipeline.store)
+        if pending
+        else pipeline.last_step
+    ).layers
     dense = sum(layer.dense_bytes for layer in layers.values())
     stored = sum(layer.stored_bytes for layer in layers.values())
     compressed = [layer for layer in layers.values() if layer.compressed]

@@ -14,7 +14,7 @@ from helpers import TiedLM, assert_same_parameters, batches, loss_of
 import gradient_cache
 from gradient_cache import Ladder
 from gradient_cache.engine.backend import CpuBackend
-from gradient_cache.engine.pipeline import Pipeline
+from gradient_cache.engine.capture import Capture
 
 SMALL = 0.004  # MiB: several buckets per backward, so some launch before the fault
 
@@ -46,16 +46,16 @@ class Faulty(TiedLM):
 
 def fail_in_encode(monkeypatch: pytest.MonkeyPatch, manager) -> None:
     """The next encode of ``mlp.0.weight`` raises an out-of-memory error, once."""
-    pipeline = manager.engine
-    original = Pipeline._encode
+    capture = manager.engine.capture
+    original = Capture._encode
 
     def encode(self, param, grad, loss_scale):
-        if self.records[param].name == "mlp.0.weight":
-            monkeypatch.setattr(pipeline, "_encode", original.__get__(pipeline))
+        if self.pipeline.records[param].name == "mlp.0.weight":
+            monkeypatch.setattr(capture, "_encode", original.__get__(capture))
             raise torch.OutOfMemoryError("injected: out of memory while encoding")
         return original(self, param, grad, loss_scale)
 
-    monkeypatch.setattr(pipeline, "_encode", encode.__get__(pipeline))
+    monkeypatch.setattr(capture, "_encode", encode.__get__(capture))
 
 
 FAULTS = {

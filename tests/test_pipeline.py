@@ -133,14 +133,14 @@ def test_buckets_follow_backward_order_and_launch_during_backward(monkeypatch) -
     pipeline = manager.engine
     launched: list[str] = []
     grads_left: list[int] = []
-    original = pipeline._encode
+    original = pipeline.capture._encode
 
     def spy(param, grad, loss_scale):
         launched.append(pipeline.records[param].name)
         grads_left.append(sum(p.grad is not None for p in model.parameters()))
         return original(param, grad, loss_scale)
 
-    monkeypatch.setattr(pipeline, "_encode", spy)
+    monkeypatch.setattr(pipeline.capture, "_encode", spy)
     tokens, targets = batches(1)[0]
     loss_of(model, tokens, targets).backward()
     assert launched.index("mlp.2.weight") < launched.index("mlp.0.weight")  # backward order
@@ -149,7 +149,7 @@ def test_buckets_follow_backward_order_and_launch_during_backward(monkeypatch) -
 
 def fail_on(pipeline, name: str, monkeypatch) -> None:
     """Make the encode of parameter ``name`` raise an out-of-memory error, once."""
-    original = pipeline._encode
+    original = pipeline.capture._encode
     state = {"armed": True}
 
     def encode(param, grad, loss_scale):
@@ -158,7 +158,7 @@ def fail_on(pipeline, name: str, monkeypatch) -> None:
             raise torch.OutOfMemoryError("injected: out of memory")
         return original(param, grad, loss_scale)
 
-    monkeypatch.setattr(pipeline, "_encode", encode)
+    monkeypatch.setattr(pipeline.capture, "_encode", encode)
 
 
 @pytest.mark.parametrize("ratio", [1, 20])

@@ -282,7 +282,7 @@ def test_gradients_made_on_another_stream_are_reused_only_after_their_copy(
                 param.grad = torch.randn(param.shape)  # the reduce-scatter output
             all_reduce.wait_stream(reduce_scatter)
             with fake_cuda.stream(all_reduce):
-                pipeline._on_grad_ready(param)  # FSDP2 calls the hooks itself
+                pipeline.capture.on_grad_ready(param)  # FSDP2 calls the hooks itself
         fake_cuda.compute.wait_stream(all_reduce)
         manager.apply_gradients()
         with fake_cuda.stream(reduce_scatter):

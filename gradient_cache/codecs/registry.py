@@ -17,6 +17,7 @@ import torch
 
 from .base import Codec, shapes_bytes
 from .block import BlockQuantized
+from .generators import RandomSource
 from .int8 import Int8Values
 from .lossless import Lossless
 from .options import Ladder, TopK
@@ -196,6 +197,26 @@ class Codecs:
 
     def all(self) -> list[Codec]:
         return [self.lossless, *self.candidates]
+
+    def random_sources(self) -> dict[str, RandomSource]:
+        """The codecs' own random generators, by the part that draws from them."""
+        return {
+            f"{codec.name}.{part}": generators
+            for codec in self.all()
+            for part, generators in codec.generators().items()
+        }
+
+    def random_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The generators' states on ``device`` (never the global RNG's)."""
+        states = {
+            name: generators.get_state(device) for name, generators in self.random_sources().items()
+        }
+        return {name: state for name, state in states.items() if state is not None}
+
+    def set_random_state(self, device: torch.device, states: dict[str, torch.Tensor]) -> None:
+        """Put back what `random_state` returned."""
+        for name, generators in self.random_sources().items():
+            generators.set_state(device, states.get(name))
 
     def choose(self, numel: int, dtype: torch.dtype, *, min_numel: int | None) -> Codec:
         """The codec of a gradient of ``numel`` entries of ``dtype``."""

@@ -315,7 +315,9 @@ class BudgetWatch:
             budget=self.budget.text,
         )
         by_name = pipeline.params_by_name()
-        pipeline.keep_on_device([by_name[n] for n in self.decision.kept_names("gradient")])
+        for name in self.decision.kept_names("gradient"):
+            # Later backward passes leave its gradient on the device, as exclude_layers would.
+            pipeline.records[by_name[name]].keep_on_device = True
         states = pipeline.optimizer_state
         if states is not None:
             states.keep_on_device([by_name[n] for n in self.decision.kept_names("optimizer state")])

@@ -103,7 +103,7 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
         # copies' (with a lossy codec they differ).
         "clip_norm_type": pipeline.clip_norm_type,
         "random_device": pipeline.backend.device.type,
-        "random_state": pipeline.random_state(),
+        "random_state": pipeline.codecs.random_state(pipeline.backend.device),
         "random_state_at_step_start": pipeline.random_state_at_step_start,
         "residuals": {names[p]: _cpu(r) for p, r in residuals.current().items()},
         "pending_residuals": {names[p]: _cpu(r) for p, r in residuals.pending().items()},
@@ -135,7 +135,9 @@ def load(pipeline: Pipeline, state: Any) -> None:
     pipeline.compute_norms(state.get("clip_norm_type"))  # absent: saved before it was kept
     # Generator states are device-specific (a CPU and a CUDA generator's differ in kind).
     same_kind = state["random_device"] == pipeline.backend.device.type
-    pipeline.set_random_state(state["random_state"] if same_kind else {})
+    pipeline.codecs.set_random_state(
+        pipeline.backend.device, state["random_state"] if same_kind else {}
+    )
     pipeline.backend.residuals.load(
         {by_name[name]: saved for name, saved in state["residuals"].items()},
         {by_name[name]: saved for name, saved in state["pending_residuals"].items()},
@@ -157,10 +159,12 @@ def load(pipeline: Pipeline, state: Any) -> None:
                 Encoded(param, payload_from_state(item["payload"]).moved(to_device), None)
                 for param, item in zip(params, saved_bucket, strict=True)
             ]
-        pipeline.put_back(encoded)
+        pipeline.launching()  # stored as a launch stores a bucket
+        pipeline.capture.store_encoded(encoded, [])
     # This manager's budget has not decided yet (it measures its own first step), so it
-    # offloads everything: the kept gradients too, cached as backward would cache them.
-    pipeline.cache_gradients([(by_name[name], to_device(grad)) for name, grad in kept.items()])
+    # offloads everything: the kept gradients too, cached as backward hands them over.
+    for name, grad in kept.items():
+        pipeline.capture.add(by_name[name], to_device(grad))
     pipeline.drain()
 
 

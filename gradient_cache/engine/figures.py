@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from .records import CachedParam
+from .store import GradientStore
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+Param = torch.nn.Parameter
 
 
 @dataclass
@@ -40,3 +50,40 @@ class CacheTensors:
     host: tuple[torch.Tensor, ...] = ()
     scratch: tuple[torch.Tensor, ...] = ()
     waiting: tuple[torch.Tensor, ...] = ()
+
+
+def describe(
+    store: GradientStore, records: Mapping[Param, CachedParam], params: Iterable[Param]
+) -> StepFigures:
+    """The figures of the cached payloads of ``params`` (sizes only: no data is read)."""
+    figures = StepFigures()
+    for param in params:
+        payload = store[param]
+        record = records[param]
+        figures.layers[record.name] = LayerFigures(
+            numel=record.route.numel,
+            dense_bytes=record.route.numel * param.element_size(),
+            stored_bytes=payload.nbytes,
+            kept=payload.kept,
+            compressed=record.route.compressed,
+            codec=record.route.codec.name,
+        )
+    return figures
+
+
+def cache_tensors(pipeline: Pipeline) -> CacheTensors:
+    """What ``pipeline``'s cache has now (a read-only view; see `CacheTensors`)."""
+    residuals = pipeline.backend.residuals
+    residual_tensors = [*residuals.current().values(), *residuals.pending().values()]
+    on_host = pipeline.config.residual_options.residual_location == "host"
+    states = pipeline.optimizer_state
+    return CacheTensors(
+        host=(
+            *pipeline.store.tensors(),
+            *(pipeline.random_state_at_step_start or {}).values(),
+            *(residual_tensors if on_host else ()),
+            *(() if states is None else states.host_tensors()),
+        ),
+        scratch=tuple(t for codec in pipeline.codecs.all() for t in codec.scratch_tensors()),
+        waiting=tuple(pipeline.assembler.waiting()),
+    )

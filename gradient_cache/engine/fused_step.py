@@ -21,6 +21,7 @@ import torch
 from . import sharding
 from .optimizer_state import Arrival, HostOptimizerState
 from .pipeline import Pipeline
+from .records import GradientAt
 from .step_state import Clip, HeldProgress
 
 Param = torch.nn.Parameter
@@ -51,7 +52,7 @@ def run(pipeline: Pipeline, steps: BucketSteps) -> None:
     ``param.grad``, and the pipeline keeps the clip and the progress for the retry."""
     states = pipeline.optimizer_state
     arrivals: deque[Arrival] = deque()  # each bucket's optimizer state on its way
-    before = pipeline.hold_for_step(steps.held)  # out of .grad: the buckets step without them
+    before = _hold(pipeline, steps.held)  # out of .grad: the buckets step without them
     try:
         _step_cached(pipeline, steps, states, arrivals)
         if steps.held:  # left in place afterwards (clipped), as plain PyTorch leaves them
@@ -62,7 +63,8 @@ def run(pipeline: Pipeline, steps: BucketSteps) -> None:
         if states is not None:
             states.abandon(steps.optimizer, arrivals)
         put_back(steps.held)  # as the retry finds them: `progress` says what was done to them
-        pipeline.release_held(before)
+        for param, at in before.items():  # where they were before the step
+            pipeline.records[param].gradient = at
         pipeline.interrupt(steps.clip, steps.progress)
         raise
 
@@ -144,8 +146,25 @@ def free_kept(pipeline: Pipeline, held: dict[Param, torch.Tensor]) -> None:
     """The gradients a memory budget keeps on the device, freed as cached ones are after
     their step: a loop written for the fused step (no zero_grad) must not add them into
     the next; and no checkpoint carries them as part of a pending step any more."""
-    for param in pipeline.held_stepped(held):
+    for param in held:
+        record = pipeline.records.get(param)
+        if record is not None:
+            record.gradient = GradientAt.NONE  # stepped: no longer part of the step
+            if record.keep_on_device:
+                param.grad = None
+
+
+def _hold(pipeline: Pipeline, held: dict[Param, torch.Tensor]) -> dict[Param, GradientAt]:
+    """The held gradients out of ``param.grad`` while the buckets step (stepped last:
+    `GradientAt.HELD_FOR_STEP`); where each cached parameter's was before."""
+    before = {}
+    for param in held:
         param.grad = None
+        record = pipeline.records.get(param)
+        if record is not None:
+            before[param] = record.gradient
+            record.gradient = GradientAt.HELD_FOR_STEP
+    return before
 
 
 def _chunks(params: list[Param], size_bytes: int) -> list[list[Param]]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from . import sharding
 from .route import Route
 
 Param = torch.nn.Parameter
@@ -53,3 +55,27 @@ class CachedParam:
     # The optimizer whose fused step took its gradient in the pending step (or the last
     # one, until the next begins); weakly. None: no fused step took it.
     taken_by: weakref.ref[torch.optim.Optimizer] | None = None
+
+
+def make_records(
+    named_params: Sequence[tuple[str, Param]],
+    routes: Mapping[Param, Route],
+    groups: Sequence[Sequence[Param]],
+) -> dict[Param, CachedParam]:
+    """Each cached parameter's record at its first route; ``groups``: FSDP2's, whose
+    gradients arrive together in one buffer (each group's cached members share a count)."""
+    cached = {param for _, param in named_params}
+    group_of: dict[Param, GroupArrivals] = {}
+    for group in groups:
+        members = [p for p in group if p in cached]
+        group_of.update(dict.fromkeys(members, GroupArrivals(len(members))))
+    return {
+        param: CachedParam(
+            name=name,
+            param=param,
+            route=routes[param],
+            group=group_of.get(param),
+            sharded=sharding.is_dtensor(param),
+        )
+        for name, param in named_params
+    }

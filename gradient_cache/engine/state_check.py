@@ -161,7 +161,7 @@ def _check_layouts(
 
 
 def _check_random_state(pipeline: Pipeline, states: Any, key: str) -> None:
-    sources = pipeline.random_sources()
+    sources = pipeline.codecs.random_sources()
     if not isinstance(states, dict):
         raise ValueError(f"state[{key!r}] is a {type(states).__name__}; expected a dict.")
     for name, saved in states.items():

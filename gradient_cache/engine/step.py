@@ -13,6 +13,7 @@ journeys in `optimizer_state`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
@@ -20,7 +21,7 @@ import torch
 
 from . import fused_step, scaling, sharding
 from .fused_step import BucketSteps
-from .norms import clip_factor, clip_grad_norm_order, gradient_norm
+from .norms import StepNorms, clip_factor, clip_grad_norm_order, gradient_norm
 from .pipeline import Pipeline
 from .records import GradientAt
 from .step_hooks import HookArgs, fire_post_hooks, fire_pre_hooks, unhooked_step
@@ -110,7 +111,7 @@ class OptimizerStep:
         `GradientCacheHookManager.gradient_norm`)."""
         params = list(params)
         pipeline = self._clip_ready("gradient_norm")
-        norms = self._cached_norms(pipeline.parts(params), norm_type)
+        norms = _cached_norms(pipeline, pipeline.parts(params), norm_type)
         for param in params:
             if param.grad is not None:
                 norms[param] = gradient_norm(sharding.local(param.grad), norm_type)
@@ -133,7 +134,9 @@ class OptimizerStep:
                 grad = sharding.local(param.grad)
                 grad.mul_(factor.to(grad.device))
         if cached:
-            pipeline.defer_clip(factor.to(pipeline.backend.device))
+            # Applied as each cached gradient is restored (the clip covers all of them).
+            assert pipeline.pending is not None and pipeline.pending.deferred_clip is None
+            pipeline.pending.deferred_clip = factor.to(pipeline.backend.device)
 
     def restore_all(self, *, refusal: str | None = None) -> None:
         """Every cached gradient back in ``param.grad`` (whatever the state's place: the
@@ -149,6 +152,15 @@ class OptimizerStep:
         steps_before = pipeline.steps
         if pipeline.step_pending:
             self._before_restore()
+        pending = pipeline.pending
+        held = None if pending is None or not pipeline.interrupted else pending.held
+        if held is not None and (held.scaled or held.stepped):
+            raise RuntimeError(
+                "apply_gradients() after a fused step(optimizer) that raised once it had "
+                "scaled or stepped device gradients in place: restoring the rest whole "
+                "would clip or step those twice. Call step(optimizer) again to finish "
+                "that step."
+            )
         pipeline.apply()
         self._after_restore(steps_before)
 
@@ -236,20 +248,24 @@ class OptimizerStep:
                 )
             clip = (None, deferred)
         delivered = [p for p in pipeline.store if p in stepped]
-        pipeline.take_for(optimizer, delivered)
+        taker = weakref.ref(optimizer)  # they leave the cache once stepped, as by zero_grad()
+        for param in delivered:
+            pipeline.records[param].taken_by = taker
         # A cached gradient that also has a device part is restored whole first: it then
         # behaves like any device gradient. Parameters of other optimizers stay cached.
         pipeline.deliver_and_restore(p for p in delivered if p.grad is not None)
         held = {p: p.grad for p in stepped if p.grad is not None}
         parts = pipeline.parts(stepped)
-        scaler, inv_scale, skip = self._scaler_verdict(optimizer, parts, held)
+        scaler, inv_scale, skip = _scaler_verdict(pipeline, optimizer, parts, held)
         if clip is None:
-            clip = self._clip(parts, held, max_norm, norm_type, inv_scale=inv_scale)
+            clip = _clip(
+                pipeline, self._model_order, parts, held, max_norm, norm_type, inv_scale=inv_scale
+            )
         total_norm, factor = clip
         held_factor = None if deferred is not None else factor  # a deferred clip clipped them
         if skip:
             assert scaler is not None
-            self._skip(scaler, optimizer, held, delivered, held_factor)
+            _skip(pipeline, scaler, optimizer, held, delivered, held_factor)
             return total_norm
         if before_steps is not None:
             before_steps()
@@ -273,122 +289,8 @@ class OptimizerStep:
         if pipeline.optimizer_state is not None:
             pipeline.optimizer_state.begin_step(optimizer)  # a skipped step moves none either
         stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
-        self._check_not_taken(optimizer, stepped)
+        _check_not_taken(self.pipeline, optimizer, stepped)
         return stepped
-
-    def _check_not_taken(self, optimizer: Optimizer, params: Iterable[Param]) -> None:
-        """Refuse a fused step of ``optimizer`` over a parameter whose cached gradient
-        another optimizer's fused step took in this step, and that has none now: plain
-        PyTorch would step it again with that gradient, left in ``.grad``, unless a
-        ``zero_grad()`` ran in between, which the cache cannot see. Raises before
-        anything changes."""
-        records = self.pipeline.records
-        taken = [
-            records[param].name
-            for param in params
-            if param in records
-            and param.grad is None
-            and records[param].gradient is GradientAt.NONE
-            and records[param].taken_by is not None
-            and records[param].taken_by() is not optimizer  # type: ignore[misc]
-        ]
-        if taken:
-            raise RuntimeError(
-                f"step({type(optimizer).__name__}) steps {len(taken)} parameters "
-                f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}) whose cached "
-                "gradients another optimizer's step already stepped in this step and freed "
-                "(the fused step frees what it restores, as zero_grad() would). Plain PyTorch "
-                "leaves them in .grad, so this optimizer would step them again, unless "
-                "zero_grad() ran in between: the cache cannot tell which you meant. Give each "
-                "parameter to one optimizer; or run a backward before each optimizer's step; "
-                "or keep the shared parameters' gradients on the device (exclude_layers=[...]: "
-                "both steps then find them in .grad, as in plain PyTorch)."
-            )
-
-    def _scaler_verdict(
-        self, optimizer: Optimizer, parts: list[BucketPayloads], held: dict[Param, torch.Tensor]
-    ) -> tuple[torch.amp.GradScaler | None, torch.Tensor | None, bool]:
-        """An enabled GradScaler, its 1/scale, and whether it skips this step (a gradient
-        not finite); (None, None, False) without one."""
-        pipeline = self.pipeline
-        sharded = any(record.sharded for record in pipeline.records.values())
-        scaler = scaling.enabled_scaler(pipeline.grad_scaler, optimizer, sharded=sharded)
-        if scaler is None:
-            return None, None, False
-        flag = None if pipeline.pending is None else pipeline.pending.found_inf
-        skip = scaling.found_inf(flag, parts, held, pipeline.backend.device)
-        return scaler, scaling.inv_scale(scaler), skip
-
-    def _clip(
-        self,
-        parts: list[BucketPayloads],
-        held: dict[Param, torch.Tensor],
-        max_norm: float | None,
-        norm_type: float,
-        *,
-        inv_scale: torch.Tensor | None,
-    ) -> Clip:
-        """The global norm of the step's gradients and the factor the restores apply: the
-        clip factor, times ``inv_scale`` where given; (None, inv_scale) without clipping.
-        Cached gradients' norms are the encodes' (or the payloads'), the held ones' are
-        computed here, reduced on the device in the model's order and, under FSDP2,
-        across ranks (`sharding.global_norm`)."""
-        pipeline = self.pipeline
-        if max_norm is None:
-            if pipeline.pending is None or not pipeline.pending.norm_read:
-                pipeline.compute_norms(None)  # no one asks for norms: the encodes stop
-            return None, inv_scale
-        local = self._cached_norms(parts, norm_type)
-        for param, grad in held.items():
-            local[param] = gradient_norm(sharding.local(grad), norm_type)
-        total = sharding.global_norm(clip_grad_norm_order(local, self._model_order), norm_type)
-        if inv_scale is not None:
-            # The norms of the scaled gradients times 1/scale, a power of two: exactly the
-            # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
-            total = total * inv_scale.to(total.device)
-        device = pipeline.backend.device
-        factor = clip_factor(max_norm, total).to(device)
-        return total, factor if inv_scale is None else factor * inv_scale.to(device)
-
-    def _cached_norms(
-        self, parts: list[BucketPayloads], norm_type: float
-    ) -> dict[Param, torch.Tensor]:
-        """The norms of the cached gradients in ``parts``, on the device, none restored:
-        each its last encode computed (of what it received before compressing it), or
-        else read from its host payload (a sparse payload's: its values'). Later steps'
-        encodes compute norms of ``norm_type``."""
-        encoded = self.pipeline.encoded_norms(norm_type)
-        device = self.pipeline.backend.device
-        norms = {}
-        for part in parts:
-            for param, payload in part:
-                norm = None if encoded is None else encoded.get(param)
-                if norm is None:
-                    # No encode computed it (the first step that asks, a resumed step):
-                    # from the host payload, to the device, where clip_grad_norm_ returns it.
-                    norm = gradient_norm(payload.kept_values(), norm_type).to(device)
-                norms[param] = norm
-        return norms
-
-    def _skip(
-        self,
-        scaler: torch.amp.GradScaler,
-        optimizer: Optimizer,
-        held: dict[Param, torch.Tensor],
-        delivered: list[Param],
-        factor: torch.Tensor | None,
-    ) -> None:
-        """A gradient was not finite: step nothing, as scaler.step() skips. The step is
-        delivered (counted, its residuals current), its payloads spent, and the scaler
-        told, so its update() backs off and the pipeline undoes the step at the next
-        backward (`settle_scaled_step`); held gradients are left unscaled and clipped, as
-        plain AMP leaves them."""
-        self.pipeline.skip(delivered)
-        fused_step.scale_in_place(held, factor, HeldProgress())
-        fused_step.put_back(held)
-        fused_step.free_kept(self.pipeline, held)
-        scaling.report_step(scaler, optimizer, found_inf=True)
-        self.pipeline.finish_step()
 
     # --- around the restores ------------------------------------------------------------
 
@@ -434,6 +336,138 @@ class OptimizerStep:
             self.budget.sample()
         if self._on_restored is not None:
             self._on_restored(steps_before)
+
+
+def _check_not_taken(pipeline: Pipeline, optimizer: Optimizer, params: Iterable[Param]) -> None:
+    """Refuse a fused step of ``optimizer`` over a parameter whose cached gradient
+    another optimizer's fused step took in this step, and that has none now: plain
+    PyTorch would step it again with that gradient, left in ``.grad``, unless a
+    ``zero_grad()`` ran in between, which the cache cannot see. Raises before
+    anything changes."""
+    records = pipeline.records
+    taken = [
+        records[param].name
+        for param in params
+        if param in records
+        and param.grad is None
+        and records[param].gradient is GradientAt.NONE
+        and records[param].taken_by is not None
+        and records[param].taken_by() is not optimizer  # type: ignore[misc]
+    ]
+    if taken:
+        raise RuntimeError(
+            f"step({type(optimizer).__name__}) steps {len(taken)} parameters "
+            f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}) whose cached "
+            "gradients another optimizer's step already stepped in this step and freed "
+            "(the fused step frees what it restores, as zero_grad() would). Plain PyTorch "
+            "leaves them in .grad, so this optimizer would step them again, unless "
+            "zero_grad() ran in between: the cache cannot tell which you meant. Give each "
+            "parameter to one optimizer; or run a backward before each optimizer's step; "
+            "or keep the shared parameters' gradients on the device (exclude_layers=[...]: "
+            "both steps then find them in .grad, as in plain PyTorch)."
+        )
+
+
+def _scaler_verdict(
+    pipeline: Pipeline,
+    optimizer: Optimizer,
+    parts: list[BucketPayloads],
+    held: dict[Param, torch.Tensor],
+) -> tuple[torch.amp.GradScaler | None, torch.Tensor | None, bool]:
+    """An enabled GradScaler, its 1/scale, and whether it skips this step (a gradient
+    not finite); (None, None, False) without one."""
+    sharded = any(record.sharded for record in pipeline.records.values())
+    scaler = scaling.enabled_scaler(pipeline.grad_scaler, optimizer, sharded=sharded)
+    if scaler is None:
+        return None, None, False
+    flag = None if pipeline.pending is None else pipeline.pending.found_inf
+    skip = scaling.found_inf(flag, parts, held, pipeline.backend.device)
+    return scaler, scaling.inv_scale(scaler), skip
+
+
+def _clip(
+    pipeline: Pipeline,
+    model_order: Mapping[Param, int],
+    parts: list[BucketPayloads],
+    held: dict[Param, torch.Tensor],
+    max_norm: float | None,
+    norm_type: float,
+    *,
+    inv_scale: torch.Tensor | None,
+) -> Clip:
+    """The global norm of the step's gradients and the factor the restores apply: the
+    clip factor, times ``inv_scale`` where given; (None, inv_scale) without clipping.
+    Cached gradients' norms are the encodes' (or the payloads'), the held ones' are
+    computed here, reduced on the device in the model's order and, under FSDP2,
+    across ranks (`sharding.global_norm`)."""
+    if max_norm is None:
+        if pipeline.pending is None or not pipeline.pending.norm_read:
+            pipeline.compute_norms(None)  # no one asks for norms: the encodes stop
+        return None, inv_scale
+    local = _cached_norms(pipeline, parts, norm_type)
+    for param, grad in held.items():
+        local[param] = gradient_norm(sharding.local(grad), norm_type)
+    total = sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
+    if inv_scale is not None:
+        # The norms of the scaled gradients times 1/scale, a power of two: exactly the
+        # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
+        total = total * inv_scale.to(total.device)
+    device = pipeline.backend.device
+    factor = clip_factor(max_norm, total).to(device)
+    return total, factor if inv_scale is None else factor * inv_scale.to(device)
+
+
+def _cached_norms(
+    pipeline: Pipeline, parts: list[BucketPayloads], norm_type: float
+) -> dict[Param, torch.Tensor]:
+    """The norms of the cached gradients in ``parts``, on the device, none restored:
+    each its last encode computed (of what it received before compressing it), or
+    else read from its host payload (a sparse payload's: its values'). Later steps'
+    encodes compute norms of ``norm_type``."""
+    encoded = _encoded_norms(pipeline, norm_type)
+    device = pipeline.backend.device
+    norms = {}
+    for part in parts:
+        for param, payload in part:
+            norm = None if encoded is None else encoded.get(param)
+            if norm is None:
+                # No encode computed it (the first step that asks, a resumed step):
+                # from the host payload, to the device, where clip_grad_norm_ returns it.
+                norm = gradient_norm(payload.kept_values(), norm_type).to(device)
+            norms[param] = norm
+    return norms
+
+
+def _encoded_norms(pipeline: Pipeline, norm_type: float) -> StepNorms | None:
+    """The pending step's encoded norms if they are of ``norm_type``. A norm is read
+    from the cache: the later steps' encodes compute that type."""
+    pending = pipeline.pending
+    if pending is not None:
+        pending.norm_read = True
+    pipeline.compute_norms(norm_type)
+    norms = None if pending is None else pending.norms
+    return norms if norms is not None and norms.norm_type == norm_type else None
+
+
+def _skip(
+    pipeline: Pipeline,
+    scaler: torch.amp.GradScaler,
+    optimizer: Optimizer,
+    held: dict[Param, torch.Tensor],
+    delivered: list[Param],
+    factor: torch.Tensor | None,
+) -> None:
+    """A gradient was not finite: step nothing, as scaler.step() skips. The step is
+    delivered (counted, its residuals current), its payloads spent, and the scaler
+    told, so its update() backs off and the pipeline undoes the step at the next
+    backward (`settle_scaled_step`); held gradients are left unscaled and clipped, as
+    plain AMP leaves them."""
+    pipeline.skip(delivered)
+    fused_step.scale_in_place(held, factor, HeldProgress())
+    fused_step.put_back(held)
+    fused_step.free_kept(pipeline, held)
+    scaling.report_step(scaler, optimizer, found_inf=True)
+    pipeline.finish_step()
 
 
 def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: Optimizer) -> None:

@@ -1,0 +1,160 @@
+"""Capture: backward's hooks hand each gradient over, buckets launch while backward goes on.
+
+The post-accumulate-grad hook (`Capture.on_grad_ready`) takes each gradient as soon as it
+is complete, frees it from the parameter and adds it to the open bucket; a full bucket is
+encoded by each parameter's route and sent to host memory (`launch`). The pipeline owns
+the step's state (`Pipeline.begin_capture`, `Pipeline.launching`); capture moves gradients
+and their records' locations, nothing else.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from . import sharding
+from .backend import Encoded
+from .bucket import BucketState, Item
+from .records import GradientAt, GroupArrivals
+from .scaling import loss_scale
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+Param = torch.nn.Parameter
+
+
+class Capture:
+    """The pipeline's capture: its hook, its launches (see the module docstring)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        # Weakly: the pipeline holds its capture, and a cycle would keep the model's
+        # parameters alive until a full garbage collection.
+        self.pipeline = cast("Pipeline", weakref.proxy(pipeline))
+        self._gradient_checked = False
+
+    def on_grad_ready(self, param: Param) -> None:
+        """Backward's hook: ``param``'s gradient is complete."""
+        pipeline = self.pipeline
+        grad = param.grad
+        if grad is None or grad.is_sparse:
+            return  # sparse (nn.Embedding(sparse=True)) gradients stay where they are
+        if not pipeline.enabled:
+            return  # left on the device; what is cached joins it at the restore
+        record = pipeline.records[param]
+        if record.keep_on_device:
+            record.gradient = GradientAt.KEPT_ON_DEVICE  # left in .grad, part of the step
+            return
+        if pipeline.deferred_clip is not None:
+            # A backward after a clip answered from the cache: plain PyTorch adds to the
+            # clipped gradients, so they come back clipped first (a restore, once).
+            self._restore_clipped()
+        if not self._gradient_checked:
+            sharding.check_gradient_is_reduced(record.name, grad)
+            self._gradient_checked = True
+        pipeline.begin_capture()
+        param.grad = None
+        if pipeline.assembler.holds(param) and param in pipeline.store:
+            # A third micro-batch while the second waits here and the first is cached:
+            # the waiting bucket goes first, so the cached part joins the second gradient
+            # before the third does ((a + b) + c, plain PyTorch's order).
+            self.launch(pipeline.assembler.flush() or [])
+        group_complete = _group_complete(record.group)
+        self.add(param, sharding.local(grad))
+        if group_complete:
+            # The group's shared buffer is freed once its last gradient is offloaded: send
+            # it now rather than when the next group's gradients fill the bucket.
+            self.launch(pipeline.assembler.flush() or [])
+
+    def _restore_clipped(self) -> None:
+        """Every cached gradient back in ``param.grad``, times the deferred clip, which is
+        then spent; the step goes on (not delivered, not counted: its gradients return to
+        the cache as this backward hands them over, as under accumulation)."""
+        pipeline = self.pipeline
+        pipeline.drain()
+        pipeline.restore(list(pipeline.store))
+        assert pipeline.pending is not None  # a deferred clip lives in the pending step
+        pipeline.pending.deferred_clip = None
+
+    def add(self, param: Param, grad: torch.Tensor) -> None:
+        """``grad`` into the open bucket, which launches once full."""
+        items = self.pipeline.assembler.add(param, grad)
+        self.pipeline.records[param].gradient = GradientAt.OPEN_BUCKET
+        if items is not None:
+            self.launch(items)
+
+    def launch(self, items: list[Item]) -> None:
+        """Encode ``items`` and send them to host memory, one parameter at a time.
+
+        If encoding fails (out of memory, say), the parameters not yet encoded get their
+        gradients back in ``param.grad`` and the error propagates: nothing is lost or
+        counted twice, and the next restore adds the cached part to them.
+        """
+        if not items:
+            return
+        pipeline = self.pipeline
+        pipeline.launching()
+        scale = loss_scale(pipeline.grad_scaler)
+        encoded: list[Encoded] = []
+        try:
+            with pipeline.backend.encoding([param for param, _ in items]):
+                for param, grad in items:
+                    encoded.append(self._encode(param, grad, scale))
+        except BaseException:
+            for param, grad in items[len(encoded) :]:
+                param.grad = sharding.as_grad_of(param, grad)
+                pipeline.records[param].gradient = self._cached_part_at(param)
+            raise
+        finally:
+            self.store_encoded(encoded, [grad for _, grad in items[: len(encoded)]])
+
+    def _encode(self, param: Param, grad: torch.Tensor, scale: torch.Tensor | None) -> Encoded:
+        """Runs where the backend's `encoding` puts it; reads but never changes cached state."""
+        pipeline = self.pipeline
+        route = pipeline.records[param].route
+        codec = route.codec
+        flat = route.flatten(grad.detach())
+        cached = pipeline.store.payload(param)
+        if cached is not None:  # gradient accumulation: the cached part joins this one
+            flat = cached.moved(pipeline.backend.to_device).add_to(flat)
+        residual = None if codec.residual is None else pipeline.backend.residuals.read(param)
+        pending = pipeline.pending
+        if pending is not None and pending.found_inf is not None:
+            # The fused step skips on it, as scaler.step() would.
+            torch.logical_or(pending.found_inf, ~torch.isfinite(flat).all(), out=pending.found_inf)
+        if pending is not None and pending.norms is not None:
+            # The norm of what this encode compresses (under accumulation, the decoded
+            # earlier micro-batches plus this one), read by the fused step's clip with no
+            # pass over the payloads.
+            pending.norms.write(param, flat)
+        payload, new_residual = codec.encode(flat, residual, loss_scale=scale)
+        return Encoded(param, payload, new_residual, () if residual is None else (residual,))
+
+    def store_encoded(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
+        """Send ``encoded`` to host memory (the backend keeps their residuals) and store it:
+        in flight until the drain."""
+        if encoded:
+            pipeline = self.pipeline
+            pipeline.store.put(pipeline.backend.store(encoded, grads))
+            for each in encoded:
+                pipeline.records[each.param].gradient = GradientAt.IN_FLIGHT
+
+    def _cached_part_at(self, param: Param) -> GradientAt:
+        """Where the store's part of ``param``'s gradient is (NONE: it has none)."""
+        state = self.pipeline.store.bucket_state(param)
+        if state is None:
+            return GradientAt.NONE
+        return GradientAt.IN_FLIGHT if state is BucketState.LANDING else GradientAt.STORED
+
+
+def _group_complete(arrivals: GroupArrivals | None) -> bool:
+    """Count an arrival in ``arrivals``; whether it completes the group."""
+    if arrivals is None:
+        return False
+    arrivals.count += 1
+    if arrivals.count < arrivals.size:
+        return False
+    arrivals.count = 0
+    return True
