@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sharding
-from .optimizer_state import Arrival, HostOptimizerState
+from .optimizer_state import Arrival, StateJourney
 from .pipeline import Pipeline
 from .records import GradientAt
 from .step_state import Clip, HeldProgress
@@ -35,7 +35,6 @@ class BucketSteps:
     ``delivered`` (the cached gradients the step delivers); ``clip`` and ``progress``,
     kept for a retry if a step raises."""
 
-    optimizer: torch.optim.Optimizer
     buckets: list[list[Param]]
     held: dict[Param, torch.Tensor]
     delivered: list[Param]
@@ -44,13 +43,14 @@ class BucketSteps:
     clip: Clip
     progress: HeldProgress
     step_once: Callable[[], object]
+    journey: StateJourney | None  # the optimizer's state with the buckets (offloaded)
 
 
 def run(pipeline: Pipeline, steps: BucketSteps) -> None:
     """Step every bucket, then the held gradients. If a step raises, the state of each
     bucket on its way goes back to the host as it was, the held gradients back in
     ``param.grad``, and the pipeline keeps the clip and the progress for the retry."""
-    states = pipeline.optimizer_state
+    states = steps.journey
     arrivals: deque[Arrival] = deque()  # each bucket's optimizer state on its way
     before = _hold(pipeline, steps.held)  # out of .grad: the buckets step without them
     try:
@@ -61,7 +61,7 @@ def run(pipeline: Pipeline, steps: BucketSteps) -> None:
             free_kept(pipeline, steps.held)
     except BaseException:
         if states is not None:
-            states.abandon(steps.optimizer, arrivals)
+            states.abandon(arrivals)
         put_back(steps.held)  # as the retry finds them: `progress` says what was done to them
         for param, at in before.items():  # where they were before the step
             pipeline.records[param].gradient = at
@@ -72,21 +72,20 @@ def run(pipeline: Pipeline, steps: BucketSteps) -> None:
 def _step_cached(
     pipeline: Pipeline,
     steps: BucketSteps,
-    states: HostOptimizerState | None,
+    states: StateJourney | None,
     arrivals: deque[Arrival],
 ) -> None:
     """Each bucket of cached gradients restored and stepped, its state brought along."""
-    optimizer = steps.optimizer
 
     def bring(params: Sequence[Param]) -> None:
         if states is not None:
-            arrivals.append(states.bring(optimizer, list(params)))
+            arrivals.append(states.bring(params))
 
     restoring = pipeline.restoring(steps.buckets, clip_factor=steps.restore_factor, alongside=bring)
     with contextlib.closing(restoring) as buckets:
         for i, grads in enumerate(buckets):
             if states is not None:
-                states.install(optimizer, arrivals[0])
+                states.install(arrivals[0])
             _step_with(steps.step_once, grads)
             if i == 0:
                 # The step counts, and its residuals become current, once an optimizer
@@ -94,13 +93,13 @@ def _step_cached(
                 # without a trace. (A retry completes again: counting is idempotent.)
                 pipeline.deliver([p for p in steps.delivered if p in pipeline.store])
             if states is not None:
-                states.send_back(optimizer, arrivals.popleft())
+                states.send_back(arrivals.popleft())
 
 
 def _step_held(
     pipeline: Pipeline,
     steps: BucketSteps,
-    states: HostOptimizerState | None,
+    states: StateJourney | None,
     arrivals: deque[Arrival],
 ) -> None:
     """The held gradients scaled in place, then stepped a bucket's worth at a time: each
@@ -112,12 +111,12 @@ def _step_held(
     )
     for chunk in chunks:
         if states is not None:
-            arrivals.append(states.bring(steps.optimizer, chunk))
-            states.install(steps.optimizer, arrivals[0])
+            arrivals.append(states.bring(chunk))
+            states.install(arrivals[0])
         _step_with(steps.step_once, [(param, held[param]) for param in chunk])
         progress.stepped.update(chunk)
         if states is not None:
-            states.send_back(steps.optimizer, arrivals.popleft())
+            states.send_back(arrivals.popleft())
 
 
 def scale_in_place(

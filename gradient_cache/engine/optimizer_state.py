@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -53,6 +53,8 @@ Param = torch.nn.Parameter
 Optimizer = torch.optim.Optimizer
 # One optimizer's host copies: per parameter, per state key.
 Copies = dict[Param, dict[str, torch.Tensor]]
+# An optimizer's ``state``: per parameter, its values by key.
+OptimizerStateDict = MutableMapping[torch.Tensor, Any]
 
 
 def leaves(value: torch.Tensor) -> list[torch.Tensor]:
@@ -132,52 +134,24 @@ class HostOptimizerState:
             round_up=self.backend.host_slabs_round_up,
         )
 
-    # --- a bucket's journey ------------------------------------------------------------
+    # --- a step's journeys ----------------------------------------------------------------
 
-    def bring(self, optimizer: torch.optim.Optimizer, params: Sequence[Param]) -> Arrival:
-        """Start copying ``params``' host state to the device (the backend's restore
-        stream on CUDA); a state not yet created comes from the step itself."""
-        keys: list[tuple[Param, str, torch.Tensor]] = []
-        owned = self.copies_of(optimizer)
-        for param in params:
-            copies = owned.get(param, {})
-            for key, value in optimizer.state.get(param, {}).items():
-                if key in copies and copies[key] is value:
-                    keys.append((param, key, copies[key]))
-        hosts = [leaf for _, _, host in keys for leaf in leaves(host)]
-        self.moved_bytes += nbytes(hosts)
-        transfer = self.backend.start_to_device(hosts)
-        had_state = [bool(optimizer.state.get(param)) for param in params]
-        return Arrival(list(params), had_state, keys, transfer)
-
-    def install(self, optimizer: torch.optim.Optimizer, arrival: Arrival) -> None:
-        """Put the brought tensors in ``optimizer.state``, safe for its step to use."""
-        device = iter(self.backend.finish_to_device(arrival.transfer))
-        for param, key, host in arrival.keys:
-            optimizer.state[param][key] = rebuilt(host, device)
-        arrival.installed = True
-
-    def send_back(self, optimizer: torch.optim.Optimizer, arrival: Arrival) -> None:
-        """After the bucket's step: copy its state (updated or new) to the host, put the
-        host copies in ``optimizer.state``, and let the device copies go once the copy has
-        read them. New host copies are allocated first: if that raises, the bucket's
-        state stays on the device, whole, and moves at its next step."""
-        self._send(optimizer, arrival.params)
-
-    def _send(self, optimizer: Optimizer, params: Iterable[Param]) -> None:
-        """`send_back` for ``params``: each offloaded value that is not its host copy."""
-        owned = self.copies_of(optimizer)
+    def send(self, state: OptimizerStateDict, owned: Copies, params: Iterable[Param]) -> None:
+        """Each offloaded value of ``params`` in ``state`` (an optimizer's) that is not its
+        host copy in ``owned`` (that optimizer's) copied to the host, the host copies put
+        in ``state``, and the device copies let go once the copy has read them. New host
+        copies are allocated first: if that raises, the state stays on the device, whole,
+        and moves at its next step."""
         pairs = []
         for param in params:
             if param in self.on_device:
                 continue
-            state = optimizer.state.get(param, {})
-            for key, value in state.items():
+            for key, value in state.get(param, {}).items():
                 if offloaded(value) and owned.get(param, {}).get(key) is not value:
                     pairs.append((param, key, value))
         new = [item for item in pairs if not self._has_copy_for(owned, *item)]
         if new:
-            self._allocate(new, self.host.setdefault(optimizer, owned))
+            self._allocate(new, owned)
         copies = [
             (device, host)
             for param, key, value in pairs
@@ -186,7 +160,7 @@ class HostOptimizerState:
         self.moved_bytes += nbytes([device for device, _ in copies])
         transfer = self.backend.start_to_host(copies)
         for param, key, _ in pairs:
-            optimizer.state[param][key] = owned[param][key]
+            state[param][key] = owned[param][key]
         # The device copies go only after the copy back read them (`Backend.release`).
         self.backend.release(transfer)
 
@@ -199,7 +173,7 @@ class HostOptimizerState:
         makes the compute stream wait for it, the restore stream waits for compute); the
         host reads them only after `wait_on_host`."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._send(optimizer, params)
+        self.send(optimizer.state, self.host.setdefault(optimizer, {}), params)
 
     def copies_of(self, optimizer: Optimizer) -> Copies:
         """``optimizer``'s host copies (empty if it has none): read-only for callers."""
@@ -215,19 +189,6 @@ class HostOptimizerState:
         return [(t.shape, t.dtype) for t in leaves(host)] == [
             (t.shape, t.dtype) for t in leaves(value)
         ]
-
-    def abandon(self, optimizer: torch.optim.Optimizer, arrivals: Iterable[Arrival]) -> None:
-        """A step raised: put each bucket's state back as it was before its journey (the
-        host copies, unchanged; a state its step had begun to create, dropped), so that a
-        retry steps from it."""
-        for arrival in arrivals:
-            if not arrival.installed:
-                self.backend.finish_to_device(arrival.transfer)  # before its blocks are freed
-            for param, key, host in arrival.keys:
-                optimizer.state[param][key] = host
-            for param, had in zip(arrival.params, arrival.had_state, strict=True):
-                if not had:
-                    optimizer.state.pop(param, None)
 
     def keep_on_device(self, params: Iterable[Param]) -> None:
         """From the next step on, ``params``' state stays on the device (their host copies
@@ -296,14 +257,16 @@ class HostOptimizerState:
 
     # --- optimizer.load_state_dict -------------------------------------------------------
 
-    def begin_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def begin_step(self, optimizer: torch.optim.Optimizer) -> StateJourney:
         """A fused step begins: its moved bytes count from zero, ``optimizer``'s loads put
         their state on the host (`attach`), and any of its state on the device goes there
-        now (`send_to_host`: a loop that loaded it before `attach`)."""
+        now (`send_to_host`: a loop that loaded it before `attach`). Returns the step's
+        journeys of ``optimizer``'s state, bucket by bucket."""
         self.moved_bytes = 0
         self._slabs.expect(p for group in optimizer.param_groups for p in group["params"])
         self.attach(optimizer)
         self.send_to_host(optimizer)
+        return StateJourney(self, optimizer.state, self.host.setdefault(optimizer, {}))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """From now on ``optimizer.load_state_dict`` puts the offloaded state in host
@@ -412,6 +375,57 @@ class HostOptimizerState:
                 for host_leaf, leaf in zip(leaves(host), leaves(value), strict=True):
                     host_leaf.copy_(leaf)
                 optimizer.state[param][key] = host
+
+
+@dataclass(frozen=True)
+class StateJourney:
+    """One fused step's journeys of one optimizer's state, a bucket at a time: ``state``
+    is the optimizer's (``optimizer.state``), ``owned`` its host copies."""
+
+    states: HostOptimizerState
+    state: OptimizerStateDict
+    owned: Copies
+
+    def bring(self, params: Sequence[Param]) -> Arrival:
+        """Start copying ``params``' host state to the device (the backend's restore
+        stream on CUDA); a state not yet created comes from the step itself."""
+        keys: list[tuple[Param, str, torch.Tensor]] = []
+        for param in params:
+            copies = self.owned.get(param, {})
+            for key, value in self.state.get(param, {}).items():
+                if key in copies and copies[key] is value:
+                    keys.append((param, key, copies[key]))
+        hosts = [leaf for _, _, host in keys for leaf in leaves(host)]
+        self.states.moved_bytes += nbytes(hosts)
+        transfer = self.states.backend.start_to_device(hosts)
+        had_state = [bool(self.state.get(param)) for param in params]
+        return Arrival(list(params), had_state, keys, transfer)
+
+    def install(self, arrival: Arrival) -> None:
+        """Put the brought tensors in the optimizer's state, safe for its step to use."""
+        device = iter(self.states.backend.finish_to_device(arrival.transfer))
+        for param, key, host in arrival.keys:
+            self.state[param][key] = rebuilt(host, device)
+        arrival.installed = True
+
+    def send_back(self, arrival: Arrival) -> None:
+        """After the bucket's step: its state (updated or new) to the host
+        (`HostOptimizerState.send`)."""
+        self.states.send(self.state, self.owned, arrival.params)
+
+    def abandon(self, arrivals: Iterable[Arrival]) -> None:
+        """A step raised: put each bucket's state back as it was before its journey (the
+        host copies, unchanged; a state its step had begun to create, dropped), so that a
+        retry steps from it."""
+        for arrival in arrivals:
+            if not arrival.installed:
+                # Before its blocks are freed.
+                self.states.backend.finish_to_device(arrival.transfer)
+            for param, key, host in arrival.keys:
+                self.state[param][key] = host
+            for param, had in zip(arrival.params, arrival.had_state, strict=True):
+                if not had:
+                    self.state.pop(param, None)
 
 
 @dataclass(frozen=True)

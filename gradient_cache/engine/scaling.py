@@ -39,10 +39,11 @@ def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
 
 
 def enabled_scaler(
-    scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer, *, sharded: bool
+    scaler: torch.amp.GradScaler | None, optimizer_id: int, *, sharded: bool
 ) -> torch.amp.GradScaler | None:
     """``scaler`` if it is enabled (a disabled scaler is no scaler), checked ready to step
-    ``optimizer``; ``sharded``: FSDP2's parameters are cached."""
+    the optimizer of ``optimizer_id`` (``id(optimizer)``, as the scaler keys it);
+    ``sharded``: FSDP2's parameters are cached."""
     if scaler is None or not scaler.is_enabled():
         return None
     if sharded:
@@ -52,7 +53,7 @@ def enabled_scaler(
             "this rank's alone): restore with apply_gradients() and step with a "
             "ShardedGradScaler's scaler.step(optimizer)."
         )
-    stage = scaler._per_optimizer_states[id(optimizer)]["stage"]
+    stage = scaler._per_optimizer_states[optimizer_id]["stage"]
     if stage is not OptState.READY:
         raise RuntimeError(
             "step(optimizer) unscales the gradients as it restores them and records the "
@@ -89,12 +90,11 @@ def found_inf(
     return bool(torch.stack([flag.to(device) for flag in flags]).any())
 
 
-def report_step(
-    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *, found_inf: bool
-) -> None:
-    """Tell ``scaler`` what ``scaler.step(optimizer)`` would have: ``update()`` then backs
-    off after a skip and grows the scale as usual otherwise."""
-    state = scaler._per_optimizer_states[id(optimizer)]
+def report_step(scaler: torch.amp.GradScaler, optimizer_id: int, *, found_inf: bool) -> None:
+    """Tell ``scaler`` what ``scaler.step(optimizer)`` would have (``optimizer_id``:
+    ``id(optimizer)``): ``update()`` then backs off after a skip and grows the scale as
+    usual otherwise."""
+    state = scaler._per_optimizer_states[optimizer_id]
     scale = scaler._get_scale_async()
     assert scale is not None  # an enabled scaler that scaled a loss has one
     state["found_inf_per_device"] = {

@@ -1,14 +1,14 @@
 """The step: one owner for everything from backward's end to the optimizer's update.
 
-`OptimizerStep` is what the manager and the integrations call (its public face: `step`,
-`norm`, `clip`, `restore_all`, `takes`, `caches`, `show_held`, `offload_state_of`,
-`offload_loaded_state`). It decides the step (the clip and its one factor, a GradScaler's
-unscale and skip, a retry's reuse of the first attempt's clip), fires the optimizer's step
-hooks once around it (`step_hooks`), hides the held gradients from an integration's own
-``optimizer.step()``, and runs a memory budget's measurement and decision. The phases it
-runs each live in one module: the restore path and the step's state in `pipeline`, the
-buckets in `fused_step`, the scaler in `scaling`, the norms in `norms`, the state's
-journeys in `optimizer_state`.
+`OptimizerStep` is what the manager and the integrations call. Its public face: `step`,
+`norm`, `clip`, `restore_all`, `takes`, `caches`, `step_in_call`, `show_held`,
+`offload_state_of`, `offload_loaded_state`. It decides the step (the clip and its one
+factor, a GradScaler's unscale and skip, a retry's reuse of the first attempt's clip),
+fires the optimizer's step hooks once around it (`step_hooks`), hides the held gradients
+from an integration's own ``optimizer.step()``, and runs a memory budget's measurement
+and decision. The phases it runs each live in one module: the restore path and the
+step's state in `pipeline`, the buckets in `fused_step`, the scaler in `scaling`, the
+norms in `norms`, the state's journeys in `optimizer_state` (`StateJourney`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import torch
 from . import fused_step, scaling, sharding
 from .fused_step import BucketSteps
 from .norms import StepNorms, clip_factor, clip_grad_norm_order, gradient_norm
+from .optimizer_state import StateJourney
 from .pipeline import Pipeline
 from .records import GradientAt
-from .step_hooks import HookArgs, fire_post_hooks, fire_pre_hooks, unhooked_step
+from .step_hooks import StepHooks
 from .step_state import Clip, HeldProgress
 from .store import BucketPayloads
 
@@ -84,23 +85,21 @@ class OptimizerStep:
         pipeline = self.pipeline
         if pipeline.optimizer_state is not None:
             _refuse_sparse_momentum(pipeline, optimizer)
-        # The pre-hooks' (args, kwargs), once fired: not on a step a GradScaler skips, as
-        # scaler.step() then calls no optimizer.step().
-        fired: list[HookArgs] = []
         steps_before = pipeline.steps
         self._before_restore()
+        step_hooks = StepHooks(optimizer, through_instance=hooks)
         total_norm = self._fused(
             optimizer,
             max_norm,
             norm_type,
-            step_once=unhooked_step(optimizer, through_instance=hooks),
-            before_steps=(lambda: fired.append(fire_pre_hooks(optimizer))) if hooks else None,
+            step_once=step_hooks.unhooked_step,
+            # Not on a step a GradScaler skips, as scaler.step() then calls no
+            # optimizer.step(): the pre-hooks fire once it is known to step.
+            before_steps=step_hooks.fire_pre_hooks if hooks else None,
         )
         self._after_restore(steps_before)
-        if fired:
-            states = pipeline.optimizer_state
-            wait = None if states is None else states.wait_on_host
-            fire_post_hooks(optimizer, fired[0], wait_for_state=wait)
+        states = pipeline.optimizer_state
+        step_hooks.fire_post_hooks(wait_for_state=None if states is None else states.wait_on_host)
         if not hooks:
             self._hide(optimizer)
         return total_norm
@@ -190,6 +189,14 @@ class OptimizerStep:
         records = [pipeline.records[p] for p in owned if p in pipeline.records]
         return any(r.gradient is GradientAt.STORED or r.taken_by is not None for r in records)
 
+    def step_in_call(self, optimizer: Optimizer) -> None:
+        """An integration's own ``optimizer.step()``: the fused step where this cache takes
+        it (`takes`), each bucket stepped without the step hooks (the call fires them once,
+        as without the cache); what it held and stepped is hidden from the call's own step
+        until `show_held`."""
+        if self.takes(optimizer):
+            self.step(optimizer, hooks=False)
+
     def show_held(self, optimizer: Optimizer) -> None:
         """An integration's own ``optimizer.step()`` is over: the gradients the fused step
         held and stepped back in ``param.grad``, as plain PyTorch leaves them."""
@@ -237,7 +244,7 @@ class OptimizerStep:
         its buckets (`fused_step.run`). ``before_steps``: called once the step is known
         not to be skipped, before the first bucket steps (the pre-hooks)."""
         pipeline = self.pipeline
-        stepped = self._begin(optimizer)
+        stepped, journey = self._begin(optimizer)
         deferred = pipeline.deferred_clip
         clip, progress = pipeline.retry() if pipeline.interrupted else (None, HeldProgress())
         if clip is None and deferred is not None:
@@ -272,25 +279,27 @@ class OptimizerStep:
         buckets = [[param for param, _ in part] for part in parts]
         del parts  # parameters only from here: a payload goes as soon as its bucket stepped
         steps = BucketSteps(
-            optimizer, buckets, held, delivered, factor, held_factor, clip, progress, step_once
+            buckets, held, delivered, factor, held_factor, clip, progress, step_once, journey
         )
         fused_step.run(pipeline, steps)
         if scaler is not None:
-            scaling.report_step(scaler, optimizer, found_inf=False)
+            scaling.report_step(scaler, id(optimizer), found_inf=False)
         pipeline.finish_step()
         return total_norm
 
-    def _begin(self, optimizer: Optimizer) -> dict[Param, None]:
+    def _begin(self, optimizer: Optimizer) -> tuple[dict[Param, None], StateJourney | None]:
         """The step begins: every gradient in host memory, ``optimizer``'s state there
         too (offloaded), and a parameter another optimizer's step took refused. Returns
-        ``optimizer``'s parameters (a dict: ordered, fast to test)."""
+        ``optimizer``'s parameters (a dict: ordered, fast to test) and its state's
+        journeys (offloaded)."""
         pipeline = self.pipeline
         pipeline.drain()
-        if pipeline.optimizer_state is not None:
-            pipeline.optimizer_state.begin_step(optimizer)  # a skipped step moves none either
+        journey = None
+        if pipeline.optimizer_state is not None:  # a skipped step moves none either
+            journey = pipeline.optimizer_state.begin_step(optimizer)
         stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
         _check_not_taken(self.pipeline, optimizer, stepped)
-        return stepped
+        return stepped, journey
 
     # --- around the restores ------------------------------------------------------------
 
@@ -377,7 +386,7 @@ def _scaler_verdict(
     """An enabled GradScaler, its 1/scale, and whether it skips this step (a gradient
     not finite); (None, None, False) without one."""
     sharded = any(record.sharded for record in pipeline.records.values())
-    scaler = scaling.enabled_scaler(pipeline.grad_scaler, optimizer, sharded=sharded)
+    scaler = scaling.enabled_scaler(pipeline.grad_scaler, id(optimizer), sharded=sharded)
     if scaler is None:
         return None, None, False
     flag = None if pipeline.pending is None else pipeline.pending.found_inf
@@ -466,7 +475,7 @@ def _skip(
     fused_step.scale_in_place(held, factor, HeldProgress())
     fused_step.put_back(held)
     fused_step.free_kept(pipeline, held)
-    scaling.report_step(scaler, optimizer, found_inf=True)
+    scaling.report_step(scaler, id(optimizer), found_inf=True)
     pipeline.finish_step()
 
 

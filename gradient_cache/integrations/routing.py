@@ -101,12 +101,9 @@ class StepRouting:
 
     def _route(self, optimizer: torch.optim.Optimizer) -> None:
         steps = [m.optimizer_step for m in self._managers() if m.optimizer_step is not None]
-        for step in steps:
-            if step.takes(optimizer) and self.fused:
-                # Each bucket stepped without the step hooks (these included): they fire
-                # once, around this call, as without the cache; what it held and stepped
-                # is hidden from this call's own step until `_after_step`.
-                step.step(optimizer, hooks=False)
+        if self.fused:
+            for step in steps:
+                step.step_in_call(optimizer)  # hidden what it stepped until `_after_step`
         # Every model's gradients that are left, not only this optimizer's: a backward
         # through two models (a GAN's generator loss through its discriminator) leaves
         # gradients on both, and plain PyTorch shows them in .grad until the other
