@@ -52,7 +52,9 @@ from stream_checker import StreamChecker
 from test_stream_order import fake_cuda  # noqa: F401
 
 import gradient_cache
-from gradient_cache.engine.pipeline import StepState
+from gradient_cache.engine.bucket import BucketState
+from gradient_cache.engine.records import GradientAt
+from gradient_cache.engine.step_state import StepState
 
 EXAMPLES = int(os.environ.get("GRADIENT_CACHE_HYPOTHESIS_EXAMPLES", "40"))
 STEPS = int(os.environ.get("GRADIENT_CACHE_HYPOTHESIS_STEPS", "20"))
@@ -349,6 +351,26 @@ class CallOrders(RuleBasedStateMachine):
     def step_state_as_modelled(self) -> None:
         if self.manager is not None:
             assert self.manager.engine.state is self.state
+
+    @invariant()
+    def each_record_says_where_its_gradient_is(self) -> None:
+        """Location is a field (`records.GradientAt`): after every call each record names
+        the container that holds its gradient, and each container holds what its records
+        name."""
+        if self.manager is None:
+            return
+        engine = self.manager.engine
+        for param, record in engine.records.items():
+            at = record.gradient
+            assert (at is GradientAt.OPEN_BUCKET) == engine.assembler.holds(param), record.name
+            bucket = engine.store.bucket_state(param)
+            if at is not GradientAt.OPEN_BUCKET:
+                landing = bucket is BucketState.LANDING
+                assert (at is GradientAt.IN_FLIGHT) == landing, (record.name, at)
+                assert (at is GradientAt.STORED) == (bucket is BucketState.CACHED), record.name
+            assert at is not GradientAt.HELD_FOR_STEP, record.name  # only inside a fused step
+            if at is GradientAt.KEPT_ON_DEVICE:
+                assert param.grad is not None, record.name
 
     def drained(self) -> None:
         """A drain caches what backward left: a capturing step is cached now."""
