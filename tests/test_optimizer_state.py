@@ -22,6 +22,7 @@ from helpers import (
 )
 
 import gradient_cache
+from gradient_cache.engine.records import StateAt
 
 SMALL_BUCKETS = dict(bucket_size_mb=0.004)  # ~4 KiB: several buckets per backward
 OPTIONS = dict(
@@ -614,3 +615,45 @@ def test_a_learning_rate_scheduler_sees_the_fused_step() -> None:
             cached_step(model, manager, optimizer, micro_batches)
             scheduler.step()
     assert optimizer.param_groups[0]["lr"] == 1e-2 / 4
+
+
+def test_where_each_parameters_state_is_is_a_field_each_phase_sets() -> None:
+    """`StateAt`: on the host between steps; during a bucket's step, on the device for that
+    bucket's parameters only (the others on the host, or in transit for the bucket after);
+    and a state a framework put back on the device is seen at the next step's begin."""
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, **OPTIONS)
+    seen: list[tuple[dict, dict]] = []
+
+    class Watching(torch.optim.AdamW):
+        def step(self, closure=None):  # type: ignore[override]
+            at = manager.engine.optimizer_state.records_of(self).at
+            params = [p for group in self.param_groups for p in group["params"]]
+            stepping = {p for p in params if p.grad is not None}
+            seen.append(({p: at.get(p) for p in stepping}, {p: at.get(p) for p in params}))
+            return super().step(closure)
+
+    optimizer = Watching(model.parameters(), lr=1e-2)
+    records = manager.engine.optimizer_state.records_of(optimizer)
+    for tokens, targets in batches(2):
+        loss_of(model, tokens, targets).backward()
+        seen.clear()
+        manager.step(optimizer)
+        assert len(records.at) == len(list(model.parameters()))
+        assert set(records.at.values()) == {StateAt.HOST}
+    assert len(seen) > 2  # several buckets, then the excluded layers' step
+    for stepping, everyone in seen:  # the second step's (the state existed before it)
+        assert set(stepping.values()) == {StateAt.DEVICE}
+        others = {at for p, at in everyone.items() if p not in stepping}
+        assert others <= {StateAt.HOST, StateAt.IN_TRANSIT}
+    # A framework's resume moves the state to the device behind the cache's back (new
+    # tensors in optimizer.state): the step's begin finds them and sends them home.
+    for values in optimizer.state.values():
+        for key, value in values.items():
+            if value.dim():
+                values[key] = value.clone()
+    manager.offload_state_of(optimizer)
+    copies = manager.engine.optimizer_state.copies_of(optimizer)
+    for param, values in optimizer.state.items():
+        assert records.at[param] is StateAt.HOST
+        assert all(values[key] is host for key, host in copies[param].items())

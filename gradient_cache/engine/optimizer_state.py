@@ -47,6 +47,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .backend import Backend, Transfer
 from .layout import gradient_strides
+from .records import StateAt
 from .state_slabs import StateSlabs
 
 Param = torch.nn.Parameter
@@ -55,6 +56,18 @@ Optimizer = torch.optim.Optimizer
 Copies = dict[Param, dict[str, torch.Tensor]]
 # An optimizer's ``state``: per parameter, its values by key.
 OptimizerStateDict = MutableMapping[torch.Tensor, Any]
+
+
+@dataclass
+class StateRecords:
+    """One optimizer's offloaded state: the host copies (per parameter, per key) and where
+    each parameter's offloaded values are (`StateAt`), a field each phase sets. The
+    optimizer's ``state`` dict is also written by others (a framework moves it to the
+    device on resume), so `HostOptimizerState.send`, at each step's begin, compares the
+    values with their host copies: the one place identity decides, and it sets the field."""
+
+    copies: Copies = field(default_factory=dict)
+    at: dict[Param, StateAt] = field(default_factory=dict)
 
 
 def leaves(value: torch.Tensor) -> list[torch.Tensor]:
@@ -136,7 +149,7 @@ class HostOptimizerState:
 
     # --- a step's journeys ----------------------------------------------------------------
 
-    def send(self, state: OptimizerStateDict, owned: Copies, params: Iterable[Param]) -> None:
+    def send(self, state: OptimizerStateDict, owned: StateRecords, params: Iterable[Param]) -> None:
         """Each offloaded value of ``params`` in ``state`` (an optimizer's) that is not its
         host copy in ``owned`` (that optimizer's) copied to the host, the host copies put
         in ``state``, and the device copies let go once the copy has read them. New host
@@ -147,20 +160,21 @@ class HostOptimizerState:
             if param in self.on_device:
                 continue
             for key, value in state.get(param, {}).items():
-                if offloaded(value) and owned.get(param, {}).get(key) is not value:
+                if offloaded(value) and owned.copies.get(param, {}).get(key) is not value:
                     pairs.append((param, key, value))
-        new = [item for item in pairs if not self._has_copy_for(owned, *item)]
+        new = [item for item in pairs if not self._has_copy_for(owned.copies, *item)]
         if new:
-            self._allocate(new, owned)
+            self._allocate(new, owned.copies)
         copies = [
             (device, host)
             for param, key, value in pairs
-            for device, host in zip(leaves(value), leaves(owned[param][key]), strict=True)
+            for device, host in zip(leaves(value), leaves(owned.copies[param][key]), strict=True)
         ]
         self.moved_bytes += nbytes([device for device, _ in copies])
         transfer = self.backend.start_to_host(copies)
         for param, key, _ in pairs:
-            state[param][key] = owned[param][key]
+            state[param][key] = owned.copies[param][key]
+            owned.at[param] = StateAt.HOST
         # The device copies go only after the copy back read them (`Backend.release`).
         self.backend.release(transfer)
 
@@ -173,12 +187,16 @@ class HostOptimizerState:
         makes the compute stream wait for it, the restore stream waits for compute); the
         host reads them only after `wait_on_host`."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.send(optimizer.state, self.host.setdefault(optimizer, {}), params)
+        self.send(optimizer.state, self.records_of(optimizer), params)
 
     def copies_of(self, optimizer: Optimizer) -> Copies:
         """``optimizer``'s host copies (empty if it has none): read-only for callers."""
-        copies: Copies = self.host.get(optimizer, {})
-        return copies
+        return self.host[optimizer].copies if optimizer in self.host else {}
+
+    def records_of(self, optimizer: Optimizer) -> StateRecords:
+        """``optimizer``'s `StateRecords` (made empty the first time)."""
+        records: StateRecords = self.host.setdefault(optimizer, StateRecords())
+        return records
 
     def _has_copy_for(self, copies: Copies, param: Param, key: str, value: torch.Tensor) -> bool:
         """Whether ``copies`` hold a host copy like ``value`` (shape, dtype, kind) for
@@ -200,7 +218,7 @@ class HostOptimizerState:
         that parameter's state on the device costs there)."""
         total: dict[Param, int] = {}
         for owned in self.host.values():
-            for param, copies in owned.items():
+            for param, copies in owned.copies.items():
                 size = nbytes(leaf for host in copies.values() for leaf in leaves(host))
                 total[param] = total.get(param, 0) + size
         return total
@@ -210,7 +228,7 @@ class HostOptimizerState:
         hosts = [
             host
             for owned in self.host.values()
-            for copies in owned.values()
+            for copies in owned.copies.values()
             for host in copies.values()
         ]
         return tuple(leaf for host in hosts for leaf in leaves(host))
@@ -266,7 +284,7 @@ class HostOptimizerState:
         self._slabs.expect(p for group in optimizer.param_groups for p in group["params"])
         self.attach(optimizer)
         self.send_to_host(optimizer)
-        return StateJourney(self, optimizer.state, self.host.setdefault(optimizer, {}))
+        return StateJourney(self, optimizer.state, self.records_of(optimizer))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """From now on ``optimizer.load_state_dict`` puts the offloaded state in host
@@ -295,10 +313,10 @@ class HostOptimizerState:
         self._attached = WeakIdKeyDictionary()
         for optimizer, owned in list(self.host.items()):
             try:
-                self._bring_home(optimizer, owned)
+                self._bring_home(optimizer, owned.copies)
             except torch.OutOfMemoryError:
                 size = nbytes(
-                    leaf for c in owned.values() for h in c.values() for leaf in leaves(h)
+                    leaf for c in owned.copies.values() for h in c.values() for leaf in leaves(h)
                 )
                 warnings.warn(
                     f"The gradient cache closed, and {type(optimizer).__name__}'s state "
@@ -359,19 +377,20 @@ class HostOptimizerState:
         values to a floating parameter's dtype."""
         self.wait_on_host()  # before the host overwrites host copies a copy may still use
         taken = self._loading.pop()
-        owned = self.host.setdefault(optimizer, {})
+        owned = self.records_of(optimizer)
         new = []
         for param, values in taken.items():
             for key, value in values.items():
                 if param.is_floating_point() and value.is_floating_point():
                     values[key] = value = value.to(dtype=param.dtype)
-                if not self._has_copy_for(owned, param, key, value):
+                if not self._has_copy_for(owned.copies, param, key, value):
                     new.append((param, key, value))
         if new:
-            self._allocate(new, owned)
+            self._allocate(new, owned.copies)
         for param, values in taken.items():
+            owned.at[param] = StateAt.HOST
             for key, value in values.items():
-                host = owned[param][key]
+                host = owned.copies[param][key]
                 for host_leaf, leaf in zip(leaves(host), leaves(value), strict=True):
                     host_leaf.copy_(leaf)
                 optimizer.state[param][key] = host
@@ -380,21 +399,23 @@ class HostOptimizerState:
 @dataclass(frozen=True)
 class StateJourney:
     """One fused step's journeys of one optimizer's state, a bucket at a time: ``state``
-    is the optimizer's (``optimizer.state``), ``owned`` its host copies."""
+    is the optimizer's (``optimizer.state``), ``owned`` its host copies and where each
+    parameter's state is (`StateRecords`)."""
 
     states: HostOptimizerState
     state: OptimizerStateDict
-    owned: Copies
+    owned: StateRecords
 
     def bring(self, params: Sequence[Param]) -> Arrival:
         """Start copying ``params``' host state to the device (the backend's restore
         stream on CUDA); a state not yet created comes from the step itself."""
         keys: list[tuple[Param, str, torch.Tensor]] = []
         for param in params:
-            copies = self.owned.get(param, {})
-            for key, value in self.state.get(param, {}).items():
-                if key in copies and copies[key] is value:
-                    keys.append((param, key, copies[key]))
+            if self.owned.at.get(param) is not StateAt.HOST:
+                continue  # none yet (the step creates it), or kept on the device
+            copies = self.owned.copies[param]
+            keys += [(param, key, copies[key]) for key in self.state[param] if key in copies]
+            self.owned.at[param] = StateAt.IN_TRANSIT
         hosts = [leaf for _, _, host in keys for leaf in leaves(host)]
         self.states.moved_bytes += nbytes(hosts)
         transfer = self.states.backend.start_to_device(hosts)
@@ -406,6 +427,7 @@ class StateJourney:
         device = iter(self.states.backend.finish_to_device(arrival.transfer))
         for param, key, host in arrival.keys:
             self.state[param][key] = rebuilt(host, device)
+            self.owned.at[param] = StateAt.DEVICE
         arrival.installed = True
 
     def send_back(self, arrival: Arrival) -> None:
@@ -423,9 +445,11 @@ class StateJourney:
                 self.states.backend.finish_to_device(arrival.transfer)
             for param, key, host in arrival.keys:
                 self.state[param][key] = host
+                self.owned.at[param] = StateAt.HOST
             for param, had in zip(arrival.params, arrival.had_state, strict=True):
                 if not had:
                     self.state.pop(param, None)
+                    self.owned.at.pop(param, None)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,16 @@ class GradientAt(enum.Enum):
     HELD_FOR_STEP = "held for the step"  # a device gradient the fused step steps last
 
 
+class StateAt(enum.Enum):
+    """Where a parameter's offloaded optimizer state is, for one optimizer
+    (`optimizer_state.StateRecords`: the state has a record per optimizer, and parameters
+    the cache does not take, excluded layers, have state too)."""
+
+    HOST = "host"  # the host copies are in ``optimizer.state`` (between steps)
+    IN_TRANSIT = "in transit"  # brought for its bucket's step, not yet installed
+    DEVICE = "device"  # on the device: installed for its step, created by it, or kept there
+
+
 @dataclass
 class GroupArrivals:
     """Gradients of one group (`Pipeline`'s ``groups``) arrived in this backward so far."""
