@@ -24,7 +24,7 @@ import torch
 
 from gradient_cache import create_gradient_cache
 from gradient_cache.demo.accounting import GRADIENTS, MIB, device_memory_meter
-from gradient_cache.demo.training import Batch, PhaseRecorder, train_step
+from gradient_cache.demo.training import Batch, PhaseWatch, train_step
 from perf.steps import batch_stream, gpt
 
 
@@ -108,16 +108,16 @@ def measure(variant: MemoryVariant, settings: MemorySettings) -> MemoryFigures:
     train_step(model, optimizer, cache, draw(), fused=variant.fused_step)
     batches = draw()  # before the meter: each batch counts from its forward on
     meter = device_memory_meter(model, optimizer=optimizer, cache=cache)
-    recorder = PhaseRecorder(meter)
+    watch = PhaseWatch(meter)
     with meter:
-        train_step(model, optimizer, cache, batches, fused=variant.fused_step, phase=recorder)
+        train_step(model, optimizer, cache, batches, fused=variant.fused_step, phase=watch)
     # The report's phases: the first micro-batch's backward (with the drain), the later
     # micro-batches (their forward and backward), the optimizer step.
-    records = recorder.records
-    backwards = [r for r in records if r.name == "backward"]
+    phases = watch.phases
+    backwards = [r for r in phases if r.name == "backward"]
     backward = backwards[0].peak
-    later = [r.peak.peak.device_bytes for r in records[:-1] if r.micro_batch > 1]
-    step_peak = records[-1].peak  # the optimizer's
+    later = [r.peak.peak.device_bytes for r in phases[:-1] if r.micro_batch > 1]
+    step_peak = phases[-1].peak  # the optimizer's
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     return MemoryFigures(
         variant=variant.name,

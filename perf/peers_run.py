@@ -37,7 +37,7 @@ from gradient_cache.demo.accounting import (
     storage_bytes,
 )
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
-from gradient_cache.demo.training import PHASES, PhaseRecorder
+from gradient_cache.demo.training import PHASES, PhaseWatch
 from perf.peers_contenders import (
     CONTENDERS,
     SCENARIOS,
@@ -161,12 +161,12 @@ def measure_step(
     """One step under the device meter: each phase's peak (the largest over micro-batches)
     with its components, what is held when backward ends, and the host bytes then."""
     meter = _meter(trainer, device)
-    recorder = PhaseRecorder(meter)
+    watch = PhaseWatch(meter)
     at_end_of_backward: dict[str, Any] = {}
 
     @contextlib.contextmanager
     def phase(name: str) -> Iterator[None]:
-        with recorder(name):
+        with watch(name):
             yield
         if name == "backward":  # the last micro-batch's is what the step starts from
             at_end_of_backward.clear()
@@ -176,7 +176,7 @@ def measure_step(
         loss = trainer.step(micro_batches, scenario, phase=phase)
     peaks = {}
     for name in PHASES:
-        memory = recorder.memory(name)
+        memory = watch.memory(name)
         peaks[name] = {"total": memory.peak_bytes, **memory.peak_by_category}
     peak_phase = max(peaks, key=lambda name: peaks[name]["total"])
     return loss, {

@@ -627,20 +627,20 @@ def test_where_each_parameters_state_is_is_a_field_each_phase_sets() -> None:
 
     class Watching(torch.optim.AdamW):
         def step(self, closure=None):  # type: ignore[override]
-            at = manager.engine.optimizer_state.records_of(self).at
+            at = manager.engine.optimizer_state.state_copies(self).at
             params = [p for group in self.param_groups for p in group["params"]]
             stepping = {p for p in params if p.grad is not None}
             seen.append(({p: at.get(p) for p in stepping}, {p: at.get(p) for p in params}))
             return super().step(closure)
 
     optimizer = Watching(model.parameters(), lr=1e-2)
-    records = manager.engine.optimizer_state.records_of(optimizer)
+    places = manager.engine.optimizer_state.state_copies(optimizer)
     for tokens, targets in batches(2):
         loss_of(model, tokens, targets).backward()
         seen.clear()
         manager.step(optimizer)
-        assert len(records.at) == len(list(model.parameters()))
-        assert set(records.at.values()) == {StateAt.HOST}
+        assert len(places.at) == len(list(model.parameters()))
+        assert set(places.at.values()) == {StateAt.HOST}
     assert len(seen) > 2  # several buckets, then the excluded layers' step
     for stepping, everyone in seen:  # the second step's (the state existed before it)
         assert set(stepping.values()) == {StateAt.DEVICE}
@@ -655,5 +655,5 @@ def test_where_each_parameters_state_is_is_a_field_each_phase_sets() -> None:
     manager.offload_state_of(optimizer)
     copies = manager.engine.optimizer_state.copies_of(optimizer)
     for param, values in optimizer.state.items():
-        assert records.at[param] is StateAt.HOST
+        assert places.at[param] is StateAt.HOST
         assert all(values[key] is host for key, host in copies[param].items())

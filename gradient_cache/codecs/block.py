@@ -14,7 +14,7 @@ from .base import Codec, Shapes
 from .dither import Dither
 from .generators import RandomSource
 from .payloads import BlockCodesPayload
-from .rotation import held, rotation
+from .rotation import built_constants, rotation
 
 
 class BlockQuantized(Codec):
@@ -54,7 +54,7 @@ class BlockQuantized(Codec):
     def scratch_tensors(self) -> list[torch.Tensor]:
         """The dither tables (dropped after each backward) and the rotation's constants
         (under 1 KiB per device, kept for the process)."""
-        return self.dither.tables() + held()
+        return self.dither.tables() + built_constants()
 
     def release_scratch(self) -> None:
         self.dither.release()

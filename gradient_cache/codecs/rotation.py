@@ -41,7 +41,7 @@ def _signs(device: torch.device) -> torch.Tensor:
     return 1 - 2 * _parity((index * _SIGN_HASH) & 0xFFFFFFFF)
 
 
-def _held_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _constants_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     constants = _constants.get(device)
     if constants is None:
         scaled_signs = _signs(device).float() / ROTATION_BLOCK**0.5
@@ -67,20 +67,20 @@ def _walsh_hadamard(blocks: torch.Tensor, plus_minus: torch.Tensor) -> torch.Ten
 def rotate_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """``blocks @ rotation(device)`` for fp32 ``blocks`` of shape ``[n, ROTATION_BLOCK]``,
     in fp32 whatever the matmul precision (a new tensor)."""
-    scaled_signs, plus_minus = _held_constants(blocks.device)
+    scaled_signs, plus_minus = _constants_on(blocks.device)
     return _walsh_hadamard(blocks * scaled_signs, plus_minus)
 
 
 def unrotate_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """``blocks @ rotation(device).T``: `rotate_blocks`'s inverse, in fp32 (a new tensor)."""
-    scaled_signs, plus_minus = _held_constants(blocks.device)
+    scaled_signs, plus_minus = _constants_on(blocks.device)
     return _walsh_hadamard(blocks, plus_minus).mul_(scaled_signs)
 
 
 def scaled_signs(device: torch.device) -> torch.Tensor:
     """The rotation's signs divided by sqrt(ROTATION_BLOCK) (fp32, kept for the process):
     a fused kernel's constants."""
-    return _held_constants(device)[0]
+    return _constants_on(device)[0]
 
 
 def rotation(device: torch.device) -> torch.Tensor:
@@ -93,6 +93,6 @@ def rotation(device: torch.device) -> torch.Tensor:
     return (_signs(device).unsqueeze(1) * hadamard).float() / ROTATION_BLOCK**0.5
 
 
-def held() -> list[torch.Tensor]:
-    """The constants built so far, two per device (the engine's held tensors list them)."""
+def built_constants() -> list[torch.Tensor]:
+    """The constants built so far, two per device (`figures.cache_tensors` lists them)."""
     return [tensor for constants in _constants.values() for tensor in constants]

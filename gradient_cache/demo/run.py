@@ -39,8 +39,8 @@ from .models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
 from .training import (
     PHASES,
     PhaseMemory,
-    PhaseRecorder,
     PhaseScope,
+    PhaseWatch,
     micro_batches,
     no_phase,
     train_step,
@@ -362,9 +362,9 @@ def _train(
             meter = device_memory_meter(model, optimizer=optimizer, cache=manager)
             with meter:
                 start_bytes = meter.reading().device_bytes
-                recorder = PhaseRecorder(meter)
-                loss = train(x, y, phase=recorder)
-            phases = {name: recorder.memory(name) for name in PHASES}
+                watch = PhaseWatch(meter)
+                loss = train(x, y, phase=watch)
+            phases = {name: watch.memory(name) for name in PHASES}
             memory.append(StepMemory(step=step, start_bytes=start_bytes, phases=phases))
         else:
             loss = train(x, y)

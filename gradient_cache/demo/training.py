@@ -7,7 +7,7 @@ backward), then the optimizer. ``cache`` None is plain PyTorch; the variations (
 step, clipping, an optimizer stepped in backward) are keyword options. A ``phase`` scope
 sees the step's phases by name, in order: per micro-batch "forward" and "backward" (the
 cache's drain runs inside backward, as "drain"), then "optimizer" (the cache's restore
-inside it, as "restore", when the step is not fused). `PhaseRecorder` is such a scope: it
+inside it, as "restore", when the step is not fused). `PhaseWatch` is such a scope: it
 measures each outer phase with a `DeviceMemoryMeter` and keeps what it saw.
 """
 
@@ -95,7 +95,7 @@ def train_step(
 
 
 @dataclass(frozen=True, kw_only=True)
-class PhaseRecord:
+class PhaseFigures:
     """One outer phase of one step, as the meter saw it."""
 
     name: str
@@ -114,14 +114,14 @@ class PhaseMemory:
     peak_by_category: dict[str, int] = field(default_factory=dict)
 
 
-class PhaseRecorder:
+class PhaseWatch:
     """A ``phase`` scope for `train_step` that measures each outer phase (`PHASES`) with
-    ``meter``, which must be entered, and keeps a `PhaseRecord` of each in ``records``. The
+    ``meter``, which must be entered, and keeps a `PhaseFigures` of each in ``phases``. The
     inner phases are measured as part of theirs (a meter's phases do not nest)."""
 
     def __init__(self, meter: DeviceMemoryMeter) -> None:
         self.meter = meter
-        self.records: list[PhaseRecord] = []
+        self.phases: list[PhaseFigures] = []
         self._micro_batch = 0
 
     @contextlib.contextmanager
@@ -134,14 +134,14 @@ class PhaseRecorder:
         with self.meter.phase(name):
             yield
         peak, end = self.meter.peaks[name], self.meter.reading()
-        self.records.append(
-            PhaseRecord(name=name, micro_batch=self._micro_batch, peak=peak, end=end)
+        self.phases.append(
+            PhaseFigures(name=name, micro_batch=self._micro_batch, peak=peak, end=end)
         )
 
     def memory(self, name: str) -> PhaseMemory:
         """Phase ``name`` over the micro-batches: the first of the largest peaks, the last end."""
-        seen = [record for record in self.records if record.name == name]
-        top = max(seen, key=lambda record: record.peak.peak.device_bytes)
+        seen = [phase for phase in self.phases if phase.name == name]
+        top = max(seen, key=lambda phase: phase.peak.peak.device_bytes)
         return PhaseMemory(
             peak_bytes=top.peak.peak.device_bytes,
             end_bytes=seen[-1].end.device_bytes,

@@ -59,7 +59,7 @@ OptimizerStateDict = MutableMapping[torch.Tensor, Any]
 
 
 @dataclass
-class StateRecords:
+class StateCopies:
     """One optimizer's offloaded state: the host copies (per parameter, per key) and where
     each parameter's offloaded values are (`StateAt`), a field each phase sets. The
     optimizer's ``state`` dict is also written by others (a framework moves it to the
@@ -149,7 +149,7 @@ class HostOptimizerState:
 
     # --- a step's journeys ----------------------------------------------------------------
 
-    def send(self, state: OptimizerStateDict, owned: StateRecords, params: Iterable[Param]) -> None:
+    def send(self, state: OptimizerStateDict, owned: StateCopies, params: Iterable[Param]) -> None:
         """Each offloaded value of ``params`` in ``state`` (an optimizer's) that is not its
         host copy in ``owned`` (that optimizer's) copied to the host, the host copies put
         in ``state``, and the device copies let go once the copy has read them. New host
@@ -187,16 +187,16 @@ class HostOptimizerState:
         makes the compute stream wait for it, the restore stream waits for compute); the
         host reads them only after `wait_on_host`."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.send(optimizer.state, self.records_of(optimizer), params)
+        self.send(optimizer.state, self.state_copies(optimizer), params)
 
     def copies_of(self, optimizer: Optimizer) -> Copies:
         """``optimizer``'s host copies (empty if it has none): read-only for callers."""
         return self.host[optimizer].copies if optimizer in self.host else {}
 
-    def records_of(self, optimizer: Optimizer) -> StateRecords:
-        """``optimizer``'s `StateRecords` (made empty the first time)."""
-        records: StateRecords = self.host.setdefault(optimizer, StateRecords())
-        return records
+    def state_copies(self, optimizer: Optimizer) -> StateCopies:
+        """``optimizer``'s `StateCopies` (made empty the first time)."""
+        copies: StateCopies = self.host.setdefault(optimizer, StateCopies())
+        return copies
 
     def _has_copy_for(self, copies: Copies, param: Param, key: str, value: torch.Tensor) -> bool:
         """Whether ``copies`` hold a host copy like ``value`` (shape, dtype, kind) for
@@ -284,7 +284,7 @@ class HostOptimizerState:
         self._slabs.expect(p for group in optimizer.param_groups for p in group["params"])
         self.attach(optimizer)
         self.send_to_host(optimizer)
-        return StateJourney(self, optimizer.state, self.records_of(optimizer))
+        return StateJourney(self, optimizer.state, self.state_copies(optimizer))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """From now on ``optimizer.load_state_dict`` puts the offloaded state in host
@@ -377,7 +377,7 @@ class HostOptimizerState:
         values to a floating parameter's dtype."""
         self.wait_on_host()  # before the host overwrites host copies a copy may still use
         taken = self._loading.pop()
-        owned = self.records_of(optimizer)
+        owned = self.state_copies(optimizer)
         new = []
         for param, values in taken.items():
             for key, value in values.items():
@@ -400,11 +400,11 @@ class HostOptimizerState:
 class StateJourney:
     """One fused step's journeys of one optimizer's state, a bucket at a time: ``state``
     is the optimizer's (``optimizer.state``), ``owned`` its host copies and where each
-    parameter's state is (`StateRecords`)."""
+    parameter's state is (`StateCopies`)."""
 
     states: HostOptimizerState
     state: OptimizerStateDict
-    owned: StateRecords
+    owned: StateCopies
 
     def bring(self, params: Sequence[Param]) -> Arrival:
         """Start copying ``params``' host state to the device (the backend's restore

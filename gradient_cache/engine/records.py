@@ -34,7 +34,7 @@ class GradientAt(enum.Enum):
 
 class StateAt(enum.Enum):
     """Where a parameter's offloaded optimizer state is, for one optimizer
-    (`optimizer_state.StateRecords`: the state has a record per optimizer, and parameters
+    (`optimizer_state.StateCopies`: the state has a record per optimizer, and parameters
     the cache does not take, excluded layers, have state too)."""
 
     HOST = "host"  # the host copies are in ``optimizer.state`` (between steps)

@@ -69,9 +69,9 @@ class ResidualStore(ABC):
         """Take ``current`` and ``pending`` (CPU tensors, stored form): nothing is in flight."""
 
     def nbytes(self) -> int:
-        """Bytes held now: the current residuals and a pending step's new ones."""
-        held = [*self.current().values(), *self.pending().values()]
-        return sum(r.numel() * r.element_size() for r in held)
+        """Bytes now: the current residuals and a pending step's new ones."""
+        residuals = [*self.current().values(), *self.pending().values()]
+        return sum(r.numel() * r.element_size() for r in residuals)
 
 
 class DeviceResiduals(ResidualStore):
