@@ -718,14 +718,14 @@ MUTANTS = [
         # (HostOptimizerState.begin_step -> StateJourney.owned): another optimizer's here.
         "optimizer state: host copies are each optimizer's own",
         "gradient_cache/engine/optimizer_state.py",
-        "        return StateJourney(self, optimizer.state, self.host.setdefault(optimizer, {}))",
-        "        return StateJourney(self, optimizer.state, next(iter(self.host.values()), {}))",
+        "        return StateJourney(self, optimizer.state, self.state_copies(optimizer))",
+        "        return StateJourney(self, optimizer.state, next(iter(self.host.values()), self.state_copies(optimizer)))",
         "tests/test_state_ownership.py::test_two_optimizers_over_a_shared_trunk_keep_their_own_state",
     ),
     (
         "optimizer state: a closed cache hands the state back on the device",
         "gradient_cache/engine/optimizer_state.py",
-        "            self._bring_home(optimizer, owned)\n",
+        "            self._bring_home(optimizer, owned.copies)\n",
         "            pass\n",
         "tests/test_state_ownership.py::test_remove_hooks_hands_the_state_back_to_the_optimizer",
     ),
@@ -1051,6 +1051,42 @@ MUTANTS = [
         '        if wait_for_state is not None and any(\n            not getattr(hook, "reads_no_state", False) for hook in post_hooks\n        ):',
         "        if wait_for_state is not None:",
         "tests/test_stream_order.py::test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact",
+    ),
+    # Issue 42: where a gradient and a state are is a field each phase sets.
+    (
+        "location: a drain marks what it waited for as stored",
+        "gradient_cache/engine/pipeline.py",
+        "        for param in self.store:\n            self.records[param].gradient = STORED\n",
+        "",
+        "tests/test_call_orders.py",
+    ),
+    (
+        "location: a launch marks its gradients in flight",
+        "gradient_cache/engine/capture.py",
+        "                pipeline.records[each.param].gradient = GradientAt.IN_FLIGHT\n",
+        "                pass\n",
+        "tests/test_call_orders.py",
+    ),
+    (
+        "location: an installed state is on the device",
+        "gradient_cache/engine/optimizer_state.py",
+        "            self.owned.at[param] = StateAt.DEVICE\n",
+        "",
+        "tests/test_optimizer_state.py::test_where_each_parameters_state_is_is_a_field_each_phase_sets",
+    ),
+    (
+        "location: a state sent home is on the host",
+        "gradient_cache/engine/optimizer_state.py",
+        "            state[param][key] = owned.copies[param][key]\n            owned.at[param] = StateAt.HOST\n",
+        "            state[param][key] = owned.copies[param][key]\n",
+        "tests/test_optimizer_state.py",
+    ),
+    (
+        "the capture holds its pipeline weakly (no cycle keeps the model alive)",
+        "gradient_cache/engine/capture.py",
+        '        self.pipeline = cast("Pipeline", weakref.proxy(pipeline))',
+        "        self.pipeline = pipeline",
+        "tests/test_api.py::test_a_closed_manager_lets_the_model_go_without_a_gc_pass",
     ),
 ]
 
