@@ -30,6 +30,12 @@ class WatchedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+# AdamW's own step hooked, as once any plain AdamW exists in the process: super().step() then
+# fires the step hooks (the routing's pre-hook included) again inside the call. The tests
+# here see that whatever ran before them.
+torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
 def clipped_loop(model: nn.Module, *, micro_batches: int = 2) -> dict[str, object]:
     """Accumulation, clip_grad_norm_ after the last micro-batch, the step; what it saw."""
     optimizer = WatchedAdamW(model.parameters(), lr=1e-2)

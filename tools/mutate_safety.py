@@ -57,9 +57,9 @@ MUTANTS = [
     ),
     (
         "routing: the device gradients a fused step stepped are hidden from the call's own step",
-        "gradient_cache/engine/step.py",
-        "            self._hide(optimizer)\n",
-        "            pass\n",
+        "gradient_cache/engine/fused_step.py",
+        "        param.grad = None if kept or hidden else grad\n",
+        "        param.grad = None if kept else grad\n",
         "tests/test_fused_routing.py::test_the_decorated_step_is_the_fused_step_with_plain_bits",
     ),
     (
@@ -123,8 +123,8 @@ MUTANTS = [
         # (fused_step.free_kept), no longer a pipeline set.
         "budget: a kept gradient is freed after the fused step, as a cached one",
         "gradient_cache/engine/fused_step.py",
-        "            if record.keep_on_device:\n                param.grad = None",
-        "            if False:\n                param.grad = None",
+        "        kept = record is not None and record.keep_on_device\n",
+        "        kept = False\n",
         "tests/test_memory_budget.py::test_a_decision_midway_trains_bit_for_bit_as_plain",
     ),
     (
@@ -1087,6 +1087,13 @@ MUTANTS = [
         '        self.pipeline = cast("Pipeline", weakref.proxy(pipeline))',
         "        self.pipeline = pipeline",
         "tests/test_api.py::test_a_closed_manager_lets_the_model_go_without_a_gc_pass",
+    ),
+    (
+        "routing: a second fused step inside the call (a subclass's super().step()) keeps what the first hid",
+        "gradient_cache/engine/step.py",
+        "            self._hidden.setdefault(optimizer, {}).update(left)",
+        "            self._hidden[optimizer] = left",
+        "tests/test_fused_routing.py::test_the_decorated_step_is_the_fused_step_with_plain_bits",
     ),
 ]
 

@@ -44,21 +44,21 @@ class BucketSteps:
     progress: HeldProgress
     step_once: Callable[[], object]
     journey: StateJourney | None  # the optimizer's state with the buckets (offloaded)
+    hidden: bool  # the held gradients stay out of .grad afterwards (`settle_held`)
 
 
-def run(pipeline: Pipeline, steps: BucketSteps) -> None:
-    """Step every bucket, then the held gradients. If a step raises, the state of each
-    bucket on its way goes back to the host as it was, the held gradients back in
-    ``param.grad``, and the pipeline keeps the clip and the progress for the retry."""
+def run(pipeline: Pipeline, steps: BucketSteps) -> dict[Param, torch.Tensor]:
+    """Step every bucket, then the held gradients; returns those left (`settle_held`).
+    If a step raises, the state of each bucket on its way goes back to the host as it
+    was, the held gradients back in ``param.grad``, and the pipeline keeps the clip and
+    the progress for the retry."""
     states = steps.journey
     arrivals: deque[Arrival] = deque()  # each bucket's optimizer state on its way
     before = _hold(pipeline, steps.held)  # out of .grad: the buckets step without them
     try:
         _step_cached(pipeline, steps, states, arrivals)
-        if steps.held:  # left in place afterwards (clipped), as plain PyTorch leaves them
+        if steps.held:
             _step_held(pipeline, steps, states, arrivals)
-            put_back(steps.held)
-            free_kept(pipeline, steps.held)
     except BaseException:
         if states is not None:
             states.abandon(arrivals)
@@ -67,6 +67,7 @@ def run(pipeline: Pipeline, steps: BucketSteps) -> None:
             pipeline.records[param].gradient = at
         pipeline.interrupt(steps.clip, steps.progress)
         raise
+    return settle_held(pipeline, steps.held, hidden=steps.hidden)
 
 
 def _step_cached(
@@ -141,16 +142,26 @@ def put_back(held: dict[Param, torch.Tensor]) -> None:
         param.grad = grad
 
 
-def free_kept(pipeline: Pipeline, held: dict[Param, torch.Tensor]) -> None:
-    """The gradients a memory budget keeps on the device, freed as cached ones are after
-    their step: a loop written for the fused step (no zero_grad) must not add them into
-    the next; and no checkpoint carries them as part of a pending step any more."""
-    for param in held:
+def settle_held(
+    pipeline: Pipeline, held: dict[Param, torch.Tensor], *, hidden: bool
+) -> dict[Param, torch.Tensor]:
+    """The held gradients after their step (or a skipped one): no longer part of the
+    pending step. Those a memory budget keeps are freed, as cached ones are after their
+    step (a loop written for the fused step, without zero_grad, must not add them into the
+    next, and no checkpoint carries them any more). The others go back in ``param.grad``
+    (clipped), as plain PyTorch leaves them, or, ``hidden`` (inside an integration's own
+    ``optimizer.step()``, which runs next and must not step them again), stay out of it
+    until `OptimizerStep.show_held`. Returns those others."""
+    left = {}
+    for param, grad in held.items():
         record = pipeline.records.get(param)
+        kept = record is not None and record.keep_on_device
         if record is not None:
-            record.gradient = GradientAt.NONE  # stepped: no longer part of the step
-            if record.keep_on_device:
-                param.grad = None
+            record.gradient = GradientAt.NONE
+        param.grad = None if kept or hidden else grad
+        if not kept:
+            left[param] = grad
+    return left
 
 
 def _hold(pipeline: Pipeline, held: dict[Param, torch.Tensor]) -> dict[Param, GradientAt]:

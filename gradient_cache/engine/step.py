@@ -88,10 +88,11 @@ class OptimizerStep:
         steps_before = pipeline.steps
         self._before_restore()
         step_hooks = StepHooks(optimizer, through_instance=hooks)
-        total_norm = self._fused(
+        total_norm, left = self._fused(
             optimizer,
             max_norm,
             norm_type,
+            hidden=not hooks,
             step_once=step_hooks.unhooked_step,
             # Not on a step a GradScaler skips, as scaler.step() then calls no
             # optimizer.step(): the pre-hooks fire once it is known to step.
@@ -101,7 +102,10 @@ class OptimizerStep:
         states = pipeline.optimizer_state
         step_hooks.fire_post_hooks(wait_for_state=None if states is None else states.wait_on_host)
         if not hooks:
-            self._hide(optimizer)
+            # Until the integration's call is over. Added to, not replaced: a subclass's
+            # super().step() fires the routing's pre-hook again, inside the call, and that
+            # second fused step finds nothing left to hold.
+            self._hidden.setdefault(optimizer, {}).update(left)
         return total_norm
 
     def norm(self, params: Iterable[Param], norm_type: float) -> torch.Tensor:
@@ -237,12 +241,15 @@ class OptimizerStep:
         max_norm: float | None,
         norm_type: float,
         *,
+        hidden: bool,
         step_once: Callable[[], object],
         before_steps: Callable[[], object] | None,
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor | None, dict[Param, torch.Tensor]]:
         """Decide the step (delivered gradients, the clip, a GradScaler's skip), then run
         its buckets (`fused_step.run`). ``before_steps``: called once the step is known
-        not to be skipped, before the first bucket steps (the pre-hooks)."""
+        not to be skipped, before the first bucket steps (the pre-hooks). ``hidden``: the
+        held gradients stay out of ``.grad`` afterwards (`fused_step.settle_held`); returns
+        the global norm (clipping) and those gradients."""
         pipeline = self.pipeline
         stepped, journey = self._begin(optimizer)
         deferred = pipeline.deferred_clip
@@ -272,20 +279,29 @@ class OptimizerStep:
         held_factor = None if deferred is not None else factor  # a deferred clip clipped them
         if skip:
             assert scaler is not None
-            _skip(pipeline, scaler, optimizer, held, delivered, held_factor)
-            return total_norm
+            left = _skip(pipeline, scaler, optimizer, held, delivered, held_factor, hidden=hidden)
+            return total_norm, left
         if before_steps is not None:
             before_steps()
         buckets = [[param for param, _ in part] for part in parts]
         del parts  # parameters only from here: a payload goes as soon as its bucket stepped
         steps = BucketSteps(
-            buckets, held, delivered, factor, held_factor, clip, progress, step_once, journey
+            buckets,
+            held,
+            delivered,
+            factor,
+            held_factor,
+            clip,
+            progress,
+            step_once,
+            journey,
+            hidden,
         )
-        fused_step.run(pipeline, steps)
+        left = fused_step.run(pipeline, steps)
         if scaler is not None:
             scaling.report_step(scaler, id(optimizer), found_inf=False)
         pipeline.finish_step()
-        return total_norm
+        return total_norm, left
 
     def _begin(self, optimizer: Optimizer) -> tuple[dict[Param, None], StateJourney | None]:
         """The step begins: every gradient in host memory, ``optimizer``'s state there
@@ -319,17 +335,6 @@ class OptimizerStep:
             self.restore_all()  # clipped again: from the clipped gradients, on the device
         pipeline.deliver_and_restore(p for p in pipeline.store if p.grad is not None)
         return pipeline
-
-    def _hide(self, optimizer: Optimizer) -> None:
-        """The stepped gradients out of ``param.grad`` until the integration's own step
-        call is over (`show_held`): that call's step, which cannot be cancelled, must not
-        step them again."""
-        hidden = self._hidden.setdefault(optimizer, {})
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    hidden[param] = param.grad
-                    param.grad = None
 
     def _before_restore(self) -> None:
         """A memory budget decides before the restore of the step after the first one past
@@ -465,18 +470,20 @@ def _skip(
     held: dict[Param, torch.Tensor],
     delivered: list[Param],
     factor: torch.Tensor | None,
-) -> None:
+    *,
+    hidden: bool,
+) -> dict[Param, torch.Tensor]:
     """A gradient was not finite: step nothing, as scaler.step() skips. The step is
     delivered (counted, its residuals current), its payloads spent, and the scaler
     told, so its update() backs off and the pipeline undoes the step at the next
     backward (`settle_scaled_step`); held gradients are left unscaled and clipped, as
-    plain AMP leaves them."""
+    plain AMP leaves them (`fused_step.settle_held`, which returns them)."""
     pipeline.skip(delivered)
     fused_step.scale_in_place(held, factor, HeldProgress())
-    fused_step.put_back(held)
-    fused_step.free_kept(pipeline, held)
+    left = fused_step.settle_held(pipeline, held, hidden=hidden)
     scaling.report_step(scaler, id(optimizer), found_inf=True)
     pipeline.finish_step()
+    return left
 
 
 def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: Optimizer) -> None:
