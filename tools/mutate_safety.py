@@ -384,10 +384,10 @@ MUTANTS = [
         "tests/test_store.py",
     ),
     (
-        "store: clear forgets where each parameter is cached",
+        "store: a spent payload's parameter is forgotten (a discard, a restore)",
         "gradient_cache/engine/store.py",
-        "        self._buckets = []\n        self._where = {}",
-        "        self._buckets = []",
+        "            del self._where.pop(param).payloads[param]",
+        "            del self._where[param].payloads[param]",
         "tests/test_api.py::test_a_discarded_batch_leaves_no_trace",
     ),
     # --- the residual stores (engine/residuals.py) ---
@@ -667,7 +667,7 @@ MUTANTS = [
     (
         "optimizer state: the step runs on device copies",
         "gradient_cache/engine/optimizer_state.py",
-        "            optimizer.state[param][key] = rebuilt(host, device)\n",
+        "            self.state[param][key] = rebuilt(host, device)\n",
         "            rebuilt(host, device)\n",
         "tests/test_optimizer_state.py::test_only_the_bucket_being_stepped_has_its_state_off_the_host",
     ),

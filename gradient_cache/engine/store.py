@@ -2,7 +2,8 @@
 
 Nothing else writes its containers. Launches `put` a bucket's host payloads; a restore
 asks for the `parts` it wants (by bucket, in arrival order) and `remove`s what it spent;
-a discarded step is `clear`ed; a checkpoint reads `buckets` and puts them back.
+a discarded step `remove`s everything (the pipeline's `_spend`, as a restore); a checkpoint
+reads `buckets` and puts them back.
 """
 
 from __future__ import annotations
@@ -87,10 +88,6 @@ class GradientStore:
         for param in params:
             del self._where.pop(param).payloads[param]
         self._buckets = [b for b in self._buckets if len(b)]
-
-    def clear(self) -> None:
-        self._buckets = []
-        self._where = {}
 
     def buckets(self) -> list[BucketPayloads]:
         """Every bucket's (parameter, payload) pairs, in arrival order (checkpoints)."""
