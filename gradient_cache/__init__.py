@@ -9,7 +9,7 @@ from .integrations.decorator import GradientCacheDecorator, manager_of, optimize
 from .manager import GradientCacheHookManager, create_gradient_cache
 from .stats import CompressionSummary
 
-#: The seed's name for the summary's typed record (`GradientCacheHookManager.summary()`).
+#: The seed's name for the typed summary (`GradientCacheHookManager.summary()`).
 MemoryStats = CompressionSummary
 
 # The seed's classes with no counterpart of the same shape: what replaced each, and where.

@@ -204,7 +204,7 @@ class GradientCacheHookManager:
         its hooks go when it is garbage-collected while attached (`_detach_dropped`)."""
         _attached.add(self)
         gradient_readers.fall_back_to(_ATTACHED_READS)
-        # The finalizer holds the manager's attributes (the engine, the watch), not the
+        # The finalizer holds the manager's attributes (the pipeline, its step, the watch), not the
         # manager: nothing it holds refers back to the manager, so an unkept manager is
         # collected, and with it go its hooks. Not at exit: the process ends anyway.
         finalizer = weakref.finalize(self, _detach_dropped, vars(self), weakref.ref(model))
@@ -676,7 +676,7 @@ def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Modu
     ``optimizer.step()`` stepping nothing) and hold the parameters against a new cache. So
     it detaches as ``remove_hooks()`` does (cached gradients back in ``.grad``), run on a
     stand-in holding the manager's attributes. It warns where the model lives on and the
-    manager never completed a step or held gradients: the result of
+    manager never completed a step or had gradients cached: the result of
     ``create_gradient_cache`` was not kept. (A model collected with its manager, one that
     held it as an attribute, needs no word; nor a manager dropped after training.)"""
     pipeline = attributes.get("_pipeline")
@@ -691,8 +691,8 @@ def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Modu
         if unused:
             warnings.warn(
                 "A GradientCacheHookManager was garbage-collected while attached, before it "
-                "completed a step or while it held gradients: its hooks are removed and the "
-                "gradients it held are back in .grad, so the model trains without the cache. "
+                "completed a step or while it had gradients cached: its hooks are removed and "
+                "the cached gradients are back in .grad, so the model trains without the cache. "
                 "Keep the manager create_gradient_cache returns (hook_manager = "
                 "gradient_cache.create_gradient_cache(model)) and call hook_manager.step("
                 "optimizer), or use it as a context manager (with ... as hook_manager:).",

@@ -301,8 +301,8 @@ def format_plan(result: Plan, inputs: PlanInputs) -> str:
 
 def peak_bytes(result: Plan, way: str, moment: str) -> int:
     """Parameters, optimizer state and the gradients held at ``moment`` (no activations)."""
-    held = result.device[way]
-    return held["parameters"] + held["optimizer state"] + held[moment]
+    on_device = result.device[way]
+    return on_device["parameters"] + on_device["optimizer state"] + on_device[moment]
 
 
 def optimizer_state_bytes(value: str) -> tuple[float, int]:

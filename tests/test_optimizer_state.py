@@ -15,6 +15,7 @@ import torch
 from helpers import (
     FailsOnce,
     after_each_update,
+    assert_same_parameters,
     batches,
     loss_of,
     make_model,
@@ -657,3 +658,79 @@ def test_where_each_parameters_state_is_is_a_field_each_phase_sets() -> None:
     for param, values in optimizer.state.items():
         assert places.at[param] is StateAt.HOST
         assert all(values[key] is host for key, host in copies[param].items())
+
+
+class FailsAtCall:
+    """Wraps ``owner.name`` (an instance attribute, so the class is untouched): its
+    ``nth`` call raises an out-of-memory error, once."""
+
+    def __init__(self, owner: object, name: str, nth: int) -> None:
+        self.original, self.calls, self.nth = getattr(owner, name), 0, nth
+        setattr(owner, name, self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.nth:
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return self.original(*args, **kwargs)
+
+
+def _plain_and_cached_adamw() -> tuple[torch.nn.Module, torch.nn.Module, object, object, object]:
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS)
+    return (
+        plain,
+        cached,
+        manager,
+        torch.optim.AdamW(plain.parameters(), lr=1e-2),
+        torch.optim.AdamW(cached.parameters(), lr=1e-2),
+    )
+
+
+def test_a_failed_send_back_of_new_state_is_not_stepped_twice_by_the_retry() -> None:
+    """The first step creates the state; allocating the second bucket's host copies raises
+    after that bucket stepped. Its payloads are spent first, so the retry steps the other
+    buckets only (the bucket's state, left on the device, goes home as the retry begins):
+    plain PyTorch's bits."""
+    plain, cached, manager, plain_opt, optimizer = _plain_and_cached_adamw()
+    tokens, targets = batches(1)[0]
+    loss_of(plain, tokens, targets).backward()
+    plain_opt.step()
+    loss_of(cached, tokens, targets).backward()
+    failure = FailsAtCall(manager.engine.optimizer_state, "_allocate", nth=2)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer)
+    manager.step(optimizer)  # the retry
+    assert failure.calls > 2  # the failed bucket's state was allocated by the retry
+    assert_same_parameters(plain, cached)
+    copies = manager.engine.optimizer_state.copies_of(optimizer)
+    for param, values in optimizer.state.items():
+        assert all(values[key] is host for key, host in copies[param].items())
+
+
+def test_a_failed_bring_leaves_the_state_home_and_the_retry_brings_it() -> None:
+    """A bring that raises (the device out of memory as the copy starts) leaves the
+    bucket's state on the host, marked so: the retry brings it as any other."""
+    plain, cached, manager, plain_opt, optimizer = _plain_and_cached_adamw()
+    for tokens, targets in batches(2):
+        loss_of(plain, tokens, targets).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    tokens, targets = batches(2)[0]
+    loss_of(cached, tokens, targets).backward()
+    manager.step(optimizer)  # the state exists from here
+    optimizer.zero_grad()  # the excluded layers' gradients, left in .grad
+    tokens, targets = batches(2)[1]
+    loss_of(cached, tokens, targets).backward()
+    FailsAtCall(manager.engine.backend, "start_to_device", nth=1)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer)
+    places = manager.engine.optimizer_state.state_copies(optimizer)
+    assert set(places.at.values()) == {StateAt.HOST}
+    brought: list[int] = []
+    backend = manager.engine.backend
+    start = backend.start_to_device
+    backend.start_to_device = lambda hosts: brought.append(len(hosts)) or start(hosts)
+    manager.step(optimizer)  # the retry brings every bucket's state
+    assert sum(brought) == sum(len(v) for v in places.copies.values())
+    assert_same_parameters(plain, cached)

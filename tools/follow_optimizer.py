@@ -63,7 +63,7 @@ class Entry:
     """One run of the collapsed sequence: the file, and the event that made it current."""
 
     file: str
-    how: str  # "call Pipeline.restore" or "back from fused_step.step", for the report
+    how: str  # "call OptimizerStep.step" or "back from StepHooks.__init__", for the report
 
 
 @dataclass
@@ -126,7 +126,7 @@ class Trace:
 
 
 def _name(code: CodeType) -> str:
-    """The function's qualified name (``Pipeline.take_for``); its plain name before 3.11."""
+    """The function's qualified name (``OptimizerStep.step``); its plain name before 3.11."""
     return str(getattr(code, "co_qualname", code.co_name))
 
 

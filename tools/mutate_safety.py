@@ -1095,6 +1095,20 @@ MUTANTS = [
         "            self._hidden[optimizer] = left",
         "tests/test_fused_routing.py::test_the_decorated_step_is_the_fused_step_with_plain_bits",
     ),
+    (
+        "optimizer state: a bucket's state goes back only once its payloads are spent (a failed send does not step it twice)",
+        "gradient_cache/engine/pipeline.py",
+        "                self._spend(params)  # before `spent`: a failure there must not step it again\n                if spent is not None:\n                    spent()\n",
+        "                if spent is not None:\n                    spent()\n                self._spend(params)\n",
+        "tests/test_optimizer_state.py::test_a_failed_send_back_of_new_state_is_not_stepped_twice_by_the_retry",
+    ),
+    (
+        "optimizer state: a state is in transit only once its copy started (a failed bring leaves it home)",
+        "gradient_cache/engine/optimizer_state.py",
+        "        transfer = self.states.backend.start_to_device(hosts)\n        for param, _, _ in keys:  # only once started: a failed start leaves them home\n            self.owned.at[param] = StateAt.IN_TRANSIT\n",
+        "        for param, _, _ in keys:\n            self.owned.at[param] = StateAt.IN_TRANSIT\n        transfer = self.states.backend.start_to_device(hosts)\n",
+        "tests/test_optimizer_state.py::test_a_failed_bring_leaves_the_state_home_and_the_retry_brings_it",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

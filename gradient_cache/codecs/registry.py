@@ -165,7 +165,7 @@ class HasCodec(Protocol):
 
 @dataclass(frozen=True)
 class Codecs:
-    """The codec instances one engine uses, shared by its parameters (as their random
+    """The codec instances one pipeline uses, shared by its parameters (as their random
     generators are), and how a parameter chooses among them.
 
     ``candidates``: best-training first. ``budget``: None, the first candidate a tensor is

@@ -82,7 +82,15 @@ def _step_cached(
         if states is not None:
             arrivals.append(states.bring(params))
 
-    restoring = pipeline.restoring(steps.buckets, clip_factor=steps.restore_factor, alongside=bring)
+    def send_back() -> None:
+        if states is not None:
+            states.send_back(arrivals.popleft())
+
+    # Each bucket's state goes back once its payloads left the store: if that raises
+    # (allocating new host copies), the retry does not step the bucket again.
+    restoring = pipeline.restoring(
+        steps.buckets, clip_factor=steps.restore_factor, alongside=bring, spent=send_back
+    )
     with contextlib.closing(restoring) as buckets:
         for i, grads in enumerate(buckets):
             if states is not None:
@@ -93,8 +101,6 @@ def _step_cached(
                 # step went through: a step that failed before can still be discarded
                 # without a trace. (A retry completes again: counting is idempotent.)
                 pipeline.deliver([p for p in steps.delivered if p in pipeline.store])
-            if states is not None:
-                states.send_back(arrivals.popleft())
 
 
 def _step_held(
@@ -156,8 +162,8 @@ def settle_held(
     for param, grad in held.items():
         record = pipeline.records.get(param)
         kept = record is not None and record.keep_on_device
-        if record is not None:
-            record.gradient = GradientAt.NONE
+        if record is not None:  # hidden: held for the step until `show_held`
+            record.gradient = GradientAt.HELD_FOR_STEP if hidden and not kept else GradientAt.NONE
         param.grad = None if kept or hidden else grad
         if not kept:
             left[param] = grad

@@ -1,7 +1,7 @@
 """Gradient norms as ``torch.nn.utils.clip_grad_norm_`` computes them, on the device.
 
 The fused step's clip norm is summed from per-parameter norms. The encodes compute them
-on the encode stream while backward goes on (`Pipeline._encode`, once a clipped fused
+on the encode stream while backward goes on (`Capture._encode`, once a clipped fused
 step asked for a norm type), so the step reduces a handful of device scalars instead of
 reading every payload on the host while the device idles.
 """

@@ -1,14 +1,14 @@
 """The optimizer's state in host memory between steps, on the device one bucket at a time.
 
-With ``offload_optimizer_state=True`` the fused step (`fused_step.step`) keeps every
+With ``offload_optimizer_state=True`` the fused step (`engine/step.py`) keeps every
 per-parameter state tensor the optimizer holds on the parameter's device (Adam's moments,
 SGD's momentum buffer: any tensor with a dimension) in host memory between steps, where
 ``optimizer.state`` and ``optimizer.state_dict()`` show it. Scalars (``step``) stay as the
 optimizer keeps them. A bucket's state travels with its gradients: brought to the device
-ahead of its step (`bring`, then `install`), stepped there, copied back (`send_back`), and
-its device copy let go once that copy has read it. A state the optimizer creates in a
-bucket's step (its first) goes to the host the same way, so the whole state is never on
-the device at once.
+ahead of its step (`StateJourney.bring`, then `install`), stepped there, copied back
+(`send_back`), and its device copy let go once that copy has read it. A state the
+optimizer creates in a bucket's step (its first) goes to the host the same way, so the
+whole state is never on the device at once.
 
 The host copies of the whole state are cut one after another from large slabs
 (`state_slabs.StateSlabs`; on CUDA pinned, powers of two as the payload pool's, which the
@@ -414,11 +414,13 @@ class StateJourney:
             if self.owned.at.get(param) is not StateAt.HOST:
                 continue  # none yet (the step creates it), or kept on the device
             copies = self.owned.copies[param]
-            keys += [(param, key, copies[key]) for key in self.state[param] if key in copies]
-            self.owned.at[param] = StateAt.IN_TRANSIT
+            values = self.state.get(param, {})
+            keys += [(param, key, copies[key]) for key in values if key in copies]
         hosts = [leaf for _, _, host in keys for leaf in leaves(host)]
         self.states.moved_bytes += nbytes(hosts)
         transfer = self.states.backend.start_to_device(hosts)
+        for param, _, _ in keys:  # only once started: a failed start leaves them home
+            self.owned.at[param] = StateAt.IN_TRANSIT
         had_state = [bool(self.state.get(param)) for param in params]
         return Arrival(list(params), had_state, keys, transfer)
 

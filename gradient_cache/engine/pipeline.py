@@ -49,7 +49,7 @@ from .step_state import (
 from .store import BucketPayloads, GradientStore
 
 Param = torch.nn.Parameter
-NONE, OPEN_BUCKET, IN_FLIGHT, STORED, KEPT_ON_DEVICE, HELD_FOR_STEP = GradientAt
+NONE, STORED, KEPT_ON_DEVICE = GradientAt.NONE, GradientAt.STORED, GradientAt.KEPT_ON_DEVICE
 
 # Parameters whose gradients a live pipeline's hooks take. A second pipeline on one of them
 # would take gradients the first counts on; identity keys, since tensors compare by value.
@@ -103,7 +103,7 @@ class Pipeline:
         self.enabled = True  # `set_enabled`
         self.grad_scaler = grad_scaler  # error feedback keeps its residual unscaled by it
         self.last_step = StepFigures()
-        # The step's life: its state, and its record while one is pending (None in IDLE).
+        # The step's life: its state, and its PendingStep while one is pending (None in IDLE).
         self.state = IDLE
         self.pending: PendingStep | None = None
         # The norm type the fused steps clip by (`compute_norms`): the encodes compute it.
@@ -200,12 +200,12 @@ class Pipeline:
         *,
         clip_factor: torch.Tensor | None,
         alongside: Callable[[Sequence[Param]], object] | None = None,
+        spent: Callable[[], object] | None = None,
     ) -> Generator[list[tuple[Param, torch.Tensor]], None, None]:
-        """The one restore path: each bucket's gradients as device tensors (times
-        ``clip_factor``), ``restore_ahead`` buckets restoring ahead, ``alongside`` called
-        as each starts (its state's journey). A bucket's payloads leave the store when the
-        next bucket is asked for (the fused step: once it stepped); closed early, the
-        restores ahead complete before their blocks go and the rest stays cached."""
+        """The one restore path: each bucket's gradients on the device (times ``clip_factor``,
+        ``restore_ahead`` ahead), leaving the store when the next is asked for (the fused
+        step: once it stepped); ``alongside`` and ``spent`` bracket its state's journey.
+        Closed early, restores ahead complete before their blocks go; the rest stays."""
         ahead: deque[Restore] = deque()
         try:
             for i, params in enumerate(buckets):
@@ -216,7 +216,9 @@ class Pipeline:
                     if alongside is not None:
                         alongside(later)
                 yield self.backend.finish_restore(ahead.popleft())
-                self._spend(params)
+                self._spend(params)  # before `spent`: a failure there must not step it again
+                if spent is not None:
+                    spent()
         finally:
             for restore in ahead:
                 self.backend.finish_restore(restore)  # before its blocks are freed
@@ -361,7 +363,7 @@ class Pipeline:
 
     @property
     def deferred_clip(self) -> torch.Tensor | None:
-        """The pending step's deferred clip factor (`defer_clip`), if any."""
+        """The pending step's deferred clip factor (`OptimizerStep.clip`), if any."""
         return None if self.pending is None else self.pending.deferred_clip
 
     def compute_norms(self, norm_type: float | None) -> None:

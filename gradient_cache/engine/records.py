@@ -34,12 +34,12 @@ class GradientAt(enum.Enum):
 
 class StateAt(enum.Enum):
     """Where a parameter's offloaded optimizer state is, for one optimizer
-    (`optimizer_state.StateCopies`: the state has a record per optimizer, and parameters
+    (`optimizer_state.StateCopies`: a parameter has a state per optimizer, and parameters
     the cache does not take, excluded layers, have state too)."""
 
     HOST = "host"  # the host copies are in ``optimizer.state`` (between steps)
     IN_TRANSIT = "in transit"  # brought for its bucket's step, not yet installed
-    DEVICE = "device"  # on the device: installed for its step, created by it, or kept there
+    DEVICE = "device"  # installed for its step, or kept there (a new state has no place yet)
 
 
 @dataclass

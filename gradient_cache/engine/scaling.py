@@ -38,14 +38,9 @@ def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
     return scaler._get_scale_async()
 
 
-def enabled_scaler(
-    scaler: torch.amp.GradScaler | None, optimizer_id: int, *, sharded: bool
-) -> torch.amp.GradScaler | None:
-    """``scaler`` if it is enabled (a disabled scaler is no scaler), checked ready to step
-    the optimizer of ``optimizer_id`` (``id(optimizer)``, as the scaler keys it);
-    ``sharded``: FSDP2's parameters are cached."""
-    if scaler is None or not scaler.is_enabled():
-        return None
+def check_ready(scaler: torch.amp.GradScaler, optimizer_id: int, *, sharded: bool) -> None:
+    """Refuse an enabled ``scaler`` not ready to step the optimizer of ``optimizer_id``
+    (``id(optimizer)``, as the scaler keys it), or one given under FSDP2 (``sharded``)."""
     if sharded:
         # Each rank sees only its shards' inf: ranks would disagree on the skip.
         raise RuntimeError(
@@ -61,7 +56,6 @@ def enabled_scaler(
             "already: call neither scaler.unscale_(optimizer) nor scaler.step(optimizer) "
             "in a step the fused step steps; after it, call scaler.update()."
         )
-    return scaler
 
 
 def inv_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
@@ -123,7 +117,9 @@ class SkipWatch:
     ``apply_gradients()``): not skipped. With several optimizers, one that stepped makes the
     step taken for all."""
 
-    def __init__(self, scaler: torch.amp.GradScaler, cached: Collection[torch.nn.Parameter]):
+    def __init__(
+        self, scaler: torch.amp.GradScaler, cached: Collection[torch.nn.Parameter]
+    ) -> None:
         self.scaler = scaler
         self._cached = cached
         # The last completed step until it is settled; None: nothing to settle.

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import fused_step, scaling, sharding
 from .fused_step import BucketSteps
@@ -65,7 +66,8 @@ class OptimizerStep:
         self._on_restored = on_restored
         # The held gradients a fused step stepped inside an integration's own
         # optimizer.step(), out of .grad until that call's step is over (`show_held`).
-        self._hidden: dict[Optimizer, dict[Param, torch.Tensor]] = {}
+        # Weak keys: an optimizer whose call never ended (its step raised) is not kept.
+        self._hidden: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     # --- the public face ----------------------------------------------------------------
 
@@ -204,8 +206,11 @@ class OptimizerStep:
     def show_held(self, optimizer: Optimizer) -> None:
         """An integration's own ``optimizer.step()`` is over: the gradients the fused step
         held and stepped back in ``param.grad``, as plain PyTorch leaves them."""
+        records = self.pipeline.records
         for param, grad in self._hidden.pop(optimizer, {}).items():
             param.grad = grad
+            if param in records:
+                records[param].gradient = GradientAt.NONE  # the user's, as plain leaves it
 
     def offload_state_of(self, optimizer: Optimizer) -> None:
         """``optimizer``'s state on the device to the host, and its loads there from now
@@ -390,10 +395,11 @@ def _scaler_verdict(
 ) -> tuple[torch.amp.GradScaler | None, torch.Tensor | None, bool]:
     """An enabled GradScaler, its 1/scale, and whether it skips this step (a gradient
     not finite); (None, None, False) without one."""
+    scaler = pipeline.grad_scaler
+    if scaler is None or not scaler.is_enabled():
+        return None, None, False  # a disabled scaler is no scaler
     sharded = any(record.sharded for record in pipeline.records.values())
-    scaler = scaling.enabled_scaler(pipeline.grad_scaler, id(optimizer), sharded=sharded)
-    if scaler is None:
-        return None, None, False
+    scaling.check_ready(scaler, id(optimizer), sharded=sharded)
     flag = None if pipeline.pending is None else pipeline.pending.found_inf
     skip = scaling.found_inf(flag, parts, held, pipeline.backend.device)
     return scaler, scaling.inv_scale(scaler), skip

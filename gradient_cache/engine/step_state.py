@@ -78,7 +78,7 @@ class PendingStep:
     counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
     clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
     held: HeldProgress | None = None  # INTERRUPTED: and how far it got with held gradients
-    # A clip_grad_norm_ answered from the cache (`defer_clip`): the factor every gradient
+    # A clip_grad_norm_ answered from the cache (`OptimizerStep.clip`): the factor every gradient
     # of the step still cached is multiplied by as it is restored, as plain PyTorch
     # multiplied it in place at the clip. None: no such clip.
     deferred_clip: torch.Tensor | None = None
