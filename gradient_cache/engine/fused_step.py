@@ -89,7 +89,11 @@ def _step_cached(
     # Each bucket's state goes back once its payloads left the store: if that raises
     # (allocating new host copies), the retry does not step the bucket again.
     restoring = pipeline.restoring(
-        steps.buckets, clip_factor=steps.restore_factor, alongside=bring, spent=send_back
+        steps.buckets,
+        clip_factor=steps.restore_factor,
+        alongside=bring,
+        spent=send_back,
+        depth=pipeline.backend.restore_ahead,  # a bucket ahead (CUDA): it steps, then goes
     )
     with contextlib.closing(restoring) as buckets:
         for i, grads in enumerate(buckets):

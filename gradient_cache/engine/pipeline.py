@@ -201,15 +201,16 @@ class Pipeline:
         clip_factor: torch.Tensor | None,
         alongside: Callable[[Sequence[Param]], object] | None = None,
         spent: Callable[[], object] | None = None,
+        depth: int = 0,
     ) -> Generator[list[tuple[Param, torch.Tensor]], None, None]:
         """The one restore path: each bucket's gradients on the device (times ``clip_factor``,
-        ``restore_ahead`` ahead), leaving the store when the next is asked for (the fused
-        step: once it stepped); ``alongside`` and ``spent`` bracket its state's journey.
+        ``depth`` more restoring ahead), leaving the store when the next is asked for (the
+        fused step: once it stepped); ``alongside`` and ``spent`` bracket its state's trip.
         Closed early, restores ahead complete before their blocks go; the rest stays."""
         ahead: deque[Restore] = deque()
         try:
             for i, params in enumerate(buckets):
-                while len(ahead) <= self.backend.restore_ahead and i + len(ahead) < len(buckets):
+                while len(ahead) <= depth and i + len(ahead) < len(buckets):
                     later = buckets[i + len(ahead)]
                     items = [(param, self.store[param]) for param in later]
                     ahead.append(self.backend.start_restore(items, clip_factor=clip_factor))
@@ -224,8 +225,8 @@ class Pipeline:
                 self.backend.finish_restore(restore)  # before its blocks are freed
 
     def restore(self, params: Iterable[Param]) -> None:
-        """Put the cached gradients of ``params`` into ``param.grad`` (added to any there),
-        times the deferred clip's factor, if one is pending."""
+        """The cached gradients of ``params`` into ``param.grad`` (added to any there), times
+        the deferred clip's factor; a bucket at a time (they stay: none restores ahead)."""
         buckets = [[param for param, _ in part] for part in self.store.parts(set(params))]
         with contextlib.closing(self.restoring(buckets, clip_factor=self.deferred_clip)) as each:
             for grads in each:
@@ -367,8 +368,7 @@ class Pipeline:
         return None if self.pending is None else self.pending.deferred_clip
 
     def compute_norms(self, norm_type: float | None) -> None:
-        """The next steps' encodes compute each gradient's norm of ``norm_type`` (None:
-        none), for the fused step's clip (`PendingStep.norms`)."""
+        """Later encodes compute each gradient's ``norm_type`` norm (`PendingStep.norms`)."""
         self.clip_norm_type = norm_type
 
     # --- checkpoints and a memory budget ------------------------------------------------
