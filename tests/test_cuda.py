@@ -555,17 +555,24 @@ def test_a_clipped_step_holds_one_copy_of_each_kept_gradient() -> None:
     assert clipped - unclipped < kept // 2, (clipped / MIB, unclipped / MIB, kept / MIB)
 
 
+def state_on_host(*, width: int, depth: int):
+    """A ManyThinLayers model on the GPU, its AdamW, and a lossless cache of 1 MiB buckets
+    with the optimizer state offloaded."""
+    torch.manual_seed(0)
+    model = ManyThinLayers(width=width, depth=depth).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, bucket_size_mb=1, offload_optimizer_state=True
+    )
+    return model, optimizer, manager
+
+
 def test_the_steps_end_leaves_the_host_free() -> None:
     """With the state offloaded, step(optimizer) returns while its copies back may still
     run: the host does not wait at the step's end (a device-side wait orders the next
     step), so the next forward can be queued. A sleep queued before the step keeps the
     device busy: a host wait would outlast it, and the stream would be idle on return."""
-    torch.manual_seed(0)
-    model = ManyThinLayers(width=1024, depth=16).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=1, bucket_size_mb=1, offload_optimizer_state=True
-    )
+    model, optimizer, manager = state_on_host(width=1024, depth=16)
     x = torch.randn(64, 1024, device="cuda")
     for step in range(3):
         model(x).square().mean().backward()
@@ -579,12 +586,7 @@ def test_the_steps_end_leaves_the_host_free() -> None:
 def test_the_host_state_takes_at_most_a_tenth_more_than_its_bytes() -> None:
     """The state's host copies are laid out as one (not one power-of-two slab per bucket,
     which took GPT-2's 0.93 GiB of AdamW state to 1.54 GiB)."""
-    torch.manual_seed(0)
-    model = ManyThinLayers(width=1000, depth=12).cuda()  # sizes far from powers of two
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=1, bucket_size_mb=1, offload_optimizer_state=True
-    )
+    model, optimizer, manager = state_on_host(width=1000, depth=12)  # far from powers of two
     x = torch.randn(64, 1000, device="cuda")
     for _ in range(2):
         model(x).square().mean().backward()
@@ -602,12 +604,7 @@ def test_the_host_state_takes_at_most_a_tenth_more_than_its_bytes() -> None:
 def test_a_step_post_hook_reads_the_final_state() -> None:
     """A post-hook fires once, after the whole fused step; the state it reads (host copies
     by then) holds their final values, not a copy back still in flight."""
-    torch.manual_seed(0)
-    model = ManyThinLayers(width=1024, depth=16).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=1, bucket_size_mb=1, offload_optimizer_state=True
-    )
+    model, optimizer, manager = state_on_host(width=1024, depth=16)
     seen: dict[torch.Tensor, torch.Tensor] = {}
 
     def read_state(opt: torch.optim.Optimizer, *args: Any) -> None:

@@ -458,6 +458,42 @@ def lossless_small_buckets(model, fake_cuda: FakeCuda, **options):
     )
 
 
+def test_only_the_fused_step_restores_ahead(fake_cuda: FakeCuda) -> None:
+    """apply_gradients() restores a bucket at a time (each stays in .grad: a bucket ahead
+    would only raise the device peak), the fused step one bucket ahead (each is freed once
+    stepped)."""
+    model = make_model()
+    manager = lossless_small_buckets(model, fake_cuda)
+    backend = manager.engine.backend
+    in_flight, most = [0], {"apply": 0, "step": 0}
+    start, finish = backend.start_restore, backend.finish_restore
+
+    def counted(phase: str):
+        def start_restore(*args, **kwargs):
+            in_flight[0] += 1
+            most[phase] = max(most[phase], in_flight[0])
+            return start(*args, **kwargs)
+
+        return start_restore
+
+    def finish_restore(restore):
+        in_flight[0] -= 1
+        return finish(restore)
+
+    backend.finish_restore = finish_restore
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for phase, tokens_targets in zip(most, batches(2), strict=True):
+        loss_of(model, *tokens_targets).backward()
+        backend.start_restore = counted(phase)
+        if phase == "apply":
+            manager.apply_gradients()
+            optimizer.zero_grad()
+        else:
+            manager.step(optimizer)
+    assert most == {"apply": 1, "step": 2}
+    fake_cuda.checker.assert_clean()
+
+
 @pytest.mark.parametrize("nth", [1, 2, 3])
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_a_failed_fused_step_retried_gives_the_plain_result(

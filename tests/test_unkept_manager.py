@@ -29,6 +29,22 @@ def plain_steps(model: nn.Module, steps: int = 3) -> None:
         optimizer.zero_grad()
 
 
+def train_side_by_side(plain, cached, hook_manager, *, collect: bool = False) -> None:
+    """Three AdamW steps each: plain's, and the cache's fused step, checking that backward
+    left the cached model's gradients with the cache; ``collect``: a gc pass first."""
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    for tokens, targets in batches(3):
+        if collect:
+            gc.collect()
+        loss_of(plain, tokens, targets).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        loss_of(cached, tokens, targets).backward()
+        assert all(p.grad is None for p in cached.parameters())  # cached
+        hook_manager.step(cached_opt)
+
+
 def test_an_unkept_cache_warns_and_leaves_the_model_to_train_as_plain() -> None:
     plain, cached = make_model(), make_model()
     with pytest.warns(UserWarning, match=DROPPED) as caught:
@@ -44,15 +60,7 @@ def test_a_new_cache_after_an_unkept_one_takes_the_model() -> None:
     with pytest.warns(UserWarning, match=DROPPED):
         gradient_cache.create_gradient_cache(cached, **LOSSLESS)
     hook_manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
-    for tokens, targets in batches(3):
-        loss_of(plain, tokens, targets).backward()
-        plain_opt.step()
-        plain_opt.zero_grad()
-        loss_of(cached, tokens, targets).backward()
-        assert all(p.grad is None for p in cached.parameters())  # cached
-        hook_manager.step(cached_opt)
+    train_side_by_side(plain, cached, hook_manager)
     assert_same_parameters(plain, cached)
     hook_manager.remove_hooks()
 
@@ -92,19 +100,10 @@ def test_a_manager_dropped_after_training_detaches_quietly_and_leaks_nothing() -
 def test_a_kept_manager_is_not_collected() -> None:
     """The finalizer holds nothing that keeps the manager alive, nor drops a kept one."""
     plain, cached = make_model(), make_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hook_manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS)
-        for tokens, targets in batches(3):
-            gc.collect()
-            loss_of(plain, tokens, targets).backward()
-            plain_opt.step()
-            plain_opt.zero_grad()
-            loss_of(cached, tokens, targets).backward()
-            assert all(p.grad is None for p in cached.parameters())  # cached
-            hook_manager.step(cached_opt)
+        train_side_by_side(plain, cached, hook_manager, collect=True)
     assert_same_parameters(plain, cached)
     assert hook_manager.summary().steps == 3
     hook_manager.remove_hooks()

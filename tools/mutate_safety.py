@@ -1109,6 +1109,13 @@ MUTANTS = [
         "        for param, _, _ in keys:\n            self.owned.at[param] = StateAt.IN_TRANSIT\n        transfer = self.states.backend.start_to_device(hosts)\n",
         "tests/test_optimizer_state.py::test_a_failed_bring_leaves_the_state_home_and_the_retry_brings_it",
     ),
+    (
+        "restore: the plain restore has no bucket ahead (the apply path's device peak)",
+        "gradient_cache/engine/pipeline.py",
+        "        with contextlib.closing(self.restoring(buckets, clip_factor=self.deferred_clip)) as each:",
+        "        with contextlib.closing(self.restoring(buckets, clip_factor=self.deferred_clip, depth=self.backend.restore_ahead)) as each:",
+        "tests/test_stream_order.py::test_only_the_fused_step_restores_ahead",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
