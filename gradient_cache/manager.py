@@ -27,8 +27,11 @@ from .engine.config import (
 )
 from .engine.factory import BackendFactory, create_backend
 from .engine.figures import CacheTensors, cache_tensors
+from .engine.host_weights import HostWeights
 from .engine.pipeline import Pipeline
 from .engine.step import OptimizerStep
+from .engine.weight_blocks import WeightUnits, weight_units
+from .engine.weight_stream import WeightStream
 from .model_watch import ParameterWatch
 from .stats import CompressionSummary, compression_summary
 
@@ -150,6 +153,7 @@ class GradientCacheHookManager:
                 "whole, on every rank alike. Drop memory_budget (everything is offloaded)."
             )
         _warn_of_split_groups(groups, trainable, included)
+        units = _weight_units_or_refusal(named, config, patterns, groups)
         self._pipeline: Pipeline | None = Pipeline(
             included,
             ratio=ratio,
@@ -157,6 +161,10 @@ class GradientCacheHookManager:
             grad_scaler=grad_scaler,
             groups=groups,
             backend_factory=backend_factory,
+        )
+        # With offload_parameters: the weights' hooks (None without).
+        self._weight_stream = (
+            None if units is None else _stream_weights(named, self._pipeline, units)
         )
         if config.codec is None:
             _warn_of_the_ladders_last_rung(self._pipeline, ratio)
@@ -481,6 +489,10 @@ class GradientCacheHookManager:
         pipeline, self._pipeline, self._step = self._pipeline, None, None
         self._watch.remove()
         _detached()
+        stream, self._weight_stream = self._weight_stream, None
+        if stream is not None:  # the weights back on the device first, where .grad goes
+            stream.remove()
+            stream.weights.close()
         try:
             pipeline.drain()
             pipeline.restore(list(pipeline.store))
@@ -699,6 +711,49 @@ def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Modu
                 UserWarning,
                 stacklevel=3,  # the line that dropped it, where reference counting freed it
             )
+
+
+def _weight_units_or_refusal(
+    model: torch.nn.Module,
+    config: EngineConfig,
+    patterns: Sequence[str],
+    groups: Sequence[Sequence[torch.nn.Parameter]],
+) -> WeightUnits | None:
+    """With ``offload_parameters``: the model's blocks (raises naming how to name them),
+    after refusing what it cannot be combined with. Before anything is attached."""
+    if not config.offload_parameters:
+        return None
+    if patterns:
+        raise ValueError(
+            f"exclude_layers={list(patterns)} cannot be combined with offload_parameters=True: "
+            "an excluded layer's gradient stays on the device, and its weights do not. Drop "
+            "exclude_layers (every gradient is offloaded), or offload_parameters."
+        )
+    if groups:
+        raise ValueError(
+            "offload_parameters=True is not supported under FSDP2 yet: each rank's shards "
+            "would stream through FSDP2's own all-gathers. Drop offload_parameters "
+            "(gradients and optimizer state are still offloaded), or train without FSDP2."
+        )
+    return weight_units(model, name=config.parameter_blocks)
+
+
+def _stream_weights(model: torch.nn.Module, pipeline: Pipeline, units: WeightUnits) -> WeightStream:
+    """The weights to host memory and their hooks on ``model``; if that raises (the host
+    budget), the pipeline is closed and nothing stays attached."""
+    states = pipeline.optimizer_state
+    assert states is not None  # offload_parameters needs offload_optimizer_state: the config checks
+    try:
+        weights = HostWeights(
+            list(model.named_parameters()),
+            pipeline.backend,
+            fraction=pipeline.config.host_memory_fraction,
+        )
+    except BaseException:
+        pipeline.close()
+        raise
+    states.weights = weights
+    return WeightStream(model, weights, units)
 
 
 def _parameter_list(

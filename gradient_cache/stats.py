@@ -55,7 +55,10 @@ class CompressionSummary:
     cgroup). ``host_pool``: the CUDA backend's pool, None elsewhere.
     ``optimizer_state_host_mb``: host memory held for the optimizer's state
     (``offload_optimizer_state``); ``optimizer_state_moved_mb``: the state bytes the last
-    fused step moved, to the device and back. ``steps``: steps
+    fused step moved, to the device and back. ``parameters_host_mb``: host memory held
+    for the weights' masters (``offload_parameters``); ``parameters_moved_mb``: the
+    weight bytes the last step moved, to the device and back: its forward and backward
+    passes (every micro-batch's) and its fused step. ``steps``: steps
     restored so far (a step delivered by several optimizers counts once), less those a
     GradScaler skipped (a skip is learnt when the next step begins). ``memory_budget``:
     with one, what it decided after the first step (or that there is nothing to budget).
@@ -75,6 +78,8 @@ class CompressionSummary:
     host_pool: PoolSummary | None
     optimizer_state_host_mb: float
     optimizer_state_moved_mb: float
+    parameters_host_mb: float
+    parameters_moved_mb: float
     steps: int
     step_pending: bool
     num_offloaded_parameters: int
@@ -108,6 +113,7 @@ def compression_summary(
     residual = pipeline.backend.residuals.nbytes()
     pool = pipeline.backend.host_pool()
     states = pipeline.optimizer_state
+    weights = None if states is None else states.weights
     return CompressionSummary(
         compression_ratio=pipeline.ratio,
         device=str(pipeline.backend.device),
@@ -125,6 +131,8 @@ def compression_summary(
         host_pool=None if pool is None else PoolSummary(pool.capacity_bytes / MIB, pool.pinned),
         optimizer_state_host_mb=0.0 if states is None else states.host_bytes / MIB,
         optimizer_state_moved_mb=0.0 if states is None else states.moved_bytes / MIB,
+        parameters_host_mb=0.0 if weights is None else weights.host_bytes / MIB,
+        parameters_moved_mb=0.0 if weights is None else weights.moved_last_step / MIB,
         steps=pipeline.steps,
         step_pending=pending,
         num_offloaded_parameters=len(pipeline.records),

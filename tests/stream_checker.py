@@ -166,6 +166,22 @@ class StreamChecker(TorchDispatchMode):
     def record_stream(self, tensor: torch.Tensor, stream: str) -> None:
         self._block(tensor, self.active).recorded.add(stream)
 
+    def freed(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage gives its block back (``resize_(0)``): every access must
+        be ordered before the allocating stream's present."""
+        key = tensor.untyped_storage().data_ptr()
+        block = self.blocks.get(key)
+        if key and block is not None:
+            self._free(key, block)
+
+    def allocated(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage takes a new block on the active stream."""
+        key = tensor.untyped_storage().data_ptr()
+        stale = self.blocks.get(key)
+        if stale is not None:  # a block given back without a word: judged now
+            self._free(key, stale)
+        self._block(tensor, self.active)
+
     def _block(self, tensor: torch.Tensor, actor: str) -> Block:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
@@ -385,6 +401,16 @@ class FakeCuda:
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         """What ``tensor.record_stream(stream)`` tells the caching allocator."""
         self.checker.record_stream(tensor, stream.name)
+
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """What a storage's ``resize_`` does in the caching allocator: a block given back
+        (0), which the allocating stream may hand on at once, or a new one taken on the
+        current stream."""
+        if not nbytes:
+            self.checker.freed(tensor)
+        tensor.untyped_storage().resize_(nbytes)
+        if nbytes:
+            self.checker.allocated(tensor)
 
     def allocate_pinned(self, nbytes: int) -> torch.Tensor:
         self.pinned_allocations += 1

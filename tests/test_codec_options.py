@@ -36,6 +36,8 @@ def test_engine_config_has_none_of_the_top_k_only_fields() -> None:
         "pin_memory",
         "host_pool_mb",
         "offload_optimizer_state",
+        "offload_parameters",
+        "parameter_blocks",
         "memory_budget",
         "checkpoint_frequency",
     ]

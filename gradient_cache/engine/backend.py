@@ -153,9 +153,20 @@ class Backend(ABC):
             torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
             for h in hosts
         ]
-        for host, out in zip(hosts, outs, strict=True):
-            out.copy_(host)
-        return Transfer(outs)
+        return self.start_refill(list(zip(outs, hosts, strict=True)))
+
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """``tensor``'s memory allocated (``nbytes``) or given up (0), on the current
+        stream; the storage object, which autograd's saved views share, stays."""
+        tensor.untyped_storage().resize_(nbytes)
+
+    def start_refill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
+        """Start copying each (device, host) pair's host tensor into its device one, whose
+        memory the caller allocated on the current stream (a weight's storage, refilled:
+        `host_weights`)."""
+        for device, host in pairs:
+            device.copy_(host)
+        return Transfer([device for device, _ in pairs])
 
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         """The device tensors, safe for work queued from now on to read and write."""

@@ -112,6 +112,23 @@ class EngineConfig:
             moves the state across the link both ways (8 bytes per parameter each way for
             fp32 Adam). Needs the fused step: ``apply_gradients()`` is refused. Default
             False.
+        offload_parameters: Keep the weights in host memory too (their fp32 masters,
+            pinned on CUDA), on the device only while in use: a block of the model at a
+            time in forward and backward (the one running and the next arriving, on a side
+            stream), and in ``hook_manager.step(optimizer)`` a bucket at a time, with its
+            gradients and state: the user's optimizer steps them on the device, then they
+            go back to their masters. Bit for bit with plain PyTorch. At rest,
+            ``model.parameters()`` and ``model.state_dict()`` are the host masters. The
+            blocks are the children of ``parameter_blocks``. Needs
+            ``offload_optimizer_state=True`` and the fused step; not with
+            ``exclude_layers``, ``memory_budget`` or FSDP2. Each forward and backward moves
+            the weights to the device (4 bytes per parameter each), and the step moves them
+            both ways. Default False.
+        parameter_blocks: With ``offload_parameters``: the dotted name of the module list
+            whose children are the model's blocks (``"transformer.h"``); None (default):
+            the ``nn.ModuleList`` or ``nn.Sequential`` whose children hold the most
+            parameter bytes. Parameters outside the blocks, or used by more than one
+            (tied), stay on the device from the forward to the end of its backward.
         memory_budget: a device-memory budget, a share of the device's memory (``"80%"``
             or ``0.8``) or an amount (``"20GiB"``): the steps through the first after the
             warm-up run with everything offloaded and their device peak is measured (the
@@ -135,6 +152,8 @@ class EngineConfig:
     pin_memory: bool = True
     host_pool_mb: float | None = None
     offload_optimizer_state: bool = False
+    offload_parameters: bool = False
+    parameter_blocks: str | None = None
     memory_budget: str | float | None = None
     checkpoint_frequency: int = 1
 
@@ -170,11 +189,42 @@ class EngineConfig:
         _check_positive_int("staging_depth", self.staging_depth)
         _check_bool("pin_memory", self.pin_memory)
         _check_bool("offload_optimizer_state", self.offload_optimizer_state)
+        self._check_parameters_offload()
         if self.host_pool_mb is not None:
             _check_positive_number("host_pool_mb", self.host_pool_mb)
         if self.memory_budget is not None:
             MemoryBudget.parse(self.memory_budget)  # raises naming memory_budget
         _check_positive_int("checkpoint_frequency", self.checkpoint_frequency)
+
+    def _check_parameters_offload(self) -> None:
+        """``offload_parameters`` and ``parameter_blocks``: the weights travel with the
+        state in the fused step, and stream by blocks."""
+        _check_bool("offload_parameters", self.offload_parameters)
+        if self.parameter_blocks is not None and not isinstance(self.parameter_blocks, str):
+            raise TypeError(
+                f"parameter_blocks must be a module's dotted name (a str such as "
+                f"'transformer.h'), got {self.parameter_blocks!r}."
+            )
+        if not self.offload_parameters:
+            if self.parameter_blocks is not None:
+                raise ValueError(
+                    f"parameter_blocks={self.parameter_blocks!r} names the blocks the weights "
+                    "stream by, and acts only with offload_parameters=True: add it, or drop "
+                    "parameter_blocks."
+                )
+            return
+        if not self.offload_optimizer_state:
+            raise ValueError(
+                "offload_parameters=True needs offload_optimizer_state=True: a bucket's "
+                "weights come to the device with its optimizer state and step there, in "
+                "hook_manager.step(optimizer). Add offload_optimizer_state=True."
+            )
+        if self.memory_budget is not None:
+            raise ValueError(
+                f"memory_budget={self.memory_budget!r} cannot be combined with "
+                "offload_parameters=True: the budget keeps gradients and state on the "
+                "device, and a weight's gradient there would outlive its weights. Drop one."
+            )
 
     # --- derived from the codec's options (read-only; not options of their own). The
     # engine reads these: `residual_options` (route, backends, checkpoint's recipe), and

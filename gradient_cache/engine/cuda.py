@@ -95,6 +95,11 @@ class CudaBackend(Backend):
         self.record_stream: Callable[[torch.Tensor, Any], None] = getattr(
             cuda, "record_stream", torch.Tensor.record_stream
         )
+        # A storage's resize_ (the allocator's block taken or given back), or the
+        # stand-in's, which tells its checker.
+        self._resize_storage: Callable[[torch.Tensor, int], None] = getattr(
+            cuda, "resize_storage", _resize_storage
+        )
         self.residuals = (
             HostSlotResiduals(
                 lambda: self.pool, self.to_device, keep_previous=keep_previous_residual
@@ -244,24 +249,33 @@ class CudaBackend(Backend):
         return self.pool.allocate_slab(nbytes)  # pinned where it can be, as the pool's slabs
 
     def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
-        compute = self.cuda.current_stream(self.device)
         # Allocated for the compute stream, which steps with them and frees them.
         outs = [
             torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
             for h in hosts
         ]
-        # Guarantees the copies write these blocks only after the compute-stream work
-        # queued so far, which may have used them before; and read the host copies only
-        # after the copies back that wrote them (the compute stream waited on each:
-        # `release`), though the host did not wait for those.
+        return self.start_refill(list(zip(outs, hosts, strict=True)))
+
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        # On the current (compute) stream: the allocator hands a freed block on in that
+        # stream's order, so work queued on it before the free is safe, and other streams'
+        # accesses must be ordered before (`HostWeights.free`, `store`).
+        self._resize_storage(tensor, nbytes)
+
+    def start_refill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
+        compute = self.cuda.current_stream(self.device)
+        # Guarantees the copies write the device blocks (allocated on the compute stream)
+        # only after the compute-stream work queued so far, which may have used them
+        # before; and read the host copies only after the copies back that wrote them
+        # (the compute stream waited on each: `release`), though the host did not wait.
         self.restore_stream.wait_stream(compute)
         with self.cuda.stream(self.restore_stream):
-            for host, out in zip(hosts, outs, strict=True):
+            for out, host in pairs:
                 out.copy_(host, non_blocking=self.pool.is_pinned(host))
         done = self.cuda.Event()
         done.record(self.restore_stream)
         self._unwaited_state["to the device"] = done
-        return Transfer(outs, done)
+        return Transfer([out for out, _ in pairs], done)
 
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         # Guarantees the step, queued next on the current stream, reads and updates the
@@ -295,6 +309,10 @@ class CudaBackend(Backend):
             # copy is rewritten by the host only after the H2D copies reading it.
             done.synchronize()
         self._unwaited_state.clear()
+
+
+def _resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    tensor.untyped_storage().resize_(nbytes)
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:

@@ -67,6 +67,8 @@ def run(pipeline: Pipeline, steps: BucketSteps) -> dict[Param, torch.Tensor]:
             pipeline.records[param].gradient = at
         pipeline.interrupt(steps.clip, steps.progress)
         raise
+    if states is not None:
+        states.step_ended()
     return settle_held(pipeline, steps.held, hidden=steps.hidden)
 
 

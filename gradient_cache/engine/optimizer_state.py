@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .backend import Backend, Transfer
+from .host_weights import HostWeights
 from .layout import gradient_strides
 from .records import StateAt
 from .state_slabs import StateSlabs
@@ -138,6 +139,8 @@ class HostOptimizerState:
     # Parameters whose state stays on the device (a memory budget's decision): brought
     # once more from its host copy, then never sent back.
     on_device: set[Param] = field(default_factory=set)
+    # The weights on the host too (offload_parameters): each bucket's travel with its state.
+    weights: HostWeights | None = None
 
     def __post_init__(self) -> None:
         # Where every host copy is cut from (the backend's slabs: pinned on CUDA).
@@ -284,7 +287,7 @@ class HostOptimizerState:
         self._slabs.expect(p for group in optimizer.param_groups for p in group["params"])
         self.attach(optimizer)
         self.send_to_host(optimizer)
-        return StateJourney(self, optimizer.state, self.state_copies(optimizer))
+        return StateJourney(self, optimizer.state, self.state_copies(optimizer), self.weights)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """From now on ``optimizer.load_state_dict`` puts the offloaded state in host
@@ -400,11 +403,13 @@ class HostOptimizerState:
 class StateJourney:
     """One fused step's journeys of one optimizer's state, a bucket at a time: ``state``
     is the optimizer's (``optimizer.state``), ``owned`` its host copies and where each
-    parameter's state is (`StateCopies`)."""
+    parameter's state is (`StateCopies`); ``weights``: with the weights on the host, each
+    bucket's come to the device with its state, step there, and go back."""
 
     states: HostOptimizerState
     state: OptimizerStateDict
     owned: StateCopies
+    weights: HostWeights | None = None
 
     def bring(self, params: Sequence[Param]) -> Arrival:
         """Start copying ``params``' host state to the device (the backend's restore
@@ -422,6 +427,8 @@ class StateJourney:
         for param, _, _ in keys:  # only once started: a failed start leaves them home
             self.owned.at[param] = StateAt.IN_TRANSIT
         had_state = [bool(self.state.get(param)) for param in params]
+        if self.weights is not None:
+            self.weights.bring(params)
         return Arrival(list(params), had_state, keys, transfer)
 
     def install(self, arrival: Arrival) -> None:
@@ -430,11 +437,16 @@ class StateJourney:
         for param, key, host in arrival.keys:
             self.state[param][key] = rebuilt(host, device)
             self.owned.at[param] = StateAt.DEVICE
+        if self.weights is not None:
+            self.weights.ensure(arrival.params)
         arrival.installed = True
 
     def send_back(self, arrival: Arrival) -> None:
-        """After the bucket's step: its state (updated or new) to the host
-        (`HostOptimizerState.send`)."""
+        """After the bucket's step: its weights to their masters, then its state (updated
+        or new) to the host (`HostOptimizerState.send`). The weights first: allocating a
+        new state's host copies may raise, and the step is not retried for this bucket."""
+        if self.weights is not None:
+            self.weights.store(arrival.params)
         self.states.send(self.state, self.owned, arrival.params)
 
     def abandon(self, arrivals: Iterable[Arrival]) -> None:
@@ -452,6 +464,13 @@ class StateJourney:
                 if not had:
                     self.state.pop(param, None)
                     self.owned.at.pop(param, None)
+            if self.weights is not None:  # their masters are as before the step
+                self.weights.free(arrival.params)
+
+    def step_ended(self) -> None:
+        """The step completed: the weights' bytes moved are counted for it."""
+        if self.weights is not None:
+            self.weights.step_ended()
 
 
 @dataclass(frozen=True)

@@ -62,13 +62,20 @@ class StateSlabs:
 
     ``fraction``: ``host_memory_fraction``, for the check. ``round_up``: ``allocate``
     rounds a slab up to a power of two (see the module docstring); `expect` then tells
-    it the parameters whose state it will hold, which sizes its slabs.
+    it the parameters whose state it will hold, which sizes its slabs. ``what``: what the
+    slabs hold, named by the budget check's error.
     """
 
     def __init__(
-        self, allocate: Callable[[int], torch.Tensor], *, fraction: float, round_up: bool
+        self,
+        allocate: Callable[[int], torch.Tensor],
+        *,
+        fraction: float,
+        round_up: bool,
+        what: str = "the optimizer's state",
     ) -> None:
         self._allocate = allocate
+        self._what = what
         self._fraction = fraction
         self._round_up = round_up
         self._slabs: list[_Slab] = []
@@ -100,7 +107,7 @@ class StateSlabs:
         """
         where, new = self._place(sizes)
         if new:
-            check_host_budget(sum(new), fraction=self._fraction, what="the optimizer's state")
+            check_host_budget(sum(new), fraction=self._fraction, what=self._what)
         self._slabs += [_Slab(self._allocate(nbytes)) for nbytes in new]
         regions = []
         for size, (index, offset) in zip(sizes, where, strict=True):

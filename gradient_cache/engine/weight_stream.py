@@ -1,0 +1,172 @@
+"""Forward and backward with the weights on the host: a block at a time on the device.
+
+Module hooks move the weights (`host_weights.HostWeights`) by the model's units
+(`weight_blocks.weight_units`): the *rest* (embeddings, head, tied weights) comes at the
+model's forward and stays until backward is done with it; a block comes before its
+forward, the next block starts arriving meanwhile, and it goes after its forward. Backward
+brings the blocks again, last first: a hook on a block's outputs (their gradient is ready,
+so the block's backward is next) brings it and starts bringing the one before. A weight
+goes as soon as its gradient is accumulated (its post-accumulate-grad hook, after the
+cache's): autograd runs a parameter's accumulation once every use in this backward has
+given its part, so nothing of this backward reads it later. Whatever is left goes at the
+end of backward (a callback the first backward hook queues), and after a forward without
+gradients (an eval under ``no_grad``) nothing stays.
+
+What PyTorch's own streamer (FSDP2) taught, and this follows: a block's forward rerun
+inside backward (activation checkpointing's recomputation) brings its weights and frees
+nothing, since backward is about to read them; the hooks run outside compiled graphs
+(``torch._dynamo.disable``: a compiled model breaks its graph at each block), as storage
+resizing cannot be traced.
+
+A parameter's accumulation runs once per backward only while it is never moved between
+two of its uses: ``P.data`` moving to the host and back (to another device) makes autograd
+start a new accumulation for the later uses (on CUDA; not on a CPU, where both are the
+same device). So where a forward uses a block twice (a block module repeated in the list,
+or a loop over the blocks) or two forwards come before one backward (their losses
+summed), nothing goes at its accumulation: the weights stay until the end of backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .host_weights import HostWeights
+from .weight_blocks import WeightUnits
+
+Param = torch.nn.Parameter
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpointed
+    block's forward reruns there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _outside_graphs(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, run eagerly where a compiled model calls it (a graph break)."""
+    return torch._dynamo.disable(method, recursive=True)
+
+
+class WeightStream:
+    """The model's hooks that bring and free its weights (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, weights: HostWeights, units: WeightUnits) -> None:
+        self.weights = weights
+        self.units = units
+        self._forwards = 0  # forwards with gradients since the last backward ended
+        self._called: set[int] = set()  # the blocks this forward ran
+        self._reused = False  # a block ran twice since the last backward ended
+        self._end_queued = False
+        self._handles = [
+            model.register_forward_pre_hook(self._model_begins),
+            model.register_forward_hook(self._model_ends),
+            model.register_state_dict_pre_hook(self._before_host_reads),
+            model.register_load_state_dict_pre_hook(self._before_host_writes),
+        ]
+        for index, block in enumerate(units.blocks):
+            self._handles += [
+                block.register_forward_pre_hook(functools.partial(self._block_begins, index)),
+                block.register_forward_hook(functools.partial(self._block_ends, index)),
+            ]
+        self._handles += [
+            param.register_post_accumulate_grad_hook(self._gradient_accumulated)
+            for param in model.parameters()
+            if param.requires_grad
+        ]
+
+    def remove(self) -> None:
+        """The hooks removed; the weights stay where they are."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @_outside_graphs
+    def _model_begins(self, module: torch.nn.Module, args: Any) -> None:
+        if not _in_backward() and torch.is_grad_enabled():
+            self._forwards += 1
+            self._called = set()
+        self.weights.ensure(self.units.rest)
+        if not _in_backward():
+            self.weights.bring(self._block(0))
+
+    @_outside_graphs
+    def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if _in_backward():
+            return
+        if not _needs_gradients(output):  # an eval, or nothing to train: no backward comes
+            self._forwards = max(self._forwards - 1, 0)
+            if not self._forwards:
+                self.weights.free(self.weights.present())
+            return
+        # Backward starts with the last block: on its way while the loss is computed.
+        self.weights.bring(self._block(len(self.units.blocks) - 1))
+
+    @_outside_graphs
+    def _block_begins(self, index: int, module: torch.nn.Module, args: Any) -> None:
+        if not _in_backward() and torch.is_grad_enabled():
+            self._reused |= index in self._called
+            self._called.add(index)
+        self.weights.ensure(self._block(index))
+        if not _in_backward():
+            self.weights.bring(self._block(index + 1))
+
+    @_outside_graphs
+    def _block_ends(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if _in_backward():
+            return  # a recomputation: its backward reads these weights next
+        if _needs_gradients(output):
+            hook = functools.partial(self._block_backward_begins, index)
+            for tensor in _tensors_needing_gradients(output):
+                tensor.register_hook(hook)
+        self.weights.free(self._block(index))
+
+    @_outside_graphs
+    def _block_backward_begins(self, index: int, grad: torch.Tensor) -> None:
+        self._queue_end_of_backward()
+        self.weights.ensure(self._block(index))
+        self.weights.bring(self._block(index - 1))
+
+    @_outside_graphs
+    def _gradient_accumulated(self, param: Param) -> None:
+        self._queue_end_of_backward()
+        if self._forwards <= 1 and not self._reused:
+            self.weights.free([param])
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._end_queued = True
+
+    def _backward_ended(self) -> None:
+        self.weights.free(self.weights.present())
+        self._forwards = 0
+        self._reused = False
+        self._end_queued = False
+
+    def _before_host_reads(self, *args: Any) -> None:
+        self.weights.wait_on_host()  # a copy back into a master may still be running
+
+    def _before_host_writes(self, *args: Any) -> None:
+        self.weights.wait_on_host()  # a copy may still read the masters a load overwrites
+
+    def _block(self, index: int) -> list[Param]:
+        if 0 <= index < len(self.units.blocks):
+            return self.units.block_params[index]
+        return []
+
+
+def _tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
+    return [
+        leaf
+        for leaf in pytree.tree_leaves(output)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
+
+
+def _needs_gradients(output: Any) -> bool:
+    return torch.is_grad_enabled() and bool(_tensors_needing_gradients(output))

@@ -1,0 +1,367 @@
+"""offload_parameters=True: the weights on the host, a block at a time on the device in
+forward and backward, a bucket at a time in the fused step; bit for bit with plain PyTorch."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from helpers import FailsOnce, assert_same_parameters
+from stream_checker import FakeCuda
+from test_stream_order import fake_cuda  # noqa: F401 - the stand-in streams' fixture
+
+import gradient_cache
+from gradient_cache.demo.models import GPTConfig, TinyGPT
+from gradient_cache.engine.host_weights import WeightAt
+from gradient_cache.engine.hostmem import HostMemoryError
+from gradient_cache.engine.weight_blocks import weight_units
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2)
+STREAMED = {"compression_ratio": 1, "offload_optimizer_state": True, "offload_parameters": True}
+
+
+def gpt(*, checkpointing: bool = False) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(CONFIG, activation_checkpointing=checkpointing)
+
+
+def batches(n: int, *, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(64, (4, 16), generator=generator),
+            torch.randint(64, (4, 16), generator=generator),
+        )
+        for _ in range(n)
+    ]
+
+
+def adamw_two_groups(model: torch.nn.Module) -> torch.optim.Optimizer:
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+        lr=1e-2,
+    )
+
+
+def sgd_momentum(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def train(model, optimizer, data, *, manager=None, micro_batches=1, clip=None):
+    """Plain PyTorch's loop (``manager`` None) or the fused step's, ``micro_batches``
+    batches of ``data`` accumulated per step."""
+    for i, (tokens, targets) in enumerate(data):
+        _, loss = model(tokens, targets)
+        (loss / micro_batches).backward()
+        if (i + 1) % micro_batches:
+            continue
+        if manager is None:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+        else:
+            manager.step(optimizer, max_grad_norm=clip)
+        optimizer.zero_grad()
+
+
+def weights_of(manager):
+    return manager.engine.optimizer_state.weights
+
+
+def all_on_the_host(model, manager) -> bool:
+    weights = weights_of(manager)
+    return all(weights.where(p) is WeightAt.HOST for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("make_optimizer", "micro_batches", "clip"),
+    [(adamw_two_groups, 2, 0.5), (sgd_momentum, 1, None)],
+    ids=["adamw-groups-accumulation-clip", "sgd-momentum"],
+)
+def test_training_with_the_weights_on_the_host_is_plain_pytorch_bit_for_bit(
+    make_optimizer, micro_batches, clip
+) -> None:
+    data = batches(6)
+    plain = gpt()
+    train(plain, make_optimizer(plain), data, micro_batches=micro_batches, clip=clip)
+    cached = gpt()
+    optimizer = make_optimizer(cached)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, bucket_size_mb=0.02)
+    train(cached, optimizer, data, manager=manager, micro_batches=micro_batches, clip=clip)
+    assert all_on_the_host(cached, manager)  # between steps, nothing on the device
+    assert_same_parameters(plain, cached)
+    summary = manager.summary()
+    assert summary.parameters_host_mb * 2**20 >= sum(p.nbytes for p in cached.parameters())
+
+
+@pytest.mark.parametrize("variant", ["checkpointing", "compile-model", "compile-blocks"])
+def test_checkpointing_and_compile_keep_working_bit_for_bit(variant: str) -> None:
+    """A checkpointed block's forward reruns in backward: it brings its weights and frees
+    nothing. Compiled, the hooks run outside the graphs."""
+    data = batches(3)
+    checkpointing = variant == "checkpointing"
+    plain = gpt(checkpointing=checkpointing)
+    train(plain, adamw_two_groups(plain), data)
+    cached = gpt(checkpointing=checkpointing)
+    optimizer = adamw_two_groups(cached)
+    called = cached
+    if variant == "compile-model":
+        called = torch.compile(cached, backend="eager")
+    elif variant == "compile-blocks":
+        for block in cached.blocks:
+            block.compile(backend="eager")
+    manager = gradient_cache.create_gradient_cache(called, **STREAMED)
+    train(called, optimizer, data, manager=manager)
+    assert_same_parameters(plain, cached)
+
+
+def measure_the_window(manager) -> list[int]:
+    """The device bytes the weights hold after each bring, in order."""
+    weights = weights_of(manager)
+    seen: list[int] = []
+    bring = weights.bring
+
+    def measured(params):
+        bring(params)
+        seen.append(weights.device_bytes())
+
+    weights.bring = measured
+    return seen
+
+
+def test_the_device_holds_the_rest_and_two_blocks_and_each_step_moves_what_it_says() -> None:
+    """The window: the rest and two blocks (the one running, the next arriving), in
+    forward and backward alike; a weight goes once its gradient is accumulated. What moves:
+    per micro-batch, every weight to the device in forward and the blocks' again in
+    backward; in the step, every weight both ways."""
+    model = gpt()
+    units = weight_units(model)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, bucket_size_mb=0.02)
+    seen = measure_the_window(manager)
+    optimizer = adamw_two_groups(model)
+    train(model, optimizer, batches(2), manager=manager, micro_batches=2)
+    block_bytes = [sum(p.nbytes for p in params) for params in units.block_params]
+    rest = sum(p.nbytes for p in units.rest)
+    every = sum(p.nbytes for p in model.parameters())
+    assert max(seen) <= rest + 2 * max(block_bytes)
+    assert max(seen) < every - min(block_bytes)  # never the whole model
+    moved = 2 * (every + sum(block_bytes)) + 2 * every
+    assert manager.summary().parameters_moved_mb * 2**20 == moved
+
+
+def test_an_eval_under_no_grad_matches_plain_and_leaves_nothing_on_the_device() -> None:
+    plain, cached = gpt(), gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
+    tokens, _ = batches(1)[0]
+    with torch.no_grad():
+        expected, _ = plain(tokens)
+        logits, _ = cached(tokens)
+    assert torch.equal(expected, logits)
+    assert all_on_the_host(cached, manager)
+
+
+def test_two_forwards_before_one_backward_keep_the_weights_until_its_end() -> None:
+    """Two losses summed: on CUDA each forward gives a parameter its own accumulation
+    (its weights moved between them), so none goes at an accumulation, all at the end of
+    backward (freed at the first, the second forward's backward would read freed memory)."""
+    data = batches(4)
+
+    def run(model, optimizer, manager=None):
+        for (tokens, targets), (tokens2, targets2) in zip(data[::2], data[1::2], strict=True):
+            (model(tokens, targets)[1] + model(tokens2, targets2)[1]).backward()
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+
+    plain, cached = gpt(), gpt()
+    run(plain, sgd_momentum(plain))
+    optimizer = sgd_momentum(cached)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
+    kept = []
+    cached.blocks[1].mlp.fc.weight.register_post_accumulate_grad_hook(
+        lambda p: kept.append(weights_of(manager).where(p) is WeightAt.DEVICE)
+    )  # registered after the cache's hooks: runs after them
+    run(cached, optimizer, manager)
+    assert kept == [True, True]
+    assert_same_parameters(plain, cached)
+
+
+def test_a_block_reused_at_every_depth_keeps_its_weights_until_backward_ends() -> None:
+    """One block module reused at three depths (ALBERT's sharing): brought at each use,
+    and, as it moved between its uses (on CUDA each move starts a new accumulation of its
+    gradient), not freed at its first accumulation but at the end of backward."""
+
+    class Shared(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(64, 32)
+            layer = torch.nn.Linear(32, 32)
+            self.layers = torch.nn.ModuleList([layer, layer, layer, torch.nn.Linear(32, 32)])
+            self.head = torch.nn.Linear(32, 64)
+
+        def forward(self, tokens, targets):
+            hidden = self.embed(tokens)
+            for layer in self.layers:
+                hidden = torch.tanh(layer(hidden))
+            logits = self.head(hidden)
+            return logits, torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), targets.flatten()
+            )
+
+    data = batches(3)
+    plain, cached = Shared(), Shared()
+    train(plain, adamw_two_groups(plain), data)
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
+    shared = cached.layers[0].weight
+    kept = []
+    shared.register_post_accumulate_grad_hook(
+        lambda p: kept.append(weights_of(manager).where(p) is WeightAt.DEVICE)
+    )  # registered after the cache's hooks: runs after them
+    train(cached, optimizer, data, manager=manager)
+    assert kept == [True] * len(data)
+    assert_same_parameters(plain, cached)
+
+
+def test_state_dicts_are_the_host_masters_and_a_resumed_run_is_bit_for_bit() -> None:
+    """``model.state_dict()`` holds the masters (host tensors, plain's values); a
+    checkpoint of model and optimizer, loaded into a new model with its own cache, goes on
+    as plain PyTorch's uninterrupted run."""
+    data = batches(6)
+    plain = gpt()
+    train(plain, adamw_two_groups(plain), data)
+
+    first = gpt()
+    optimizer = adamw_two_groups(first)
+    manager = gradient_cache.create_gradient_cache(first, **STREAMED)
+    train(first, optimizer, data[:3], manager=manager)
+    masters = {id(p.untyped_storage()) for p in first.parameters()}
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    manager.remove_hooks()
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+
+    resumed = gpt()
+    optimizer = adamw_two_groups(resumed)
+    manager = gradient_cache.create_gradient_cache(resumed, **STREAMED)
+    resumed.load_state_dict(saved["model"])  # into the masters
+    manager.offload_state_of(optimizer)
+    optimizer.load_state_dict(saved["optimizer"])
+    train(resumed, optimizer, data[3:], manager=manager)
+    assert all_on_the_host(resumed, manager)
+    assert_same_parameters(plain, resumed)
+    assert masters  # the first run's state_dict read its masters, host tensors
+
+
+def test_closing_the_cache_puts_the_weights_back_on_the_device_and_plain_steps_go_on() -> None:
+    data = batches(4)
+    plain = gpt()
+    plain_optimizer = sgd_momentum(plain)
+    train(plain, plain_optimizer, data)
+    cached = gpt()
+    optimizer = sgd_momentum(cached)
+    with gradient_cache.create_gradient_cache(cached, **STREAMED) as manager:
+        train(cached, optimizer, data[:2], manager=manager)
+        weights = weights_of(manager)
+        master = weights._weights[cached.tok_emb.weight].master
+        assert cached.tok_emb.weight.data_ptr() == master.data_ptr()
+    assert cached.tok_emb.weight.data_ptr() != master.data_ptr()  # a device tensor again
+    train(cached, optimizer, data[2:])  # plain PyTorch's loop, no cache
+    assert_same_parameters(plain, cached)
+
+
+@pytest.mark.parametrize("nth", [None, 2], ids=["ordered", "a-failed-bucket-retried"])
+def test_every_weight_copy_is_ordered_on_the_stand_in_streams(fake_cuda: FakeCuda, nth) -> None:  # noqa: F811
+    """The CUDA backend on stand-in streams: each weight's device memory is filled on the
+    restore stream after the compute stream's earlier work, used only after the copy,
+    given back only once nothing reads it, and copied back after the step before it goes.
+    With ``nth``, a bucket's optimizer.step() raises once (the next bucket's weights on
+    their way), and the retry gives plain's result."""
+    data = batches(3)
+    plain, cached = gpt(), gpt()
+    with fake_cuda.checker.disabled():
+        train(plain, adamw_two_groups(plain), data, clip=0.5)
+    optimizer = adamw_two_groups(cached)
+    failure = FailsOnce(optimizer)
+    manager = gradient_cache.create_gradient_cache(
+        cached, **STREAMED, bucket_size_mb=0.02, backend_factory=fake_cuda.factory
+    )
+    for i, (tokens, targets) in enumerate(data):
+        cached(tokens, targets)[1].backward()
+        if i == 1 and nth is not None:
+            failure.arm(nth)
+            with pytest.raises(torch.OutOfMemoryError):
+                manager.step(optimizer, max_grad_norm=0.5)
+            assert all_on_the_host(cached, manager)
+        manager.step(optimizer, max_grad_norm=0.5)
+        optimizer.zero_grad()
+    state = cached.state_dict()  # waits for the copies back
+    assert all(value.sum() is not None for value in state.values())  # host reads, checked
+    fake_cuda.checker.assert_clean()
+    with fake_cuda.checker.disabled():
+        assert_same_parameters(plain, cached)
+
+
+# --- bad input -------------------------------------------------------------------------
+
+
+def test_the_option_needs_the_state_offloaded_and_the_blocks_option_needs_it() -> None:
+    with pytest.raises(ValueError, match="needs offload_optimizer_state=True"):
+        gradient_cache.EngineConfig(offload_parameters=True)
+    with pytest.raises(ValueError, match="acts only with offload_parameters=True"):
+        gradient_cache.EngineConfig(parameter_blocks="blocks")
+    with pytest.raises(ValueError, match="memory_budget='80%' cannot be combined"):
+        gradient_cache.EngineConfig(
+            offload_parameters=True, offload_optimizer_state=True, memory_budget="80%"
+        )
+    with pytest.raises(TypeError, match="parameter_blocks must be"):
+        gradient_cache.EngineConfig(
+            offload_parameters=True, offload_optimizer_state=True, parameter_blocks=3
+        )
+
+
+def test_a_model_without_blocks_or_a_wrong_name_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"no blocks in Linear.*parameter_blocks="):
+        gradient_cache.create_gradient_cache(torch.nn.Linear(4, 4), **STREAMED)
+    model = gpt()
+    with pytest.raises(ValueError, match=r"parameter_blocks='layers' names no module"):
+        gradient_cache.create_gradient_cache(model, **STREAMED, parameter_blocks="layers")
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, parameter_blocks="blocks")
+    assert manager.summary().parameters_host_mb > 0  # nothing was left attached before
+
+
+def test_exclude_layers_and_a_view_parameter_are_refused_and_nothing_changes() -> None:
+    model = gpt()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"exclude_layers=.*cannot be combined"):
+        gradient_cache.create_gradient_cache(model, **STREAMED, exclude_layers=["ln_f"])
+    flat = torch.zeros(64)
+    model.ln_f.bias = torch.nn.Parameter(flat[:32])  # a view of a larger tensor
+    with pytest.raises(ValueError, match=r"'ln_f.bias': it is a view of a larger tensor"):
+        gradient_cache.create_gradient_cache(model, **STREAMED)
+    model.ln_f.bias = torch.nn.Parameter(before["ln_f.bias"].clone())
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)  # nothing was attached
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name])
+    manager.remove_hooks()
+
+
+def test_a_host_without_room_is_refused_before_anything_moves(monkeypatch) -> None:
+    model = gpt()
+    every = sum(p.nbytes for p in model.parameters())
+    # host_memory_fraction=0.5 of it: room for the cache's gradients, not for the weights.
+    monkeypatch.setattr("gradient_cache.engine.hostmem.available_host_bytes", lambda: every)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(HostMemoryError, match="the weights' masters"):
+        gradient_cache.create_gradient_cache(model, **STREAMED)
+    assert [p.data_ptr() for p in model.parameters()] == pointers  # nothing moved
+    monkeypatch.undo()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)  # nothing was attached
+    assert manager.summary().parameters_host_mb > 0
