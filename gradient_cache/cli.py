@@ -201,7 +201,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
             "gradients, optimizer state, the cache's buckets in flight) for plain PyTorch, the "
             "cache with apply_gradients() and with the fused step(), the cache's host memory "
             "(stored gradients, error-feedback residual, the CUDA pinned pool) and PCIe bytes "
-            "per step; with --tokens, the step's compute against the restore's copy time. "
+            "per step; with --tokens, the step's compute against the restore's copy time; "
+            "with --offload-parameters, a column with the weights on the host too. "
             "Activations are left out. Nothing is trained and no cache is created."
         ),
     )
