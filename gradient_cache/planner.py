@@ -493,11 +493,7 @@ def _weights_notes(
 ) -> list[str]:
     """What the weights-on-host column holds and moves, its floor and its hiding tokens."""
     rate = inputs.link_gbps
-    copies = (
-        "the fp32 master as it is, as the engine copies today"
-        if (inputs.weight_copy_bytes is None)
-        else "as given"
-    )
+    copies = "weight_copy_bytes" if inputs.weight_copy_bytes else "the master's: copied as it is"
     lines = [
         f"Weights on host (offload_parameters=True with the state on host, the last column; "
         f"blocks: {layout.source}): the host keeps every weight's master, "
