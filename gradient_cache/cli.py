@@ -22,16 +22,21 @@ from .engine.hostmem import HostMemoryError
 from .engine.units import MIB
 from .linkrate import measure_link
 from .planner import (
+    DEFAULT_BLOCKS,
     DEFAULT_FLOPS,
     DEFAULT_LINK_GBPS,
     OPTIMIZER_STATE_BYTES,
     PlanInputs,
+    WeightLayout,
     budget_decision,
     format_plan,
+    model_of_factory,
     optimizer_state_bytes,
     plan,
     tensors_of_count,
-    tensors_of_factory,
+    trainable_sizes,
+    weight_layout,
+    weight_layout_of_count,
 )
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -196,7 +201,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
             "gradients, optimizer state, the cache's buckets in flight) for plain PyTorch, the "
             "cache with apply_gradients() and with the fused step(), the cache's host memory "
             "(stored gradients, error-feedback residual, the CUDA pinned pool) and PCIe bytes "
-            "per step; with --tokens, the step's compute against the restore's copy time. "
+            "per step; with --tokens, the step's compute against the restore's copy time; "
+            "with --offload-parameters, a column with the weights on the host too. "
             "Activations are left out. Nothing is trained and no cache is created."
         ),
     )
@@ -263,6 +269,29 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         help="with --memory-budget: the activations at the end of backward, MiB (default 0: "
         "measure them, or the budget keeps too much)",
     )
+    plan.add_argument(
+        "--offload-parameters",
+        action="store_true",
+        help="add a column with the weights on the host too (offload_parameters=True, with "
+        "the optimizer state there): the device's window (the rest and two blocks in forward "
+        "and backward, two buckets' weights at the step), the host's bytes, the link's bytes "
+        "a step, its time floor and the tokens a micro-batch at which it hides behind the "
+        "compute",
+    )
+    plan.add_argument(
+        "--parameter-blocks",
+        default=None,
+        help="with --model and --offload-parameters: the dotted name of the module list "
+        "holding the model's blocks, as parameter_blocks= takes it (default: the "
+        "nn.ModuleList or nn.Sequential whose children hold the most bytes)",
+    )
+    plan.add_argument(
+        "--blocks",
+        type=_positive_int,
+        default=None,
+        help=f"with --params and --offload-parameters: the model's number of blocks, assumed "
+        f"equal, the largest tensor (--largest) the rest (default {DEFAULT_BLOCKS})",
+    )
     link = plan.add_mutually_exclusive_group()
     link.add_argument(
         "--link-gbps",
@@ -287,13 +316,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             f"argument --optimizer: {args.optimizer!r} is not one of "
             f"{', '.join(OPTIMIZER_STATE_BYTES)} or a number of bytes >= 0"
         )
-    if args.model is not None:
-        try:
-            tensors = tensors_of_factory(args.model)
-        except (ImportError, AttributeError, ValueError, TypeError) as error:
-            parser.error(f"argument --model: {error}")
-    else:
-        tensors = tensors_of_count(args.params, largest=args.largest)
+    tensors, weights = _plan_model(parser, args)
     inputs = PlanInputs(
         tensors=tensors,
         param_bytes=args.param_bytes,
@@ -305,6 +328,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         config=EngineConfig(codec=args.codec, bucket_size_mb=args.bucket_size_mb),
         tokens_per_step=args.tokens,
         flops=args.tflops * 1e12,
+        weights=weights,
         **_link(args),
     )
     result = plan(inputs)
@@ -330,6 +354,54 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             f"{args.activations_mib:g} MiB: {decision.describe()}."
         )
     return 0
+
+
+def _plan_model(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[int], WeightLayout | None]:
+    """The trainable parameters' sizes and, with --offload-parameters, the weights' blocks:
+    a --model's own, or --params' assumed ones."""
+    _check_block_options(parser, args)
+    if args.model is None:
+        tensors = tensors_of_count(args.params, largest=args.largest)
+        if not args.offload_parameters:
+            return tensors, None
+        return tensors, weight_layout_of_count(tensors, blocks=args.blocks or DEFAULT_BLOCKS)
+    try:
+        model = model_of_factory(args.model)
+    except (ImportError, AttributeError, ValueError, TypeError) as error:
+        parser.error(f"argument --model: {error}")
+    if not args.offload_parameters:
+        return trainable_sizes(model), None
+    try:
+        return trainable_sizes(model), weight_layout(model, name=args.parameter_blocks)
+    except ValueError as error:
+        option = "--model" if args.parameter_blocks is None else "--parameter-blocks"
+        parser.error(f"argument {option}: {error}")
+
+
+def _check_block_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--blocks and --parameter-blocks: each only where it means something."""
+    if args.blocks is not None and args.blocks < 2:
+        parser.error(
+            f"argument --blocks: {args.blocks} block(s); the weights stream a block at a "
+            "time, one running and the next arriving: give 2 or more (the model's depth)"
+        )
+    if (args.blocks or args.parameter_blocks) and not args.offload_parameters:
+        parser.error(
+            "arguments --blocks and --parameter-blocks describe the weights' blocks: add "
+            "--offload-parameters, or leave them out"
+        )
+    if args.blocks is not None and args.model is not None:
+        parser.error(
+            "argument --blocks: a --model's blocks are found in it (name their container "
+            "with --parameter-blocks); --blocks is for --params"
+        )
+    if args.parameter_blocks is not None and args.model is None:
+        parser.error(
+            "argument --parameter-blocks: --params has no modules to name; give the number "
+            "of blocks with --blocks"
+        )
 
 
 def _link(args: argparse.Namespace) -> dict[str, Any]:

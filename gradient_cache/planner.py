@@ -5,11 +5,19 @@ is allocated) or given as a parameter count, and no manager is created. Activati
 the user's (batch, sequence, checkpointing) and are left out. The cache's figures are the
 engine's own: each tensor's route (`engine.route`: its codec's payload bytes, its residual,
 its pinned slot), ``staging_depth`` buckets in flight.
+
+With the weights on the host too (``offload_parameters=True``, `PlanInputs.weights`), the
+model's parameters are cut as `engine.weight_blocks.weight_units` cuts them: blocks, which
+come to the device one ahead of the one running, and the rest (embeddings, final norm,
+head, tied weights), on the device from forward to the end of backward. `hiding_tokens`
+derives the tokens per micro-batch at which the link's bytes take no longer than the
+compute.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import sys
 from collections.abc import Callable
@@ -22,6 +30,7 @@ from .engine.config import EngineConfig
 from .engine.pool import reserved_bytes
 from .engine.route import Codecs, Route, plan_routes
 from .engine.units import MIB
+from .engine.weight_blocks import weight_units
 
 #: 8-bit Adam (bitsandbytes' and torchao's AdamW8bit, Adam8bit): two moments of one uint8
 #: code an entry, each with an fp32 scale per block of 256 entries.
@@ -46,6 +55,60 @@ OPTIMIZER_STATE_BYTES = {
 #: ~50 GB/s a copy achieves per direction.
 DEFAULT_FLOPS = 0.4 * 989e12
 DEFAULT_LINK_GBPS = 50.0
+#: With the weights on the host and a parameter count instead of a model, the blocks are
+#: unknown: this many equal blocks (a 7B transformer's depth), the largest tensor the rest.
+DEFAULT_BLOCKS = 32
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """The weights' units with ``offload_parameters``: each block's parameter entries in
+    forward order, the rest's entries, and where the cut came from (printed)."""
+
+    blocks: tuple[int, ...]
+    rest: int
+    source: str
+
+    def window(self) -> int:
+        """Entries on the device in forward and backward: the rest, and the two
+        consecutive blocks (the one running, the next arriving) holding the most."""
+        pairs = [first + second for first, second in itertools.pairwise(self.blocks)]
+        return self.rest + max(pairs, default=sum(self.blocks))
+
+    def entries_per_micro_batch(self) -> int:
+        """Entries brought to the device a micro-batch: each block's twice (forward, then
+        backward again), the rest's once (it stays until the end of backward)."""
+        return 2 * sum(self.blocks) + self.rest
+
+
+def weight_layout(model: torch.nn.Module, *, name: str | None = None) -> WeightLayout:
+    """``model``'s blocks and rest as `weight_units` cuts them (``name``: the container of
+    its blocks, as ``parameter_blocks`` names it; None: found). Raises its ValueError."""
+    units = weight_units(model, name=name)
+    found = f"the blocks of {name!r}" if name else "the blocks found in the model"
+    return WeightLayout(
+        blocks=tuple(sum(p.numel() for p in params) for params in units.block_params),
+        rest=sum(p.numel() for p in units.rest),
+        source=f"{found}, {len(units.blocks)} of them",
+    )
+
+
+def weight_layout_of_count(tensors: list[int], *, blocks: int = DEFAULT_BLOCKS) -> WeightLayout:
+    """A parameter count's assumed cut (no module to look into): the largest tensor (the
+    embedding, as `tensors_of_count` takes it) is the rest, the other entries ``blocks``
+    equal blocks."""
+    if blocks < 2:
+        raise ValueError(
+            f"blocks={blocks}: the weights stream a block at a time, one running and the next "
+            "arriving; give the model's number of repeated blocks (2 or more, e.g. 32)."
+        )
+    rest = max(tensors)
+    share, extra = divmod(sum(tensors) - rest, blocks)
+    return WeightLayout(
+        blocks=tuple(share + (index < extra) for index in range(blocks)),
+        rest=rest,
+        source=f"assumed: {blocks} equal blocks (--blocks), the largest tensor the rest",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +128,11 @@ class PlanInputs:
     link_gbps: float = DEFAULT_LINK_GBPS
     #: Where ``link_gbps`` came from, printed beside it.
     link_source: str = "assumed: PCIe 5 x16's achieved copy rate, not measured"
+    #: With ``offload_parameters``: the weights' blocks and rest (adds the last column).
+    weights: WeightLayout | None = None
+    #: Bytes an entry of the weights' copies in forward and backward; None: ``param_bytes``
+    #: (the engine copies the fp32 master as it is today; bf16 copies would be 2).
+    weight_copy_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,12 +149,32 @@ class Plan:
     #: its step (the copies back run the other way, at the same time).
     state_bytes_per_step: int
     state_step_seconds: float
+    #: With ``PlanInputs.weights``: the last column's figures.
+    weights: WeightsOnHost | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsOnHost:
+    """The weights on the host (``offload_parameters=True``, with the state there too)."""
+
+    window_bytes: int  # on the device in forward and backward: the rest and two blocks
+    rest_bytes: int
+    step_bytes: int  # on the device at the step: two buckets' weights
+    host_bytes: int  # every parameter's fp32 master (param_bytes an entry)
+    copy_bytes: int  # an entry of the weights' copies in forward and backward
+    streamed_bytes_per_micro_batch: int  # those copies, one micro-batch
+    link_bytes_per_step: dict[str, int]  # direction -> weights, state and gradients
+    link_seconds: float  # the busier direction at the link's rate: the step's floor
+    step_seconds: float  # the step's copies to the device (gradients, state, weights)
+    hiding_tokens: float  # tokens a micro-batch at which the compute takes as long
 
 
 WAYS = ("plain", "cache, apply_gradients()", "cache, fused step()", "fused step(), state on host")
 STATE_ON_HOST = WAYS[3]
+WEIGHTS_ON_HOST = "fused step(), state and weights on host"  # with PlanInputs.weights
 GRADIENTS_IN_BACKWARD = "gradients, end of backward"  # the cache's: buckets in flight
 GRADIENTS_AT_STEP = "gradients, optimizer step"
+PARAMETERS_AT_STEP = "parameters, optimizer step"  # "parameters": forward and backward's
 
 
 def plan(inputs: PlanInputs) -> Plan:
@@ -115,6 +203,7 @@ def plan(inputs: PlanInputs) -> Plan:
     device = {
         way: {
             "parameters": params,
+            PARAMETERS_AT_STEP: params,
             "optimizer state": step_state[way],
             GRADIENTS_IN_BACKWARD: grads if way == "plain" else backward_grads,
             GRADIENTS_AT_STEP: step_grads[way],
@@ -142,6 +231,14 @@ def plan(inputs: PlanInputs) -> Plan:
     compute_seconds = None
     if inputs.tokens_per_step is not None:
         compute_seconds = 6 * numel * inputs.tokens_per_step / inputs.flops
+    weights = None
+    if inputs.weights is not None:
+        weights = weights_on_host(inputs, bucket=bucket, gradients=pcie, payload=payload)
+        host["parameters (weights on host)"] = weights.host_bytes
+        device[WEIGHTS_ON_HOST] = device[STATE_ON_HOST] | {
+            "parameters": weights.window_bytes,
+            PARAMETERS_AT_STEP: weights.step_bytes,
+        }
     return Plan(
         device=device,
         host=host,
@@ -150,7 +247,64 @@ def plan(inputs: PlanInputs) -> Plan:
         compute_seconds=compute_seconds,
         state_bytes_per_step=per_param_state,
         state_step_seconds=(payload + per_param_state) / (inputs.link_gbps * 1e9),
+        weights=weights,
     )
+
+
+def weights_on_host(
+    inputs: PlanInputs, *, bucket: int, gradients: dict[str, int], payload: int
+) -> WeightsOnHost:
+    """The weights-on-host column's figures (``inputs.weights`` set); ``bucket``: a bucket's
+    gradient bytes, ``gradients``: their link bytes a step (direction -> bytes),
+    ``payload``: their restore's. The state crosses as in the state-on-host column."""
+    layout = inputs.weights
+    if layout is None:
+        raise ValueError("weights_on_host needs PlanInputs.weights (the blocks and the rest)")
+    numel = sum(inputs.tensors)
+    weights = numel * inputs.param_bytes  # the trainable ones, stepped a bucket at a time
+    state = int(numel * inputs.optimizer_state_bytes)
+    copy_bytes = inputs.weight_copy_bytes or inputs.param_bytes
+    streamed = layout.entries_per_micro_batch() * copy_bytes
+    # The step: each weight to the device and back, with its state (each way) and its
+    # gradient (as the gradients' own link bytes count them).
+    to_device = inputs.micro_batches * streamed + weights + state + gradients["host to device"]
+    to_host = weights + state + gradients["device to host"]
+    rate = inputs.link_gbps * 1e9
+    return WeightsOnHost(
+        window_bytes=layout.window() * inputs.param_bytes,
+        rest_bytes=layout.rest * inputs.param_bytes,
+        # The two buckets at the step (stepped, arriving): their gradients' entries as weights.
+        step_bytes=min(weights, int(2 * bucket / inputs.grad_bytes * inputs.param_bytes)),
+        host_bytes=(sum(layout.blocks) + layout.rest) * inputs.param_bytes,
+        copy_bytes=copy_bytes,
+        streamed_bytes_per_micro_batch=streamed,
+        link_bytes_per_step={"host to device": to_device, "device to host": to_host},
+        link_seconds=max(to_device, to_host) / rate,
+        step_seconds=(payload + state + weights) / rate,
+        hiding_tokens=hiding_tokens(max(to_device, to_host), inputs),
+    )
+
+
+def hiding_tokens(link_bytes_per_step: int, inputs: PlanInputs) -> float:
+    """Tokens a micro-batch at which a step's compute takes as long as its link bytes (the
+    busier direction; the other runs at the same time).
+
+    Compute a step: 6 x N x m x T FLOPs (N parameters, m micro-batches of T tokens) at F
+    FLOP/s; link: the bytes at B bytes/s. Equal at T = F x bytes / (6 x N x m x B). With the
+    weights on the host, to the device a step: m x (2c x N_blocks + c x N_rest) weights'
+    copies (c bytes an entry), N x (p + s) in the step (fp32 master p, state s bytes a
+    parameter) and m x g x N of gradients (lossless; the accumulation's from the second
+    micro-batch on, then the restore); so, the rest small:
+    T ~ (F / B) x (2c + g + (p + s) / m) / 6.
+    """
+    # The issue's (F / B) x (4 + s / m) / 6 for bf16 copies (c = 2) is this formula without
+    # g (the gradients that come back each micro-batch: 4 B fp32 lossless, less with a
+    # codec) and without p / m (the fp32 master to the device in the step); both are
+    # there, so the issue's figure is a lower bound. Like it, the step's copies back (p + s)
+    # are not added: the link carries both directions at once, and a bucket's copy back
+    # runs beside the next bucket's restore.
+    compute_per_token = 6 * sum(inputs.tensors) * inputs.micro_batches / inputs.flops
+    return link_bytes_per_step / (inputs.link_gbps * 1e9) / compute_per_token
 
 
 def _routes(tensors: list[int], inputs: PlanInputs, *, steps: int) -> list[Route]:
@@ -183,7 +337,7 @@ def budget_decision(
     activation_bytes: int,
 ) -> BudgetDecision:
     """What ``memory_budget`` would keep on the device after its first step, with the
-    state offloaded too: that step's peak taken as the last column's (everything off) plus
+    state offloaded too: that step's peak taken as the state-on-host column's plus
     ``activation_bytes`` at the end of backward; each tensor's gradient and state the
     candidates, as `budget.candidates_of` makes them for a live model."""
     if budget.nbytes is None and device_bytes is None:
@@ -214,7 +368,17 @@ def budget_decision(
 
 
 def tensors_of_factory(path: str) -> list[int]:
-    """The trainable parameters' sizes of ``package.module:function()``, built on meta.
+    """The trainable parameters' sizes of ``package.module:function()``, built on meta."""
+    return trainable_sizes(model_of_factory(path))
+
+
+def trainable_sizes(model: torch.nn.Module) -> list[int]:
+    """Each trainable parameter's entries, in ``model.parameters()`` order."""
+    return [p.numel() for p in model.parameters() if p.requires_grad]
+
+
+def model_of_factory(path: str) -> torch.nn.Module:
+    """The model ``package.module:function()`` returns, built on the meta device.
 
     A factory that moves tensors itself (``.to("cuda")``, loading weights) would allocate
     or fail there: give it a way to build without data, or pass a parameter count.
@@ -234,32 +398,12 @@ def tensors_of_factory(path: str) -> list[int]:
         model = factory()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"--model {path!r} returned {type(model).__name__}, not an nn.Module.")
-    return [p.numel() for p in model.parameters() if p.requires_grad]
+    return model
 
 
 def format_plan(result: Plan, inputs: PlanInputs) -> str:
     """Markdown tables of the plan, then what they leave out."""
-    components = list(result.device[WAYS[0]])
-    lines = ["| on the device, MiB | " + " | ".join(WAYS) + " |", "|---|" + "---:|" * len(WAYS)]
-    for component in components:
-        cells = [f"{result.device[way][component] / MIB:.1f}" for way in WAYS]
-        lines.append(f"| {component} | " + " | ".join(cells) + " |")
-    for moment in (GRADIENTS_IN_BACKWARD, GRADIENTS_AT_STEP):
-        peaks = [peak_bytes(result, way, moment) / MIB for way in WAYS]
-        lines.append(
-            f"| **held at the {moment.split(', ')[1]}** | "
-            + " | ".join(f"**{p:.1f}**" for p in peaks)
-            + " |"
-        )
-    lines += ["", "| in host memory (cache), MiB | |", "|---|---:|"]
-    lines += [f"| {name} | {value / MIB:.1f} |" for name, value in result.host.items()]
-    lines += [
-        f"| PCIe per step, {direction} | {value / MIB:.1f} |"
-        for direction, value in result.pcie_bytes_per_step.items()
-    ]
-    lines.append(
-        f"| PCIe per step, state on host, each way | {result.state_bytes_per_step / MIB:.1f} |"
-    )
+    lines = [*_device_table(result), "", *_host_table(result)]
     numel = sum(inputs.tensors)
     bucket_mb = inputs.config.bucket_bytes(numel * inputs.grad_bytes) / MIB
     lines += [
@@ -277,7 +421,7 @@ def format_plan(result: Plan, inputs: PlanInputs) -> str:
         f"at {inputs.link_gbps:.3g} GB/s.",
     ]
     lines.append(
-        f"State on host (offload_optimizer_state=True, the last column): the optimizer "
+        f"State on host (offload_optimizer_state=True, the fourth column): the optimizer "
         f"state crosses the link both ways every step, "
         f"{result.state_bytes_per_step / MIB:.1f} MiB each way; the step's copies to the "
         f"device (restores and state) take at least {result.state_step_seconds * 1e3:.2f} ms "
@@ -296,13 +440,101 @@ def format_plan(result: Plan, inputs: PlanInputs) -> str:
             f"restore is {result.restore_seconds / result.compute_seconds:.1%} of it, all "
             f"copies {copies / result.compute_seconds:.0%}."
         )
+    if result.weights is not None and inputs.weights is not None:
+        lines += _weights_notes(result, result.weights, inputs.weights, inputs)
     return "\n".join(lines)
 
 
+def _device_table(result: Plan) -> list[str]:
+    """The device's components per way, then what each way holds at the two moments. The
+    parameters at the step get their own row where the weights column differs there."""
+    ways = list(result.device)
+    components = list(result.device[WAYS[0]])
+    labels = {"parameters": "parameters"}
+    if result.weights is None:
+        components.remove(PARAMETERS_AT_STEP)
+    else:
+        labels["parameters"] = "parameters, forward and backward"
+    lines = ["| on the device, MiB | " + " | ".join(ways) + " |", "|---|" + "---:|" * len(ways)]
+    for component in components:
+        cells = [f"{result.device[way][component] / MIB:.1f}" for way in ways]
+        lines.append(f"| {labels.get(component, component)} | " + " | ".join(cells) + " |")
+    for moment in (GRADIENTS_IN_BACKWARD, GRADIENTS_AT_STEP):
+        peaks = [peak_bytes(result, way, moment) / MIB for way in ways]
+        lines.append(
+            f"| **held at the {moment.split(', ')[1]}** | "
+            + " | ".join(f"**{p:.1f}**" for p in peaks)
+            + " |"
+        )
+    return lines
+
+
+def _host_table(result: Plan) -> list[str]:
+    """Host memory and the link's bytes a step."""
+    lines = ["| in host memory (cache), MiB | |", "|---|---:|"]
+    lines += [f"| {name} | {value / MIB:.1f} |" for name, value in result.host.items()]
+    lines += [
+        f"| PCIe per step, {direction} | {value / MIB:.1f} |"
+        for direction, value in result.pcie_bytes_per_step.items()
+    ]
+    lines.append(
+        f"| PCIe per step, state on host, each way | {result.state_bytes_per_step / MIB:.1f} |"
+    )
+    if result.weights is not None:
+        lines += [
+            f"| PCIe per step, weights on host, {direction} | {value / MIB:.1f} |"
+            for direction, value in result.weights.link_bytes_per_step.items()
+        ]
+    return lines
+
+
+def _weights_notes(
+    result: Plan, weights: WeightsOnHost, layout: WeightLayout, inputs: PlanInputs
+) -> list[str]:
+    """What the weights-on-host column holds and moves, its floor and its hiding tokens."""
+    rate = inputs.link_gbps
+    copies = "weight_copy_bytes" if inputs.weight_copy_bytes else "the master's: copied as it is"
+    lines = [
+        f"Weights on host (offload_parameters=True with the state on host, the last column; "
+        f"blocks: {layout.source}): the host keeps every weight's master, "
+        f"{weights.host_bytes / MIB:.1f} MiB; the device holds in forward and backward the "
+        f"rest (embeddings, final norm, head, tied weights: {weights.rest_bytes / MIB:.1f} "
+        f"MiB) and the two consecutive blocks holding the most (the one running, the next "
+        f"arriving), {weights.window_bytes / MIB:.1f} MiB in all; at the step two buckets' "
+        f"weights, {weights.step_bytes / MIB:.1f} MiB, beside their gradients and state.",
+        f"Each micro-batch brings the blocks' weights twice (forward, then backward again) and "
+        f"the rest once, at {weights.copy_bytes} bytes an entry ({copies}): "
+        f"{weights.streamed_bytes_per_micro_batch / MIB:.1f} MiB; the step brings each weight "
+        f"to the device and takes it back ({inputs.param_bytes} bytes an entry each way), with "
+        f"the state and the gradients. Per step "
+        + ", ".join(
+            f"{direction} {value / MIB:.1f} MiB"
+            for direction, value in weights.link_bytes_per_step.items()
+        )
+        + f": at least {weights.link_seconds * 1e3:.2f} ms at {rate:.3g} GB/s (the busier "
+        f"direction; the other runs beside it), {weights.step_seconds * 1e3:.2f} ms of it the "
+        "step's copies to the device.",
+        f"The link hides behind the compute from {weights.hiding_tokens:,.0f} tokens a "
+        f"micro-batch ({inputs.micro_batches} a step; compute 6 x parameters x tokens at "
+        f"{inputs.flops / 1e12:.0f} TFLOP/s against the busier direction's bytes at "
+        f"{rate:.3g} GB/s).",
+    ]
+    if result.compute_seconds is not None:
+        share = weights.link_seconds / result.compute_seconds
+        pace = "the link sets the pace" if share > 1 else "the compute sets the pace"
+        lines.append(
+            f"Against this step's compute ({result.compute_seconds * 1e3:.2f} ms): the weights "
+            f"column's link floor is {share:.0%} of it; {pace}."
+        )
+    return lines
+
+
 def peak_bytes(result: Plan, way: str, moment: str) -> int:
-    """Parameters, optimizer state and the gradients held at ``moment`` (no activations)."""
+    """Parameters, optimizer state and the gradients held at ``moment`` (no activations);
+    the parameters at the step are the step's (two buckets' with the weights on the host)."""
     on_device = result.device[way]
-    return on_device["parameters"] + on_device["optimizer state"] + on_device[moment]
+    params = on_device[PARAMETERS_AT_STEP if moment == GRADIENTS_AT_STEP else "parameters"]
+    return params + on_device["optimizer state"] + on_device[moment]
 
 
 def optimizer_state_bytes(value: str) -> tuple[float, int]:

@@ -5,6 +5,7 @@ tests/test_demo.py checks it against the demo's measured memory too.
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -16,20 +17,31 @@ from stream_checker import FakeCuda, StreamChecker
 
 import gradient_cache
 from gradient_cache import Ladder, TopK, cli
+from gradient_cache.demo.models import GPT_SIZES, TinyGPT
 from gradient_cache.engine.config import EngineConfig
 from gradient_cache.engine.factory import build_cuda_backend
 from gradient_cache.engine.route import planner
+from gradient_cache.engine.weight_blocks import weight_units
 from gradient_cache.planner import (
     GRADIENTS_AT_STEP,
     GRADIENTS_IN_BACKWARD,
+    PARAMETERS_AT_STEP,
+    STATE_ON_HOST,
     WAYS,
+    WEIGHTS_ON_HOST,
     PlanInputs,
+    WeightLayout,
+    WeightsOnHost,
+    peak_bytes,
     plan,
     tensors_of_count,
     tensors_of_factory,
+    weight_layout,
+    weight_layout_of_count,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+MEDIUM = ["--model", "gradient_cache.demo.models:medium"]
 
 
 def sizes(model: torch.nn.Module) -> list[int]:
@@ -169,6 +181,9 @@ def test_plan_help_documents_every_input(capsys: pytest.CaptureFixture[str]) -> 
         "--memory-budget",
         "--device-gib",
         "--activations-mib",
+        "--offload-parameters",
+        "--parameter-blocks",
+        "--blocks",
         "meta",
     ):
         assert option in help_text, option
@@ -182,6 +197,21 @@ def test_plan_help_documents_every_input(capsys: pytest.CaptureFixture[str]) -> 
         (["--params", "10", "--optimizer", "lion?"], "--optimizer"),
         (["--params", "10", "--memory-budget", "80%"], "--device-gib"),
         (["--params", "10", "--memory-budget", "120%"], "Invalid memory_budget"),
+        (["--params", "10", "--blocks", "8"], "add --offload-parameters"),
+        (["--params", "10", "--offload-parameters", "--blocks", "1"], "give 2 or more"),
+        (["--params", "10", "--offload-parameters", "--parameter-blocks", "h"], "--blocks"),
+        (
+            [*MEDIUM, "--offload-parameters", "--blocks", "8"],
+            "--parameter-blocks",
+        ),
+        (
+            ["--model", "torch.nn:Identity", "--offload-parameters"],
+            "argument --model: offload_parameters=True found no blocks",
+        ),
+        (
+            [*MEDIUM, "--offload-parameters", "--parameter-blocks", "transformer.h"],
+            "argument --parameter-blocks: parameter_blocks='transformer.h' names no module",
+        ),
     ],
 )
 def test_bad_plan_arguments_name_the_option(
@@ -208,3 +238,147 @@ def test_plan_shows_what_a_memory_budget_keeps(capsys: pytest.CaptureFixture[str
     assert kept and int(kept.group(1)) < int(kept.group(2)) < 292
     assert cli.main([*base, "--memory-budget", "8GiB"]) == 1
     assert "MiB over" in capsys.readouterr().out
+
+
+def planned_weights_on_host(model: torch.nn.Module, **options: object) -> WeightsOnHost:
+    """The planner's weights-on-host figures for a live ``model`` (its trainable sizes and
+    its blocks as `weight_units` cuts them), ``options`` more of `PlanInputs`: what a
+    manager with ``offload_parameters=True`` is checked against (``host_bytes`` against
+    its summary's ``parameters_host_mb``)."""
+    inputs = PlanInputs(tensors=sizes(model), weights=weight_layout(model), **options)  # type: ignore[arg-type]
+    figures = plan(inputs).weights
+    assert figures is not None
+    return figures
+
+
+class BlockModel(torch.nn.Module):
+    """An embedding (80 entries), four blocks of unequal sizes (72, 144, 136 and 72
+    entries) and a head (80): the rest is the embedding and the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(10, 8)
+        widths = [(8, 8), (8, 16), (16, 8), (8, 8)]
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in widths)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+
+
+def test_the_weights_on_host_column_is_the_hand_computed_one() -> None:
+    """BlockModel built on meta (584 entries, fp32), AdamW (8 bytes a parameter, 4 a
+    tensor), two micro-batches, buckets of 256 bytes (a bucket closes past its size: 256 +
+    the largest gradient, 512 = 768 bytes), 1 GB/s, and FLOP/s such that a step's compute
+    at T tokens a micro-batch takes as long as T link bytes: the hiding tokens are the
+    bytes to the device a step."""
+    with torch.device("meta"):
+        model = BlockModel()
+    rate, numel = 1e9, 584
+    inputs = PlanInputs(
+        tensors=sizes(model),
+        micro_batches=2,
+        config=EngineConfig(bucket_size_mb=256 / 2**20),
+        weights=weight_layout(model),
+        link_gbps=1.0,
+        flops=6 * numel * 2 * rate,  # compute a step = link time a step at 1 token a byte
+    )
+    figures = plan(inputs)
+    weights = figures.weights
+    assert weights is not None
+    bucket = 256 + 128 * 4
+    # The device: the rest (160 entries) and blocks 2 and 3 (144 + 136) in forward and
+    # backward; two buckets' weights at the step; the state-on-host column's state and
+    # gradients (two buckets' AdamW state, 8 bytes an entry, and 4 bytes a tensor's step).
+    column = figures.device[WEIGHTS_ON_HOST]
+    assert column["parameters"] == weights.window_bytes == (160 + 144 + 136) * 4
+    assert column[PARAMETERS_AT_STEP] == weights.step_bytes == 2 * bucket
+    state = 2 * bucket // 4 * 8 + 4 * 10
+    assert column["optimizer state"] == figures.device[STATE_ON_HOST]["optimizer state"] == state
+    assert column[GRADIENTS_IN_BACKWARD] == column[GRADIENTS_AT_STEP] == 2 * bucket
+    assert peak_bytes(figures, WEIGHTS_ON_HOST, GRADIENTS_IN_BACKWARD) == 1760 + state + 1536
+    assert peak_bytes(figures, WEIGHTS_ON_HOST, GRADIENTS_AT_STEP) == 1536 + state + 1536
+    # The host: every weight's fp32 master.
+    assert weights.host_bytes == figures.host["parameters (weights on host)"] == numel * 4
+    assert weights.rest_bytes == 160 * 4
+    # The link a micro-batch: each block twice, the rest once, 4 bytes an entry (fp32).
+    streamed = (2 * (72 + 144 + 136 + 72) + 160) * 4
+    assert weights.copy_bytes == 4 and weights.streamed_bytes_per_micro_batch == streamed
+    # A step: the weights to the device twice a micro-batch, then every weight each way in
+    # the step with its state (8 bytes) and the gradients (out each micro-batch, back for
+    # the accumulation and the restore: two each way, lossless).
+    to_device = 2 * streamed + numel * 4 + numel * 8 + 2 * numel * 4
+    to_host = numel * 4 + numel * 8 + 2 * numel * 4
+    assert weights.link_bytes_per_step == {"host to device": to_device, "device to host": to_host}
+    assert weights.link_seconds == pytest.approx(to_device / rate)
+    assert weights.step_seconds == pytest.approx((numel * 4 + numel * 8 + numel * 4) / rate)
+    assert weights.hiding_tokens == pytest.approx(to_device)
+
+
+def test_the_window_is_the_rest_and_the_two_largest_consecutive_blocks() -> None:
+    """The planner's window is what `weight_units` cuts: the demo's GPT (its head tied to
+    the embedding, in the rest once), and BlockModel, whose largest two blocks are not the
+    first."""
+    with torch.device("meta"):
+        models = [make_model(), TinyGPT(GPT_SIZES["tiny"]), BlockModel()]
+    for model in models:
+        units = weight_units(model)
+        block_bytes = [sum(p.numel() * 4 for p in params) for params in units.block_params]
+        pairs = [a + b for a, b in itertools.pairwise(block_bytes)]
+        window = sum(p.numel() * 4 for p in units.rest) + max(pairs)
+        weights = plan(PlanInputs(tensors=sizes(model), weights=weight_layout(model))).weights
+        assert weights is not None and weights.window_bytes == window
+        assert weights.host_bytes == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_the_hiding_tokens_against_the_issues_formula() -> None:
+    """Without a rest, lossless fp32 gradients (g = 4), the fp32 master (p = 4), AdamW
+    (s = 8): T = (F / B) x (2c + g + (p + s) / m) / 6; the issue's (F / B) x (4 + s / m) / 6
+    for bf16 copies (c = 2) is that less (g + p / m): the gradients back each micro-batch
+    and the weights to the device in the step, which it leaves out."""
+    flops, link = 396e12, 50.0
+    ratio = flops / (link * 1e9)
+    for copy_bytes, micro_batches in [(4, 1), (2, 1), (2, 4)]:
+        inputs = PlanInputs(
+            tensors=[10**6] * 10,
+            optimizer_tensor_bytes=0,
+            micro_batches=micro_batches,
+            flops=flops,
+            link_gbps=link,
+            weights=WeightLayout(blocks=(10**6,) * 10, rest=0, source="test"),
+            weight_copy_bytes=copy_bytes,
+        )
+        weights = plan(inputs).weights
+        assert weights is not None
+        ours = ratio * (2 * copy_bytes + 4 + (4 + 8) / micro_batches) / 6
+        assert weights.hiding_tokens == pytest.approx(ours)
+        if copy_bytes == 2:
+            issue = ratio * (4 + 8 / micro_batches) / 6
+            assert ours - issue == pytest.approx(ratio * (4 + 4 / micro_batches) / 6)
+
+
+def test_a_parameter_count_takes_equal_blocks_and_its_largest_tensor_as_the_rest() -> None:
+    tensors = tensors_of_count(1003, largest=100)
+    layout = weight_layout_of_count(tensors, blocks=4)
+    assert layout.rest == 100 and layout.blocks == (226, 226, 226, 225)
+    assert layout.window() == 100 + 452
+    assert sum(weight_layout_of_count(tensors).blocks) == 903  # 32 blocks by default
+    with pytest.raises(ValueError, match="2 or more"):
+        weight_layout_of_count(tensors, blocks=1)
+
+
+def test_plan_command_prints_the_weights_column(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only with --offload-parameters: the column, the split parameters row, the host's
+    weights, the link a step and the hiding tokens; --params says its blocks are assumed."""
+    base = ["plan", "--params", "7000000000", "--tokens", "65536", "--micro-batches", "4"]
+    assert cli.main(base) == 0
+    out = capsys.readouterr().out
+    assert WEIGHTS_ON_HOST not in out and "| parameters |" in out
+    assert cli.main([*base, "--offload-parameters", "--blocks", "40"]) == 0
+    out = capsys.readouterr().out
+    assert f"| {WEIGHTS_ON_HOST} |" in out
+    assert "| parameters, forward and backward |" in out
+    assert "| parameters, optimizer step |" in out
+    assert "| parameters (weights on host) | 26702.9 |" in out  # 7e9 x 4 bytes
+    assert "assumed: 40 equal blocks (--blocks)" in out
+    assert "PCIe per step, weights on host, host to device" in out
+    assert "tokens a micro-batch" in out and "the link sets the pace" in out
+    assert cli.main(["plan", *MEDIUM, "--offload-parameters", "--parameter-blocks", "blocks"]) == 0
+    assert "the blocks of 'blocks', 12 of them" in capsys.readouterr().out
