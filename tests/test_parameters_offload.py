@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import FailsOnce, assert_same_parameters
 from stream_checker import FakeCuda
+from test_planner import planned_weights_on_host
 from test_stream_order import fake_cuda  # noqa: F401 - the stand-in streams' fixture
 
 import gradient_cache
@@ -149,7 +150,14 @@ def test_the_device_holds_the_rest_and_two_blocks_and_each_step_moves_what_it_sa
     assert max(seen) <= rest + 2 * max(block_bytes)
     assert max(seen) < every - min(block_bytes)  # never the whole model
     moved = 2 * (every + sum(block_bytes)) + 2 * every
-    assert manager.summary().parameters_moved_mb * 2**20 == moved
+    summary = manager.summary()
+    assert summary.parameters_moved_mb * 2**20 == moved
+    # The planner's figures (`gradient-cache plan --offload-parameters`) are these.
+    planned = planned_weights_on_host(model, micro_batches=2)
+    assert max(seen) <= planned.window_bytes
+    assert planned.streamed_bytes_per_micro_batch * 2 + 2 * planned.host_bytes == moved
+    aligned = len(list(model.parameters())) * 64  # each master starts on an aligned boundary
+    assert 0 <= summary.parameters_host_mb * 2**20 - planned.host_bytes <= aligned
 
 
 def test_an_eval_under_no_grad_matches_plain_and_leaves_nothing_on_the_device() -> None:
