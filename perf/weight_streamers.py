@@ -12,9 +12,12 @@ to it around the block's compute. Evaluated here, each in a fresh process of its
   accelerator; on a GPU the glue would pin and use ``"cpu:gloo,cuda:nccl"`` (not run here).
 
 A streamer is one function (`Streamer`): the glue a library would run on the user's model,
-returning the model to call and how the optimizer steps. Adding one is one more entry in
-`STREAMERS`. Each is compared with plain PyTorch on the same seed and batches (TinyGPT,
-tied embeddings, AdamW), in the same process, step by step:
+returning the model to call and how the optimizer steps (`Streaming`). Adding one is one
+function and one entry in `STREAMERS`, e.g. ``STREAMERS["module hooks"] =
+Streamer(hooks_glue)``; it gets its own fresh process and its column in the table.
+
+Each is compared with plain PyTorch on the same seed and batches (TinyGPT, tied
+embeddings, AdamW), in the same process, step by step:
 
 * the median step time of each, paired round by round (on a CPU the "device" is the host:
   a copy of the weights is a copy within RAM, not over a link);
@@ -414,7 +417,8 @@ def check_step_device(streamer: Streamer, config: Config) -> dict[str, Any]:
 
 
 def check_clipping(streamer: Streamer, config: Config) -> dict[str, Any]:
-    """(8) ``clip_grad_norm_`` at a norm that clips: the norms and weights against plain's."""
+    """(8) ``clip_grad_norm_`` at a norm that clips: the norms and weights against plain's,
+    and the type it returns on the streamed model's parameters."""
     data = batches(config, CHECK_STEPS)
     streaming = streamer.setup(make_model(config))
     norms = [n for n in train(streaming, data, max_grad_norm=CLIP) if n is not None]
@@ -425,9 +429,13 @@ def check_clipping(streamer: Streamer, config: Config) -> dict[str, Any]:
         "clipped": min(float(n) for n in plain_norms) > CLIP,
         "bit_for_bit": bit_for_bit(full_weights(streaming.model), full_weights(reference.model)),
     }
+    _, loss = streaming.model(*data[0])
+    loss.backward()
+    returned = nn.utils.clip_grad_norm_(streaming.model.parameters(), CLIP)
+    facts["returns"] = type(returned).__name__
     facts["summary"] = (
-        f"norms bit for bit with plain's: {facts['norms_equal']}; "
-        f"weights bit for bit: {facts['bit_for_bit']}"
+        f"returns a {facts['returns']}; norms (made whole) bit for bit with plain's: "
+        f"{facts['norms_equal']}; weights bit for bit: {facts['bit_for_bit']}"
     )
     return facts
 

@@ -83,6 +83,7 @@ def test_fsdp2_steps_where_its_parameters_and_state_are(fsdp2):
 def test_fsdp2_clip_grad_norm_is_bit_for_bit(fsdp2):
     facts = check(fsdp2, "8 clip_grad_norm_")
     assert facts == {**facts, "norms_equal": True, "clipped": True, "bit_for_bit": True}
+    assert facts["returns"] == "DTensor"  # plain's loop must call full_tensor() to read it
 
 
 def test_fsdp2_on_one_process_trains_after_its_group_is_destroyed(fsdp2):
