@@ -34,6 +34,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import io
 import json
 import os
 import re
@@ -160,8 +161,8 @@ def glue_lines(function: Callable[..., Any]) -> int:
 # --- training --------------------------------------------------------------------
 
 
-def make_model(config: Config, *, activation_checkpointing: bool = False) -> TinyGPT:
-    torch.manual_seed(0)
+def make_model(config: Config, *, activation_checkpointing: bool = False, seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
     return TinyGPT(config.model, activation_checkpointing=activation_checkpointing)
 
 
@@ -440,6 +441,47 @@ def check_clipping(streamer: Streamer, config: Config) -> dict[str, Any]:
     return facts
 
 
+def check_accumulation(streamer: Streamer, config: Config) -> dict[str, Any]:
+    """(9) Two micro-batches a step, each loss halved: the weights against plain's."""
+    data = batches(config, 2 * CHECK_STEPS)
+
+    def accumulate(streaming: Streaming) -> list[torch.Tensor]:
+        optimizer = torch.optim.AdamW(streaming.model.parameters(), lr=LR)
+        for step in range(CHECK_STEPS):
+            for batch in data[2 * step : 2 * step + 2]:
+                _, loss = streaming.model(*batch)
+                (loss / 2).backward()
+            streaming.step(optimizer, None)
+        return full_weights(streaming.model)
+
+    equal = bit_for_bit(
+        accumulate(streamer.setup(make_model(config))), accumulate(plain(make_model(config)))
+    )
+    return {"bit_for_bit": equal, "summary": f"runs; bit for bit with plain: {equal}"}
+
+
+def check_resume(streamer: Streamer, config: Config) -> dict[str, Any]:
+    """(10) The model's and the optimizer's state_dicts after 2 steps, through torch.save,
+    loaded into a new streamed model (another seed) and optimizer, 2 more steps: against
+    4 uninterrupted ones."""
+    data = batches(config, 2 * CHECK_STEPS)
+    streaming = streamer.setup(make_model(config))
+    optimizer = torch.optim.AdamW(streaming.model.parameters(), lr=LR)
+    train(streaming, data[:CHECK_STEPS], optimizer=optimizer)
+    saved = io.BytesIO()
+    torch.save({"model": streaming.model.state_dict(), "optim": optimizer.state_dict()}, saved)
+    train(streaming, data[CHECK_STEPS:], optimizer=optimizer)
+    saved.seek(0)
+    state = torch.load(saved, weights_only=False)  # our own bytes: DTensors among them
+    resumed = streamer.setup(make_model(config, seed=1))
+    resumed.model.load_state_dict(state["model"])
+    resumed_optimizer = torch.optim.AdamW(resumed.model.parameters(), lr=LR)
+    resumed_optimizer.load_state_dict(state["optim"])
+    train(resumed, data[CHECK_STEPS:], optimizer=resumed_optimizer)
+    equal = bit_for_bit(full_weights(resumed.model), full_weights(streaming.model))
+    return {"bit_for_bit": equal, "summary": f"runs; bit for bit with uninterrupted: {equal}"}
+
+
 def check_destroy_group(streamer: Streamer, config: Config) -> dict[str, Any]:
     """(6) Run last: ``dist.destroy_process_group()``, then a clipped step and an eval."""
     streaming = streamer.setup(make_model(config))
@@ -469,6 +511,8 @@ CHECKS: dict[str, Callable[[Streamer, Config], dict[str, Any]]] = {
     "5 torch.compile (eager)": check_compile,
     "7 optimizer step's device": check_step_device,
     "8 clip_grad_norm_": check_clipping,
+    "9 accumulation (2 micro-batches)": check_accumulation,
+    "10 resume from state_dicts": check_resume,
     "6 destroy_process_group": check_destroy_group,  # last: it ends the group
 }
 

@@ -86,6 +86,14 @@ def test_fsdp2_clip_grad_norm_is_bit_for_bit(fsdp2):
     assert facts["returns"] == "DTensor"  # plain's loop must call full_tensor() to read it
 
 
+def test_fsdp2_accumulation_is_bit_for_bit(fsdp2):
+    assert check(fsdp2, "9 accumulation (2 micro-batches)")["bit_for_bit"] is True
+
+
+def test_fsdp2_resumes_from_its_state_dicts_bit_for_bit(fsdp2):
+    assert check(fsdp2, "10 resume from state_dicts")["bit_for_bit"] is True
+
+
 def test_fsdp2_on_one_process_trains_after_its_group_is_destroyed(fsdp2):
     facts = check(fsdp2, "6 destroy_process_group")
     assert (facts["destroy"], facts["train_step_after"], facts["eval_after"]) == ("runs",) * 3
