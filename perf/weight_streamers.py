@@ -224,24 +224,39 @@ def plain_weights(config: Config, data: list[Batch], **options: Any) -> list[tor
 
 def timed_comparison(streamer: Streamer, config: Config) -> dict[str, Any]:
     """Plain and the streamer, a step each per round (alternating which goes first): the
-    median step times, their paired ratio, and whether the final weights are equal."""
+    median times of the whole step and of its two parts (forward and backward; the
+    optimizer's step), the whole step's paired ratio, and whether the final weights are
+    equal."""
     data = batches(config, config.steps + 1)
     runs = {"plain": plain(make_model(config)), "streamer": streamer.setup(make_model(config))}
     optimizers = {
         name: torch.optim.AdamW(run.model.parameters(), lr=LR) for name, run in runs.items()
     }
-    times: dict[str, list[float]] = {"plain": [], "streamer": []}
+    times: dict[str, list[tuple[float, float]]] = {"plain": [], "streamer": []}
     for index, batch in enumerate(data):
         order = ["plain", "streamer"] if index % 2 == 0 else ["streamer", "plain"]
         for name in order:
             start = time.perf_counter()
-            train_step(runs[name], optimizers[name], batch)
+            _, loss = runs[name].model(*batch)
+            loss.backward()
+            middle = time.perf_counter()
+            runs[name].step(optimizers[name], None)
             if index > 0:  # the first step allocates the state and runs lazy inits
-                times[name].append(time.perf_counter() - start)
-    ratios = [s / p for s, p in zip(times["streamer"], times["plain"], strict=True)]
-    return {
-        "plain_ms": 1000 * statistics.median(times["plain"]),
-        "streamer_ms": 1000 * statistics.median(times["streamer"]),
+                times[name].append((middle - start, time.perf_counter() - middle))
+    ratios = [
+        sum(ours) / sum(theirs)
+        for ours, theirs in zip(times["streamer"], times["plain"], strict=True)
+    ]
+    medians = {
+        f"{name}_{part}_ms": 1000 * statistics.median(pick(t) for t in times[name])
+        for name in times
+        for part, pick in (
+            ("step", sum),
+            ("backward", lambda t: t[0]),
+            ("optimizer", lambda t: t[1]),
+        )
+    }
+    return medians | {
         "ratio": statistics.median(ratios),
         "ratio_range": (min(ratios), max(ratios)),
         "bit_for_bit": bit_for_bit(
@@ -580,6 +595,14 @@ def evaluate_in_fresh_process(name: str, config: Config) -> dict[str, Any]:
         return torch.load(Path(out) / "results.pt", weights_only=False)
 
 
+PARTS = {"step": "step", "backward": "forward + backward", "optimizer": "optimizer step"}
+
+
+def milliseconds(part: str) -> Callable[[dict[str, Any]], str]:
+    """A cell of the timed comparison: the streamer's median ``part``, plain's in brackets."""
+    return lambda t: f"{t[f'streamer_{part}_ms']:.1f} ({t[f'plain_{part}_ms']:.1f})"
+
+
 def to_markdown(config: Config, results: dict[str, dict[str, Any]]) -> str:
     """One column per streamer: the timed comparison's rows, the glue, then each check."""
 
@@ -593,8 +616,9 @@ def to_markdown(config: Config, results: dict[str, dict[str, Any]]) -> str:
     lines = [
         f"| | {' | '.join(results)} |",
         f"|---|{'---|' * len(results)}",
-        timed_row(
-            "median step, ms (plain's)", lambda t: f"{t['streamer_ms']:.1f} ({t['plain_ms']:.1f})"
+        *(
+            timed_row(f"median {label}, ms (plain's)", milliseconds(part))
+            for part, label in PARTS.items()
         ),
         timed_row(
             "step time / plain's, paired median (range)",
