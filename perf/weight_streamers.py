@@ -279,6 +279,8 @@ def check_process_group(streamer: Streamer, config: Config) -> dict[str, Any]:
     facts["user_init_after"] = outcome(
         lambda: dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     )
+    if facts["user_init_after"] == "runs":  # a glue without a group: the next checks neither
+        dist.destroy_process_group()
     facts["summary"] = (
         f"without a group: {facts['bare']}; the glue leaves a global group: "
         f"{facts['group_after_glue']}; the user's own init_process_group then: "

@@ -117,3 +117,16 @@ def test_glue_lines_count_code_only():
         return model
 
     assert ws.glue_lines(glue) == 2
+
+
+def test_the_group_check_leaves_no_group_for_a_streamer_that_makes_none():
+    """The next streamer (module hooks) needs no group: its later checks must run without
+    the one the first check's init_process_group makes."""
+    try:
+        facts = ws.check_process_group(ws.Streamer(ws.plain), TINY)
+        assert (facts["bare"], facts["group_after_glue"]) == ("not applicable", False)
+        assert facts["user_init_after"] == "runs"
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
