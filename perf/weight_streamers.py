@@ -11,6 +11,11 @@ to it around the block's compute. Evaluated here, each in a fresh process of its
   group (``dist.HashStore()``: no address, port or environment variable). Pinning needs an
   accelerator; on a GPU the glue would pin and use ``"cpu:gloo,cuda:nccl"`` (not run here).
 
+* ``gradient-cache offload_parameters``: this project's module hooks,
+  ``create_gradient_cache(model, compression_ratio=1, offload_optimizer_state=True,
+  offload_parameters=True)`` and ``hook_manager.step(optimizer)``: the weights, the
+  gradients and the optimizer state on the host, the step on the device.
+
 A streamer is one function (`Streamer`): the glue a library would run on the user's model,
 returning the model to call and how the optimizer steps (`Streaming`). Adding one is one
 function and one entry in `STREAMERS`, e.g. ``STREAMERS["module hooks"] =
@@ -55,6 +60,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+import gradient_cache
 from gradient_cache.demo.models import GPT_SIZES, GPTConfig, TinyGPT, make_batches
 
 LR = 1e-3
@@ -136,8 +142,23 @@ def fsdp2_without_group(model: TinyGPT) -> object:
     return fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
 
 
+def module_hooks(model: TinyGPT) -> Streaming:
+    """gradient-cache's own streamer: the weights, gradients and state on the host."""
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, offload_optimizer_state=True, offload_parameters=True
+    )
+
+    def step(optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> torch.Tensor | None:
+        norm = manager.step(optimizer, max_grad_norm=max_grad_norm)
+        optimizer.zero_grad()
+        return norm
+
+    return Streaming(model, step)
+
+
 STREAMERS = {
     "FSDP2 CPUOffloadPolicy": Streamer(fsdp2_cpu_offload, bare=fsdp2_without_group),
+    "gradient-cache offload_parameters": Streamer(module_hooks),
 }
 
 

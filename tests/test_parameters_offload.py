@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import FailsOnce, assert_same_parameters
 from stream_checker import FakeCuda
+from test_optimizer_state import FailsAtCall
 from test_planner import planned_weights_on_host
 from test_stream_order import fake_cuda  # noqa: F401 - the stand-in streams' fixture
 
@@ -116,6 +117,56 @@ def test_checkpointing_and_compile_keep_working_bit_for_bit(variant: str) -> Non
             block.compile(backend="eager")
     manager = gradient_cache.create_gradient_cache(called, **STREAMED)
     train(called, optimizer, data, manager=manager)
+    assert_same_parameters(plain, cached)
+
+
+class ViewBlock(torch.nn.Module):
+    """A block whose backward reads a view of its weight (``weight.t()``, saved in
+    forward), not the parameter: it shares the weight's device storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(32, 32) / 8)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(hidden @ self.weight.t())
+
+
+class ViewModel(torch.nn.Module):
+    def __init__(self, *, checkpointing: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointing = checkpointing
+        self.embed = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList(ViewBlock() for _ in range(3))
+
+    def forward(self, tokens, targets):
+        hidden = self.embed(tokens)
+        for block in self.blocks:
+            if self.checkpointing:
+                # Not stopped early: the recomputation runs to the block's end, its hook too.
+                with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                    hidden = torch.utils.checkpoint.checkpoint(block, hidden, use_reentrant=False)
+            else:
+                hidden = block(hidden)
+        logits = hidden @ self.embed.weight.t()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["saved", "recomputed"])
+def test_views_of_a_weight_saved_for_backward_read_its_refilled_storage(checkpointing) -> None:
+    """A view autograd saved in forward (or in the recomputation) shares the weight's
+    device storage, which is given up after forward and refilled for backward: the same
+    storage, so backward reads the weights (a recomputation inside backward, run to the
+    block's end, frees nothing: backward reads its views next)."""
+    data = batches(3)
+    plain = ViewModel(checkpointing=checkpointing)
+    train(plain, adamw_two_groups(plain), data)
+    cached = ViewModel(checkpointing=checkpointing)
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
+    train(cached, optimizer, data, manager=manager)
     assert_same_parameters(plain, cached)
 
 
@@ -315,6 +366,29 @@ def test_every_weight_copy_is_ordered_on_the_stand_in_streams(fake_cuda: FakeCud
     fake_cuda.checker.assert_clean()
     with fake_cuda.checker.disabled():
         assert_same_parameters(plain, cached)
+
+
+def test_a_failed_send_back_of_a_new_state_still_sends_the_stepped_weights_home() -> None:
+    """The first step creates the state; allocating the second bucket's host copies raises
+    after that bucket stepped, which the retry does not step again: its new weights went to
+    their masters before the state's send could raise (else they would be lost at the next
+    free)."""
+    data = batches(2)
+    plain = gpt()
+    train(plain, adamw_two_groups(plain), data)
+    cached = gpt()
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, bucket_size_mb=0.02)
+    tokens, targets = data[0]
+    cached(tokens, targets)[1].backward()
+    FailsAtCall(manager.engine.optimizer_state, "_allocate", nth=2)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer)
+    manager.step(optimizer)  # the retry
+    optimizer.zero_grad()
+    assert all_on_the_host(cached, manager)
+    train(cached, optimizer, data[1:], manager=manager)
+    assert_same_parameters(plain, cached)
 
 
 # --- bad input -------------------------------------------------------------------------

@@ -130,3 +130,30 @@ def test_the_group_check_leaves_no_group_for_a_streamer_that_makes_none():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+HOOKS = "gradient-cache offload_parameters"
+
+
+@pytest.fixture(scope="module")
+def hooks() -> dict:
+    return ws.evaluate_in_fresh_process(HOOKS, TINY)
+
+
+def test_the_module_hooks_train_bit_for_bit_in_every_check_with_nothing_changed(hooks):
+    """gradient-cache's own streamer, in the same checks: plain's bits everywhere, no
+    process group, the user's Parameters and optimizer, plain tensors in state_dict."""
+    assert hooks["timed"]["bit_for_bit"] is True
+    assert check(hooks, "1 process group")["group_after_glue"] is False
+    facts = check(hooks, "2 parameters, optimizer built before")
+    assert facts["types"] == ["Parameter"] and facts["early_optimizer_trains"] is True
+    facts = check(hooks, "3 state_dict")
+    assert facts["types"] == ["Tensor"] and facts["plain_load"] == "runs"
+    for name in (
+        "4 activation checkpointing",
+        "9 accumulation (2 micro-batches)",
+        "10 resume from state_dicts",
+    ):
+        assert check(hooks, name)["bit_for_bit"] is True
+    facts = check(hooks, "8 clip_grad_norm_")
+    assert facts["norms_equal"] is True and facts["bit_for_bit"] is True
