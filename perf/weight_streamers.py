@@ -144,8 +144,21 @@ def fsdp2_without_group(model: TinyGPT) -> object:
 
 def module_hooks(model: TinyGPT) -> Streaming:
     """gradient-cache's own streamer: the weights, gradients and state on the host."""
+    return fused_step(model, offload_parameters=True)
+
+
+def state_only(model: TinyGPT) -> Streaming:
+    """gradient-cache without the weights (the reference for what streaming them costs):
+    the gradients and the state on the host."""
+    return fused_step(model, offload_parameters=False)
+
+
+def fused_step(model: TinyGPT, *, offload_parameters: bool) -> Streaming:
     manager = gradient_cache.create_gradient_cache(
-        model, compression_ratio=1, offload_optimizer_state=True, offload_parameters=True
+        model,
+        compression_ratio=1,
+        offload_optimizer_state=True,
+        offload_parameters=offload_parameters,
     )
 
     def step(optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> torch.Tensor | None:
@@ -159,6 +172,7 @@ def module_hooks(model: TinyGPT) -> Streaming:
 STREAMERS = {
     "FSDP2 CPUOffloadPolicy": Streamer(fsdp2_cpu_offload, bare=fsdp2_without_group),
     "gradient-cache offload_parameters": Streamer(module_hooks),
+    "gradient-cache, state only": Streamer(state_only),
 }
 
 

@@ -391,3 +391,16 @@ class StateOnTheHost(L.Callback):
             if value.dim() > 0
         ]
         self.seen.append(all(values) and bool(values))
+
+
+def test_the_weights_on_the_host_train_as_plain_lightning_bit_for_bit() -> None:
+    """offload_parameters=True through the callback: accumulate_grad_batches and
+    gradient_clip_val, the blocks (the outer Sequential's children) a block at a time."""
+    settings = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
+    plain, cached = Wide(), Wide()
+    fit(plain, [], **settings)
+    callback = GradientCacheCallback(
+        **LOSSLESS, offload_optimizer_state=True, offload_parameters=True
+    )
+    fit(cached, [callback], **settings)
+    assert same_weights(plain, cached)

@@ -75,8 +75,12 @@ def weight_gap(left: torch.nn.Module, right: torch.nn.Module) -> float:
         ({"gradient_accumulation_steps": 2}, {}),
         ({"bf16": True}, {}),
         ({"gradient_accumulation_steps": 2}, {"offload_optimizer_state": True}),
+        (
+            {"gradient_accumulation_steps": 2},
+            {"offload_optimizer_state": True, "offload_parameters": True},
+        ),
     ],
-    ids=["defaults", "accumulation", "bf16-autocast", "state-on-host"],
+    ids=["defaults", "accumulation", "bf16-autocast", "state-on-host", "weights-on-host"],
 )
 def test_trainer_at_ratio_1_ends_bit_for_bit_as_plain_trainer(tmp_path, arguments, options) -> None:
     """Also the gradient norms the trainer logs: clip_grad_norm_ answered from the cache."""

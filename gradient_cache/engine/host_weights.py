@@ -100,6 +100,11 @@ class HostWeights:
         """What the masters' slabs take (on CUDA: what they pin)."""
         return self._slabs.reserved_bytes
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a view of the masters' slabs (a detached master), not a
+        Parameter."""
+        return not isinstance(tensor, Param) and self._slabs.holds(tensor)
+
     def where(self, param: Param) -> WeightAt:
         return self._weights[param].at
 

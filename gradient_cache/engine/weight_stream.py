@@ -66,6 +66,8 @@ class WeightStream:
             model.register_forward_pre_hook(self._model_begins),
             model.register_forward_hook(self._model_ends),
             model.register_state_dict_pre_hook(self._before_host_reads),
+            # A partial: torch marks the hook it is given, which a bound method refuses.
+            model.register_state_dict_post_hook(functools.partial(self._compact_state_dict)),
             model.register_load_state_dict_pre_hook(self._before_host_writes),
         ]
         for index, block in enumerate(units.blocks):
@@ -150,6 +152,13 @@ class WeightStream:
 
     def _before_host_reads(self, *args: Any) -> None:
         self.weights.wait_on_host()  # a copy back into a master may still be running
+
+    def _compact_state_dict(self, module: Any, state: dict[str, Any], *args: Any) -> None:
+        """Each master in ``state`` (a view of a slab, which ``torch.save`` would write
+        whole and safetensors refuses as shared memory) as a compact copy of its own."""
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and self.weights.holds(value):
+                state[key] = value.clone()
 
     def _before_host_writes(self, *args: Any) -> None:
         self.weights.wait_on_host()  # a copy may still read the masters a load overwrites
