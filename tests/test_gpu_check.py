@@ -236,3 +236,14 @@ def test_the_widened_race_helper_fits_the_backend_it_wraps(
     assert_same_parameters(reference, widened)
     cuda.checker.assert_clean()
     assert set(sleeps) == {"compute", backend.encode_stream.name, backend.copy_stream.name}
+
+
+def test_the_larger_than_device_part_runs_on_the_cpu_with_plain_bits() -> None:
+    """perf/larger_than_device.py, the part of issue 43, on its CPU stand-in (no cap to
+    enforce): the cache's weights equal plain's, and the floors come from the planner."""
+    from perf import larger_than_device
+
+    report = larger_than_device.main(["--device", "cpu", "--size", "tiny", "--steps", "2"])
+    assert report["bit_for_bit"] is True and report["cache_error"] == ""
+    assert report["plain_under_cap"] == "not enforced on a CPU"
+    assert report["link_floor_s"] > 0 and report["compute_floor_s"] > 0
