@@ -204,6 +204,7 @@ class GradientCacheHookManager:
             [(called_names[p], p) for _, p in included],
             excluded=patterns,
             device=self._pipeline.backend.device,
+            in_place=None if self._weight_stream is None else self._weight_stream.weights.in_place,
         )
         self._attach(model)
 
@@ -748,6 +749,7 @@ def _stream_weights(model: torch.nn.Module, pipeline: Pipeline, units: WeightUni
             list(model.named_parameters()),
             pipeline.backend,
             fraction=pipeline.config.host_memory_fraction,
+            compute_dtype=pipeline.config.compute_dtype,
         )
     except BaseException:
         pipeline.close()

@@ -10,7 +10,7 @@ the step before backward, where an error would leave ``.grad`` half updated.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,12 +30,17 @@ class ParameterWatch:
         *,
         excluded: Sequence[str],
         device: torch.device,
+        in_place: Callable[[torch.nn.Parameter], bool] | None = None,
     ) -> None:
+        """``in_place``: with the weights on the host (``offload_parameters``), whether a
+        parameter is where the cache put it (its host master or its device copy, in the
+        compute dtype or its own), which then stands for the dtype and device checks."""
         self._cached = {name: weakref.ref(param) for name, param in cached}
         # The routes, slots and restores are planned for these dtypes.
         self._dtypes = {name: param.dtype for name, param in cached}
         self._excluded = tuple(excluded)
         self._device = device
+        self._in_place = in_place
         # Whether a forward ran under float16 autocast: then a GradScaler is all but sure,
         # and the manager warns if it was not given one (`grad_scaler=`).
         self.saw_fp16_autocast = False
@@ -61,6 +66,9 @@ class ParameterWatch:
                 changes.append(f"{name!r} removed")
             elif param is not ref() and not _unsharded_of(param, ref()):
                 changes.append(f"{name!r} replaced by a new Parameter")
+            elif self._in_place is not None:
+                if not self._in_place(param):
+                    changes.append(f"{name!r} moved or cast off the host master it was given")
             elif (cast := _cast_of(ref(), self._dtypes[name])) is not None:
                 changes.append(f"{name!r} {cast}")
             elif param.device != self._device:

@@ -37,6 +37,7 @@ def test_engine_config_has_none_of_the_top_k_only_fields() -> None:
         "host_pool_mb",
         "offload_optimizer_state",
         "offload_parameters",
+        "compute_dtype",
         "parameter_blocks",
         "memory_budget",
         "checkpoint_frequency",

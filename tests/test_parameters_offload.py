@@ -176,8 +176,8 @@ def measure_the_window(manager) -> list[int]:
     seen: list[int] = []
     bring = weights.bring
 
-    def measured(params):
-        bring(params)
+    def measured(params, **options):
+        bring(params, **options)
         seen.append(weights.device_bytes())
 
     weights.bring = measured
@@ -393,6 +393,110 @@ def test_a_failed_send_back_of_a_new_state_still_sends_the_stepped_weights_home(
     assert all_on_the_host(cached, manager)
     train(cached, optimizer, data[1:], manager=manager)
     assert_same_parameters(plain, cached)
+
+
+def fsdp2_mixed_precision(
+    rank: int, out: str, data: list, micro_batches: int, threads: int
+) -> None:
+    """The reference of ``compute_dtype``: FSDP2 with ``MixedPrecisionPolicy(param_dtype=
+    bfloat16, reduce_dtype=float32)`` on each block and the root, on one process (a gloo
+    group with an in-memory store), no offload; its final weights, whole, to ``out``. With
+    the test process's ``threads``: a CPU matmul's bits may depend on how many split it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = gpt()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    train(model, adamw_two_groups(model), data, micro_batches=micro_batches, clip=0.5)
+    torch.save([p.full_tensor() for p in model.parameters()], out)
+    dist.destroy_process_group()
+
+
+def test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit(tmp_path) -> None:
+    """compute_dtype=torch.bfloat16: bf16 copies in forward and backward, gradients
+    accumulated in fp32, the fp32 masters stepped on the device and their bf16 copies cast
+    from them there; FSDP2's mixed precision on one process, bit for bit (accumulation,
+    clipping, AdamW with two groups). The blocks bring half the bytes."""
+    data, micro_batches = batches(4), 2
+    out = str(tmp_path / "fsdp2.pt")
+    threads = torch.get_num_threads()
+    torch.multiprocessing.spawn(fsdp2_mixed_precision, args=(out, data, micro_batches, threads))
+    reference = torch.load(out, weights_only=True)
+    cached = gpt()
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(
+        cached, **STREAMED, compute_dtype=torch.bfloat16, bucket_size_mb=0.02
+    )
+    train(cached, optimizer, data, manager=manager, micro_batches=micro_batches, clip=0.5)
+    for expected, param in zip(reference, cached.parameters(), strict=True):
+        assert param.dtype == torch.float32 and torch.equal(expected, param)
+    units = weight_units(cached)
+    every = sum(p.nbytes for p in cached.parameters())
+    streamed = every // 2 + sum(p.nbytes for params in units.block_params for p in params) // 2
+    step = 2 * every + every // 2  # the masters both ways, their bf16 copies back
+    assert manager.summary().parameters_moved_mb * 2**20 == micro_batches * streamed + step
+
+
+def test_a_load_recasts_the_compute_copies_and_a_cast_model_is_refused() -> None:
+    """A load writes the fp32 masters; their bf16 copies follow it. model.to() after the
+    cache was created is refused at the next forward, naming it."""
+    data = batches(2)
+    plain = gpt()
+    manager_plain = gradient_cache.create_gradient_cache(
+        plain, **STREAMED, compute_dtype=torch.bfloat16
+    )
+    train(plain, adamw_two_groups(plain), data, manager=manager_plain)
+    loaded = gpt()
+    manager = gradient_cache.create_gradient_cache(loaded, **STREAMED, compute_dtype=torch.bfloat16)
+    loaded.load_state_dict(plain.state_dict())
+    tokens, _ = data[0]
+    with torch.no_grad():
+        assert torch.equal(plain(tokens)[0], loaded(tokens)[0])
+    loaded.to(torch.float64)
+    with pytest.raises(
+        RuntimeError, match=r"'blocks\.0\.ln_attn\.weight' moved or cast off the host master"
+    ):
+        loaded(tokens)
+    manager.remove_hooks()
+
+
+def test_the_compute_copies_are_ordered_on_the_stand_in_streams(fake_cuda: FakeCuda) -> None:  # noqa: F811
+    """compute_dtype on the stand-in streams: the bf16 copies brought for forward and
+    backward, the masters for the step, the new bf16 copies cast on the compute stream and
+    copied back on the copy stream before their memory goes: every access ordered."""
+    cached = gpt()
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(
+        cached,
+        **STREAMED,
+        compute_dtype=torch.bfloat16,
+        bucket_size_mb=0.02,
+        backend_factory=fake_cuda.factory,
+    )
+    train(cached, optimizer, batches(2), manager=manager, clip=0.5)
+    assert all_on_the_host(cached, manager)
+    with torch.no_grad():
+        cached(batches(1)[0][0])  # reads the new bf16 copies
+    fake_cuda.checker.assert_clean()
+
+
+def test_a_compute_dtype_casts_the_models_floating_inputs() -> None:
+    """Floating inputs meet bf16 weights: cast at the model and at each block, as FSDP2's
+    mixed precision casts them (else the first layer's matmul refuses the mix)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, compute_dtype=torch.bfloat16)
+    output = model(torch.randn(4, 16))
+    assert output.dtype == torch.bfloat16
+    output.float().pow(2).mean().backward()
+    manager.step(optimizer)
+    assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
 
 
 # --- bad input -------------------------------------------------------------------------

@@ -1193,6 +1193,34 @@ MUTANTS = [
         "        self.states.send(self.state, self.owned, arrival.params)\n        if self.weights is not None:\n            self.weights.store(arrival.params)\n",
         "tests/test_parameters_offload.py::test_a_failed_send_back_of_a_new_state_still_sends_the_stepped_weights_home",
     ),
+    (
+        "weights, compute dtype: the step sends a new compute copy home with the master",
+        "gradient_cache/engine/host_weights.py",
+        "                pairs.append((weight.full.to(weight.shadow.dtype), weight.shadow))\n",
+        "                pass\n",
+        "tests/test_parameters_offload.py::test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit",
+    ),
+    (
+        "weights, compute dtype: a gradient is accumulated in the master's dtype",
+        "gradient_cache/engine/capture.py",
+        "        self.add(param, sharding.local(grad).to(record.route.dtype))\n",
+        "        self.add(param, sharding.local(grad))\n",
+        "tests/test_parameters_offload.py::test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit",
+    ),
+    (
+        "weights, compute dtype: a load casts the compute copies again",
+        "gradient_cache/engine/weight_stream.py",
+        "        self.weights.refresh_shadows()  # the loaded masters' copies in the compute dtype\n",
+        "        pass\n",
+        "tests/test_parameters_offload.py::test_a_load_recasts_the_compute_copies_and_a_cast_model_is_refused",
+    ),
+    (
+        "weights, compute dtype: floating inputs cast to it",
+        "gradient_cache/engine/weight_stream.py",
+        "        dtype = self.weights.compute_dtype\n        if dtype is None:\n",
+        "        dtype = self.weights.compute_dtype\n        if True:\n",
+        "tests/test_parameters_offload.py::test_a_compute_dtype_casts_the_models_floating_inputs",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -62,7 +62,9 @@ class Capture:
             # before the third does ((a + b) + c, plain PyTorch's order).
             self.launch(pipeline.assembler.flush() or [])
         group_complete = _group_complete(record.group)
-        self.add(param, sharding.local(grad))
+        # A compute dtype's gradient (offload_parameters) is accumulated and stepped in
+        # the master's dtype, as FSDP2's reduce_dtype=float32 does.
+        self.add(param, sharding.local(grad).to(record.route.dtype))
         if group_complete:
             # The group's shared buffer is freed once its last gradient is offloaded: send
             # it now rather than when the next group's gradients fill the bucket.

@@ -12,6 +12,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..codecs import TopK
 from ..codecs.options import Ladder, check_bool, check_choice
 from ..codecs.registry import CodecChoice, check_codec, codec_name, codec_options
@@ -124,6 +126,13 @@ class EngineConfig:
             ``exclude_layers``, ``memory_budget`` or FSDP2. Each forward and backward moves
             the weights to the device (4 bytes per parameter each), and the step moves them
             both ways. Default False.
+        compute_dtype: With ``offload_parameters``: the dtype forward and backward compute
+            in (``torch.bfloat16``): the host keeps the fp32 masters and a copy of each in
+            this dtype, which the blocks bring (half the link's bytes), the floating inputs
+            of the model and of each block are cast to it, the gradients are accumulated
+            and stepped in fp32, and the step steps the fp32 masters on the device: FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)``
+            on one process, bit for bit. None (default): the weights' own dtype.
         parameter_blocks: With ``offload_parameters``: the dotted name of the module list
             whose children are the model's blocks (``"transformer.h"``); None (default):
             the ``nn.ModuleList`` or ``nn.Sequential`` whose children hold the most
@@ -153,6 +162,7 @@ class EngineConfig:
     host_pool_mb: float | None = None
     offload_optimizer_state: bool = False
     offload_parameters: bool = False
+    compute_dtype: torch.dtype | None = None
     parameter_blocks: str | None = None
     memory_budget: str | float | None = None
     checkpoint_frequency: int = 1
@@ -205,7 +215,19 @@ class EngineConfig:
                 f"parameter_blocks must be a module's dotted name (a str such as "
                 f"'transformer.h'), got {self.parameter_blocks!r}."
             )
+        if self.compute_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"compute_dtype={self.compute_dtype!r}: forward and backward compute in a "
+                "half-precision copy of the fp32 weights; give torch.bfloat16 or torch.float16, "
+                "or None for the weights' own dtype."
+            )
         if not self.offload_parameters:
+            if self.compute_dtype is not None:
+                raise ValueError(
+                    f"compute_dtype={self.compute_dtype!r} is the dtype of the weights' copies "
+                    "that stream to the device, and acts only with offload_parameters=True: "
+                    "add it, or use torch.autocast for mixed precision without it."
+                )
             if self.parameter_blocks is not None:
                 raise ValueError(
                     f"parameter_blocks={self.parameter_blocks!r} names the blocks the weights "

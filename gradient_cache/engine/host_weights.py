@@ -24,6 +24,13 @@ order. After the step the copy back runs on the copy stream, and the compute str
 for it before ``D``'s memory goes (`Backend.release`); the next refill's restore stream
 waits on the compute stream, so it reads the master only after the copy back wrote it.
 The host reads or writes a master only after `wait_on_host`.
+
+With a compute dtype (``compute_dtype=torch.bfloat16``) the host also keeps a *shadow* of
+each floating master in that dtype, and forward and backward get a device copy of the
+shadow (half the link's bytes), while the step gets the fp32 master in a device tensor of
+its own: the optimizer steps the master, and `store` sends it back with a new shadow,
+cast from it on the device (``.to(dtype)``: the same bits as FSDP2's cast of its fp32
+shards before its all-gather).
 """
 
 from __future__ import annotations
@@ -54,10 +61,22 @@ class WeightAt(enum.Enum):
 @dataclass
 class _Weight:
     master: torch.Tensor  # on the host: P.data at rest
-    device: torch.Tensor  # D: its memory allocated only while in use
-    nbytes: int  # D's storage when filled
+    shadow: torch.Tensor  # on the host, in the compute dtype (the master itself without one)
+    compute: torch.Tensor  # D for forward and backward: memory only while in use
+    full: torch.Tensor  # D for the step, the master's dtype (``compute`` without one)
     at: WeightAt = WeightAt.HOST
+    in_use: torch.Tensor | None = None  # ``compute`` or ``full``, while not HOST
     arrival: Transfer | None = None
+
+    def place(self) -> torch.Tensor:
+        """What ``P.data`` is: the device tensor in use once arrived, else the master."""
+        if self.at is WeightAt.DEVICE and self.in_use is not None:
+            return self.in_use
+        return self.master
+
+    def copy_for(self, *, step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device tensor, host source) of the step's copy or of forward and backward's."""
+        return (self.full, self.master) if step else (self.compute, self.shadow)
 
 
 class HostWeights:
@@ -66,9 +85,15 @@ class HostWeights:
     the host budget (``fraction``) is checked first, and nothing changes if it refuses."""
 
     def __init__(
-        self, named_params: Sequence[tuple[str, Param]], backend: Backend, *, fraction: float
+        self,
+        named_params: Sequence[tuple[str, Param]],
+        backend: Backend,
+        *,
+        fraction: float,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.backend = backend
+        self.compute_dtype = compute_dtype
         _check_own_storage(named_params)
         self._slabs = StateSlabs(
             backend.host_slab,
@@ -77,23 +102,48 @@ class HostWeights:
             what="the weights' masters, offload_parameters=True",
         )
         params = [param for _, param in named_params]
+        shadowed = [p for p in params if self._shadowed(p)]
         self._slabs.expect(params)
-        regions = self._slabs.take([p.numel() * p.element_size() for p in params])
-        self._weights: dict[Param, _Weight] = {}
-        for param, region in zip(params, regions, strict=True):
-            master = region.view(param.dtype).as_strided(param.shape, gradient_strides(param))
-            master.copy_(param.detach())
-            device = torch.empty_strided(
-                param.shape, master.stride(), dtype=param.dtype, device=backend.device
+        regions = iter(
+            self._slabs.take(
+                [p.numel() * p.element_size() for p in params]
+                + [p.numel() * _itemsize(compute_dtype) for p in shadowed]
             )
-            nbytes = device.untyped_storage().nbytes()
-            backend.resize_storage(device, 0)
+        )
+        masters = [self._view(next(regions), param, param.dtype) for param in params]
+        shadows = {}
+        if compute_dtype is not None:
+            shadows = {p: self._view(next(regions), p, compute_dtype) for p in shadowed}
+        self._weights: dict[Param, _Weight] = {}
+        for param, master in zip(params, masters, strict=True):
+            master.copy_(param.detach())
+            shadow = shadows.get(param, master)
+            if shadow is not master:
+                shadow.copy_(param.detach())  # the cast FSDP2 makes of its fp32 shards
+            full = self._device_like(master)
+            compute = self._device_like(shadow) if shadow is not master else full
             param.data = master
-            self._weights[param] = _Weight(master, device, nbytes)
+            self._weights[param] = _Weight(master, shadow, compute, full)
         # Host-to-device and back, counted as they start, since the last step ended; and
         # the last step's (its forward and backward passes, and the step).
         self.moved_bytes = 0
         self.moved_last_step = 0
+
+    def _shadowed(self, param: Param) -> bool:
+        return self.compute_dtype is not None and param.is_floating_point()
+
+    @staticmethod
+    def _view(region: torch.Tensor, param: Param, dtype: torch.dtype) -> torch.Tensor:
+        """``region`` as a tensor of ``param``'s shape and strides, in ``dtype``."""
+        return region.view(dtype).as_strided(param.shape, gradient_strides(param))
+
+    def _device_like(self, host: torch.Tensor) -> torch.Tensor:
+        """A device tensor like ``host`` (shape, strides, dtype), its memory given up."""
+        device = torch.empty_strided(
+            host.shape, host.stride(), dtype=host.dtype, device=self.backend.device
+        )
+        self.backend.resize_storage(device, 0)
+        return device
 
     @property
     def host_bytes(self) -> int:
@@ -108,37 +158,56 @@ class HostWeights:
     def where(self, param: Param) -> WeightAt:
         return self._weights[param].at
 
+    def in_place(self, param: Param) -> bool:
+        """Whether ``param.data`` is where these weights put it (its master, or its device
+        tensor in use), not moved since (``model.to(...)``)."""
+        weight = self._weights.get(param)
+        if weight is None:
+            return False
+        place = weight.place()
+        return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
+
     def device_bytes(self) -> int:
         """The device memory the weights hold now (arriving or in use)."""
-        return sum(w.nbytes for w in self._weights.values() if w.at is not WeightAt.HOST)
+        return sum(_nbytes(w.in_use) for w in self._weights.values() if w.in_use is not None)
 
-    def bring(self, params: Iterable[Param]) -> None:
+    def bring(self, params: Iterable[Param], *, step: bool = False) -> None:
         """Start filling the device tensors of those of ``params`` at home (a block
-        ahead: the copies run while the device computes)."""
-        pairs = []
+        ahead: the copies run while the device computes); ``step``: the masters, for the
+        optimizer, else their copies in the compute dtype."""
+        chosen = []
         for param in params:
             weight = self._weights[param]
+            device, host = weight.copy_for(step=step)
+            if weight.at is not WeightAt.HOST and weight.in_use is not device:
+                self.free([param])  # in use the other way (never between the step's phases)
             if weight.at is WeightAt.HOST:
-                self.backend.resize_storage(weight.device, weight.nbytes)  # compute stream
-                pairs.append((param, weight))
-        if not pairs:
+                chosen.append((weight, device, host))
+        if not chosen:
             return
-        transfer = self.backend.start_refill([(w.device, w.master) for _, w in pairs])
-        self.moved_bytes += sum(w.nbytes for _, w in pairs)
-        for _, weight in pairs:
-            weight.at, weight.arrival = WeightAt.ARRIVING, transfer
+        for _, device, _ in chosen:
+            self.backend.resize_storage(device, _nbytes(device))  # on the compute stream
+        try:
+            transfer = self.backend.start_refill([(device, host) for _, device, host in chosen])
+        except BaseException:
+            for _, device, _ in chosen:  # nothing started: they stay home
+                self.backend.resize_storage(device, 0)
+            raise
+        self.moved_bytes += sum(_nbytes(device) for _, device, _ in chosen)
+        for weight, device, _ in chosen:
+            weight.at, weight.in_use, weight.arrival = WeightAt.ARRIVING, device, transfer
 
-    def ensure(self, params: Iterable[Param]) -> None:
+    def ensure(self, params: Iterable[Param], *, step: bool = False) -> None:
         """``params`` on the device, safe for work queued from now on: each one's
-        ``P.data`` is its filled device tensor."""
+        ``P.data`` is its filled device tensor (``step``: the master's)."""
         params = list(params)
-        self.bring(params)
+        self.bring(params, step=step)
         for param in params:
             weight = self._weights[param]
             if weight.at is WeightAt.ARRIVING:
                 self._arrived(weight)
-                param.data = weight.device
                 weight.at = WeightAt.DEVICE
+                param.data = weight.place()
 
     def free(self, params: Iterable[Param]) -> None:
         """``params``' device memory given up, ``P.data`` the master again (no copy
@@ -150,8 +219,9 @@ class HostWeights:
             if weight.at is WeightAt.ARRIVING:
                 self._arrived(weight)  # before its memory can be handed on
             param.data = weight.master
-            self.backend.resize_storage(weight.device, 0)
-            weight.at = WeightAt.HOST
+            assert weight.in_use is not None  # set with ARRIVING
+            self.backend.resize_storage(weight.in_use, 0)
+            weight.at, weight.in_use = WeightAt.HOST, None
 
     def store(self, params: Iterable[Param]) -> None:
         """After ``params`` stepped on the device: their weights copied into their
@@ -159,12 +229,24 @@ class HostWeights:
         present = [p for p in params if self._weights[p].at is WeightAt.DEVICE]
         if not present:
             return
-        pairs = [(self._weights[p].device, self._weights[p].master) for p in present]
+        pairs = []
+        for param in present:
+            weight = self._weights[param]
+            pairs.append((weight.full, weight.master))
+            if weight.shadow is not weight.master:  # a new shadow, cast on the device
+                pairs.append((weight.full.to(weight.shadow.dtype), weight.shadow))
         transfer = self.backend.start_to_host(pairs)
-        self.moved_bytes += sum(self._weights[p].nbytes for p in present)
+        self.moved_bytes += sum(_nbytes(device) for device, _ in pairs)
         # The compute stream waits for the copies back before the memory goes.
         self.backend.release(transfer)
         self.free(present)
+
+    def refresh_shadows(self) -> None:
+        """Each shadow cast again from its master (the host wrote the masters: a load)."""
+        self.wait_on_host()
+        for weight in self._weights.values():
+            if weight.shadow is not weight.master:
+                weight.shadow.copy_(weight.master)
 
     def step_ended(self) -> None:
         """A step ended: what moved since the last one is its figure."""
@@ -191,7 +273,7 @@ class HostWeights:
             )
         except torch.OutOfMemoryError:
             self.free(params)
-            size = sum(w.nbytes for w in self._weights.values())
+            size = sum(w.master.nbytes for w in self._weights.values())
             warnings.warn(
                 f"The gradient cache closed, and the model's weights ({size / 2**20:.1f} "
                 "MiB) did not fit on the device, where plain PyTorch keeps them: they stay "
@@ -211,6 +293,15 @@ class HostWeights:
         assert weight.arrival is not None  # ARRIVING is set with its arrival
         self.backend.finish_to_device(weight.arrival)
         weight.arrival = None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """A dense tensor's bytes (what its storage takes when filled)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def _itemsize(dtype: torch.dtype | None) -> int:
+    return 0 if dtype is None else dtype.itemsize
 
 
 def _check_own_storage(named_params: Sequence[tuple[str, Param]]) -> None:

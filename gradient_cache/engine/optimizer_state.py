@@ -428,7 +428,7 @@ class StateJourney:
             self.owned.at[param] = StateAt.IN_TRANSIT
         had_state = [bool(self.state.get(param)) for param in params]
         if self.weights is not None:
-            self.weights.bring(params)
+            self.weights.bring(params, step=True)
         return Arrival(list(params), had_state, keys, transfer)
 
     def install(self, arrival: Arrival) -> None:
@@ -438,7 +438,7 @@ class StateJourney:
             self.state[param][key] = rebuilt(host, device)
             self.owned.at[param] = StateAt.DEVICE
         if self.weights is not None:
-            self.weights.ensure(arrival.params)
+            self.weights.ensure(arrival.params, step=True)
         arrival.installed = True
 
     def send_back(self, arrival: Arrival) -> None:

@@ -63,16 +63,19 @@ class WeightStream:
         self._reused = False  # a block ran twice since the last backward ended
         self._end_queued = False
         self._handles = [
-            model.register_forward_pre_hook(self._model_begins),
+            model.register_forward_pre_hook(self._model_begins, with_kwargs=True),
             model.register_forward_hook(self._model_ends),
             model.register_state_dict_pre_hook(self._before_host_reads),
             # A partial: torch marks the hook it is given, which a bound method refuses.
             model.register_state_dict_post_hook(functools.partial(self._compact_state_dict)),
             model.register_load_state_dict_pre_hook(self._before_host_writes),
+            model.register_load_state_dict_post_hook(self._after_host_writes),
         ]
         for index, block in enumerate(units.blocks):
             self._handles += [
-                block.register_forward_pre_hook(functools.partial(self._block_begins, index)),
+                block.register_forward_pre_hook(
+                    functools.partial(self._block_begins, index), with_kwargs=True
+                ),
                 block.register_forward_hook(functools.partial(self._block_ends, index)),
             ]
         self._handles += [
@@ -88,13 +91,14 @@ class WeightStream:
         self._handles = []
 
     @_outside_graphs
-    def _model_begins(self, module: torch.nn.Module, args: Any) -> None:
+    def _model_begins(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if not _in_backward() and torch.is_grad_enabled():
             self._forwards += 1
             self._called = set()
         self.weights.ensure(self.units.rest)
         if not _in_backward():
             self.weights.bring(self._block(0))
+        return self._cast(args, kwargs)
 
     @_outside_graphs
     def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -109,13 +113,24 @@ class WeightStream:
         self.weights.bring(self._block(len(self.units.blocks) - 1))
 
     @_outside_graphs
-    def _block_begins(self, index: int, module: torch.nn.Module, args: Any) -> None:
+    def _block_begins(self, index: int, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if not _in_backward() and torch.is_grad_enabled():
             self._reused |= index in self._called
             self._called.add(index)
         self.weights.ensure(self._block(index))
         if not _in_backward():
             self.weights.bring(self._block(index + 1))
+        return self._cast(args, kwargs)
+
+    def _cast(self, args: Any, kwargs: Any) -> Any:
+        """The floating inputs in the compute dtype (FSDP2's ``cast_forward_inputs``, at
+        the model and each block), or None (unchanged) without one."""
+        dtype = self.weights.compute_dtype
+        if dtype is None:
+            return None
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs)
+        )
 
     @_outside_graphs
     def _block_ends(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -162,6 +177,9 @@ class WeightStream:
 
     def _before_host_writes(self, *args: Any) -> None:
         self.weights.wait_on_host()  # a copy may still read the masters a load overwrites
+
+    def _after_host_writes(self, *args: Any) -> None:
+        self.weights.refresh_shadows()  # the loaded masters' copies in the compute dtype
 
     def _block(self, index: int) -> list[Param]:
         if 0 <= index < len(self.units.blocks):
