@@ -424,3 +424,14 @@ def test_manager_of_outside_a_decorated_call_or_without_gradients_is_refused() -
 
     with pytest.raises(ValueError, match="has no gradients to cache"):
         frozen()
+
+
+def test_the_weights_on_the_host_train_as_the_undecorated_function() -> None:
+    """offload_parameters=True through the decorator: the loop's optimizer.step() is the
+    fused step, which brings each bucket's weights and state; afterwards the weights are
+    back on the device, as the function found them."""
+    plain, cached = make_model(), make_model()
+    train_loop(plain, micro_batches=2)
+    options = dict(LOSSLESS, offload_optimizer_state=True, offload_parameters=True)
+    gradient_cache.optimize(**options)(train_loop)(cached, micro_batches=2)
+    assert_same_parameters(plain, cached)

@@ -1221,6 +1221,13 @@ MUTANTS = [
         "        dtype = self.weights.compute_dtype\n        if True:\n",
         "tests/test_parameters_offload.py::test_a_compute_dtype_casts_the_models_floating_inputs",
     ),
+    (
+        "weights: the parameter watch takes a streamed weight where the cache put it (not its device or dtype at creation)",
+        "gradient_cache/manager.py",
+        "            in_place=None if self._weight_stream is None else self._weight_stream.weights.in_place,\n",
+        "            in_place=None,\n",
+        "tests/test_parameters_offload.py::test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
