@@ -439,7 +439,13 @@ def test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit(tmp
     every = sum(p.nbytes for p in cached.parameters())
     streamed = every // 2 + sum(p.nbytes for params in units.block_params for p in params) // 2
     step = 2 * every + every // 2  # the masters both ways, their bf16 copies back
-    assert manager.summary().parameters_moved_mb * 2**20 == micro_batches * streamed + step
+    moved = micro_batches * streamed + step
+    assert manager.summary().parameters_moved_mb * 2**20 == moved
+    # The planner's figures with 2-byte copies (`plan --offload-parameters --compute-dtype`).
+    planned = planned_weights_on_host(cached, micro_batches=micro_batches, weight_copy_bytes=2)
+    assert planned.streamed_bytes_per_micro_batch == streamed
+    host = manager.summary().parameters_host_mb * 2**20
+    assert 0 <= host - planned.host_bytes <= 2 * 64 * len(list(cached.parameters()))
 
 
 def test_a_load_recasts_the_compute_copies_and_a_cast_model_is_refused() -> None:
