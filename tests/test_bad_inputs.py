@@ -180,6 +180,29 @@ CASES = [
      RuntimeError, "works only while a function decorated with gradient_cache.optimize runs"),
     ("the decorator without parentheses", "gradient_cache.optimize(lambda: None)", TypeError,
      "write @gradient_cache.optimize() or"),
+    # --- offload_parameters (the weights on the host)
+    ("the weights without the state", "EngineConfig(offload_parameters=True)", ValueError,
+     "offload_parameters=True needs offload_optimizer_state=True"),
+    ("the weights without the fused step",
+     "gradient_cache.optimize(offload_optimizer_state=True, offload_parameters=True, "
+     "fused_step=False)", ValueError, "offload_optimizer_state=True needs fused_step=True"),
+    ("a model without blocks",
+     "create_gradient_cache(model(), offload_optimizer_state=True, offload_parameters=True)",
+     ValueError, "found no blocks in Linear"),
+    ("blocks named wrong",
+     "create_gradient_cache(torch.nn.Sequential(model(), model()), offload_optimizer_state=True, "
+     "offload_parameters=True, parameter_blocks='layers')", ValueError,
+     "parameter_blocks='layers' names no module of Sequential"),
+    ("the weights with exclude_layers",
+     "create_gradient_cache(torch.nn.Sequential(model(), model()), exclude_layers=['0.'], "
+     "offload_optimizer_state=True, offload_parameters=True)", ValueError,
+     "cannot be combined with offload_parameters=True"),
+    ("a parameter viewing a larger tensor",
+     "m = torch.nn.Sequential(model(), model()); m[0].bias = torch.nn.Parameter(torch.zeros(8)[:4]); "
+     "create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True)",
+     ValueError, "'0.bias': it is a view of a larger tensor"),
+    ("a compute dtype without the weights", "EngineConfig(compute_dtype=torch.bfloat16)",
+     ValueError, "acts only with offload_parameters=True"),
 ]  # fmt: skip
 
 
