@@ -1186,6 +1186,20 @@ MUTANTS = [
         "        with self.cuda.stream(self.restore_stream):\n            for out, host in pairs:\n",
         "tests/test_parameters_offload.py::test_every_weight_copy_is_ordered_on_the_stand_in_streams",
     ),
+    (
+        "demo accounting: a resized weight counts at its storage's size now",
+        "gradient_cache/demo/accounting.py",
+        "        self._follow_resized_weights()\n",
+        "",
+        "tests/test_accounting.py::test_weights_on_the_host_count_only_while_they_are_on_the_device",
+    ),
+    (
+        "demo accounting: the weights' masters are host memory",
+        "gradient_cache/engine/figures.py",
+        "            *(() if weights is None else weights.masters()),\n",
+        "",
+        "tests/test_accounting.py::test_weights_on_the_host_count_only_while_they_are_on_the_device",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

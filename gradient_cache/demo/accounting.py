@@ -146,11 +146,14 @@ def optimizer_state_tensors(optimizer: Optimizers | None) -> Iterator[torch.Tens
                     yield from plain_tensors(value)
 
 
-def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, TensorSource]:
-    """(host tensors, device scratch tensors) of a GradientCacheHookManager.
+def cache_tensors(
+    cache: GradientCacheHookManager,
+) -> tuple[TensorSource, TensorSource, TensorSource]:
+    """(host tensors, device scratch tensors, device weights) of a GradientCacheHookManager.
 
-    Host: the cached payloads and the error-feedback residuals kept on the host.
-    Scratch: the codecs' reusable buffers.
+    Host: the cached payloads, the error-feedback residuals kept on the host, the optimizer
+    state's host copies and the weights' masters. Scratch: the codecs' reusable buffers.
+    Weights: the weights' device tensors (``offload_parameters``), resized in place.
     """
 
     def host() -> tuple[torch.Tensor, ...]:
@@ -159,7 +162,10 @@ def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, Tensor
     def scratch() -> tuple[torch.Tensor, ...]:
         return cache.cache_tensors().scratch
 
-    return host, scratch
+    def weights() -> tuple[torch.Tensor, ...]:
+        return cache.cache_tensors().weights
+
+    return host, scratch, weights
 
 
 def device_memory_meter(
@@ -170,13 +176,19 @@ def device_memory_meter(
 ) -> DeviceMemoryMeter:
     """The meter for the device ``model`` lives on; ``cache`` is its GradientCacheHookManager;
     ``optimizer`` one optimizer or several (one per parameter)."""
-    device = next(model.parameters()).device
-    host, scratch = cache_tensors(cache) if cache is not None else (_nothing, _nothing)
+    # With offload_parameters the weights are host tensors at rest: the cache knows the device.
+    engine = None if cache is None else cache.engine
+    device = next(model.parameters()).device if engine is None else engine.backend.device
+    host, scratch, weights = cache_tensors(cache) if cache is not None else (_nothing,) * 3
     if device.type == "cuda":
         return CudaMemoryMeter(device=device, host=host)
     if device.type == "cpu":
         return TensorMemoryTracker(
-            params=list(model.parameters()), optimizer=optimizer, host=host, scratch=scratch
+            params=list(model.parameters()),
+            optimizer=optimizer,
+            host=host,
+            scratch=scratch,
+            weights=weights,
         )
     raise ValueError(f"No device-memory meter for {device}; expected a cpu or cuda model.")
 
@@ -268,6 +280,10 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             operator's new output counts as host too when all its tensor inputs do (the
             store merging two payloads), as it would run on the host of a GPU machine.
         scratch: the engine's reusable device buffers (tagged like the optimizer state).
+        weights: device tensors whose storages their owner resizes in place (the cache's
+            weights with ``offload_parameters``: allocated while in use, emptied after).
+            No operator sees a storage resize, so each of these counts as parameters with
+            its storage's size at each reading, not the size it had when first seen.
     """
 
     def __init__(
@@ -277,12 +293,14 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         optimizer: Optimizers | None = None,
         host: TensorSource = _nothing,
         scratch: TensorSource = _nothing,
+        weights: TensorSource = _nothing,
     ) -> None:
         super().__init__()
         self._params = [p for p in params if p.requires_grad]
         self._optimizer = optimizer
         self._host = host
         self._scratch = scratch
+        self._weights = weights
         self._entries: dict[int, _Entry] = {}  # by id() of the live storage object
         self._host_made: set[int] = set()  # entries made from host tensors only
         self._by_category = dict.fromkeys(CATEGORIES, 0)
@@ -295,6 +313,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
 
     def __enter__(self) -> TensorMemoryTracker:
         self._tag(self._params, PARAMETERS)
+        self._tag(self._weights(), PARAMETERS)
         self._tag_state()
         self._tag_gradients()
         self._hooks = [p.register_hook(self._on_gradient) for p in self._params]
@@ -357,6 +376,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             self._max_by_category[name] = max(self._max_by_category[name], nbytes)
 
     def _measure(self, host_ids: set[int], grad_keys: set[int]) -> MemoryReading:
+        self._follow_resized_weights()
         by_category = dict(self._by_category)
         host_bytes = 0
         for key in host_ids | self._host_made:
@@ -383,6 +403,15 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             self._entries[key] = _Entry(nbytes=storage.nbytes(), category=category, ref=ref)
             self._by_category[category] += storage.nbytes()
         return key
+
+    def _follow_resized_weights(self) -> None:
+        """Count each resized weight's storage at its size now (see ``weights``)."""
+        for tensor in self._weights():
+            storage = tensor.untyped_storage()
+            entry = self._entries[self._register(tensor, PARAMETERS)]
+            if entry.nbytes != storage.nbytes():
+                self._by_category[entry.category] += storage.nbytes() - entry.nbytes
+                entry.nbytes = storage.nbytes()
 
     def _forget(self, key: int, _ref: weakref.ref[torch.UntypedStorage]) -> None:
         entry = self._entries.pop(key, None)
