@@ -298,3 +298,22 @@ def test_weights_on_the_host_count_only_while_they_are_on_the_device() -> None:
     assert after.by_category[PARAMETERS] == 0
     assert meter.peaks["step"].max_by_category[PARAMETERS] < dense_bytes(model)
     assert after.host_bytes >= 3 * dense_bytes(model)  # masters and AdamW's two moments
+
+
+def test_a_cap_raises_out_of_memory_at_the_operator_that_passes_it() -> None:
+    """The tracker holds a device cap as an allocator would: within a phase, the operator
+    after which more bytes are counted than the cap raises torch.OutOfMemoryError; up to
+    the cap nothing happens, and outside phases nothing is checked."""
+    kept = torch.empty(MIB // 4)  # 1 MiB, counted once an operator touches it
+    with TensorMemoryTracker(cap_bytes=2 * MIB) as meter:
+        kept.zero_()
+        larger = torch.empty(3 * MIB // 4 // 4)  # outside a phase: not checked
+        del larger
+        with meter.phase("under"):
+            under = torch.empty(MIB // 4 - 1024)  # 2 MiB less 4 KiB in all
+        over_the_cap = pytest.raises(torch.OutOfMemoryError, match=r"over the cap of 2\.00 MiB")
+        with over_the_cap, meter.phase("over"):
+            torch.empty(2048)  # 8 KiB more: 4 KiB over
+    del under
+    assert meter.peaks["under"].peak.device_bytes <= 2 * MIB
+    assert meter.peaks["over"].peak.device_bytes > 2 * MIB

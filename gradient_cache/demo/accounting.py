@@ -162,8 +162,12 @@ def cache_tensors(
     def scratch() -> tuple[torch.Tensor, ...]:
         return cache.cache_tensors().scratch
 
+    # A weight keeps its device tensor while the cache lives (its storage is resized, the
+    # tensor stays): read once, not before every operator.
+    held_weights = cache.cache_tensors().weights
+
     def weights() -> tuple[torch.Tensor, ...]:
-        return cache.cache_tensors().weights
+        return held_weights
 
     return host, scratch, weights
 
@@ -173,9 +177,12 @@ def device_memory_meter(
     *,
     optimizer: Optimizers | None = None,
     cache: GradientCacheHookManager | None = None,
+    cap_bytes: int | None = None,
 ) -> DeviceMemoryMeter:
     """The meter for the device ``model`` lives on; ``cache`` is its GradientCacheHookManager;
-    ``optimizer`` one optimizer or several (one per parameter)."""
+    ``optimizer`` one optimizer or several (one per parameter). ``cap_bytes``: on a CPU, the
+    tracker holds this device cap (`TensorMemoryTracker`); on CUDA the allocator holds
+    whatever cap the process set (``torch.cuda.set_per_process_memory_fraction``)."""
     # With offload_parameters the weights are host tensors at rest: the cache knows the device.
     engine = None if cache is None else cache.engine
     device = next(model.parameters()).device if engine is None else engine.backend.device
@@ -189,6 +196,7 @@ def device_memory_meter(
             host=host,
             scratch=scratch,
             weights=weights,
+            cap_bytes=cap_bytes,
         )
     raise ValueError(f"No device-memory meter for {device}; expected a cpu or cuda model.")
 
@@ -284,6 +292,10 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             weights with ``offload_parameters``: allocated while in use, emptied after).
             No operator sees a storage resize, so each of these counts as parameters with
             its storage's size at each reading, not the size it had when first seen.
+        cap_bytes: a device cap the tracker holds within phases, as a device's allocator
+            would: an operator after which more device bytes are counted raises
+            ``torch.OutOfMemoryError`` (the memory it took is not freed first, so the
+            cap is held at the granularity of one operator).
     """
 
     def __init__(
@@ -294,8 +306,10 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         host: TensorSource = _nothing,
         scratch: TensorSource = _nothing,
         weights: TensorSource = _nothing,
+        cap_bytes: int | None = None,
     ) -> None:
         super().__init__()
+        self._cap_bytes = cap_bytes
         self._params = [p for p in params if p.requires_grad]
         self._optimizer = optimizer
         self._host = host
@@ -351,7 +365,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             if from_host:
                 self._host_made.add(key)
         if self._in_phase:
-            self._sample(host_ids)
+            self._hold_cap(self._sample(host_ids))
         return out
 
     # --- readings -----------------------------------------------------------------
@@ -368,12 +382,22 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         self._sample(self._host_ids())
         return PhasePeak(peak=self._peak, max_by_category=self._max_by_category)
 
-    def _sample(self, host_ids: set[int]) -> None:
+    def _sample(self, host_ids: set[int]) -> MemoryReading:
         now = self._measure(host_ids, self._tag_gradients())
         if now.device_bytes > self._peak.device_bytes:
             self._peak = now
         for name, nbytes in now.by_category.items():
             self._max_by_category[name] = max(self._max_by_category[name], nbytes)
+        return now
+
+    def _hold_cap(self, now: MemoryReading) -> None:
+        """Raise as an allocator would where ``now`` is past the device cap."""
+        if self._cap_bytes is not None and now.device_bytes > self._cap_bytes:
+            raise torch.OutOfMemoryError(
+                f"{now.device_bytes / MIB:.2f} MiB of device memory accounted, "
+                f"{now.device_bytes - self._cap_bytes:_} bytes over the cap of "
+                f"{self._cap_bytes / MIB:.2f} MiB"
+            )
 
     def _measure(self, host_ids: set[int], grad_keys: set[int]) -> MemoryReading:
         self._follow_resized_weights()
