@@ -315,6 +315,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         self._host = host
         self._scratch = scratch
         self._weights = weights
+        self._resized: list[torch.UntypedStorage] = []  # the weights' storages, while entered
         self._entries: dict[int, _Entry] = {}  # by id() of the live storage object
         self._host_made: set[int] = set()  # entries made from host tensors only
         self._by_category = dict.fromkeys(CATEGORIES, 0)
@@ -328,6 +329,8 @@ class TensorMemoryTracker(DeviceMemoryMeter):
     def __enter__(self) -> TensorMemoryTracker:
         self._tag(self._params, PARAMETERS)
         self._tag(self._weights(), PARAMETERS)
+        # Held: a storage object kept alive keeps its id, which keys its entry.
+        self._resized = [t.untyped_storage() for t in self._weights()]
         self._tag_state()
         self._tag_gradients()
         self._hooks = [p.register_hook(self._on_gradient) for p in self._params]
@@ -339,6 +342,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._resized = []
 
     @contextlib.contextmanager
     def opaque(self) -> Iterator[None]:
@@ -430,9 +434,8 @@ class TensorMemoryTracker(DeviceMemoryMeter):
 
     def _follow_resized_weights(self) -> None:
         """Count each resized weight's storage at its size now (see ``weights``)."""
-        for tensor in self._weights():
-            storage = tensor.untyped_storage()
-            entry = self._entries[self._register(tensor, PARAMETERS)]
+        for storage in self._resized:
+            entry = self._entries[id(storage)]
             if entry.nbytes != storage.nbytes():
                 self._by_category[entry.category] += storage.nbytes() - entry.nbytes
                 entry.nbytes = storage.nbytes()

@@ -69,12 +69,8 @@ def format_table(result: DemoResult) -> str:
         "optimizer state included. Peak RSS: each run's own process.",
         f"Train loss: mean of the last {min(settings.steps, FINAL_LOSS_STEPS)} steps. "
         "Step time: median over "
-        + ("every step." if plain.timed_steps == measured else "the steps not measured for memory.")
         + (
-            " The runs under the cap are measured on every step (the tracker holds the cap), "
-            "so their step times include the tracker's slowdown."
-            if result.cap_bytes is not None and settings.device.type == "cpu"
-            else ""
+            "every step." if plain.timed_steps == measured else "the steps not measured for memory."
         ),
         *cap_notes(result),
     ]
@@ -106,8 +102,8 @@ def cap_notes(result: DemoResult) -> list[str]:
     where = (
         "torch.cuda.set_per_process_memory_fraction"
         if result.settings.device.type == "cuda"
-        else "on a CPU the device is accounted, not real: the tracker raises out-of-memory "
-        "past the cap, as a GPU's allocator would"
+        else "on a CPU the device is accounted, not real: on the steps it measures, the "
+        "tracker raises out-of-memory past the cap, as a GPU's allocator would"
     )
     under = result.plain_under_cap
     return [
@@ -232,6 +228,9 @@ def write_plot(result: DemoResult, path: Path) -> None:
             f"{run.name}: peak {run.peak_device_bytes / result.cap_bytes:.2f}x the cap"
             for run in result.runs
         ]
+        under = result.plain_under_cap
+        if under is not None and under.out_of_memory is not None:
+            savings.append(f"{under.name}: out of memory ({under.out_of_memory.split(':')[0]})")
     memory_axes.text(
         0.5,
         0.98,

@@ -112,9 +112,8 @@ SCENARIOS = {
             "AdamW holds (weights, gradients, two moments): plain runs out of memory under "
             "the cap, the cache with the weights and the optimizer state on the host "
             "(offload_parameters) trains under it, bit for bit with plain run uncapped",
-            # "bytes": 99% of its weights in its blocks, which stream a block at a time;
-            # about 20 s on a 2-core CPU, each capped step measured (the tracker holds the
-            # cap). On CUDA "bytes-xl": the allocator's overheads need a cap of a GiB.
+            # "bytes": 99% of its weights in its blocks, which stream a block at a time.
+            # On CUDA "bytes-xl": the allocator's overheads need a cap of a GiB.
             model_size="bytes",
             cuda_model_size="bytes-xl",
             steps=10,
@@ -392,10 +391,9 @@ def _reply(sender: Connection, function: Callable[..., RunResult], *args: Any) -
     sender.send_bytes(pickle.dumps(reply))
 
 
-def measured_steps(steps: int, device: torch.device, *, capped: bool = False) -> list[int]:
-    """The 1-based steps whose memory is measured: all on CUDA, a spread few on the CPU;
-    all under a device cap, which the CPU's tracker holds on the steps it measures."""
-    if device.type == "cuda" or capped or steps <= CPU_MEASURED_STEPS:
+def measured_steps(steps: int, device: torch.device) -> list[int]:
+    """The 1-based steps whose memory is measured: all on CUDA, a spread few on the CPU."""
+    if device.type == "cuda" or steps <= CPU_MEASURED_STEPS:
         return list(range(1, steps + 1))
     last = CPU_MEASURED_STEPS - 1
     return sorted({1 + round(i * (steps - 1) / last) for i in range(CPU_MEASURED_STEPS)})
@@ -448,7 +446,7 @@ def _train(variant: Variant, settings: DemoSettings) -> RunResult:
             model, optimizer, manager, batches, fused=True, keep_logits=True, phase=phase
         )
 
-    measured = measured_steps(settings.steps, device, capped=cap_bytes is not None)
+    measured = measured_steps(settings.steps, device)
     losses, seconds, memory = [], [], []
     out_of_memory = None
     bar = ProgressBar(name, settings.steps, stream=sys.stderr)
