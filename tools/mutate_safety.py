@@ -1200,6 +1200,13 @@ MUTANTS = [
         "",
         "tests/test_accounting.py::test_weights_on_the_host_count_only_while_they_are_on_the_device",
     ),
+    (
+        "demo accounting: the tracker holds a device cap",
+        "gradient_cache/demo/accounting.py",
+        "            self._hold_cap(self._sample(host_ids))\n",
+        "            self._sample(host_ids)\n",
+        "tests/test_accounting.py::test_a_cap_raises_out_of_memory_at_the_operator_that_passes_it",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -489,6 +489,10 @@ def _train(variant: Variant, settings: DemoSettings) -> RunResult:
             process_rss_mb=process_rss_mb(), peak_rss_mb=_peak_rss_bytes() / MIB,
             summary=None, weights={}, out_of_memory=out_of_memory,
         )  # fmt: skip
+    # Evaluated and copied out before the cache closes: closing brings weights kept on the
+    # host back to the device, where a capped GPU has no room for them all.
+    val_loss = _evaluate(model, val_batches, device)
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     summary, state_bytes, weight_bytes = None, 0, 0
     if manager is not None:
         summary = manager.get_compression_summary()
@@ -503,11 +507,11 @@ def _train(variant: Variant, settings: DemoSettings) -> RunResult:
         step_seconds=seconds,
         timed_steps=unmeasured or measured,
         memory=memory,
-        val_loss=_evaluate(model, val_batches, device),
+        val_loss=val_loss,
         process_rss_mb=process_rss_mb(),
         peak_rss_mb=_peak_rss_bytes() / MIB,
         summary=summary,
-        weights={k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        weights=weights,
         offloaded_state_bytes=state_bytes,
         offloaded_weight_bytes=weight_bytes,
     )
