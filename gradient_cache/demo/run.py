@@ -1,12 +1,15 @@
-"""The `gradient-cache demo` comparison: one model trained three or four ways from one seed.
+"""The `gradient-cache demo` comparison: one model trained several ways from one seed.
 
 Plain PyTorch, the cache lossless (ratio 1), the cache at a chosen ratio and, in the
 memory-bound scenario, the cache lossless with the optimizer state in host memory too
 (`offload_optimizer_state`) train the
 built-in TinyGPT on the embedded byte corpus from the same initial weights and batches,
-in one of two scenarios (`SCENARIOS`): "memory-bound" (the default: activation
-checkpointing and gradient accumulation, where gradients are part of the peak) or
-"activations" (neither: activations set the peak before any gradient exists).
+in one of three scenarios (`SCENARIOS`): "memory-bound" (the default: activation
+checkpointing and gradient accumulation, where gradients are part of the peak),
+"activations" (neither: activations set the peak before any gradient exists) or
+"larger-than-device" (a device capped at the model's fp32 weights: plain PyTorch under the
+cap and without it, and the cache lossless with the weights and the state on the host,
+`offload_parameters`, under it; `variants`).
 Each run records its loss and time per step and, per phase of a step (forward, backward,
 optimizer), device memory: on CUDA from the caching allocator on every step; on the CPU
 from `gradient_cache.demo.accounting`'s tensor tracker on a few designated steps only, because
@@ -111,7 +114,7 @@ SCENARIOS = {
             summary="the device capped at the model's fp32 weights, a quarter of what plain "
             "AdamW holds (weights, gradients, two moments): plain runs out of memory under "
             "the cap, the cache with the weights and the optimizer state on the host "
-            "(offload_parameters) trains under it, bit for bit with plain run uncapped",
+            "(offload_parameters) trains under it, bit for bit with plain PyTorch uncapped",
             # "bytes": 99% of its weights in its blocks, which stream a block at a time.
             # On CUDA "bytes-xl": the allocator's overheads need a cap of a GiB.
             model_size="bytes",
@@ -120,7 +123,7 @@ SCENARIOS = {
             cap_to_weights=True,
             # Small next to the cap: the step holds two buckets of weights, gradients and
             # AdamW's two moments (the library's choice here, an eighth of the model, would
-            # take 80% of the cap).
+            # take 83% of the cap).
             bucket_size_mb=1.0,
         ),
     )
