@@ -167,3 +167,24 @@ def test_the_default_model_is_the_devices(capsys: pytest.CaptureFixture[str]) ->
     assert (
         demo_run.SCENARIOS["memory-bound"].default_model_size(torch.device("cuda", 0)) == "medium"
     )
+
+
+def test_on_cuda_the_cap_is_the_allocators_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA cap is the share of the device the cap is, set after the allocator returned
+    its cached blocks (the weights the cache just took off the device). torch.cuda is stood
+    in for: this machine has no GPU; the demo's run on one is the real test."""
+    calls: list[tuple[str, object]] = []
+
+    class Properties:
+        total_memory = 100 * MIB
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache", None)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_per_process_memory_fraction",
+        lambda fraction, device: calls.append(("fraction", (fraction, device))),
+    )
+    device = torch.device("cuda", 1)
+    demo_run.hold_cuda_cap(device, 25 * MIB)
+    assert calls == [("empty_cache", None), ("fraction", (0.25, device))]
