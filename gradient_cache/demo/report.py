@@ -249,8 +249,9 @@ def write_plot(result: DemoResult, path: Path) -> None:
         ylabel="MiB",
         xlim=(0, len(PHASES)),
     )
-    # Head room above the highest peak for the savings' box.
-    memory_axes.set_ylim(0, 1.3 * max(run.peak_device_bytes for run in result.runs) / MIB)
+    # Head room above the highest peak for the savings' box (twice the lines with a cap).
+    head_room = 1.3 if result.cap_bytes is None else 1.5
+    memory_axes.set_ylim(0, head_room * max(run.peak_device_bytes for run in result.runs) / MIB)
     loss_axes.set(
         title="Training loss per step (marker: validation loss at the end)",
         xlabel="step",
