@@ -15,7 +15,14 @@ import torch
 from .codecs import CODEC_NAMES
 from .demo.models import GPT_SIZES
 from .demo.report import check_matplotlib, format_table, report_dict, write_json, write_plot
-from .demo.run import DEFAULT_SCENARIO, LEARNING_RATE, SCENARIOS, DemoSettings, run_demo
+from .demo.run import (
+    DEFAULT_SCENARIO,
+    LEARNING_RATE,
+    SCENARIOS,
+    DemoSettings,
+    DeviceCapExceeded,
+    run_demo,
+)
 from .engine.budget import MemoryBudget, MemoryBudgetError
 from .engine.config import DEFAULT_COMPRESSION_RATIO, EngineConfig
 from .engine.hostmem import HostMemoryError
@@ -65,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _demo(args, device=device, out=out)
     except HostMemoryError as error:  # it names the figures and the option that lowers them
         return _fail(str(error))
+    except DeviceCapExceeded as error:
+        return _fail(str(error))
     except KeyboardInterrupt:
         return _fail("interrupted", status=130)
 
@@ -77,7 +86,8 @@ def _fail(message: str, *, status: int = 1) -> int:
 def _demo(args: argparse.Namespace, *, device: torch.device, out: Path) -> int:
     scenario = SCENARIOS[args.scenario]
     args.steps = scenario.steps if args.steps is None else args.steps
-    args.model_size = scenario.model_size if args.model_size is None else args.model_size
+    if args.model_size is None:
+        args.model_size = scenario.default_model_size(device)
     settings = DemoSettings(
         steps=args.steps,
         ratio=args.ratio,
@@ -92,7 +102,29 @@ def _demo(args: argparse.Namespace, *, device: torch.device, out: Path) -> int:
     write_plot(result, out / "report.png")
     print(format_table(result))
     print(f"\nWrote {out / 'report.json'} and {out / 'report.png'}.")
-    return check_lossless(report["lossless_max_abs_weight_diff"], report["plain_again"])
+    lossless = check_lossless(report["lossless_max_abs_weight_diff"], report["plain_again"])
+    return max(lossless, check_device_cap(report.get("device_cap")))
+
+
+def check_device_cap(cap: dict[str, Any] | None) -> int:
+    """Say how the runs met the scenario's device cap (`report_dict`'s ``device_cap``; None:
+    no cap, nothing to say); 1 if plain PyTorch fitted under it, or the cache did not."""
+    if cap is None:
+        return 0
+    plain, cache = cap["peak_over_cap"].values()  # plain uncapped, the cache under the cap
+    if cap["plain_under_cap_out_of_memory"] is None or plain <= 1:
+        return _fail(
+            f"plain PyTorch trained under the {cap['mb']:.1f} MiB device cap (its peak "
+            f"uncapped: {plain:.2f}x the cap), so the scenario shows nothing; please report "
+            "this, with the command line."
+        )
+    if cache > 1:
+        return _fail(f"the cache's peak was {cache:.2f}x the {cap['mb']:.1f} MiB device cap.")
+    print(
+        f"Under a {cap['mb']:.1f} MiB device cap plain PyTorch ran out of memory (it needs "
+        f"{plain:.1f}x the cap); the cache trained under it (its peak {cache:.0%} of the cap)."
+    )
+    return 0
 
 
 def check_lossless(difference: float, plain_again: dict[str, float] | None = None) -> int:
@@ -145,7 +177,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         description=(
             "Train the built-in TinyGPT on an embedded byte corpus (nothing is downloaded) "
             "three ways from the same seed and batches: plain PyTorch, the gradient cache "
-            "lossless (ratio 1) and at --ratio. Prints a table and writes report.json and "
+            "lossless (ratio 1) and at --ratio (--scenario larger-than-device: plain under a "
+            "device cap and without it, and the cache with the weights and the optimizer "
+            "state on the host under the cap). Prints a table and writes report.json and "
             "report.png to --out."
         ),
     )
@@ -163,7 +197,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         help="compression ratio of the third run, a number >= 1 (default: the library's, "
         f"{DEFAULT_COMPRESSION_RATIO:g})",
     )
-    sizes = ", ".join(f"{s.model_size} for {s.name}" for s in SCENARIOS.values())
+    sizes = ", ".join(
+        f"{s.model_size} for {s.name}"
+        + ("" if s.cuda_model_size is None else f" ({s.cuda_model_size} on CUDA)")
+        for s in SCENARIOS.values()
+    )
     demo.add_argument(
         "--model-size",
         choices=sorted(GPT_SIZES),

@@ -21,6 +21,7 @@ from gradient_cache.demo.accounting import (
     device_memory_meter,
     storage_bytes,
 )
+from gradient_cache.demo.models import GPTConfig, TinyGPT
 
 MIB = 2**20
 
@@ -257,3 +258,62 @@ def test_one_optimizer_per_parameter_counts_as_one() -> None:
     with device_memory_meter(model, optimizer=optimizers) as meter:
         state = meter.reading().by_category[OPTIMIZER_STATE]
     assert state == 2 * dense_bytes(model) + 4 * len(optimizers)
+
+
+def test_weights_on_the_host_count_only_while_they_are_on_the_device() -> None:
+    """offload_parameters: the masters are host memory, and a weight's device tensor holds
+    memory only between its storage's refill and its emptying (resizes no operator sees).
+    At each block's start and end, and after the step, the tracker counts as parameters
+    exactly what the cache's weights say the device holds."""
+    config = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2)
+    torch.manual_seed(0)
+    model = TinyGPT(config, activation_checkpointing=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    cache = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, offload_optimizer_state=True, offload_parameters=True
+    )
+    weights = cache.engine.optimizer_state.weights
+    tokens = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        model(tokens, tokens)[1].backward()
+        cache.step(optimizer)
+        optimizer.zero_grad()
+
+    step()  # the optimizer state exists from here on
+    seen: list[tuple[int, int]] = []
+    with device_memory_meter(model, optimizer=optimizer, cache=cache) as meter:
+
+        def compare(*_: object) -> None:
+            seen.append((meter.reading().by_category[PARAMETERS], weights.device_bytes()))
+
+        for block in model.blocks:
+            block.register_forward_pre_hook(compare)
+            block.register_forward_hook(compare)
+        with meter.phase("step"):
+            step()
+        after = meter.reading()
+    counted, held = zip(*seen, strict=True)
+    assert counted == held and max(held) > 0
+    assert after.by_category[PARAMETERS] == 0
+    assert meter.peaks["step"].max_by_category[PARAMETERS] < dense_bytes(model)
+    assert after.host_bytes >= 3 * dense_bytes(model)  # masters and AdamW's two moments
+
+
+def test_a_cap_raises_out_of_memory_at_the_operator_that_passes_it() -> None:
+    """The tracker holds a device cap as an allocator would: within a phase, the operator
+    after which more bytes are counted than the cap raises torch.OutOfMemoryError; up to
+    the cap nothing happens, and outside phases nothing is checked."""
+    kept = torch.empty(MIB // 4)  # 1 MiB, counted once an operator touches it
+    with TensorMemoryTracker(cap_bytes=2 * MIB) as meter:
+        kept.zero_()
+        larger = torch.empty(3 * MIB // 4 // 4)  # outside a phase: not checked
+        del larger
+        with meter.phase("under"):
+            under = torch.empty(MIB // 4 - 1024)  # 2 MiB less 4 KiB in all
+        over_the_cap = pytest.raises(torch.OutOfMemoryError, match=r"over the cap of 2\.00 MiB")
+        with over_the_cap, meter.phase("over"):
+            torch.empty(2048)  # 8 KiB more: 4 KiB over
+    del under
+    assert meter.peaks["under"].peak.device_bytes <= 2 * MIB
+    assert meter.peaks["over"].peak.device_bytes > 2 * MIB

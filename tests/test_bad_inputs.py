@@ -198,7 +198,8 @@ CASES = [
      "offload_optimizer_state=True, offload_parameters=True)", ValueError,
      "cannot be combined with offload_parameters=True"),
     ("a parameter viewing a larger tensor",
-     "m = torch.nn.Sequential(model(), model()); m[0].bias = torch.nn.Parameter(torch.zeros(8)[:4]); "
+     "m = torch.nn.Sequential(model(), model()); "
+     "m[0].bias = torch.nn.Parameter(torch.zeros(8)[:4]); "
      "create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True)",
      ValueError, "'0.bias': it is a view of a larger tensor"),
     ("a compute dtype without the weights", "EngineConfig(compute_dtype=torch.bfloat16)",

@@ -281,14 +281,12 @@ def test_a_second_plain_run_is_made_only_when_the_lossless_run_differs(
     final = {"plain": 1.0, "cache r=1": 1.5 if lossless_differs else 1.0, "plain, again": 1.5}
     started = []
 
-    def in_process(
-        function, name: str, ratio: float | None, state_on_host: bool, settings
-    ) -> demo_run.RunResult:
-        started.append(name)
+    def in_process(function, variant: demo_run.Variant, settings) -> demo_run.RunResult:
+        started.append(variant.name)
         return demo_run.RunResult(
-            name=name, ratio=ratio, losses=[], step_seconds=[], timed_steps=[], memory=[],
-            val_loss=0.0, process_rss_mb=0.0, peak_rss_mb=0.0, summary=None,
-            weights={"w": torch.full((2,), final.get(name, 2.0))},
+            name=variant.name, ratio=variant.ratio, losses=[], step_seconds=[], timed_steps=[],
+            memory=[], val_loss=0.0, process_rss_mb=0.0, peak_rss_mb=0.0, summary=None,
+            weights={"w": torch.full((2,), final.get(variant.name, 2.0))},
         )  # fmt: skip
 
     monkeypatch.setattr(demo_run, "_in_fresh_process", in_process)

@@ -1228,6 +1228,27 @@ MUTANTS = [
         "            in_place=None,\n",
         "tests/test_parameters_offload.py::test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit",
     ),
+    (
+        "demo accounting: a resized weight counts at its storage's size now",
+        "gradient_cache/demo/accounting.py",
+        "        self._follow_resized_weights()\n",
+        "",
+        "tests/test_accounting.py::test_weights_on_the_host_count_only_while_they_are_on_the_device",
+    ),
+    (
+        "demo accounting: the weights' masters are host memory",
+        "gradient_cache/engine/figures.py",
+        "            *(() if weights is None else weights.masters()),\n",
+        "",
+        "tests/test_accounting.py::test_weights_on_the_host_count_only_while_they_are_on_the_device",
+    ),
+    (
+        "demo accounting: the tracker holds a device cap",
+        "gradient_cache/demo/accounting.py",
+        "            self._hold_cap(self._sample(host_ids))\n",
+        "            self._sample(host_ids)\n",
+        "tests/test_accounting.py::test_a_cap_raises_out_of_memory_at_the_operator_that_passes_it",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

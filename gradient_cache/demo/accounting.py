@@ -146,11 +146,14 @@ def optimizer_state_tensors(optimizer: Optimizers | None) -> Iterator[torch.Tens
                     yield from plain_tensors(value)
 
 
-def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, TensorSource]:
-    """(host tensors, device scratch tensors) of a GradientCacheHookManager.
+def cache_tensors(
+    cache: GradientCacheHookManager,
+) -> tuple[TensorSource, TensorSource, TensorSource]:
+    """(host tensors, device scratch tensors, device weights) of a GradientCacheHookManager.
 
-    Host: the cached payloads and the error-feedback residuals kept on the host.
-    Scratch: the codecs' reusable buffers.
+    Host: the cached payloads, the error-feedback residuals kept on the host, the optimizer
+    state's host copies and the weights' masters. Scratch: the codecs' reusable buffers.
+    Weights: the weights' device tensors (``offload_parameters``), resized in place.
     """
 
     def host() -> tuple[torch.Tensor, ...]:
@@ -159,7 +162,14 @@ def cache_tensors(cache: GradientCacheHookManager) -> tuple[TensorSource, Tensor
     def scratch() -> tuple[torch.Tensor, ...]:
         return cache.cache_tensors().scratch
 
-    return host, scratch
+    # A weight keeps its device tensor while the cache lives (its storage is resized, the
+    # tensor stays): read once, not before every operator.
+    held_weights = cache.cache_tensors().weights
+
+    def weights() -> tuple[torch.Tensor, ...]:
+        return held_weights
+
+    return host, scratch, weights
 
 
 def device_memory_meter(
@@ -167,16 +177,26 @@ def device_memory_meter(
     *,
     optimizer: Optimizers | None = None,
     cache: GradientCacheHookManager | None = None,
+    cap_bytes: int | None = None,
 ) -> DeviceMemoryMeter:
     """The meter for the device ``model`` lives on; ``cache`` is its GradientCacheHookManager;
-    ``optimizer`` one optimizer or several (one per parameter)."""
-    device = next(model.parameters()).device
-    host, scratch = cache_tensors(cache) if cache is not None else (_nothing, _nothing)
+    ``optimizer`` one optimizer or several (one per parameter). ``cap_bytes``: on a CPU, the
+    tracker holds this device cap (`TensorMemoryTracker`); on CUDA the allocator holds
+    whatever cap the process set (``torch.cuda.set_per_process_memory_fraction``)."""
+    # With offload_parameters the weights are host tensors at rest: the cache knows the device.
+    engine = None if cache is None else cache.engine
+    device = next(model.parameters()).device if engine is None else engine.backend.device
+    host, scratch, weights = cache_tensors(cache) if cache is not None else (_nothing,) * 3
     if device.type == "cuda":
         return CudaMemoryMeter(device=device, host=host)
     if device.type == "cpu":
         return TensorMemoryTracker(
-            params=list(model.parameters()), optimizer=optimizer, host=host, scratch=scratch
+            params=list(model.parameters()),
+            optimizer=optimizer,
+            host=host,
+            scratch=scratch,
+            weights=weights,
+            cap_bytes=cap_bytes,
         )
     raise ValueError(f"No device-memory meter for {device}; expected a cpu or cuda model.")
 
@@ -268,6 +288,14 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             operator's new output counts as host too when all its tensor inputs do (the
             store merging two payloads), as it would run on the host of a GPU machine.
         scratch: the engine's reusable device buffers (tagged like the optimizer state).
+        weights: device tensors whose storages their owner resizes in place (the cache's
+            weights with ``offload_parameters``: allocated while in use, emptied after).
+            No operator sees a storage resize, so each of these counts as parameters with
+            its storage's size at each reading, not the size it had when first seen.
+        cap_bytes: a device cap the tracker holds within phases, as a device's allocator
+            would: an operator after which more device bytes are counted raises
+            ``torch.OutOfMemoryError`` (the memory it took is not freed first, so the
+            cap is held at the granularity of one operator).
     """
 
     def __init__(
@@ -277,12 +305,17 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         optimizer: Optimizers | None = None,
         host: TensorSource = _nothing,
         scratch: TensorSource = _nothing,
+        weights: TensorSource = _nothing,
+        cap_bytes: int | None = None,
     ) -> None:
         super().__init__()
+        self._cap_bytes = cap_bytes
         self._params = [p for p in params if p.requires_grad]
         self._optimizer = optimizer
         self._host = host
         self._scratch = scratch
+        self._weights = weights
+        self._resized: list[torch.UntypedStorage] = []  # the weights' storages, while entered
         self._entries: dict[int, _Entry] = {}  # by id() of the live storage object
         self._host_made: set[int] = set()  # entries made from host tensors only
         self._by_category = dict.fromkeys(CATEGORIES, 0)
@@ -295,6 +328,9 @@ class TensorMemoryTracker(DeviceMemoryMeter):
 
     def __enter__(self) -> TensorMemoryTracker:
         self._tag(self._params, PARAMETERS)
+        self._tag(self._weights(), PARAMETERS)
+        # Held: a storage object kept alive keeps its id, which keys its entry.
+        self._resized = [t.untyped_storage() for t in self._weights()]
         self._tag_state()
         self._tag_gradients()
         self._hooks = [p.register_hook(self._on_gradient) for p in self._params]
@@ -306,6 +342,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._resized = []
 
     @contextlib.contextmanager
     def opaque(self) -> Iterator[None]:
@@ -332,7 +369,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             if from_host:
                 self._host_made.add(key)
         if self._in_phase:
-            self._sample(host_ids)
+            self._hold_cap(self._sample(host_ids))
         return out
 
     # --- readings -----------------------------------------------------------------
@@ -349,14 +386,25 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         self._sample(self._host_ids())
         return PhasePeak(peak=self._peak, max_by_category=self._max_by_category)
 
-    def _sample(self, host_ids: set[int]) -> None:
+    def _sample(self, host_ids: set[int]) -> MemoryReading:
         now = self._measure(host_ids, self._tag_gradients())
         if now.device_bytes > self._peak.device_bytes:
             self._peak = now
         for name, nbytes in now.by_category.items():
             self._max_by_category[name] = max(self._max_by_category[name], nbytes)
+        return now
+
+    def _hold_cap(self, now: MemoryReading) -> None:
+        """Raise as an allocator would where ``now`` is past the device cap."""
+        if self._cap_bytes is not None and now.device_bytes > self._cap_bytes:
+            raise torch.OutOfMemoryError(
+                f"{now.device_bytes / MIB:.2f} MiB of device memory accounted, "
+                f"{now.device_bytes - self._cap_bytes:_} bytes over the cap of "
+                f"{self._cap_bytes / MIB:.2f} MiB"
+            )
 
     def _measure(self, host_ids: set[int], grad_keys: set[int]) -> MemoryReading:
+        self._follow_resized_weights()
         by_category = dict(self._by_category)
         host_bytes = 0
         for key in host_ids | self._host_made:
@@ -383,6 +431,14 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             self._entries[key] = _Entry(nbytes=storage.nbytes(), category=category, ref=ref)
             self._by_category[category] += storage.nbytes()
         return key
+
+    def _follow_resized_weights(self) -> None:
+        """Count each resized weight's storage at its size now (see ``weights``)."""
+        for storage in self._resized:
+            entry = self._entries[id(storage)]
+            if entry.nbytes != storage.nbytes():
+                self._by_category[entry.category] += storage.nbytes() - entry.nbytes
+                entry.nbytes = storage.nbytes()
 
     def _forget(self, key: int, _ref: weakref.ref[torch.UntypedStorage]) -> None:
         entry = self._entries.pop(key, None)

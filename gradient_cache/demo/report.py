@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..stats import MIB
-from .run import FINAL_LOSS_STEPS, DemoResult, RunResult
+from .run import FINAL_LOSS_STEPS, PLAIN_UNDER_CAP, DemoResult, RunResult
 from .training import PHASES
 
 MATPLOTLIB_MISSING = (
@@ -63,12 +63,7 @@ def format_table(result: DemoResult) -> str:
         )
         + ". Peak device memory falls only where gradients were part of it: the cache takes "
         "them off the device during backward, and its fused step restores one bucket at a time"
-        + (
-            "; with the state on host, the AdamW state is in host memory too, on the device a "
-            "bucket's at a time at the step (what it offloads counts both)."
-            if len(result.runs) > 3
-            else "."
-        ),
+        + _offload_note(result),
         "Gradients offloaded: dense bytes taken off the device each step; host held: what "
         "they take there after the last step, error-feedback residuals and a host-held "
         "optimizer state included. Peak RSS: each run's own process.",
@@ -77,8 +72,56 @@ def format_table(result: DemoResult) -> str:
         + (
             "every step." if plain.timed_steps == measured else "the steps not measured for memory."
         ),
+        *cap_notes(result),
     ]
     return "\n".join(rows + notes)
+
+
+def _offload_note(result: DemoResult) -> str:
+    """The end of the note on what lowers the peak: what the scenario's last run offloads."""
+    if result.cap_bytes is not None:
+        return (
+            "; with the weights and the state on host, the device holds about two blocks' "
+            "weights in forward and backward and two buckets' weights, gradients and AdamW "
+            "state at the step (what it offloads counts all three)."
+        )
+    if len(result.runs) > 3:
+        return (
+            "; with the state on host, the AdamW state is in host memory too, on the device a "
+            "bucket's at a time at the step (what it offloads counts both)."
+        )
+    return "."
+
+
+def cap_notes(result: DemoResult) -> list[str]:
+    """What the runs did against the scenario's device cap (none without one)."""
+    if result.cap_bytes is None:
+        return []
+    cap = result.cap_bytes
+    plain, cache = result.runs[0], result.runs[-1]
+    where = (
+        "torch.cuda.set_per_process_memory_fraction"
+        if result.settings.device.type == "cuda"
+        else "on a CPU the device is accounted, not real: on the steps it measures, the "
+        "tracker raises out-of-memory past the cap, as a GPU's allocator would"
+    )
+    under = result.plain_under_cap
+    return [
+        f"Device cap: {cap / MIB:.1f} MiB, the model's fp32 weights, from the first step "
+        f"({where}).",
+        f"{PLAIN_UNDER_CAP}: "
+        + (
+            "trained to the end: it did not run out of memory."
+            if under is None or under.out_of_memory is None
+            else f"out of memory at {under.out_of_memory}."
+        ),
+        f"{plain.name} (uncapped): peak {plain.peak_device_bytes / MIB:.1f} MiB, "
+        f"{plain.peak_device_bytes / cap:.1f}x the cap: "
+        + ("would not fit." if plain.peak_device_bytes > cap else "fits."),
+        f"{cache.name}: peak {cache.peak_device_bytes / MIB:.1f} MiB, "
+        f"{cache.peak_device_bytes / cap:.0%} of the cap: "
+        + ("fits." if cache.peak_device_bytes <= cap else "would not fit."),
+    ]
 
 
 def report_dict(result: DemoResult, *, args: dict[str, Any]) -> dict[str, Any]:
@@ -102,6 +145,20 @@ def report_dict(result: DemoResult, *, args: dict[str, Any]) -> dict[str, Any]:
         },
         "wall_seconds": result.wall_seconds,
         "runs": [_figures(result, run) | _series(run) for run in result.runs],
+    } | ({} if result.cap_bytes is None else {"device_cap": _cap_figures(result)})
+
+
+def _cap_figures(result: DemoResult) -> dict[str, Any]:
+    assert result.cap_bytes is not None  # called only with a cap
+    under = result.plain_under_cap
+    return {
+        "bytes": result.cap_bytes,
+        "mb": result.cap_bytes / MIB,
+        "plain_under_cap_out_of_memory": None if under is None else under.out_of_memory,
+        "plain_under_cap_steps_completed": None if under is None else len(under.losses),
+        "peak_over_cap": {
+            run.name: run.peak_device_bytes / result.cap_bytes for run in result.runs
+        },
     }
 
 
@@ -151,11 +208,29 @@ def write_plot(result: DemoResult, path: Path) -> None:
         )
     plain = result.runs[0]
     memory_axes.axhline(plain.peak_device_bytes / MIB, color="C0", lw=0.8, ls=":")
+    if result.cap_bytes is not None:
+        memory_axes.axhline(result.cap_bytes / MIB, color="C3", lw=1.5, ls="-.")
+        memory_axes.annotate(
+            f"device cap {result.cap_bytes / MIB:.1f} MiB",
+            (0.02, result.cap_bytes / MIB),
+            xytext=(0, 3),
+            textcoords="offset points",
+            color="C3",
+            fontsize=9,
+        )
     savings = [
         f"{run.name}: peak {(plain.peak_device_bytes - run.peak_device_bytes) / MIB:.1f} MiB "
         f"below plain's ({peak_saving_share(plain, run):.0%} of what it offloads)"
         for run in result.runs[1:]
     ]
+    if result.cap_bytes is not None:
+        savings += [
+            f"{run.name}: peak {run.peak_device_bytes / result.cap_bytes:.2f}x the cap"
+            for run in result.runs
+        ]
+        under = result.plain_under_cap
+        if under is not None and under.out_of_memory is not None:
+            savings.append(f"{under.name}: out of memory ({under.out_of_memory.split(':')[0]})")
     memory_axes.text(
         0.5,
         0.98,
@@ -174,8 +249,9 @@ def write_plot(result: DemoResult, path: Path) -> None:
         ylabel="MiB",
         xlim=(0, len(PHASES)),
     )
-    # Head room above the highest peak for the savings' box.
-    memory_axes.set_ylim(0, 1.3 * max(run.peak_device_bytes for run in result.runs) / MIB)
+    # Head room above the highest peak for the savings' box (twice the lines with a cap).
+    head_room = 1.3 if result.cap_bytes is None else 1.5
+    memory_axes.set_ylim(0, head_room * max(run.peak_device_bytes for run in result.runs) / MIB)
     loss_axes.set(
         title="Training loss per step (marker: validation loss at the end)",
         xlabel="step",
@@ -211,7 +287,8 @@ def _figures(result: DemoResult, run: RunResult) -> dict[str, Any]:
         "offloaded_state_bytes": run.offloaded_state_bytes,
         "stored_gradient_mb": summary.get("stored_gradient_mb", 0.0),
         "host_held_mb": summary.get("host_held_mb", 0.0)
-        + summary.get("optimizer_state_host_mb", 0.0),
+        + summary.get("optimizer_state_host_mb", 0.0)
+        + summary.get("parameters_host_mb", 0.0),
         "process_rss_mb": run.process_rss_mb,
         "peak_rss_mb": run.peak_rss_mb,
         "median_step_ms": run.median_step_ms,

@@ -1,12 +1,15 @@
-"""The `gradient-cache demo` comparison: one model trained three or four ways from one seed.
+"""The `gradient-cache demo` comparison: one model trained several ways from one seed.
 
 Plain PyTorch, the cache lossless (ratio 1), the cache at a chosen ratio and, in the
 memory-bound scenario, the cache lossless with the optimizer state in host memory too
 (`offload_optimizer_state`) train the
 built-in TinyGPT on the embedded byte corpus from the same initial weights and batches,
-in one of two scenarios (`SCENARIOS`): "memory-bound" (the default: activation
-checkpointing and gradient accumulation, where gradients are part of the peak) or
-"activations" (neither: activations set the peak before any gradient exists).
+in one of three scenarios (`SCENARIOS`): "memory-bound" (the default: activation
+checkpointing and gradient accumulation, where gradients are part of the peak),
+"activations" (neither: activations set the peak before any gradient exists) or
+"larger-than-device" (a device capped at the model's fp32 weights: plain PyTorch under the
+cap and without it, and the cache lossless with the weights and the state on the host,
+`offload_parameters`, under it; `variants`).
 Each run records its loss and time per step and, per phase of a step (forward, backward,
 optimizer), device memory: on CUDA from the caching allocator on every step; on the CPU
 from `gradient_cache.demo.accounting`'s tensor tracker on a few designated steps only, because
@@ -15,6 +18,7 @@ its dispatch mode slows a step down (about 1.5x on the small model, 3x on the ti
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import pickle
@@ -62,6 +66,17 @@ class Scenario:
     steps: int
     # A fourth run, lossless with the optimizer state on the host (offload_optimizer_state).
     state_run: bool = False
+    # The device capped at the model's fp32 weights (`device_cap_bytes`), from the first
+    # step: plain trains under the cap and without it (the reference), the cache lossless
+    # with the weights and the state on the host (offload_parameters) under it; no ratio run.
+    cap_to_weights: bool = False
+    bucket_size_mb: float | None = None  # the cache's; None: the library's own choice
+    cuda_model_size: str | None = None  # the default model on CUDA, where it differs
+
+    def default_model_size(self, device: torch.device) -> str:
+        if device.type == "cuda" and self.cuda_model_size is not None:
+            return self.cuda_model_size
+        return self.model_size
 
 
 SCENARIOS = {
@@ -91,10 +106,32 @@ SCENARIOS = {
             model_size="small",
             steps=50,
         ),
+        Scenario(
+            name="larger-than-device",
+            activation_checkpointing=True,
+            micro_batches=2,
+            micro_batch_size=2,
+            summary="the device capped at the model's fp32 weights, a quarter of what plain "
+            "AdamW holds (weights, gradients, two moments): plain runs out of memory under "
+            "the cap, the cache with the weights and the optimizer state on the host "
+            "(offload_parameters) trains under it, bit for bit with plain PyTorch uncapped",
+            # "bytes": 99% of its weights in its blocks, which stream a block at a time.
+            # On CUDA "bytes-xl": the allocator's overheads need a cap of a GiB.
+            model_size="bytes",
+            cuda_model_size="bytes-xl",
+            steps=10,
+            cap_to_weights=True,
+            # Small next to the cap: the step holds two buckets of weights, gradients and
+            # AdamW's two moments (the library's choice here, an eighth of the model, would
+            # take 83% of the cap).
+            bucket_size_mb=1.0,
+        ),
     )
 }
 DEFAULT_SCENARIO = "memory-bound"
 STATE_RUN = "cache r=1, state on host"
+WEIGHTS_RUN = "cache r=1, weights and state on host"
+PLAIN_UNDER_CAP = "plain, under the cap"
 BATCH_SIZE = 4  # sequences per optimizer step, in every scenario
 LEARNING_RATE = 1e-3
 VAL_BATCHES = 4
@@ -122,6 +159,49 @@ class DemoSettings:
     threads: int = field(default_factory=torch.get_num_threads)
 
 
+class DeviceCapExceeded(RuntimeError):
+    """A run that should train under the scenario's device cap ran out of memory there."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """One run of a scenario: plain PyTorch (``ratio`` None) or the cache at ``ratio``."""
+
+    name: str
+    ratio: float | None = None
+    state_on_host: bool = False  # offload_optimizer_state
+    weights_on_host: bool = False  # offload_parameters (the state on the host too)
+    capped: bool = False  # under the scenario's device cap from the first step
+
+
+def variants(settings: DemoSettings) -> tuple[list[Variant], Variant | None]:
+    """The runs of ``settings``' scenario, compared with the first (plain PyTorch), and the
+    run of plain PyTorch under the device cap, where the scenario sets one."""
+    scenario = SCENARIOS[settings.scenario]
+    if scenario.cap_to_weights:
+        cached = Variant(
+            name=WEIGHTS_RUN, ratio=1.0, state_on_host=True, weights_on_host=True, capped=True
+        )
+        return [Variant(name="plain"), cached], Variant(name=PLAIN_UNDER_CAP, capped=True)
+    runs = [
+        Variant(name="plain"),
+        Variant(name="cache r=1", ratio=1.0),
+        Variant(name=f"cache r={settings.ratio:g}", ratio=settings.ratio),
+    ]
+    if scenario.state_run:
+        runs.append(Variant(name=STATE_RUN, ratio=1.0, state_on_host=True))
+    return runs, None
+
+
+def device_cap_bytes(settings: DemoSettings) -> int | None:
+    """The scenario's device cap: the model's fp32 weights (None: no cap)."""
+    if not SCENARIOS[settings.scenario].cap_to_weights:
+        return None
+    with torch.device("meta"):  # shapes only
+        params = TinyGPT(GPT_SIZES[settings.model_size]).parameters()
+        return sum(p.numel() * p.element_size() for p in params)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepMemory:
     step: int
@@ -146,6 +226,10 @@ class RunResult:
     weights: dict[str, torch.Tensor]  # final, on the CPU; compared, not reported
     # The optimizer state's bytes in host memory (offload_optimizer_state; else 0).
     offloaded_state_bytes: int = 0
+    # The weights' masters' bytes in host memory (offload_parameters; else 0).
+    offloaded_weight_bytes: int = 0
+    # Where and how a run under the device cap ran out of memory; None: it did not.
+    out_of_memory: str | None = None
 
     @property
     def peak_device_bytes(self) -> int:
@@ -170,8 +254,11 @@ class RunResult:
 
     @property
     def offloaded_bytes(self) -> int:
-        """What the run takes off the device: its gradients, and its optimizer state."""
-        return self.offloaded_gradient_bytes + self.offloaded_state_bytes
+        """What the run takes off the device: its gradients, its optimizer state and its
+        weights, where it keeps those on the host."""
+        return (
+            self.offloaded_gradient_bytes + self.offloaded_state_bytes + self.offloaded_weight_bytes
+        )
 
 
 @dataclass(kw_only=True)
@@ -185,6 +272,9 @@ class DemoResult:
     # A second plain run, made only when the lossless run did not end bit for bit on the
     # first: it tells which of the two left the common path (see `run_demo`).
     plain_again: RunResult | None = None
+    # The scenario's device cap (`device_cap_bytes`), and plain PyTorch's run under it.
+    cap_bytes: int | None = None
+    plain_under_cap: RunResult | None = None
 
     def weight_difference(self, run: RunResult, *, plain: RunResult | None = None) -> float:
         """Largest absolute difference between ``run``'s final weights and plain's (the
@@ -202,20 +292,23 @@ def run_demo(settings: DemoSettings) -> DemoResult:
     started = time.perf_counter()
     config = GPT_SIZES[settings.model_size]
     scenario = SCENARIOS[settings.scenario]
-    variants = [
-        ("plain", None, False),
-        ("cache r=1", 1.0, False),
-        (f"cache r={settings.ratio:g}", settings.ratio, False),
-    ]
-    if scenario.state_run:
-        variants.append((STATE_RUN, 1.0, True))
-    runs = [_in_fresh_process(_train, *variant, settings) for variant in variants]
+    compared, under_cap = variants(settings)
+    # Under the cap first: what plain PyTorch does there is the question the scenario asks.
+    plain_under_cap = None if under_cap is None else _in_fresh_process(_train, under_cap, settings)
+    runs = [_in_fresh_process(_train, variant, settings) for variant in compared]
+    for run in runs:
+        if run.out_of_memory is not None:
+            raise DeviceCapExceeded(
+                f"{run.name!r} ran out of memory under the device cap of "
+                f"{device_cap_bytes(settings) or 0:_} bytes at {run.out_of_memory}; it "
+                "should train under it. Please report this, with the command line."
+            )
     # Plain PyTorch itself has ended a run on other bits than its other runs on this CPU
     # (perf/RESULTS.md, "Determinism"): when the lossless run differs from plain, a second
     # plain run says whether the cache or that first plain run left the common path.
     plain_again = None
     if weights_differ(runs[0], runs[1]):
-        plain_again = _in_fresh_process(_train, "plain, again", None, False, settings)
+        plain_again = _in_fresh_process(_train, Variant(name="plain, again"), settings)
     train_tokens, val_tokens = byte_corpus()
     with torch.device("meta"):  # shapes only: count what each run trained
         params = list(TinyGPT(config).parameters())
@@ -233,7 +326,7 @@ def run_demo(settings: DemoSettings) -> DemoResult:
             "micro_batches": scenario.micro_batches,
             "micro_batch_size": scenario.micro_batch_size,
             # The size the cache takes for this model (bucket_size_mb=None: sized from it).
-            "bucket_size_mb": EngineConfig().bucket_bytes(
+            "bucket_size_mb": EngineConfig(bucket_size_mb=scenario.bucket_size_mb).bucket_bytes(
                 sum(p.numel() * p.element_size() for p in params)
             )
             / MIB,
@@ -251,6 +344,8 @@ def run_demo(settings: DemoSettings) -> DemoResult:
         runs=runs,
         wall_seconds=time.perf_counter() - started,
         plain_again=plain_again,
+        cap_bytes=device_cap_bytes(settings),
+        plain_under_cap=plain_under_cap,
     )
 
 
@@ -307,17 +402,16 @@ def measured_steps(steps: int, device: torch.device) -> list[int]:
     return sorted({1 + round(i * (steps - 1) / last) for i in range(CPU_MEASURED_STEPS)})
 
 
-def _train(
-    name: str, ratio: float | None, state_on_host: bool, settings: DemoSettings
-) -> RunResult:
+def _train(variant: Variant, settings: DemoSettings) -> RunResult:
     """One run, in its own process: train, evaluate, and hand back figures and weights.
-    ``state_on_host``: the cache keeps the optimizer state in host memory too."""
+    A run under the device cap that runs out of memory stops there and says where."""
     # Here, not at the top: the accounting needs private torch names (._torch_private), and
     # the command line, which imports this module, must work without them.
     from .accounting import device_memory_meter
 
     torch.set_num_threads(settings.threads)
     device = settings.device
+    name = variant.name
     config = GPT_SIZES[settings.model_size]
     train_tokens, val_tokens = byte_corpus()
     val_generator = torch.Generator().manual_seed(settings.seed + 1)
@@ -332,10 +426,19 @@ def _train(
     model = TinyGPT(config, activation_checkpointing=scenario.activation_checkpointing).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     manager = None
-    if ratio is not None:
+    if variant.ratio is not None:
+        # The model is on the device when the cache is created (docs/options.md,
+        # offload_parameters); the cap holds from the first step, once the weights left.
         manager = create_gradient_cache(
-            model, compression_ratio=ratio, offload_optimizer_state=state_on_host
+            model,
+            compression_ratio=variant.ratio,
+            offload_optimizer_state=variant.state_on_host,
+            offload_parameters=variant.weights_on_host,
+            bucket_size_mb=scenario.bucket_size_mb,
         )
+    cap_bytes = device_cap_bytes(settings) if variant.capped else None
+    if cap_bytes is not None and device.type == "cuda":
+        hold_cuda_cap(device, cap_bytes)
     generator = torch.Generator().manual_seed(settings.seed)  # the same batches in every run
 
     def train(x: torch.Tensor, y: torch.Tensor, *, phase: PhaseScope = no_phase) -> torch.Tensor:
@@ -348,6 +451,7 @@ def _train(
 
     measured = measured_steps(settings.steps, device)
     losses, seconds, memory = [], [], []
+    out_of_memory = None
     bar = ProgressBar(name, settings.steps, stream=sys.stderr)
     parent = multiprocessing.parent_process()  # None when called in the main process
     for step in range(1, settings.steps + 1):
@@ -359,11 +463,19 @@ def _train(
         x, y = x.to(device), y.to(device)
         start = time.perf_counter()
         if step in measured:
-            meter = device_memory_meter(model, optimizer=optimizer, cache=manager)
-            with meter:
-                start_bytes = meter.reading().device_bytes
-                watch = PhaseWatch(meter)
-                loss = train(x, y, phase=watch)
+            meter = device_memory_meter(
+                model, optimizer=optimizer, cache=manager, cap_bytes=cap_bytes
+            )
+            watch = PhaseWatch(meter)
+            try:
+                with meter:
+                    start_bytes = meter.reading().device_bytes
+                    loss = train(x, y, phase=watch)
+            except torch.OutOfMemoryError as error:
+                if cap_bytes is None:
+                    raise
+                out_of_memory = f"step {step}, {watch.current}: {_first_line(error)}"
+                break
             phases = {name: watch.memory(name) for name in PHASES}
             memory.append(StepMemory(step=step, start_bytes=start_bytes, phases=phases))
         else:
@@ -372,26 +484,53 @@ def _train(
         seconds.append(time.perf_counter() - start)
         bar.update(step, losses[-1])
     bar.close()
-    summary, state_bytes = None, 0
+    if out_of_memory is not None:
+        # Nothing to evaluate or compare: the run stopped where the device ran out.
+        return RunResult(
+            name=name, ratio=variant.ratio, losses=losses, step_seconds=seconds,
+            timed_steps=[], memory=memory, val_loss=math.nan,
+            process_rss_mb=process_rss_mb(), peak_rss_mb=_peak_rss_bytes() / MIB,
+            summary=None, weights={}, out_of_memory=out_of_memory,
+        )  # fmt: skip
+    # Evaluated and copied out before the cache closes: closing brings weights kept on the
+    # host back to the device, where a capped GPU has no room for them all.
+    val_loss = _evaluate(model, val_batches, device)
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    summary, state_bytes, weight_bytes = None, 0, 0
     if manager is not None:
         summary = manager.get_compression_summary()
         state_bytes = round(summary["optimizer_state_host_mb"] * MIB)
+        weight_bytes = round(summary["parameters_host_mb"] * MIB)
         manager.remove_hooks()
     unmeasured = [s for s in range(1, settings.steps + 1) if s not in measured]
     return RunResult(
         name=name,
-        ratio=ratio,
+        ratio=variant.ratio,
         losses=losses,
         step_seconds=seconds,
         timed_steps=unmeasured or measured,
         memory=memory,
-        val_loss=_evaluate(model, val_batches, device),
+        val_loss=val_loss,
         process_rss_mb=process_rss_mb(),
         peak_rss_mb=_peak_rss_bytes() / MIB,
         summary=summary,
-        weights={k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+        weights=weights,
         offloaded_state_bytes=state_bytes,
+        offloaded_weight_bytes=weight_bytes,
     )
+
+
+def hold_cuda_cap(device: torch.device, cap_bytes: int) -> None:
+    """Cap what this process's CUDA allocator may reserve on ``device`` at ``cap_bytes``
+    (its cached blocks returned first, so the cap counts what is in use)."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap_bytes / total, device)
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message up to its first line's end (CUDA's runs on with advice)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 @torch.no_grad()

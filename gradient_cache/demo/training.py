@@ -122,6 +122,8 @@ class PhaseWatch:
     def __init__(self, meter: DeviceMemoryMeter) -> None:
         self.meter = meter
         self.phases: list[PhaseFigures] = []
+        #: The outer phase entered last (where an out-of-memory error is reported).
+        self.current: str | None = None
         self._micro_batch = 0
 
     @contextlib.contextmanager
@@ -131,6 +133,7 @@ class PhaseWatch:
         if name not in PHASES:
             yield
             return
+        self.current = name
         with self.meter.phase(name):
             yield
         peak, end = self.meter.peaks[name], self.meter.reading()

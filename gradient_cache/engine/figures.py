@@ -42,14 +42,19 @@ class CacheTensors:
 
     ``host``: in host memory: the cached payloads, the error-feedback residuals kept on the
     host (``residual_location="host"``), the random states kept to undo the pending step and
-    the optimizer state's host copies (``offload_optimizer_state``).
+    the optimizer state's host copies (``offload_optimizer_state``) and the weights'
+    masters (``offload_parameters``).
     ``scratch``: on the device: the codecs' reusable buffers (kept within a backward) and
     their fixed tables. ``waiting``: on the device: gradients waiting in the open bucket.
+    ``weights``: on the device (``offload_parameters``): the weights' device tensors, whose
+    storages are resized in place, so the bytes they hold now are their storages' sizes
+    now (0 while a weight is on the host), not those they had when first seen.
     """
 
     host: tuple[torch.Tensor, ...] = ()
     scratch: tuple[torch.Tensor, ...] = ()
     waiting: tuple[torch.Tensor, ...] = ()
+    weights: tuple[torch.Tensor, ...] = ()
 
 
 def describe(
@@ -77,13 +82,16 @@ def cache_tensors(pipeline: Pipeline) -> CacheTensors:
     residual_tensors = [*residuals.current().values(), *residuals.pending().values()]
     on_host = pipeline.config.residual_options.residual_location == "host"
     states = pipeline.optimizer_state
+    weights = None if states is None else states.weights
     return CacheTensors(
         host=(
             *pipeline.store.tensors(),
             *(pipeline.random_state_at_step_start or {}).values(),
             *(residual_tensors if on_host else ()),
             *(() if states is None else states.host_tensors()),
+            *(() if weights is None else weights.masters()),
         ),
         scratch=tuple(t for codec in pipeline.codecs.all() for t in codec.scratch_tensors()),
         waiting=tuple(pipeline.assembler.waiting()),
+        weights=() if weights is None else weights.device_tensors(),
     )

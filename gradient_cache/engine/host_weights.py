@@ -252,6 +252,24 @@ class HostWeights:
         """A step ended: what moved since the last one is its figure."""
         self.moved_last_step, self.moved_bytes = self.moved_bytes, 0
 
+    def masters(self) -> tuple[torch.Tensor, ...]:
+        """The masters and their copies in the compute dtype, in host memory (memory
+        accounting)."""
+        return tuple(
+            t
+            for w in self._weights.values()
+            for t in {id(t): t for t in (w.master, w.shadow)}.values()
+        )
+
+    def device_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors, whose memory is allocated and given up by resizing their
+        storages in place (memory accounting: a storage's size now is what it holds)."""
+        return tuple(
+            t
+            for w in self._weights.values()
+            for t in {id(t): t for t in (w.compute, w.full)}.values()
+        )
+
     def present(self) -> list[Param]:
         """The parameters whose weights are on the device or on their way."""
         return [p for p, w in self._weights.items() if w.at is not WeightAt.HOST]
