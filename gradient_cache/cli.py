@@ -317,14 +317,6 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         "compute",
     )
     plan.add_argument(
-        "--compute-dtype",
-        choices=("bf16", "fp16"),
-        default=None,
-        help="with --offload-parameters: forward and backward compute in this dtype "
-        "(compute_dtype=): 2-byte copies of the weights stream, kept on the host beside the "
-        "masters (default: the masters' own dtype)",
-    )
-    plan.add_argument(
         "--parameter-blocks",
         default=None,
         help="with --model and --offload-parameters: the dotted name of the module list "
@@ -375,7 +367,6 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         tokens_per_step=args.tokens,
         flops=args.tflops * 1e12,
         weights=weights,
-        weight_copy_bytes=2 if args.compute_dtype else None,
         **_link(args),
     )
     result = plan(inputs)
@@ -434,10 +425,10 @@ def _check_block_options(parser: argparse.ArgumentParser, args: argparse.Namespa
             f"argument --blocks: {args.blocks} block(s); the weights stream a block at a "
             "time, one running and the next arriving: give 2 or more (the model's depth)"
         )
-    if (args.blocks or args.parameter_blocks or args.compute_dtype) and not args.offload_parameters:
+    if (args.blocks or args.parameter_blocks) and not args.offload_parameters:
         parser.error(
-            "arguments --blocks, --parameter-blocks and --compute-dtype describe the weights "
-            "on the host: add --offload-parameters, or leave them out"
+            "arguments --blocks and --parameter-blocks describe the weights' blocks: add "
+            "--offload-parameters, or leave them out"
         )
     if args.blocks is not None and args.model is not None:
         parser.error(

@@ -471,6 +471,8 @@ class GradientCacheHookManager:
 
     def disable(self) -> None:
         """Leave later gradients on the device; what is already cached stays cached.
+        Refused with ``offload_parameters=True``: a gradient left in ``.grad`` would
+        outlive its weights on the device.
 
         A step whose micro-batches are partly cached and partly left on the device (this
         called between micro-batches) sums them in another order than plain PyTorch: the
@@ -478,6 +480,12 @@ class GradientCacheHookManager:
         equal up to float rounding but not bit for bit. Switch at step boundaries for
         plain PyTorch's bits.
         """
+        if self._weight_stream is not None:
+            raise RuntimeError(
+                "disable() cannot run with offload_parameters=True: a gradient left on the "
+                "device would outlive its weights there, which go back to the host after "
+                "backward. Keep the cache enabled, or create it without offload_parameters."
+            )
         self._live().set_enabled(False)
 
     def remove_hooks(self) -> None:

@@ -265,20 +265,17 @@ def weights_on_host(
     state = int(numel * inputs.optimizer_state_bytes)
     copy_bytes = inputs.weight_copy_bytes or inputs.param_bytes
     streamed = layout.entries_per_micro_batch() * copy_bytes
-    # A compute dtype's copies (compute_dtype): kept on the host beside the masters, and
-    # each step sends a new one back with its master.
-    copies = numel * copy_bytes if copy_bytes != inputs.param_bytes else 0
     # The step: each weight to the device and back, with its state (each way) and its
     # gradient (as the gradients' own link bytes count them).
     to_device = inputs.micro_batches * streamed + weights + state + gradients["host to device"]
-    to_host = weights + copies + state + gradients["device to host"]
+    to_host = weights + state + gradients["device to host"]
     rate = inputs.link_gbps * 1e9
     return WeightsOnHost(
-        window_bytes=layout.window() * copy_bytes,
-        rest_bytes=layout.rest * copy_bytes,
+        window_bytes=layout.window() * inputs.param_bytes,
+        rest_bytes=layout.rest * inputs.param_bytes,
         # The two buckets at the step (stepped, arriving): their gradients' entries as weights.
         step_bytes=min(weights, int(2 * bucket / inputs.grad_bytes * inputs.param_bytes)),
-        host_bytes=(sum(layout.blocks) + layout.rest) * inputs.param_bytes + copies,
+        host_bytes=(sum(layout.blocks) + layout.rest) * inputs.param_bytes,
         copy_bytes=copy_bytes,
         streamed_bytes_per_micro_batch=streamed,
         link_bytes_per_step={"host to device": to_device, "device to host": to_host},

@@ -17,6 +17,7 @@ import gradient_cache
 from gradient_cache.demo.models import GPTConfig, TinyGPT
 from gradient_cache.engine.host_weights import WeightAt
 from gradient_cache.engine.hostmem import HostMemoryError
+from gradient_cache.engine.records import StateAt
 from gradient_cache.engine.weight_blocks import weight_units
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2)
@@ -418,10 +419,10 @@ def fsdp2_mixed_precision(
 
 
 def test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit(tmp_path) -> None:
-    """compute_dtype=torch.bfloat16: bf16 copies in forward and backward, gradients
-    accumulated in fp32, the fp32 masters stepped on the device and their bf16 copies cast
-    from them there; FSDP2's mixed precision on one process, bit for bit (accumulation,
-    clipping, AdamW with two groups). The blocks bring half the bytes."""
+    """compute_dtype=torch.bfloat16: each fp32 master cast to bf16 on the device for
+    forward and backward, gradients accumulated in fp32, the fp32 masters stepped on the
+    device; FSDP2's mixed precision on one process, bit for bit (accumulation, clipping,
+    AdamW with two groups). The masters cross the link (4 bytes), as FSDP2's offload's."""
     data, micro_batches = batches(4), 2
     out = str(tmp_path / "fsdp2.pt")
     threads = torch.get_num_threads()
@@ -437,20 +438,16 @@ def test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit(tmp
         assert param.dtype == torch.float32 and torch.equal(expected, param)
     units = weight_units(cached)
     every = sum(p.nbytes for p in cached.parameters())
-    streamed = every // 2 + sum(p.nbytes for params in units.block_params for p in params) // 2
-    step = 2 * every + every // 2  # the masters both ways, their bf16 copies back
-    moved = micro_batches * streamed + step
+    streamed = every + sum(p.nbytes for params in units.block_params for p in params)
+    moved = micro_batches * streamed + 2 * every  # the step: the masters both ways
     assert manager.summary().parameters_moved_mb * 2**20 == moved
-    # The planner's figures with 2-byte copies (`plan --offload-parameters --compute-dtype`).
-    planned = planned_weights_on_host(cached, micro_batches=micro_batches, weight_copy_bytes=2)
-    assert planned.streamed_bytes_per_micro_batch == streamed
-    host = manager.summary().parameters_host_mb * 2**20
-    assert 0 <= host - planned.host_bytes <= 2 * 64 * len(list(cached.parameters()))
 
 
-def test_a_load_recasts_the_compute_copies_and_a_cast_model_is_refused() -> None:
-    """A load writes the fp32 masters; their bf16 copies follow it. model.to() after the
-    cache was created is refused at the next forward, naming it."""
+def test_writes_to_the_masters_reach_the_next_forward_and_a_cast_model_is_refused() -> None:
+    """compute_dtype: a load, or an in-place write at rest (an EMA copied in), writes the
+    fp32 masters, and the next forward computes with them (cast on the device from the
+    masters, no other copy to go stale). model.to() after the cache was created is refused
+    at the next forward, naming it."""
     data = batches(2)
     plain = gpt()
     manager_plain = gradient_cache.create_gradient_cache(
@@ -462,6 +459,11 @@ def test_a_load_recasts_the_compute_copies_and_a_cast_model_is_refused() -> None
     loaded.load_state_dict(plain.state_dict())
     tokens, _ = data[0]
     with torch.no_grad():
+        assert torch.equal(plain(tokens)[0], loaded(tokens)[0])
+        for param in loaded.parameters():
+            param.mul_(0.5)  # at rest: the masters
+        for param in plain.parameters():
+            param.mul_(0.5)
         assert torch.equal(plain(tokens)[0], loaded(tokens)[0])
     loaded.to(torch.float64)
     with pytest.raises(
@@ -503,6 +505,184 @@ def test_a_compute_dtype_casts_the_models_floating_inputs() -> None:
     output.float().pow(2).mean().backward()
     manager.step(optimizer)
     assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
+
+
+def test_a_failed_copy_back_loses_no_update() -> None:
+    """A bucket stepped, then its weights' copy back raises: the bucket is not stepped
+    again by the retry (its payloads are spent), so its updated device copy is the newer
+    and must reach the master before it is freed (it is dirty until copied)."""
+    data = batches(3)
+    plain = gpt()
+    train(plain, adamw_two_groups(plain), data)
+    cached = gpt()
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, bucket_size_mb=0.02)
+    tokens, targets = data[0]
+    cached(tokens, targets)[1].backward()
+    FailsAtCall(manager.engine.backend, "start_to_host", nth=2)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer)
+    manager.step(optimizer)  # the retry
+    optimizer.zero_grad()
+    train(cached, optimizer, data[1:], manager=manager)
+    assert_same_parameters(plain, cached)
+
+
+def test_a_failed_bring_in_the_step_leaves_weights_and_state_home() -> None:
+    """The device runs out of memory as a bucket's weights are brought for the step:
+    nothing of that bucket moved (its state is home, no device memory kept), and the
+    retry steps it as plain PyTorch does."""
+    data = batches(2)
+    plain = gpt()
+    train(plain, adamw_two_groups(plain), data)
+    cached = gpt()
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, bucket_size_mb=0.02)
+    train(cached, optimizer, data[:1], manager=manager)  # the state exists from here
+    tokens, targets = data[1]
+    cached(tokens, targets)[1].backward()
+    FailsAtCall(manager.engine.backend, "resize_storage", nth=5)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer)
+    places = manager.engine.optimizer_state.state_copies(optimizer)
+    assert set(places.at.values()) == {StateAt.HOST}
+    assert all_on_the_host(cached, manager)
+    assert weights_of(manager).device_bytes() == 0
+    manager.step(optimizer)
+    assert_same_parameters(plain, cached)
+
+
+def test_the_steps_end_leaves_the_masters_complete_for_the_host(fake_cuda: FakeCuda) -> None:  # noqa: F811
+    """At rest the parameters are the masters, which a user reads or writes between steps
+    (a log, an EMA, a clamp): the step ends once its copies back are complete."""
+    cached = gpt()
+    optimizer = sgd_momentum(cached)
+    manager = gradient_cache.create_gradient_cache(
+        cached, **STREAMED, bucket_size_mb=0.02, backend_factory=fake_cuda.factory
+    )
+    train(cached, optimizer, batches(1), manager=manager)
+    with torch.no_grad():
+        norms = [param.norm() for param in cached.parameters()]  # host reads
+        for param in cached.parameters():
+            param.clamp_(-1, 1)  # host writes
+    assert norms
+    fake_cuda.checker.assert_clean()
+
+
+def test_a_parameter_of_no_module_steps_with_the_others() -> None:
+    """The optimizer also steps a parameter the model does not hold (a temperature in the
+    loss): it stays where it is, outside the weights' streaming."""
+    data = batches(2)
+
+    def run(model, temperature, manager=None):
+        optimizer = torch.optim.AdamW([*model.parameters(), temperature], lr=1e-2)
+        for tokens, targets in data:
+            logits, _ = model(tokens)
+            loss = torch.nn.functional.cross_entropy(
+                (logits * temperature).flatten(0, 1), targets.flatten()
+            )
+            loss.backward()
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+
+    plain, cached = gpt(), gpt()
+    plain_t, cached_t = torch.nn.Parameter(torch.ones(())), torch.nn.Parameter(torch.ones(()))
+    run(plain, plain_t)
+    run(cached, cached_t, gradient_cache.create_gradient_cache(cached, **STREAMED))
+    assert_same_parameters(plain, cached)
+    assert torch.equal(plain_t, cached_t)
+
+
+def test_an_eval_between_forward_and_backward_and_a_retained_graph_keep_what_backward_reads() -> (
+    None
+):
+    """An eval forward under no_grad between a forward and its backward frees the blocks it
+    brought, not what the pending backward reads; a second backward through a retained
+    graph brings the rest again."""
+    data = batches(2)
+
+    def run(model, manager=None):
+        optimizer = sgd_momentum(model)
+        for tokens, targets in data:
+            _, loss = model(tokens, targets)
+            with torch.no_grad():
+                model(tokens)
+            loss.backward(retain_graph=True)
+            loss.backward()
+            manager.step(optimizer) if manager else optimizer.step()
+            optimizer.zero_grad()
+
+    plain, cached = gpt(), gpt()
+    run(plain)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
+    run(cached, manager)
+    assert_same_parameters(plain, cached)
+    assert all_on_the_host(cached, manager)
+
+
+def test_a_failed_forward_or_an_eval_leaves_the_window_as_it_was() -> None:
+    """A forward that raises in a block brings nothing for good, and an eval under no_grad
+    neither: the next backward holds the rest and two blocks, not the model. (A forward with
+    gradients whose output is dropped counts as pending until the next backward ends: that
+    one keeps its weights to its end; validation belongs under no_grad.)"""
+    model = gpt()
+    units = weight_units(model)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    seen = measure_the_window(manager)
+    tokens, targets = batches(1)[0]
+    with torch.no_grad():
+        model(tokens, targets)
+    with pytest.raises(IndexError):
+        model(torch.full_like(tokens, 999), targets)  # raises in the embedding
+    seen.clear()
+    train(model, sgd_momentum(model), batches(1), manager=manager)
+    rest = sum(p.nbytes for p in units.rest)
+    assert max(seen) <= rest + 2 * max(sum(p.nbytes for p in ps) for ps in units.block_params)
+
+
+def test_frozen_block_weights_go_when_their_blocks_backward_is_done() -> None:
+    """Frozen weights (LoRA-style fine-tuning) have no accumulation to free them: each
+    goes when its block's inputs have their gradient, so backward holds two blocks, not
+    the model."""
+    model = gpt()
+    for param in model.blocks.parameters():
+        if param.dim() == 2:
+            param.requires_grad_(False)
+    units = weight_units(model)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    seen = measure_the_window(manager)
+    train(model, sgd_momentum(model), batches(2), manager=manager)
+    rest = sum(p.nbytes for p in units.rest)
+    assert max(seen) <= rest + 2 * max(sum(p.nbytes for p in ps) for ps in units.block_params)
+
+
+def test_two_optimizers_report_the_steps_weight_bytes_together() -> None:
+    """Each optimizer's fused step brings its own parameters' weights; the summary's figure
+    is the step's, both together, as with one optimizer over all."""
+    data = batches(2)
+    figures = []
+    for split in (False, True):
+        model = gpt()
+        manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+        params = list(model.parameters())
+        groups = [params[:10], params[10:]] if split else [params]
+        optimizers = [torch.optim.SGD(group, lr=0.05) for group in groups]
+        for tokens, targets in data:
+            model(tokens, targets)[1].backward()
+            for optimizer in optimizers:
+                manager.step(optimizer)
+                optimizer.zero_grad()
+        figures.append(manager.summary().parameters_moved_mb)
+    assert figures[0] == figures[1] > 0
+
+
+def test_disable_is_refused_with_the_weights_on_the_host() -> None:
+    manager = gradient_cache.create_gradient_cache(gpt(), **STREAMED)
+    with pytest.raises(RuntimeError, match="disable\\(\\) cannot run with offload_parameters"):
+        manager.disable()
 
 
 # --- bad input -------------------------------------------------------------------------

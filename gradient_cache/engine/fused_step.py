@@ -68,7 +68,7 @@ def run(pipeline: Pipeline, steps: BucketSteps) -> dict[Param, torch.Tensor]:
         pipeline.interrupt(steps.clip, steps.progress)
         raise
     if states is not None:
-        states.step_ended()
+        states.step_ended(pipeline.steps)
     return settle_held(pipeline, steps.held, hidden=steps.hidden)
 
 

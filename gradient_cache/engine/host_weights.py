@@ -25,12 +25,19 @@ for it before ``D``'s memory goes (`Backend.release`); the next refill's restore
 waits on the compute stream, so it reads the master only after the copy back wrote it.
 The host reads or writes a master only after `wait_on_host`.
 
-With a compute dtype (``compute_dtype=torch.bfloat16``) the host also keeps a *shadow* of
-each floating master in that dtype, and forward and backward get a device copy of the
-shadow (half the link's bytes), while the step gets the fp32 master in a device tensor of
-its own: the optimizer steps the master, and `store` sends it back with a new shadow,
-cast from it on the device (``.to(dtype)``: the same bits as FSDP2's cast of its fp32
-shards before its all-gather).
+A weight the optimizer stepped on the device is *dirty* until `store` has started its copy
+back: if that raises (or the step does, after its bucket's payloads were spent), the
+device copy is the newer one, and whatever frees it later copies it back first. The step
+ends with the host waiting for the copies back (`step_ended`): at rest the parameters are
+the masters, which a user may read or write at any time (a log, an EMA), so they must be
+complete then.
+
+With a compute dtype (``compute_dtype=torch.bfloat16``) forward and backward use a device
+tensor in that dtype: the fp32 master is copied into a device staging tensor and cast
+into it on the restore stream (``copy_``: the same bits as FSDP2's cast of its fp32
+shards), the staging tensor going once the compute stream has waited for the cast. The
+step uses a device tensor in the master's dtype. So nothing but the master holds a weight
+at rest, and whatever the host writes into a master is what the next use reads.
 """
 
 from __future__ import annotations
@@ -61,22 +68,18 @@ class WeightAt(enum.Enum):
 @dataclass
 class _Weight:
     master: torch.Tensor  # on the host: P.data at rest
-    shadow: torch.Tensor  # on the host, in the compute dtype (the master itself without one)
     compute: torch.Tensor  # D for forward and backward: memory only while in use
     full: torch.Tensor  # D for the step, the master's dtype (``compute`` without one)
     at: WeightAt = WeightAt.HOST
     in_use: torch.Tensor | None = None  # ``compute`` or ``full``, while not HOST
     arrival: Transfer | None = None
+    dirty: bool = False  # stepped on the device, its copy back not started
 
     def place(self) -> torch.Tensor:
         """What ``P.data`` is: the device tensor in use once arrived, else the master."""
         if self.at is WeightAt.DEVICE and self.in_use is not None:
             return self.in_use
         return self.master
-
-    def copy_for(self, *, step: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(device tensor, host source) of the step's copy or of forward and backward's."""
-        return (self.full, self.master) if step else (self.compute, self.shadow)
 
 
 class HostWeights:
@@ -102,45 +105,33 @@ class HostWeights:
             what="the weights' masters, offload_parameters=True",
         )
         params = [param for _, param in named_params]
-        shadowed = [p for p in params if self._shadowed(p)]
         self._slabs.expect(params)
-        regions = iter(
-            self._slabs.take(
-                [p.numel() * p.element_size() for p in params]
-                + [p.numel() * _itemsize(compute_dtype) for p in shadowed]
-            )
-        )
-        masters = [self._view(next(regions), param, param.dtype) for param in params]
-        shadows = {}
-        if compute_dtype is not None:
-            shadows = {p: self._view(next(regions), p, compute_dtype) for p in shadowed}
-        self._weights: dict[Param, _Weight] = {}
-        for param, master in zip(params, masters, strict=True):
-            master.copy_(param.detach())
-            shadow = shadows.get(param, master)
-            if shadow is not master:
-                shadow.copy_(param.detach())  # the cast FSDP2 makes of its fp32 shards
-            full = self._device_like(master)
-            compute = self._device_like(shadow) if shadow is not master else full
-            param.data = master
-            self._weights[param] = _Weight(master, shadow, compute, full)
+        regions = self._slabs.take([p.numel() * p.element_size() for p in params])
+        weights = {}
+        for param, region in zip(params, regions, strict=True):  # nothing changes yet
+            master = region.view(param.dtype).as_strided(param.shape, gradient_strides(param))
+            full = self._device_like(master, master.dtype)
+            compute = full
+            if self._cast(param) and compute_dtype is not None:
+                compute = self._device_like(master, compute_dtype)
+            weights[param] = _Weight(master, compute, full)
+        for param, weight in weights.items():
+            weight.master.copy_(param.detach())
+            param.data = weight.master
+        self._weights: dict[Param, _Weight] = weights
         # Host-to-device and back, counted as they start, since the last step ended; and
         # the last step's (its forward and backward passes, and the step).
         self.moved_bytes = 0
         self.moved_last_step = 0
+        self._counted_step = -1  # the step moved_last_step counts
 
-    def _shadowed(self, param: Param) -> bool:
+    def _cast(self, param: Param) -> bool:
         return self.compute_dtype is not None and param.is_floating_point()
 
-    @staticmethod
-    def _view(region: torch.Tensor, param: Param, dtype: torch.dtype) -> torch.Tensor:
-        """``region`` as a tensor of ``param``'s shape and strides, in ``dtype``."""
-        return region.view(dtype).as_strided(param.shape, gradient_strides(param))
-
-    def _device_like(self, host: torch.Tensor) -> torch.Tensor:
-        """A device tensor like ``host`` (shape, strides, dtype), its memory given up."""
+    def _device_like(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor like ``host`` (shape, strides) in ``dtype``, its memory given up."""
         device = torch.empty_strided(
-            host.shape, host.stride(), dtype=host.dtype, device=self.backend.device
+            host.shape, host.stride(), dtype=dtype, device=self.backend.device
         )
         self.backend.resize_storage(device, 0)
         return device
@@ -171,49 +162,77 @@ class HostWeights:
         """The device memory the weights hold now (arriving or in use)."""
         return sum(_nbytes(w.in_use) for w in self._weights.values() if w.in_use is not None)
 
+    def _held(self, params: Iterable[Param]) -> list[tuple[Param, _Weight]]:
+        """``params`` these weights hold, with their weights (an optimizer may also step
+        a parameter of no module: a temperature in the loss)."""
+        return [(p, self._weights[p]) for p in params if p in self._weights]
+
     def bring(self, params: Iterable[Param], *, step: bool = False) -> None:
         """Start filling the device tensors of those of ``params`` at home (a block
-        ahead: the copies run while the device computes); ``step``: the masters, for the
-        optimizer, else their copies in the compute dtype."""
-        chosen = []
-        for param in params:
-            weight = self._weights[param]
-            device, host = weight.copy_for(step=step)
-            if weight.at is not WeightAt.HOST and weight.in_use is not device:
+        ahead: the copies run while the device computes); ``step``: in the master's dtype,
+        for the optimizer, else in the compute dtype. If this raises, they stay home."""
+        held = self._held(params)
+        for param, weight in held:
+            wanted = weight.full if step else weight.compute
+            if weight.at is not WeightAt.HOST and weight.in_use is not wanted:
                 self.free([param])  # in use the other way (never between the step's phases)
-            if weight.at is WeightAt.HOST:
-                chosen.append((weight, device, host))
+        chosen = [
+            (weight, weight.full if step else weight.compute)
+            for _, weight in held
+            if weight.at is WeightAt.HOST
+        ]
         if not chosen:
             return
-        for _, device, _ in chosen:
-            self.backend.resize_storage(device, _nbytes(device))  # on the compute stream
+        staging: list[torch.Tensor] = []
         try:
-            transfer = self.backend.start_refill([(device, host) for _, device, host in chosen])
+            for _, device in chosen:
+                self.backend.resize_storage(device, _nbytes(device))  # on the compute stream
+            pairs, casts = [], []
+            for weight, device in chosen:
+                if device.dtype == weight.master.dtype:
+                    pairs.append((device, weight.master))
+                else:  # the master to a staging tensor, cast into the device tensor there
+                    staging.append(
+                        torch.empty_strided(
+                            device.shape,
+                            device.stride(),
+                            dtype=weight.master.dtype,
+                            device=device.device,
+                        )
+                    )
+                    pairs.append((staging[-1], weight.master))
+                    casts.append((device, staging[-1]))
+            transfer = self.backend.start_refill(pairs, casts=casts)
         except BaseException:
-            for _, device, _ in chosen:  # nothing started: they stay home
+            for _, device in chosen:  # nothing started: they stay home
                 self.backend.resize_storage(device, 0)
             raise
-        self.moved_bytes += sum(_nbytes(device) for _, device, _ in chosen)
-        for weight, device, _ in chosen:
+        self.moved_bytes += sum(_nbytes(host) for _, host in pairs)
+        for weight, device in chosen:
             weight.at, weight.in_use, weight.arrival = WeightAt.ARRIVING, device, transfer
 
     def ensure(self, params: Iterable[Param], *, step: bool = False) -> None:
         """``params`` on the device, safe for work queued from now on: each one's
-        ``P.data`` is its filled device tensor (``step``: the master's)."""
+        ``P.data`` is its filled device tensor (``step``: the master's dtype, which the
+        optimizer is about to update: dirty until `store`)."""
         params = list(params)
         self.bring(params, step=step)
-        for param in params:
-            weight = self._weights[param]
+        for param, weight in self._held(params):
             if weight.at is WeightAt.ARRIVING:
                 self._arrived(weight)
                 weight.at = WeightAt.DEVICE
                 param.data = weight.place()
+            weight.dirty |= step
 
     def free(self, params: Iterable[Param]) -> None:
-        """``params``' device memory given up, ``P.data`` the master again (no copy
-        back: forward and backward do not change the weights)."""
-        for param in params:
-            weight = self._weights[param]
+        """``params``' device memory given up, ``P.data`` the master again: without a
+        copy back (forward and backward do not change the weights), except for a dirty
+        one, which is copied back first (`store`)."""
+        held = self._held(params)
+        dirty = [param for param, weight in held if weight.dirty]
+        if dirty:
+            self.store(dirty)
+        for param, weight in held:
             if weight.at is WeightAt.HOST:
                 continue
             if weight.at is WeightAt.ARRIVING:
@@ -223,43 +242,43 @@ class HostWeights:
             self.backend.resize_storage(weight.in_use, 0)
             weight.at, weight.in_use = WeightAt.HOST, None
 
+    def forget(self, params: Iterable[Param]) -> None:
+        """A failed step's bucket: its device copies given up unchanged in the masters
+        (the step raised before changing anything), nothing copied back."""
+        for _, weight in self._held(params):
+            weight.dirty = False
+        self.free(params)
+
     def store(self, params: Iterable[Param]) -> None:
         """After ``params`` stepped on the device: their weights copied into their
         masters, then their device memory given up once the copies have read it."""
-        present = [p for p in params if self._weights[p].at is WeightAt.DEVICE]
+        present = [
+            p for p, w in self._held(params) if w.at is WeightAt.DEVICE and w.in_use is w.full
+        ]
         if not present:
             return
-        pairs = []
-        for param in present:
-            weight = self._weights[param]
-            pairs.append((weight.full, weight.master))
-            if weight.shadow is not weight.master:  # a new shadow, cast on the device
-                pairs.append((weight.full.to(weight.shadow.dtype), weight.shadow))
+        pairs = [(self._weights[p].full, self._weights[p].master) for p in present]
         transfer = self.backend.start_to_host(pairs)
+        for param in present:  # the copies back started: the masters will be the newer
+            self._weights[param].dirty = False
         self.moved_bytes += sum(_nbytes(device) for device, _ in pairs)
         # The compute stream waits for the copies back before the memory goes.
         self.backend.release(transfer)
         self.free(present)
 
-    def refresh_shadows(self) -> None:
-        """Each shadow cast again from its master (the host wrote the masters: a load)."""
+    def step_ended(self, steps: int) -> None:
+        """A step of ``steps`` completed (each optimizer's fused step calls this): the host
+        waits for the copies back, since the masters are the parameters at rest; what moved
+        since the last step is counted for it (several optimizers' steps in one)."""
         self.wait_on_host()
-        for weight in self._weights.values():
-            if weight.shadow is not weight.master:
-                weight.shadow.copy_(weight.master)
-
-    def step_ended(self) -> None:
-        """A step ended: what moved since the last one is its figure."""
-        self.moved_last_step, self.moved_bytes = self.moved_bytes, 0
+        if steps != self._counted_step:
+            self.moved_last_step, self._counted_step = 0, steps
+        self.moved_last_step += self.moved_bytes
+        self.moved_bytes = 0
 
     def masters(self) -> tuple[torch.Tensor, ...]:
-        """The masters and their copies in the compute dtype, in host memory (memory
-        accounting)."""
-        return tuple(
-            t
-            for w in self._weights.values()
-            for t in {id(t): t for t in (w.master, w.shadow)}.values()
-        )
+        """The masters, in host memory (memory accounting)."""
+        return tuple(w.master for w in self._weights.values())
 
     def device_tensors(self) -> tuple[torch.Tensor, ...]:
         """The device tensors, whose memory is allocated and given up by resizing their
@@ -316,10 +335,6 @@ class HostWeights:
 def _nbytes(tensor: torch.Tensor) -> int:
     """A dense tensor's bytes (what its storage takes when filled)."""
     return tensor.numel() * tensor.element_size()
-
-
-def _itemsize(dtype: torch.dtype | None) -> int:
-    return 0 if dtype is None else dtype.itemsize
 
 
 def _check_own_storage(named_params: Sequence[tuple[str, Param]]) -> None:

@@ -414,6 +414,8 @@ class StateJourney:
     def bring(self, params: Sequence[Param]) -> Arrival:
         """Start copying ``params``' host state to the device (the backend's restore
         stream on CUDA); a state not yet created comes from the step itself."""
+        if self.weights is not None:  # first: if it raises, the state has not moved
+            self.weights.bring(params, step=True)
         keys: list[tuple[Param, str, torch.Tensor]] = []
         for param in params:
             if self.owned.at.get(param) is not StateAt.HOST:
@@ -427,8 +429,6 @@ class StateJourney:
         for param, _, _ in keys:  # only once started: a failed start leaves them home
             self.owned.at[param] = StateAt.IN_TRANSIT
         had_state = [bool(self.state.get(param)) for param in params]
-        if self.weights is not None:
-            self.weights.bring(params, step=True)
         return Arrival(list(params), had_state, keys, transfer)
 
     def install(self, arrival: Arrival) -> None:
@@ -465,12 +465,12 @@ class StateJourney:
                     self.state.pop(param, None)
                     self.owned.at.pop(param, None)
             if self.weights is not None:  # their masters are as before the step
-                self.weights.free(arrival.params)
+                self.weights.forget(arrival.params)
 
-    def step_ended(self) -> None:
-        """The step completed: the weights' bytes moved are counted for it."""
+    def step_ended(self, steps: int) -> None:
+        """Step ``steps`` completed: the weights are home (`HostWeights.step_ended`)."""
         if self.weights is not None:
-            self.weights.step_ended()
+            self.weights.step_ended(steps)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,13 @@ nothing, since backward is about to read them; the hooks run outside compiled gr
 (``torch._dynamo.disable``: a compiled model breaks its graph at each block), as storage
 resizing cannot be traced.
 
+Frozen weights have no accumulation: they go when their block's inputs have their gradient
+(the block's backward is done). That hook is registered before the previous block's hook on
+the same tensors, so they go before the previous block arrives. An eval under ``no_grad``
+frees what it brought, but not the rest while a backward is pending; each backward brings
+the rest again when the model's outputs have their gradient (a retained graph's second
+backward reads it too). A forward that raises frees what it brought (``always_call``).
+
 A parameter's accumulation runs once per backward only while it is never moved between
 two of its uses: ``P.data`` moving to the host and back (to another device) makes autograd
 start a new accumulation for the later uses (on CUDA; not on a CPU, where both are the
@@ -58,25 +65,34 @@ class WeightStream:
     def __init__(self, model: torch.nn.Module, weights: HostWeights, units: WeightUnits) -> None:
         self.weights = weights
         self.units = units
-        self._forwards = 0  # forwards with gradients since the last backward ended
+        # Forwards with gradients since the last backward ended (a graph each, which a
+        # backward may come for: an output dropped without one still counts until then).
+        self._forwards = 0
         self._called: set[int] = set()  # the blocks this forward ran
         self._reused = False  # a block ran twice since the last backward ended
+        self._kwargs: dict[int, Any] = {}  # a running block's keyword inputs
+        # Blocks ended whose outputs' backward hook waits to be registered: after the next
+        # block's hook on the same tensors (its inputs), so that in backward the next
+        # block's frozen weights go before this block's arrive.
+        self._ended: list[tuple[int, list[torch.Tensor]]] = []
         self._end_queued = False
         self._handles = [
             model.register_forward_pre_hook(self._model_begins, with_kwargs=True),
-            model.register_forward_hook(self._model_ends),
+            # always_call: a forward that raises gives back what it brought.
+            model.register_forward_hook(self._model_ends, always_call=True),
             model.register_state_dict_pre_hook(self._before_host_reads),
             # A partial: torch marks the hook it is given, which a bound method refuses.
             model.register_state_dict_post_hook(functools.partial(self._compact_state_dict)),
             model.register_load_state_dict_pre_hook(self._before_host_writes),
-            model.register_load_state_dict_post_hook(self._after_host_writes),
         ]
         for index, block in enumerate(units.blocks):
             self._handles += [
                 block.register_forward_pre_hook(
                     functools.partial(self._block_begins, index), with_kwargs=True
                 ),
-                block.register_forward_hook(functools.partial(self._block_ends, index)),
+                block.register_forward_hook(
+                    functools.partial(self._block_ends, index), always_call=True
+                ),
             ]
         self._handles += [
             param.register_post_accumulate_grad_hook(self._gradient_accumulated)
@@ -104,19 +120,36 @@ class WeightStream:
     def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if _in_backward():
             return
-        if not _needs_gradients(output):  # an eval, or nothing to train: no backward comes
-            self._forwards = max(self._forwards - 1, 0)
-            if not self._forwards:
+        outputs = _tensors_needing_gradients(output) if torch.is_grad_enabled() else []
+        self._register_ended()
+        if not outputs:  # an eval, a forward that raised, nothing to train: no backward
+            if torch.is_grad_enabled():
+                self._forwards -= 1  # counted at its begin, and no graph to come back to
+            self.weights.free(self._blocks_params())
+            if not self._forwards:  # else a pending backward reads the rest
                 self.weights.free(self.weights.present())
             return
+        for tensor in outputs:
+            tensor.register_hook(self._backward_begins)
         # Backward starts with the last block: on its way while the loss is computed.
         self.weights.bring(self._block(len(self.units.blocks) - 1))
+
+    @_outside_graphs
+    def _backward_begins(self, grad: torch.Tensor) -> None:
+        """The model's output has its gradient: the rest is read next (again, in a second
+        backward through a retained graph)."""
+        self._queue_end_of_backward()
+        self.weights.ensure(self.units.rest)
+
+    def _blocks_params(self) -> list[Param]:
+        return [param for params in self.units.block_params for param in params]
 
     @_outside_graphs
     def _block_begins(self, index: int, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if not _in_backward() and torch.is_grad_enabled():
             self._reused |= index in self._called
             self._called.add(index)
+            self._kwargs[index] = kwargs  # its inputs' gradient ends its backward
         self.weights.ensure(self._block(index))
         if not _in_backward():
             self.weights.bring(self._block(index + 1))
@@ -136,17 +169,39 @@ class WeightStream:
     def _block_ends(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         if _in_backward():
             return  # a recomputation: its backward reads these weights next
-        if _needs_gradients(output):
-            hook = functools.partial(self._block_backward_begins, index)
-            for tensor in _tensors_needing_gradients(output):
+        kwargs = self._kwargs.pop(index, {})
+        if output is not None and torch.is_grad_enabled():
+            hook = functools.partial(self._block_backward_ended, index)
+            for tensor in _tensors_needing_gradients((args, kwargs)):
                 tensor.register_hook(hook)
+            self._register_ended()  # the block before's, on these inputs: after this one
+            self._ended.append((index, _tensors_needing_gradients(output)))
         self.weights.free(self._block(index))
+
+    def _register_ended(self) -> None:
+        """The backward hooks of the blocks ended so far, on their outputs."""
+        for index, outputs in self._ended:
+            hook = functools.partial(self._block_backward_begins, index)
+            for tensor in outputs:
+                tensor.register_hook(hook)
+        self._ended = []
 
     @_outside_graphs
     def _block_backward_begins(self, index: int, grad: torch.Tensor) -> None:
         self._queue_end_of_backward()
         self.weights.ensure(self._block(index))
         self.weights.bring(self._block(index - 1))
+
+    @_outside_graphs
+    def _block_backward_ended(self, index: int, grad: torch.Tensor) -> None:
+        """The block's inputs have their gradient: its backward is done."""
+        self._free_frozen(index)
+
+    def _free_frozen(self, index: int) -> None:
+        """Block ``index``'s backward is done: its frozen weights go (no accumulation frees
+        them; the others go at theirs, which may run after this)."""
+        if self._forwards <= 1 and not self._reused:
+            self.weights.free(param for param in self._block(index) if not param.requires_grad)
 
     @_outside_graphs
     def _gradient_accumulated(self, param: Param) -> None:
@@ -178,9 +233,6 @@ class WeightStream:
     def _before_host_writes(self, *args: Any) -> None:
         self.weights.wait_on_host()  # a copy may still read the masters a load overwrites
 
-    def _after_host_writes(self, *args: Any) -> None:
-        self.weights.refresh_shadows()  # the loaded masters' copies in the compute dtype
-
     def _block(self, index: int) -> list[Param]:
         if 0 <= index < len(self.units.blocks):
             return self.units.block_params[index]
@@ -193,7 +245,3 @@ def _tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
         for leaf in pytree.tree_leaves(output)
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad
     ]
-
-
-def _needs_gradients(output: Any) -> bool:
-    return torch.is_grad_enabled() and bool(_tensors_needing_gradients(output))
