@@ -364,6 +364,9 @@ def test_every_weight_copy_is_ordered_on_the_stand_in_streams(fake_cuda: FakeCud
             with pytest.raises(torch.OutOfMemoryError):
                 manager.step(optimizer, max_grad_norm=0.5)
             assert all_on_the_host(cached, manager)
+            # The buckets stepped before the failure copied their weights back, and no
+            # step's end waited for that: reading the masters waits first.
+            assert all(value.sum() is not None for value in cached.state_dict().values())
         manager.step(optimizer, max_grad_norm=0.5)
         optimizer.zero_grad()
     state = cached.state_dict()  # waits for the copies back
@@ -505,6 +508,27 @@ def test_a_compute_dtype_casts_the_models_floating_inputs() -> None:
     output.float().pow(2).mean().backward()
     manager.step(optimizer)
     assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
+
+
+def test_a_forward_that_raises_gives_back_the_block_arriving_after_its_copy(
+    fake_cuda: FakeCuda,  # noqa: F811
+) -> None:
+    """A block raises while the next one arrives on the restore stream: the arriving block's
+    memory goes only once the compute stream waited for its copy, and nothing stays."""
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(
+        model, **STREAMED, backend_factory=fake_cuda.factory
+    )
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("injected: a block fails")
+
+    model.blocks[1].attn.forward = raises
+    tokens, targets = batches(1)[0]
+    with pytest.raises(RuntimeError, match="injected"):
+        model(tokens, targets)
+    assert all_on_the_host(model, manager)
+    fake_cuda.checker.assert_clean()
 
 
 def test_a_failed_copy_back_loses_no_update() -> None:

@@ -1121,7 +1121,7 @@ MUTANTS = [
         "gradient_cache/engine/host_weights.py",
         "                self._arrived(weight)  # before its memory can be handed on\n",
         "                pass\n",
-        "tests/test_parameters_offload.py::test_every_weight_copy_is_ordered_on_the_stand_in_streams",
+        "tests/test_parameters_offload.py::test_a_forward_that_raises_gives_back_the_block_arriving_after_its_copy",
     ),
     (
         "weights: after the step, the device memory goes only after the copy back read it",
