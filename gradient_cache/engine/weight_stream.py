@@ -21,9 +21,9 @@ resizing cannot be traced.
 Frozen weights have no accumulation: they go when their block's inputs have their gradient
 (the block's backward is done). That hook is registered before the previous block's hook on
 the same tensors, so they go before the previous block arrives. An eval under ``no_grad``
-frees what it brought, but not the rest while a backward is pending; each backward brings
-the rest again when the model's outputs have their gradient (a retained graph's second
-backward reads it too). A forward that raises frees what it brought (``always_call``).
+frees everything it finds on the device; each backward brings the rest again when the
+model's outputs have their gradient (after such an eval, and for a retained graph's second
+backward). A forward that raises frees what it brought (``always_call``).
 
 A parameter's accumulation runs once per backward only while it is never moved between
 two of its uses: ``P.data`` moving to the host and back (to another device) makes autograd
@@ -71,9 +71,9 @@ class WeightStream:
         self._called: set[int] = set()  # the blocks this forward ran
         self._reused = False  # a block ran twice since the last backward ended
         self._kwargs: dict[int, Any] = {}  # a running block's keyword inputs
-        # Blocks ended whose outputs' backward hook waits to be registered: after the next
-        # block's hook on the same tensors (its inputs), so that in backward the next
-        # block's frozen weights go before this block's arrive.
+        # Blocks ended whose outputs' backward hook waits to be registered, at the model's
+        # end: after the next block's hook on the same tensors (its inputs), so that in
+        # backward the next block's frozen weights go before this block's arrive.
         self._ended: list[tuple[int, list[torch.Tensor]]] = []
         self._end_queued = False
         self._handles = [
@@ -125,9 +125,7 @@ class WeightStream:
         if not outputs:  # an eval, a forward that raised, nothing to train: no backward
             if torch.is_grad_enabled():
                 self._forwards -= 1  # counted at its begin, and no graph to come back to
-            self.weights.free(self._blocks_params())
-            if not self._forwards:  # else a pending backward reads the rest
-                self.weights.free(self.weights.present())
+            self.weights.free(self.weights.present())  # a backward brings the rest again
             return
         for tensor in outputs:
             tensor.register_hook(self._backward_begins)
@@ -140,9 +138,6 @@ class WeightStream:
         backward through a retained graph)."""
         self._queue_end_of_backward()
         self.weights.ensure(self.units.rest)
-
-    def _blocks_params(self) -> list[Param]:
-        return [param for params in self.units.block_params for param in params]
 
     @_outside_graphs
     def _block_begins(self, index: int, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
@@ -174,7 +169,6 @@ class WeightStream:
             hook = functools.partial(self._block_backward_ended, index)
             for tensor in _tensors_needing_gradients((args, kwargs)):
                 tensor.register_hook(hook)
-            self._register_ended()  # the block before's, on these inputs: after this one
             self._ended.append((index, _tensors_needing_gradients(output)))
         self.weights.free(self._block(index))
 
