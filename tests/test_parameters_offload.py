@@ -531,6 +531,32 @@ def test_a_forward_that_raises_gives_back_the_block_arriving_after_its_copy(
     fake_cuda.checker.assert_clean()
 
 
+def test_a_submodule_called_alone_brings_the_rest_it_uses() -> None:
+    """A framework calls a submodule, never the model given to the cache (Lightning's
+    training_step calls self.model): the rest's modules bring their own weights, which are
+    then on the device while they run (on a GPU the host masters would not be usable), and
+    training is plain's."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = gpt()
+
+    data = batches(2)
+    plain = gpt()
+    train(plain, adamw_two_groups(plain), data)
+    wrapper = Wrapper()
+    optimizer = adamw_two_groups(wrapper.inner)
+    manager = gradient_cache.create_gradient_cache(wrapper, **STREAMED)
+    seen = []
+    wrapper.inner.ln_f.register_forward_hook(
+        lambda *_: seen.append(weights_of(manager).where(wrapper.inner.ln_f.weight))
+    )
+    train(wrapper.inner, optimizer, data, manager=manager)
+    assert seen == [WeightAt.DEVICE] * len(data)
+    assert_same_parameters(plain, wrapper.inner)
+
+
 def test_a_failed_copy_back_loses_no_update() -> None:
     """A bucket stepped, then its weights' copy back raises: the bucket is not stepped
     again by the retry (its payloads are spent), so its updated device copy is the newer

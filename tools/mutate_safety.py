@@ -1312,6 +1312,20 @@ MUTANTS = [
         '        if False:\n            raise RuntimeError(\n                "disable() cannot run',
         "tests/test_parameters_offload.py::test_disable_is_refused_with_the_weights_on_the_host",
     ),
+    (
+        "weights: the rest's own modules bring their weights (a submodule called alone)",
+        "gradient_cache/engine/weight_stream.py",
+        "            if own and module is not model:\n",
+        "            if False:\n",
+        "tests/test_parameters_offload.py::test_a_submodule_called_alone_brings_the_rest_it_uses",
+    ),
+    (
+        "weights: a block output's gradient frees its consumers' frozen weights before the block that made it arrives",
+        "gradient_cache/engine/weight_stream.py",
+        "        for consumer in consumers:  # their backward is done: this output's gradient is whole\n            self._free_frozen(consumer)\n",
+        "",
+        "tests/test_parameters_offload.py::test_frozen_block_weights_go_when_their_blocks_backward_is_done",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

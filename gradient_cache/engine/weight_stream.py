@@ -19,8 +19,10 @@ nothing, since backward is about to read them; the hooks run outside compiled gr
 resizing cannot be traced.
 
 Frozen weights have no accumulation: they go when their block's inputs have their gradient
-(the block's backward is done). That hook is registered before the previous block's hook on
-the same tensors, so they go before the previous block arrives. An eval under ``no_grad``
+(the block's backward is done), and, where an input is another block's output, as that
+output's hook runs (it knows the blocks that took it), before the block that made it
+arrives. The rest's own modules bring their weights too, for a framework that calls a
+submodule, never the model given (Lightning's ``training_step``). An eval under ``no_grad``
 frees everything it finds on the device; each backward brings the rest again when the
 model's outputs have their gradient (after such an eval, and for a retained graph's second
 backward). A forward that raises frees what it brought (``always_call``).
@@ -36,6 +38,7 @@ summed), nothing goes at its accumulation: the weights stay until the end of bac
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -71,10 +74,10 @@ class WeightStream:
         self._called: set[int] = set()  # the blocks this forward ran
         self._reused = False  # a block ran twice since the last backward ended
         self._kwargs: dict[int, Any] = {}  # a running block's keyword inputs
-        # Blocks ended whose outputs' backward hook waits to be registered, at the model's
-        # end: after the next block's hook on the same tensors (its inputs), so that in
-        # backward the next block's frozen weights go before this block's arrive.
-        self._ended: list[tuple[int, list[torch.Tensor]]] = []
+        # Each block output of this forward (weakly, by id) and the blocks that took it as
+        # an input: when its gradient is complete their backward is done, and their frozen
+        # weights go before the block that made it arrives.
+        self._consumers: dict[int, tuple[weakref.ref[torch.Tensor], list[int]]] = {}
         self._end_queued = False
         self._handles = [
             model.register_forward_pre_hook(self._model_begins, with_kwargs=True),
@@ -94,6 +97,14 @@ class WeightStream:
                     functools.partial(self._block_ends, index), always_call=True
                 ),
             ]
+        # The rest's own modules bring their weights too: a framework may call a submodule
+        # (Lightning's training_step calls self.model), never the model given.
+        rest = set(units.rest)
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if p in rest]
+            if own and module is not model:
+                hook = functools.partial(self._rest_module_begins, own)
+                self._handles.append(module.register_forward_pre_hook(hook))
         self._handles += [
             param.register_post_accumulate_grad_hook(self._gradient_accumulated)
             for param in model.parameters()
@@ -117,11 +128,14 @@ class WeightStream:
         return self._cast(args, kwargs)
 
     @_outside_graphs
+    def _rest_module_begins(self, params: list[Param], module: torch.nn.Module, args: Any) -> None:
+        self.weights.ensure(params)
+
+    @_outside_graphs
     def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if _in_backward():
             return
         outputs = _tensors_needing_gradients(output) if torch.is_grad_enabled() else []
-        self._register_ended()
         if not outputs:  # an eval, a forward that raised, nothing to train: no backward
             if torch.is_grad_enabled():
                 self._forwards -= 1  # counted at its begin, and no graph to come back to
@@ -145,6 +159,10 @@ class WeightStream:
             self._reused |= index in self._called
             self._called.add(index)
             self._kwargs[index] = kwargs  # its inputs' gradient ends its backward
+            for tensor in _tensors_needing_gradients((args, kwargs)):
+                made = self._consumers.get(id(tensor))
+                if made is not None and made[0]() is tensor:
+                    made[1].append(index)
         self.weights.ensure(self._block(index))
         if not _in_backward():
             self.weights.bring(self._block(index + 1))
@@ -169,20 +187,19 @@ class WeightStream:
             hook = functools.partial(self._block_backward_ended, index)
             for tensor in _tensors_needing_gradients((args, kwargs)):
                 tensor.register_hook(hook)
-            self._ended.append((index, _tensors_needing_gradients(output)))
+            for tensor in _tensors_needing_gradients(output):
+                consumers: list[int] = []
+                self._consumers[id(tensor)] = (weakref.ref(tensor), consumers)
+                tensor.register_hook(
+                    functools.partial(self._block_backward_begins, index, consumers)
+                )
         self.weights.free(self._block(index))
 
-    def _register_ended(self) -> None:
-        """The backward hooks of the blocks ended so far, on their outputs."""
-        for index, outputs in self._ended:
-            hook = functools.partial(self._block_backward_begins, index)
-            for tensor in outputs:
-                tensor.register_hook(hook)
-        self._ended = []
-
     @_outside_graphs
-    def _block_backward_begins(self, index: int, grad: torch.Tensor) -> None:
+    def _block_backward_begins(self, index: int, consumers: list[int], grad: torch.Tensor) -> None:
         self._queue_end_of_backward()
+        for consumer in consumers:  # their backward is done: this output's gradient is whole
+            self._free_frozen(consumer)
         self.weights.ensure(self._block(index))
         self.weights.bring(self._block(index - 1))
 
@@ -212,6 +229,7 @@ class WeightStream:
         self.weights.free(self.weights.present())
         self._forwards = 0
         self._reused = False
+        self._consumers = {}
         self._end_queued = False
 
     def _before_host_reads(self, *args: Any) -> None:
