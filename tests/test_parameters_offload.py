@@ -381,7 +381,16 @@ def test_a_failed_send_back_of_a_new_state_still_sends_the_stepped_weights_home(
     after that bucket stepped, which the retry does not step again: its new weights went to
     their masters before the state's send could raise (else they would be lost at the next
     free)."""
-    data = batches(2)
+    plain, cached, manager = a_first_step_failing_at("optimizer_state", "_allocate", steps=2)
+    assert all_on_the_host(cached, manager)
+    assert_same_parameters(plain, cached)
+
+
+def a_first_step_failing_at(part: str, call: str, *, steps: int):
+    """Plain's ``steps`` steps, and the cache's, whose first step raises once at the
+    second call of ``call`` of the engine's ``part`` and is retried; the last steps run
+    after it. Returns (plain, cached, manager) after all."""
+    data = batches(steps)
     plain = gpt()
     train(plain, adamw_two_groups(plain), data)
     cached = gpt()
@@ -389,14 +398,13 @@ def test_a_failed_send_back_of_a_new_state_still_sends_the_stepped_weights_home(
     manager = gradient_cache.create_gradient_cache(cached, **STREAMED, bucket_size_mb=0.02)
     tokens, targets = data[0]
     cached(tokens, targets)[1].backward()
-    FailsAtCall(manager.engine.optimizer_state, "_allocate", nth=2)
+    FailsAtCall(getattr(manager.engine, part), call, nth=2)
     with pytest.raises(torch.OutOfMemoryError):
         manager.step(optimizer)
     manager.step(optimizer)  # the retry
     optimizer.zero_grad()
-    assert all_on_the_host(cached, manager)
     train(cached, optimizer, data[1:], manager=manager)
-    assert_same_parameters(plain, cached)
+    return plain, cached, manager
 
 
 def fsdp2_mixed_precision(
@@ -561,20 +569,7 @@ def test_a_failed_copy_back_loses_no_update() -> None:
     """A bucket stepped, then its weights' copy back raises: the bucket is not stepped
     again by the retry (its payloads are spent), so its updated device copy is the newer
     and must reach the master before it is freed (it is dirty until copied)."""
-    data = batches(3)
-    plain = gpt()
-    train(plain, adamw_two_groups(plain), data)
-    cached = gpt()
-    optimizer = adamw_two_groups(cached)
-    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, bucket_size_mb=0.02)
-    tokens, targets = data[0]
-    cached(tokens, targets)[1].backward()
-    FailsAtCall(manager.engine.backend, "start_to_host", nth=2)
-    with pytest.raises(torch.OutOfMemoryError):
-        manager.step(optimizer)
-    manager.step(optimizer)  # the retry
-    optimizer.zero_grad()
-    train(cached, optimizer, data[1:], manager=manager)
+    plain, cached, _ = a_first_step_failing_at("backend", "start_to_host", steps=3)
     assert_same_parameters(plain, cached)
 
 
