@@ -381,15 +381,39 @@ def test_a_failed_send_back_of_a_new_state_still_sends_the_stepped_weights_home(
     after that bucket stepped, which the retry does not step again: its new weights went to
     their masters before the state's send could raise (else they would be lost at the next
     free)."""
-    plain, cached, manager = a_first_step_failing_at("optimizer_state", "_allocate", steps=2)
-    assert all_on_the_host(cached, manager)
+    plain, cached, _ = a_first_step_failing_at("optimizer_state", "_allocate", steps=2)
     assert_same_parameters(plain, cached)
+
+
+@pytest.mark.parametrize("then", ["eval", "close"])
+def test_a_stepped_weight_whose_copy_back_failed_reaches_its_master_when_freed(then) -> None:
+    """Without a retry: the weights a failed copy back left on the device, stepped, go to
+    their masters when something frees them (an eval), or with the cache's close, not
+    dropped (the close copies the masters back to the device: after that copy back)."""
+    model = gpt()
+    optimizer = adamw_two_groups(model)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, bucket_size_mb=0.02)
+    tokens, targets = batches(1)[0]
+    model(tokens, targets)[1].backward()
+    FailsAtCall(manager.engine.backend, "start_to_host", nth=2)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer)
+    stepped = [p for p in model.parameters() if weights_of(manager).where(p) is WeightAt.DEVICE]
+    values = [p.detach().clone() for p in stepped]
+    assert stepped
+    if then == "eval":
+        with torch.no_grad():
+            model(tokens)
+        assert all_on_the_host(model, manager)
+    else:
+        manager.remove_hooks()
+    assert all(torch.equal(p, v) for p, v in zip(stepped, values, strict=True))
 
 
 def a_first_step_failing_at(part: str, call: str, *, steps: int):
     """Plain's ``steps`` steps, and the cache's, whose first step raises once at the
-    second call of ``call`` of the engine's ``part`` and is retried; the last steps run
-    after it. Returns (plain, cached, manager) after all."""
+    second call of ``call`` of the engine's ``part`` and is retried (every weight home at
+    the retry's end); the last steps run after it. Returns (plain, cached, manager)."""
     data = batches(steps)
     plain = gpt()
     train(plain, adamw_two_groups(plain), data)
@@ -403,6 +427,7 @@ def a_first_step_failing_at(part: str, call: str, *, steps: int):
         manager.step(optimizer)
     manager.step(optimizer)  # the retry
     optimizer.zero_grad()
+    assert all_on_the_host(cached, manager)
     train(cached, optimizer, data[1:], manager=manager)
     return plain, cached, manager
 
@@ -710,7 +735,13 @@ def test_frozen_block_weights_go_when_their_blocks_backward_is_done() -> None:
     units = weight_units(model)
     manager = gradient_cache.create_gradient_cache(model, **STREAMED)
     seen = measure_the_window(manager)
+    first = model.blocks[0].attn.qkv.weight  # the first block's input is no block's output
+    gone = []
+    model.tok_emb.weight.register_post_accumulate_grad_hook(  # accumulated last
+        lambda p: gone.append(weights_of(manager).where(first) is WeightAt.HOST)
+    )
     train(model, sgd_momentum(model), batches(2), manager=manager)
+    assert gone == [True, True]
     rest = sum(p.nbytes for p in units.rest)
     assert max(seen) <= rest + 2 * max(sum(p.nbytes for p in ps) for ps in units.block_params)
 

@@ -267,9 +267,13 @@ class HostWeights:
         self.free(present)
 
     def step_ended(self, steps: int) -> None:
-        """A step of ``steps`` completed (each optimizer's fused step calls this): the host
-        waits for the copies back, since the masters are the parameters at rest; what moved
-        since the last step is counted for it (several optimizers' steps in one)."""
+        """A step of ``steps`` completed (each optimizer's fused step calls this): any dirty
+        weight is copied back, and the host waits for the copies back, since the masters
+        are the parameters at rest; what moved since the last step is counted for it
+        (several optimizers' steps in one)."""
+        dirty = [param for param, weight in self._weights.items() if weight.dirty]
+        if dirty:  # a bucket whose copy back raised, stepped by a retry's end: home now
+            self.store(dirty)
         self.wait_on_host()
         if steps != self._counted_step:
             self.moved_last_step, self._counted_step = 0, steps
@@ -302,8 +306,9 @@ class HostWeights:
         """Every weight back on the device for good, as plain PyTorch keeps it (``P.data``
         a new device tensor), the masters let go. Weights the device has no room for stay
         on the host, with a warning: the end of a run must not fail."""
-        self.wait_on_host()
         params = list(self._weights)
+        self.free(params)  # a dirty weight's copy back first: the masters are the newest
+        self.wait_on_host()
         try:
             homes = self.backend.finish_to_device(
                 self.backend.start_to_device([self._weights[p].master for p in params])
