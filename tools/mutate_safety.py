@@ -1326,6 +1326,13 @@ MUTANTS = [
         "",
         "tests/test_parameters_offload.py::test_a_failed_copy_back_loses_no_update",
     ),
+    (
+        "weights: the close copies dirty weights back before the masters go to the device",
+        "gradient_cache/engine/host_weights.py",
+        "        self.free(params)  # a dirty weight's copy back first: the masters are the newest\n",
+        "",
+        "tests/test_parameters_offload.py::test_a_stepped_weight_whose_copy_back_failed_reaches_its_master_when_freed",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
