@@ -425,6 +425,8 @@ def a_first_step_failing_at(part: str, call: str, *, steps: int):
     FailsAtCall(getattr(manager.engine, part), call, nth=2)
     with pytest.raises(torch.OutOfMemoryError):
         manager.step(optimizer)
+    if call == "start_to_device":  # nothing dirty: the failed bucket's weights went home
+        assert all_on_the_host(cached, manager)
     manager.step(optimizer)  # the retry
     optimizer.zero_grad()
     assert all_on_the_host(cached, manager)
@@ -588,6 +590,72 @@ def test_a_submodule_called_alone_brings_the_rest_it_uses() -> None:
     train(wrapper.inner, optimizer, data, manager=manager)
     assert seen == [WeightAt.DEVICE] * len(data)
     assert_same_parameters(plain, wrapper.inner)
+
+
+class Wrapper(torch.nn.Module):
+    """What a LightningModule is to the cache: it is given the wrapper, the loop calls
+    ``inner``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = gpt()
+
+
+def test_through_a_submodule_an_eval_then_a_load_reaches_training_and_the_window_holds() -> None:
+    """The loop calls a submodule, never the model given: an eval under no_grad leaves
+    nothing on the device (a load's write then reaches the next use, not a stale device
+    copy), and every step's backward frees each weight at its accumulation (the window of
+    the first step, not the model)."""
+    data = batches(3)
+
+    def run(wrapper, manager=None):
+        optimizer = sgd_momentum(wrapper)
+        for i, (tokens, targets) in enumerate(data):
+            wrapper.inner(tokens, targets)[1].backward()
+            manager.step(optimizer) if manager else optimizer.step()
+            optimizer.zero_grad()
+            if i == 0:
+                with torch.no_grad():
+                    wrapper.inner(tokens)
+                if manager is not None:
+                    assert all_on_the_host(wrapper, manager)
+                wrapper.load_state_dict({k: v + 0.01 for k, v in wrapper.state_dict().items()})
+
+    plain, cached = Wrapper(), Wrapper()
+    run(plain)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
+    last = []
+    cached.inner.tok_emb.weight.register_post_accumulate_grad_hook(  # accumulated last
+        lambda p: last.append(len(weights_of(manager).present()))
+    )
+    run(cached, manager)
+    assert_same_parameters(plain, cached)
+    assert last == [last[0]] * len(data) and last[0] <= 4  # the rest, not the model
+
+
+def test_a_load_while_weights_are_on_the_device_reaches_the_next_use() -> None:
+    """A forward with gradients whose output is dropped leaves the rest on the device until
+    a backward; a load then writes the masters, and no device copy may outlive it."""
+    data = batches(2)
+
+    def run(model, manager=None):
+        optimizer = sgd_momentum(model)
+        loaded = {k: v + 0.01 for k, v in model.state_dict().items()}
+        model(*data[0])  # dropped: no backward
+        model.load_state_dict(loaded)
+        train(model, optimizer, data, manager=manager)
+
+    plain, cached = gpt(), gpt()
+    run(plain)
+    run(cached, gradient_cache.create_gradient_cache(cached, **STREAMED))
+    assert_same_parameters(plain, cached)
+
+
+def test_a_failed_copy_of_the_state_sends_the_buckets_weights_home() -> None:
+    """The state's copy to the device raises after the bucket's weights were brought:
+    they go home with it, and the retry gives plain's result."""
+    plain, cached, _ = a_first_step_failing_at("backend", "start_to_device", steps=2)
+    assert_same_parameters(plain, cached)
 
 
 def test_a_failed_copy_back_loses_no_update() -> None:

@@ -1333,6 +1333,34 @@ MUTANTS = [
         "",
         "tests/test_parameters_offload.py::test_a_stepped_weight_whose_copy_back_failed_reaches_its_master_when_freed",
     ),
+    (
+        "weights: a load sends every device copy home first (none outlives the write)",
+        "gradient_cache/engine/weight_stream.py",
+        "        # A load writes the masters: no device copy may outlive it (the next use would\n        # read the old weights), and no copy may still read or write them.\n        self.weights.free(self.weights.present())\n",
+        "",
+        "tests/test_parameters_offload.py::test_a_load_while_weights_are_on_the_device_reaches_the_next_use",
+    ),
+    (
+        "weights: a rest module's eval outside the model's forward frees its weights",
+        "gradient_cache/engine/weight_stream.py",
+        "        if not self._in_model and not _in_backward() and not torch.is_grad_enabled():\n            self.weights.free(params)\n",
+        "",
+        "tests/test_parameters_offload.py::test_through_a_submodule_an_eval_then_a_load_reaches_training_and_the_window_holds",
+    ),
+    (
+        "weights: the blocks a forward ran are forgotten at the end of backward (a submodule's loop)",
+        "gradient_cache/engine/weight_stream.py",
+        "        self._called = set()  # a framework calling a submodule never begins the model\n",
+        "",
+        "tests/test_parameters_offload.py::test_through_a_submodule_an_eval_then_a_load_reaches_training_and_the_window_holds",
+    ),
+    (
+        "weights: a failed copy of the state sends the bucket's weights home",
+        "gradient_cache/engine/optimizer_state.py",
+        "            if self.weights is not None:  # the bucket's weights go home too (dirty: copied)\n                self.weights.free(params)\n",
+        "            pass\n",
+        "tests/test_parameters_offload.py::test_a_failed_copy_of_the_state_sends_the_buckets_weights_home",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -424,8 +424,13 @@ class StateJourney:
             values = self.state.get(param, {})
             keys += [(param, key, copies[key]) for key in values if key in copies]
         hosts = [leaf for _, _, host in keys for leaf in leaves(host)]
+        try:
+            transfer = self.states.backend.start_to_device(hosts)
+        except BaseException:
+            if self.weights is not None:  # the bucket's weights go home too (dirty: copied)
+                self.weights.free(params)
+            raise
         self.states.moved_bytes += nbytes(hosts)
-        transfer = self.states.backend.start_to_device(hosts)
         for param, _, _ in keys:  # only once started: a failed start leaves them home
             self.owned.at[param] = StateAt.IN_TRANSIT
         had_state = [bool(self.state.get(param)) for param in params]

@@ -74,6 +74,7 @@ class WeightStream:
         self._called: set[int] = set()  # the blocks this forward ran
         self._reused = False  # a block ran twice since the last backward ended
         self._kwargs: dict[int, Any] = {}  # a running block's keyword inputs
+        self._in_model = False  # inside the model's own forward
         # Each block output of this forward (weakly, by id) and the blocks that took it as
         # an input: when its gradient is complete their backward is done, and their frozen
         # weights go before the block that made it arrives.
@@ -103,8 +104,12 @@ class WeightStream:
         for module in model.modules():
             own = [p for p in module.parameters(recurse=False) if p in rest]
             if own and module is not model:
-                hook = functools.partial(self._rest_module_begins, own)
-                self._handles.append(module.register_forward_pre_hook(hook))
+                begins = functools.partial(self._rest_module_begins, own)
+                ends = functools.partial(self._rest_module_ends, own)
+                self._handles += [
+                    module.register_forward_pre_hook(begins),
+                    module.register_forward_hook(ends, always_call=True),
+                ]
         self._handles += [
             param.register_post_accumulate_grad_hook(self._gradient_accumulated)
             for param in model.parameters()
@@ -119,6 +124,7 @@ class WeightStream:
 
     @_outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        self._in_model = True
         if not _in_backward() and torch.is_grad_enabled():
             self._forwards += 1
             self._called = set()
@@ -132,7 +138,17 @@ class WeightStream:
         self.weights.ensure(params)
 
     @_outside_graphs
+    def _rest_module_ends(
+        self, params: list[Param], module: torch.nn.Module, args: Any, output: Any
+    ) -> None:
+        """Called outside the model's forward without gradients (an eval through a
+        submodule): nothing comes back for its weights, which go as the model's would."""
+        if not self._in_model and not _in_backward() and not torch.is_grad_enabled():
+            self.weights.free(params)
+
+    @_outside_graphs
     def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._in_model = False
         if _in_backward():
             return
         outputs = _tensors_needing_gradients(output) if torch.is_grad_enabled() else []
@@ -228,12 +244,16 @@ class WeightStream:
     def _backward_ended(self) -> None:
         self.weights.free(self.weights.present())
         self._forwards = 0
+        self._called = set()  # a framework calling a submodule never begins the model
         self._reused = False
         self._consumers = {}
         self._end_queued = False
 
     def _before_host_reads(self, *args: Any) -> None:
-        self.weights.wait_on_host()  # a copy back into a master may still be running
+        # Every weight to its master (a backward still to come brings them again): the
+        # masters are what state_dict reads; and the copies back into them complete.
+        self.weights.free(self.weights.present())
+        self.weights.wait_on_host()
 
     def _compact_state_dict(self, module: Any, state: dict[str, Any], *args: Any) -> None:
         """Each master in ``state`` (a view of a slab, which ``torch.save`` would write
@@ -243,7 +263,10 @@ class WeightStream:
                 state[key] = value.clone()
 
     def _before_host_writes(self, *args: Any) -> None:
-        self.weights.wait_on_host()  # a copy may still read the masters a load overwrites
+        # A load writes the masters: no device copy may outlive it (the next use would
+        # read the old weights), and no copy may still read or write them.
+        self.weights.free(self.weights.present())
+        self.weights.wait_on_host()
 
     def _block(self, index: int) -> list[Param]:
         if 0 <= index < len(self.units.blocks):
