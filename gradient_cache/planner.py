@@ -131,7 +131,8 @@ class PlanInputs:
     #: With ``offload_parameters``: the weights' blocks and rest (adds the last column).
     weights: WeightLayout | None = None
     #: Bytes an entry of the weights' copies in forward and backward; None: ``param_bytes``
-    #: (the engine copies the fp32 master as it is today; bf16 copies would be 2).
+    #: (the engine copies the fp32 master as it is, with ``compute_dtype`` too, which casts
+    #: on the device; 2 is a what-if: bf16 copies kept on the host).
     weight_copy_bytes: int | None = None
 
 

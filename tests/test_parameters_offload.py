@@ -61,13 +61,19 @@ def train(model, optimizer, data, *, manager=None, micro_batches=1, clip=None):
         (loss / micro_batches).backward()
         if (i + 1) % micro_batches:
             continue
-        if manager is None:
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
-        else:
-            manager.step(optimizer, max_grad_norm=clip)
-        optimizer.zero_grad()
+        step(model, optimizer, manager, clip=clip)
+
+
+def step(model, optimizer, manager=None, *, clip=None):
+    """Plain PyTorch's step (``manager`` None: clip_grad_norm_, then optimizer.step()) or the
+    fused step, then zero_grad."""
+    if manager is None:
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    else:
+        manager.step(optimizer, max_grad_norm=clip)
+    optimizer.zero_grad()
 
 
 def weights_of(manager):
@@ -232,11 +238,7 @@ def test_two_forwards_before_one_backward_keep_the_weights_until_its_end() -> No
     def run(model, optimizer, manager=None):
         for (tokens, targets), (tokens2, targets2) in zip(data[::2], data[1::2], strict=True):
             (model(tokens, targets)[1] + model(tokens2, targets2)[1]).backward()
-            if manager is None:
-                optimizer.step()
-            else:
-                manager.step(optimizer)
-            optimizer.zero_grad()
+            step(model, optimizer, manager)
 
     plain, cached = gpt(), gpt()
     run(plain, sgd_momentum(plain))
@@ -612,8 +614,7 @@ def test_through_a_submodule_an_eval_then_a_load_reaches_training_and_the_window
         optimizer = sgd_momentum(wrapper)
         for i, (tokens, targets) in enumerate(data):
             wrapper.inner(tokens, targets)[1].backward()
-            manager.step(optimizer) if manager else optimizer.step()
-            optimizer.zero_grad()
+            step(wrapper, optimizer, manager)
             if i == 0:
                 with torch.no_grad():
                     wrapper.inner(tokens)
@@ -731,11 +732,7 @@ def test_a_parameter_of_no_module_steps_with_the_others() -> None:
                 (logits * temperature).flatten(0, 1), targets.flatten()
             )
             loss.backward()
-            if manager is None:
-                optimizer.step()
-            else:
-                manager.step(optimizer)
-            optimizer.zero_grad()
+            step(model, optimizer, manager)
 
     plain, cached = gpt(), gpt()
     plain_t, cached_t = torch.nn.Parameter(torch.ones(())), torch.nn.Parameter(torch.ones(()))
@@ -761,8 +758,7 @@ def test_an_eval_between_forward_and_backward_and_a_retained_graph_keep_what_bac
                 model(tokens)
             loss.backward(retain_graph=True)
             loss.backward()
-            manager.step(optimizer) if manager else optimizer.step()
-            optimizer.zero_grad()
+            step(model, optimizer, manager)
 
     plain, cached = gpt(), gpt()
     run(plain)

@@ -1336,8 +1336,8 @@ MUTANTS = [
     (
         "weights: a load sends every device copy home first (none outlives the write)",
         "gradient_cache/engine/weight_stream.py",
-        "        # A load writes the masters: no device copy may outlive it (the next use would\n        # read the old weights), and no copy may still read or write them.\n        self.weights.free(self.weights.present())\n",
-        "",
+        "        self.weights.free(self.weights.present())\n        self.weights.wait_on_host()\n\n    def _compact_state_dict",
+        "        self.weights.wait_on_host()\n\n    def _compact_state_dict",
         "tests/test_parameters_offload.py::test_a_load_while_weights_are_on_the_device_reaches_the_next_use",
     ),
     (

@@ -112,7 +112,7 @@ class HostWeights:
             master = region.view(param.dtype).as_strided(param.shape, gradient_strides(param))
             full = self._device_like(master, master.dtype)
             compute = full
-            if self._cast(param) and compute_dtype is not None:
+            if compute_dtype is not None and param.is_floating_point():
                 compute = self._device_like(master, compute_dtype)
             weights[param] = _Weight(master, compute, full)
         for param, weight in weights.items():
@@ -124,9 +124,6 @@ class HostWeights:
         self.moved_bytes = 0
         self.moved_last_step = 0
         self._counted_step = -1  # the step moved_last_step counts
-
-    def _cast(self, param: Param) -> bool:
-        return self.compute_dtype is not None and param.is_floating_point()
 
     def _device_like(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A device tensor like ``host`` (shape, strides) in ``dtype``, its memory given up."""

@@ -84,10 +84,10 @@ class WeightStream:
             model.register_forward_pre_hook(self._model_begins, with_kwargs=True),
             # always_call: a forward that raises gives back what it brought.
             model.register_forward_hook(self._model_ends, always_call=True),
-            model.register_state_dict_pre_hook(self._before_host_reads),
+            model.register_state_dict_pre_hook(self._masters_for_the_host),
             # A partial: torch marks the hook it is given, which a bound method refuses.
             model.register_state_dict_post_hook(functools.partial(self._compact_state_dict)),
-            model.register_load_state_dict_pre_hook(self._before_host_writes),
+            model.register_load_state_dict_pre_hook(self._masters_for_the_host),
         ]
         for index, block in enumerate(units.blocks):
             self._handles += [
@@ -249,9 +249,10 @@ class WeightStream:
         self._consumers = {}
         self._end_queued = False
 
-    def _before_host_reads(self, *args: Any) -> None:
-        # Every weight to its master (a backward still to come brings them again): the
-        # masters are what state_dict reads; and the copies back into them complete.
+    def _masters_for_the_host(self, *args: Any) -> None:
+        """Before ``state_dict`` reads the masters or ``load_state_dict`` writes them: every
+        device copy home (none may outlive a load, the next use would read the old weights;
+        a backward still to come brings them again), and no copy still reading or writing."""
         self.weights.free(self.weights.present())
         self.weights.wait_on_host()
 
@@ -261,12 +262,6 @@ class WeightStream:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and self.weights.holds(value):
                 state[key] = value.clone()
-
-    def _before_host_writes(self, *args: Any) -> None:
-        # A load writes the masters: no device copy may outlive it (the next use would
-        # read the old weights), and no copy may still read or write them.
-        self.weights.free(self.weights.present())
-        self.weights.wait_on_host()
 
     def _block(self, index: int) -> list[Param]:
         if 0 <= index < len(self.units.blocks):
