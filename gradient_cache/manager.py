@@ -29,6 +29,8 @@ from .engine.factory import BackendFactory, create_backend
 from .engine.figures import CacheTensors, cache_tensors
 from .engine.host_weights import HostWeights
 from .engine.pipeline import Pipeline
+from .engine.shard_stream import ShardedModule, ShardStream, sharded_modules
+from .engine.shard_weights import ShardWeights
 from .engine.step import OptimizerStep
 from .engine.weight_blocks import WeightUnits, weight_units
 from .engine.weight_stream import WeightStream
@@ -727,9 +729,10 @@ def _weight_units_or_refusal(
     config: EngineConfig,
     patterns: Sequence[str],
     groups: Sequence[Sequence[torch.nn.Parameter]],
-) -> WeightUnits | None:
+) -> WeightUnits | list[ShardedModule] | None:
     """With ``offload_parameters``: the model's blocks (raises naming how to name them),
-    after refusing what it cannot be combined with. Before anything is attached."""
+    or under FSDP2 its ``fully_shard`` modules, after refusing what it cannot be combined
+    with. Before anything is attached."""
     if not config.offload_parameters:
         return None
     if patterns:
@@ -739,31 +742,57 @@ def _weight_units_or_refusal(
             "exclude_layers (every gradient is offloaded), or offload_parameters."
         )
     if groups:
-        raise ValueError(
-            "offload_parameters=True is not supported under FSDP2 yet: each rank's shards "
-            "would stream through FSDP2's own all-gathers. Drop offload_parameters "
-            "(gradients and optimizer state are still offloaded), or train without FSDP2."
-        )
+        return _sharded_modules_or_refusal(model, config)
     return weight_units(model, name=config.parameter_blocks)
 
 
-def _stream_weights(model: torch.nn.Module, pipeline: Pipeline, units: WeightUnits) -> WeightStream:
+def _sharded_modules_or_refusal(
+    model: torch.nn.Module, config: EngineConfig
+) -> list[ShardedModule]:
+    """Under FSDP2 the ``fully_shard`` modules are the blocks, and FSDP2 casts."""
+    if config.compute_dtype is not None:
+        raise ValueError(
+            f"compute_dtype={config.compute_dtype} cannot be combined with FSDP2: FSDP2 "
+            "casts the weights in its all-gathers. Drop compute_dtype and shard with "
+            "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
+            f"{config.compute_dtype}, reduce_dtype=torch.float32))."
+        )
+    if config.parameter_blocks is not None:
+        raise ValueError(
+            f"parameter_blocks={config.parameter_blocks!r} cannot be combined with FSDP2: "
+            "each fully_shard module's shards stream on their own. Drop parameter_blocks."
+        )
+    return sharded_modules(model)
+
+
+def _stream_weights(
+    model: torch.nn.Module, pipeline: Pipeline, units: WeightUnits | list[ShardedModule]
+) -> WeightStream | ShardStream:
     """The weights to host memory and their hooks on ``model``; if that raises (the host
-    budget), the pipeline is closed and nothing stays attached."""
+    budget, a parameter FSDP2 does not shard), the pipeline is closed and nothing stays
+    attached."""
     states = pipeline.optimizer_state
     assert states is not None  # offload_parameters needs offload_optimizer_state: the config checks
+    fraction = pipeline.config.host_memory_fraction
+    named = list(model.named_parameters())
     try:
-        weights = HostWeights(
-            list(model.named_parameters()),
-            pipeline.backend,
-            fraction=pipeline.config.host_memory_fraction,
-            compute_dtype=pipeline.config.compute_dtype,
-        )
+        if isinstance(units, WeightUnits):
+            weights: HostWeights = HostWeights(
+                named,
+                pipeline.backend,
+                fraction=fraction,
+                compute_dtype=pipeline.config.compute_dtype,
+            )
+        else:
+            weights = ShardWeights(named, pipeline.backend, fraction=fraction)
     except BaseException:
         pipeline.close()
         raise
     states.weights = weights
-    return WeightStream(model, weights, units)
+    if isinstance(units, WeightUnits):
+        return WeightStream(model, weights, units)
+    assert isinstance(weights, ShardWeights)  # built for the sharded modules above
+    return ShardStream(model, weights, units)
 
 
 def _parameter_list(

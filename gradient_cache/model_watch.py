@@ -66,8 +66,8 @@ class ParameterWatch:
                 changes.append(f"{name!r} removed")
             elif param is not ref() and not _unsharded_of(param, ref()):
                 changes.append(f"{name!r} replaced by a new Parameter")
-            elif self._in_place is not None:
-                if not self._in_place(param):
+            elif self._in_place is not None and (cached := ref()) is not None:
+                if not self._in_place(cached):  # the sharded one, not FSDP2's unsharded one
                     changes.append(f"{name!r} moved or cast off the host master it was given")
             elif (cast := _cast_of(ref(), self._dtypes[name])) is not None:
                 changes.append(f"{name!r} {cast}")

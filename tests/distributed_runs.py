@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 import gradient_cache
 
@@ -36,21 +37,25 @@ class Net(nn.Module):
     The head's 5 rows split 3 + 2 across two ranks: uneven shards.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = 2, *, checkpointed: bool = False) -> None:
         super().__init__()
         self.embed = nn.Linear(16, 128)
         self.blocks = nn.Sequential(
-            *[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(2)]
+            *[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(depth)]
         )
         self.head = nn.Linear(128, 5)
+        self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(x)))
+        x = self.embed(x)
+        for block in self.blocks:  # checkpointed: each block's forward reruns in backward
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.head(x)
 
 
-def plain_net(seed: int = 0) -> Net:
+def plain_net(seed: int = 0, **shape: Any) -> Net:
     torch.manual_seed(seed)
-    return Net()
+    return Net(**shape)
 
 
 def sharded(model: nn.Module, **fsdp: Any) -> nn.Module:
@@ -400,6 +405,203 @@ def replicate_with_fsdp_matches_plain() -> dict[str, Any]:
     }
 
 
+# --- offload_parameters: each rank's shards on the host ----------------------------
+
+
+def deep() -> nn.Module:
+    """Four blocks: the device holding two modules' shards at most is a real bound."""
+    return sharded(plain_net(depth=4))
+
+
+def offloaded(model: nn.Module) -> gradient_cache.GradientCacheHookManager:
+    return gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, offload_optimizer_state=True, offload_parameters=True
+    )
+
+
+def two_groups(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with the biases in a second group, without weight decay."""
+    named = list(model.named_parameters())
+    return torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if not n.endswith("bias")]},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+
+
+def shards_on_device(model: nn.Module) -> list[int]:
+    """The ``fully_shard`` modules (by their place in ``model.modules()``) whose shards
+    hold device memory now (FSDP2's padded shard, which its all-gather reads)."""
+    from gradient_cache.engine.shard_stream import sharded_modules
+
+    return [
+        index
+        for index, sharded in enumerate(sharded_modules(model))
+        for group in sharded.groups
+        if any(fp._sharded_param_data.untyped_storage().nbytes() for fp in group.fsdp_params)
+    ]
+
+
+def shard_bytes(model: nn.Module) -> list[int]:
+    """Each ``fully_shard`` module's padded shards' bytes on this rank."""
+    from gradient_cache.engine.shard_stream import sharded_modules
+
+    return [
+        sum(fp._sharded_param_data.nbytes for g in sharded.groups for fp in g.fsdp_params)
+        for sharded in sharded_modules(model)
+    ]
+
+
+def count_shards_in_use(model: nn.Module, seen: list[int]) -> None:
+    """Record, as each block begins its forward and its backward, how many modules' shards
+    are on the device."""
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda *_: seen.append(len(shards_on_device(model))))
+        block.register_full_backward_pre_hook(lambda *_: seen.append(len(shards_on_device(model))))
+
+
+def weights_on_host_match_plain() -> dict[str, Any]:
+    """AdamW with two param groups, two micro-batches, clipping: bit for bit with plain
+    FSDP2, each rank's shards on the device only around their all-gathers and steps."""
+    plain_model = deep()
+    plain = train(plain_model, micro_batches=2, clip=CLIP, optimizer=two_groups(plain_model))
+    model = deep()
+    optimizer = two_groups(model)
+    in_use: list[int] = []
+    with offloaded(model) as cache, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        count_shards_in_use(model, in_use)
+        cached = train(
+            model, cache=cache, fused=True, micro_batches=2, clip=CLIP, optimizer=optimizer
+        )
+        at_rest = shards_on_device(model)
+        with torch.no_grad():
+            model(batch(0)[0])
+        after_eval = shards_on_device(model)
+        model.reshard()  # FSDP2's root keeps its all-gathered weights after a forward
+        summary = cache.summary()
+    return {
+        "weights": max_difference(plain["weights"], cached["weights"]),
+        "losses": plain["losses"] == cached["losses"],
+        "norms": [n.item() for n in plain["norms"]] == [n.item() for n in cached["norms"]],
+        "modules": len(list(model.modules())),
+        "in use": in_use,
+        "at rest": at_rest,
+        "after eval": after_eval,
+        "host MiB": summary.parameters_host_mb,
+        "moved MiB": summary.parameters_moved_mb,
+        "warnings": [str(w.message) for w in caught],
+        "closed": len(shards_on_device(model)),
+        "shard bytes": shard_bytes(model),
+        "closed weights": max_difference(plain["weights"], full_weights(model)),
+    }
+
+
+def weights_on_host_sgd_checkpointed() -> float:
+    """SGD with momentum, each block's forward rerun in backward (activation
+    checkpointing): bit for bit with plain FSDP2."""
+
+    def model() -> nn.Module:
+        return sharded(plain_net(depth=4, checkpointed=True))
+
+    def sgd(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)
+
+    plain_model = model()
+    plain = train(plain_model, optimizer=sgd(plain_model))
+    cached_model = model()
+    with offloaded(cached_model) as cache:
+        cached = train(cached_model, cache=cache, fused=True, optimizer=sgd(cached_model))
+    return max_difference(plain["weights"], cached["weights"])
+
+
+def weights_on_host_mixed_precision() -> float:
+    """FSDP2's MixedPrecisionPolicy (bf16 all-gathers from the fp32 shards) with the
+    shards on the host: bit for bit with plain FSDP2 under the same policy."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def model() -> nn.Module:
+        return sharded(plain_net(depth=4), mp_policy=policy)
+
+    plain = train(model())
+    cached_model = model()
+    with offloaded(cached_model) as cache:
+        cached = train(cached_model, cache=cache, fused=True)
+    return max_difference(plain["weights"], cached["weights"])
+
+
+def weights_on_host_resume() -> dict[str, Any]:
+    """Two steps, a checkpoint (model and optimizer), two more; the checkpoint loaded
+    into a new sharded model with its cache attached resumes bit for bit."""
+    model = deep()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cache = offloaded(model)
+    train(model, cache=cache, fused=True, optimizer=optimizer, steps=2)
+    state = model.state_dict()
+    compact = [
+        value.to_local().untyped_storage().nbytes() == value.to_local().nbytes
+        for value in state.values()
+    ]
+    saved = io.BytesIO()
+    torch.save({"model": state, "optim": optimizer.state_dict()}, saved)
+    uninterrupted = train(
+        model, cache=cache, fused=True, optimizer=optimizer, steps=2, first_step=2
+    )
+    cache.remove_hooks()
+
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    resumed_model = deep()
+    resumed_cache = offloaded(resumed_model)
+    resumed_model.load_state_dict(loaded["model"])
+    resumed_optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=1e-2)
+    resumed_optimizer.load_state_dict(loaded["optim"])
+    loaded_at_rest = shards_on_device(resumed_model)
+    resumed = train(
+        resumed_model,
+        cache=resumed_cache,
+        fused=True,
+        optimizer=resumed_optimizer,
+        steps=2,
+        first_step=2,
+    )
+    resumed_cache.remove_hooks()
+    return {
+        "difference": max_difference(uninterrupted["weights"], resumed["weights"]),
+        "compact": bool(compact) and all(compact),
+        "loaded at rest": loaded_at_rest,
+    }
+
+
+def weights_on_host_refusals() -> list[str]:
+    """What cannot be combined with the shards on the host, each refused with its fix."""
+    options = {"offload_optimizer_state": True, "offload_parameters": True}
+    return [
+        _error_of(
+            lambda: gradient_cache.create_gradient_cache(
+                deep(), compute_dtype=torch.bfloat16, **options
+            )
+        ),
+        _error_of(
+            lambda: gradient_cache.create_gradient_cache(
+                deep(), parameter_blocks="blocks", **options
+            )
+        ),
+        _error_of(lambda: gradient_cache.create_gradient_cache(grouped(), **options)),
+    ]
+
+
+def grouped() -> nn.Module:
+    """Two blocks sharded in one ``fully_shard([a, b])`` call."""
+    model = plain_net(depth=4)
+    fully_shard([model.blocks[0], model.blocks[1]])
+    for block in model.blocks[2:]:
+        fully_shard(block)
+    return fully_shard(model)
+
+
 def _gap_between_ranks(weights: list[torch.Tensor]) -> float:
     """Largest difference between this rank's weights and rank 0's."""
     flat = torch.cat([w.reshape(-1) for w in weights])
@@ -432,6 +634,13 @@ PAIRS = {
         checkpoint_resumes_bit_for_bit,
         buckets_follow_groups,
         split_group_warns,
+    ],
+    "weights": [
+        weights_on_host_match_plain,
+        weights_on_host_sgd_checkpointed,
+        weights_on_host_mixed_precision,
+        weights_on_host_resume,
+        weights_on_host_refusals,
     ],
     "replicas_and_refusals": [
         hsdp_matches_plain,

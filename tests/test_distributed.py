@@ -43,6 +43,11 @@ def fsdp_results(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def weights_results(tmp_path_factory):
+    return _run_pair("weights", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def replica_results(tmp_path_factory):
     return _run_pair("replicas_and_refusals", tmp_path_factory)
 
@@ -160,3 +165,60 @@ def test_norms_are_reduced_on_the_parameters_device_not_the_current_one():
     assert collective_device(torch.device("cpu"), "cpu") == torch.device("cpu")
     # Parameters on the device, a gloo mesh on the CPU: the collective runs on the CPU.
     assert collective_device(torch.device("cuda", 1), "cpu") == torch.device("cpu")
+
+
+# --- offload_parameters: each rank's shards on the host -----------------------------
+
+
+def test_shards_on_the_host_train_bit_for_bit_with_plain_fsdp2(weights_results):
+    """AdamW with two param groups, two micro-batches and clipping."""
+    for result in each_rank(weights_results, "weights_on_host_match_plain"):
+        assert result["weights"] == 0.0
+        assert result["losses"] and result["norms"]
+        assert result["closed weights"] == 0.0  # and after the cache closed
+        assert result["warnings"] == []  # the parameters' check sees them in place
+
+
+@pytest.mark.parametrize(
+    "scenario", ["weights_on_host_sgd_checkpointed", "weights_on_host_mixed_precision"]
+)
+def test_shards_on_the_host_with_checkpointing_sgd_and_fsdp2_mixed_precision(
+    weights_results, scenario
+):
+    assert each_rank(weights_results, scenario) == [0.0, 0.0]
+
+
+def test_shards_are_on_the_device_only_around_their_all_gathers_and_steps(weights_results):
+    for result in each_rank(weights_results, "weights_on_host_match_plain"):
+        in_use = result["in use"]
+        blocks = 4
+        # The first forward starts with every shard (FSDP2's lazy init reads them all),
+        # and each goes once its module's all-gather is done.
+        assert in_use[:blocks] == [3, 2, 1, 0]
+        # Then, as each block begins its forward or backward: the next one arriving, or
+        # the one FSDP2 prefetches; never more than two modules' shards of the five.
+        assert max(in_use[blocks:]) == 2 and min(in_use[blocks:]) == 0
+        assert result["at rest"] == [] and result["after eval"] == []
+        assert result["closed"] == 5  # close brings every shard back
+        sizes = result["shard bytes"]
+        assert result["host MiB"] * 2**20 >= sum(sizes)
+        # Two micro-batches: each module's shards come once in forward, the blocks' again
+        # in backward (the root keeps its all-gathered weights: FSDP2's root does not
+        # reshard after forward), and every shard comes and goes in the step.
+        everything, blocks_only = sum(sizes), sum(sizes[1:])
+        assert result["moved MiB"] * 2**20 == 2 * (everything + blocks_only) + 2 * everything
+
+
+def test_shards_on_the_host_resume_from_a_checkpoint_bit_for_bit(weights_results):
+    for result in each_rank(weights_results, "weights_on_host_resume"):
+        assert result["difference"] == 0.0
+        assert result["compact"]  # state_dict: copies of their own, not slab views
+        assert result["loaded at rest"] == []  # the loaded shards went to their masters
+
+
+def test_what_the_shards_on_the_host_cannot_be_combined_with_is_refused(weights_results):
+    for errors in each_rank(weights_results, "weights_on_host_refusals"):
+        dtype, blocks, grouped = errors
+        assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in dtype
+        assert "Drop parameter_blocks" in blocks
+        assert "fully_shard([...])" in grouped and "Call fully_shard on each module" in grouped

@@ -907,3 +907,21 @@ def test_a_step_post_hook_reads_the_host_state_after_its_copy_back(fake_cuda: Fa
         manager.step(optimizer, max_grad_norm=0.05)
     assert reads
     fake_cuda.checker.assert_clean()
+
+
+def test_fsdp2s_copy_in_stream_reads_a_refilled_shard_after_its_copy(fake_cuda: FakeCuda) -> None:
+    """offload_parameters under FSDP2: FSDP2's all-gather copy-in reads a shard on a stream
+    of its own; `let_read` orders it after the refill the compute stream waited for."""
+    manager = lossless_small_buckets(make_model(), fake_cuda, offload_optimizer_state=True)
+    backend = manager.engine.backend
+    master = fake_cuda.allocate_pinned(64).view(torch.float32)
+    shard = torch.empty(16)
+    backend.resize_storage(shard, 0)  # at rest
+    backend.resize_storage(shard, 64)
+    backend.finish_to_device(backend.start_refill([(shard, master)]))
+    copy_in = fake_cuda.Stream()
+    backend.let_read(copy_in)
+    with fake_cuda.stream(copy_in):
+        shard.sum()
+    fake_cuda.checker.assert_clean()
+    manager.remove_hooks()

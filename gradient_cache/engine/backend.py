@@ -190,6 +190,10 @@ class Backend(ABC):
         """Let ``transfer``'s device tensors go, safely for the copies that read them."""
         transfer.tensors.clear()
 
+    def let_read(self, stream: Any) -> None:  # noqa: B027 - on the CPU work runs in order
+        """Order ``stream`` (FSDP2's all-gather copy-in) after the compute stream's work so
+        far, which waited for the refills `finish_to_device` finished."""
+
     def wait_for_state_copies(self) -> None:  # noqa: B027 - the CPU's copies are done at once
         """Block the host until every copy started by `start_to_device` and
         `start_to_host` is complete."""

@@ -309,6 +309,12 @@ class CudaBackend(Backend):
         self.cuda.current_stream(self.device).wait_event(transfer.done)
         transfer.tensors.clear()
 
+    def let_read(self, stream: Any) -> None:
+        # Guarantees work queued on ``stream`` from now on (FSDP2's all-gather copy-in)
+        # reads the refilled shards only after their copies: the compute stream waited for
+        # them (`finish_to_device`), and ``stream`` waits for the compute stream.
+        stream.wait_stream(self.cuda.current_stream(self.device))
+
     def wait_for_state_copies(self) -> None:
         # Each stream's copies complete in order: its last event covers the ones before.
         for done in self._unwaited_state.values():

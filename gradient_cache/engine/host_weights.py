@@ -97,7 +97,7 @@ class HostWeights:
     ) -> None:
         self.backend = backend
         self.compute_dtype = compute_dtype
-        _check_own_storage(named_params)
+        self._check(named_params)
         self._slabs = StateSlabs(
             backend.host_slab,
             fraction=fraction,
@@ -105,25 +105,49 @@ class HostWeights:
             what="the weights' masters, offload_parameters=True",
         )
         params = [param for _, param in named_params]
-        self._slabs.expect(params)
-        regions = self._slabs.take([p.numel() * p.element_size() for p in params])
-        weights = {}
-        for param, region in zip(params, regions, strict=True):  # nothing changes yet
-            master = region.view(param.dtype).as_strided(param.shape, gradient_strides(param))
-            full = self._device_like(master, master.dtype)
-            compute = full
-            if compute_dtype is not None and param.is_floating_point():
-                compute = self._device_like(master, compute_dtype)
-            weights[param] = _Weight(master, compute, full)
-        for param, weight in weights.items():
-            weight.master.copy_(param.detach())
-            param.data = weight.master
+        sources = [self._source(param) for param in params]
+        self._slabs.expect(sources)
+        regions = self._slabs.take([_nbytes(source) for source in sources])
+        weights = {  # nothing changes yet
+            param: self._weight(
+                source,
+                region.view(source.dtype).as_strided(source.shape, gradient_strides(source)),
+            )
+            for param, source, region in zip(params, sources, regions, strict=True)
+        }
+        for (param, weight), source in zip(weights.items(), sources, strict=True):
+            weight.master.copy_(source)
+            self._rest(param, weight)
         self._weights: dict[Param, _Weight] = weights
         # Host-to-device and back, counted as they start, since the last step ended; and
         # the last step's (its forward and backward passes, and the step).
         self.moved_bytes = 0
         self.moved_last_step = 0
         self._counted_step = -1  # the step moved_last_step counts
+
+    def _check(self, named_params: Sequence[tuple[str, Param]]) -> None:
+        _check_own_storage(named_params)
+
+    def _source(self, param: Param) -> torch.Tensor:
+        """What a parameter's master copies: its data."""
+        return param.detach()
+
+    def _weight(self, source: torch.Tensor, master: torch.Tensor) -> _Weight:
+        """The master and the device tensors of the parameter whose data is ``source``."""
+        full = self._device_like(master, master.dtype)
+        compute = full
+        if self.compute_dtype is not None and master.is_floating_point():
+            compute = self._device_like(master, self.compute_dtype)
+        return _Weight(master, compute, full)
+
+    def _rest(self, param: Param, weight: _Weight) -> None:
+        """``param`` at rest, its master filled: ``P.data`` is the master."""
+        param.data = weight.master
+
+    def _show(self, param: Param, weight: _Weight) -> None:
+        """``param`` where ``weight`` is now: its device tensor once arrived, else its
+        master."""
+        param.data = weight.place()
 
     def _device_like(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A device tensor like ``host`` (shape, strides) in ``dtype``, its memory given up."""
@@ -142,6 +166,11 @@ class HostWeights:
         """Whether ``tensor`` is a view of the masters' slabs (a detached master), not a
         Parameter."""
         return not isinstance(tensor, Param) and self._slabs.holds(tensor)
+
+    def compact(self, value: torch.Tensor) -> torch.Tensor:
+        """A master that ``model.state_dict()`` holds (a view of a slab, which ``torch.save``
+        would write whole and safetensors refuses as shared memory) as a copy of its own."""
+        return value.clone()
 
     def where(self, param: Param) -> WeightAt:
         return self._weights[param].at
@@ -218,7 +247,7 @@ class HostWeights:
             if weight.at is WeightAt.ARRIVING:
                 self._arrived(weight)
                 weight.at = WeightAt.DEVICE
-                param.data = weight.place()
+                self._show(param, weight)
             weight.dirty |= step
 
     def free(self, params: Iterable[Param]) -> None:
@@ -234,10 +263,11 @@ class HostWeights:
                 continue
             if weight.at is WeightAt.ARRIVING:
                 self._arrived(weight)  # before its memory can be handed on
-            param.data = weight.master
             assert weight.in_use is not None  # set with ARRIVING
-            self.backend.resize_storage(weight.in_use, 0)
+            in_use = weight.in_use
             weight.at, weight.in_use = WeightAt.HOST, None
+            self._show(param, weight)
+            self.backend.resize_storage(in_use, 0)
 
     def forget(self, params: Iterable[Param]) -> None:
         """A failed step's bucket: its device copies given up unchanged in the masters
@@ -289,6 +319,10 @@ class HostWeights:
             for w in self._weights.values()
             for t in {id(t): t for t in (w.compute, w.full)}.values()
         )
+
+    def params(self) -> list[Param]:
+        """Every parameter whose weights these are."""
+        return list(self._weights)
 
     def present(self) -> list[Param]:
         """The parameters whose weights are on the device or on their way."""

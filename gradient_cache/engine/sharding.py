@@ -10,7 +10,7 @@ tensor passes through unchanged.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, TypeGuard
+from typing import TYPE_CHECKING, Protocol, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,17 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local()
 
 
+def local_object(param: torch.Tensor) -> torch.Tensor:
+    """The tensor object a `DTensor` holds as its local part (`local` gives a view)."""
+    return cast("DTensor", param)._local_tensor
+
+
+def set_local(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``tensor`` as the local part of `DTensor` ``param`` (whose identity the optimizer
+    keeps), as FSDP2's own ``reset_sharded_param`` sets it; ``tensor`` has its shape."""
+    cast("DTensor", param)._local_tensor = tensor
+
+
 def local_shape(param: torch.Tensor) -> torch.Size:
     return local(param).shape
 
@@ -66,14 +77,19 @@ def as_grad_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``grad`` (a local tensor) as ``param.grad``: a `DTensor` like ``param`` where it is one."""
     if not is_dtensor(param):
         return grad
+    return dtensor_like(param, grad)
+
+
+def dtensor_like(template: DTensor, local_tensor: torch.Tensor) -> DTensor:
+    """``local_tensor`` as this rank's part of a `DTensor` laid out as ``template``."""
     with torch.no_grad():
         return DTensor.from_local(
-            grad,
-            param.device_mesh,
-            param.placements,
+            local_tensor,
+            template.device_mesh,
+            template.placements,
             run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
+            shape=template.shape,
+            stride=template.stride(),
         )
 
 

@@ -257,16 +257,19 @@ class WeightStream:
         self.weights.wait_on_host()
 
     def _compact_state_dict(self, module: Any, state: dict[str, Any], *args: Any) -> None:
-        """Each master in ``state`` (a view of a slab, which ``torch.save`` would write
-        whole and safetensors refuses as shared memory) as a compact copy of its own."""
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and self.weights.holds(value):
-                state[key] = value.clone()
+        compact_masters(self.weights, state)
 
     def _block(self, index: int) -> list[Param]:
         if 0 <= index < len(self.units.blocks):
             return self.units.block_params[index]
         return []
+
+
+def compact_masters(weights: HostWeights, state: dict[str, Any]) -> None:
+    """Each master in a ``model.state_dict()`` as a copy of its own (`HostWeights.compact`)."""
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and weights.holds(value):
+            state[key] = weights.compact(value)
 
 
 def _tensors_needing_gradients(output: Any) -> list[torch.Tensor]:

@@ -1,0 +1,245 @@
+"""Forward and backward under FSDP2 with each rank's shards on the host.
+
+FSDP2 reads a module's shards (`shard_weights.ShardWeights`) only in its all-gathers: in
+the module's forward pre-hook, in backward in a hook on the module's outputs (where it
+resharded after forward), and there it also starts the all-gather of the module it
+prefetches. So the cache's hooks run around FSDP2's own, on each ``fully_shard`` module:
+
+* a forward pre-hook registered before FSDP2's brings the module's shards (and those of
+  the modules FSDP2 prefetches in forward, where the user named some), and starts bringing
+  the module that ran next last time (it arrives while this one runs);
+* one registered after FSDP2's, when FSDP2 has waited for the all-gather, gives them up
+  (a module brought ahead that a forward does not run stays until its next run, or the
+  end of the next backward);
+* a hook on the module's outputs registered before FSDP2's brings, in backward, its shards
+  and those of the module FSDP2 prefetches (read from FSDP2's own record of the forward
+  order, so the two agree), and gives up the shards of the modules whose backward began
+  earlier (FSDP2 has waited for their all-gathers). What is left goes at the end of
+  backward.
+
+FSDP2's first forward (its lazy init) pads and checks every shard: the first forward brings
+them all, and they go as their modules' all-gathers are done. A module's forward rerun in
+backward (activation checkpointing) brings its shards only where FSDP2 all-gathers again.
+
+This reads FSDP2's private state (its module state, parameter groups and forward order), as
+`sharding.fsdp_param_groups` does; the names are those of torch 2.6 to 2.13.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from .shard_weights import ShardWeights
+from .weight_stream import (
+    _in_backward,
+    _outside_graphs,
+    _tensors_needing_gradients,
+    compact_masters,
+)
+
+Param = torch.nn.Parameter
+
+
+@dataclass
+class ShardedModule:
+    """A ``fully_shard`` module: FSDP2's state for it, and the sharded parameters of its
+    parameter groups."""
+
+    module: torch.nn.Module
+    state: Any  # FSDP2's FSDPState
+    params: list[Param]
+
+    @property
+    def groups(self) -> list[Any]:
+        return list(getattr(self.state, "_fsdp_param_groups", ()))
+
+
+def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
+    """Each ``fully_shard`` module under ``model`` (itself first, where it is one) with its
+    sharded parameters; raises for ``fully_shard([a, b])`` (one state over two modules)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if len(getattr(state, "_modules", (module,))) > 1:
+            raise ValueError(
+                f"offload_parameters=True cannot stream FSDP2 group {name or 'the model'!r}: "
+                "it was sharded with other modules in one fully_shard([...]) call, whose "
+                "shards the cache cannot follow. Call fully_shard on each module on its own."
+            )
+        params = [fp.sharded_param for g in _groups(state) for fp in g.fsdp_params]
+        found.append(ShardedModule(cast(torch.nn.Module, module), state, params))
+    return found
+
+
+def _groups(state: Any) -> list[Any]:
+    return list(getattr(state, "_fsdp_param_groups", ()))
+
+
+class ShardStream:
+    """The hooks that bring and give up each rank's shards (see the module docstring)."""
+
+    def __init__(
+        self, model: torch.nn.Module, weights: ShardWeights, modules: list[ShardedModule]
+    ) -> None:
+        self.weights = weights
+        self._modules = modules
+        self._of_state = {id(m.state): i for i, m in enumerate(modules)}
+        self._of_group = {id(g): i for i, m in enumerate(modules) for g in m.groups}
+        self._first_forward = True
+        self._next: dict[int, int] = {}  # the module that ran after each, last forward
+        self._previous: int | None = None  # the module that ran last in this forward
+        self._reached: set[int] = set()  # the modules whose backward began
+        self._end_queued = False
+        self._handles: list[Any] = []
+        for index, sharded in enumerate(modules):
+            module = sharded.module
+            self._handles += [
+                # prepend: before FSDP2's pre-hook (its all-gather) and post-hook (which
+                # registers its backward hook on the outputs, after this one's).
+                module.register_forward_pre_hook(
+                    functools.partial(self._before_gather, index), prepend=True
+                ),
+                module.register_forward_pre_hook(functools.partial(self._gathered, index)),
+                module.register_forward_hook(
+                    functools.partial(self._forward_ends, index), prepend=True
+                ),
+            ]
+        self._handles += [
+            # prepend, registered last: before every module's hooks above.
+            model.register_forward_pre_hook(self._model_begins, prepend=True),
+            model.register_state_dict_pre_hook(self._masters_for_the_host),
+            model.register_state_dict_post_hook(functools.partial(self._compact_state_dict)),
+            model.register_load_state_dict_pre_hook(self._shards_for_the_load),
+            model.register_load_state_dict_post_hook(self._loaded),
+        ]
+
+    def remove(self) -> None:
+        """The hooks removed; the shards stay where they are."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @_outside_graphs
+    def _model_begins(self, module: torch.nn.Module, args: Any) -> None:
+        if not _in_backward():
+            self._previous = None
+
+    @_outside_graphs
+    def _before_gather(self, index: int, module: torch.nn.Module, args: Any) -> None:
+        if self._first_forward:  # FSDP2's lazy init reads every shard next
+            self._first_forward = False
+            self._ensure(range(len(self._modules)))
+        if _in_backward():  # a recomputation: FSDP2 all-gathers only what it resharded
+            self._ensure(i for i in [index] if self._gathers(i))
+            return
+        if self._previous is not None:
+            self._next[self._previous] = index
+        self._previous = index
+        prefetched = getattr(self._modules[index].state, "_states_to_forward_prefetch", ())
+        self._ensure([index, *self._indices_of(prefetched)])
+        ahead = self._next.get(index)
+        if ahead is not None:
+            self.weights.bring(self._modules[ahead].params)
+
+    @_outside_graphs
+    def _gathered(self, index: int, module: torch.nn.Module, args: Any) -> None:
+        """FSDP2's pre-hook has waited for this module's all-gather: its shards go."""
+        self.weights.free(self._modules[index].params)
+
+    @_outside_graphs
+    def _forward_ends(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if _in_backward() or not torch.is_grad_enabled():
+            return
+        hook = functools.partial(self._backward_reaches, index)
+        for tensor in _tensors_needing_gradients(output):
+            tensor.register_hook(hook)
+
+    @_outside_graphs
+    def _backward_reaches(self, index: int, grad: torch.Tensor) -> None:
+        """The module's outputs have their gradient: FSDP2's hook, next, all-gathers it
+        and starts the all-gather of the module it prefetches."""
+        self._queue_end_of_backward()
+        wanted = [index, *self._backward_prefetch(index)]
+        done = [
+            p
+            for i in self._reached - set(wanted)
+            for p in self._modules[i].params  # their all-gathers were waited for
+        ]
+        self.weights.free(done)
+        self._reached.add(index)
+        self._ensure(i for i in wanted if self._gathers(i))
+
+    def _backward_prefetch(self, index: int) -> list[int]:
+        """The modules FSDP2's backward hook of module ``index`` prefetches: those named
+        (``set_modules_to_backward_prefetch``), else the one before it in forward order."""
+        state = self._modules[index].state
+        named = getattr(state, "_states_to_backward_prefetch", ())
+        if named:
+            return self._indices_of(named)
+        found = []
+        for group in self._modules[index].groups:
+            positions = getattr(group, "_post_forward_indices", ())
+            order = getattr(group.comm_ctx, "post_forward_order", ())
+            if not positions:
+                continue
+            for earlier in reversed(order[: positions[-1]]):
+                if self._of_group.get(id(earlier)) != index:
+                    found.append(self._of_group[id(earlier)])
+                    break
+        return found
+
+    def _indices_of(self, states: Iterable[Any]) -> list[int]:
+        return [self._of_state[id(state)] for state in states]
+
+    def _gathers(self, index: int) -> bool:
+        """Whether FSDP2's next unshard of module ``index`` all-gathers (reads its shards)."""
+        return any(not group.is_unsharded for group in self._modules[index].groups)
+
+    def _ensure(self, indices: Iterable[int]) -> None:
+        """The shards of ``indices`` on the device, for FSDP2's all-gathers queued next."""
+        params = [p for i in indices for p in self._modules[i].params]
+        if not params:
+            return
+        self.weights.ensure(params)
+        comm = getattr(self._modules[0].state, "_comm_ctx", None)
+        copy_in = getattr(comm, "all_gather_copy_in_stream", None)
+        if copy_in is not None:  # none before FSDP2's lazy init, whose root hook waits
+            self.weights.backend.let_read(copy_in)
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._end_queued = True
+
+    def _backward_ended(self) -> None:
+        self.weights.free(self.weights.present())
+        self._reached = set()
+        self._end_queued = False
+
+    def _masters_for_the_host(self, *args: Any) -> None:
+        """Before ``state_dict`` reads the masters: every shard home, no copy in flight."""
+        self.weights.free(self.weights.present())
+        self.weights.wait_on_host()
+
+    def _compact_state_dict(self, module: Any, state: dict[str, Any], *args: Any) -> None:
+        compact_masters(self.weights, state)
+
+    def _shards_for_the_load(self, *args: Any) -> None:
+        """``load_state_dict`` copies into the parameters: every shard on the device first
+        (this rank's shards fit there: FSDP2 put them there), filled from its master."""
+        self._masters_for_the_host()
+        self.weights.ensure(self.weights.params())
+
+    def _loaded(self, module: Any, incompatible_keys: Any) -> None:
+        """The loaded shards to their masters, and their memory given up."""
+        self.weights.store(self.weights.params())
+        self.weights.wait_on_host()

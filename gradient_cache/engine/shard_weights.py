@@ -1,0 +1,121 @@
+"""FSDP2's shards in host memory, on the device only while in use (``offload_parameters``).
+
+Under ``fully_shard`` each parameter ``P`` is a `DTensor` whose local tensor is a view of
+a padded flat tensor of FSDP2's own: this rank's *shard* ``S``, which FSDP2's all-gather
+reads before a module's forward (and before its backward where it resharded after
+forward), and which the optimizer updates. Nothing else reads it: the all-gathered weights
+and the gradients live in other tensors.
+
+So these weights keep ``S``'s storage object and only move its memory, as `HostWeights`
+does with a device tensor of its own: the master (the padded shard, in host slabs: pinned
+on CUDA, the host budget checked first) is copied into the storage (``resize_`` and fill)
+before FSDP2's all-gather or the optimizer reads it, and the storage is given up
+(``resize_(0)``) once they are done. FSDP2's flat view keeps pointing at ``S``.
+
+``P``'s local tensor is the one thing that moves (as FSDP2's ``reset_sharded_param`` moves
+it): at rest a view of the master, so that ``model.parameters()`` and ``state_dict()``
+read host tensors (`DTensor`s around host tensors, as FSDP2's ``CPUOffloadPolicy`` gives
+them); in use (the step, and whenever FSDP2 may re-read it: its lazy init, a load) its
+view of ``S``. Streams (CUDA) are `HostWeights'`; FSDP2's all-gather copy-in runs on a
+stream of its own, which the stream hooks order after the refill (`Backend.let_read`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import sharding
+from .backend import Backend
+from .host_weights import HostWeights, Param, _Weight
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over the whole of ``tensor``'s storage (the padded shard)."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        storage, 0, (storage.nbytes() // tensor.element_size(),), (1,)
+    )
+
+
+class ShardWeights(HostWeights):
+    """The masters of ``named_params``' shards (FSDP2 `DTensor` parameters); construction
+    copies each shard into its master and gives up the shard's memory."""
+
+    compute_dtype = None  # FSDP2's MixedPrecisionPolicy casts in its all-gather
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, Param]],
+        backend: Backend,
+        *,
+        fraction: float,
+    ) -> None:
+        # Each parameter's local tensor: its view of S (FSDP2's) and of the master (at rest).
+        self._locals: dict[Param, tuple[torch.Tensor, torch.Tensor]] = {}
+        super().__init__(named_params, backend, fraction=fraction)
+
+    def _check(self, named_params: Sequence[tuple[str, Param]]) -> None:
+        seen: dict[int, str] = {}
+        for name, param in named_params:
+            shard = sharding.local(param)
+            if not sharding.is_dtensor(param) or shard.storage_offset():
+                raise ValueError(
+                    f"offload_parameters=True under FSDP2 cannot move parameter {name!r}: it "
+                    "is not one of FSDP2's shards. Shard every parameter (fully_shard(model) "
+                    "after the blocks) before creating the cache."
+                )
+            if not shard.untyped_storage().nbytes():
+                continue  # no memory to share (an empty shard)
+            other = seen.setdefault(shard.untyped_storage().data_ptr(), name)
+            if other != name:
+                raise ValueError(
+                    f"offload_parameters=True cannot move parameter {name!r}: its shard "
+                    f"shares its memory with {other!r}, and a shard leaves the device whole."
+                )
+
+    def _source(self, param: Param) -> torch.Tensor:
+        """The whole padded shard, which FSDP2's all-gather reads."""
+        return _flat(sharding.local(param))
+
+    def _weight(self, source: torch.Tensor, master: torch.Tensor) -> _Weight:
+        return _Weight(master, source, source)  # the shard's own storage, in its dtype
+
+    def _rest(self, param: Param, weight: _Weight) -> None:
+        on_device = sharding.local_object(param)  # FSDP2's narrow view of S
+        at_rest = weight.master[: on_device.numel()].view(on_device.shape)
+        self._locals[param] = (on_device, at_rest)
+        self._show(param, weight)
+        self.backend.resize_storage(weight.full, 0)
+
+    def _show(self, param: Param, weight: _Weight) -> None:
+        """``P``'s local tensor: its view of S once arrived, else of its master."""
+        on_device, at_rest = self._locals[param]
+        sharding.set_local(param, on_device if weight.place() is weight.full else at_rest)
+
+    def in_place(self, param: Param) -> bool:
+        """Whether ``param``'s local tensor is one of the two these weights give it."""
+        views = self._locals.get(param)
+        return views is not None and any(sharding.local_object(param) is v for v in views)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a `DTensor` around a view of the masters' slabs (a
+        detached parameter at rest), not a Parameter."""
+        return (
+            sharding.is_dtensor(tensor)
+            and not isinstance(tensor, Param)
+            and self._slabs.holds(sharding.local(tensor))
+        )
+
+    def compact(self, value: torch.Tensor) -> torch.Tensor:
+        assert sharding.is_dtensor(value)  # `holds` it
+        return sharding.dtensor_like(value, sharding.local(value).clone())
+
+    def close(self) -> None:
+        """Every shard back on the device for good, as plain FSDP2 keeps it."""
+        params = list(self._weights)
+        self.free(params)  # a dirty weight's copy back first: the masters are the newest
+        self.wait_on_host()
+        self.ensure(params)
+        self._weights, self._locals = {}, {}
