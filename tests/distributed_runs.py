@@ -477,11 +477,17 @@ def weights_on_host_match_plain() -> dict[str, Any]:
             model, cache=cache, fused=True, micro_batches=2, clip=CLIP, optimizer=optimizer
         )
         at_rest = shards_on_device(model)
+        x, y = batch(STEPS)  # one step more, of one micro-batch, looked into
+        nn.functional.mse_loss(model(x), y).backward()
+        after_backward = shards_on_device(model)
+        cache.step(optimizer)
+        optimizer.zero_grad()
+        summary = cache.summary()
         with torch.no_grad():
-            model(batch(0)[0])
+            model(x)
         after_eval = shards_on_device(model)
         model.reshard()  # FSDP2's root keeps its all-gathered weights after a forward
-        summary = cache.summary()
+        before_close = full_weights(model)
     return {
         "weights": max_difference(plain["weights"], cached["weights"]),
         "losses": plain["losses"] == cached["losses"],
@@ -489,32 +495,47 @@ def weights_on_host_match_plain() -> dict[str, Any]:
         "modules": len(list(model.modules())),
         "in use": in_use,
         "at rest": at_rest,
+        "after backward": after_backward,
         "after eval": after_eval,
         "host MiB": summary.parameters_host_mb,
         "moved MiB": summary.parameters_moved_mb,
         "warnings": [str(w.message) for w in caught],
         "closed": len(shards_on_device(model)),
         "shard bytes": shard_bytes(model),
-        "closed weights": max_difference(plain["weights"], full_weights(model)),
+        "closed weights": max_difference(before_close, full_weights(model)),
     }
 
 
-def weights_on_host_sgd_checkpointed() -> float:
+def weights_on_host_sgd_checkpointed() -> dict[bool, dict[str, Any]]:
     """SGD with momentum, each block's forward rerun in backward (activation
-    checkpointing): bit for bit with plain FSDP2."""
-
-    def model() -> nn.Module:
-        return sharded(plain_net(depth=4, checkpointed=True))
+    checkpointing), the blocks resharded after forward or not: bit for bit with plain
+    FSDP2, and what each step moves."""
 
     def sgd(m: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)
 
-    plain_model = model()
-    plain = train(plain_model, optimizer=sgd(plain_model))
-    cached_model = model()
-    with offloaded(cached_model) as cache:
-        cached = train(cached_model, cache=cache, fused=True, optimizer=sgd(cached_model))
-    return max_difference(plain["weights"], cached["weights"])
+    results = {}
+    for reshard in (True, False):
+
+        def model() -> nn.Module:
+            net = plain_net(depth=4, checkpointed=True)
+            for block in net.blocks:
+                fully_shard(block, reshard_after_forward=reshard)  # noqa: B023 - called here
+            return fully_shard(net)
+
+        plain_model = model()
+        plain = train(plain_model, optimizer=sgd(plain_model))
+        cached_model = model()
+        with offloaded(cached_model) as cache:
+            cached = train(cached_model, cache=cache, fused=True, optimizer=sgd(cached_model))
+            moved = cache.summary().parameters_moved_mb
+            sizes = shard_bytes(cached_model)
+        results[reshard] = {
+            "difference": max_difference(plain["weights"], cached["weights"]),
+            "moved MiB": moved,
+            "shard bytes": sizes,
+        }
+    return results
 
 
 def weights_on_host_mixed_precision() -> float:
@@ -590,7 +611,18 @@ def weights_on_host_refusals() -> list[str]:
             )
         ),
         _error_of(lambda: gradient_cache.create_gradient_cache(grouped(), **options)),
+        _error_of(lambda: gradient_cache.create_gradient_cache(frozen_root(), **options)),
     ]
+
+
+def frozen_root() -> nn.Module:
+    """The blocks sharded; the root not, its parameters frozen (no cached gradient)."""
+    model = plain_net(depth=4)
+    for block in model.blocks:
+        fully_shard(block)
+    model.embed.requires_grad_(False)
+    model.head.requires_grad_(False)
+    return model
 
 
 def grouped() -> nn.Module:
