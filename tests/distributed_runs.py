@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -553,6 +553,25 @@ def weights_on_host_mixed_precision() -> float:
     return max_difference(plain["weights"], cached["weights"])
 
 
+def weights_on_host_one_rank_mesh() -> float:
+    """Each rank's own model sharded over a mesh of itself alone: FSDP2's one-process path
+    (it copies the shard on the compute stream in its pre-hook, with no all-gather), bit
+    for bit with plain FSDP2 on the same mesh."""
+    mesh = DeviceMesh.from_group(dist.new_group([dist.get_rank()]), "cpu")
+
+    def model() -> nn.Module:
+        net = plain_net(depth=4)
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(net, mesh=mesh)
+
+    plain = train(model(), micro_batches=2)
+    cached_model = model()
+    with offloaded(cached_model) as cache:
+        cached = train(cached_model, cache=cache, fused=True, micro_batches=2)
+    return max_difference(plain["weights"], cached["weights"])
+
+
 def weights_on_host_resume() -> dict[str, Any]:
     """Two steps, a checkpoint (model and optimizer), two more; the checkpoint loaded
     into a new sharded model with its cache attached resumes bit for bit."""
@@ -671,6 +690,7 @@ PAIRS = {
         weights_on_host_match_plain,
         weights_on_host_sgd_checkpointed,
         weights_on_host_mixed_precision,
+        weights_on_host_one_rank_mesh,
         weights_on_host_resume,
         weights_on_host_refusals,
     ],

@@ -179,8 +179,13 @@ def test_shards_on_the_host_train_bit_for_bit_with_plain_fsdp2(weights_results):
         assert result["warnings"] == []  # the parameters' check sees them in place
 
 
-def test_shards_on_the_host_with_fsdp2_mixed_precision(weights_results):
-    assert each_rank(weights_results, "weights_on_host_mixed_precision") == [0.0, 0.0]
+@pytest.mark.parametrize(
+    "scenario", ["weights_on_host_mixed_precision", "weights_on_host_one_rank_mesh"]
+)
+def test_shards_on_the_host_with_fsdp2_mixed_precision_and_on_a_mesh_of_one(
+    weights_results, scenario
+):
+    assert each_rank(weights_results, scenario) == [0.0, 0.0]
 
 
 def test_shards_on_the_host_with_activation_checkpointing_and_sgd(weights_results):
