@@ -29,7 +29,7 @@ from .engine.factory import BackendFactory, create_backend
 from .engine.figures import CacheTensors, cache_tensors
 from .engine.host_weights import HostWeights
 from .engine.pipeline import Pipeline
-from .engine.shard_stream import ShardedModule, ShardStream, sharded_modules
+from .engine.shard_stream import ShardedModule, ShardStream, flat_shards, sharded_modules
 from .engine.shard_weights import ShardWeights
 from .engine.step import OptimizerStep
 from .engine.weight_blocks import WeightUnits, weight_units
@@ -784,7 +784,9 @@ def _stream_weights(
                 compute_dtype=pipeline.config.compute_dtype,
             )
         else:
-            weights = ShardWeights(named, pipeline.backend, fraction=fraction)
+            weights = ShardWeights(
+                named, pipeline.backend, fraction=fraction, flat_shards=flat_shards(units)
+            )
     except BaseException:
         pipeline.close()
         raise

@@ -45,10 +45,11 @@ class Net(nn.Module):
         )
         self.head = nn.Linear(128, 5)
         self.checkpointed = checkpointed
+        self.exit_after = depth  # the blocks a forward runs (fewer: an early exit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
-        for block in self.blocks:  # checkpointed: each block's forward reruns in backward
+        for block in self.blocks[: self.exit_after]:  # checkpointed: reruns in backward
             x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
         return self.head(x)
 
@@ -572,6 +573,59 @@ def weights_on_host_one_rank_mesh() -> float:
     return max_difference(plain["weights"], cached["weights"])
 
 
+def weights_on_host_beside_the_loop() -> dict[str, Any]:
+    """What a user does beside the loop, done to plain FSDP2 too: submodules' state_dict
+    loaded back (the head, whose shard is uneven on rank 1, and a block), FSDP2's own
+    unshard() (waited, and async), an eval through a submodule and one through the model.
+    Bit for bit with plain FSDP2, and no shard left on the device after the evals."""
+
+    def run(cached: bool) -> dict[str, Any]:
+        model = deep()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cache = offloaded(model) if cached else None
+        seen: dict[str, list[int]] = {}
+
+        def step(index: int) -> None:
+            train(model, cache=cache, fused=cached, optimizer=optimizer, steps=1, first_step=index)
+
+        step(0)
+        model.head.load_state_dict(model.head.state_dict())
+        model.blocks[0].load_state_dict(model.blocks[0].state_dict())
+        step(1)
+        model.blocks[1].unshard()
+        model.blocks[1].reshard()
+        handle = model.blocks[2].unshard(async_op=True)
+        assert handle is not None
+        handle.wait()
+        model.blocks[2].reshard()
+        step(2)
+        hidden = torch.randn(8, 128, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            model.blocks[0](hidden)
+            seen["after a block's eval"] = shards_on_device(model)
+            model(batch(0)[0])
+            model.reshard()
+            seen["after the model's eval"] = shards_on_device(model)
+            model.exit_after = 2  # the third block, brought ahead, does not run
+            model(batch(0)[0])
+            model.reshard()
+            model.exit_after = 4
+            seen["after an early exit"] = shards_on_device(model)
+        step(3)
+        weights = full_weights(model)
+        if cache is not None:
+            cache.remove_hooks()
+        return {"weights": weights, **seen}
+
+    plain, cached = run(cached=False), run(cached=True)
+    return {
+        "difference": max_difference(plain["weights"], cached["weights"]),
+        "after a block's eval": cached["after a block's eval"],
+        "after the model's eval": cached["after the model's eval"],
+        "after an early exit": cached["after an early exit"],
+    }
+
+
 def weights_on_host_resume() -> dict[str, Any]:
     """Two steps, a checkpoint (model and optimizer), two more; the checkpoint loaded
     into a new sharded model with its cache attached resumes bit for bit."""
@@ -631,7 +685,21 @@ def weights_on_host_refusals() -> list[str]:
         ),
         _error_of(lambda: gradient_cache.create_gradient_cache(grouped(), **options)),
         _error_of(lambda: gradient_cache.create_gradient_cache(frozen_root(), **options)),
+        shard_taken_at_rest(),
     ]
+
+
+def shard_taken_at_rest() -> str:
+    """FSDP2 re-reading a shard at rest (its reset_sharded_param, as its lazy init or a
+    load runs it) takes the master's memory for it: refused at the next forward."""
+    model = deep()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cache = offloaded(model)
+    train(model, cache=cache, fused=True, optimizer=optimizer, steps=1)
+    model.blocks[0]._get_fsdp_state()._fsdp_param_groups[0].fsdp_params[0].reset_sharded_param()
+    error = _error_of(lambda: model(batch(0)[0]))
+    cache.remove_hooks()
+    return error
 
 
 def frozen_root() -> nn.Module:
@@ -691,6 +759,7 @@ PAIRS = {
         weights_on_host_sgd_checkpointed,
         weights_on_host_mixed_precision,
         weights_on_host_one_rank_mesh,
+        weights_on_host_beside_the_loop,
         weights_on_host_resume,
         weights_on_host_refusals,
     ],

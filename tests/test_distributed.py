@@ -221,6 +221,15 @@ def test_shards_are_on_the_device_only_around_their_all_gathers_and_steps(weight
         assert result["moved MiB"] * 2**20 == everything + blocks_only + 2 * everything
 
 
+def test_shards_on_the_host_beside_the_loop(weights_results):
+    """Submodules' state_dict loaded back, FSDP2's own unshard(), evals through a block
+    and through the model."""
+    for result in each_rank(weights_results, "weights_on_host_beside_the_loop"):
+        assert result["difference"] == 0.0
+        assert result["after a block's eval"] == result["after the model's eval"] == []
+        assert result["after an early exit"] == []  # a block brought ahead, never run
+
+
 def test_shards_on_the_host_resume_from_a_checkpoint_bit_for_bit(weights_results):
     for result in each_rank(weights_results, "weights_on_host_resume"):
         assert result["difference"] == 0.0
@@ -230,8 +239,11 @@ def test_shards_on_the_host_resume_from_a_checkpoint_bit_for_bit(weights_results
 
 def test_what_the_shards_on_the_host_cannot_be_combined_with_is_refused(weights_results):
     for errors in each_rank(weights_results, "weights_on_host_refusals"):
-        dtype, blocks, grouped, frozen = errors
+        dtype, blocks, grouped, frozen, taken = errors
         assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in dtype
         assert "Drop parameter_blocks" in blocks
         assert "fully_shard([...])" in grouped and "Call fully_shard on each module" in grouped
         assert "'embed.weight': it is not one of FSDP2's shards" in frozen
+        # FSDP2 re-reading a shard at rest takes other memory for it: the next forward
+        # refuses to train on it.
+        assert "'blocks.0.0.weight' moved or cast off the host master" in taken

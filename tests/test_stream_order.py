@@ -925,3 +925,23 @@ def test_fsdp2s_copy_in_stream_reads_a_refilled_shard_after_its_copy(fake_cuda: 
         shard.sum()
     fake_cuda.checker.assert_clean()
     manager.remove_hooks()
+
+
+def test_a_shard_given_up_waits_for_fsdp2s_copy_in_that_read_it(fake_cuda: FakeCuda) -> None:
+    """offload_parameters under FSDP2: a shard FSDP2 prefetched (its copy-in read it, on a
+    stream of its own, unwaited) is given up only after `join` orders the compute stream
+    after that copy-in: the allocator hands the block on in compute-stream order."""
+    manager = lossless_small_buckets(make_model(), fake_cuda, offload_optimizer_state=True)
+    backend = manager.engine.backend
+    master = fake_cuda.allocate_pinned(64).view(torch.float32)
+    shard = torch.empty(16)
+    backend.finish_to_device(backend.start_refill([(shard, master)]))
+    copy_in = fake_cuda.Stream()
+    backend.let_read(copy_in)
+    with fake_cuda.stream(copy_in):
+        shard.sum()  # FSDP2's copy-in
+    backend.join(copy_in)
+    backend.resize_storage(shard, 0)
+    torch.zeros(16)  # the block reused on the compute stream
+    fake_cuda.checker.assert_clean()
+    manager.remove_hooks()

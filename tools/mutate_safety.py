@@ -1364,8 +1364,8 @@ MUTANTS = [
     (
         "shards: the first forward brings every shard (FSDP2's lazy init re-reads them)",
         "gradient_cache/engine/shard_stream.py",
-        "            self._ensure(range(len(self._modules)))\n",
-        "            pass\n",
+        "        if self._first_forward:  # FSDP2's lazy init reads every shard next\n            self._first_forward = False\n            self._ensure(range(len(self._modules)))\n",
+        "        if self._first_forward:  # FSDP2's lazy init reads every shard next\n            self._first_forward = False\n",
         "tests/test_distributed.py::test_shards_on_the_host_train_bit_for_bit_with_plain_fsdp2 tests/test_distributed.py::test_shards_are_on_the_device_only_around_their_all_gathers_and_steps",
     ),
     (
@@ -1378,8 +1378,8 @@ MUTANTS = [
     (
         "shards: a module's shards go once FSDP2 waited for its all-gather",
         "gradient_cache/engine/shard_stream.py",
-        "        self.weights.free(self._modules[index].params)\n",
-        "        pass\n",
+        "all-gather: its shards go.\"\"\"\n        self.weights.free(self._modules[index].params)\n",
+        "all-gather: its shards go.\"\"\"\n",
         "tests/test_distributed.py::test_shards_on_the_host_train_bit_for_bit_with_plain_fsdp2 tests/test_distributed.py::test_shards_are_on_the_device_only_around_their_all_gathers_and_steps",
     ),
     (
@@ -1399,7 +1399,7 @@ MUTANTS = [
     (
         "shards: the end of backward gives up what is left",
         "gradient_cache/engine/shard_stream.py",
-        "        self.weights.free(self.weights.present())\n        self._reached = set()\n",
+        "        self._give_up(self.weights.present())\n        self._reached = set()\n",
         "        self._reached = set()\n",
         "tests/test_distributed.py::test_shards_on_the_host_train_bit_for_bit_with_plain_fsdp2 tests/test_distributed.py::test_shards_are_on_the_device_only_around_their_all_gathers_and_steps",
     ),
@@ -1418,16 +1418,9 @@ MUTANTS = [
         "tests/test_distributed.py::test_shards_on_the_host_with_activation_checkpointing_and_sgd",
     ),
     (
-        "shards: load_state_dict writes the shards, on the device",
-        "gradient_cache/engine/shard_stream.py",
-        "        self.weights.ensure(self.weights.params())\n",
-        "",
-        "tests/test_distributed.py::test_shards_on_the_host_resume_from_a_checkpoint_bit_for_bit",
-    ),
-    (
         "shards: the loaded shards go to their masters",
         "gradient_cache/engine/shard_stream.py",
-        "        self.weights.store(self.weights.params())\n",
+        "        self.weights.store(own.values())\n",
         "",
         "tests/test_distributed.py::test_shards_on_the_host_resume_from_a_checkpoint_bit_for_bit",
     ),
@@ -1444,6 +1437,41 @@ MUTANTS = [
         "        return sharding.dtensor_like(value, sharding.local(value).clone())\n",
         "        return value\n",
         "tests/test_distributed.py::test_shards_on_the_host_resume_from_a_checkpoint_bit_for_bit",
+    ),
+    (
+        "shards: a load into a submodule brings that module's shards first",
+        "gradient_cache/engine/shard_stream.py",
+        "        self.weights.ensure(own.values())\n",
+        "        pass\n",
+        "tests/test_distributed.py::test_shards_on_the_host_beside_the_loop",
+    ),
+    (
+        "shards: FSDP2's own unshard() brings the module's shards first",
+        "gradient_cache/engine/shard_stream.py",
+        "        else:\n            self._ensure([index])\n",
+        "",
+        "tests/test_distributed.py::test_shards_on_the_host_beside_the_loop",
+    ),
+    (
+        "shards: a submodule called on its own teaches no forward order",
+        "gradient_cache/engine/shard_stream.py",
+        "        if not self._in_model:  # a submodule called on its own: no order to learn\n            return\n",
+        "",
+        "tests/test_distributed.py::test_shards_on_the_host_beside_the_loop",
+    ),
+    (
+        "shards: an eval gives up a module brought ahead but not run",
+        "gradient_cache/engine/shard_stream.py",
+        "        if not torch.is_grad_enabled():\n            self._give_up(self.weights.present())\n",
+        "",
+        "tests/test_distributed.py::test_shards_on_the_host_beside_the_loop",
+    ),
+    (
+        "shards: the parameters' check sees a shard FSDP2 took elsewhere",
+        "gradient_cache/engine/shard_weights.py",
+        "            and flat().is_set_to(weight.full)\n",
+        "",
+        "tests/test_distributed.py::test_what_the_shards_on_the_host_cannot_be_combined_with_is_refused",
     ),
 ]
 

@@ -194,6 +194,10 @@ class Backend(ABC):
         """Order ``stream`` (FSDP2's all-gather copy-in) after the compute stream's work so
         far, which waited for the refills `finish_to_device` finished."""
 
+    def join(self, stream: Any) -> None:  # noqa: B027 - on the CPU work runs in order
+        """Order the compute stream's work from now on (a block given back, then reused)
+        after ``stream``'s work so far (FSDP2's copy-in reading a shard)."""
+
     def wait_for_state_copies(self) -> None:  # noqa: B027 - the CPU's copies are done at once
         """Block the host until every copy started by `start_to_device` and
         `start_to_host` is complete."""

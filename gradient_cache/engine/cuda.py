@@ -315,6 +315,12 @@ class CudaBackend(Backend):
         # them (`finish_to_device`), and ``stream`` waits for the compute stream.
         stream.wait_stream(self.cuda.current_stream(self.device))
 
+    def join(self, stream: Any) -> None:
+        # Guarantees a block given back next (a shard, `resize_(0)` on the compute stream)
+        # is reused only after ``stream``'s work so far read it: FSDP2's copy-in of an
+        # all-gather it started and has not waited for.
+        self.cuda.current_stream(self.device).wait_stream(stream)
+
     def wait_for_state_copies(self) -> None:
         # Each stream's copies complete in order: its last event covers the ones before.
         for done in self._unwaited_state.values():

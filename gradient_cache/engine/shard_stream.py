@@ -6,11 +6,12 @@ resharded after forward), and there it also starts the all-gather of the module 
 prefetches. So the cache's hooks run around FSDP2's own, on each ``fully_shard`` module:
 
 * a forward pre-hook registered before FSDP2's brings the module's shards (and those of
-  the modules FSDP2 prefetches in forward, where the user named some), and starts bringing
-  the module that ran next last time (it arrives while this one runs);
+  the modules FSDP2 prefetches in forward, where the user named some), and, inside the
+  model's forward, starts bringing the module that ran next last time (it arrives while
+  this one runs; a submodule called on its own teaches no order);
 * one registered after FSDP2's, when FSDP2 has waited for the all-gather, gives them up
-  (a module brought ahead that a forward does not run stays until its next run, or the
-  end of the next backward);
+  (a module brought ahead that the forward does not run goes at the end of backward, or
+  at the model's end without gradients);
 * a hook on the module's outputs registered before FSDP2's brings, in backward, its shards
   and those of the module FSDP2 prefetches (read from FSDP2's own record of the forward
   order, so the two agree), and gives up the shards of the modules whose backward began
@@ -20,6 +21,15 @@ prefetches. So the cache's hooks run around FSDP2's own, on each ``fully_shard``
 FSDP2's first forward (its lazy init) pads and checks every shard: the first forward brings
 them all, and they go as their modules' all-gathers are done. A module's forward rerun in
 backward (activation checkpointing) brings its shards only where FSDP2 all-gathers again.
+FSDP2's ``unshard()``, called by the user, brings the module's shards first. A load
+(``load_state_dict``, into the model or any submodule) writes the shards of each module it
+reaches: they are on the device for it (FSDP2 checks them after, in its own load hook on
+that module), and go to their masters after. A ``state_dict`` (of the model or any
+submodule) copies the masters out of their slabs.
+
+Giving up a shard whose all-gather FSDP2 has not waited for (one it prefetched, at the end
+of backward or at a ``state_dict``) makes the compute stream wait for the copy-in streams
+first (`Backend.join`): the allocator hands the memory on in the compute stream's order.
 
 This reads FSDP2's private state (its module state, parameter groups and forward order), as
 `sharding.fsdp_param_groups` does; the names are those of torch 2.6 to 2.13.
@@ -28,7 +38,7 @@ This reads FSDP2's private state (its module state, parameter groups and forward
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -80,6 +90,17 @@ def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
     return found
 
 
+def flat_shards(modules: list[ShardedModule]) -> dict[Param, Callable[[], torch.Tensor]]:
+    """Each sharded parameter's flat padded shard as FSDP2 holds it at the call (FSDP2's
+    ``_sharded_param_data``, which its all-gather reads and it may replace)."""
+    return {
+        fsdp_param.sharded_param: functools.partial(getattr, fsdp_param, "_sharded_param_data")
+        for sharded in modules
+        for group in sharded.groups
+        for fsdp_param in group.fsdp_params
+    }
+
+
 def _groups(state: Any) -> list[Any]:
     return list(getattr(state, "_fsdp_param_groups", ()))
 
@@ -95,11 +116,13 @@ class ShardStream:
         self._of_state = {id(m.state): i for i, m in enumerate(modules)}
         self._of_group = {id(g): i for i, m in enumerate(modules) for g in m.groups}
         self._first_forward = True
+        self._in_model = False  # inside the model's own forward
         self._next: dict[int, int] = {}  # the module that ran after each, last forward
         self._previous: int | None = None  # the module that ran last in this forward
         self._reached: set[int] = set()  # the modules whose backward began
         self._end_queued = False
         self._handles: list[Any] = []
+        self._unshards: list[torch.nn.Module] = []
         for index, sharded in enumerate(modules):
             module = sharded.module
             self._handles += [
@@ -113,25 +136,50 @@ class ShardStream:
                     functools.partial(self._forward_ends, index), prepend=True
                 ),
             ]
+            # The user's unshard() all-gathers too: an instance attribute over FSDP2's.
+            unshard = functools.partial(self._unshard, index, module.unshard)
+            object.__setattr__(module, "unshard", unshard)
+            self._unshards.append(module)
+        held = set(weights.params())
+        for owner in model.modules():  # a save or load reaches a parameter through its owner
+            own = {n: p for n, p in owner.named_parameters(recurse=False) if p in held}
+            if own:
+                self._handles += [
+                    owner.register_state_dict_pre_hook(functools.partial(self._saving, own)),
+                    owner.register_state_dict_post_hook(functools.partial(self._saved, own)),
+                    owner.register_load_state_dict_pre_hook(
+                        functools.partial(self._load_begins, own)
+                    ),
+                    owner.register_load_state_dict_post_hook(functools.partial(self._loaded, own)),
+                ]
         self._handles += [
             # prepend, registered last: before every module's hooks above.
             model.register_forward_pre_hook(self._model_begins, prepend=True),
-            model.register_state_dict_pre_hook(self._masters_for_the_host),
-            model.register_state_dict_post_hook(functools.partial(self._compact_state_dict)),
-            model.register_load_state_dict_pre_hook(self._shards_for_the_load),
-            model.register_load_state_dict_post_hook(self._loaded),
+            model.register_forward_hook(self._model_ends, always_call=True),
         ]
 
     def remove(self) -> None:
         """The hooks removed; the shards stay where they are."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        for module in self._unshards:
+            del module.unshard  # FSDP2's own again
+        self._handles, self._unshards = [], []
 
     @_outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any) -> None:
         if not _in_backward():
-            self._previous = None
+            self._in_model, self._previous = True, None
+
+    @_outside_graphs
+    def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Without gradients (an eval) no backward comes: a module brought ahead that the
+        forward did not run goes now."""
+        if _in_backward():
+            return
+        self._in_model = False
+        if not torch.is_grad_enabled():
+            self._give_up(self.weights.present())
 
     @_outside_graphs
     def _before_gather(self, index: int, module: torch.nn.Module, args: Any) -> None:
@@ -141,11 +189,13 @@ class ShardStream:
         if _in_backward():  # a recomputation: FSDP2 all-gathers only what it resharded
             self._ensure(i for i in [index] if self._gathers(i))
             return
+        prefetched = getattr(self._modules[index].state, "_states_to_forward_prefetch", ())
+        self._ensure([index, *self._indices_of(prefetched)])
+        if not self._in_model:  # a submodule called on its own: no order to learn
+            return
         if self._previous is not None:
             self._next[self._previous] = index
         self._previous = index
-        prefetched = getattr(self._modules[index].state, "_states_to_forward_prefetch", ())
-        self._ensure([index, *self._indices_of(prefetched)])
         ahead = self._next.get(index)
         if ahead is not None:
             self.weights.bring(self._modules[ahead].params)
@@ -154,6 +204,19 @@ class ShardStream:
     def _gathered(self, index: int, module: torch.nn.Module, args: Any) -> None:
         """FSDP2's pre-hook has waited for this module's all-gather: its shards go."""
         self.weights.free(self._modules[index].params)
+
+    def _unshard(self, index: int, unshard: Any, async_op: bool = False) -> Any:
+        """FSDP2's ``unshard()`` after the module's shards came (and, where it waited for
+        the all-gather, with them gone again)."""
+        if self._first_forward:  # FSDP2's lazy init of the module's groups reads them
+            self._ensure(range(len(self._modules)))
+            self._first_forward = False
+        else:
+            self._ensure([index])
+        handle = unshard(async_op=async_op)
+        if not async_op:
+            self.weights.free(self._modules[index].params)
+        return handle
 
     @_outside_graphs
     def _forward_ends(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -204,16 +267,34 @@ class ShardStream:
         """Whether FSDP2's next unshard of module ``index`` all-gathers (reads its shards)."""
         return any(not group.is_unsharded for group in self._modules[index].groups)
 
+    def _copy_in_streams(self, indices: Iterable[int]) -> list[Any]:
+        """FSDP2's all-gather copy-in streams of ``indices`` (one per root; none before its
+        lazy init, whose root pre-hook waits for the compute stream)."""
+        streams = {}
+        for i in indices:
+            comm = getattr(self._modules[i].state, "_comm_ctx", None)
+            stream = getattr(comm, "all_gather_copy_in_stream", None)
+            if stream is not None:
+                streams[id(stream)] = stream
+        return list(streams.values())
+
     def _ensure(self, indices: Iterable[int]) -> None:
         """The shards of ``indices`` on the device, for FSDP2's all-gathers queued next."""
+        indices = list(indices)
         params = [p for i in indices for p in self._modules[i].params]
         if not params:
             return
         self.weights.ensure(params)
-        comm = getattr(self._modules[0].state, "_comm_ctx", None)
-        copy_in = getattr(comm, "all_gather_copy_in_stream", None)
-        if copy_in is not None:  # none before FSDP2's lazy init, whose root hook waits
-            self.weights.backend.let_read(copy_in)
+        for stream in self._copy_in_streams(indices):
+            self.weights.backend.let_read(stream)
+
+    def _give_up(self, params: list[Param]) -> None:
+        """``params``' shards given up, though FSDP2 may not have waited for an all-gather
+        it started from them (a prefetch)."""
+        if params:
+            for stream in self._copy_in_streams(range(len(self._modules))):
+                self.weights.backend.join(stream)
+            self.weights.free(params)
 
     def _queue_end_of_backward(self) -> None:
         if not self._end_queued:
@@ -221,25 +302,29 @@ class ShardStream:
             self._end_queued = True
 
     def _backward_ended(self) -> None:
-        self.weights.free(self.weights.present())
+        self._give_up(self.weights.present())
         self._reached = set()
         self._end_queued = False
 
-    def _masters_for_the_host(self, *args: Any) -> None:
-        """Before ``state_dict`` reads the masters: every shard home, no copy in flight."""
-        self.weights.free(self.weights.present())
+    def _saving(self, own: dict[str, Param], *args: Any) -> None:
+        """Before ``state_dict`` reads ``own`` (one module's parameters): their shards
+        home (the local tensors the masters' views), no copy in flight."""
+        present = set(self.weights.present())
+        self._give_up([p for p in own.values() if p in present])
         self.weights.wait_on_host()
 
-    def _compact_state_dict(self, module: Any, state: dict[str, Any], *args: Any) -> None:
-        compact_masters(self.weights, state)
+    def _saved(
+        self, own: dict[str, Param], module: Any, state: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        """Each of ``own`` in ``state`` as a copy of its own, not a view of a slab."""
+        compact_masters(self.weights, state, [prefix + name for name in own])
 
-    def _shards_for_the_load(self, *args: Any) -> None:
-        """``load_state_dict`` copies into the parameters: every shard on the device first
-        (this rank's shards fit there: FSDP2 put them there), filled from its master."""
-        self._masters_for_the_host()
-        self.weights.ensure(self.weights.params())
+    def _load_begins(self, own: dict[str, Param], *args: Any) -> None:
+        """A load copies into ``own`` (one module's parameters): their shards on the
+        device first, filled from their masters, the local tensors their views of them."""
+        self.weights.ensure(own.values())
 
-    def _loaded(self, module: Any, incompatible_keys: Any) -> None:
+    def _loaded(self, own: dict[str, Param], module: Any, incompatible_keys: Any) -> None:
         """The loaded shards to their masters, and their memory given up."""
-        self.weights.store(self.weights.params())
+        self.weights.store(own.values())
         self.weights.wait_on_host()

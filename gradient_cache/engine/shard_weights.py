@@ -22,7 +22,7 @@ stream of its own, which the stream hooks order after the refill (`Backend.let_r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -51,9 +51,13 @@ class ShardWeights(HostWeights):
         backend: Backend,
         *,
         fraction: float,
+        flat_shards: Mapping[Param, Callable[[], torch.Tensor]],
     ) -> None:
+        """``flat_shards``: each parameter's flat padded shard as FSDP2 holds it now (what
+        its all-gather reads), read each time: FSDP2 may replace it."""
         # Each parameter's local tensor: its view of S (FSDP2's) and of the master (at rest).
         self._locals: dict[Param, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._flat_shards = flat_shards
         super().__init__(named_params, backend, fraction=fraction)
 
     def _check(self, named_params: Sequence[tuple[str, Param]]) -> None:
@@ -87,9 +91,18 @@ class ShardWeights(HostWeights):
         sharding.set_local(param, on_device if weight.place() is weight.full else at_rest)
 
     def in_place(self, param: Param) -> bool:
-        """Whether ``param``'s local tensor is one of the two these weights give it."""
-        views = self._locals.get(param)
-        return views is not None and any(sharding.local_object(param) is v for v in views)
+        """Whether ``param``'s local tensor is one of the two these weights give it, and
+        FSDP2 still all-gathers from S (its ``reset_sharded_param``, run while S is given
+        up, would take other memory as the shard)."""
+        views, flat = self._locals.get(param), self._flat_shards.get(param)
+        weight = self._weights.get(param)
+        return (
+            views is not None
+            and flat is not None
+            and weight is not None
+            and any(sharding.local_object(param) is view for view in views)
+            and flat().is_set_to(weight.full)
+        )
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a `DTensor` around a view of the masters' slabs (a

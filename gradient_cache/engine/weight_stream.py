@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -265,9 +265,13 @@ class WeightStream:
         return []
 
 
-def compact_masters(weights: HostWeights, state: dict[str, Any]) -> None:
-    """Each master in a ``model.state_dict()`` as a copy of its own (`HostWeights.compact`)."""
-    for key, value in state.items():
+def compact_masters(
+    weights: HostWeights, state: dict[str, Any], keys: Iterable[str] | None = None
+) -> None:
+    """Each master in a ``model.state_dict()`` (of ``keys``, or all) as a copy of its own
+    (`HostWeights.compact`)."""
+    for key in list(state) if keys is None else keys:
+        value = state.get(key)
         if isinstance(value, torch.Tensor) and weights.holds(value):
             state[key] = weights.compact(value)
 
