@@ -1378,8 +1378,8 @@ MUTANTS = [
     (
         "shards: a module's shards go once FSDP2 waited for its all-gather",
         "gradient_cache/engine/shard_stream.py",
-        "all-gather: its shards go.\"\"\"\n        self.weights.free(self._modules[index].params)\n",
-        "all-gather: its shards go.\"\"\"\n",
+        'all-gather: its shards go."""\n        self.weights.free(self._modules[index].params)\n',
+        'all-gather: its shards go."""\n',
         "tests/test_distributed.py::test_shards_on_the_host_train_bit_for_bit_with_plain_fsdp2 tests/test_distributed.py::test_shards_are_on_the_device_only_around_their_all_gathers_and_steps",
     ),
     (
