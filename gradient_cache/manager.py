@@ -29,7 +29,13 @@ from .engine.factory import BackendFactory, create_backend
 from .engine.figures import CacheTensors, cache_tensors
 from .engine.host_weights import HostWeights
 from .engine.pipeline import Pipeline
-from .engine.shard_stream import ShardedModule, ShardStream, flat_shards, sharded_modules
+from .engine.shard_stream import (
+    ShardedModule,
+    ShardStream,
+    flat_shards,
+    initialize_roots,
+    sharded_modules,
+)
 from .engine.shard_weights import ShardWeights
 from .engine.step import OptimizerStep
 from .engine.weight_blocks import WeightUnits, weight_units
@@ -497,13 +503,14 @@ class GradientCacheHookManager:
         """
         if self._pipeline is None:
             return
+        stream = self._weight_stream
+        if stream is not None:  # the weights back on the device first, where .grad goes
+            stream.weights.close()  # if they cannot be, nothing is detached yet
+            stream.remove()
+            self._weight_stream = None
         pipeline, self._pipeline, self._step = self._pipeline, None, None
         self._watch.remove()
         _detached()
-        stream, self._weight_stream = self._weight_stream, None
-        if stream is not None:  # the weights back on the device first, where .grad goes
-            stream.remove()
-            stream.weights.close()
         try:
             pipeline.drain()
             pipeline.restore(list(pipeline.store))
@@ -784,6 +791,7 @@ def _stream_weights(
                 compute_dtype=pipeline.config.compute_dtype,
             )
         else:
+            initialize_roots(units)
             weights = ShardWeights(
                 named, pipeline.backend, fraction=fraction, flat_shards=flat_shards(units)
             )

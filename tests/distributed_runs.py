@@ -455,6 +455,22 @@ def shard_bytes(model: nn.Module) -> list[int]:
     ]
 
 
+def record_orderings(backend: Any) -> dict[str, list[int]]:
+    """The FSDP2 streams the backend is asked to order after the compute stream
+    (``let_read``) and the compute stream after (``join``), by identity: no-ops on the CPU,
+    recorded here. The instance attributes shadow the backend's methods."""
+    seen: dict[str, list[int]] = {"let_read": [], "join": []}
+    for name, calls in seen.items():
+        method = getattr(backend, name)
+
+        def recorded(stream: Any, method: Any = method, calls: list[int] = calls) -> None:
+            calls.append(id(stream))
+            method(stream)
+
+        setattr(backend, name, recorded)
+    return seen
+
+
 def count_shards_in_use(model: nn.Module, seen: list[int]) -> None:
     """Record, as each block begins its forward and its backward, how many modules' shards
     are on the device."""
@@ -474,6 +490,7 @@ def weights_on_host_match_plain() -> dict[str, Any]:
     with offloaded(model) as cache, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         count_shards_in_use(model, in_use)
+        orderings = record_orderings(cache.engine.backend)
         cached = train(
             model, cache=cache, fused=True, micro_batches=2, clip=CLIP, optimizer=optimizer
         )
@@ -504,6 +521,8 @@ def weights_on_host_match_plain() -> dict[str, Any]:
         "closed": len(shards_on_device(model)),
         "shard bytes": shard_bytes(model),
         "closed weights": max_difference(before_close, full_weights(model)),
+        "let_read": orderings["let_read"],
+        "join": orderings["join"],
     }
 
 
@@ -583,7 +602,7 @@ def weights_on_host_beside_the_loop() -> dict[str, Any]:
         model = deep()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         cache = offloaded(model) if cached else None
-        seen: dict[str, list[int]] = {}
+        seen: dict[str, Any] = {}
 
         def step(index: int) -> None:
             train(model, cache=cache, fused=cached, optimizer=optimizer, steps=1, first_step=index)
@@ -598,7 +617,11 @@ def weights_on_host_beside_the_loop() -> dict[str, Any]:
         assert handle is not None
         handle.wait()
         model.blocks[2].reshard()
+        saved = model.state_dict()  # block 2's shards on the device now
+        before = full_weights(model)
         step(2)
+        torch.save(saved, io.BytesIO())  # after the step gave the shards up
+        seen["saved"] = max_difference(before, [v.full_tensor() for v in saved.values()])
         hidden = torch.randn(8, 128, generator=torch.Generator().manual_seed(7))
         with torch.no_grad():
             model.blocks[0](hidden)
@@ -623,6 +646,118 @@ def weights_on_host_beside_the_loop() -> dict[str, Any]:
         "after a block's eval": cached["after a block's eval"],
         "after the model's eval": cached["after the model's eval"],
         "after an early exit": cached["after an early exit"],
+        "saved": cached["saved"],
+    }
+
+
+def weights_on_host_named_prefetch() -> float:
+    """The user's own prefetch plan, other than the order the cache learns: forward two
+    blocks ahead, backward two blocks back. Bit for bit with plain FSDP2."""
+
+    def model() -> nn.Module:
+        net = deep()
+        net.blocks[0].set_modules_to_forward_prefetch([net.blocks[2]])
+        net.blocks[3].set_modules_to_backward_prefetch([net.blocks[1]])
+        return net
+
+    plain = train(model(), micro_batches=2)
+    cached_model = model()
+    with offloaded(cached_model) as cache:
+        cached = train(cached_model, cache=cache, fused=True, micro_batches=2)
+    return max_difference(plain["weights"], cached["weights"])
+
+
+class TwoRoots(nn.Module):
+    """Two FSDP2 roots under a wrapper of no parameters of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = deep()
+        self.aux = sharded(plain_net(seed=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + self.aux(x)
+
+
+def weights_on_host_two_roots_through_a_framework() -> dict[str, Any]:
+    """The cache on a wrapper of two FSDP2 roots; the first step calls one root directly,
+    as Lightning's training_step calls the inner model (the other root's first forward
+    comes a step later); then the wrapper. Bit for bit with plain FSDP2; the blocks still
+    arrive a block ahead through the root called directly."""
+
+    def run(cached: bool) -> dict[str, Any]:
+        model = TwoRoots()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cache = offloaded(model) if cached else None
+        in_use: list[int] = []
+        for step in range(STEPS):
+            x, y = batch(step)
+            if step == 0 and cached:
+                count_shards_in_use(model.inner, in_use)
+            output = model.inner(x) if step == 0 else model(x)
+            nn.functional.mse_loss(output, y).backward()
+            if cache is not None:
+                cache.step(optimizer)
+            else:
+                optimizer.step()
+            optimizer.zero_grad()
+        weights = full_weights(model)
+        if cache is not None:
+            cache.remove_hooks()
+        return {"weights": weights, "in use": in_use}
+
+    plain, cached = run(cached=False), run(cached=True)
+    return {
+        "difference": max_difference(plain["weights"], cached["weights"]),
+        "in use": cached["in use"],
+    }
+
+
+def weights_on_host_decorated() -> float:
+    """``@gradient_cache.optimize`` with the shards on the host, called once an epoch on a
+    model that already ran a forward (an eval first): the cache is created inside the
+    model's first forward of each call. Bit for bit with plain FSDP2."""
+    plain = train(deep())
+    model = deep()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with torch.no_grad():
+        model(batch(0)[0])
+    model.reshard()
+
+    @gradient_cache.optimize(
+        compression_ratio=1, offload_optimizer_state=True, offload_parameters=True
+    )
+    def epoch(first_step: int) -> dict:
+        return train(model, optimizer=optimizer, steps=STEPS // 2, first_step=first_step)
+
+    epoch(0)
+    return max_difference(plain["weights"], epoch(STEPS // 2)["weights"])
+
+
+def weights_on_host_close_without_room() -> dict[str, Any]:
+    """remove_hooks() where the shards do not fit back on the device: a clear error, the
+    cache still attached; training goes on bit for bit, and a later close succeeds."""
+    plain = train(deep(), steps=2)
+    model = deep()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cache = offloaded(model)
+    train(model, cache=cache, fused=True, optimizer=optimizer, steps=1)
+    backend = cache.engine.backend
+
+    def no_room(tensor: torch.Tensor, nbytes: int) -> None:
+        if nbytes:
+            raise torch.OutOfMemoryError("no room (a test)")
+        type(backend).resize_storage(backend, tensor, nbytes)
+
+    backend.resize_storage = no_room
+    error = _error_of(cache.remove_hooks)
+    del backend.resize_storage  # the backend's own again
+    train(model, cache=cache, fused=True, optimizer=optimizer, steps=1, first_step=1)
+    cache.remove_hooks()
+    return {
+        "refusal": error,
+        "difference": max_difference(plain["weights"], full_weights(model)),
+        "closed": len(shards_on_device(model)),
     }
 
 
@@ -760,6 +895,10 @@ PAIRS = {
         weights_on_host_mixed_precision,
         weights_on_host_one_rank_mesh,
         weights_on_host_beside_the_loop,
+        weights_on_host_named_prefetch,
+        weights_on_host_two_roots_through_a_framework,
+        weights_on_host_decorated,
+        weights_on_host_close_without_room,
         weights_on_host_resume,
         weights_on_host_refusals,
     ],

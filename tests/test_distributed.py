@@ -177,14 +177,22 @@ def test_shards_on_the_host_train_bit_for_bit_with_plain_fsdp2(weights_results):
         assert result["losses"] and result["norms"]
         assert result["closed weights"] == 0.0  # the cache closed: every shard back as it was
         assert result["warnings"] == []  # the parameters' check sees them in place
+        # On CUDA: each bring orders FSDP2's copy-in stream (one root: one stream) after
+        # the refill, and giving up what FSDP2 may not have waited for joins it first.
+        assert result["let_read"] and len(set(result["let_read"])) == 1
+        assert set(result["join"]) == set(result["let_read"])
 
 
 @pytest.mark.parametrize(
-    "scenario", ["weights_on_host_mixed_precision", "weights_on_host_one_rank_mesh"]
+    "scenario",
+    [
+        "weights_on_host_mixed_precision",
+        "weights_on_host_one_rank_mesh",
+        "weights_on_host_named_prefetch",
+        "weights_on_host_decorated",
+    ],
 )
-def test_shards_on_the_host_with_fsdp2_mixed_precision_and_on_a_mesh_of_one(
-    weights_results, scenario
-):
+def test_shards_on_the_host_with_fsdp2_options_and_the_decorator(weights_results, scenario):
     assert each_rank(weights_results, scenario) == [0.0, 0.0]
 
 
@@ -228,6 +236,25 @@ def test_shards_on_the_host_beside_the_loop(weights_results):
         assert result["difference"] == 0.0
         assert result["after a block's eval"] == result["after the model's eval"] == []
         assert result["after an early exit"] == []  # a block brought ahead, never run
+        # A state_dict taken while a block's shards were on the device: host copies, as
+        # they were then, saved after the step gave the shards up.
+        assert result["saved"] == 0.0
+
+
+def test_shards_on_the_host_of_two_roots_called_as_a_framework_does(weights_results):
+    for result in each_rank(weights_results, "weights_on_host_two_roots_through_a_framework"):
+        assert result["difference"] == 0.0
+        in_use = result["in use"]  # the root called directly: its blocks, 4 steps
+        # The second step's forward: each block begins with the next one arriving.
+        assert in_use[8:12] == [1, 1, 1, 0] and max(in_use[4:]) == 2
+
+
+def test_a_close_without_room_for_the_shards_keeps_the_cache(weights_results):
+    for result in each_rank(weights_results, "weights_on_host_close_without_room"):
+        assert "did not fit back on the device" in result["refusal"]
+        assert "The cache stays attached" in result["refusal"]
+        assert result["difference"] == 0.0  # it trained on, and closed later
+        assert result["closed"] == 5
 
 
 def test_shards_on_the_host_resume_from_a_checkpoint_bit_for_bit(weights_results):

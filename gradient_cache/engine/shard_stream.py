@@ -63,6 +63,7 @@ class ShardedModule:
     module: torch.nn.Module
     state: Any  # FSDP2's FSDPState
     params: list[Param]
+    topmost: bool  # under no other fully_shard module: a root, or one when called alone
 
     @property
     def groups(self) -> list[Any]:
@@ -74,7 +75,8 @@ def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
     sharded parameters; raises for ``fully_shard([a, b])`` (one state over two modules)."""
     from torch.distributed.fsdp import FSDPModule
 
-    found = []
+    found: list[ShardedModule] = []
+    names: list[str] = []
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -85,9 +87,20 @@ def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
                 "it was sharded with other modules in one fully_shard([...]) call, whose "
                 "shards the cache cannot follow. Call fully_shard on each module on its own."
             )
-        params = [fp.sharded_param for g in _groups(state) for fp in g.fsdp_params]
-        found.append(ShardedModule(cast(torch.nn.Module, module), state, params))
+        topmost = not any(name.startswith(f"{outer}.") or not outer for outer in names)
+        names.append(name)
+        found.append(ShardedModule(cast(torch.nn.Module, module), state, [], topmost))
+        found[-1].params = [fp.sharded_param for g in found[-1].groups for fp in g.fsdp_params]
     return found
+
+
+def initialize_roots(modules: list[ShardedModule]) -> None:
+    """FSDP2's lazy init of each topmost module's tree, as its first forward would run it
+    (a no-op where one ran): it re-reads every shard (``reset_sharded_param``), which must
+    happen while they are all on the device, before the cache gives any up."""
+    for sharded in modules:
+        if sharded.topmost:
+            sharded.state._lazy_init()
 
 
 def flat_shards(modules: list[ShardedModule]) -> dict[Param, Callable[[], torch.Tensor]]:
@@ -101,10 +114,6 @@ def flat_shards(modules: list[ShardedModule]) -> dict[Param, Callable[[], torch.
     }
 
 
-def _groups(state: Any) -> list[Any]:
-    return list(getattr(state, "_fsdp_param_groups", ()))
-
-
 class ShardStream:
     """The hooks that bring and give up each rank's shards (see the module docstring)."""
 
@@ -115,7 +124,6 @@ class ShardStream:
         self._modules = modules
         self._of_state = {id(m.state): i for i, m in enumerate(modules)}
         self._of_group = {id(g): i for i, m in enumerate(modules) for g in m.groups}
-        self._first_forward = True
         self._in_model = False  # inside the model's own forward
         self._next: dict[int, int] = {}  # the module that ran after each, last forward
         self._previous: int | None = None  # the module that ran last in this forward
@@ -152,11 +160,15 @@ class ShardStream:
                     ),
                     owner.register_load_state_dict_post_hook(functools.partial(self._loaded, own)),
                 ]
-        self._handles += [
-            # prepend, registered last: before every module's hooks above.
-            model.register_forward_pre_hook(self._model_begins, prepend=True),
-            model.register_forward_hook(self._model_ends, always_call=True),
-        ]
+        # The model's forward, and a root's where a framework calls it, not the model
+        # (Lightning's training_step): prepend, registered last, before the hooks above.
+        outermost = {id(model): model}
+        outermost.update({id(m.module): m.module for m in modules if m.topmost})
+        for module in outermost.values():
+            self._handles += [
+                module.register_forward_pre_hook(self._model_begins, prepend=True),
+                module.register_forward_hook(self._model_ends, always_call=True),
+            ]
 
     def remove(self) -> None:
         """The hooks removed; the shards stay where they are."""
@@ -183,9 +195,6 @@ class ShardStream:
 
     @_outside_graphs
     def _before_gather(self, index: int, module: torch.nn.Module, args: Any) -> None:
-        if self._first_forward:  # FSDP2's lazy init reads every shard next
-            self._first_forward = False
-            self._ensure(range(len(self._modules)))
         if _in_backward():  # a recomputation: FSDP2 all-gathers only what it resharded
             self._ensure(i for i in [index] if self._gathers(i))
             return
@@ -208,11 +217,7 @@ class ShardStream:
     def _unshard(self, index: int, unshard: Any, async_op: bool = False) -> Any:
         """FSDP2's ``unshard()`` after the module's shards came (and, where it waited for
         the all-gather, with them gone again)."""
-        if self._first_forward:  # FSDP2's lazy init of the module's groups reads them
-            self._ensure(range(len(self._modules)))
-            self._first_forward = False
-        else:
-            self._ensure([index])
+        self._ensure([index])
         handle = unshard(async_op=async_op)
         if not async_op:
             self.weights.free(self._modules[index].params)

@@ -28,7 +28,7 @@ import torch
 
 from . import sharding
 from .backend import Backend
-from .host_weights import HostWeights, Param, _Weight
+from .host_weights import HostWeights, Param, WeightAt, _Weight
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,8 +42,6 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 class ShardWeights(HostWeights):
     """The masters of ``named_params``' shards (FSDP2 `DTensor` parameters); construction
     copies each shard into its master and gives up the shard's memory."""
-
-    compute_dtype = None  # FSDP2's MixedPrecisionPolicy casts in its all-gather
 
     def __init__(
         self,
@@ -79,11 +77,12 @@ class ShardWeights(HostWeights):
         return _Weight(master, source, source)  # the shard's own storage, in its dtype
 
     def _rest(self, param: Param, weight: _Weight) -> None:
+        """The master filled; S stays on the device, in use, until the first time it may
+        go (FSDP2's pre-hook of a forward running now may already be under way)."""
         on_device = sharding.local_object(param)  # FSDP2's narrow view of S
         at_rest = weight.master[: on_device.numel()].view(on_device.shape)
         self._locals[param] = (on_device, at_rest)
-        self._show(param, weight)
-        self.backend.resize_storage(weight.full, 0)
+        weight.at, weight.in_use = WeightAt.DEVICE, weight.full
 
     def _show(self, param: Param, weight: _Weight) -> None:
         """``P``'s local tensor: its view of S once arrived, else of its master."""
@@ -91,18 +90,10 @@ class ShardWeights(HostWeights):
         sharding.set_local(param, on_device if weight.place() is weight.full else at_rest)
 
     def in_place(self, param: Param) -> bool:
-        """Whether ``param``'s local tensor is one of the two these weights give it, and
-        FSDP2 still all-gathers from S (its ``reset_sharded_param``, run while S is given
-        up, would take other memory as the shard)."""
-        views, flat = self._locals.get(param), self._flat_shards.get(param)
-        weight = self._weights.get(param)
-        return (
-            views is not None
-            and flat is not None
-            and weight is not None
-            and any(sharding.local_object(param) is view for view in views)
-            and flat().is_set_to(weight.full)
-        )
+        """Whether FSDP2 still all-gathers ``param`` from S (its ``reset_sharded_param``,
+        run while S is given up, would take other memory for the shard)."""
+        weight, flat = self._weights.get(param), self._flat_shards.get(param)
+        return weight is not None and flat is not None and flat().is_set_to(weight.full)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a `DTensor` around a view of the masters' slabs (a
@@ -118,9 +109,18 @@ class ShardWeights(HostWeights):
         return sharding.dtensor_like(value, sharding.local(value).clone())
 
     def close(self) -> None:
-        """Every shard back on the device for good, as plain FSDP2 keeps it."""
-        params = list(self._weights)
-        self.free(params)  # a dirty weight's copy back first: the masters are the newest
-        self.wait_on_host()
-        self.ensure(params)
+        """Every shard back on the device for good, as plain FSDP2 keeps it (one on the
+        device stays: it is the newest). Raises, with nothing changed but some shards
+        brought, where the device has no room: unlike a parameter on one process, a shard
+        left on the host would be read freed by FSDP2's next all-gather."""
+        try:
+            self.ensure(list(self._weights))
+        except torch.OutOfMemoryError as error:
+            size = sum(w.master.nbytes for w in self._weights.values()) / 2**20
+            raise RuntimeError(
+                f"remove_hooks(): this rank's shards ({size:.1f} MiB) did not fit back on "
+                "the device, where plain FSDP2 keeps them. The cache stays attached and "
+                "keeps streaming them; free device memory and call remove_hooks() again, "
+                "or save the model (model.state_dict()) and train on with the cache."
+            ) from error
         self._weights, self._locals = {}, {}
