@@ -18,8 +18,11 @@ prefetches. So the cache's hooks run around FSDP2's own, on each ``fully_shard``
   earlier (FSDP2 has waited for their all-gathers). What is left goes at the end of
   backward.
 
-FSDP2's first forward (its lazy init) pads and checks every shard: the first forward brings
-them all, and they go as their modules' all-gathers are done. A module's forward rerun in
+FSDP2's lazy init (at a root's first forward) pads and checks every shard of the root's
+tree: it runs when the cache is created (`initialize_roots`), and the shards stay on the
+device until their module's first all-gather is done (the decorator creates the cache inside
+a root's first forward, whose hooks were fixed before these existed). A module's forward
+rerun in
 backward (activation checkpointing) brings its shards only where FSDP2 all-gathers again.
 FSDP2's ``unshard()``, called by the user, brings the module's shards first. A load
 (``load_state_dict``, into the model or any submodule) writes the shards of each module it
