@@ -92,8 +92,9 @@ def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
             )
         topmost = not any(name.startswith(f"{outer}.") or not outer for outer in names)
         names.append(name)
-        found.append(ShardedModule(cast(torch.nn.Module, module), state, [], topmost))
-        found[-1].params = [fp.sharded_param for g in found[-1].groups for fp in g.fsdp_params]
+        groups = getattr(state, "_fsdp_param_groups", ())
+        params = [fsdp_param.sharded_param for g in groups for fsdp_param in g.fsdp_params]
+        found.append(ShardedModule(cast(torch.nn.Module, module), state, params, topmost))
     return found
 
 
