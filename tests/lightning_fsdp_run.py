@@ -78,6 +78,10 @@ def main(out_dir: Path) -> None:
     _, plain = fit([])
     lossless = GradientCacheCallback(compression_ratio=1)
     _, cached = fit([lossless])
+    on_host = GradientCacheCallback(
+        compression_ratio=1, offload_optimizer_state=True, offload_parameters=True
+    )
+    _, weights_on_host = fit([on_host])
 
     options = dict(compression_ratio=100, codec="topk", min_compress_numel=64)
     saver = ModelCheckpoint(dirpath=out_dir / "ckpt", save_top_k=-1, every_n_epochs=1)
@@ -86,10 +90,25 @@ def main(out_dir: Path) -> None:
     )
     first_epoch = str(sorted((out_dir / "ckpt").glob("epoch=0*"))[0])
     trainer, resumed = fit([GradientCacheCallback(**options)], max_epochs=2, ckpt_path=first_epoch)
+
+    # The weights and the state on the host: a resume from Lightning's distributed checkpoint.
+    on_host_options = dict(
+        compression_ratio=1, offload_optimizer_state=True, offload_parameters=True
+    )
+    saver = ModelCheckpoint(dirpath=out_dir / "ckpt_on_host", save_top_k=-1, every_n_epochs=1)
+    _, on_host_uninterrupted = fit(
+        [GradientCacheCallback(**on_host_options), saver], max_epochs=2, enable_checkpointing=True
+    )
+    first_epoch = str(sorted((out_dir / "ckpt_on_host").glob("epoch=0*"))[0])
+    _, on_host_resumed = fit(
+        [GradientCacheCallback(**on_host_options)], max_epochs=2, ckpt_path=first_epoch
+    )
     if trainer.global_rank == 0:
         results = {
             "lossless": difference(plain, cached),
+            "weights on host": difference(plain, weights_on_host),
             "resumed": difference(uninterrupted, resumed),
+            "weights on host resumed": difference(on_host_uninterrupted, on_host_resumed),
             "summary_numel": lossless.last_summary["layers"]["net.2.weight"]["numel"],
         }
         (out_dir / "results.json").write_text(json.dumps(results))

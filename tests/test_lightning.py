@@ -264,8 +264,9 @@ def test_multi_device_strategies_are_refused_in_setup() -> None:
 
 def test_fsdp2_through_model_parallel_strategy_on_two_processes(tmp_path: Path) -> None:
     """Two CPU processes (gloo): ratio 1 ends bit for bit as plain ModelParallelStrategy
-    with clipping; a ratio-100 run resumed from a (distributed) checkpoint ends as the
-    uninterrupted one, each rank loading its own residuals."""
+    with clipping, and so does it with the weights and the state on the host; a ratio-100
+    run resumed from a (distributed) checkpoint ends as the uninterrupted one, each rank
+    loading its own residuals, and so does one with the weights and the state on the host."""
     script = Path(__file__).with_name("lightning_fsdp_run.py")
     run = subprocess.run(
         [sys.executable, str(script), str(tmp_path)],
@@ -277,7 +278,9 @@ def test_fsdp2_through_model_parallel_strategy_on_two_processes(tmp_path: Path) 
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["lossless"] == 0.0
+    assert results["weights on host"] == 0.0
     assert results["resumed"] == 0.0
+    assert results["weights on host resumed"] == 0.0
     assert results["summary_numel"] == 3 * 64  # rank 0 caches 3 of the head's 5 rows
 
 

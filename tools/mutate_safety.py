@@ -1529,6 +1529,13 @@ MUTANTS = [
         "",
         "tests/test_distributed.py::test_shards_on_the_host_with_fsdp2_options_and_the_decorator",
     ),
+    (
+        "FSDP2: a gradient held in .grad as a DTensor is stepped as it is (DCP's zero-grad init step at a framework's resume)",
+        "gradient_cache/engine/sharding.py",
+        "    if not is_dtensor(param) or is_dtensor(grad):\n",
+        "    if not is_dtensor(param):\n",
+        "tests/test_lightning.py::test_fsdp2_through_model_parallel_strategy_on_two_processes",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -74,8 +74,9 @@ def local_numel(param: torch.Tensor) -> int:
 
 
 def as_grad_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` (a local tensor) as ``param.grad``: a `DTensor` like ``param`` where it is one."""
-    if not is_dtensor(param):
+    """``grad`` (a local tensor) as ``param.grad``: a `DTensor` like ``param`` where it is one;
+    a gradient that is one already (held in ``.grad``, never cached) as it is."""
+    if not is_dtensor(param) or is_dtensor(grad):
         return grad
     return dtensor_like(param, grad)
 
