@@ -44,7 +44,9 @@ class ParameterWatch:
         # Whether a forward ran under float16 autocast: then a GradScaler is all but sure,
         # and the manager warns if it was not given one (`grad_scaler=`).
         self.saw_fp16_autocast = False
-        self._handle = model.register_forward_pre_hook(self._check)
+        # prepend: a refusal comes before FSDP2's pre-hook gathers (and leaves the root's
+        # parameters unsharded, which a new cache would refuse).
+        self._handle = model.register_forward_pre_hook(self._check, prepend=True)
 
     def remove(self) -> None:
         self._handle.remove()

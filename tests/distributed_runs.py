@@ -318,6 +318,36 @@ def checkpoint_resumes_bit_for_bit() -> dict[str, Any]:
     }
 
 
+def refused_forward_leaves_the_model_sharded() -> dict[str, Any]:
+    """Parameters replaced after the cache was created (``load_state_dict(..., assign=True)``):
+    the forward is refused before FSDP2's pre-hook gathers, so the model stays sharded and
+    the recovery the refusal names (``remove_hooks()``, a new cache, a new optimizer) trains
+    as plain FSDP2 does after the same load."""
+    source = {k: v.detach().clone() for k, v in sharded(plain_net(seed=1)).state_dict().items()}
+
+    def run(cached: bool) -> dict[str, Any]:
+        model = fsdp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cache = gradient_cache.create_gradient_cache(model, compression_ratio=1) if cached else None
+        train(model, cache=cache, optimizer=optimizer, steps=1)
+        model.load_state_dict({k: v.clone() for k, v in source.items()}, assign=True)
+        refusal = _error_of(lambda: model(batch(1)[0])) if cached else ""
+        if cache is not None:
+            cache.remove_hooks()
+            cache = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trained = train(model, cache=cache, optimizer=optimizer, steps=1, first_step=1)
+        if cache is not None:
+            cache.remove_hooks()
+        return {"refusal": refusal, "weights": trained["weights"]}
+
+    plain, cached = run(cached=False), run(cached=True)
+    return {
+        "refusal": cached["refusal"],
+        "difference": max_difference(plain["weights"], cached["weights"]),
+    }
+
+
 def ddp_refused() -> str:
     ddp = nn.parallel.DistributedDataParallel(plain_net())
     return _error_of(lambda: gradient_cache.create_gradient_cache(ddp))
@@ -886,6 +916,7 @@ PAIRS = {
         ratio_100_trains,
         decorator_matches_plain,
         checkpoint_resumes_bit_for_bit,
+        refused_forward_leaves_the_model_sharded,
         buckets_follow_groups,
         split_group_warns,
     ],

@@ -109,6 +109,15 @@ def test_checkpoint_per_rank_resumes_bit_for_bit(fsdp_results):
         assert "of 4" in result["world_size_refusal"]
 
 
+def test_a_refused_forward_leaves_the_model_sharded_and_the_recovery_trains(fsdp_results):
+    """The parameters replaced after the cache was created: the forward is refused before
+    FSDP2's pre-hook all-gathers, so a new cache (the recovery the refusal names) accepts
+    the model, and trains as plain FSDP2 does after the same load."""
+    for result in each_rank(fsdp_results, "refused_forward_leaves_the_model_sharded"):
+        assert "'embed.weight' replaced by a new Parameter" in result["refusal"]
+        assert result["difference"] == 0.0
+
+
 def test_a_bucket_closes_when_its_fsdp_group_is_complete(fsdp_results):
     groups = [
         ["blocks.1.0.bias", "blocks.1.0.weight"],

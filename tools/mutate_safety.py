@@ -1536,6 +1536,13 @@ MUTANTS = [
         "    if not is_dtensor(param):\n",
         "tests/test_lightning.py::test_fsdp2_through_model_parallel_strategy_on_two_processes",
     ),
+    (
+        "parameter watch: its check runs before FSDP2's pre-hook gathers",
+        "gradient_cache/model_watch.py",
+        "        self._handle = model.register_forward_pre_hook(self._check, prepend=True)\n",
+        "        self._handle = model.register_forward_pre_hook(self._check)\n",
+        "tests/test_distributed.py::test_a_refused_forward_leaves_the_model_sharded_and_the_recovery_trains",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
