@@ -406,7 +406,9 @@ class GradientCacheHookManager:
         parameter name, as CPU tensors: ``torch.save`` writes it and
         ``torch.load(..., weights_only=True)`` reads it. Drains first, like
         ``compress_and_free_gradients()``. Loading it into a manager built the same way
-        (``load_state_dict``) continues bit for bit as the uninterrupted run would. Under
+        (``load_state_dict``) continues bit for bit as the run that saved it goes on (the
+        drain compresses a micro-batch's gradients still on the device, which with a lossy
+        codec a run that never saved would have summed with the next one exactly). Under
         FSDP2 it holds this rank's shards: save one per rank, and load each into the same
         rank of a run with the same world size (anything else is refused).
         """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from helpers import (
@@ -156,3 +158,42 @@ def test_a_checkpoint_saved_with_the_old_option_spelling_loads(
     state["recipe"]["warmup_steps"] = 5
     with pytest.raises(ValueError, match="warmup_steps: checkpoint 5, this manager 0"):
         gradient_cache.create_gradient_cache(make_model(), **options).load_state_dict(state)
+
+
+@pytest.mark.parametrize("codec", ["int8", "q4"])
+def test_a_clipped_fused_step_resumed_mid_accumulation_is_bit_for_bit(codec: str) -> None:
+    """The clip of a step resumed between its micro-batches: the later micro-batches'
+    encodes write their norms as the uninterrupted run's do (not read back from the
+    quantized payloads: other bits)."""
+    options = {"compression_ratio": 4, "codec": codec, "min_compress_numel": 1}
+
+    def build_fused() -> tuple[torch.nn.Module, gradient_cache.GradientCacheHookManager, Any]:
+        model = make_model()
+        manager = gradient_cache.create_gradient_cache(model, **options)
+        return model, manager, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model, manager, optimizer, micro_batches: range) -> list[float]:
+        norms = []
+        for index in micro_batches:
+            loss_of(model, *DATA[index]).backward()
+            if index % MICRO_BATCHES == MICRO_BATCHES - 1:
+                norms.append(manager.step(optimizer, max_grad_norm=0.05).item())
+                optimizer.zero_grad()
+        return norms
+
+    cut = 2 * MICRO_BATCHES + 1  # a step's first micro-batch cached, the rest to come
+    reference, reference_manager, reference_optimizer = build_fused()
+    reference_norms = train(reference, reference_manager, reference_optimizer, range(cut))
+    saved = save_and_load(reference, reference_manager, reference_optimizer)
+    # The run that saved goes on: state_dict() drained it, as compress_and_free_gradients()
+    # does, and the resumed run must continue it.
+    end = range(cut, STEPS * MICRO_BATCHES)
+    reference_norms += train(reference, reference_manager, reference_optimizer, end)
+    model, manager, optimizer = build_fused()
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    manager.load_state_dict(saved["cache"])
+    norms = reference_norms[:2] + train(model, manager, optimizer, end)
+    assert norms == reference_norms
+    assert min(reference_norms) > 0.05  # the clip changed every step
+    assert_same_parameters(reference, model)

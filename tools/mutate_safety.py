@@ -1543,6 +1543,13 @@ MUTANTS = [
         "        self._handle = model.register_forward_pre_hook(self._check)\n",
         "tests/test_distributed.py::test_a_refused_forward_leaves_the_model_sharded_and_the_recovery_trains",
     ),
+    (
+        "checkpoint: a step resumed mid-accumulation writes its norms (and non-finite flag) as one begun here",
+        "gradient_cache/engine/pipeline.py",
+        "        self.pending = self._new_pending(random_state)\n",
+        "        self.pending = PendingStep(random_state)\n",
+        "tests/test_checkpoint.py::test_a_clipped_fused_step_resumed_mid_accumulation_is_bit_for_bit",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

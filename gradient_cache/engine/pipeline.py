@@ -139,16 +139,19 @@ class Pipeline:
         self._enter("capture", CAPTURING)
         if self.pending is None:
             self.settle_scaled_step()
-            found_inf = None
-            if loss_scale(self.grad_scaler) is not None:
-                found_inf = torch.zeros((), dtype=torch.bool, device=self.backend.device)
-            norms = None
-            if self.clip_norm_type is not None:
-                norms = StepNorms(self._norm_slots, self.clip_norm_type, self.backend.device)
-            self.pending = PendingStep(
-                self.codecs.random_state(self.backend.device), found_inf, norms
-            )
+            self.pending = self._new_pending(self.codecs.random_state(self.backend.device))
             self._forget_takers()  # a new step: its gradients are new
+
+    def _new_pending(self, random_state: dict[str, torch.Tensor] | None) -> PendingStep:
+        """A step's pending state: with a GradScaler, the flag its encodes raise on a
+        non-finite gradient; with a clip, the norms they write."""
+        found_inf = None
+        if loss_scale(self.grad_scaler) is not None:
+            found_inf = torch.zeros((), dtype=torch.bool, device=self.backend.device)
+        norms = None
+        if self.clip_norm_type is not None:
+            norms = StepNorms(self._norm_slots, self.clip_norm_type, self.backend.device)
+        return PendingStep(random_state, found_inf, norms)
 
     def _enter(self, phase: str, state: StepState) -> None:
         """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
@@ -377,7 +380,9 @@ class Pipeline:
         """Take up a pending step a checkpoint saved, with the generators' states at its
         start; its payloads follow (`checkpoint.load`: stored as launched), then `drain`."""
         self._enter("resume", CAPTURING)
-        self.pending = PendingStep(random_state)
+        # As a step begun here: the later micro-batches' encodes write their norms and
+        # raise the non-finite flag (a clip read from the payloads would have other bits).
+        self.pending = self._new_pending(random_state)
 
     def restart_at(self, steps: int) -> None:
         """Continue as if ``steps`` steps were done (a loaded checkpoint); nothing pending."""
