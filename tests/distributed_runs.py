@@ -318,6 +318,47 @@ def checkpoint_resumes_bit_for_bit() -> dict[str, Any]:
     }
 
 
+def clipped_checkpoint_mid_accumulation_resumes() -> float:
+    """int8 at ratio 4, clipping, two micro-batches: a checkpoint after the third step's
+    first micro-batch, resumed into a new model, goes on as the run that saved it."""
+    options = {"compression_ratio": 4, "codec": "int8"}
+
+    def step(model, cache, optimizer, index: int, micro: tuple[int, ...] = (0, 1)) -> None:
+        for each in micro:
+            x, y = batch(index, each)
+            (nn.functional.mse_loss(model(x), y) / 2).backward()
+        if 1 in micro:
+            cache.step(optimizer, max_grad_norm=CLIP)
+            optimizer.zero_grad()
+
+    model = fsdp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cache = gradient_cache.create_gradient_cache(model, **options)
+    for index in range(2):
+        step(model, cache, optimizer, index)
+    step(model, cache, optimizer, 2, micro=(0,))
+    saved = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "optim": optimizer.state_dict(), "cache": cache.state_dict()},
+        saved,
+    )
+    step(model, cache, optimizer, 2, micro=(1,))
+    step(model, cache, optimizer, 3)
+    cache.remove_hooks()
+    saved.seek(0)
+    state = torch.load(saved, weights_only=False)
+    resumed = fsdp()
+    resumed.load_state_dict(state["model"])
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    resumed_optimizer.load_state_dict(state["optim"])
+    resumed_cache = gradient_cache.create_gradient_cache(resumed, **options)
+    resumed_cache.load_state_dict(state["cache"])
+    step(resumed, resumed_cache, resumed_optimizer, 2, micro=(1,))
+    step(resumed, resumed_cache, resumed_optimizer, 3)
+    resumed_cache.remove_hooks()
+    return max_difference(full_weights(model), full_weights(resumed))
+
+
 def refused_forward_leaves_the_model_sharded() -> dict[str, Any]:
     """Parameters replaced after the cache was created (``load_state_dict(..., assign=True)``):
     the forward is refused before FSDP2's pre-hook gathers, so the model stays sharded and
@@ -917,6 +958,7 @@ PAIRS = {
         decorator_matches_plain,
         checkpoint_resumes_bit_for_bit,
         refused_forward_leaves_the_model_sharded,
+        clipped_checkpoint_mid_accumulation_resumes,
         buckets_follow_groups,
         split_group_warns,
     ],

@@ -109,6 +109,12 @@ def test_checkpoint_per_rank_resumes_bit_for_bit(fsdp_results):
         assert "of 4" in result["world_size_refusal"]
 
 
+def test_a_clipped_checkpoint_mid_accumulation_resumes_bit_for_bit(fsdp_results):
+    """int8, clipping: the resumed step's clip norms are its encodes', as in the run that
+    saved it (they were read from the quantized payloads)."""
+    assert each_rank(fsdp_results, "clipped_checkpoint_mid_accumulation_resumes") == [0.0, 0.0]
+
+
 def test_a_refused_forward_leaves_the_model_sharded_and_the_recovery_trains(fsdp_results):
     """The parameters replaced after the cache was created: the forward is refused before
     FSDP2's pre-hook all-gathers, so a new cache (the recovery the refusal names) accepts
