@@ -389,6 +389,18 @@ def refused_forward_leaves_the_model_sharded() -> dict[str, Any]:
     }
 
 
+def created_after_an_eval() -> dict[str, str]:
+    """A cache created after a forward without gradients, where FSDP2's root holds its
+    all-gathered parameters: the refusal names model.reshard(), after which it is made."""
+    model = fsdp()
+    with torch.no_grad():
+        model(batch(0)[0])
+    refusal = _error_of(lambda: gradient_cache.create_gradient_cache(model))
+    model.reshard()
+    after = _error_of(lambda: gradient_cache.create_gradient_cache(model).remove_hooks())
+    return {"refusal": refusal, "after reshard": after}
+
+
 def ddp_refused() -> str:
     ddp = nn.parallel.DistributedDataParallel(plain_net())
     return _error_of(lambda: gradient_cache.create_gradient_cache(ddp))
@@ -985,6 +997,7 @@ PAIRS = {
         cpu_offload_refused,
         tensor_parallel_placement_refused,
         partly_sharded_refused,
+        created_after_an_eval,
     ],
 }
 

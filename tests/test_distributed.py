@@ -171,6 +171,12 @@ def test_refused_on_every_rank_with_the_reason(replica_results, scenario, expect
         assert "fully_shard" in message or "CPUOffloadPolicy" in message
 
 
+def test_a_cache_created_after_an_eval_is_told_to_reshard_first(replica_results):
+    for result in each_rank(replica_results, "created_after_an_eval"):
+        assert "call model.reshard() before creating the cache" in result["refusal"]
+        assert result["after reshard"] == "no error"
+
+
 def test_norms_are_reduced_on_the_parameters_device_not_the_current_one():
     """nccl on ``cuda:1`` reduces there: ``"cuda"`` alone is the current device (``cuda:0``
     in a process that never called ``set_device``). A gloo mesh keeps the CPU."""

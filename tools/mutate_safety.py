@@ -1546,7 +1546,7 @@ MUTANTS = [
     (
         "checkpoint: a step resumed mid-accumulation writes its norms (and non-finite flag) as one begun here",
         "gradient_cache/engine/pipeline.py",
-        "        self.pending = self._new_pending(random_state)\n",
+        "        self.pending = _new_pending(self, random_state)\n",
         "        self.pending = PendingStep(random_state)\n",
         "tests/test_checkpoint.py::test_a_clipped_fused_step_resumed_mid_accumulation_is_bit_for_bit",
     ),

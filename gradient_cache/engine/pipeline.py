@@ -139,19 +139,8 @@ class Pipeline:
         self._enter("capture", CAPTURING)
         if self.pending is None:
             self.settle_scaled_step()
-            self.pending = self._new_pending(self.codecs.random_state(self.backend.device))
+            self.pending = _new_pending(self, self.codecs.random_state(self.backend.device))
             self._forget_takers()  # a new step: its gradients are new
-
-    def _new_pending(self, random_state: dict[str, torch.Tensor] | None) -> PendingStep:
-        """A step's pending state: with a GradScaler, the flag its encodes raise on a
-        non-finite gradient; with a clip, the norms they write."""
-        found_inf = None
-        if loss_scale(self.grad_scaler) is not None:
-            found_inf = torch.zeros((), dtype=torch.bool, device=self.backend.device)
-        norms = None
-        if self.clip_norm_type is not None:
-            norms = StepNorms(self._norm_slots, self.clip_norm_type, self.backend.device)
-        return PendingStep(random_state, found_inf, norms)
 
     def _enter(self, phase: str, state: StepState) -> None:
         """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
@@ -382,7 +371,7 @@ class Pipeline:
         self._enter("resume", CAPTURING)
         # As a step begun here: the later micro-batches' encodes write their norms and
         # raise the non-finite flag (a clip read from the payloads would have other bits).
-        self.pending = self._new_pending(random_state)
+        self.pending = _new_pending(self, random_state)
 
     def restart_at(self, steps: int) -> None:
         """Continue as if ``steps`` steps were done (a loaded checkpoint); nothing pending."""
@@ -469,3 +458,16 @@ def _refuse_cached_twice(named_params: Sequence[tuple[str, Param]]) -> None:
             "on the other one (or leave its with-block) before creating this one; a "
             "notebook cell run twice must reuse the first manager or rebuild the model."
         )
+
+
+def _new_pending(pipeline: Pipeline, random_state: dict[str, torch.Tensor] | None) -> PendingStep:
+    """A step's pending state: with a GradScaler, the flag its encodes raise on a
+    non-finite gradient; with a clip, the norms they write."""
+    device = pipeline.backend.device
+    found_inf = None
+    if loss_scale(pipeline.grad_scaler) is not None:
+        found_inf = torch.zeros((), dtype=torch.bool, device=device)
+    norms = None
+    if pipeline.clip_norm_type is not None:
+        norms = StepNorms(pipeline._norm_slots, pipeline.clip_norm_type, device)
+    return PendingStep(random_state, found_inf, norms)

@@ -165,7 +165,9 @@ def check_placements(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> 
         raise ValueError(
             f"{len(plain)} cached parameters ({', '.join(plain[:3])}) are not sharded while "
             "the others are: FSDP2 does not reduce their gradients across ranks. Apply "
-            "fully_shard to the root module too, or list them in exclude_layers."
+            "fully_shard to the root module too, or list them in exclude_layers. (After a "
+            "forward without gradients FSDP2's root holds its all-gathered parameters, "
+            "which are not sharded: call model.reshard() before creating the cache.)"
         )
 
 
