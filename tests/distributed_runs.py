@@ -278,6 +278,22 @@ def split_group_warns() -> list[str]:
     return [str(w.message) for w in caught]
 
 
+def resumed_from(
+    saved: io.BytesIO, options: dict[str, Any]
+) -> tuple[nn.Module, torch.optim.Optimizer, gradient_cache.GradientCacheHookManager, dict]:
+    """A new sharded model, its AdamW and its cache (``options``), each loaded from the
+    checkpoint in ``saved``; and the checkpoint."""
+    saved.seek(0)
+    state = torch.load(saved, weights_only=False)  # the DTensors of the model and optimizer
+    model = fsdp()
+    model.load_state_dict(state["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer.load_state_dict(state["optim"])
+    cache = gradient_cache.create_gradient_cache(model, **options)
+    cache.load_state_dict(state["cache"])
+    return model, optimizer, cache, state
+
+
 def checkpoint_resumes_bit_for_bit() -> dict[str, Any]:
     """Save after 2 steps at ratio 100 with error feedback; resume in a new model."""
     options = {"compression_ratio": 100, "codec": "topk", "min_compress_numel": 1024}
@@ -293,14 +309,7 @@ def checkpoint_resumes_bit_for_bit() -> dict[str, Any]:
     uninterrupted = train(model, cache=cache, optimizer=optimizer, steps=2, first_step=2)
     cache.remove_hooks()
 
-    saved.seek(0)
-    state = torch.load(saved, weights_only=False)  # the DTensors of the model and optimizer
-    resumed_model = fsdp()
-    resumed_model.load_state_dict(state["model"])
-    resumed_optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=1e-2)
-    resumed_optimizer.load_state_dict(state["optim"])
-    resumed_cache = gradient_cache.create_gradient_cache(resumed_model, **options)
-    resumed_cache.load_state_dict(state["cache"])
+    resumed_model, resumed_optimizer, resumed_cache, state = resumed_from(saved, options)
     resumed = train(
         resumed_model, cache=resumed_cache, optimizer=resumed_optimizer, steps=2, first_step=2
     )
@@ -345,14 +354,7 @@ def clipped_checkpoint_mid_accumulation_resumes() -> float:
     step(model, cache, optimizer, 2, micro=(1,))
     step(model, cache, optimizer, 3)
     cache.remove_hooks()
-    saved.seek(0)
-    state = torch.load(saved, weights_only=False)
-    resumed = fsdp()
-    resumed.load_state_dict(state["model"])
-    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
-    resumed_optimizer.load_state_dict(state["optim"])
-    resumed_cache = gradient_cache.create_gradient_cache(resumed, **options)
-    resumed_cache.load_state_dict(state["cache"])
+    resumed, resumed_optimizer, resumed_cache, _ = resumed_from(saved, options)
     step(resumed, resumed_cache, resumed_optimizer, 2, micro=(1,))
     step(resumed, resumed_cache, resumed_optimizer, 3)
     resumed_cache.remove_hooks()
