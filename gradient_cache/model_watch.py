@@ -105,9 +105,9 @@ def _cast_of(cached: torch.nn.Parameter | None, dtype: torch.dtype) -> str | Non
 def _unsharded_of(present: torch.nn.Parameter, cached: torch.nn.Parameter | None) -> bool:
     """Whether ``present`` is FSDP2's unsharded stand-in for the sharded ``cached``.
 
-    FSDP2 registers the unsharded parameter from its pre-forward hook (which runs before
+    FSDP2 registers the unsharded parameter from its pre-forward hook (which runs after
     this check) until after backward, or until the next backward where it does not
-    reshard after forward (the root, an evaluation forward); the hooks stay on the
-    sharded one, which FSDP2 puts back.
+    reshard after forward (the root): the forward after an evaluation forward finds it
+    here. The hooks stay on the sharded one, which FSDP2 puts back.
     """
     return is_dtensor(cached) and not is_dtensor(present) and present.shape == cached.shape

@@ -156,6 +156,24 @@ def mixed_precision_matches_plain() -> float:
     return against_plain(lambda: sharded(plain_net(), mp_policy=policy))
 
 
+def eval_between_steps_matches_plain() -> float:
+    """A forward without gradients between steps, no ``reshard()``: FSDP2's root keeps its
+    all-gathered parameters, which the next forward's parameter check meets."""
+
+    def loop(cache: gradient_cache.GradientCacheHookManager | None, model: nn.Module) -> dict:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train(model, cache=cache, fused=cache is not None, optimizer=optimizer, steps=1)
+        with torch.no_grad():
+            model(batch(0)[0])
+        return train(model, cache=cache, fused=cache is not None, optimizer=optimizer, first_step=1)
+
+    plain = loop(None, fsdp())
+    model = fsdp()
+    with gradient_cache.create_gradient_cache(model, compression_ratio=1) as cache:
+        cached = loop(cache, model)
+    return max_difference(plain["weights"], cached["weights"])
+
+
 def apply_then_clip_matches_plain() -> float:
     return against_plain(fsdp, clip=CLIP)
 
@@ -965,6 +983,7 @@ PAIRS = {
         no_sync_accumulation_matches_plain,
         mixed_precision_matches_plain,
         apply_then_clip_matches_plain,
+        eval_between_steps_matches_plain,
         state_on_host_matches_plain,
         fused_clip_against_clip_grad_norm,
         fused_inf_norm_against_clip_grad_norm,

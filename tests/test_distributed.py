@@ -69,6 +69,7 @@ def each_rank(results: list[dict], scenario: str) -> list:
         "no_sync_accumulation_matches_plain",
         "mixed_precision_matches_plain",
         "apply_then_clip_matches_plain",
+        "eval_between_steps_matches_plain",
         "decorator_matches_plain",
     ],
 )
