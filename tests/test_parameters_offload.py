@@ -533,6 +533,22 @@ def test_the_compute_copies_are_ordered_on_the_stand_in_streams(fake_cuda: FakeC
     fake_cuda.checker.assert_clean()
 
 
+def test_a_second_forward_meets_the_rest_in_the_compute_dtype_and_trains() -> None:
+    """Two forwards before one backward with compute_dtype: the second forward's parameter
+    check meets the rest's weights in use, in bf16 on the device, which is where the cache
+    put them (not a cast of the model, which is refused)."""
+    data = batches(4)
+    model = gpt()
+    optimizer = sgd_momentum(model)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, compute_dtype=torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    for (tokens, targets), (tokens2, targets2) in zip(data[::2], data[1::2], strict=True):
+        (model(tokens, targets)[1] + model(tokens2, targets2)[1]).backward()
+        step(model, optimizer, manager)
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_a_compute_dtype_casts_the_models_floating_inputs() -> None:
     """Floating inputs meet bf16 weights: cast at the model and at each block, as FSDP2's
     mixed precision casts them (else the first layer's matmul refuses the mix)."""

@@ -1184,7 +1184,7 @@ MUTANTS = [
         "gradient_cache/manager.py",
         "            in_place=None if self._weight_stream is None else self._weight_stream.weights.in_place,\n",
         "            in_place=None,\n",
-        "tests/test_parameters_offload.py::test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit",
+        "tests/test_parameters_offload.py::test_a_second_forward_meets_the_rest_in_the_compute_dtype_and_trains",
     ),
     (
         "demo accounting: a resized weight counts at its storage's size now",
