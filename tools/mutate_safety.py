@@ -1140,7 +1140,7 @@ MUTANTS = [
     (
         "weights: a checkpointed block's recomputation in backward frees nothing",
         "gradient_cache/engine/weight_stream.py",
-        "        if _in_backward():\n            return  # a recomputation: its backward reads these weights next\n",
+        "        if in_backward():\n            return  # a recomputation: its backward reads these weights next\n",
         "",
         "tests/test_parameters_offload.py::test_views_of_a_weight_saved_for_backward_read_its_refilled_storage",
     ),
@@ -1343,7 +1343,7 @@ MUTANTS = [
     (
         "weights: a rest module's eval outside the model's forward frees its weights",
         "gradient_cache/engine/weight_stream.py",
-        "        if not self._in_model and not _in_backward() and not torch.is_grad_enabled():\n            self.weights.free(params)\n",
+        "        if not self._in_model and not in_backward() and not torch.is_grad_enabled():\n            self.weights.free(params)\n",
         "",
         "tests/test_parameters_offload.py::test_through_a_submodule_an_eval_then_a_load_reaches_training_and_the_window_holds",
     ),
@@ -1426,8 +1426,8 @@ MUTANTS = [
     ),
     (
         "shards: state_dict holds copies of their own",
-        "gradient_cache/engine/shard_weights.py",
-        "        return sharding.dtensor_like(value, sharding.local(value).clone())\n",
+        "gradient_cache/engine/host_weights.py",
+        "        return value.clone()\n",
         "        return value\n",
         "tests/test_distributed.py::test_shards_on_the_host_resume_from_a_checkpoint_bit_for_bit",
     ),

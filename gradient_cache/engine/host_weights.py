@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import sharding
 from .backend import Backend, Transfer
 from .layout import gradient_strides
 from .state_slabs import StateSlabs
@@ -163,13 +164,14 @@ class HostWeights:
         return self._slabs.reserved_bytes
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is a view of the masters' slabs (a detached master), not a
-        Parameter."""
-        return not isinstance(tensor, Param) and self._slabs.holds(tensor)
+        """Whether ``tensor`` is a view of the masters' slabs (a detached master, or a
+        `DTensor` around one), not a Parameter."""
+        return not isinstance(tensor, Param) and self._slabs.holds(sharding.local(tensor))
 
     def compact(self, value: torch.Tensor) -> torch.Tensor:
         """A master that ``model.state_dict()`` holds (a view of a slab, which ``torch.save``
-        would write whole and safetensors refuses as shared memory) as a copy of its own."""
+        would write whole and safetensors refuses as shared memory) as a copy of its own
+        (a `DTensor`'s clone copies its local part)."""
         return value.clone()
 
     def where(self, param: Param) -> WeightAt:

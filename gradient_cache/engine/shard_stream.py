@@ -42,17 +42,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
 from .shard_weights import ShardWeights
 from .weight_stream import (
-    _in_backward,
-    _outside_graphs,
-    _tensors_needing_gradients,
     compact_masters,
+    in_backward,
+    outside_graphs,
+    tensors_needing_gradients,
 )
 
 Param = torch.nn.Parameter
@@ -65,8 +65,11 @@ class ShardedModule:
 
     module: torch.nn.Module
     state: Any  # FSDP2's FSDPState
-    params: list[Param]
     topmost: bool  # under no other fully_shard module: a root, or one when called alone
+    params: list[Param] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = [fp.sharded_param for group in self.groups for fp in group.fsdp_params]
 
     @property
     def groups(self) -> list[Any]:
@@ -92,9 +95,7 @@ def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
             )
         topmost = not any(name.startswith(f"{outer}.") or not outer for outer in names)
         names.append(name)
-        groups = getattr(state, "_fsdp_param_groups", ())
-        params = [fsdp_param.sharded_param for g in groups for fsdp_param in g.fsdp_params]
-        found.append(ShardedModule(cast(torch.nn.Module, module), state, params, topmost))
+        found.append(ShardedModule(cast(torch.nn.Module, module), state, topmost))
     return found
 
 
@@ -128,7 +129,7 @@ class ShardStream:
         self._modules = modules
         self._of_state = {id(m.state): i for i, m in enumerate(modules)}
         self._of_group = {id(g): i for i, m in enumerate(modules) for g in m.groups}
-        self._in_model = False  # inside the model's own forward
+        self._in_model = False  # inside the model's forward, or a root's called directly
         self._next: dict[int, int] = {}  # the module that ran after each, last forward
         self._previous: int | None = None  # the module that ran last in this forward
         self._reached: set[int] = set()  # the modules whose backward began
@@ -182,24 +183,24 @@ class ShardStream:
             del module.unshard  # FSDP2's own again
         self._handles, self._unshards = [], []
 
-    @_outside_graphs
+    @outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any) -> None:
-        if not _in_backward():
+        if not in_backward():
             self._in_model, self._previous = True, None
 
-    @_outside_graphs
+    @outside_graphs
     def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """Without gradients (an eval) no backward comes: a module brought ahead that the
         forward did not run goes now."""
-        if _in_backward():
+        if in_backward():
             return
         self._in_model = False
         if not torch.is_grad_enabled():
             self._give_up(self.weights.present())
 
-    @_outside_graphs
+    @outside_graphs
     def _before_gather(self, index: int, module: torch.nn.Module, args: Any) -> None:
-        if _in_backward():  # a recomputation: FSDP2 all-gathers only what it resharded
+        if in_backward():  # a recomputation: FSDP2 all-gathers only what it resharded
             self._ensure(i for i in [index] if self._gathers(i))
             return
         prefetched = getattr(self._modules[index].state, "_states_to_forward_prefetch", ())
@@ -213,7 +214,7 @@ class ShardStream:
         if ahead is not None:
             self.weights.bring(self._modules[ahead].params)
 
-    @_outside_graphs
+    @outside_graphs
     def _gathered(self, index: int, module: torch.nn.Module, args: Any) -> None:
         """FSDP2's pre-hook has waited for this module's all-gather: its shards go."""
         self.weights.free(self._modules[index].params)
@@ -227,15 +228,15 @@ class ShardStream:
             self.weights.free(self._modules[index].params)
         return handle
 
-    @_outside_graphs
+    @outside_graphs
     def _forward_ends(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if _in_backward() or not torch.is_grad_enabled():
+        if in_backward() or not torch.is_grad_enabled():
             return
         hook = functools.partial(self._backward_reaches, index)
-        for tensor in _tensors_needing_gradients(output):
+        for tensor in tensors_needing_gradients(output):
             tensor.register_hook(hook)
 
-    @_outside_graphs
+    @outside_graphs
     def _backward_reaches(self, index: int, grad: torch.Tensor) -> None:
         """The module's outputs have their gradient: FSDP2's hook, next, all-gathers it
         and starts the all-gather of the module it prefetches."""

@@ -41,7 +41,8 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 class ShardWeights(HostWeights):
     """The masters of ``named_params``' shards (FSDP2 `DTensor` parameters); construction
-    copies each shard into its master and gives up the shard's memory."""
+    copies each shard into its master and leaves the shard on the device, in use, until
+    the first time it may go (`_rest`)."""
 
     def __init__(
         self,
@@ -94,19 +95,6 @@ class ShardWeights(HostWeights):
         run while S is given up, would take other memory for the shard)."""
         weight, flat = self._weights.get(param), self._flat_shards.get(param)
         return weight is not None and flat is not None and flat().is_set_to(weight.full)
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is a `DTensor` around a view of the masters' slabs (a
-        detached parameter at rest), not a Parameter."""
-        return (
-            sharding.is_dtensor(tensor)
-            and not isinstance(tensor, Param)
-            and self._slabs.holds(sharding.local(tensor))
-        )
-
-    def compact(self, value: torch.Tensor) -> torch.Tensor:
-        assert sharding.is_dtensor(value)  # `holds` it
-        return sharding.dtensor_like(value, sharding.local(value).clone())
 
     def close(self) -> None:
         """Every shard back on the device for good, as plain FSDP2 keeps it (one on the

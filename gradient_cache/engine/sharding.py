@@ -78,19 +78,14 @@ def as_grad_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     a gradient that is one already (held in ``.grad``, never cached) as it is."""
     if not is_dtensor(param) or is_dtensor(grad):
         return grad
-    return dtensor_like(param, grad)
-
-
-def dtensor_like(template: DTensor, local_tensor: torch.Tensor) -> DTensor:
-    """``local_tensor`` as this rank's part of a `DTensor` laid out as ``template``."""
     with torch.no_grad():
         return DTensor.from_local(
-            local_tensor,
-            template.device_mesh,
-            template.placements,
+            grad,
+            param.device_mesh,
+            param.placements,
             run_check=False,
-            shape=template.shape,
-            stride=template.stride(),
+            shape=param.shape,
+            stride=param.stride(),
         )
 
 

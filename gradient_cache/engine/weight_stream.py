@@ -51,13 +51,13 @@ from .weight_blocks import WeightUnits
 Param = torch.nn.Parameter
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (a checkpointed
     block's forward reruns there)."""
     return torch._C._current_graph_task_id() != -1
 
 
-def _outside_graphs(method: Callable[..., Any]) -> Callable[..., Any]:
+def outside_graphs(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method``, run eagerly where a compiled model calls it (a graph break)."""
     return torch._dynamo.disable(method, recursive=True)
 
@@ -122,36 +122,36 @@ class WeightStream:
             handle.remove()
         self._handles = []
 
-    @_outside_graphs
+    @outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         self._in_model = True
-        if not _in_backward() and torch.is_grad_enabled():
+        if not in_backward() and torch.is_grad_enabled():
             self._forwards += 1
             self._called = set()
         self.weights.ensure(self.units.rest)
-        if not _in_backward():
+        if not in_backward():
             self.weights.bring(self._block(0))
         return self._cast(args, kwargs)
 
-    @_outside_graphs
+    @outside_graphs
     def _rest_module_begins(self, params: list[Param], module: torch.nn.Module, args: Any) -> None:
         self.weights.ensure(params)
 
-    @_outside_graphs
+    @outside_graphs
     def _rest_module_ends(
         self, params: list[Param], module: torch.nn.Module, args: Any, output: Any
     ) -> None:
         """Called outside the model's forward without gradients (an eval through a
         submodule): nothing comes back for its weights, which go as the model's would."""
-        if not self._in_model and not _in_backward() and not torch.is_grad_enabled():
+        if not self._in_model and not in_backward() and not torch.is_grad_enabled():
             self.weights.free(params)
 
-    @_outside_graphs
+    @outside_graphs
     def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._in_model = False
-        if _in_backward():
+        if in_backward():
             return
-        outputs = _tensors_needing_gradients(output) if torch.is_grad_enabled() else []
+        outputs = tensors_needing_gradients(output) if torch.is_grad_enabled() else []
         if not outputs:  # an eval, a forward that raised, nothing to train: no backward
             if torch.is_grad_enabled():
                 self._forwards -= 1  # counted at its begin, and no graph to come back to
@@ -162,25 +162,25 @@ class WeightStream:
         # Backward starts with the last block: on its way while the loss is computed.
         self.weights.bring(self._block(len(self.units.blocks) - 1))
 
-    @_outside_graphs
+    @outside_graphs
     def _backward_begins(self, grad: torch.Tensor) -> None:
         """The model's output has its gradient: the rest is read next (again, in a second
         backward through a retained graph)."""
         self._queue_end_of_backward()
         self.weights.ensure(self.units.rest)
 
-    @_outside_graphs
+    @outside_graphs
     def _block_begins(self, index: int, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-        if not _in_backward() and torch.is_grad_enabled():
+        if not in_backward() and torch.is_grad_enabled():
             self._reused |= index in self._called
             self._called.add(index)
             self._kwargs[index] = kwargs  # its inputs' gradient ends its backward
-            for tensor in _tensors_needing_gradients((args, kwargs)):
+            for tensor in tensors_needing_gradients((args, kwargs)):
                 made = self._consumers.get(id(tensor))
                 if made is not None and made[0]() is tensor:
                     made[1].append(index)
         self.weights.ensure(self._block(index))
-        if not _in_backward():
+        if not in_backward():
             self.weights.bring(self._block(index + 1))
         return self._cast(args, kwargs)
 
@@ -194,16 +194,16 @@ class WeightStream:
             torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs)
         )
 
-    @_outside_graphs
+    @outside_graphs
     def _block_ends(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if _in_backward():
+        if in_backward():
             return  # a recomputation: its backward reads these weights next
         kwargs = self._kwargs.pop(index, {})
         if output is not None and torch.is_grad_enabled():
             hook = functools.partial(self._block_backward_ended, index)
-            for tensor in _tensors_needing_gradients((args, kwargs)):
+            for tensor in tensors_needing_gradients((args, kwargs)):
                 tensor.register_hook(hook)
-            for tensor in _tensors_needing_gradients(output):
+            for tensor in tensors_needing_gradients(output):
                 consumers: list[int] = []
                 self._consumers[id(tensor)] = (weakref.ref(tensor), consumers)
                 tensor.register_hook(
@@ -211,7 +211,7 @@ class WeightStream:
                 )
         self.weights.free(self._block(index))
 
-    @_outside_graphs
+    @outside_graphs
     def _block_backward_begins(self, index: int, consumers: list[int], grad: torch.Tensor) -> None:
         self._queue_end_of_backward()
         for consumer in consumers:  # their backward is done: this output's gradient is whole
@@ -219,7 +219,7 @@ class WeightStream:
         self.weights.ensure(self._block(index))
         self.weights.bring(self._block(index - 1))
 
-    @_outside_graphs
+    @outside_graphs
     def _block_backward_ended(self, index: int, grad: torch.Tensor) -> None:
         """The block's inputs have their gradient: its backward is done."""
         self._free_frozen(index)
@@ -230,7 +230,7 @@ class WeightStream:
         if self._forwards <= 1 and not self._reused:
             self.weights.free(param for param in self._block(index) if not param.requires_grad)
 
-    @_outside_graphs
+    @outside_graphs
     def _gradient_accumulated(self, param: Param) -> None:
         self._queue_end_of_backward()
         if self._forwards <= 1 and not self._reused:
@@ -276,7 +276,7 @@ def compact_masters(
             state[key] = weights.compact(value)
 
 
-def _tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
+def tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
     return [
         leaf
         for leaf in pytree.tree_leaves(output)
