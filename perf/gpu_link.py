@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gradient_cache.engine.cuda import allocate_pinned
+from gradient_cache.engine.accelerator import allocate_pinned
 from gradient_cache.engine.pool import HostPool, SlotSpec
 from gradient_cache.engine.units import MIB
 from gradient_cache.linkrate import measure_link

@@ -1,7 +1,10 @@
-"""Stand-in CUDA streams and events, and a checker of every ordering the engine relies on.
+"""Stand-in accelerator streams and events, and a checker of every ordering the engine
+relies on.
 
-The CUDA backend reaches `torch.cuda` through an object it is given; `FakeCuda` is such an
-object for CPU tensors. Everything runs at once, in program order, so results are exact,
+The accelerator backend makes its streams and events through an object it is given (a
+`StreamApi`: torch's `torch.Stream`, `torch.Event` and `torch.accelerator.current_stream`);
+`FakeAccelerator` is such an object for CPU tensors, and its streams, like torch's, are made
+current by ``with stream:``. Everything runs at once, in program order, so results are exact,
 and the `StreamChecker` (a dispatch mode that sees every tensor operation) judges whether
 the same program would be correct on a GPU, where streams run concurrently:
 
@@ -359,6 +362,16 @@ class FakeStream:
     def __init__(self, checker: StreamChecker, name: str) -> None:
         self._checker = checker
         self.name = name
+        self._entered: list[str] = []  # the streams current before each `with`, innermost last
+
+    def __enter__(self) -> FakeStream:
+        """Current until the `with` ends, as `torch.Stream.__enter__` (re-entrant in 2.13)."""
+        self._entered.append(self._checker.active)
+        self._checker.active = self.name
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._checker.active = self._entered.pop()
 
     def wait_stream(self, other: FakeStream) -> None:
         self._checker.join(self.name, dict(self._checker.clocks[other.name]))
@@ -371,32 +384,25 @@ class FakeStream:
         self._checker.host_wait(dict(self._checker.clocks[self.name]), "Stream.synchronize")
 
 
-class FakeCuda:
-    """What the CUDA backend calls in `torch.cuda`, on CPU tensors, checked."""
+class FakeAccelerator:
+    """The accelerator backend's `StreamApi` (what it calls of torch's streams and events),
+    on CPU tensors, checked."""
 
     def __init__(self, checker: StreamChecker) -> None:
         self.checker = checker
         self.compute = FakeStream(checker, "compute")
         self.pinned_allocations = 0
 
-    def Stream(self, device: object = None) -> FakeStream:  # torch.cuda's name
+    def new_stream(self, device: object = None) -> FakeStream:
         return FakeStream(self.checker, self.checker.new_stream())
 
-    def Event(self, enable_timing: bool = False) -> FakeEvent:  # torch.cuda's name
+    def new_event(self, device: object = None) -> FakeEvent:
         return FakeEvent(self.checker)
 
     def current_stream(self, device: object = None) -> FakeStream:
         if self.checker.active == "compute":
             return self.compute
         return FakeStream(self.checker, self.checker.active)
-
-    @contextlib.contextmanager
-    def stream(self, stream: FakeStream) -> Iterator[None]:
-        previous, self.checker.active = self.checker.active, stream.name
-        try:
-            yield
-        finally:
-            self.checker.active = previous
 
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         """What ``tensor.record_stream(stream)`` tells the caching allocator."""

@@ -49,7 +49,7 @@ from hypothesis.stateful import (
 from stream_checker import StreamChecker
 
 # The stand-in CUDA streams (a pytest fixture, found here by name).
-from test_stream_order import fake_cuda  # noqa: F401
+from test_stream_order import fake_accelerator  # noqa: F401
 
 import gradient_cache
 from gradient_cache.engine.bucket import BucketState
@@ -433,8 +433,8 @@ def test_legal_call_orders_match_plain_pytorch_bit_for_bit(
     if backend == "cpu":
         factory, checker = None, None
     else:
-        cuda = request.getfixturevalue("fake_cuda")
-        factory, checker = cuda.factory, cuda.checker
+        accelerator = request.getfixturevalue("fake_accelerator")
+        factory, checker = accelerator.factory, accelerator.checker
 
     @seed(hypothesis_seed)
     def machine() -> CallOrders:

@@ -1,4 +1,4 @@
-"""The CUDA backend against plain PyTorch on a GPU; skipped where CUDA is absent.
+"""The accelerator backend against plain PyTorch on a CUDA GPU; skipped where CUDA is absent.
 
 These have not run on a GPU yet (see the README): the CI machines have none, and no task
 was lent one since they were written. perf/gpu_check.sh runs them, also under
@@ -43,12 +43,12 @@ class ManyThinLayers(torch.nn.Module):
         return x
 
 
-def test_backend_is_the_cuda_backend_with_a_pinned_pool() -> None:
-    from gradient_cache.engine.cuda import CudaBackend
+def test_backend_is_the_accelerator_backend_with_a_pinned_pool() -> None:
+    from gradient_cache.engine.accelerator import AcceleratorBackend
 
     manager = gradient_cache.create_gradient_cache(on_gpu(make_model()), compression_ratio=1)
     backend = manager.engine.backend
-    assert isinstance(backend, CudaBackend)
+    assert isinstance(backend, AcceleratorBackend)
     assert backend.pool.pinned
 
 
@@ -202,10 +202,26 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class GuardedStream(torch.Stream):
+    def synchronize(self) -> None:
+        if in_backward():
+            raise AssertionError("Stream.synchronize inside a backward hook")
+        super().synchronize()
+
+
+class GuardedEvent(torch.Event):
+    def synchronize(self) -> None:
+        if in_backward():
+            raise AssertionError("Event.synchronize inside a backward hook")
+        super().synchronize()
+
+
 @pytest.fixture
 def no_host_wait_in_hooks(monkeypatch: pytest.MonkeyPatch):
     """Event/Stream.synchronize and pinned allocation raise inside backward (the calls
-    `set_sync_debug_mode("error")` does not check)."""
+    `set_sync_debug_mode("error")` does not check). torch.Stream and torch.Event are
+    immutable types: the backend's streams and events are made as subclasses that check."""
+    from gradient_cache.engine.accelerator import TorchStreams
 
     def guard(original):
         def guarded(*args, **kwargs):
@@ -215,8 +231,8 @@ def no_host_wait_in_hooks(monkeypatch: pytest.MonkeyPatch):
 
         return guarded
 
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", guard(torch.cuda.Event.synchronize))
-    monkeypatch.setattr(torch.cuda.Stream, "synchronize", guard(torch.cuda.Stream.synchronize))
+    monkeypatch.setattr(TorchStreams, "new_stream", lambda _, device: GuardedStream(device))
+    monkeypatch.setattr(TorchStreams, "new_event", lambda _, device: GuardedEvent(device))
     monkeypatch.setattr(torch.Tensor, "pin_memory", guard(torch.Tensor.pin_memory))
     empty = torch.empty
 
@@ -302,7 +318,6 @@ def widen_race_windows(
     monkeypatch: pytest.MonkeyPatch,
     backend: Any,
     *,
-    cuda: Any = torch.cuda,
     sleep: Callable[[], None] = lambda: torch.cuda._sleep(SLEEP_CYCLES),
 ) -> None:
     """Wrap ``backend``'s `encoding` and `store` so that ``sleep`` delays the compute
@@ -321,7 +336,7 @@ def widen_race_windows(
 
     def slow_store(*args: Any, **kwargs: Any) -> Any:
         payloads = store(*args, **kwargs)
-        with cuda.stream(backend.copy_stream):
+        with backend.copy_stream:
             sleep()
         return payloads
 

@@ -16,7 +16,7 @@ import test_cuda
 import torch
 from helpers import assert_same_parameters, batches, make_model, train
 from test_cuda import widen_race_windows
-from test_stream_order import SMALL, fake_cuda  # noqa: F401  (the stand-in's fixture)
+from test_stream_order import SMALL, fake_accelerator  # noqa: F401  (the stand-in's fixture)
 
 import gradient_cache
 
@@ -216,25 +216,25 @@ def test_without_a_gpu_it_stops_at_once_and_says_why(args: tuple[str, ...], tmp_
 def test_the_widened_race_helper_fits_the_backend_it_wraps(
     monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    """test_cuda.py's `widen_race_windows` around the real CUDA backend on the stand-in
-    streams (its sleeps noted, not slept): training through it is bit for bit training
+    """test_cuda.py's `widen_race_windows` around the real accelerator backend on the
+    stand-in streams (its sleeps noted, not slept): training through it is bit for bit training
     without it, and the sleeps land on the compute, encode and copy streams."""
-    cuda = request.getfixturevalue("fake_cuda")
+    accelerator = request.getfixturevalue("fake_accelerator")
     data = batches(3)
     reference, widened = make_model(), make_model()
-    options = dict(backend_factory=cuda.factory, bucket_size_mb=SMALL)  # default codec
+    options = dict(backend_factory=accelerator.factory, bucket_size_mb=SMALL)  # default codec
     ref_manager = gradient_cache.create_gradient_cache(reference, **options)
     manager = gradient_cache.create_gradient_cache(widened, **options)
     backend = manager.engine.backend
     sleeps: list[str] = []
     widen_race_windows(
-        monkeypatch, backend, cuda=cuda, sleep=lambda: sleeps.append(cuda.checker.active)
+        monkeypatch, backend, sleep=lambda: sleeps.append(accelerator.checker.active)
     )
     for fused_step in (False, True):
         train(reference, data, manager=ref_manager, fused_step=fused_step)
         train(widened, data, manager=manager, fused_step=fused_step)
     assert_same_parameters(reference, widened)
-    cuda.checker.assert_clean()
+    accelerator.checker.assert_clean()
     assert set(sleeps) == {"compute", backend.encode_stream.name, backend.copy_stream.name}
 
 

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from helpers import finish_step
-from test_stream_order import fake_cuda  # noqa: F401
+from test_stream_order import fake_accelerator  # noqa: F401
 from torch import nn
 
 import gradient_cache
@@ -79,7 +79,7 @@ def test_channels_last_trains_bit_for_bit_as_plain(
     plain = conv_model().to("cuda" if backend == "cuda" else "cpu")
     cached = copy.deepcopy(plain)
     stand_in = backend == "stand-in cuda"
-    factory = request.getfixturevalue("fake_cuda").factory if stand_in else None
+    factory = request.getfixturevalue("fake_accelerator").factory if stand_in else None
     options = {} if factory is None else {"backend_factory": factory}
     manager = gradient_cache.create_gradient_cache(
         cached, compression_ratio=1, bucket_size_mb=0.001, **options

@@ -18,7 +18,12 @@ from helpers import (
 
 import gradient_cache
 from gradient_cache.demo.accounting import device_memory_meter
-from gradient_cache.engine.budget import CudaMemory, MemoryBudget, MemoryBudgetError
+from gradient_cache.engine.budget import (
+    AcceleratorMemory,
+    MemoryBudget,
+    MemoryBudgetError,
+    device_memory_of,
+)
 
 MIB = 2**20
 OPTIONS = dict(bucket_size_mb=0.004, offload_optimizer_state=True)
@@ -429,18 +434,38 @@ def test_an_outside_reset_between_samples_does_not_lower_the_measure() -> None:
     assert manager.optimizer_step.budget.decision.measured_peak == 100 * MIB
 
 
-def test_the_cuda_reader_takes_the_reserve_the_outside_bytes_and_the_cap(monkeypatch) -> None:
-    """`CudaMemory` reads the allocator's reserved peak, the driver's used bytes beyond
-    what the allocator reserved, and the per-process fraction (stand-ins for torch.cuda)."""
-    cuda = torch.cuda
-    monkeypatch.setattr(cuda, "max_memory_reserved", lambda device: 300)
-    monkeypatch.setattr(cuda, "memory_reserved", lambda device: 250)
-    monkeypatch.setattr(cuda, "mem_get_info", lambda device: (600, 1000))  # free, total
-    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda device: 0.5)
-    memory = CudaMemory(torch.device("cuda", 0))
+@pytest.mark.parametrize(("device", "fraction"), [("cuda", 0.5), ("privateuseone", 1.0)])
+def test_the_accelerator_reader_takes_the_reserve_the_outside_bytes_and_the_cap(
+    monkeypatch, device: str, fraction: float
+) -> None:
+    """`AcceleratorMemory` reads the allocator's reserved peak, the device's used bytes
+    beyond what the allocator reserved, its total (stand-ins for torch.accelerator), and
+    the per-process fraction where the device's module keeps one (torch.cuda's; none for
+    a PrivateUse1 device without a module)."""
+    monkeypatch.setattr(torch.accelerator, "max_memory_reserved", lambda device: 300)
+    monkeypatch.setattr(torch.accelerator, "memory_reserved", lambda device: 250)
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda device: (600, 1000))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5)
+    memory = AcceleratorMemory(torch.device(device, 0))
     assert memory.peak_bytes() == 300
     assert memory.outside_bytes() == 1000 - 600 - 250  # the context, NCCL, others
-    assert memory.process_fraction() == 0.5
+    assert memory.total_bytes() == 1000
+    assert memory.process_fraction() == fraction
+
+
+def test_only_an_accelerator_that_answers_memory_queries_is_budgeted(monkeypatch) -> None:
+    """A CPU keeps no statistics; an accelerator whose allocator answers no
+    `torch.accelerator` memory query (a Python-registered PrivateUse1 backend's) neither."""
+    assert device_memory_of(torch.device("cpu")) is None
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *_: torch.device("xpu"))
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda device: (600, 1000))
+    assert isinstance(device_memory_of(torch.device("xpu", 0)), AcceleratorMemory)
+
+    def no_device_allocator(device: object) -> tuple[int, int]:
+        raise RuntimeError("Allocator for xpu is not a DeviceAllocator.")
+
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", no_device_allocator)
+    assert device_memory_of(torch.device("xpu", 0)) is None
 
 
 def test_the_decision_waits_for_the_first_step_after_the_warm_up() -> None:

@@ -499,7 +499,7 @@ def test_gpt2_124m_adamw_state_pins_within_ten_percent_of_its_bytes(
     )
 
     class MetaSlabs(CpuBackend):
-        host_slabs_round_up = True  # as CudaBackend: pinned slabs come in powers of two
+        host_slabs_round_up = True  # as AcceleratorBackend: pinned slabs come in powers of two
 
         def host_slab(self, nbytes: int) -> torch.Tensor:
             allocated.append(nbytes)

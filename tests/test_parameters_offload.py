@@ -8,10 +8,10 @@ import io
 import pytest
 import torch
 from helpers import FailsOnce, assert_same_parameters
-from stream_checker import FakeCuda
+from stream_checker import FakeAccelerator
 from test_optimizer_state import FailsAtCall
 from test_planner import planned_weights_on_host
-from test_stream_order import fake_cuda  # noqa: F401 - the stand-in streams' fixture
+from test_stream_order import fake_accelerator  # noqa: F401 - the stand-in streams' fixture
 
 import gradient_cache
 from gradient_cache.demo.models import GPTConfig, TinyGPT
@@ -344,20 +344,23 @@ def test_closing_the_cache_puts_the_weights_back_on_the_device_and_plain_steps_g
 
 
 @pytest.mark.parametrize("nth", [None, 2], ids=["ordered", "a-failed-bucket-retried"])
-def test_every_weight_copy_is_ordered_on_the_stand_in_streams(fake_cuda: FakeCuda, nth) -> None:  # noqa: F811
-    """The CUDA backend on stand-in streams: each weight's device memory is filled on the
+def test_every_weight_copy_is_ordered_on_the_stand_in_streams(
+    fake_accelerator: FakeAccelerator,  # noqa: F811
+    nth,
+) -> None:
+    """The accelerator backend on stand-in streams: each weight's device memory is filled on the
     restore stream after the compute stream's earlier work, used only after the copy,
     given back only once nothing reads it, and copied back after the step before it goes.
     With ``nth``, a bucket's optimizer.step() raises once (the next bucket's weights on
     their way), and the retry gives plain's result."""
     data = batches(3)
     plain, cached = gpt(), gpt()
-    with fake_cuda.checker.disabled():
+    with fake_accelerator.checker.disabled():
         train(plain, adamw_two_groups(plain), data, clip=0.5)
     optimizer = adamw_two_groups(cached)
     failure = FailsOnce(optimizer)
     manager = gradient_cache.create_gradient_cache(
-        cached, **STREAMED, bucket_size_mb=0.02, backend_factory=fake_cuda.factory
+        cached, **STREAMED, bucket_size_mb=0.02, backend_factory=fake_accelerator.factory
     )
     for i, (tokens, targets) in enumerate(data):
         cached(tokens, targets)[1].backward()
@@ -373,8 +376,8 @@ def test_every_weight_copy_is_ordered_on_the_stand_in_streams(fake_cuda: FakeCud
         optimizer.zero_grad()
     state = cached.state_dict()  # waits for the copies back
     assert all(value.sum() is not None for value in state.values())  # host reads, checked
-    fake_cuda.checker.assert_clean()
-    with fake_cuda.checker.disabled():
+    fake_accelerator.checker.assert_clean()
+    with fake_accelerator.checker.disabled():
         assert_same_parameters(plain, cached)
 
 
@@ -513,7 +516,9 @@ def test_writes_to_the_masters_reach_the_next_forward_and_a_cast_model_is_refuse
     manager.remove_hooks()
 
 
-def test_the_compute_copies_are_ordered_on_the_stand_in_streams(fake_cuda: FakeCuda) -> None:  # noqa: F811
+def test_the_compute_copies_are_ordered_on_the_stand_in_streams(
+    fake_accelerator: FakeAccelerator,  # noqa: F811
+) -> None:
     """compute_dtype on the stand-in streams: the bf16 copies brought for forward and
     backward, the masters for the step, the new bf16 copies cast on the compute stream and
     copied back on the copy stream before their memory goes: every access ordered."""
@@ -524,13 +529,13 @@ def test_the_compute_copies_are_ordered_on_the_stand_in_streams(fake_cuda: FakeC
         **STREAMED,
         compute_dtype=torch.bfloat16,
         bucket_size_mb=0.02,
-        backend_factory=fake_cuda.factory,
+        backend_factory=fake_accelerator.factory,
     )
     train(cached, optimizer, batches(2), manager=manager, clip=0.5)
     assert all_on_the_host(cached, manager)
     with torch.no_grad():
         cached(batches(1)[0][0])  # reads the new bf16 copies
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 def test_a_second_forward_meets_the_rest_in_the_compute_dtype_and_trains() -> None:
@@ -564,13 +569,13 @@ def test_a_compute_dtype_casts_the_models_floating_inputs() -> None:
 
 
 def test_a_forward_that_raises_gives_back_the_block_arriving_after_its_copy(
-    fake_cuda: FakeCuda,  # noqa: F811
+    fake_accelerator: FakeAccelerator,  # noqa: F811
 ) -> None:
     """A block raises while the next one arrives on the restore stream: the arriving block's
     memory goes only once the compute stream waited for its copy, and nothing stays."""
     model = gpt()
     manager = gradient_cache.create_gradient_cache(
-        model, **STREAMED, backend_factory=fake_cuda.factory
+        model, **STREAMED, backend_factory=fake_accelerator.factory
     )
 
     def raises(*args, **kwargs):
@@ -581,7 +586,7 @@ def test_a_forward_that_raises_gives_back_the_block_arriving_after_its_copy(
     with pytest.raises(RuntimeError, match="injected"):
         model(tokens, targets)
     assert all_on_the_host(model, manager)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 def test_a_submodule_called_alone_brings_the_rest_it_uses() -> None:
@@ -718,13 +723,15 @@ def test_a_failed_bring_in_the_step_leaves_weights_and_state_home() -> None:
     assert_same_parameters(plain, cached)
 
 
-def test_the_steps_end_leaves_the_masters_complete_for_the_host(fake_cuda: FakeCuda) -> None:  # noqa: F811
+def test_the_steps_end_leaves_the_masters_complete_for_the_host(
+    fake_accelerator: FakeAccelerator,  # noqa: F811
+) -> None:
     """At rest the parameters are the masters, which a user reads or writes between steps
     (a log, an EMA, a clamp): the step ends once its copies back are complete."""
     cached = gpt()
     optimizer = sgd_momentum(cached)
     manager = gradient_cache.create_gradient_cache(
-        cached, **STREAMED, bucket_size_mb=0.02, backend_factory=fake_cuda.factory
+        cached, **STREAMED, bucket_size_mb=0.02, backend_factory=fake_accelerator.factory
     )
     train(cached, optimizer, batches(1), manager=manager)
     with torch.no_grad():
@@ -732,7 +739,7 @@ def test_the_steps_end_leaves_the_masters_complete_for_the_host(fake_cuda: FakeC
         for param in cached.parameters():
             param.clamp_(-1, 1)  # host writes
     assert norms
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 def test_a_parameter_of_no_module_steps_with_the_others() -> None:

@@ -16,7 +16,7 @@ import torch
 from helpers import assert_same_parameters, batches, loss_of, make_model
 
 # The stand-in CUDA streams (a pytest fixture, found here by name).
-from test_stream_order import fake_cuda  # noqa: F401
+from test_stream_order import fake_accelerator  # noqa: F401
 
 import gradient_cache
 from gradient_cache.engine.factory import create_backend
@@ -82,7 +82,9 @@ def assert_same_state(left: dict, right: dict) -> None:
 def test_a_skipped_step_leaves_no_trace(
     codec: str, backend: str, request: pytest.FixtureRequest
 ) -> None:
-    factory = create_backend if backend == "cpu" else request.getfixturevalue("fake_cuda").factory
+    factory = (
+        create_backend if backend == "cpu" else request.getfixturevalue("fake_accelerator").factory
+    )
     _, skipped_states = run(codec, factory, with_bad_batch=True, snapshots=True)
     skipped_model, _ = run(codec, factory, with_bad_batch=True, snapshots=False)
     clean_model, clean_states = run(codec, factory, with_bad_batch=False, snapshots=True)
@@ -97,7 +99,7 @@ def test_a_skipped_step_leaves_no_trace(
         assert_same_state(skipped, clean)
     assert_same_parameters(skipped_model, clean_model)
     if backend != "cpu":  # the verdict read no device value in a hook, nor anything else
-        request.getfixturevalue("fake_cuda").checker.assert_clean()
+        request.getfixturevalue("fake_accelerator").checker.assert_clean()
 
 
 def amp_run(*, clip: float | None, cache: dict | None) -> tuple[torch.nn.Module, list, list, Any]:
@@ -140,7 +142,9 @@ def test_the_fused_step_with_a_grad_scaler_is_plain_amp(
     """step(optimizer) does unscale_, clip_grad_norm_ and scaler.step in one: the same norms
     (unscaled), the same skip of the step with an inf, the same scales after update(), the
     same weights, bit for bit at ratio 1."""
-    factory = create_backend if backend == "cpu" else request.getfixturevalue("fake_cuda").factory
+    factory = (
+        create_backend if backend == "cpu" else request.getfixturevalue("fake_accelerator").factory
+    )
     cache = dict(backend_factory=factory, bucket_size_mb=bucket_mb)
     model, norms, scales, manager = amp_run(clip=clip, cache=cache)
     reference, plain_norms, plain_scales, _ = amp_run(clip=clip, cache=None)
@@ -151,7 +155,7 @@ def test_the_fused_step_with_a_grad_scaler_is_plain_amp(
     assert_same_parameters(model, reference)
     assert manager.get_compression_summary()["steps"] == len(scales) - 1  # the skip: not counted
     if backend != "cpu":
-        request.getfixturevalue("fake_cuda").checker.assert_clean()
+        request.getfixturevalue("fake_accelerator").checker.assert_clean()
 
 
 @pytest.mark.parametrize("backend", ["cpu", "stand-in cuda"])
@@ -160,7 +164,9 @@ def test_the_fused_step_with_the_state_on_the_host_and_a_grad_scaler_is_plain_am
 ) -> None:
     """offload_optimizer_state with a GradScaler: the skipped step moves no state and
     changes none; norms, scales and weights as plain AMP's, bit for bit."""
-    factory = create_backend if backend == "cpu" else request.getfixturevalue("fake_cuda").factory
+    factory = (
+        create_backend if backend == "cpu" else request.getfixturevalue("fake_accelerator").factory
+    )
     cache = dict(backend_factory=factory, bucket_size_mb=0.004, offload_optimizer_state=True)
     model, norms, scales, manager = amp_run(clip=0.05, cache=cache)
     reference, plain_norms, plain_scales, _ = amp_run(clip=0.05, cache=None)
@@ -170,7 +176,7 @@ def test_the_fused_step_with_the_state_on_the_host_and_a_grad_scaler_is_plain_am
     assert_same_parameters(model, reference)
     assert manager.engine.optimizer_state.host_bytes > 0
     if backend != "cpu":
-        request.getfixturevalue("fake_cuda").checker.assert_clean()
+        request.getfixturevalue("fake_accelerator").checker.assert_clean()
 
 
 def test_the_fused_step_refuses_a_scaler_already_unscaled_and_takes_a_disabled_one() -> None:
@@ -228,7 +234,9 @@ def test_micro_batches_restored_one_by_one_under_a_scaler_are_not_taken_for_skip
     a restore followed by another backward with no update in between is no skip, so the
     run counts and draws exactly as the same run without a scaler (int8 at a power-of-two
     scale: the same codes)."""
-    factory = create_backend if backend == "cpu" else request.getfixturevalue("fake_cuda").factory
+    factory = (
+        create_backend if backend == "cpu" else request.getfixturevalue("fake_accelerator").factory
+    )
 
     def accumulate(scaled: bool) -> tuple[torch.nn.Module, int]:
         model = make_model()

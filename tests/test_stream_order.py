@@ -1,6 +1,6 @@
-"""The CUDA backend's stream ordering, proven on the CPU.
+"""The accelerator backend's stream ordering, proven on the CPU.
 
-The real `CudaBackend` runs on CPU tensors with stand-in streams and events
+The real `AcceleratorBackend` runs on CPU tensors with stand-in streams and events
 (tests/stream_checker.py); the checker sees every tensor operation and fails a test on any
 access a GPU could run out of order, any block the allocator could reuse too early, and
 any host wait inside a backward hook. `../shared/tools/mutate_waits.py` deletes each wait
@@ -24,42 +24,43 @@ from helpers import (
     train_through_a_failed_step,
     train_with_a_skipped_batch,
 )
-from stream_checker import FakeCuda, FakeEvent, StreamChecker
+from stream_checker import FakeAccelerator, FakeEvent, StreamChecker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradient_cache
 from gradient_cache import Ladder, TopK
 from gradient_cache.codecs import int8_kernels
 from gradient_cache.codecs.registry import make_codec
-from gradient_cache.engine.cuda import CudaBackend
-from gradient_cache.engine.factory import build_cuda_backend
+from gradient_cache.engine.accelerator import AcceleratorBackend
+from gradient_cache.engine.factory import build_accelerator_backend
 from gradient_cache.engine.residuals import HostSlotResiduals
 
 SMALL = 0.004  # MiB: several buckets per backward for these models
 
 
 @pytest.fixture
-def fake_cuda():
-    """A stand-in `torch.cuda` under the checker; ``fake_cuda.factory`` is the backend factory
-    that gives a manager the real `CudaBackend` on CPU tensors and these streams."""
+def fake_accelerator():
+    """Stand-in accelerator streams under the checker; ``fake_accelerator.factory`` is the
+    backend factory that gives a manager the real `AcceleratorBackend` on CPU tensors and
+    these streams."""
     checker = StreamChecker()
-    cuda = FakeCuda(checker)
+    accelerator = FakeAccelerator(checker)
 
     def factory(params, config, *, plan):
-        backend = build_cuda_backend(
+        backend = build_accelerator_backend(
             params,
             config,
             torch.device("cpu"),
             plan=plan,
-            cuda=cuda,
-            allocate=cuda.allocate_pinned,
+            streams=accelerator,
+            allocate=accelerator.allocate_pinned,
         )
         checker.watched |= {backend.encode_stream.name, backend.copy_stream.name}
         return backend
 
-    cuda.factory = factory
+    accelerator.factory = factory
     with checker:
-        yield cuda
+        yield accelerator
 
 
 def cpu_backend_run(data, options, *, fused_step=False, micro_batches=1, each=True):
@@ -87,16 +88,16 @@ def layers(n: int = 8, width: int = 32) -> torch.nn.Sequential:
 
 def test_checker_flags_an_unordered_read_and_an_early_free() -> None:
     checker = StreamChecker()
-    cuda = FakeCuda(checker)
-    side = cuda.Stream()
+    accelerator = FakeAccelerator(checker)
+    side = accelerator.new_stream()
     with checker:
         grad = torch.ones(1000)  # written on the compute stream
-        with cuda.stream(side):
+        with side:
             grad.sum()  # no wait: a race
         assert any("race" in v for v in checker.violations)
         checker.violations.clear()
-        side.wait_stream(cuda.compute)
-        with cuda.stream(side):
+        side.wait_stream(accelerator.compute)
+        with side:
             grad.sum()
         assert not checker.violations
         del grad  # freed for the compute stream while the side stream may still read it
@@ -106,15 +107,15 @@ def test_checker_flags_an_unordered_read_and_an_early_free() -> None:
 
 def test_checker_flags_host_reads_before_the_copy_and_waits_inside_hooks() -> None:
     checker = StreamChecker()
-    cuda = FakeCuda(checker)
-    copy = cuda.Stream()
+    accelerator = FakeAccelerator(checker)
+    copy = accelerator.new_stream()
     with checker:
-        slot = cuda.allocate_pinned(64).view(torch.float32)
+        slot = accelerator.allocate_pinned(64).view(torch.float32)
         grad = torch.ones(16)
-        copy.wait_stream(cuda.compute)
-        with cuda.stream(copy):
+        copy.wait_stream(accelerator.compute)
+        with copy:
             slot.copy_(grad, non_blocking=True)
-        done = cuda.Event()
+        done = accelerator.new_event()
         done.record(copy)
         slot.sum()  # the host reads before synchronizing
         assert any("race: host reads" in v for v in checker.violations)
@@ -145,7 +146,7 @@ def test_the_checker_sends_int8_down_the_cuda_path_while_entered() -> None:
 
 @pytest.mark.parametrize("path", ["fused", "eager"])
 def test_the_default_codec_runs_its_cuda_int8_path_under_the_checker(
-    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, path: str
+    fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """The default options give most tensors the int8 codec; the checker must see its
     encode (on the encode stream) and decode (on the restore stream) as a GPU runs them:
@@ -154,18 +155,18 @@ def test_the_default_codec_runs_its_cuda_int8_path_under_the_checker(
     if path == "eager":
         monkeypatch.setattr(int8_kernels, "FUSED_DEVICE_TYPES", frozenset())
     data = batches(2)
-    with fake_cuda.checker.disabled():
+    with fake_accelerator.checker.disabled():
         reference = cpu_backend_run(data, dict(bucket_size_mb=SMALL))
     cached = make_model()
     manager = gradient_cache.create_gradient_cache(
-        cached, backend_factory=fake_cuda.factory, bucket_size_mb=SMALL
+        cached, backend_factory=fake_accelerator.factory, bucket_size_mb=SMALL
     )
     assert "int8" in {route.codec.name for route in manager.engine.routes.values()}
     train(cached, data, manager=manager)
     assert_same_parameters(reference, cached)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
     backend = manager.engine.backend
-    seen = fake_cuda.checker.dispatched
+    seen = fake_accelerator.checker.dispatched
     encode_stream, restore_stream = backend.encode_stream.name, backend.restore_stream.name
     if path == "fused":
         assert seen[encode_stream, "int8_encode"] > 0, "no fused int8 encode on the encode stream"
@@ -181,7 +182,7 @@ def test_the_default_codec_runs_its_cuda_int8_path_under_the_checker(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["int8", "q4", "q3", "sign"])
 def test_the_cuda_codec_paths_dispatch_a_bounded_number_of_operations(
-    fake_cuda: FakeCuda, name: str, dtype: torch.dtype
+    fake_accelerator: FakeAccelerator, name: str, dtype: torch.dtype
 ) -> None:
     """On CUDA each int8 or block-code encode and decode is one fused operation whatever
     the size (the eager path costs a fixed number per chunk of 2^18 entries): the host's
@@ -192,10 +193,10 @@ def test_the_cuda_codec_paths_dispatch_a_bounded_number_of_operations(
     counts = []
     for numel in (100, 3 * int8_kernels.CODEC_CHUNK + 5):
         flat = torch.randn(numel).to(dtype)
-        fake_cuda.checker.dispatched.clear()
+        fake_accelerator.checker.dispatched.clear()
         payload, _ = codec.encode(flat, None, loss_scale=None)
         payload.decode_into(torch.empty(numel, dtype=dtype))
-        counts.append(sum(fake_cuda.checker.dispatched.values()))
+        counts.append(sum(fake_accelerator.checker.dispatched.values()))
     # Allocate, encode; allocate, decode (bf16: into fp32, rounded, copied into ``out``).
     assert counts[0] == counts[1] <= (4 if dtype == torch.float32 else 7), counts
 
@@ -206,7 +207,7 @@ def test_the_cuda_codec_paths_dispatch_a_bounded_number_of_operations(
 @pytest.mark.parametrize("fused_step", [False, True])
 @pytest.mark.parametrize("staging_depth", [1, 2, 3])
 def test_lossless_training_is_exact_and_every_access_ordered(
-    fake_cuda: FakeCuda, fused_step: bool, staging_depth: int
+    fake_accelerator: FakeAccelerator, fused_step: bool, staging_depth: int
 ) -> None:
     data = batches(4)
     plain = make_model()
@@ -214,22 +215,22 @@ def test_lossless_training_is_exact_and_every_access_ordered(
     cached = make_model()
     manager = gradient_cache.create_gradient_cache(
         cached,
-        backend_factory=fake_cuda.factory,
+        backend_factory=fake_accelerator.factory,
         compression_ratio=1,
         bucket_size_mb=SMALL,
         staging_depth=staging_depth,
     )
-    assert isinstance(manager.engine.backend, CudaBackend)
+    assert isinstance(manager.engine.backend, AcceleratorBackend)
     train(cached, data, manager=manager, fused_step=fused_step)
     assert_same_parameters(plain, cached)
-    fake_cuda.checker.assert_clean()
-    assert fake_cuda.pinned_allocations == 1  # one slab, at construction
+    fake_accelerator.checker.assert_clean()
+    assert fake_accelerator.pinned_allocations == 1  # one slab, at construction
 
 
 @pytest.mark.parametrize("staging_depth", [1, 2])
 @pytest.mark.parametrize("ratio", [1, 100], ids=["lossless", "top-k"])
 def test_device_memory_in_flight_is_bounded_by_the_staging_depth(
-    fake_cuda: FakeCuda, staging_depth: int, ratio: float
+    fake_accelerator: FakeAccelerator, staging_depth: int, ratio: float
 ) -> None:
     """At most ``staging_depth`` buckets are in flight: a retired bucket's device tensors go
     before the next bucket's encode, which at ratio 100 allocates (top-k's temporaries, at
@@ -239,7 +240,7 @@ def test_device_memory_in_flight_is_bounded_by_the_staging_depth(
     codec = {} if ratio == 1 else dict(codec=TopK(error_feedback=False), min_compress_numel=1)
     manager = gradient_cache.create_gradient_cache(
         model,
-        backend_factory=fake_cuda.factory,
+        backend_factory=fake_accelerator.factory,
         compression_ratio=ratio,
         bucket_size_mb=SMALL,
         staging_depth=staging_depth,
@@ -247,18 +248,18 @@ def test_device_memory_in_flight_is_bounded_by_the_staging_depth(
     )
     model(torch.randn(4, 32)).sum().backward()
     manager.apply_gradients()
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
     capacity = manager.config.bucket_size_bytes
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     bound = staging_depth * (capacity + largest) + (0 if ratio == 1 else largest)
     assert bound < total  # holding every bucket would break the bound
-    assert 0 < fake_cuda.checker.peak_watched_bytes <= bound
+    assert 0 < fake_accelerator.checker.peak_watched_bytes <= bound
 
 
 @pytest.mark.parametrize("ratio", [1, 100], ids=["copy-reads-the-gradient", "encode-reads-it"])
 def test_gradients_made_on_another_stream_are_reused_only_after_their_copy(
-    fake_cuda: FakeCuda, ratio: float
+    fake_accelerator: FakeAccelerator, ratio: float
 ) -> None:
     """FSDP2 under HSDP: a gradient allocated on the reduce-scatter stream reaches the hook
     on the all-reduce stream, which the retirement wait is put on; its block must not go
@@ -266,7 +267,7 @@ def test_gradients_made_on_another_stream_are_reused_only_after_their_copy(
     model = layers()
     manager = gradient_cache.create_gradient_cache(
         model,
-        backend_factory=fake_cuda.factory,
+        backend_factory=fake_accelerator.factory,
         compression_ratio=ratio,
         bucket_size_mb=SMALL,
         staging_depth=1,
@@ -274,20 +275,20 @@ def test_gradients_made_on_another_stream_are_reused_only_after_their_copy(
     )
     pipeline = manager.engine
     pipeline.backend.record_gradients = True  # what DTensor (FSDP2) parameters set
-    reduce_scatter, all_reduce = fake_cuda.Stream(), fake_cuda.Stream()
+    reduce_scatter, all_reduce = fake_accelerator.new_stream(), fake_accelerator.new_stream()
     for _ in range(2):
         for param in reversed(list(model.parameters())):
-            reduce_scatter.wait_stream(fake_cuda.compute)  # FSDP2: after backward made it
-            with fake_cuda.stream(reduce_scatter):
+            reduce_scatter.wait_stream(fake_accelerator.compute)  # FSDP2: after backward made it
+            with reduce_scatter:
                 param.grad = torch.randn(param.shape)  # the reduce-scatter output
             all_reduce.wait_stream(reduce_scatter)
-            with fake_cuda.stream(all_reduce):
+            with all_reduce:
                 pipeline.capture.on_grad_ready(param)  # FSDP2 calls the hooks itself
-        fake_cuda.compute.wait_stream(all_reduce)
+        fake_accelerator.compute.wait_stream(all_reduce)
         manager.apply_gradients()
-        with fake_cuda.stream(reduce_scatter):
+        with reduce_scatter:
             torch.zeros(4096)  # the next reduce-scatter takes freed blocks
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
     assert all(p.grad is not None for p in model.parameters())
 
 
@@ -302,20 +303,20 @@ def test_gradients_made_on_another_stream_are_reused_only_after_their_copy(
     ids=["lossless", "ef-host", "ef-device", "q3 by the ladder"],
 )
 def test_accumulation_without_a_drain_matches_the_cpu_backend(
-    fake_cuda: FakeCuda, options: dict
+    fake_accelerator: FakeAccelerator, options: dict
 ) -> None:
     """Micro-batches back to back: the encode reads slots whose copy the host never awaited."""
     options = dict(options, bucket_size_mb=SMALL, staging_depth=16, min_compress_numel=1)
     data = batches(3)
-    with fake_cuda.checker.disabled():
+    with fake_accelerator.checker.disabled():
         reference = cpu_backend_run(data, options, micro_batches=3, each=False)
     cached = make_model()
     manager = gradient_cache.create_gradient_cache(
-        cached, backend_factory=fake_cuda.factory, **options
+        cached, backend_factory=fake_accelerator.factory, **options
     )
     train(cached, data, manager=manager, micro_batches=3, compress_each_micro_batch=False)
     assert_same_parameters(reference, cached)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 RECIPES = {
@@ -330,7 +331,7 @@ RECIPES = {
 @pytest.mark.parametrize("ratio", [1, 20])
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_int8_values_match_the_cpu_backend(
-    fake_cuda: FakeCuda, ratio: int, micro_batches: int
+    fake_accelerator: FakeAccelerator, ratio: int, micro_batches: int
 ) -> None:
     """Ratio 1: the int8 codec; 20: top-k's values as int8 codes (this test once passed
     ``value_dtype="int8"`` with ``codec=None`` there, where it did nothing: the ladder ran)."""
@@ -342,25 +343,25 @@ def test_int8_values_match_the_cpu_backend(
         bucket_size_mb=SMALL,
     )
     data = batches(3)
-    with fake_cuda.checker.disabled():
+    with fake_accelerator.checker.disabled():
         reference = cpu_backend_run(data, options, micro_batches=micro_batches)
     cached = make_model()
     manager = gradient_cache.create_gradient_cache(
-        cached, backend_factory=fake_cuda.factory, **options
+        cached, backend_factory=fake_accelerator.factory, **options
     )
     train(cached, data, manager=manager, micro_batches=micro_batches)
     assert_same_parameters(reference, cached)
     summary = manager.get_compression_summary()
     if ratio == 1:  # a byte per entry and a 4-byte scale per 64: about a quarter of fp32
         assert 0.26 < summary["stored_fraction"] < 0.28
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 @pytest.mark.parametrize("fused_step", [False, True])
 @pytest.mark.parametrize("location", ["host", "device"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_error_feedback_matches_the_cpu_backend(
-    fake_cuda: FakeCuda, fused_step: bool, location: str, recipe: str
+    fake_accelerator: FakeAccelerator, fused_step: bool, location: str, recipe: str
 ) -> None:
     options = dict(
         compression_ratio=20,
@@ -373,11 +374,11 @@ def test_error_feedback_matches_the_cpu_backend(
         **RECIPES[recipe],
     )
     data = batches(5)
-    with fake_cuda.checker.disabled():
+    with fake_accelerator.checker.disabled():
         reference = cpu_backend_run(data, options, fused_step=fused_step)
     cached = make_model()
     manager = gradient_cache.create_gradient_cache(
-        cached, backend_factory=fake_cuda.factory, **options
+        cached, backend_factory=fake_accelerator.factory, **options
     )
     train(cached, data, manager=manager, fused_step=fused_step)
     assert_same_parameters(reference, cached)
@@ -386,14 +387,16 @@ def test_error_feedback_matches_the_cpu_backend(
     dense_room = [route.dense_room for route in manager.engine.routes.values()]
     assert not any(dense_room)  # the warm-up's room dropped once it ended
     assert backend.pool.layout == {p: r.slot for p, r in manager.engine.routes.items()}
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
-def test_the_pool_has_room_for_warmup_then_its_slots_shrink_in_place(fake_cuda: FakeCuda) -> None:
+def test_the_pool_has_room_for_warmup_then_its_slots_shrink_in_place(
+    fake_accelerator: FakeAccelerator,
+) -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(
         model,
-        backend_factory=fake_cuda.factory,
+        backend_factory=fake_accelerator.factory,
         compression_ratio=20,
         codec="topk",
         warmup_steps=1,
@@ -407,13 +410,13 @@ def test_the_pool_has_room_for_warmup_then_its_slots_shrink_in_place(fake_cuda: 
     steady = manager.engine.backend.pool
     assert steady.needed_bytes < dense / 5
     assert steady.capacity_bytes == pool.capacity_bytes  # the same slabs
-    assert fake_cuda.pinned_allocations == 1
-    fake_cuda.checker.assert_clean()
+    assert fake_accelerator.pinned_allocations == 1
+    fake_accelerator.checker.assert_clean()
 
 
 @pytest.mark.parametrize("ratio", [1, 20])
 def test_fused_step_with_clipping_matches_apply_and_clip_grad_norm(
-    fake_cuda: FakeCuda, ratio: int
+    fake_accelerator: FakeAccelerator, ratio: int
 ) -> None:
     options = dict(
         compression_ratio=ratio,
@@ -424,10 +427,10 @@ def test_fused_step_with_clipping_matches_apply_and_clip_grad_norm(
     reference, fused = make_model(), make_model()
     made = MadeGradients(reference)
     ref_manager = gradient_cache.create_gradient_cache(
-        reference, backend_factory=fake_cuda.factory, **options
+        reference, backend_factory=fake_accelerator.factory, **options
     )
     fused_manager = gradient_cache.create_gradient_cache(
-        fused, backend_factory=fake_cuda.factory, **options
+        fused, backend_factory=fake_accelerator.factory, **options
     )
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     fused_opt = torch.optim.SGD(fused.parameters(), lr=0.5)
@@ -442,15 +445,15 @@ def test_fused_step_with_clipping_matches_apply_and_clip_grad_norm(
         fused_opt.zero_grad()
         torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
     assert_same_parameters(reference, fused, atol=1e-6)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
-def lossless_small_buckets(model, fake_cuda: FakeCuda, **options):
+def lossless_small_buckets(model, fake_accelerator: FakeAccelerator, **options):
     """A lossless cache on the stand-in streams, several buckets, the norm layer excluded
     (its gradients stay on the device)."""
     return gradient_cache.create_gradient_cache(
         model,
-        backend_factory=fake_cuda.factory,
+        backend_factory=fake_accelerator.factory,
         compression_ratio=1,
         bucket_size_mb=SMALL,
         exclude_layers=["norm"],
@@ -458,12 +461,12 @@ def lossless_small_buckets(model, fake_cuda: FakeCuda, **options):
     )
 
 
-def test_only_the_fused_step_restores_ahead(fake_cuda: FakeCuda) -> None:
+def test_only_the_fused_step_restores_ahead(fake_accelerator: FakeAccelerator) -> None:
     """apply_gradients() restores a bucket at a time (each stays in .grad: a bucket ahead
     would only raise the device peak), the fused step one bucket ahead (each is freed once
     stepped)."""
     model = make_model()
-    manager = lossless_small_buckets(model, fake_cuda)
+    manager = lossless_small_buckets(model, fake_accelerator)
     backend = manager.engine.backend
     in_flight, most = [0], {"apply": 0, "step": 0}
     start, finish = backend.start_restore, backend.finish_restore
@@ -491,25 +494,25 @@ def test_only_the_fused_step_restores_ahead(fake_cuda: FakeCuda) -> None:
         else:
             manager.step(optimizer)
     assert most == {"apply": 1, "step": 2}
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 @pytest.mark.parametrize("nth", [1, 2, 3])
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_a_failed_fused_step_retried_gives_the_plain_result(
-    fake_cuda: FakeCuda, nth: int, clip: float | None
+    fake_accelerator: FakeAccelerator, nth: int, clip: float | None
 ) -> None:
     """Bucket ``nth`` fails with the next bucket restoring ahead; the retry finishes the step."""
     plain, cached = make_model(), make_model()
-    manager = lossless_small_buckets(cached, fake_cuda)
+    manager = lossless_small_buckets(cached, fake_accelerator)
     train_through_a_failed_step(plain, cached, manager, nth=nth, clip=clip)
     assert_same_parameters(plain, cached, atol=0 if clip is None else 1e-6)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 @pytest.mark.parametrize("nth", [None, 2])
 def test_the_optimizer_state_streamed_through_the_fused_step_is_ordered(
-    fake_cuda: FakeCuda, nth: int | None
+    fake_accelerator: FakeAccelerator, nth: int | None
 ) -> None:
     """offload_optimizer_state: each bucket's state comes to the device on the restore
     stream a bucket ahead, steps, goes back on the copy stream and is freed only after;
@@ -521,9 +524,9 @@ def test_the_optimizer_state_streamed_through_the_fused_step_is_ordered(
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
     failure = helpers.FailsOnce(cached_opt)
-    manager = lossless_small_buckets(cached, fake_cuda, offload_optimizer_state=True)
+    manager = lossless_small_buckets(cached, fake_accelerator, offload_optimizer_state=True)
     for i, (tokens, targets) in enumerate(batches(3)):
-        with fake_cuda.checker.disabled():
+        with fake_accelerator.checker.disabled():
             loss_of(plain, tokens, targets).backward()
             torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
             plain_opt.step()
@@ -540,17 +543,17 @@ def test_the_optimizer_state_streamed_through_the_fused_step_is_ordered(
         for index, (p, q) in enumerate(zip(plain.parameters(), cached.parameters(), strict=True)):
             state = cached_opt.state[q]
             assert state["exp_avg"] is host[q]["exp_avg"]
-            with fake_cuda.checker.disabled():
+            with fake_accelerator.checker.disabled():
                 assert torch.equal(plain_opt.state[p]["exp_avg_sq"], state["exp_avg_sq"])
             assert state["exp_avg"].sum() is not None  # host reads, checked
             assert saved[index]["exp_avg"].sum() is not None
     assert_same_parameters(plain, cached)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 @pytest.mark.parametrize("offload_state_of", [False, True])
 def test_a_state_loaded_onto_the_device_goes_to_the_host_in_order(
-    fake_cuda: FakeCuda, offload_state_of: bool
+    fake_accelerator: FakeAccelerator, offload_state_of: bool
 ) -> None:
     """A state loaded without offload_state_of sits on the device. The fused step's begin
     (or offload_state_of, after which the host reads it) copies it to the host on the copy
@@ -560,7 +563,7 @@ def test_a_state_loaded_onto_the_device_goes_to_the_host_in_order(
     plain, cached = make_model(), make_model()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     data = batches(3)
-    with fake_cuda.checker.disabled():
+    with fake_accelerator.checker.disabled():
         for tokens, targets in data:
             loss_of(plain, tokens, targets).backward()
             plain_opt.step()
@@ -572,7 +575,7 @@ def test_a_state_loaded_onto_the_device_goes_to_the_host_in_order(
         cached.load_state_dict(warm.state_dict())
         cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
         cached_opt.load_state_dict(warm_opt.state_dict())  # on the device, no cache yet
-    manager = lossless_small_buckets(cached, fake_cuda, offload_optimizer_state=True)
+    manager = lossless_small_buckets(cached, fake_accelerator, offload_optimizer_state=True)
     if offload_state_of:
         manager.offload_state_of(cached_opt)
         assert all(s["exp_avg"].sum() is not None for s in cached_opt.state.values())  # host
@@ -582,7 +585,7 @@ def test_a_state_loaded_onto_the_device_goes_to_the_host_in_order(
         cached_opt.zero_grad()
     manager.remove_hooks()
     assert_same_parameters(plain, cached)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 class HostWaits:
@@ -600,7 +603,7 @@ class HostWaits:
 
 
 def test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact(
-    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+    fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """offload_optimizer_state on the stand-in streams: the host never waits for a copy of
     state back inside ``manager.step`` (the next forward can be queued); the next step's
@@ -611,7 +614,7 @@ def test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact(
     plain, cached = make_model(), make_model()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
-    manager = lossless_small_buckets(cached, fake_cuda, offload_optimizer_state=True)
+    manager = lossless_small_buckets(cached, fake_accelerator, offload_optimizer_state=True)
     backend = manager.engine.backend
     copies_back = []
     start_to_host = backend.start_to_host
@@ -624,7 +627,7 @@ def test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact(
     monkeypatch.setattr(backend, "start_to_host", recorded_start_to_host)
     waits = HostWaits(monkeypatch)
     for tokens, targets in batches(3):
-        with fake_cuda.checker.disabled():
+        with fake_accelerator.checker.disabled():
             loss_of(plain, tokens, targets).backward()
             plain_opt.step()
             plain_opt.zero_grad()
@@ -636,8 +639,8 @@ def test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact(
     saved = cached_opt.state_dict()
     # The host waits where it reads: for the last copy back.
     assert any(event is copies_back[-1] for event in waits.events[waited_before:])
-    fake_cuda.checker.assert_clean()
-    with fake_cuda.checker.disabled():
+    fake_accelerator.checker.assert_clean()
+    with fake_accelerator.checker.disabled():
         assert_same_parameters(plain, cached)
         expected = plain_opt.state_dict()
         for index, values in expected["state"].items():
@@ -664,15 +667,15 @@ def test_the_steps_end_leaves_the_host_free_and_state_dict_waits_and_is_compact(
     manager.remove_hooks()
     assert not cached_opt._optimizer_state_dict_post_hooks  # the closed cache let go
     assert all(state["exp_avg"].sum() is not None for state in cached_opt.state.values())
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
-def test_discard_then_train_on(fake_cuda: FakeCuda) -> None:
+def test_discard_then_train_on(fake_accelerator: FakeAccelerator) -> None:
     """Discarded payloads are never read; the slots are rewritten by the next step."""
     data = batches(3)
     plain, cached = make_model(), make_model()
     manager = gradient_cache.create_gradient_cache(
-        cached, backend_factory=fake_cuda.factory, compression_ratio=1, bucket_size_mb=SMALL
+        cached, backend_factory=fake_accelerator.factory, compression_ratio=1, bucket_size_mb=SMALL
     )
     loss_of(cached, *data[0]).backward()
     manager.discard_gradients()
@@ -680,12 +683,12 @@ def test_discard_then_train_on(fake_cuda: FakeCuda) -> None:
     train(plain, data[1:])
     train(cached, data[1:], manager=manager)
     assert_same_parameters(plain, cached)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 @pytest.mark.parametrize("fused_step", [False, True])
 def test_a_discarded_step_leaves_the_host_residual_as_it_was(
-    fake_cuda: FakeCuda, fused_step: bool
+    fake_accelerator: FakeAccelerator, fused_step: bool
 ) -> None:
     """The discarded step's residual went to the spare slot; the current one is intact."""
     options = dict(
@@ -695,15 +698,15 @@ def test_a_discarded_step_leaves_the_host_residual_as_it_was(
         selection="exact",
         bucket_size_mb=SMALL,
     )
-    with fake_cuda.checker.disabled():
+    with fake_accelerator.checker.disabled():
         reference = train_with_a_skipped_batch(
             {**options, "backend": "cpu"}, skip=False, fused_step=fused_step
         )
     skipping = train_with_a_skipped_batch(
-        {**options, "backend_factory": fake_cuda.factory}, skip=True, fused_step=fused_step
+        {**options, "backend_factory": fake_accelerator.factory}, skip=True, fused_step=fused_step
     )
     assert_same_parameters(reference, skipping)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 @pytest.mark.parametrize(
@@ -713,7 +716,7 @@ def test_a_discarded_step_leaves_the_host_residual_as_it_was(
 )
 @pytest.mark.parametrize("cut", [4, 5], ids=["between steps", "mid-accumulation"])
 def test_a_resumed_run_continues_bit_for_bit(
-    fake_cuda: FakeCuda, cut: int, residuals: dict
+    fake_accelerator: FakeAccelerator, cut: int, residuals: dict
 ) -> None:
     """Host residuals and cached payloads go back into their pinned slots. A device residual
     is loaded on the compute stream: the encode that reads it (and replaces it, with one
@@ -721,26 +724,30 @@ def test_a_resumed_run_continues_bit_for_bit(
     options = dict(
         compression_ratio=20, codec="topk", selection="exact", bucket_size_mb=SMALL, **residuals
     )
-    with fake_cuda.checker.disabled():
+    with fake_accelerator.checker.disabled():
         reference, reference_manager, optimizer = helpers.build_checkpointed(
             {**options, "backend": "cpu"}
         )
         helpers.run_checkpointed(
             reference, reference_manager, optimizer, range(len(helpers.CHECKPOINT_DATA))
         )
-    resumed, manager = helpers.resumed_run({**options, "backend_factory": fake_cuda.factory}, cut)
+    resumed, manager = helpers.resumed_run(
+        {**options, "backend_factory": fake_accelerator.factory}, cut
+    )
     assert manager.engine.backend.residuals.current()
     assert_same_parameters(reference, resumed)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
-def test_refused_construction_leaves_no_pinned_memory_or_hook(fake_cuda: FakeCuda) -> None:
+def test_refused_construction_leaves_no_pinned_memory_or_hook(
+    fake_accelerator: FakeAccelerator,
+) -> None:
     model = make_model()
     with pytest.raises(gradient_cache.HostMemoryError):  # a share no host can give
         gradient_cache.create_gradient_cache(
-            model, backend_factory=fake_cuda.factory, host_memory_fraction=1e-15
+            model, backend_factory=fake_accelerator.factory, host_memory_fraction=1e-15
         )
-    assert fake_cuda.pinned_allocations == 0
+    assert fake_accelerator.pinned_allocations == 0
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
@@ -749,8 +756,8 @@ class PinnedNeverGivenBack:
     keeps a freed pinned block for requests of its size: every slab it ever handed out stays
     held, and `held_bytes` is what the process pins."""
 
-    def __init__(self, cuda: FakeCuda) -> None:
-        self._allocate = cuda.allocate_pinned
+    def __init__(self, accelerator: FakeAccelerator) -> None:
+        self._allocate = accelerator.allocate_pinned
         self.slabs: list[torch.Tensor] = []
 
     def __call__(self, nbytes: int) -> torch.Tensor:
@@ -769,7 +776,7 @@ class PinnedNeverGivenBack:
     ids=["default", "top-k"],
 )
 def test_the_warmups_end_pins_nothing_beyond_what_the_host_check_approved(
-    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, codec: dict
+    fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch, codec: dict
 ) -> None:
     """The steady slots are cut from the warm-up's slabs: new, smaller slabs could not reuse
     the old ones' pinned bytes, so the process would pin more than the check approved."""
@@ -784,15 +791,15 @@ def test_the_warmups_end_pins_nothing_beyond_what_the_host_check_approved(
         check(needed, what=what, **options)
 
     monkeypatch.setattr(factory, "check_host_budget", recording_check)
-    allocate = PinnedNeverGivenBack(fake_cuda)
-    fake_cuda.allocate_pinned = allocate  # what the fixture's factory pins with
+    allocate = PinnedNeverGivenBack(fake_accelerator)
+    fake_accelerator.allocate_pinned = allocate  # what the fixture's factory pins with
     options = dict(warmup_steps=2, bucket_size_mb=SMALL, min_compress_numel=1, **codec)
     data = batches(4)
-    with fake_cuda.checker.disabled():
+    with fake_accelerator.checker.disabled():
         reference = cpu_backend_run(data, options)
     model = make_model()
     manager = gradient_cache.create_gradient_cache(
-        model, backend_factory=fake_cuda.factory, **options
+        model, backend_factory=fake_accelerator.factory, **options
     )
     warmup_pool = manager.engine.backend.pool
     train(model, data, manager=manager)
@@ -803,7 +810,7 @@ def test_the_warmups_end_pins_nothing_beyond_what_the_host_check_approved(
     assert allocate.held_bytes <= approved[0]
     assert pool.capacity_bytes == allocate.held_bytes  # the slabs held, counted once
     assert_same_parameters(reference, model)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
 class CopiesInto(TorchDispatchMode):
@@ -822,24 +829,27 @@ class CopiesInto(TorchDispatchMode):
 
 
 def test_a_slab_that_could_not_be_pinned_blocks_only_its_own_copies(
-    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+    fake_accelerator: FakeAccelerator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The OS refuses to pin the pool's second slab: copies into the first stay
     non-blocking (one refused pin once made every copy block), those into the second
     block (the price of pageable memory, warned of)."""
-    allocate = fake_cuda.allocate_pinned
+    allocate = fake_accelerator.allocate_pinned
 
     def second_refused(nbytes: int) -> torch.Tensor:
-        if fake_cuda.pinned_allocations == 1:
-            fake_cuda.pinned_allocations += 1
+        if fake_accelerator.pinned_allocations == 1:
+            fake_accelerator.pinned_allocations += 1
             raise RuntimeError("cannot lock more pages")
         return allocate(nbytes)
 
-    fake_cuda.allocate_pinned = second_refused  # what the fixture's factory pins with
+    fake_accelerator.allocate_pinned = second_refused  # what the fixture's factory pins with
     model = layers(n=2, width=512)  # two 1 MiB weights: two slabs
     with pytest.warns(RuntimeWarning, match="could not pin host memory"):
         manager = gradient_cache.create_gradient_cache(
-            model, backend_factory=fake_cuda.factory, compression_ratio=1, bucket_size_mb=SMALL
+            model,
+            backend_factory=fake_accelerator.factory,
+            compression_ratio=1,
+            bucket_size_mb=SMALL,
         )
     pool = manager.engine.backend.pool
     slabs = {
@@ -861,7 +871,7 @@ def test_a_slab_that_could_not_be_pinned_blocks_only_its_own_copies(
 
 @pytest.mark.parametrize("nth", [1, 2])
 def test_a_load_after_a_failed_step_waits_for_the_state_brought_ahead(
-    fake_cuda: FakeCuda, nth: int
+    fake_accelerator: FakeAccelerator, nth: int
 ) -> None:
     """``optimizer.step()`` raises with a bucket's state on its way to the device (brought
     ahead, after the last copy back): a load then overwrites host copies that copy may
@@ -870,7 +880,7 @@ def test_a_load_after_a_failed_step_waits_for_the_state_brought_ahead(
     cached = make_model()
     cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
     failure = helpers.FailsOnce(cached_opt)
-    manager = lossless_small_buckets(cached, fake_cuda, offload_optimizer_state=True)
+    manager = lossless_small_buckets(cached, fake_accelerator, offload_optimizer_state=True)
     (tokens, targets), then = batches(2)
     loss_of(cached, tokens, targets).backward()
     manager.step(cached_opt)
@@ -881,17 +891,19 @@ def test_a_load_after_a_failed_step_waits_for_the_state_brought_ahead(
     with pytest.raises(torch.OutOfMemoryError):
         manager.step(cached_opt)
     cached_opt.load_state_dict(saved)
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
     manager.step(cached_opt)
 
 
-def test_a_step_post_hook_reads_the_host_state_after_its_copy_back(fake_cuda: FakeCuda) -> None:
+def test_a_step_post_hook_reads_the_host_state_after_its_copy_back(
+    fake_accelerator: FakeAccelerator,
+) -> None:
     """offload_optimizer_state: a step post-hook (a logger) reads every parameter's
     exp_avg on the host. It fires once, after the whole fused step, the copies back of the
     state settled first: no read races a copy back on the copy stream."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    manager = lossless_small_buckets(model, fake_cuda, offload_optimizer_state=True)
+    manager = lossless_small_buckets(model, fake_accelerator, offload_optimizer_state=True)
     reads = []
 
     def log(optimizer, args, kwargs) -> None:
@@ -906,42 +918,46 @@ def test_a_step_post_hook_reads_the_host_state_after_its_copy_back(fake_cuda: Fa
         loss_of(model, tokens, targets).backward()
         manager.step(optimizer, max_grad_norm=0.05)
     assert reads
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
 
 
-def test_fsdp2s_copy_in_stream_reads_a_refilled_shard_after_its_copy(fake_cuda: FakeCuda) -> None:
+def test_fsdp2s_copy_in_stream_reads_a_refilled_shard_after_its_copy(
+    fake_accelerator: FakeAccelerator,
+) -> None:
     """offload_parameters under FSDP2: FSDP2's all-gather copy-in reads a shard on a stream
     of its own; `let_read` orders it after the refill the compute stream waited for."""
-    manager = lossless_small_buckets(make_model(), fake_cuda, offload_optimizer_state=True)
+    manager = lossless_small_buckets(make_model(), fake_accelerator, offload_optimizer_state=True)
     backend = manager.engine.backend
-    master = fake_cuda.allocate_pinned(64).view(torch.float32)
+    master = fake_accelerator.allocate_pinned(64).view(torch.float32)
     shard = torch.empty(16)
     backend.resize_storage(shard, 0)  # at rest
     backend.resize_storage(shard, 64)
     backend.finish_to_device(backend.start_refill([(shard, master)]))
-    copy_in = fake_cuda.Stream()
+    copy_in = fake_accelerator.new_stream()
     backend.let_read(copy_in)
-    with fake_cuda.stream(copy_in):
+    with copy_in:
         shard.sum()
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
     manager.remove_hooks()
 
 
-def test_a_shard_given_up_waits_for_fsdp2s_copy_in_that_read_it(fake_cuda: FakeCuda) -> None:
+def test_a_shard_given_up_waits_for_fsdp2s_copy_in_that_read_it(
+    fake_accelerator: FakeAccelerator,
+) -> None:
     """offload_parameters under FSDP2: a shard FSDP2 prefetched (its copy-in read it, on a
     stream of its own, unwaited) is given up only after `join` orders the compute stream
     after that copy-in: the allocator hands the block on in compute-stream order."""
-    manager = lossless_small_buckets(make_model(), fake_cuda, offload_optimizer_state=True)
+    manager = lossless_small_buckets(make_model(), fake_accelerator, offload_optimizer_state=True)
     backend = manager.engine.backend
-    master = fake_cuda.allocate_pinned(64).view(torch.float32)
+    master = fake_accelerator.allocate_pinned(64).view(torch.float32)
     shard = torch.empty(16)
     backend.finish_to_device(backend.start_refill([(shard, master)]))
-    copy_in = fake_cuda.Stream()
+    copy_in = fake_accelerator.new_stream()
     backend.let_read(copy_in)
-    with fake_cuda.stream(copy_in):
+    with copy_in:
         shard.sum()  # FSDP2's copy-in
     backend.join(copy_in)
     backend.resize_storage(shard, 0)
     torch.zeros(16)  # the block reused on the compute stream
-    fake_cuda.checker.assert_clean()
+    fake_accelerator.checker.assert_clean()
     manager.remove_hooks()

@@ -172,8 +172,8 @@ MUTANTS = [
     (
         # Killed only where the encode allocates (top-k at ratio 100): lossless, the
         # retired bucket's tensors went at the end of `encoding` just the same.
-        "cuda: drop the retired bucket's device tensors (memory bound)",
-        "gradient_cache/engine/cuda.py",
+        "accelerator: drop the retired bucket's device tensors (memory bound)",
+        "gradient_cache/engine/accelerator.py",
         "            retired.tensors.clear()  # safe now",
         "            pass  # safe now",
         "tests/test_stream_order.py::test_device_memory_in_flight_is_bounded_by_the_staging_depth",
@@ -836,15 +836,15 @@ MUTANTS = [
         "tests/test_pool.py::test_a_failed_pin_makes_only_its_slab_pageable",
     ),
     (
-        "cuda: a copy into a pinned slab is non-blocking beside a pageable one",
-        "gradient_cache/engine/cuda.py",
+        "accelerator: a copy into a pinned slab is non-blocking beside a pageable one",
+        "gradient_cache/engine/accelerator.py",
         "        return host.copy_(device, non_blocking=self.pool.is_pinned(host))",
         "        return host.copy_(device, non_blocking=self.pool.pinned)",
         "tests/test_stream_order.py::test_a_slab_that_could_not_be_pinned_blocks_only_its_own_copies",
     ),
     (
-        "cuda: the host's wait for the state covers the copies to the device (a failed step's)",
-        "gradient_cache/engine/cuda.py",
+        "accelerator: the host's wait for the state covers the copies to the device (a failed step's)",
+        "gradient_cache/engine/accelerator.py",
         '        self._unwaited_state["to the device"] = done\n',
         "",
         "tests/test_stream_order.py::test_a_load_after_a_failed_step_waits_for_the_state_brought_ahead",
@@ -1160,9 +1160,9 @@ MUTANTS = [
     ),
     (
         "weights: the refill's copy waits for the compute stream's earlier use of the block",
-        "gradient_cache/engine/cuda.py",
-        "        self.restore_stream.wait_stream(compute)\n        with self.cuda.stream(self.restore_stream):\n            for out, host in pairs:\n",
-        "        with self.cuda.stream(self.restore_stream):\n            for out, host in pairs:\n",
+        "gradient_cache/engine/accelerator.py",
+        "        self.restore_stream.wait_stream(compute)\n        with self.restore_stream:\n            for out, host in pairs:\n",
+        "        with self.restore_stream:\n            for out, host in pairs:\n",
         "tests/test_parameters_offload.py::test_every_weight_copy_is_ordered_on_the_stand_in_streams",
     ),
     (

@@ -27,7 +27,8 @@ Grads = list[tuple[Param, torch.Tensor]]
 
 
 class Stream(Protocol):
-    """What the CUDA backend uses of `torch.cuda.Stream` (and the tests' stand-in).
+    """What the accelerator backend uses of `torch.Stream` (and the tests' stand-in): its
+    waits, and ``with stream:``, which makes it the current stream of its device.
 
     Streams and events take only their own kind (torch's, or the stand-in's), so what they
     take is typed ``Any``: a `Stream` or an `Event` of the same kind.
@@ -37,9 +38,13 @@ class Stream(Protocol):
 
     def wait_event(self, event: Any) -> None: ...
 
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any, /) -> None: ...
+
 
 class Event(Protocol):
-    """What the CUDA backend uses of `torch.cuda.Event` (and the tests' stand-in)."""
+    """What the accelerator backend uses of `torch.Event` (and the tests' stand-in)."""
 
     def record(self, stream: Any = None) -> None: ...
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from .devices import is_accelerator
 from .units import MIB
 
 if TYPE_CHECKING:  # for the annotations only: the pipeline imports config, config imports this
@@ -111,7 +112,8 @@ class MemoryBudget:
 
 
 class DeviceMemory(Protocol):
-    """What a budget reads of the device (CUDA: `CudaMemory`; tests pass their own)."""
+    """What a budget reads of the device (an accelerator's: `AcceleratorMemory`; tests pass
+    their own)."""
 
     def reset_peak(self) -> None:
         """Start counting the peak from now."""
@@ -133,34 +135,45 @@ class DeviceMemory(Protocol):
 
 
 @dataclass(frozen=True)
-class CudaMemory:
-    """The CUDA caching allocator's statistics of ``device``, and the driver's view."""
+class AcceleratorMemory:
+    """The caching allocator's statistics of ``device`` and the driver's view of it,
+    through `torch.accelerator` (CUDA, XPU, a PrivateUse1 device whose allocator derives
+    `c10::DeviceAllocator`)."""
 
     device: torch.device
 
     def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
+        torch.accelerator.reset_peak_memory_stats(self.device)
 
     def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_reserved(self.device)
+        return torch.accelerator.max_memory_reserved(self.device)
 
     def outside_bytes(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        return max(0, total - free - torch.cuda.memory_reserved(self.device))
+        free, total = torch.accelerator.get_memory_info(self.device)
+        return max(0, total - free - torch.accelerator.memory_reserved(self.device))
 
     def total_bytes(self) -> int:
-        return torch.cuda.get_device_properties(self.device).total_memory
+        return torch.accelerator.get_memory_info(self.device)[1]
 
     def process_fraction(self) -> float:
-        # torch.cuda.get_per_process_memory_fraction (torch 2.13; absent from older
-        # releases, where no cap can be read: the whole device is taken as usable).
-        read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        # The cap is a device module's (torch.cuda's and torch.xpu's
+        # get_per_process_memory_fraction); torch.accelerator reads none. A device module
+        # without one: the whole device is taken as usable.
+        module = getattr(torch, self.device.type, None)
+        read = getattr(module, "get_per_process_memory_fraction", None)
         return 1.0 if read is None else float(read(self.device))
 
 
 def device_memory_of(device: torch.device) -> DeviceMemory | None:
-    """The statistics of ``device``, or None where it keeps none (a CPU)."""
-    return CudaMemory(device) if device.type == "cuda" else None
+    """The statistics of ``device``, or None where it keeps none (a CPU; an accelerator
+    whose allocator answers no `torch.accelerator` memory query)."""
+    if not is_accelerator(device):
+        return None
+    try:
+        torch.accelerator.get_memory_info(device)
+    except RuntimeError:  # an allocator that is no c10::DeviceAllocator, or lacks the query
+        return None
+    return AcceleratorMemory(device)
 
 
 @dataclass(frozen=True)
@@ -259,8 +272,9 @@ class BudgetWatch:
     fragmentation in it) plus what lies outside the allocator (the CUDA context, NCCL's
     buffers), against the usable memory (the device's, times a per-process fraction where
     one is set). The watch samples it itself at each restore and at each step's end and
-    keeps its own running maximum, so an outside ``torch.cuda.reset_peak_memory_stats()``
-    (per-step logging, a trainer's memory metrics) lowers no sample already taken."""
+    keeps its own running maximum, so an outside reset of the peak statistics
+    (``torch.accelerator.reset_peak_memory_stats()``: per-step logging, a trainer's memory
+    metrics) lowers no sample already taken."""
 
     def __init__(
         self, budget: MemoryBudget, memory: DeviceMemory | None, device: str, *, warmup_steps: int

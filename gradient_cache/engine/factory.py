@@ -1,8 +1,9 @@
 """Choosing and building the backend for a set of parameters, after the host budget check.
 
-`create_backend` is the default `BackendFactory`: the CUDA backend for CUDA parameters,
-the CPU backend otherwise. Tests give the pipeline another factory (the CUDA backend on
-stand-in streams) instead of patching this module.
+`create_backend` is the default `BackendFactory`: the accelerator backend for parameters
+on the current accelerator (CUDA, XPU, a PrivateUse1 device), the CPU backend for CPU ones.
+Tests give the pipeline another factory (the accelerator backend on stand-in streams)
+instead of patching this module.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from typing import Protocol
 
 import torch
 
+from .accelerator import TORCH_STREAMS, AcceleratorBackend, StreamApi, allocate_pinned
 from .backend import Backend, CpuBackend
 from .config import EngineConfig
-from .cuda import CudaApi, CudaBackend, allocate_pinned
+from .devices import current_accelerator_type, is_accelerator
 from .hostmem import check_host_budget
 from .pool import HostPool, reserved_bytes
 from .route import RoutePlanner
@@ -61,8 +63,16 @@ def create_backend(params: Sequence[Param], config: EngineConfig, *, plan: Route
             f"backend={config.backend!r} does not match the parameters' device {device}; "
             f"use backend='auto' or move the model to {config.backend}."
         )
-    if device.type == "cuda":
-        return build_cuda_backend(params, config, device, plan=plan)
+    if is_accelerator(device):
+        return build_accelerator_backend(params, config, device, plan=plan)
+    if device.type != "cpu":
+        raise ValueError(
+            f"The parameters live on {device}, which is neither the CPU nor this process's "
+            f"accelerator ({current_accelerator_type()}): the cache moves gradients through "
+            "the current accelerator's streams and pinned memory (torch.accelerator; a "
+            "PrivateUse1 device, once registered, is the accelerator ahead of CUDA). Move the "
+            "model to the accelerator or the CPU."
+        )
     # The CPU's payloads replace the gradients plain PyTorch would hold: only residuals add,
     # the current ones and (keep_previous_residual) a pending step's new ones.
     keep_previous = config.residual_options.keep_previous_residual
@@ -76,27 +86,27 @@ def create_backend(params: Sequence[Param], config: EngineConfig, *, plan: Route
     return CpuBackend(device, keep_previous_residual=keep_previous)
 
 
-def build_cuda_backend(
+def build_accelerator_backend(
     params: Sequence[Param],
     config: EngineConfig,
     device: torch.device,
     *,
     plan: RoutePlanner,
-    cuda: CudaApi = torch.cuda,
+    streams: StreamApi = TORCH_STREAMS,
     allocate: Callable[[int], torch.Tensor] = allocate_pinned,
-) -> CudaBackend:
-    """A `CudaBackend` whose pinned pool has a slot for every parameter.
+) -> AcceleratorBackend:
+    """An `AcceleratorBackend` whose pinned pool has a slot for every parameter.
 
-    ``cuda`` and ``allocate`` stand in for `torch.cuda` and pinned allocation in tests.
+    ``streams`` and ``allocate`` stand in for torch's streams and pinned allocation in tests.
     """
     residuals = config.residual_options  # the top-k codec's, or its defaults
     if config.selection == "threshold":  # top-k's, or the ladder's top-k rung's
         raise ValueError(
-            "selection='threshold' is not supported on CUDA: counting the entries above the "
-            "threshold needs a host sync inside backward. Use selection='auto' or 'exact' (on "
-            "gradient_cache.TopK, or gradient_cache.Ladder for codec=None)."
+            f"selection='threshold' is not supported on {device.type}: counting the entries "
+            "above the threshold needs a host sync inside backward. Use selection='auto' or "
+            "'exact' (on gradient_cache.TopK, or gradient_cache.Ladder for codec=None)."
         )
-    routes = plan(CudaBackend.default_selection)
+    routes = plan(AcceleratorBackend.default_selection)
     layout = {param: route.slot for param, route in routes.items()}
     # What the pool's power-of-two slabs reserve (a little above what its slots need).
     needed = reserved_bytes(layout)
@@ -110,12 +120,12 @@ def build_cuda_backend(
         needed, fraction=config.host_memory_fraction, what="the host pool of payload slots"
     )
     pool = HostPool(layout, allocate_pinned=allocate if config.pin_memory else None)
-    return CudaBackend(
+    return AcceleratorBackend(
         device,
         pool,
         staging_depth=config.staging_depth,
         host_residuals=residuals.error_feedback and residuals.residual_location == "host",
         keep_previous_residual=residuals.keep_previous_residual,
-        cuda=cuda,
+        streams=streams,
         record_gradients=any(map(is_dtensor, params)),
     )

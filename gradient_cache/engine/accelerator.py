@@ -1,4 +1,9 @@
-"""The CUDA backend: encode on a side stream, copy into pinned slots on another.
+"""The accelerator backend: encode on a side stream, copy into pinned slots on another.
+
+One code path for whichever device is torch's current accelerator (CUDA, XPU, a
+PrivateUse1 device such as the emulated one): streams and events are `torch.Stream` and
+`torch.Event`, the current stream `torch.accelerator.current_stream`, and pinned host memory
+the accelerator's (`allocate_pinned`).
 
 Per bucket, while backward keeps the compute stream busy (docs/ARCHITECTURE.md has the
 whole picture and the reasons):
@@ -18,9 +23,9 @@ Restores run on a restore stream into blocks allocated on the compute stream:
     compute ──(wait_stream)──► restore stream: H2D + decode (+ clip factor)
     restore ──(event `done`)──► compute: the optimizer reads the gradients
 
-`torch.cuda` is reached through ``cuda`` (and pinned memory through ``allocate_pinned``),
-so tests/test_stream_order.py can run this very code on CPU tensors with stand-in
-streams and events and check every ordering.
+Streams and events are made through ``streams`` (a `StreamApi`; pinned memory through
+``allocate_pinned``), so tests/test_stream_order.py can run this very code on CPU tensors
+with stand-in streams and events and check every ordering.
 """
 
 from __future__ import annotations
@@ -41,16 +46,33 @@ from .residuals import DeviceResiduals, HostSlotResiduals
 from .route import Route
 
 
-class CudaApi(Protocol):
-    """What the backend uses of `torch.cuda` (and of tests/stream_checker.py's stand-in)."""
+class StreamApi(Protocol):
+    """What the backend makes streams and events with: `TorchStreams`, or
+    tests/stream_checker.py's stand-in. A stream is current inside ``with stream:``."""
 
-    def Stream(self, device: torch.device) -> backend.Stream: ...
+    def new_stream(self, device: torch.device) -> backend.Stream: ...
 
-    def Event(self) -> backend.Event: ...
+    def new_event(self, device: torch.device) -> backend.Event: ...
 
     def current_stream(self, device: torch.device) -> backend.Stream: ...
 
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[object]: ...
+
+class TorchStreams:
+    """`StreamApi` on torch's device-generic streams: CUDA's, XPU's or a PrivateUse1
+    device's through the same calls (``device`` is of `torch.accelerator`'s type)."""
+
+    def new_stream(self, device: torch.device) -> torch.Stream:
+        return torch.Stream(device=device)
+
+    def new_event(self, device: torch.device) -> torch.Event:
+        # Timing off, non-blocking synchronize: as torch.cuda.Event's defaults.
+        return torch.Event(device=device)
+
+    def current_stream(self, device: torch.device) -> torch.Stream:
+        return torch.accelerator.current_stream(device)
+
+
+TORCH_STREAMS = TorchStreams()
 
 
 @dataclass
@@ -61,11 +83,13 @@ class Landing:
     tensors: list[torch.Tensor] = field(default_factory=list)  # kept alive until it is known safe
 
 
-class CudaBackend(Backend):
-    """Overlaps encoding and device-to-host copies with backward on one CUDA device."""
+class AcceleratorBackend(Backend):
+    """Overlaps encoding and device-to-host copies with backward on one accelerator device."""
 
     restore_ahead = 1
-    host_slabs_round_up = True  # the caching host allocator's pinned blocks
+    # Pinned memory comes from the accelerator's caching host allocator (at::CachingHostAllocator,
+    # CUDA's and XPU's), which rounds each block up to a power of two.
+    host_slabs_round_up = True
     default_selection = "exact"  # torch.topk needs no host sync; the threshold's count does
 
     def __init__(
@@ -76,7 +100,7 @@ class CudaBackend(Backend):
         staging_depth: int,
         host_residuals: bool,
         keep_previous_residual: bool,
-        cuda: CudaApi = torch.cuda,
+        streams: StreamApi,
         record_gradients: bool = False,
     ) -> None:
         """``host_residuals``: residuals live in the pool's slots, else on the device.
@@ -85,20 +109,22 @@ class CudaBackend(Backend):
         self.device = device
         self.pool = pool
         self.staging_depth = staging_depth
-        self.cuda = cuda
-        # Persistent streams: creating streams per step would cost more than the work.
-        self.encode_stream = cuda.Stream(device=device)
-        self.copy_stream = cuda.Stream(device=device)
-        self.restore_stream = cuda.Stream(device=device)
+        self.streams = streams
+        # Persistent streams: creating streams per step would cost more than the work. Each
+        # is made current by `with stream:` (torch.Stream's context manager: the stream's
+        # device and the stream current inside, the previous ones back after).
+        self.encode_stream = streams.new_stream(device)
+        self.copy_stream = streams.new_stream(device)
+        self.restore_stream = streams.new_stream(device)
         self.record_gradients = record_gradients
         # Tensor.record_stream, or the stand-in's (which tells its checker).
         self.record_stream: Callable[[torch.Tensor, Any], None] = getattr(
-            cuda, "record_stream", torch.Tensor.record_stream
+            streams, "record_stream", torch.Tensor.record_stream
         )
         # A storage's resize_ (the allocator's block taken or given back), or the
         # stand-in's, which tells its checker.
         self._resize_storage: Callable[[torch.Tensor, int], None] = getattr(
-            cuda, "resize_storage", _resize_storage
+            streams, "resize_storage", _resize_storage
         )
         self.residuals = (
             HostSlotResiduals(
@@ -120,7 +146,7 @@ class CudaBackend(Backend):
 
     @contextlib.contextmanager
     def encoding(self, params: Sequence[Param]) -> Iterator[None]:
-        compute = self.cuda.current_stream(self.device)
+        compute = self.streams.current_stream(self.device)
         retired = None
         if len(self._in_flight) >= self.staging_depth:
             retired = self._in_flight.popleft()
@@ -138,12 +164,12 @@ class CudaBackend(Backend):
             self.encode_stream.wait_event(copied)
         with (
             torch.profiler.record_function("gradient_cache.encode"),
-            self.cuda.stream(self.encode_stream),
+            self.encode_stream,
         ):
             yield
 
     def store(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> dict[Param, Payload]:
-        encoded_event = self.cuda.Event()
+        encoded_event = self.streams.new_event(self.device)
         encoded_event.record(self.encode_stream)
         # Guarantees the copy reads payloads only after the encode stream wrote them.
         self.copy_stream.wait_event(encoded_event)
@@ -160,7 +186,7 @@ class CudaBackend(Backend):
         payloads: dict[Param, Payload] = {}
         with (
             torch.profiler.record_function("gradient_cache.copy"),
-            self.cuda.stream(self.copy_stream),
+            self.copy_stream,
         ):
             for item in encoded:
                 slot = self.pool.slots[item.param]
@@ -176,7 +202,7 @@ class CudaBackend(Backend):
                 if item.residual is not None:
                     self.residuals.write(item.param, item.residual, non_blocking=True)
                     kept.append(item.residual)
-        copied = self.cuda.Event()
+        copied = self.streams.new_event(self.device)
         copied.record(self.copy_stream)
         for item in encoded:
             self._unwaited[item.param] = copied
@@ -219,7 +245,7 @@ class CudaBackend(Backend):
     def start_restore(
         self, items: list[tuple[Param, Payload]], *, clip_factor: torch.Tensor | None
     ) -> Restore:
-        compute = self.cuda.current_stream(self.device)
+        compute = self.streams.current_stream(self.device)
         # Allocated for the compute stream, which reads and frees them: the allocator then
         # reuses their blocks in compute-stream order, as for any gradient.
         routes = [self.routes[p] for p, _ in items]
@@ -227,12 +253,12 @@ class CudaBackend(Backend):
         # Guarantees the restore writes these blocks (and reads ``clip_factor``) only after the
         # compute-stream work queued so far, which may have used the blocks before.
         self.restore_stream.wait_stream(compute)
-        with self.cuda.stream(self.restore_stream):
+        with self.restore_stream:
             for (_, payload), out in zip(items, outs, strict=True):
                 payload.restore_into(out, self.to_device)  # H2D, then decoded on the device
                 if clip_factor is not None:
                     out.mul_(clip_factor)
-        done = self.cuda.Event()
+        done = self.streams.new_event(self.device)
         done.record(self.restore_stream)
         grads = [(p, r.shaped(out)) for (p, _), r, out in zip(items, routes, outs, strict=True)]
         return Restore(grads, done)
@@ -240,7 +266,7 @@ class CudaBackend(Backend):
     def finish_restore(self, restore: Restore) -> Grads:
         # Guarantees work queued next on the current stream (the optimizer; or the free of
         # an abandoned restore's blocks) starts after the restore stream wrote them.
-        self.cuda.current_stream(self.device).wait_event(restore.done)
+        self.streams.current_stream(self.device).wait_event(restore.done)
         return restore.grads
 
     # --- an optimizer's state between host and device ----------------------------------
@@ -268,18 +294,18 @@ class CudaBackend(Backend):
         *,
         casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> Transfer:
-        compute = self.cuda.current_stream(self.device)
+        compute = self.streams.current_stream(self.device)
         # Guarantees the copies write the device blocks (allocated on the compute stream)
         # only after the compute-stream work queued so far, which may have used them
         # before; and read the host copies only after the copies back that wrote them
         # (the compute stream waited on each: `release`), though the host did not wait.
         self.restore_stream.wait_stream(compute)
-        with self.cuda.stream(self.restore_stream):
+        with self.restore_stream:
             for out, host in pairs:
                 out.copy_(host, non_blocking=self.pool.is_pinned(host))
             for out, copied in casts:  # after their copies, in this stream's order
                 out.copy_(copied)
-        done = self.cuda.Event()
+        done = self.streams.new_event(self.device)
         done.record(self.restore_stream)
         self._unwaited_state["to the device"] = done
         return Transfer([out for out, _ in pairs] + [out for out, _ in casts], done)
@@ -287,18 +313,18 @@ class CudaBackend(Backend):
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         # Guarantees the step, queued next on the current stream, reads and updates the
         # state only after the restore stream wrote it.
-        self.cuda.current_stream(self.device).wait_event(transfer.done)
+        self.streams.current_stream(self.device).wait_event(transfer.done)
         return transfer.tensors
 
     def start_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
         # Guarantees the copies read the state only after the step (queued on the current
         # stream) updated it, and overwrite the host copies only after this step's copies
         # to the device read them (the current stream waited for those: `finish_to_device`).
-        self.copy_stream.wait_stream(self.cuda.current_stream(self.device))
-        with self.cuda.stream(self.copy_stream):
+        self.copy_stream.wait_stream(self.streams.current_stream(self.device))
+        with self.copy_stream:
             for device, host in pairs:
                 self._to_host(host, device)
-        done = self.cuda.Event()
+        done = self.streams.new_event(self.device)
         done.record(self.copy_stream)
         self._unwaited_state["to the host"] = done
         return Transfer([device for device, _ in pairs], done)
@@ -306,20 +332,20 @@ class CudaBackend(Backend):
     def release(self, transfer: Transfer) -> None:
         # Guarantees compute-stream work queued from now on (which may reuse the device
         # copies' freed blocks) starts after the copies back have read them.
-        self.cuda.current_stream(self.device).wait_event(transfer.done)
+        self.streams.current_stream(self.device).wait_event(transfer.done)
         transfer.tensors.clear()
 
     def let_read(self, stream: Any) -> None:
         # Guarantees work queued on ``stream`` from now on (FSDP2's all-gather copy-in)
         # reads the refilled shards only after their copies: the compute stream waited for
         # them (`finish_to_device`), and ``stream`` waits for the compute stream.
-        stream.wait_stream(self.cuda.current_stream(self.device))
+        stream.wait_stream(self.streams.current_stream(self.device))
 
     def join(self, stream: Any) -> None:
         # Guarantees a block given back next (a shard, `resize_(0)` on the compute stream)
         # is reused only after ``stream``'s work so far read it: FSDP2's copy-in of an
         # all-gather it started and has not waited for.
-        self.cuda.current_stream(self.device).wait_stream(stream)
+        self.streams.current_stream(self.device).wait_stream(stream)
 
     def wait_for_state_copies(self) -> None:
         # Each stream's copies complete in order: its last event covers the ones before.
@@ -335,5 +361,7 @@ def _resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:
-    """A pinned host slab (the caller falls back to pageable memory if this raises)."""
+    """A host slab pinned for the current accelerator (torch 2.13 pins for CUDA where CUDA
+    is present, else for `torch.accelerator.current_accelerator()`); the caller falls back
+    to pageable memory if this raises."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
