@@ -240,7 +240,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
             "cache with apply_gradients() and with the fused step(), the cache's host memory "
             "(stored gradients, error-feedback residual, the CUDA pinned pool) and PCIe bytes "
             "per step; with --tokens, the step's compute against the restore's copy time; "
-            "with --offload-parameters, a column with the weights on the host too. "
+            "with --offload-parameters, a column with the weights on the host too and their "
+            "link per phase. "
             "Activations are left out. Nothing is trained and no cache is created."
         ),
     )
@@ -314,7 +315,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         "the optimizer state there): the device's window (the rest and two blocks in forward "
         "and backward, two buckets' weights at the step), the host's bytes, the link's bytes "
         "a step, its time floor and the tokens a micro-batch at which it hides behind the "
-        "compute",
+        "compute; then the link per phase (forward, backward, the optimizer step) and "
+        "direction: bytes, with --tokens the link's and the compute's times, the tokens a "
+        "micro-batch from which each phase hides its copies, and the phase that binds",
     )
     plan.add_argument(
         "--parameter-blocks",

@@ -11,13 +11,15 @@ model's parameters are cut as `engine.weight_blocks.weight_units` cuts them: blo
 come to the device one ahead of the one running, and the rest (embeddings, final norm,
 head, tied weights), on the device from forward to the end of backward. `hiding_tokens`
 derives the tokens per micro-batch at which the link's bytes take no longer than the
-compute.
+compute, pooled over the step; `phase_links` cuts the same bytes by phase (forward,
+backward, the optimizer step) and direction, each phase against its own compute.
 """
 
 from __future__ import annotations
 
 import importlib
 import itertools
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -168,6 +170,33 @@ class WeightsOnHost:
     link_seconds: float  # the busier direction at the link's rate: the step's floor
     step_seconds: float  # the step's copies to the device (gradients, state, weights)
     hiding_tokens: float  # tokens a micro-batch at which the compute takes as long
+    phases: tuple[PhaseLink, ...]  # the same link bytes by phase: forward, backward, step
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseLink:
+    """One phase's copies with the weights on the host. The link is full duplex: each
+    direction has the whole rate, and a phase hides its copies where each direction's
+    take no longer than its compute."""
+
+    phase: str
+    per: str  # what ``link_bytes`` count: "a micro-batch" (forward, backward) or "a step"
+    #: direction -> bytes; backward's are a micro-batch's from the second on, which also
+    #: brings the stored gradients back to be added to.
+    link_bytes: dict[str, int]
+    link_bytes_per_step: dict[str, int]  # direction -> bytes over the step's micro-batches
+    link_seconds: dict[str, float]  # direction -> ``link_bytes`` at the link's rate
+    #: The phase's FLOPs a token: forward 2 x N, backward 4 x N (of 6 x N); the fused
+    #: optimizer step's few FLOPs a parameter count as none.
+    flops_per_token: float
+    compute_seconds: float | None  # a micro-batch's (tokens a step / micro-batches), or None
+    #: direction -> tokens a micro-batch from which the compute takes as long as the
+    #: copies; empty for the optimizer step, which has no compute to hide them behind.
+    hiding_tokens: dict[str, float]
+
+    def tokens_to_hide(self) -> float:
+        """Tokens a micro-batch from which both directions hide (inf: never)."""
+        return max(self.hiding_tokens.values(), default=math.inf)
 
 
 WAYS = ("plain", "cache, apply_gradients()", "cache, fused step()", "fused step(), state on host")
@@ -176,6 +205,7 @@ WEIGHTS_ON_HOST = "fused step(), state and weights on host"  # with PlanInputs.w
 GRADIENTS_IN_BACKWARD = "gradients, end of backward"  # the cache's: buckets in flight
 GRADIENTS_AT_STEP = "gradients, optimizer step"
 PARAMETERS_AT_STEP = "parameters, optimizer step"  # "parameters": forward and backward's
+DIRECTIONS = ("host to device", "device to host")
 
 
 def plan(inputs: PlanInputs) -> Plan:
@@ -234,7 +264,9 @@ def plan(inputs: PlanInputs) -> Plan:
         compute_seconds = 6 * numel * inputs.tokens_per_step / inputs.flops
     weights = None
     if inputs.weights is not None:
-        weights = weights_on_host(inputs, bucket=bucket, gradients=pcie, payload=payload)
+        weights = weights_on_host(
+            inputs, bucket=bucket, gradients=pcie, payload=payload, per_encode=per_encode
+        )
         host["parameters (weights on host)"] = weights.host_bytes
         device[WEIGHTS_ON_HOST] = device[STATE_ON_HOST] | {
             "parameters": weights.window_bytes,
@@ -253,11 +285,12 @@ def plan(inputs: PlanInputs) -> Plan:
 
 
 def weights_on_host(
-    inputs: PlanInputs, *, bucket: int, gradients: dict[str, int], payload: int
+    inputs: PlanInputs, *, bucket: int, gradients: dict[str, int], payload: int, per_encode: int
 ) -> WeightsOnHost:
     """The weights-on-host column's figures (``inputs.weights`` set); ``bucket``: a bucket's
     gradient bytes, ``gradients``: their link bytes a step (direction -> bytes),
-    ``payload``: their restore's. The state crosses as in the state-on-host column."""
+    ``payload``: their restore's, ``per_encode``: a micro-batch's each way in backward.
+    The state crosses as in the state-on-host column."""
     layout = inputs.weights
     if layout is None:
         raise ValueError("weights_on_host needs PlanInputs.weights (the blocks and the rest)")
@@ -283,7 +316,106 @@ def weights_on_host(
         link_seconds=max(to_device, to_host) / rate,
         step_seconds=(payload + state + weights) / rate,
         hiding_tokens=hiding_tokens(max(to_device, to_host), inputs),
+        phases=phase_links(inputs, payload=payload, per_encode=per_encode),
     )
+
+
+def phase_links(inputs: PlanInputs, *, payload: int, per_encode: int) -> tuple[PhaseLink, ...]:
+    """The weights-on-host link by phase and direction (``inputs.weights`` set);
+    ``payload``: the stored gradients' bytes, ``per_encode``: a micro-batch's gradient
+    bytes each way in backward (the payload, and a host residual: in before its encode,
+    out after it).
+
+    Forward brings each block's weights and the rest's (c bytes an entry); backward the
+    blocks' again, sends the gradients out and, from the second micro-batch on, brings the
+    stored ones back to be added to; the fused step brings each master (``param_bytes``),
+    its state and its restored gradient, and takes the master and state back. Over a step the phases
+    add up to `weights_on_host`'s link bytes."""
+    layout = inputs.weights
+    if layout is None:
+        raise ValueError("phase_links needs PlanInputs.weights (the blocks and the rest)")
+    numel, micro_batches = sum(inputs.tensors), inputs.micro_batches
+    copy_bytes = inputs.weight_copy_bytes or inputs.param_bytes
+    blocks = sum(layout.blocks) * copy_bytes
+    forward = blocks + layout.rest * copy_bytes  # the rest stays until backward's end
+    residual = per_encode - payload
+    master_and_state = numel * inputs.param_bytes + int(numel * inputs.optimizer_state_bytes)
+    accumulations = micro_batches - 1
+    return (
+        _phase_link(
+            inputs,
+            phase="forward",
+            per_micro_batch={"host to device": forward},
+            per_step={"host to device": micro_batches * forward},
+            flops_per_token=2 * numel,
+        ),
+        _phase_link(
+            inputs,
+            phase="backward",
+            per_micro_batch={
+                "host to device": blocks + residual + (payload if accumulations else 0),
+                "device to host": per_encode,
+            },
+            per_step={
+                "host to device": micro_batches * (blocks + residual) + accumulations * payload,
+                "device to host": micro_batches * per_encode,
+            },
+            flops_per_token=4 * numel,
+        ),
+        _phase_link(
+            inputs,
+            phase="optimizer step",
+            per_micro_batch=None,
+            per_step={
+                "host to device": master_and_state + payload,  # the restore's gradients
+                "device to host": master_and_state,
+            },
+            flops_per_token=0,
+        ),
+    )
+
+
+def _phase_link(
+    inputs: PlanInputs,
+    *,
+    phase: str,
+    per_micro_batch: dict[str, int] | None,
+    per_step: dict[str, int],
+    flops_per_token: float,
+) -> PhaseLink:
+    """One phase's figures from its bytes (a direction left out moves none);
+    ``per_micro_batch`` None: a phase that runs once a step."""
+    per_step = _both_directions(per_step)
+    link_bytes = per_step if per_micro_batch is None else _both_directions(per_micro_batch)
+    rate = inputs.link_gbps * 1e9
+    link_seconds = {direction: value / rate for direction, value in link_bytes.items()}
+    compute_seconds = None
+    if inputs.tokens_per_step is not None:
+        tokens = inputs.tokens_per_step / inputs.micro_batches
+        compute_seconds = flops_per_token * tokens / inputs.flops
+    hiding = {}
+    if flops_per_token:  # T tokens take flops_per_token x T / F seconds
+        hiding = {d: s * inputs.flops / flops_per_token for d, s in link_seconds.items()}
+    return PhaseLink(
+        phase=phase,
+        per="a step" if per_micro_batch is None else "a micro-batch",
+        link_bytes=link_bytes,
+        link_bytes_per_step=per_step,
+        link_seconds=link_seconds,
+        flops_per_token=flops_per_token,
+        compute_seconds=compute_seconds,
+        hiding_tokens=hiding,
+    )
+
+
+def _both_directions(link_bytes: dict[str, int]) -> dict[str, int]:
+    """``link_bytes`` with both directions, in `DIRECTIONS` order (one left out: none)."""
+    return {direction: link_bytes.get(direction, 0) for direction in DIRECTIONS}
+
+
+def binding_phase(phases: tuple[PhaseLink, ...]) -> PhaseLink:
+    """The phase with compute that needs the most tokens a micro-batch to hide its copies."""
+    return max((phase for phase in phases if phase.flops_per_token), key=PhaseLink.tokens_to_hide)
 
 
 def hiding_tokens(link_bytes_per_step: int, inputs: PlanInputs) -> float:
@@ -443,6 +575,8 @@ def format_plan(result: Plan, inputs: PlanInputs) -> str:
         )
     if result.weights is not None and inputs.weights is not None:
         lines += _weights_notes(result, result.weights, inputs.weights, inputs)
+        lines += ["", *_phase_table(result.weights.phases, inputs), ""]
+        lines += _phase_notes(result, result.weights, inputs)
     return "\n".join(lines)
 
 
@@ -527,6 +661,72 @@ def _weights_notes(
             f"Against this step's compute ({result.compute_seconds * 1e3:.2f} ms): the weights "
             f"column's link floor is {share:.0%} of it; {pace}."
         )
+    return lines
+
+
+def _phase_table(phases: tuple[PhaseLink, ...], inputs: PlanInputs) -> list[str]:
+    """The weights-on-host link per phase and direction: bytes, then (with tokens) the
+    link's and the compute's times, then the tokens a micro-batch that hide the copies."""
+    times = ["link, ms", "compute, ms"] if inputs.tokens_per_step is not None else []
+    columns = ["MiB", *times, "hides from, tokens a micro-batch"]
+    lines = [
+        "| link per phase | " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for phase in phases:
+        for direction in DIRECTIONS:
+            cells = [f"{phase.link_bytes[direction] / MIB:.1f}"]
+            if phase.compute_seconds is not None:
+                compute = phase.compute_seconds * 1e3 if phase.flops_per_token else None
+                cells.append(f"{phase.link_seconds[direction] * 1e3:.2f}")
+                cells.append("~0" if compute is None else f"{compute:.2f}")
+            hiding = phase.hiding_tokens.get(direction)
+            cells.append("never" if hiding is None else f"{hiding:,.0f}")
+            label = f"{phase.phase}, {direction}, {phase.per}"
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _phase_notes(result: Plan, weights: WeightsOnHost, inputs: PlanInputs) -> list[str]:
+    """How the phase table is counted, its binding phase, and the step's unhidden floor."""
+    copies = (
+        f"{inputs.weight_copy_bytes} bytes an entry (weight_copy_bytes)"
+        if inputs.weight_copy_bytes
+        else f"{inputs.param_bytes} bytes an entry: the engine copies the master (fp32 unless "
+        "--param-bytes 2) as it is, with a bf16 compute_dtype too (it casts on the device)"
+    )
+    binding = binding_phase(weights.phases)
+    tokens = binding.tokens_to_hide()
+    step = weights.phases[-1]
+    floor = max(step.link_seconds.values())
+    lines = [
+        f"Link per phase: each direction at {inputs.link_gbps:.3g} GB/s (the link is full "
+        f"duplex); forward's compute 2 x parameters x tokens, backward's 4 x, at "
+        f"{inputs.flops / 1e12:.0f} TFLOP/s (achieved: --tflops counts the MFU in); the "
+        f"weights at {copies}."
+        + (
+            " Backward's rows are a micro-batch's from the second on, which also brings the "
+            "stored gradients back to be added to."
+            if inputs.micro_batches > 1
+            else ""
+        ),
+        f"Binding: {binding.phase}, which hides its copies from {tokens:,.0f} tokens a "
+        f"micro-batch (pooled over the step, the figure above: {weights.hiding_tokens:,.0f}). "
+        f"The optimizer step has no compute to hide its copies behind: they take at least "
+        f"{floor * 1e3:.2f} ms a step (the busier direction).",
+    ]
+    step_compute, phase_compute = result.compute_seconds, binding.compute_seconds
+    if inputs.tokens_per_step is None or step_compute is None or phase_compute is None:
+        return lines  # no tokens: no times
+    per_micro_batch = inputs.tokens_per_step / inputs.micro_batches
+    pace = "sets" if per_micro_batch < tokens else "does not set"
+    busy = max(binding.link_seconds.values()) / phase_compute
+    share = floor / (step_compute + floor)
+    lines.append(
+        f"At {per_micro_batch:,.0f} tokens a micro-batch {binding.phase}'s link {pace} its "
+        f"pace ({busy:.0%} of its compute); the optimizer step's floor is {share:.0%} of a "
+        f"step of {step_compute * 1e3:.2f} ms of compute plus that floor."
+    )
     return lines
 
 

@@ -13,13 +13,13 @@ import psutil
 import pytest
 import torch
 from helpers import batches, loss_of, make_model
-from stream_checker import FakeCuda, StreamChecker
+from stream_checker import FakeAccelerator, StreamChecker
 
 import gradient_cache
 from gradient_cache import Ladder, TopK, cli
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT
 from gradient_cache.engine.config import EngineConfig
-from gradient_cache.engine.factory import build_cuda_backend
+from gradient_cache.engine.factory import build_accelerator_backend
 from gradient_cache.engine.route import planner
 from gradient_cache.engine.weight_blocks import weight_units
 from gradient_cache.planner import (
@@ -32,6 +32,7 @@ from gradient_cache.planner import (
     PlanInputs,
     WeightLayout,
     WeightsOnHost,
+    binding_phase,
     peak_bytes,
     plan,
     tensors_of_count,
@@ -77,15 +78,15 @@ def test_host_figures_are_what_a_manager_holds_after_a_step(ratio: float, codec:
 def test_pinned_pool_is_the_cuda_backends_pool(ratio: float) -> None:
     model = make_model()
     config = EngineConfig(min_compress_numel=1024)
-    cuda = FakeCuda(StreamChecker())
+    accelerator = FakeAccelerator(StreamChecker())
     params = list(model.parameters())
-    backend = build_cuda_backend(
+    backend = build_accelerator_backend(
         params,
         config,
         torch.device("cpu"),
         plan=planner(params, config, ratio=ratio),
-        cuda=cuda,
-        allocate=cuda.allocate_pinned,
+        streams=accelerator,
+        allocate=accelerator.allocate_pinned,
     )
     figures = plan(PlanInputs(tensors=sizes(model), compression_ratio=ratio, config=config))
     assert figures.host["pinned pool (CUDA)"] == backend.pool.capacity_bytes
@@ -382,3 +383,138 @@ def test_plan_command_prints_the_weights_column(capsys: pytest.CaptureFixture[st
     assert "tokens a micro-batch" in out and "the link sets the pace" in out
     assert cli.main(["plan", *MEDIUM, "--offload-parameters", "--parameter-blocks", "blocks"]) == 0
     assert "the blocks of 'blocks', 12 of them" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+@pytest.mark.parametrize("ratio", [1, 100], ids=["lossless", "top-k, host residual"])
+def test_the_phases_add_up_to_the_pooled_link_bytes(micro_batches: int, ratio: float) -> None:
+    """Forward's and backward's bytes over the step's micro-batches and the optimizer
+    step's are the weights column's link bytes a step, each direction; a micro-batch's
+    are the step's over the micro-batches, backward's from the second on (with the stored
+    gradients' accumulation) where the micro-batches differ."""
+    with torch.device("meta"):
+        model = BlockModel()
+    config = EngineConfig(min_compress_numel=64, codec=TopK(selection="exact"))
+    inputs = PlanInputs(
+        tensors=sizes(model),
+        micro_batches=micro_batches,
+        compression_ratio=ratio,
+        config=config if ratio > 1 else EngineConfig(),
+        weights=weight_layout(model),
+    )
+    figures = plan(inputs)
+    weights = figures.weights
+    assert weights is not None
+    assert [phase.phase for phase in weights.phases] == ["forward", "backward", "optimizer step"]
+    forward, backward, step = weights.phases
+    for direction, pooled in weights.link_bytes_per_step.items():
+        assert sum(phase.link_bytes_per_step[direction] for phase in weights.phases) == pooled
+        assert (
+            forward.link_bytes_per_step[direction] == micro_batches * forward.link_bytes[direction]
+        )
+        assert step.link_bytes_per_step[direction] == step.link_bytes[direction]
+    backward_out = backward.link_bytes_per_step["device to host"]
+    assert backward_out == micro_batches * backward.link_bytes["device to host"]
+    # Backward's micro-batches from the second on bring the stored gradients back.
+    payload = figures.host["stored gradients"]
+    first = backward.link_bytes["host to device"] - (payload if micro_batches > 1 else 0)
+    assert backward.link_bytes_per_step["host to device"] == (
+        micro_batches * first + (micro_batches - 1) * payload
+    )
+    if ratio > 1:
+        assert figures.host["error-feedback residual"] > 0  # crosses each way in backward
+
+
+@pytest.mark.parametrize(
+    ("grad_bytes", "state_bytes", "pooled_to_device"),
+    [(4, 8, 59.84e9), (2, 0, 43.84e9)],
+    ids=["fp32 gradients, AdamW", "bf16 gradients, SGD"],
+)
+def test_forward_needs_the_tokens_its_own_compute_gives(
+    grad_bytes: int, state_bytes: float, pooled_to_device: float
+) -> None:
+    """1e9 parameters (the rest 1e7, 24 blocks of 41.25e6), fp32 weights (c = 4), 4
+    micro-batches, 400 TFLOP/s, 50 GB/s. Forward brings every weight once, 4e9 bytes in
+    0.08 s, against 2 x 1e9 x T FLOPs: T = 16,000. Pooled, a step to the device: 4 x
+    (2 x 0.99e9 + 1e7) x 4 weights' copies, 4e9 of masters and 1e9 x s of state in the
+    step, 4 x 1e9 x g of gradients, against 6 x 1e9 x 4 x T FLOPs. So forward's tokens are
+    the pooled ones times 3 x m x 4e9 / pooled bytes: fewer with fp32 gradients and AdamW
+    (the pooled figure counts the step's copies as hidden), more with bf16 gradients and
+    SGD."""
+    tensors = tensors_of_count(10**9)
+    layout = WeightLayout(blocks=(41_250_000,) * 24, rest=10**7, source="by hand")
+    inputs = PlanInputs(
+        tensors=tensors,
+        grad_bytes=grad_bytes,
+        optimizer_state_bytes=state_bytes,
+        micro_batches=4,
+        flops=400e12,
+        link_gbps=50.0,
+        weights=layout,
+    )
+    assert 4 * (2 * 0.99e9 + 1e7) * 4 + 4e9 + 1e9 * state_bytes + 4e9 * grad_bytes == (
+        pooled_to_device
+    )
+    weights = plan(inputs).weights
+    assert weights is not None
+    forward, backward, step = weights.phases
+    pooled_tokens = pooled_to_device / 50e9 / (6 * 1e9 * 4 / 400e12)
+    assert weights.hiding_tokens == pytest.approx(pooled_tokens)
+    assert forward.hiding_tokens["host to device"] == pytest.approx(16_000)
+    assert forward.tokens_to_hide() / weights.hiding_tokens == pytest.approx(
+        3 * 4 * 4e9 / pooled_to_device
+    )
+    # Backward: the blocks again and the gradients back for the accumulation, against
+    # 4 x 1e9 x T FLOPs; out, the gradients.
+    to_device = 0.99e9 * 4 + 1e9 * grad_bytes
+    assert backward.hiding_tokens["host to device"] == pytest.approx(to_device / 50e9 / 1e-5)
+    assert backward.hiding_tokens["device to host"] == pytest.approx(grad_bytes * 2_000)
+    assert binding_phase(weights.phases) is forward
+    # The optimizer step hides nothing: masters, state and the restore in; masters and state out.
+    assert step.hiding_tokens == {} and step.tokens_to_hide() == float("inf")
+    assert step.link_seconds["host to device"] == pytest.approx(
+        (4e9 + 1e9 * state_bytes + 1e9 * grad_bytes) / 50e9
+    )
+
+
+def test_backward_binds_with_bf16_copies_and_accumulated_gradients() -> None:
+    """With 2-byte weight copies and lossless fp32 gradients coming back for the
+    accumulation, backward brings 0.99e9 x 2 + 4e9 bytes against 4 x 1e9 x T FLOPs
+    (T = 11,960 at 400 TFLOP/s, 50 GB/s), more than forward's 1e9 x 2 against 2 x 1e9 x T
+    (8,000)."""
+    inputs = PlanInputs(
+        tensors=tensors_of_count(10**9),
+        micro_batches=2,
+        flops=400e12,
+        weights=WeightLayout(blocks=(41_250_000,) * 24, rest=10**7, source="by hand"),
+        weight_copy_bytes=2,
+    )
+    weights = plan(inputs).weights
+    assert weights is not None
+    forward, backward, _ = weights.phases
+    assert forward.tokens_to_hide() == pytest.approx(8_000)
+    assert backward.tokens_to_hide() == pytest.approx(11_960)
+    assert binding_phase(weights.phases) is backward
+
+
+def test_plan_command_prints_the_link_per_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only with --offload-parameters; the times only with --tokens; the binding phase
+    named. 1e9 parameters in 24 blocks: forward brings 4e9 bytes (3814.7 MiB) in 80 ms at
+    50 GB/s against 5.12 ms of compute for 1,024 tokens a micro-batch at 400 TFLOP/s."""
+    base = ["plan", "--params", "1000000000", "--micro-batches", "4", "--tflops", "400"]
+    assert cli.main([*base, "--tokens", "4096"]) == 0
+    assert "link per phase" not in capsys.readouterr().out
+    offload = [*base, "--offload-parameters", "--blocks", "24", "--link-gbps", "50"]
+    assert cli.main([*offload, "--tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    header = "| link per phase | MiB | link, ms | compute, ms | hides from, tokens a micro-batch |"
+    assert header in out
+    assert "| forward, host to device, a micro-batch | 3814.7 | 80.00 | 5.12 | 16,000 |" in out
+    assert "| optimizer step, device to host, a step | 11444.1 | 240.00 | ~0 | never |" in out
+    assert "Binding: forward, which hides its copies from 16,000 tokens a micro-batch" in out
+    assert "At 1,024 tokens a micro-batch forward's link sets its pace (1562% of its" in out
+    assert cli.main(offload) == 0
+    out = capsys.readouterr().out
+    assert "| link per phase | MiB | hides from, tokens a micro-batch |" in out
+    assert "| backward, device to host, a micro-batch | 3814.7 | 8,000 |" in out
+    assert "Binding: forward" in out and "At 1,024" not in out
