@@ -752,6 +752,14 @@ def _weight_units_or_refusal(
         )
     if groups:
         return _sharded_modules_or_refusal(model, config)
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if len(devices) > 1:
+        raise ValueError(
+            f"offload_parameters=True found the model's parameters on several devices "
+            f"{devices}: its weights leave for the host and come back to one device, a block "
+            "at a time. Put the whole model on one device (model.to(device)) before creating "
+            "the cache."
+        )
     return weight_units(model, name=config.parameter_blocks)
 
 
