@@ -1217,8 +1217,8 @@ MUTANTS = [
     (
         "weights: a backward with create_graph is refused",
         "gradient_cache/engine/weight_stream.py",
-        "    if torch.is_grad_enabled():\n        raise RuntimeError(\n            \"A backward with create_graph",
-        "    if False:\n        raise RuntimeError(\n            \"A backward with create_graph",
+        '    if torch.is_grad_enabled():\n        raise RuntimeError(\n            "A backward with create_graph',
+        '    if False:\n        raise RuntimeError(\n            "A backward with create_graph',
         "tests/test_parameters_nothing_lost.py::test_a_gradient_penalty_is_refused_naming_create_graph",
     ),
     (
@@ -1231,8 +1231,8 @@ MUTANTS = [
     (
         "weights: a model on several devices is refused without exclude_layers",
         "gradient_cache/manager.py",
-        "    if len(devices) > 1:\n        raise ValueError(\n            f\"offload_parameters=True found",
-        "    if False:\n        raise ValueError(\n            f\"offload_parameters=True found",
+        '    if len(devices) > 1:\n        raise ValueError(\n            f"offload_parameters=True found',
+        '    if False:\n        raise ValueError(\n            f"offload_parameters=True found',
         "tests/test_parameters_nothing_lost.py::test_a_model_on_several_devices_is_refused_without_naming_exclude_layers",
     ),
     (
