@@ -305,7 +305,7 @@ def test_blocks_run_through_forward_are_warned_of_by_name() -> None:
         warnings.simplefilter("always")
         run_writing(model, manager, steps=1)
     messages = [str(w.message) for w in caught if "block(x)" in str(w.message)]
-    assert messages and "'encoder." in messages[0]
+    assert len(messages) == 1 and "'encoder." in messages[0]
 
 
 def test_a_model_on_several_devices_is_refused_without_naming_exclude_layers() -> None:

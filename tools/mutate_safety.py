@@ -1224,7 +1224,7 @@ MUTANTS = [
     (
         "weights: a block's gradient computed on the host masters is warned of",
         "gradient_cache/engine/weight_stream.py",
-        "            self._warn_unstreamed(param)\n",
+        "            self._unstreamed.add(param)\n",
         "            pass\n",
         "tests/test_parameters_nothing_lost.py::test_blocks_run_through_forward_are_warned_of_by_name",
     ),

@@ -91,7 +91,8 @@ class WeightStream:
         self._end_queued = False
         self._in_blocks = {p for params in units.block_params for p in params}
         self._named = list(model.named_parameters())
-        self._warned: set[Param] = set()  # warned of once each
+        self._unstreamed: set[Param] = set()  # block weights whose gradient met the host
+        self._warned = False
         self._tied: set[Param] = set()  # owned by two modules or more (a tied head)
         self._saved: dict[Param, weakref.ref[torch.Tensor]] = {}  # a tied weight's copy
         hook = functools.partial(ModuleHook, unpicklable=UNPICKLABLE)
@@ -288,24 +289,25 @@ class WeightStream:
     def _gradient_accumulated(self, param: Param) -> None:
         self._queue_end_of_backward()
         if param in self._in_blocks and self.weights.where(param) is WeightAt.HOST:
-            self._warn_unstreamed(param)
+            self._unstreamed.add(param)
         if self._forwards <= 1 and not self._reused:
             self.weights.free([param])
 
-    def _warn_unstreamed(self, param: Param) -> None:
-        """A block's weight got its gradient without its block on the device: the block
-        ran, and backward computed, on the host masters."""
-        if param in self._warned:
+    def _warn_unstreamed(self) -> None:
+        """Blocks' weights got their gradients without their block on the device: the
+        blocks ran, and backward computed, on the host masters. Once, at a backward's end."""
+        if not self._unstreamed or self._warned:
             return
-        self._warned.add(param)
-        names = {p: n for n, p in self._named}
+        self._warned = True
+        names = [name for name, param in self._named if param in self._unstreamed]
         warnings.warn(
-            f"Parameter {names.get(param, '?')!r} received its gradient while its weights "
-            "were on the host: its block ran outside its module call (block.forward(x) "
-            "skips the hooks that bring a block's weights to the device; call block(x)), "
-            "so it computed on the host masters, which a GPU refuses. Call the blocks as "
-            "modules, or name the container the model calls them through in "
-            "parameter_blocks.",
+            f"{len(names)} block parameter(s) ({', '.join(map(repr, names[:4]))}"
+            f"{', ...' if len(names) > 4 else ''}) received their gradients while their "
+            "weights were on the host: their blocks ran outside the hooks that bring a "
+            "block's weights to the device (block.forward(x) instead of block(x); the whole "
+            "model under torch.compile with inductor), so they computed on the host masters, "
+            "which a GPU refuses. Call the blocks as modules, and compile the blocks "
+            "(block.compile()) rather than the whole model.",
             UserWarning,
             stacklevel=2,
         )
@@ -316,6 +318,7 @@ class WeightStream:
             self._end_queued = True
 
     def _backward_ended(self) -> None:
+        self._warn_unstreamed()
         self.weights.free(self.weights.present())
         self._forwards = 0
         self._called = set()  # a framework calling a submodule never begins the model
