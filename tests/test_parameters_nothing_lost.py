@@ -314,3 +314,34 @@ def test_a_model_on_several_devices_is_refused_without_naming_exclude_layers() -
     with pytest.raises(ValueError, match="several devices") as refusal:
         gradient_cache.create_gradient_cache(model, **STREAMED)
     assert "exclude_layers" not in str(refusal.value)
+
+
+def test_forward_issues_the_rests_and_the_first_blocks_copies_before_it_waits(
+    monkeypatch,
+) -> None:
+    """The model's forward starts both copies, then waits for the rest alone: block 0's
+    copy runs while the embeddings compute. The last block stays from its forward to its
+    backward (not given up and brought again)."""
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    weights = manager.engine.optimizer_state.weights
+    backend = weights.backend
+    calls: list[str] = []
+    start, finish = backend.start_refill, backend.finish_to_device
+    monkeypatch.setattr(
+        backend, "start_refill", lambda *a, **k: calls.append("copy") or start(*a, **k)
+    )
+    monkeypatch.setattr(
+        backend, "finish_to_device", lambda *a, **k: calls.append("wait") or finish(*a, **k)
+    )
+    last = list(model.blocks[-1].parameters())
+    seen = []
+    model.blocks[-1].register_forward_hook(lambda *_: seen.append("ran"))
+    _, loss = model(*batches(1)[0])
+    assert calls[:3] == ["copy", "copy", "wait"]
+    assert seen and all(weights.where(p) is WeightAt.DEVICE for p in last)
+    copies = calls.count("copy")
+    loss.backward()
+    assert all(weights.where(p) is WeightAt.HOST for p in last)
+    assert calls.count("copy") == copies + len(model.blocks) - 1  # every block but the last
+    manager.remove_hooks()

@@ -1236,6 +1236,20 @@ MUTANTS = [
         "tests/test_parameters_nothing_lost.py::test_a_model_on_several_devices_is_refused_without_naming_exclude_layers",
     ),
     (
+        "weights: the rest's and block 0's copies both start before forward waits",
+        "gradient_cache/engine/weight_stream.py",
+        "        self.weights.bring(self.units.rest)\n        if not in_backward():",
+        "        self.weights.ensure(self.units.rest)\n        if not in_backward():",
+        "tests/test_parameters_nothing_lost.py::test_forward_issues_the_rests_and_the_first_blocks_copies_before_it_waits",
+    ),
+    (
+        "weights: the last block stays from its forward to its backward",
+        "gradient_cache/engine/weight_stream.py",
+        "        if not (last and output is not None and torch.is_grad_enabled()):\n",
+        "        if True:\n",
+        "tests/test_parameters_offload.py::test_the_device_holds_the_rest_and_two_blocks_and_each_step_moves_what_it_says",
+    ),
+    (
         "weights: a checkpointed block's recomputation in backward frees nothing",
         "gradient_cache/engine/weight_stream.py",
         "        if in_backward():\n            return  # a recomputation: its backward reads these weights next\n",

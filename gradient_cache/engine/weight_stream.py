@@ -159,9 +159,10 @@ class WeightStream:
             self._forwards += 1
             self._called = set()
         self._refuse_autocast()
-        self.weights.ensure(self.units.rest)
-        if not in_backward():
+        self.weights.bring(self.units.rest)
+        if not in_backward():  # both copies issued before the compute stream waits for one
             self.weights.bring(self._block(0))
+        self.weights.ensure(self.units.rest)
         return self._cast(args, kwargs)
 
     @outside_graphs
@@ -190,7 +191,8 @@ class WeightStream:
             return
         for tensor in outputs:
             tensor.register_hook(self._backward_begins)
-        # Backward starts with the last block: on its way while the loss is computed.
+        # Backward starts with the last block: kept from its forward (brought again where
+        # a later forward freed it).
         self.weights.bring(self._block(len(self.units.blocks) - 1))
 
     @outside_graphs
@@ -263,7 +265,9 @@ class WeightStream:
                 tensor.register_hook(
                     functools.partial(self._block_backward_begins, index, consumers)
                 )
-        self.weights.free(self._block(index))
+        last = index == len(self.units.blocks) - 1
+        if not (last and output is not None and torch.is_grad_enabled()):
+            self.weights.free(self._block(index))  # the last one: backward begins with it
 
     @outside_graphs
     def _block_backward_begins(self, index: int, consumers: list[int], grad: torch.Tensor) -> None:
