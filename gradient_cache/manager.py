@@ -752,6 +752,26 @@ def _weight_units_or_refusal(
         )
     if groups:
         return _sharded_modules_or_refusal(model, config)
+    devices = sorted({str(p.device) for p in model.parameters()})
+    target = config.device
+    on_it = target is not None and all(
+        d.type == target.type and target.index in (None, d.index)
+        for d in map(torch.device, devices)
+    )
+    if target is not None and devices != ["cpu"] and not on_it:
+        raise ValueError(
+            f"device={str(config.device)!r} sets up a model whose parameters are on the "
+            f"host, and this one's are on {', '.join(devices)}. Build or load the model on "
+            "the CPU (torch.device('cpu'), or load_state_dict(..., assign=True) into a "
+            "model made on the meta device), or drop device for a model already on it."
+        )
+    if len(devices) > 1:
+        raise ValueError(
+            f"offload_parameters=True found the model's parameters on several devices "
+            f"{devices}: its weights leave for the host and come back to one device, a block "
+            "at a time. Put the whole model on one device (model.to(device)) before creating "
+            "the cache."
+        )
     return weight_units(model, name=config.parameter_blocks)
 
 
@@ -765,6 +785,12 @@ def _sharded_modules_or_refusal(
             "casts the weights in its all-gathers. Drop compute_dtype and shard with "
             "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
             f"{config.compute_dtype}, reduce_dtype=torch.float32))."
+        )
+    if config.device is not None:
+        raise ValueError(
+            f"device={str(config.device)!r} cannot be combined with FSDP2: fully_shard puts "
+            "each rank's shards on its device, from which the cache moves them to the host. "
+            "Drop device."
         )
     if config.parameter_blocks is not None:
         raise ValueError(
@@ -802,9 +828,19 @@ def _stream_weights(
         raise
     states.weights = weights
     if isinstance(units, WeightUnits):
+        _buffers_to(model, pipeline.backend.device)
         return WeightStream(model, weights, units)
     assert isinstance(weights, ShardWeights)  # built for the sharded modules above
     return ShardStream(model, weights, units)
+
+
+def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """``model``'s buffers on ``device``, where a model set up from the host (``device=``)
+    computes; they stay there, as plain PyTorch's would."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def _parameter_list(

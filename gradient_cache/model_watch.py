@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .engine.module_hooks import ModuleHook
 from .engine.sharding import is_dtensor
 
 
@@ -46,7 +47,7 @@ class ParameterWatch:
         self.saw_fp16_autocast = False
         # prepend: a refusal comes before FSDP2's pre-hook gathers (and leaves the root's
         # parameters unsharded, which a new cache would refuse).
-        self._handle = model.register_forward_pre_hook(self._check, prepend=True)
+        self._handle = model.register_forward_pre_hook(ModuleHook(self._check), prepend=True)
 
     def remove(self) -> None:
         self._handle.remove()

@@ -79,8 +79,9 @@ class WeightLayout:
 
     def entries_per_micro_batch(self) -> int:
         """Entries brought to the device a micro-batch: each block's twice (forward, then
-        backward again), the rest's once (it stays until the end of backward)."""
-        return 2 * sum(self.blocks) + self.rest
+        backward again) but the last one's, the rest's once (they stay from forward to
+        the end of backward)."""
+        return 2 * sum(self.blocks) - self.blocks[-1] + self.rest
 
 
 def weight_layout(model: torch.nn.Module, *, name: str | None = None) -> WeightLayout:

@@ -204,6 +204,31 @@ CASES = [
      ValueError, "'0.bias': it is a view of a larger tensor"),
     ("a compute dtype without the weights", "EngineConfig(compute_dtype=torch.bfloat16)",
      ValueError, "acts only with offload_parameters=True"),
+    ("blocks named by a module, not its list",
+     "m = torch.nn.Module(); m.body = torch.nn.Module(); "
+     "m.body.layers = torch.nn.ModuleList([model(), model()]); "
+     "create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True, "
+     "parameter_blocks='body')", ValueError,
+     "parameter_blocks='body' names a Module, not the nn.ModuleList or nn.Sequential"),
+    ("the weights of a model on several devices",
+     "m = torch.nn.Sequential(model(), model()); "
+     "m[1].weight = torch.nn.Parameter(torch.empty(4, 4, device='meta')); "
+     "create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True)",
+     ValueError, "Put the whole model on one device"),
+    ("autocast around the weights on the host",
+     "m = torch.nn.Sequential(model(), model()); "
+     "c = create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True); "
+     "torch.autocast('cpu', dtype=torch.bfloat16)(m)(torch.randn(2, 4))",
+     RuntimeError, "Pass compute_dtype=torch.bfloat16 to the cache instead"),
+    ("a gradient penalty with the weights on the host",
+     "m = torch.nn.Sequential(model(), model()); "
+     "c = create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True); "
+     "torch.autograd.grad(m(torch.randn(2, 4)).sum(), list(m.parameters()), "
+     "create_graph=True)", RuntimeError, "A backward with create_graph=True"),
+    ("pickling a model whose weights are on the host",
+     "import io; m = torch.nn.Sequential(model(), model()); "
+     "c = create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True); "
+     "torch.save(m, io.BytesIO())", TypeError, "Save model.state_dict() instead"),
 ]  # fmt: skip
 
 

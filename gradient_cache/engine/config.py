@@ -127,9 +127,9 @@ class EngineConfig:
             the weights to the device (4 bytes per parameter each), and the step moves them
             both ways. Default False.
         compute_dtype: With ``offload_parameters``: the dtype forward and backward compute
-            in (``torch.bfloat16``): the host keeps the fp32 masters and a copy of each in
-            this dtype, which the blocks bring (half the link's bytes), the floating inputs
-            of the model and of each block are cast to it, the gradients are accumulated
+            in (``torch.bfloat16``): the blocks bring the fp32 masters and cast them on
+            the device (4 bytes a parameter over the link), the floating inputs of the model
+            and of each block are cast to it, the gradients are accumulated
             and stepped in fp32, and the step steps the fp32 masters on the device: FSDP2's
             ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)``
             on one process, bit for bit. None (default): the weights' own dtype.
@@ -138,6 +138,11 @@ class EngineConfig:
             the ``nn.ModuleList`` or ``nn.Sequential`` whose children hold the most
             parameter bytes. Parameters outside the blocks, or used by more than one
             (tied), stay on the device from the forward to the end of its backward.
+        device: With ``offload_parameters``: the device to train on, for a model whose
+            parameters are on the host (built on the CPU, or loaded there): the cache sets
+            it up from the host, its weights never whole on the device (the buffers go to
+            the device; the batches are yours to put there). None (default): the device the
+            parameters are on.
         memory_budget: a device-memory budget, a share of the device's memory (``"80%"``
             or ``0.8``) or an amount (``"20GiB"``): the steps through the first after the
             warm-up run with everything offloaded and their device peak is measured (the
@@ -164,6 +169,7 @@ class EngineConfig:
     offload_parameters: bool = False
     compute_dtype: torch.dtype | None = None
     parameter_blocks: str | None = None
+    device: torch.device | str | None = None
     memory_budget: str | float | None = None
     checkpoint_frequency: int = 1
 
@@ -221,7 +227,23 @@ class EngineConfig:
                 "half-precision copy of the fp32 weights; give torch.bfloat16 or torch.float16, "
                 "or None for the weights' own dtype."
             )
+        if self.device is not None:
+            try:
+                device = torch.device(self.device)
+            except (RuntimeError, TypeError) as error:
+                raise ValueError(
+                    f"device={self.device!r} is not a device ({error}); give one such as "
+                    "'cuda', 'cuda:1' or torch.device('cuda')."
+                ) from None
+            object.__setattr__(self, "device", device)
         if not self.offload_parameters:
+            if self.device is not None:
+                raise ValueError(
+                    f"device={self.device!r} sets a model up on the device from the host, its "
+                    "weights staying there, and acts only with offload_parameters=True (and "
+                    "offload_optimizer_state=True): add them, or move the model yourself "
+                    "(model.to(device)) and drop device."
+                )
             if self.compute_dtype is not None:
                 raise ValueError(
                     f"compute_dtype={self.compute_dtype!r} is the dtype of the weights' copies "

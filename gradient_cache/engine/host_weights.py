@@ -75,6 +75,7 @@ class _Weight:
     in_use: torch.Tensor | None = None  # ``compute`` or ``full``, while not HOST
     arrival: Transfer | None = None
     dirty: bool = False  # stepped on the device, its copy back not started
+    version: int = 0  # P's version counter when its device tensor became P.data
 
     def place(self) -> torch.Tensor:
         """What ``P.data`` is: the device tensor in use once arrived, else the master."""
@@ -120,6 +121,7 @@ class HostWeights:
             weight.master.copy_(source)
             self._rest(param, weight)
         self._weights: dict[Param, _Weight] = weights
+        self._names = {param: name for name, param in named_params}
         # Host-to-device and back, counted as they start, since the last step ended; and
         # the last step's (its forward and backward passes, and the step).
         self.moved_bytes = 0
@@ -250,6 +252,7 @@ class HostWeights:
                 self._arrived(weight)
                 weight.at = WeightAt.DEVICE
                 self._show(param, weight)
+                weight.version = param._version
             weight.dirty |= step
 
     def free(self, params: Iterable[Param]) -> None:
@@ -257,6 +260,7 @@ class HostWeights:
         copy back (forward and backward do not change the weights), except for a dirty
         one, which is copied back first (`store`)."""
         held = self._held(params)
+        refused = self._written(held)
         dirty = [param for param, weight in held if weight.dirty]
         if dirty:
             self.store(dirty)
@@ -270,12 +274,41 @@ class HostWeights:
             weight.at, weight.in_use = WeightAt.HOST, None
             self._show(param, weight)
             self.backend.resize_storage(in_use, 0)
+        if refused:
+            self._refuse(refused)
+
+    def _written(self, held: list[tuple[Param, _Weight]]) -> list[Param]:
+        """Those of ``held`` written in place while their device tensor was ``P.data`` (a
+        write in forward: ``nn.Embedding(max_norm=)``'s renorm, a counter or codebook a
+        block updates under ``no_grad``; a load between forward and backward) made dirty,
+        so the write reaches the master as a step's does; those in the compute dtype,
+        whose fp32 master cannot take a bf16 write exactly, returned to be refused."""
+        refused = []
+        for param, weight in held:
+            if weight.at is not WeightAt.DEVICE or param._version == weight.version:
+                continue
+            weight.version = param._version
+            if weight.in_use is weight.full:
+                weight.dirty = True
+            else:
+                refused.append(param)
+        return refused
+
+    def _refuse(self, written: list[Param]) -> None:
+        names = ", ".join(repr(self._names[param]) for param in written)
+        raise RuntimeError(
+            f"Parameters {names} were written in place during a forward or backward in the "
+            f"compute dtype ({self.compute_dtype}), and their fp32 masters on the host "
+            "cannot take a bf16 write exactly (the write is lost). Write them outside the "
+            "forward (between steps), keep such state in a buffer (register_buffer), or "
+            "create the cache without compute_dtype."
+        )
 
     def forget(self, params: Iterable[Param]) -> None:
         """A failed step's bucket: its device copies given up unchanged in the masters
         (the step raised before changing anything), nothing copied back."""
-        for _, weight in self._held(params):
-            weight.dirty = False
+        for param, weight in self._held(params):
+            weight.dirty, weight.version = False, param._version
         self.free(params)
 
     def store(self, params: Iterable[Param]) -> None:
@@ -290,6 +323,7 @@ class HostWeights:
         transfer = self.backend.start_to_host(pairs)
         for param in present:  # the copies back started: the masters will be the newer
             self._weights[param].dirty = False
+            self._weights[param].version = param._version
         self.moved_bytes += sum(_nbytes(device) for device, _ in pairs)
         # The compute stream waits for the copies back before the memory goes.
         self.backend.release(transfer)

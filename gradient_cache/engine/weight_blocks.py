@@ -4,7 +4,8 @@ With ``offload_parameters=True`` the weights come to the device a block at a tim
 running, the next arriving). The blocks are the children of one container of repeated
 layers: the one ``parameter_blocks`` names (a dotted module name, ``"transformer.h"``), or
 else the ``nn.ModuleList`` / ``nn.Sequential`` whose children hold the most parameter
-bytes (a transformer's layers). A parameter used by one block only travels with it; every
+bytes (a transformer's layers), with every other container of repeated layers outside it
+(an encoder's beside a decoder's). A parameter used by one block only travels with it; every
 other one (embeddings, the final norm and head, a weight tied across blocks or between a
 block and the rest) is in the *rest*, on the device from the model's forward to the end of
 its backward.
@@ -31,33 +32,19 @@ class WeightUnits:
 
 
 def find_blocks(model: torch.nn.Module, *, name: str | None = None) -> list[torch.nn.Module]:
-    """The blocks of ``model``: the children of the container ``name`` names, or of the
-    `CONTAINERS` one whose children hold the most parameter bytes (at least two of them
-    holding parameters). Raises ValueError, naming how to name them, where there is none."""
+    """The blocks of ``model``: the children of the container ``name`` names; or else those
+    of the `CONTAINERS` one whose children hold the most parameter bytes, then of every other
+    container of repeated layers (children of one class, two or more holding parameters)
+    outside it: an encoder's and a decoder's. In the model's module order, which is forward
+    order for an encoder-decoder. Raises ValueError, naming how to name them, where there is
+    none."""
     if name is not None:
-        try:
-            container = model.get_submodule(name)
-        except AttributeError as error:
-            raise ValueError(
-                f"parameter_blocks={name!r} names no module of {type(model).__name__} "
-                f"({error}). Give the dotted name of the module list that holds its blocks, "
-                "as model.named_modules() lists it (e.g. 'transformer.h' for GPT-2)."
-            ) from None
-        blocks = [child for child in container.children() if _bytes(child)]
-        if len(blocks) < 2:
-            raise ValueError(
-                f"parameter_blocks={name!r} names a {type(container).__name__} with "
-                f"{len(blocks)} child module(s) holding parameters; the weights stream a "
-                "block at a time, so it must hold the model's repeated blocks (two or more)."
-            )
-        return blocks
-    best: list[torch.nn.Module] = []
+        return _named_blocks(model, name)
+    candidates: list[torch.nn.Module] = []
     for module in model.modules():
-        if isinstance(module, CONTAINERS):
-            blocks = [child for child in module.children() if _bytes(child)]
-            if len(blocks) >= 2 and sum(map(_bytes, blocks)) > sum(map(_bytes, best)):
-                best = blocks
-    if not best:
+        if isinstance(module, CONTAINERS) and len(_holding(module)) >= 2:
+            candidates.append(module)
+    if not candidates:
         raise ValueError(
             f"offload_parameters=True found no blocks in {type(model).__name__}: the weights "
             "come to the device a block at a time, and the blocks are the children of an "
@@ -65,7 +52,59 @@ def find_blocks(model: torch.nn.Module, *, name: str | None = None) -> list[torc
             "with two or more holding parameters. Hold the repeated layers in an "
             "nn.ModuleList, or name their container: parameter_blocks='encoder.layers'."
         )
-    return best
+    largest = max(candidates, key=lambda c: sum(map(_bytes, _holding(c))))
+    chosen = [largest]
+    for container in candidates:
+        children = _holding(container)
+        repeated = len({type(child) for child in children}) == 1
+        if repeated and not any(_nested(container, c) or _nested(c, container) for c in chosen):
+            chosen.append(container)
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    chosen.sort(key=lambda c: order[id(c)])
+    return [child for container in chosen for child in _holding(container)]
+
+
+def _named_blocks(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
+    """The children of the container ``name`` names, or a ValueError naming the fix."""
+    try:
+        container = model.get_submodule(name)
+    except AttributeError as error:
+        raise ValueError(
+            f"parameter_blocks={name!r} names no module of {type(model).__name__} "
+            f"({error}). Give the dotted name of the module list that holds its blocks, "
+            "as model.named_modules() lists it (e.g. 'transformer.h' for GPT-2)."
+        ) from None
+    if not isinstance(container, CONTAINERS):
+        lists = [
+            f"{name}.{inner}"
+            for inner, module in container.named_modules()
+            if inner and isinstance(module, CONTAINERS) and len(_holding(module)) >= 2
+        ]
+        hint = f" (in it: {', '.join(map(repr, lists[:3]))})" if lists else ""
+        raise ValueError(
+            f"parameter_blocks={name!r} names a {type(container).__name__}, not the "
+            "nn.ModuleList or nn.Sequential of its blocks: the blocks are that list's "
+            "children, and a module's whole would come to the device as one block. Name "
+            f"the list{hint}, e.g. 'transformer.h' for GPT-2, not 'transformer'."
+        )
+    blocks = _holding(container)
+    if len(blocks) < 2:
+        raise ValueError(
+            f"parameter_blocks={name!r} names a {type(container).__name__} with "
+            f"{len(blocks)} child module(s) holding parameters; the weights stream a "
+            "block at a time, so it must hold the model's repeated blocks (two or more)."
+        )
+    return blocks
+
+
+def _holding(container: torch.nn.Module) -> list[torch.nn.Module]:
+    """``container``'s children that hold parameters."""
+    return [child for child in container.children() if _bytes(child)]
+
+
+def _nested(inner: torch.nn.Module, outer: torch.nn.Module) -> bool:
+    """Whether ``inner`` is ``outer`` or inside it."""
+    return any(module is inner for module in outer.modules())
 
 
 def weight_units(model: torch.nn.Module, *, name: str | None = None) -> WeightUnits:

@@ -38,6 +38,7 @@ summed), nothing goes at its accumulation: the weights stay until the end of bac
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -45,10 +46,18 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .host_weights import HostWeights
+from .host_weights import HostWeights, WeightAt
+from .module_hooks import ModuleHook
 from .weight_blocks import WeightUnits
 
 Param = torch.nn.Parameter
+
+UNPICKLABLE = (
+    "torch.save(model) pickles the module whole, and with offload_parameters=True its "
+    "weights live in the gradient cache's host slabs. Save model.state_dict() instead "
+    "(compact copies of the weights; the cache's own state is hook_manager.state_dict()), "
+    "or call hook_manager.remove_hooks() first."
+)
 
 
 def in_backward() -> bool:
@@ -80,22 +89,25 @@ class WeightStream:
         # weights go before the block that made it arrives.
         self._consumers: dict[int, tuple[weakref.ref[torch.Tensor], list[int]]] = {}
         self._end_queued = False
+        self._in_blocks = {p for params in units.block_params for p in params}
+        self._named = list(model.named_parameters())
+        self._unstreamed: set[Param] = set()  # block weights whose gradient met the host
+        self._warned = False
+        self._tied: set[Param] = set()  # owned by two modules or more (a tied head)
+        self._saved: dict[Param, weakref.ref[torch.Tensor]] = {}  # a tied weight's copy
+        hook = functools.partial(ModuleHook, unpicklable=UNPICKLABLE)
         self._handles = [
-            model.register_forward_pre_hook(self._model_begins, with_kwargs=True),
+            model.register_forward_pre_hook(hook(self._model_begins), with_kwargs=True),
             # always_call: a forward that raises gives back what it brought.
-            model.register_forward_hook(self._model_ends, always_call=True),
-            model.register_state_dict_pre_hook(self._masters_for_the_host),
-            # A partial: torch marks the hook it is given, which a bound method refuses.
-            model.register_state_dict_post_hook(functools.partial(self._compact_state_dict)),
-            model.register_load_state_dict_pre_hook(self._masters_for_the_host),
+            model.register_forward_hook(hook(self._model_ends), always_call=True),
         ]
         for index, block in enumerate(units.blocks):
             self._handles += [
                 block.register_forward_pre_hook(
-                    functools.partial(self._block_begins, index), with_kwargs=True
+                    hook(functools.partial(self._block_begins, index)), with_kwargs=True
                 ),
                 block.register_forward_hook(
-                    functools.partial(self._block_ends, index), always_call=True
+                    hook(functools.partial(self._block_ends, index)), always_call=True
                 ),
             ]
         # The rest's own modules bring their weights too: a framework may call a submodule
@@ -107,8 +119,26 @@ class WeightStream:
                 begins = functools.partial(self._rest_module_begins, own)
                 ends = functools.partial(self._rest_module_ends, own)
                 self._handles += [
-                    module.register_forward_pre_hook(begins),
-                    module.register_forward_hook(ends, always_call=True),
+                    module.register_forward_pre_hook(hook(begins)),
+                    module.register_forward_hook(hook(ends), always_call=True),
+                ]
+        # A save or load reaches a parameter through the module that owns it, whichever
+        # module it is called on (a block's state_dict, a load into the head).
+        owners = [dict(m.named_parameters(recurse=False)) for m in model.modules()]
+        seen: set[Param] = set()
+        for own in owners:
+            self._tied |= seen.intersection(own.values())
+            seen.update(own.values())
+        for owner, own in zip(model.modules(), owners, strict=True):
+            if own:
+                self._handles += [
+                    owner.register_state_dict_pre_hook(hook(functools.partial(self._home, own))),
+                    owner.register_state_dict_post_hook(
+                        hook(functools.partial(self._compact, own))
+                    ),
+                    owner.register_load_state_dict_pre_hook(
+                        hook(functools.partial(self._home, own))
+                    ),
                 ]
         self._handles += [
             param.register_post_accumulate_grad_hook(self._gradient_accumulated)
@@ -128,9 +158,11 @@ class WeightStream:
         if not in_backward() and torch.is_grad_enabled():
             self._forwards += 1
             self._called = set()
-        self.weights.ensure(self.units.rest)
-        if not in_backward():
+        self._refuse_autocast()
+        self.weights.bring(self.units.rest)
+        if not in_backward():  # both copies issued before the compute stream waits for one
             self.weights.bring(self._block(0))
+        self.weights.ensure(self.units.rest)
         return self._cast(args, kwargs)
 
     @outside_graphs
@@ -159,13 +191,15 @@ class WeightStream:
             return
         for tensor in outputs:
             tensor.register_hook(self._backward_begins)
-        # Backward starts with the last block: on its way while the loss is computed.
+        # Backward starts with the last block: kept from its forward (brought again where
+        # a later forward freed it).
         self.weights.bring(self._block(len(self.units.blocks) - 1))
 
     @outside_graphs
     def _backward_begins(self, grad: torch.Tensor) -> None:
         """The model's output has its gradient: the rest is read next (again, in a second
         backward through a retained graph)."""
+        refuse_create_graph()
         self._queue_end_of_backward()
         self.weights.ensure(self.units.rest)
 
@@ -179,10 +213,29 @@ class WeightStream:
                 made = self._consumers.get(id(tensor))
                 if made is not None and made[0]() is tensor:
                     made[1].append(index)
+        self._refuse_autocast()
         self.weights.ensure(self._block(index))
         if not in_backward():
             self.weights.bring(self._block(index + 1))
         return self._cast(args, kwargs)
+
+    def _refuse_autocast(self) -> None:
+        """Autocast keeps a cast copy of each weight it meets until the forward ends (its
+        weight cache): the device would hold the whole model's weights again."""
+        kind = self.weights.backend.device.type
+        if (
+            torch.amp.is_autocast_available(kind)
+            and torch.is_autocast_enabled(kind)
+            and torch.is_autocast_cache_enabled()
+        ):
+            raise RuntimeError(
+                f"torch.autocast({kind!r}) is on around a model whose weights are on the host "
+                "(offload_parameters=True): autocast keeps a cast copy of every weight it "
+                "meets until the forward ends, so the device would hold the whole model's "
+                "weights. Pass compute_dtype=torch.bfloat16 to the cache instead (forward "
+                "and backward in bf16, a block at a time), or turn autocast's weight cache "
+                f"off: torch.autocast({kind!r}, dtype=..., cache_enabled=False)."
+            )
 
     def _cast(self, args: Any, kwargs: Any) -> Any:
         """The floating inputs in the compute dtype (FSDP2's ``cast_forward_inputs``, at
@@ -203,16 +256,22 @@ class WeightStream:
             hook = functools.partial(self._block_backward_ended, index)
             for tensor in tensors_needing_gradients((args, kwargs)):
                 tensor.register_hook(hook)
+            inputs = {id(t) for t in pytree.tree_leaves((args, kwargs))}
             for tensor in tensors_needing_gradients(output):
+                if id(tensor) in inputs:
+                    continue  # handed on unchanged (T5's position bias): not this block's
                 consumers: list[int] = []
                 self._consumers[id(tensor)] = (weakref.ref(tensor), consumers)
                 tensor.register_hook(
                     functools.partial(self._block_backward_begins, index, consumers)
                 )
-        self.weights.free(self._block(index))
+        last = index == len(self.units.blocks) - 1
+        if not (last and output is not None and torch.is_grad_enabled()):
+            self.weights.free(self._block(index))  # the last one: backward begins with it
 
     @outside_graphs
     def _block_backward_begins(self, index: int, consumers: list[int], grad: torch.Tensor) -> None:
+        refuse_create_graph()
         self._queue_end_of_backward()
         for consumer in consumers:  # their backward is done: this output's gradient is whole
             self._free_frozen(consumer)
@@ -233,8 +292,29 @@ class WeightStream:
     @outside_graphs
     def _gradient_accumulated(self, param: Param) -> None:
         self._queue_end_of_backward()
+        if param in self._in_blocks and self.weights.where(param) is WeightAt.HOST:
+            self._unstreamed.add(param)
         if self._forwards <= 1 and not self._reused:
             self.weights.free([param])
+
+    def _warn_unstreamed(self) -> None:
+        """Blocks' weights got their gradients without their block on the device: the
+        blocks ran, and backward computed, on the host masters. Once, at a backward's end."""
+        if not self._unstreamed or self._warned:
+            return
+        self._warned = True
+        names = [name for name, param in self._named if param in self._unstreamed]
+        warnings.warn(
+            f"{len(names)} block parameter(s) ({', '.join(map(repr, names[:4]))}"
+            f"{', ...' if len(names) > 4 else ''}) received their gradients while their "
+            "weights were on the host: their blocks ran outside the hooks that bring a "
+            "block's weights to the device (block.forward(x) instead of block(x); the whole "
+            "model under torch.compile with inductor), so they computed on the host masters, "
+            "which a GPU refuses. Call the blocks as modules, and compile the blocks "
+            "(block.compile()) rather than the whole model.",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _queue_end_of_backward(self) -> None:
         if not self._end_queued:
@@ -242,6 +322,7 @@ class WeightStream:
             self._end_queued = True
 
     def _backward_ended(self) -> None:
+        self._warn_unstreamed()
         self.weights.free(self.weights.present())
         self._forwards = 0
         self._called = set()  # a framework calling a submodule never begins the model
@@ -249,15 +330,33 @@ class WeightStream:
         self._consumers = {}
         self._end_queued = False
 
-    def _masters_for_the_host(self, *args: Any) -> None:
-        """Before ``state_dict`` reads the masters or ``load_state_dict`` writes them: every
-        device copy home (none may outlive a load, the next use would read the old weights;
-        a backward still to come brings them again), and no copy still reading or writing."""
-        self.weights.free(self.weights.present())
+    def _home(self, own: dict[str, Param], *args: Any) -> None:
+        """Before ``state_dict`` reads ``own`` (one module's parameters) or
+        ``load_state_dict`` writes them: their device copies home (none may outlive a load,
+        the next use would read the old weights; a backward still to come brings them
+        again), and no copy still reading or writing a master."""
+        self.weights.free(own.values())
         self.weights.wait_on_host()
 
-    def _compact_state_dict(self, module: Any, state: dict[str, Any], *args: Any) -> None:
-        compact_masters(self.weights, state)
+    def _compact(
+        self, own: dict[str, Param], module: Any, state: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        """Each of ``own`` in ``state`` as a copy of its own, not a view of the masters'
+        slab; a weight tied across modules as one copy under each of its names (saved
+        once, still tied)."""
+        for name, param in own.items():
+            value = state.get(prefix + name)
+            if not isinstance(value, torch.Tensor) or not self.weights.holds(value):
+                continue
+            if param not in self._tied:
+                state[prefix + name] = self.weights.compact(value)
+                continue
+            earlier = self._saved.get(param)
+            copy = earlier() if earlier is not None else None
+            if copy is None or not any(v is copy for v in state.values()):
+                copy = self.weights.compact(value)
+                self._saved[param] = weakref.ref(copy)
+            state[prefix + name] = copy
 
     def _block(self, index: int) -> list[Param]:
         if 0 <= index < len(self.units.blocks):
@@ -274,6 +373,20 @@ def compact_masters(
         value = state.get(key)
         if isinstance(value, torch.Tensor) and weights.holds(value):
             state[key] = weights.compact(value)
+
+
+def refuse_create_graph() -> None:
+    """A backward that records a graph of its own (``create_graph=True``: a gradient
+    penalty) would save the device copies of the weights in it, which go when this backward
+    ends, and the second backward would read freed memory."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "A backward with create_graph=True (torch.autograd.grad(..., create_graph=True), "
+            "a gradient penalty) reached a model whose weights are on the host "
+            "(offload_parameters=True): the graph it records would read the blocks' device "
+            "copies after they are given back. Compute the penalty without create_graph, "
+            "or create the cache without offload_parameters."
+        )
 
 
 def tensors_needing_gradients(output: Any) -> list[torch.Tensor]:

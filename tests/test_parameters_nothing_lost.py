@@ -1,0 +1,347 @@
+"""offload_parameters=True loses nothing and says what it cannot do: writes in forward, loads
+and saves through any submodule, copies of the model, every container of blocks, and the
+uses it refuses by name. Each against plain PyTorch on the same seed and data."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from helpers import assert_same_parameters
+from test_parameters_offload import STREAMED, all_on_the_host, batches, gpt, sgd_momentum, train
+from torch import nn
+
+import gradient_cache
+from gradient_cache.engine.host_weights import WeightAt
+from gradient_cache.engine.weight_blocks import weight_units
+
+
+class WritingBlock(nn.Module):
+    """A block that writes its frozen parameters in forward: a step counter and an EMA
+    codebook (as a VQ layer does), under no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.count = nn.Parameter(torch.zeros(()), requires_grad=False)
+        self.code = nn.Parameter(torch.randn(4, 16), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.count.add_(1)
+            self.code.mul_(0.9).add_(0.1 * hidden.detach().mean(0))
+        return torch.tanh(self.lin(hidden)) + self.code.sum(0)
+
+
+class WritingModel(nn.Module):
+    """An embedding that renormalizes its rows in forward (``max_norm``), and writing blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16, max_norm=1.0)
+        self.blocks = nn.ModuleList(WritingBlock() for _ in range(3))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.emb(tokens)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden)
+
+
+def run_writing(model: nn.Module, manager=None, *, steps: int = 3) -> None:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        tokens = torch.randint(32, (8,), generator=generator)
+        nn.functional.cross_entropy(model(tokens), tokens).backward()
+        if manager is None:
+            optimizer.step()
+        else:
+            manager.step(optimizer)
+        optimizer.zero_grad()
+
+
+def writing_model() -> WritingModel:
+    torch.manual_seed(0)
+    return WritingModel()
+
+
+def test_writes_into_weights_during_forward_reach_the_masters() -> None:
+    """``nn.Embedding(max_norm=)``'s renorm (the rest) and a block's counter and codebook
+    (frozen, updated under no_grad) write the weights in use: each write is kept, bit for
+    bit with plain PyTorch."""
+    plain, cached = writing_model(), writing_model()
+    run_writing(plain)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
+    run_writing(cached, manager)
+    assert cached.blocks[0].count.item() == 3.0
+    assert_same_parameters(plain, cached)
+    assert all_on_the_host(cached, manager)
+
+
+def test_a_write_in_forward_under_a_compute_dtype_is_refused_naming_the_parameter() -> None:
+    cached = writing_model()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, compute_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"'blocks\.0\.count', 'blocks\.0\.code'.*compute dtype"):
+        cached(torch.arange(8))
+    manager.remove_hooks()
+
+
+def test_a_load_into_a_submodule_after_a_dropped_forward_reaches_training() -> None:
+    """A forward with gradients whose output is dropped leaves the rest on the device; a load
+    into the head alone (its own load_state_dict) must reach the next use."""
+    data = batches(2)
+
+    def run(model, manager=None):
+        optimizer = sgd_momentum(model)
+        loaded = {k: v + 0.01 for k, v in model.lm_head.state_dict().items()}
+        model(*data[0])  # dropped: no backward
+        model.lm_head.load_state_dict(loaded)
+        train(model, optimizer, data, manager=manager)
+
+    plain, cached = gpt(), gpt()
+    run(plain)
+    run(cached, gradient_cache.create_gradient_cache(cached, **STREAMED))
+    assert_same_parameters(plain, cached)
+
+
+def test_a_blocks_own_state_dict_holds_compact_copies_and_saves_its_own_bytes() -> None:
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    train(model, sgd_momentum(model), batches(1), manager=manager)
+    block = model.blocks[0]
+    state = block.state_dict()
+    assert all(v.untyped_storage().nbytes() == v.nbytes for v in state.values())
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    own = sum(v.nbytes for v in state.values())
+    assert len(buffer.getvalue()) < own + 16_384  # its bytes and pickle's framing, no slab
+    for name, value in block.named_parameters():
+        assert torch.equal(state[name], value)
+    model(*batches(1)[0])  # dropped: the rest stays on the device until a backward
+    weights = manager.engine.optimizer_state.weights
+    assert weights.where(model.ln_f.weight) is WeightAt.DEVICE
+    saved = model.ln_f.state_dict()["weight"]
+    assert weights.where(model.ln_f.weight) is WeightAt.HOST  # sent home first
+    assert torch.equal(saved, model.ln_f.weight)
+
+
+def test_a_tied_weight_is_saved_once_and_loads_tied() -> None:
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    state = model.state_dict()
+    assert state["lm_head.weight"] is state["tok_emb.weight"]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    plain_buffer = io.BytesIO()
+    torch.save(gpt().state_dict(), plain_buffer)
+    assert len(buffer.getvalue()) <= len(plain_buffer.getvalue())
+    manager.remove_hooks()
+
+
+@pytest.mark.parametrize("options", [STREAMED, {"compression_ratio": 1}], ids=["weights", "grads"])
+@pytest.mark.parametrize("copier", ["deepcopy", "averaged"])
+def test_an_ema_copy_of_a_cached_model_computes_as_the_model_and_carries_no_live_hooks(
+    options, copier
+) -> None:
+    data = batches(3)
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **options)
+    train(model, sgd_momentum(model), data[:2], manager=manager)
+    if copier == "deepcopy":
+        ema = copy.deepcopy(model)
+    else:
+        ema = torch.optim.swa_utils.AveragedModel(model)
+        ema.update_parameters(model)
+    with torch.no_grad():
+        expected = model(*data[2])[1]
+        assert torch.equal(ema(*data[2])[1], expected)
+    moved = manager.summary().parameters_moved_mb if options is STREAMED else None
+    ema(*data[2])[1].backward()  # the copy trains on its own: the cache sees none of it
+    assert all(p.grad is not None for p in ema.parameters() if p.requires_grad)
+    if moved is not None:
+        assert manager.summary().parameters_moved_mb == moved
+    manager.remove_hooks()
+    with torch.no_grad():
+        assert torch.equal(ema(*data[2])[1], expected)
+
+
+def test_torch_save_of_the_model_works_or_names_what_to_save() -> None:
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    tokens, targets = batches(1)[0]
+    assert torch.equal(loaded(tokens, targets)[1], model(tokens, targets)[1])
+
+    streamed = gpt()
+    streaming = gradient_cache.create_gradient_cache(streamed, **STREAMED)
+    with pytest.raises(TypeError, match=r"model\.state_dict\(\)"):
+        torch.save(streamed, io.BytesIO())
+    manager.remove_hooks()
+    streaming.remove_hooks()
+
+
+def test_a_gradient_penalty_is_refused_naming_create_graph() -> None:
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    tokens, targets = batches(1)[0]
+    _, loss = model(tokens, targets)
+    blocks = [p for p in model.blocks.parameters()]
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(loss, blocks, create_graph=True)
+    manager.remove_hooks()
+
+
+def test_autocast_is_refused_naming_compute_dtype_and_runs_without_its_weight_cache() -> None:
+    data = batches(2)
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError) as refusal:
+        model(*data[0])
+    assert "compute_dtype" in str(refusal.value)
+    assert "cache_enabled=False" in str(refusal.value)
+    manager.remove_hooks()
+
+    def run(model, manager=None):
+        optimizer = sgd_momentum(model)
+        for tokens, targets in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                _, loss = model(tokens, targets)
+            loss.backward()
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+
+    plain, cached = gpt(), gpt()
+    run(plain)
+    run(cached, gradient_cache.create_gradient_cache(cached, **STREAMED))
+    assert_same_parameters(plain, cached)
+
+
+def test_parameter_blocks_naming_a_module_that_is_not_the_list_is_refused() -> None:
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = gpt()
+
+    with pytest.raises(ValueError, match=r"'transformer'.*not the.*'transformer\.blocks'"):
+        gradient_cache.create_gradient_cache(Outer(), **STREAMED, parameter_blocks="transformer")
+
+
+class PassingLayer(nn.Module):
+    """A T5 block: the first makes a position bias, every later one takes it and hands it
+    on unchanged in its outputs."""
+
+    def __init__(self, *, first: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bias = nn.Parameter(torch.randn(16)) if first else None
+
+    def forward(self, hidden, bias=None):
+        if bias is None:
+            bias = self.bias * 1.0
+        return torch.tanh(self.lin(hidden) + bias), bias
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self, *, direct: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.encoder = nn.ModuleList(PassingLayer(first=i == 0) for i in range(4))
+        self.decoder = nn.ModuleList(PassingLayer(first=i == 0) for i in range(4))
+        self.head = nn.Linear(16, 32)
+        self.direct = direct  # the encoder's blocks called through .forward
+
+    def forward(self, tokens):
+        hidden, bias = self.emb(tokens), None
+        for layer in self.encoder:
+            hidden, bias = layer.forward(hidden, bias) if self.direct else layer(hidden, bias)
+        encoded, bias = hidden, None
+        for layer in self.decoder:
+            hidden, bias = layer(hidden + encoded, bias)
+        return self.head(hidden)
+
+
+def encoder_decoder(**kwargs) -> EncoderDecoder:
+    torch.manual_seed(0)
+    return EncoderDecoder(**kwargs)
+
+
+def test_an_encoder_and_a_decoder_both_stream_and_a_handed_on_tensor_brings_nothing_back() -> None:
+    model = encoder_decoder()
+    units = weight_units(model)
+    assert units.blocks == [*model.encoder, *model.decoder]
+    plain = encoder_decoder()
+    run_writing(plain)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    weights = manager.engine.optimizer_state.weights
+    held = []
+    for layer in [*model.encoder, *model.decoder]:
+        layer.lin.weight.register_hook(
+            lambda grad: held.append(sum(p.numel() for p in weights.present()))
+        )
+    run_writing(model, manager)
+    assert_same_parameters(plain, model)
+    total = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.decoder[1].parameters())
+    rest = sum(p.numel() for p in units.rest)
+    assert max(held) <= rest + 3 * block + 16  # not the model: the rest and a few blocks
+    assert max(held) < 0.6 * total
+
+
+def test_blocks_run_through_forward_are_warned_of_by_name() -> None:
+    model = encoder_decoder(direct=True)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_writing(model, manager, steps=1)
+    messages = [str(w.message) for w in caught if "block(x)" in str(w.message)]
+    assert len(messages) == 1 and "'encoder." in messages[0]
+
+
+def test_a_model_on_several_devices_is_refused_without_naming_exclude_layers() -> None:
+    model = gpt()
+    model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight, device="meta"))
+    with pytest.raises(ValueError, match="several devices") as refusal:
+        gradient_cache.create_gradient_cache(model, **STREAMED)
+    assert "exclude_layers" not in str(refusal.value)
+
+
+def test_forward_issues_the_rests_and_the_first_blocks_copies_before_it_waits(
+    monkeypatch,
+) -> None:
+    """The model's forward starts both copies, then waits for the rest alone: block 0's
+    copy runs while the embeddings compute. The last block stays from its forward to its
+    backward (not given up and brought again)."""
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    weights = manager.engine.optimizer_state.weights
+    backend = weights.backend
+    calls: list[str] = []
+    start, finish = backend.start_refill, backend.finish_to_device
+    monkeypatch.setattr(
+        backend, "start_refill", lambda *a, **k: calls.append("copy") or start(*a, **k)
+    )
+    monkeypatch.setattr(
+        backend, "finish_to_device", lambda *a, **k: calls.append("wait") or finish(*a, **k)
+    )
+    last = list(model.blocks[-1].parameters())
+    seen = []
+    model.blocks[-1].register_forward_hook(lambda *_: seen.append("ran"))
+    _, loss = model(*batches(1)[0])
+    assert calls[:3] == ["copy", "copy", "wait"]
+    assert seen and all(weights.where(p) is WeightAt.DEVICE for p in last)
+    copies = calls.count("copy")
+    loss.backward()
+    assert all(weights.where(p) is WeightAt.HOST for p in last)
+    assert calls.count("copy") == copies + len(model.blocks) - 1  # every block but the last
+    manager.remove_hooks()
