@@ -753,7 +753,7 @@ def _weight_units_or_refusal(
     if groups:
         return _sharded_modules_or_refusal(model, config)
     devices = sorted({str(p.device) for p in model.parameters()})
-    target = config.device
+    target = None if config.device is None else torch.device(config.device)
     on_it = target is not None and all(
         d.type == target.type and target.index in (None, d.index)
         for d in map(torch.device, devices)

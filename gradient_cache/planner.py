@@ -328,17 +328,18 @@ def phase_links(inputs: PlanInputs, *, payload: int, per_encode: int) -> tuple[P
     out after it).
 
     Forward brings each block's weights and the rest's (c bytes an entry); backward the
-    blocks' again, sends the gradients out and, from the second micro-batch on, brings the
-    stored ones back to be added to; the fused step brings each master (``param_bytes``),
-    its state and its restored gradient, and takes the master and state back. Over a step the phases
-    add up to `weights_on_host`'s link bytes."""
+    blocks' but the last again, sends the gradients out and, from the second micro-batch
+    on, brings the stored ones back to be added to; the fused step brings each master
+    (``param_bytes``), its state and its restored gradient, and takes the master and state
+    back. Over a step the phases add up to `weights_on_host`'s link bytes."""
     layout = inputs.weights
     if layout is None:
         raise ValueError("phase_links needs PlanInputs.weights (the blocks and the rest)")
     numel, micro_batches = sum(inputs.tensors), inputs.micro_batches
     copy_bytes = inputs.weight_copy_bytes or inputs.param_bytes
-    blocks = sum(layout.blocks) * copy_bytes
-    forward = blocks + layout.rest * copy_bytes  # the rest stays until backward's end
+    forward = (sum(layout.blocks) + layout.rest) * copy_bytes  # the rest stays to backward's end
+    # Backward brings the blocks again, but the last, kept from its forward.
+    blocks = (sum(layout.blocks) - layout.blocks[-1]) * copy_bytes
     residual = per_encode - payload
     master_and_state = numel * inputs.param_bytes + int(numel * inputs.optimizer_state_bytes)
     accumulations = micro_batches - 1

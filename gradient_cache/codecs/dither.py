@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .generators import device_generator, draw
+
 TABLE_SEED = 0xD17E
 _MASK64 = (1 << 64) - 1
 # The longest window (a codec's chunk, `block_kernels.BLOCK_CHUNK`); the table is twice it,
@@ -37,9 +39,9 @@ def window_start(seed: int, draw: int) -> int:
 
 def noise_table(device: torch.device) -> torch.Tensor:
     """``2 * WINDOW`` uniform numbers from the fixed seed, then their complements."""
-    maker = torch.Generator(device=device).manual_seed(TABLE_SEED)
+    maker = device_generator(device).manual_seed(TABLE_SEED)
     table = torch.empty(4 * WINDOW, device=device)  # filled in place: no temporaries
-    torch.rand(2 * WINDOW, generator=maker, device=device, out=table[: 2 * WINDOW])
+    draw((2 * WINDOW,), maker, device, out=table[: 2 * WINDOW])
     # 1 - u: negating is exact, so adding 1 rounds as the subtraction does.
     table[2 * WINDOW :].copy_(table[: 2 * WINDOW]).neg_().add_(1)
     return table

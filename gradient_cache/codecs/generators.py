@@ -23,6 +23,30 @@ class RandomSource(Protocol):
         ...
 
 
+def device_generator(device: torch.device) -> torch.Generator:
+    """A new generator for ``device``, or a CPU one where the device has none of its own
+    (the emulated device): its draws are made on the CPU and copied over (`draw`)."""
+    try:
+        return torch.Generator(device=device)
+    except (RuntimeError, NotImplementedError):
+        return torch.Generator()
+
+
+def draw(
+    shape: tuple[int, ...],
+    generator: torch.Generator,
+    device: torch.device,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Uniform numbers in [0, 1) from ``generator`` on ``device`` (drawn where the
+    generator lives, then copied: the same numbers as a CPU run's)."""
+    if generator.device == device:
+        return torch.rand(shape, generator=generator, device=device, out=out)
+    values = torch.rand(shape, generator=generator, device=generator.device)
+    return values.to(device) if out is None else out.copy_(values)
+
+
 class DeviceGenerators:
     """One seeded generator per device, created on first use."""
 
@@ -32,16 +56,16 @@ class DeviceGenerators:
 
     def __call__(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+            self._generators[device] = device_generator(device).manual_seed(self.seed)
         return self._generators[device]
 
     def uniform_like(self, x: torch.Tensor) -> torch.Tensor:
         """Uniform noise in [0, 1) shaped like ``x``, on its device, in fp32."""
-        return torch.rand(x.shape, generator=self(x.device), device=x.device)
+        return draw(tuple(x.shape), self(x.device), x.device)
 
     def uniform(self, count: int, device: torch.device) -> torch.Tensor:
         """``count`` uniform numbers in [0, 1) on ``device``, fp32 (as `dither.Dither`'s)."""
-        return torch.rand(count, generator=self(device), device=device)
+        return draw((count,), self(device), device)
 
     def get_state(self, device: torch.device) -> torch.Tensor | None:
         """``device``'s generator state (a CPU uint8 tensor); None if nothing drew there."""
@@ -50,7 +74,7 @@ class DeviceGenerators:
 
     def state_problem(self, device: torch.device, state: torch.Tensor) -> str | None:
         try:  # a scratch generator: this one stays as it is
-            torch.Generator(device=device).set_state(state)
+            device_generator(device).set_state(state)
         except (RuntimeError, TypeError) as error:
             return f"not a {device.type} generator's state ({error})"
         return None

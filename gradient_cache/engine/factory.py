@@ -56,8 +56,9 @@ def parameter_device(params: Sequence[Param]) -> torch.device:
 
 
 def create_backend(params: Sequence[Param], config: EngineConfig, *, plan: RoutePlanner) -> Backend:
-    """The backend for the parameters' device, after checking the host budget."""
-    device = parameter_device(params)
+    """The backend for ``config.device`` (a model set up from the host) or else the
+    parameters' device, after checking the host budget."""
+    device = torch.device(config.device) if config.device is not None else parameter_device(params)
     if config.backend != "auto" and config.backend != device.type:
         raise ValueError(
             f"backend={config.backend!r} does not match the parameters' device {device}; "

@@ -114,10 +114,10 @@ class WeightStream:
         # (Lightning's training_step calls self.model), never the model given.
         rest = set(units.rest)
         for module in model.modules():
-            own = [p for p in module.parameters(recurse=False) if p in rest]
-            if own and module is not model:
-                begins = functools.partial(self._rest_module_begins, own)
-                ends = functools.partial(self._rest_module_ends, own)
+            rest_own = [p for p in module.parameters(recurse=False) if p in rest]
+            if rest_own and module is not model:
+                begins = functools.partial(self._rest_module_begins, rest_own)
+                ends = functools.partial(self._rest_module_ends, rest_own)
                 self._handles += [
                     module.register_forward_pre_hook(hook(begins)),
                     module.register_forward_hook(hook(ends), always_call=True),
@@ -126,18 +126,18 @@ class WeightStream:
         # module it is called on (a block's state_dict, a load into the head).
         owners = [dict(m.named_parameters(recurse=False)) for m in model.modules()]
         seen: set[Param] = set()
-        for own in owners:
-            self._tied |= seen.intersection(own.values())
-            seen.update(own.values())
-        for owner, own in zip(model.modules(), owners, strict=True):
-            if own:
+        for owned in owners:
+            self._tied |= seen.intersection(owned.values())
+            seen.update(owned.values())
+        for owner, owned in zip(model.modules(), owners, strict=True):
+            if owned:
                 self._handles += [
-                    owner.register_state_dict_pre_hook(hook(functools.partial(self._home, own))),
+                    owner.register_state_dict_pre_hook(hook(functools.partial(self._home, owned))),
                     owner.register_state_dict_post_hook(
-                        hook(functools.partial(self._compact, own))
+                        hook(functools.partial(self._compact, owned))
                     ),
                     owner.register_load_state_dict_pre_hook(
-                        hook(functools.partial(self._home, own))
+                        hook(functools.partial(self._home, owned))
                     ),
                 ]
         self._handles += [

@@ -1,13 +1,7 @@
 """The emulated device (`gradient_cache.testing.emulated_device`): an accelerator that lives
 in host RAM, with its own device type, memory cap, streams, events, pinned memory, copies
 that land only when waited for, and autocast, so device code paths run in CI on the CPU.
-
-Installing the device is for the whole process and cannot be undone: afterwards
-`torch.accelerator` has a device, pinning works, and FSDP2 builds its default mesh on it.
-So the cases that install it run in a pytest process of their own, which the parent's
-`test_the_device_cases_pass_in_a_process_of_their_own` starts; the parent (an xdist worker
-runs several test files) keeps a CPU-only torch. The child builds the extension once
-(about a minute on two cores, then cached) for all its cases (module fixture).
+Its clear errors, which need a process without it, are tests/test_emulated_device_errors.py.
 """
 
 from __future__ import annotations
@@ -15,56 +9,35 @@ from __future__ import annotations
 import copy
 import io
 import os
-import subprocess
-import sys
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from gradient_cache.testing import EmulatedDeviceError, emulated, emulated_device
+from gradient_cache.testing import emulated_device
 from gradient_cache.testing.emulated import pending_copies
 
-ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
-CHILD = "GRADIENT_CACHE_EMULATED_DEVICE_PROCESS"
-IN_CHILD = os.environ.get(CHILD) == "1"
-parent_only = pytest.mark.skipif(IN_CHILD, reason="the parent pytest runs it")
-
-
-@pytest.fixture(scope="module")
-def installed() -> torch.device:
-    if not IN_CHILD:
-        pytest.skip("installs the device: runs in the child pytest process")
-    return emulated_device()
-
-
-@pytest.fixture
-def device(installed: torch.device) -> Iterator[torch.device]:
-    """Each test starts uncapped with nothing pending, and leaves the device so."""
-    yield installed
-    torch.accelerator.synchronize()
-    emulated_device()
-
-
-@parent_only
-def test_the_device_cases_pass_in_a_process_of_their_own() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "--tb=short", "-p", "no:cacheprovider"],
-        env={**os.environ, CHILD: "1"},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
-
-
-# ---- 1. memory of its own ------------------------------------------------------------
+OLD = torch.zeros(4)
+NEW = torch.arange(4.0)
+LOWER = {
+    "matmul": lambda a, b: a @ b,
+    "bmm": lambda a, b: torch.bmm(a[None], b[None]),
+    "baddbmm": lambda a, b: torch.baddbmm(a[None], a[None], b[None]),
+    "addmm": lambda a, b: torch.addmm(a, a, b),
+    "conv2d": lambda a, b: torch.conv2d(a[None, None], b[None, None]),
+}
+FP32 = {
+    "softmax": lambda a: torch.softmax(a, -1),
+    "log_softmax": lambda a: torch.log_softmax(a, -1),
+    "layer_norm": lambda a: nn.functional.layer_norm(a, (4,)),
+    "cross_entropy": lambda a: nn.functional.cross_entropy(
+        a, torch.tensor([0, 1, 2, 3], device=a.device)
+    ),
+    "mse_loss": lambda a: nn.functional.mse_loss(a, a.detach() + 1),
+    "sum": lambda a: a.sum(),
+}
 
 
 def test_memory_is_counted_capped_and_reported(device: torch.device) -> None:
@@ -106,9 +79,6 @@ def test_the_capacity_is_checked(device: torch.device) -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="capacity_bytes"):
             emulated_device(capacity_bytes=bad)  # type: ignore[arg-type]
-
-
-# ---- 2. a device type of its own -----------------------------------------------------
 
 
 def test_ops_mixing_the_device_and_the_cpu_raise_as_on_cuda(device: torch.device) -> None:
@@ -158,9 +128,6 @@ def test_backward_runs_on_the_devices_own_autograd_thread(device: torch.device) 
     assert threads and threads[0] != threading.get_ident()
 
 
-# ---- 3. storages -----------------------------------------------------------------------
-
-
 def test_a_storage_freed_and_refilled_is_seen_by_its_views(device: torch.device) -> None:
     """FSDP2's free and refill: resize_(0), resize_(n), a copy in."""
     t = torch.arange(6.0, device=device)
@@ -174,9 +141,6 @@ def test_a_storage_freed_and_refilled_is_seen_by_its_views(device: torch.device)
     t.untyped_storage().resize_(24)
     t.copy_(torch.arange(6.0) + 10)
     assert torch.equal(view.cpu(), (torch.arange(6.0) + 10).view(2, 3))
-
-
-# ---- 4. streams and events -----------------------------------------------------------
 
 
 def test_streams_and_events(device: torch.device) -> None:
@@ -215,17 +179,11 @@ def test_current_streams_are_per_thread(device: torch.device) -> None:
     assert seen == [0]
 
 
-# ---- 5. pinned host memory -------------------------------------------------------------
-
-
 def test_pinned_host_memory(device: torch.device) -> None:
     assert torch.empty(8, pin_memory=True).is_pinned()
     pinned = torch.arange(8.0).pin_memory()
     assert pinned.is_pinned() and pinned[2:].is_pinned()
     assert not torch.arange(8.0).is_pinned()
-
-
-# ---- 6. copies land only when waited for ---------------------------------------------
 
 
 def upload(device: torch.device, stream: torch.Stream) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,10 +193,6 @@ def upload(device: torch.device, stream: torch.Stream) -> tuple[torch.Tensor, to
     with stream:
         destination.copy_(source, non_blocking=True)
     return source, destination
-
-
-OLD = torch.zeros(4)
-NEW = torch.arange(4.0)
 
 
 def test_a_copy_lands_before_a_later_op_on_its_stream(device: torch.device) -> None:
@@ -368,9 +322,6 @@ def test_a_copy_landing_in_a_freed_storage_raises(device: torch.device) -> None:
     assert pending_copies() == 0
 
 
-# ---- 7. autocast -----------------------------------------------------------------------
-
-
 def test_autocast_linear_is_bf16_and_equals_the_cpus_bit_for_bit(device: torch.device) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(16, 8)
@@ -382,25 +333,6 @@ def test_autocast_linear_is_bf16_and_equals_the_cpus_bit_for_bit(device: torch.d
         result = on_device(x.to(device))
     assert result.dtype == torch.bfloat16
     assert torch.equal(result.cpu(), expected)
-
-
-LOWER = {
-    "matmul": lambda a, b: a @ b,
-    "bmm": lambda a, b: torch.bmm(a[None], b[None]),
-    "baddbmm": lambda a, b: torch.baddbmm(a[None], a[None], b[None]),
-    "addmm": lambda a, b: torch.addmm(a, a, b),
-    "conv2d": lambda a, b: torch.conv2d(a[None, None], b[None, None]),
-}
-FP32 = {
-    "softmax": lambda a: torch.softmax(a, -1),
-    "log_softmax": lambda a: torch.log_softmax(a, -1),
-    "layer_norm": lambda a: nn.functional.layer_norm(a, (4,)),
-    "cross_entropy": lambda a: nn.functional.cross_entropy(
-        a, torch.tensor([0, 1, 2, 3], device=a.device)
-    ),
-    "mse_loss": lambda a: nn.functional.mse_loss(a, a.detach() + 1),
-    "sum": lambda a: a.sum(),
-}
 
 
 @pytest.mark.parametrize("name", LOWER)
@@ -435,9 +367,6 @@ def test_autocast_keeps_one_cast_copy_of_a_leaf_weight_until_the_region_ends(
     assert per_call == (2 if cache else 3)
     assert released == (weight_copy if cache else 0)
     del first, second
-
-
-# ---- 8. everything else: the CPU's kernels, bit for bit ----------------------------------
 
 
 def train(device: torch.device | str, **adamw: bool) -> list[torch.Tensor]:
@@ -523,86 +452,3 @@ def test_save_and_load_keep_the_device(device: torch.device) -> None:
     assert loaded.device == device and torch.equal(loaded.cpu(), torch.arange(5.0))
     buffer.seek(0)
     assert torch.load(buffer, map_location="cpu")["w"].device.type == "cpu"
-
-
-# ---- 9. clear errors, and nothing built before it is asked for ------------------------------
-
-
-def uninstalled(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """As if this process had not installed the device, with an empty build cache."""
-    monkeypatch.setattr(emulated, "_installed", False)
-    monkeypatch.setenv("GRADIENT_CACHE_BUILD_DIR", str(tmp_path))
-
-
-@parent_only
-@pytest.mark.parametrize("missing", ["c++", "ninja"])
-def test_a_missing_build_tool_names_what_to_install(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, missing: str
-) -> None:
-    uninstalled(monkeypatch, tmp_path)
-    real_which = emulated.shutil.which
-    monkeypatch.setattr(
-        emulated.shutil,
-        "which",
-        lambda name, **kw: None if name == missing else real_which(name, **kw),
-    )
-    fix = "apt-get install g++" if missing == "c++" else "pip install ninja"
-    with pytest.raises(RuntimeError, match=fix):
-        emulated_device()
-
-
-@parent_only
-def test_an_unsupported_torch_names_its_version_and_the_supported_ones(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(torch, "__version__", "2.99.1+cpu")
-    with pytest.raises(EmulatedDeviceError, match=r"supports torch 2\.13, not 2\.99\.1"):
-        emulated_device()
-
-
-@parent_only
-def test_another_privateuse1_backend_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
-    with pytest.raises(EmulatedDeviceError, match="'npu'"):
-        emulated_device()
-
-
-def run_python(code: str, **env: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-@parent_only
-def test_importing_builds_nothing_and_the_cpu_path_works(tmp_path: Path) -> None:
-    code = (
-        "import sys, torch, gradient_cache, gradient_cache.testing\n"
-        "model = torch.nn.Linear(4, 4)\n"
-        "cache = gradient_cache.create_gradient_cache(model, compression_ratio=1)\n"
-        "model(torch.randn(2, 4)).sum().backward()\n"
-        "cache.remove_hooks()\n"
-        "print(torch._C._get_privateuse1_backend_name())\n"
-        "print('torch.utils.cpp_extension' in sys.modules)\n"
-    )
-    output = run_python(code, GRADIENT_CACHE_BUILD_DIR=str(tmp_path / "cache"))
-    assert output.split() == ["privateuseone", "False"]
-    assert not (tmp_path / "cache").exists()
-
-
-def test_a_second_process_loads_the_cached_library_fast(device: torch.device) -> None:
-    code = (
-        "import time, torch\n"
-        "from gradient_cache.testing import emulated_device\n"
-        "start = time.perf_counter()\n"
-        "emulated_device()\n"
-        "print(time.perf_counter() - start)\n"
-    )
-    assert float(run_python(code)) < 0.5
