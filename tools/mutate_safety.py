@@ -1250,6 +1250,27 @@ MUTANTS = [
         "tests/test_parameters_offload.py::test_the_device_holds_the_rest_and_two_blocks_and_each_step_moves_what_it_says",
     ),
     (
+        "weights: a clip between two backwards is refused with the weights on the host (device gradients onto host parameters)",
+        "gradient_cache/engine/capture.py",
+        "        if pipeline.optimizer_state is not None and pipeline.optimizer_state.weights is not None:\n",
+        "        if False:\n",
+        "tests/emulated/test_device_defects.py::test_a_clip_between_backwards_with_the_weights_on_the_host_is_refused",
+    ),
+    (
+        "weights: a model set up from the host (device=) gets the backend of that device",
+        "gradient_cache/engine/factory.py",
+        "    device = torch.device(config.device) if config.device is not None else parameter_device(params)\n",
+        "    device = parameter_device(params)\n",
+        "tests/emulated/test_larger_than_device.py::test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit",
+    ),
+    (
+        "weights: a model set up from the host has its buffers on the device",
+        "gradient_cache/manager.py",
+        "        _buffers_to(model, pipeline.backend.device)\n",
+        "",
+        "tests/emulated/test_larger_than_device.py::test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit",
+    ),
+    (
         "weights: a checkpointed block's recomputation in backward frees nothing",
         "gradient_cache/engine/weight_stream.py",
         "        if in_backward():\n            return  # a recomputation: its backward reads these weights next\n",

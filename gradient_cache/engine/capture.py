@@ -75,6 +75,15 @@ class Capture:
         then spent; the step goes on (not delivered, not counted: its gradients return to
         the cache as this backward hands them over, as under accumulation)."""
         pipeline = self.pipeline
+        if pipeline.optimizer_state is not None and pipeline.optimizer_state.weights is not None:
+            raise RuntimeError(
+                "A backward came after a clip of this step's gradients (clip_grad_norm_ "
+                "between two backwards, whose clip the cache defers to the step) with the "
+                "weights on the host (offload_parameters=True): the clipped gradients would "
+                "come back into .grad on the device beside parameters on the host, which a "
+                "GPU refuses. Clip once, after the step's last backward: "
+                "hook_manager.step(optimizer, max_grad_norm=...)."
+            )
         pipeline.drain()
         pipeline.restore(list(pipeline.store))
         assert pipeline.pending is not None  # a deferred clip lives in the pending step

@@ -307,11 +307,13 @@ class WeightStream:
         warnings.warn(
             f"{len(names)} block parameter(s) ({', '.join(map(repr, names[:4]))}"
             f"{', ...' if len(names) > 4 else ''}) received their gradients while their "
-            "weights were on the host: their blocks ran outside the hooks that bring a "
-            "block's weights to the device (block.forward(x) instead of block(x); the whole "
-            "model under torch.compile with inductor), so they computed on the host masters, "
-            "which a GPU refuses. Call the blocks as modules, and compile the blocks "
-            "(block.compile()) rather than the whole model.",
+            "weights were on the host: they were used outside the hooks that bring a "
+            "block's weights to the device (block.forward(x) instead of block(x); a "
+            "regularizer over model.parameters(); the whole model under torch.compile with "
+            "inductor), so those uses computed on the host masters and autograd accumulated "
+            "them apart. Call the blocks as modules, compile the blocks (block.compile()) "
+            "rather than the whole model, and put a regularizer into the optimizer "
+            "(weight_decay) or compute it inside the blocks.",
             UserWarning,
             stacklevel=2,
         )

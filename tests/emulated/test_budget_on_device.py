@@ -1,0 +1,175 @@
+"""``memory_budget`` on the emulated device: the budget reads the device's own allocator
+(`AcceleratorMemory` through torch.accelerator: the reserved peak, the bytes outside the
+allocator, the total), decides at the second step, and trains bit for bit as plain PyTorch.
+
+The device is capped (`emulated_device(capacity_bytes=...)`) so that its total is the
+cap and nothing lies outside its allocator; uncapped it reports the host's RAM (see the
+last test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import batches, loss_of, make_model
+
+import gradient_cache
+from gradient_cache.engine.budget import AcceleratorMemory, device_memory_of
+from gradient_cache.testing import emulated_device
+
+MIB = 2**20
+CAP = 256 * MIB
+OPTIONS = dict(compression_ratio=1, offload_optimizer_state=True, bucket_size_mb=0.004)
+HALVES = (slice(0, 2), slice(2, 4))
+CLIP = 0.05
+STEPS = 4
+DECIDING_STEP = 1  # from 0: the budget decides at the second step's restore
+
+
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train(model, optimizer, *, manager=None, before_step=None) -> None:
+    """Two micro-batches and a clipped step, ``STEPS`` times; ``before_step(i)`` after the
+    ``i``-th step's backward, before its step."""
+    device = next(model.parameters()).device
+    for index, (tokens, targets) in enumerate(batches(STEPS)):
+        tokens, targets = tokens.to(device), targets.to(device)
+        for half in HALVES:
+            (loss_of(model, tokens[half], targets[half]) / 2).backward()
+        if before_step is not None:
+            before_step(index)
+        if manager is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+        else:
+            manager.step(optimizer, max_grad_norm=CLIP)
+        optimizer.zero_grad()
+
+
+def plain_run(device: torch.device) -> torch.nn.Module:
+    model = make_model().to(device)
+    train(model, sgd(model))
+    return model
+
+
+def assert_same_parameters(plain: torch.nn.Module, cached: torch.nn.Module) -> None:
+    for (name, a), b in zip(plain.named_parameters(), cached.parameters(), strict=True):
+        assert torch.equal(a.cpu(), b.cpu()), name
+
+
+def budgeted_run(device: torch.device, budget, *, cap_at_decision=None):
+    """A budgeted run on the device capped at ``CAP``; ``cap_at_decision(peak)`` gives the
+    cap to set just before the deciding step (``peak``: the allocator's reserved peak since
+    the manager's creation, which the decision's last sample reads). Returns the model,
+    the manager and that peak."""
+    emulated_device(capacity_bytes=CAP)
+    model = make_model().to(device)
+    optimizer = sgd(model)
+    manager = gradient_cache.create_gradient_cache(model, memory_budget=budget, **OPTIONS)
+    seen = {}
+
+    def before_step(index: int) -> None:
+        if index == DECIDING_STEP:
+            seen["peak"] = torch.accelerator.max_memory_reserved()
+            if cap_at_decision is not None:
+                emulated_device(capacity_bytes=cap_at_decision(seen["peak"]))
+        assert (manager.optimizer_step.budget.decision is None) == (index <= DECIDING_STEP)
+
+    train(model, optimizer, manager=manager, before_step=before_step)
+    return model, manager, seen["peak"]
+
+
+def kept(manager, kind: str) -> set[str]:
+    return manager.optimizer_step.budget.decision.kept_names(kind)
+
+
+def test_the_capped_device_is_read_through_its_allocator(device: torch.device) -> None:
+    emulated_device(capacity_bytes=CAP)
+    memory = device_memory_of(device)
+    assert isinstance(memory, AcceleratorMemory)
+    held = torch.empty(MIB // 4, device=device)  # 1 MiB
+    assert memory.total_bytes() == CAP
+    assert memory.outside_bytes() == 0  # all the device holds is the allocator's
+    assert memory.process_fraction() == 1.0
+    memory.reset_peak()
+    assert memory.peak_bytes() == torch.accelerator.memory_allocated()
+    del held
+
+
+def test_room_to_spare_keeps_everything_on_the_device(device: torch.device) -> None:
+    """``"100%"`` of a 256 MiB device: every gradient and all the state stay from the
+    decision on; the decision measured the allocator's peak exactly; plain's bits."""
+    plain = plain_run(device)
+    model, manager, peak = budgeted_run(device, "100%")
+    decision = manager.optimizer_step.budget.decision
+    assert decision.measured_peak == peak
+    assert decision.budget_bytes == CAP
+    names = {name for name, _ in model.named_parameters()}
+    assert kept(manager, "gradient") == kept(manager, "optimizer state") == names
+    assert not decision.offloaded
+    assert_same_parameters(plain, model)
+    # A backward now leaves every gradient on the device: nothing cached.
+    tokens, targets = (t.to(device) for t in batches(1)[0])
+    loss_of(model, tokens, targets).backward()
+    manager.compress_and_free_gradients()
+    assert not manager.engine.store
+    assert all(p.grad is not None and p.grad.device == device for p in model.parameters())
+
+
+def test_a_tight_budget_offloads_some_gradients_bit_for_bit(device: torch.device) -> None:
+    """Half of a device capped, at the decision, at twice (the measured peak plus one and
+    a half times the gradients' bytes): the budget's room holds the state (SGD's momentum:
+    the gradients' bytes, decided first) and about half the gradients; the rest stay
+    offloaded. Plain's bits."""
+    plain = plain_run(device)
+    gradient_bytes = sum(p.nbytes for p in plain.parameters())
+    room = gradient_bytes * 3 // 2
+    model, manager, peak = budgeted_run(
+        device, "50%", cap_at_decision=lambda peak: 2 * (peak + room)
+    )
+    decision = manager.optimizer_step.budget.decision
+    assert decision.measured_peak == peak
+    assert decision.budget_bytes == peak + room
+    parameters = len(list(model.parameters()))
+    assert len(kept(manager, "optimizer state")) == parameters
+    assert 0 < len(kept(manager, "gradient")) < parameters
+    assert {c.kind for c in decision.offloaded} == {"gradient"}
+    assert decision.kept_bytes <= room
+    assert_same_parameters(plain, model)
+    # A backward now caches exactly the offloaded gradients.
+    tokens, targets = (t.to(device) for t in batches(1)[0])
+    loss_of(model, tokens, targets).backward()
+    manager.compress_and_free_gradients()
+    by_name = dict(model.named_parameters())
+    cached = {name for name, p in by_name.items() if p in manager.engine.store}
+    assert cached == {c.name for c in decision.offloaded}
+    assert all((by_name[n].grad is None) == (n in cached) for n in by_name)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "Uncapped, the emulated device reports the host's RAM: get_memory_info() gives "
+        "(sysconf _SC_AVPHYS_PAGES, i.e. MemFree, and _SC_PHYS_PAGES) * page size, so "
+        "AcceleratorMemory.outside_bytes() = total - free - reserved counts every host byte "
+        "in use outside the device's allocator (other processes, this one's heap, the page "
+        "cache: gigabytes) as device memory outside the allocator, and the budget's measured "
+        "peak is the allocator's (0.1 MiB here) plus that (1.6 GiB on a 24 GiB host)."
+    ),
+)
+def test_uncapped_the_measured_peak_is_the_allocators(device: torch.device) -> None:
+    emulated_device(capacity_bytes=None)
+    model = make_model().to(device)
+    manager = gradient_cache.create_gradient_cache(model, memory_budget="100%", **OPTIONS)
+    seen = {}
+
+    def before_step(index: int) -> None:
+        if index == DECIDING_STEP:
+            seen["peak"] = torch.accelerator.max_memory_reserved()
+
+    train(model, sgd(model), manager=manager, before_step=before_step)
+    measured = manager.optimizer_step.budget.decision.measured_peak
+    assert measured == seen["peak"], (
+        f"measured {measured / MIB:.1f} MiB, the allocator's peak {seen['peak'] / MIB:.3f} MiB"
+    )

@@ -1,0 +1,100 @@
+"""A model larger than the device, set up from the host (``device=``), on the emulated device
+with a cap: plain PyTorch cannot place it, the cache trains it bit for bit with plain
+PyTorch on the CPU, and the device never holds more than its cap."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import gradient_cache
+from gradient_cache.demo.models import GPTConfig, TinyGPT
+from gradient_cache.testing import emulated_device
+
+CONFIG = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_layers=24, n_heads=2)
+OPTIONS = {
+    "compression_ratio": 1,
+    "offload_optimizer_state": True,
+    "offload_parameters": True,
+    "bucket_size_mb": 0.1,  # two buckets of weights, gradients and AdamW state at the step
+}
+
+
+def model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(CONFIG, activation_checkpointing=True)
+
+
+def batches(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        tuple(torch.randint(64, (2, 16), generator=generator).to(device) for _ in range(2))
+        for _ in range(3)
+    ]
+
+
+def train(net: TinyGPT, data, manager=None) -> list[float]:
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    losses = []
+    for tokens, targets in data:
+        _, loss = net(tokens, targets)
+        loss.backward()
+        losses.append(loss.item())
+        if manager is None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            optimizer.step()
+        else:
+            manager.step(optimizer, max_grad_norm=1.0)
+        optimizer.zero_grad()
+    return losses
+
+
+def weights_bytes(net: torch.nn.Module) -> int:
+    return sum(p.nbytes for p in net.parameters())
+
+
+def test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit(device: torch.device) -> None:
+    plain = model()
+    cap = weights_bytes(plain) // 2  # its fp32 weights alone are twice the device
+    assert len(plain.blocks) == 24
+    expected = train(plain, batches(torch.device("cpu")))
+
+    emulated_device(capacity_bytes=cap)
+    with pytest.raises(torch.OutOfMemoryError):
+        model().to(device)  # plain PyTorch cannot even place it
+    torch.accelerator.reset_peak_memory_stats()
+    cached = model()  # on the host
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS, device=device)
+    assert all(p.device.type == "cpu" for p in cached.parameters())  # the masters, at rest
+    assert torch.accelerator.memory_allocated() < cap // 8  # buffers only: nothing brought
+    losses = train(cached, batches(device), manager)
+    assert losses == expected
+    for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.accelerator.max_memory_allocated() <= cap  # the allocator enforces it too
+    with warnings.catch_warnings(record=True) as caught:  # no room to bring them all back
+        warnings.simplefilter("always")
+        manager.remove_hooks()
+    assert any("did not fit on the device" in str(w.message) for w in caught)
+    assert all(p.device.type == "cpu" for p in cached.parameters())
+
+
+def test_a_model_already_on_the_device_is_set_up_as_before(device: torch.device) -> None:
+    net = model().to(device)
+    manager = gradient_cache.create_gradient_cache(net, **OPTIONS, device=device)
+    assert all(p.device.type == "cpu" for p in net.parameters())
+    train(net, batches(device), manager)
+    manager.remove_hooks()
+    assert all(p.device == device for p in net.parameters())
+
+
+def test_set_up_from_the_host_refuses_what_it_cannot_do(device: torch.device) -> None:
+    with pytest.raises(ValueError, match="acts only with offload_parameters=True"):
+        gradient_cache.create_gradient_cache(model(), compression_ratio=1, device=device)
+    split = model()
+    split.lm_head.to(device)
+    split.tok_emb.to(device)  # tied: both on the device, the blocks on the host
+    with pytest.raises(ValueError, match="whose parameters are on the host, and this one's"):
+        gradient_cache.create_gradient_cache(split, **OPTIONS, device=device)

@@ -1,0 +1,155 @@
+"""The weights on the host (``offload_parameters=True``) on the emulated device, where the
+device and the host are two memories and two device types: bit for bit with plain PyTorch
+on the device, the window read from the device's allocator, and the uses that only a second
+device tells apart (a write in forward, a load after a dropped forward, a regularizer over
+every parameter, autocast, a bf16 compute dtype)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_parameters_nothing_lost import writing_model
+from test_parameters_offload import STREAMED, adamw_two_groups, gpt
+from torch import nn
+
+import gradient_cache
+
+
+def on(device: torch.device, count: int = 3, *, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        tuple(torch.randint(64, (4, 16), generator=generator).to(device) for _ in range(2))
+        for _ in range(count)
+    ]
+
+
+def train(model, data, manager=None, *, clip=0.5, regularize=False):
+    optimizer = adamw_two_groups(model)
+    for tokens, targets in data:
+        _, loss = model(tokens, targets)
+        if regularize:  # over every parameter: the blocks' are at rest, on the host
+            loss = loss + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+        loss.backward()
+        if manager is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+        else:
+            manager.step(optimizer, max_grad_norm=clip)
+        optimizer.zero_grad()
+
+
+def same(plain: nn.Module, cached: nn.Module) -> None:
+    for (name, a), b in zip(plain.named_parameters(), cached.parameters(), strict=True):
+        assert torch.equal(a.cpu(), b.cpu()), name
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_training_on_the_device_is_plain_bit_for_bit(device, checkpointing) -> None:
+    data = on(device)
+    plain = gpt(checkpointing=checkpointing).to(device)
+    train(plain, data)
+    cached = gpt(checkpointing=checkpointing).to(device)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
+    train(cached, data, manager)
+    same(plain, cached)
+    assert all(p.device.type == "cpu" for p in cached.parameters())  # the masters at rest
+
+
+def held_at_each_block(model, data, manager=None) -> list[int]:
+    """The device bytes allocated as each block's forward ends, in one step."""
+    held: list[int] = []
+    handles = [
+        block.register_forward_hook(lambda *_: held.append(torch.accelerator.memory_allocated()))
+        for block in model.blocks
+    ]
+    base = torch.accelerator.memory_allocated()
+    train(model, data, manager)
+    for handle in handles:
+        handle.remove()
+    return [bytes_ - base for bytes_ in held]
+
+
+def test_the_allocator_sees_the_rest_and_two_blocks_not_the_model(device) -> None:
+    """Against plain on the device, step for step: as each block's forward ends plain holds
+    every weight, the cache the rest, that block and the next arriving (the activations
+    alike); at rest the cache holds no weight."""
+    data = on(device, 1)
+    plain = gpt().to(device)
+    plain_held = held_at_each_block(plain, data)
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    base = torch.accelerator.memory_allocated()
+    cached_held = held_at_each_block(cached, data, manager)
+    weights = sum(p.nbytes for p in cached.parameters())
+    rest = sum(p.nbytes for p in manager.engine.optimizer_state.weights.params()) - sum(
+        p.nbytes for block in cached.blocks for p in block.parameters()
+    )
+    block = max(sum(p.nbytes for p in b.parameters()) for b in cached.blocks)
+    window = rest + 2 * block
+    # Plain's weights were on the device before its step (in its base): what it adds as a
+    # block ends is the activations, which the cache adds too, with its window of weights.
+    for activations, cached_bytes in zip(plain_held, cached_held, strict=True):
+        assert cached_bytes - activations <= window
+    assert max(cached_held) - max(plain_held) < weights - block  # never the whole model
+    assert torch.accelerator.memory_allocated() - base < 4096  # at rest: no weight there
+
+
+def test_writes_in_forward_and_a_load_after_a_dropped_forward_reach_the_masters(device) -> None:
+    plain, cached = writing_model().to(device), writing_model().to(device)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
+    tokens = torch.arange(8, device=device)
+    for model, cache in ((plain, None), (cached, manager)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            if step == 1:  # a dropped forward, then a load into the head alone
+                model(tokens)
+                loaded = {k: v + 0.01 for k, v in model.head.state_dict().items()}
+                model.head.load_state_dict(loaded)
+            nn.functional.cross_entropy(model(tokens), tokens).backward()
+            if cache is None:
+                optimizer.step()
+            else:
+                cache.step(optimizer)
+            optimizer.zero_grad()
+    same(plain, cached)
+
+
+def test_a_regularizer_over_every_parameter_trains_bit_for_bit_and_is_warned_of(
+    device,
+) -> None:
+    """At rest a block's weights are its host masters: a regularizer over every parameter
+    computes their terms on the host and accumulates them apart (autograd's accumulator
+    follows ``.data`` across devices), which the cache warns of, naming them; the sums are
+    plain's all the same (one addition each)."""
+    data = on(device)
+    plain = gpt().to(device)
+    train(plain, data, regularize=True)
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    with pytest.warns(UserWarning, match=r"'blocks\.0\.ln_attn\.weight'.*regularizer"):
+        train(cached, data, manager, regularize=True)
+    same(plain, cached)
+
+
+def test_autocast_on_the_device_is_refused_naming_compute_dtype(device) -> None:
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    tokens, targets = on(device, 1)[0]
+    with torch.autocast("emu", dtype=torch.bfloat16), pytest.raises(RuntimeError) as refusal:
+        cached(tokens, targets)
+    assert "compute_dtype=torch.bfloat16" in str(refusal.value)
+    manager.remove_hooks()
+
+
+def test_a_bf16_compute_dtype_trains_on_the_device_as_on_the_cpu(device) -> None:
+    options = {**STREAMED, "compute_dtype": torch.bfloat16}
+    reference = gpt()
+    train(
+        reference,
+        on(torch.device("cpu")),
+        gradient_cache.create_gradient_cache(reference, **options),
+    )
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **options, device=device)
+    train(cached, on(device), manager)
+    same(reference, cached)
