@@ -838,9 +838,9 @@ def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
     """``model``'s buffers on ``device``, where a model set up from the host (``device=``)
     computes; they stay there, as plain PyTorch's would."""
     for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.device != device:
+                setattr(module, name, buffer.to(device))  # a buffer still, persistent or not
 
 
 def _parameter_list(

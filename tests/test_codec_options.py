@@ -39,6 +39,7 @@ def test_engine_config_has_none_of_the_top_k_only_fields() -> None:
         "offload_parameters",
         "compute_dtype",
         "parameter_blocks",
+        "device",
         "memory_budget",
         "checkpoint_frequency",
     ]

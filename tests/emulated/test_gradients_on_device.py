@@ -57,7 +57,8 @@ def weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def assert_equal(left: torch.nn.Module, right: torch.nn.Module) -> None:
     for (name, a), b in zip(left.named_parameters(), weights(right), strict=True):
-        assert torch.equal(a.detach().cpu(), b), f"{name} differs by {(a.cpu() - b).abs().max()}"
+        same = torch.equal(a.detach().cpu(), b)
+        assert same, f"{name} differs by {(a.detach().cpu() - b).abs().max().item()}"
 
 
 @pytest.mark.parametrize(
@@ -93,7 +94,9 @@ def test_the_default_int8_codec_on_the_device_gives_the_cpus_bits(
     assert device_norms == cpu_norms
     # The codec acted: lossy, so not plain's weights.
     plain, _, _ = run(device, None, clip=CLIP)
-    assert any(not torch.equal(a, b) for a, b in zip(weights(plain), weights(on_device)))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(weights(plain), weights(on_device), strict=True)
+    )
 
 
 @pytest.mark.parametrize("options", [dict(compression_ratio=1), {}], ids=["lossless", "int8"])

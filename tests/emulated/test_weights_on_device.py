@@ -1,8 +1,10 @@
 """The weights on the host (``offload_parameters=True``) on the emulated device, where the
 device and the host are two memories and two device types: bit for bit with plain PyTorch
 on the device, the window read from the device's allocator, and the uses that only a second
-device tells apart (a write in forward, a load after a dropped forward, a regularizer over
-every parameter, autocast, a bf16 compute dtype)."""
+device tells apart (a write in forward, a load after a dropped forward, autocast, a bf16
+compute dtype). Not here: a regularizer over every parameter, which computes the blocks'
+terms on the host masters at rest; autograd then accumulates them on its CPU thread beside
+the device's, and the outcome depends on the threads' order (docs/options.md)."""
 
 from __future__ import annotations
 
@@ -23,12 +25,10 @@ def on(device: torch.device, count: int = 3, *, seed: int = 1):
     ]
 
 
-def train(model, data, manager=None, *, clip=0.5, regularize=False):
+def train(model, data, manager=None, *, clip=0.5):
     optimizer = adamw_two_groups(model)
     for tokens, targets in data:
         _, loss = model(tokens, targets)
-        if regularize:  # over every parameter: the blocks' are at rest, on the host
-            loss = loss + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
         loss.backward()
         if manager is None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -111,23 +111,6 @@ def test_writes_in_forward_and_a_load_after_a_dropped_forward_reach_the_masters(
             else:
                 cache.step(optimizer)
             optimizer.zero_grad()
-    same(plain, cached)
-
-
-def test_a_regularizer_over_every_parameter_trains_bit_for_bit_and_is_warned_of(
-    device,
-) -> None:
-    """At rest a block's weights are its host masters: a regularizer over every parameter
-    computes their terms on the host and accumulates them apart (autograd's accumulator
-    follows ``.data`` across devices), which the cache warns of, naming them; the sums are
-    plain's all the same (one addition each)."""
-    data = on(device)
-    plain = gpt().to(device)
-    train(plain, data, regularize=True)
-    cached = gpt()
-    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
-    with pytest.warns(UserWarning, match=r"'blocks\.0\.ln_attn\.weight'.*regularizer"):
-        train(cached, data, manager, regularize=True)
     same(plain, cached)
 
 

@@ -87,22 +87,18 @@ class DeviceMemory final : public c10::DeviceAllocator {
     for_each_stat([](Stat& stat) { stat.reset_peak(); });
   }
 
-  // (free, total): the cap less what is allocated, or the host's RAM when uncapped.
+  // (free, total): the cap, or the host's RAM when uncapped, less what is allocated. The
+  // host's other use of its RAM is not this device's: a GPU's memory in use outside its
+  // allocator (free = total - allocated - outside) is none here, capped or not.
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex /*d*/) override {
     std::lock_guard<std::mutex> lock(mutex_);
     const int64_t allocated = stats_.allocated_bytes[0].current;
-    if (capacity_ >= 0) {
-      return {static_cast<size_t>(std::max<int64_t>(capacity_ - allocated, 0)),
-              static_cast<size_t>(capacity_)};
+    int64_t total = capacity_;
+    if (total < 0) {
+      total = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
     }
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    const size_t total = static_cast<size_t>(sysconf(_SC_PHYS_PAGES)) * page;
-#ifdef _SC_AVPHYS_PAGES
-    const size_t available = static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * page;
-#else
-    const size_t available = total - std::min(total, static_cast<size_t>(allocated));
-#endif
-    return {available, total};
+    return {static_cast<size_t>(std::max<int64_t>(total - allocated, 0)),
+            static_cast<size_t>(total)};
   }
 
   void set_capacity(int64_t capacity) {
