@@ -199,8 +199,11 @@ class HostSlabs:
         self._warned = True
         warnings.warn(
             f"gradient-cache could not pin host memory ({error}); using pageable memory for "
-            "what could not be pinned, so device-to-host copies into it will block. Set "
-            "pin_memory=False to silence this.",
+            "what could not be pinned, so every copy between the device and it blocks the "
+            "host: the gradients' and the optimizer state's, and with offload_parameters=True "
+            "each block's weights, twice a micro-batch. Free pinned memory (other processes' "
+            "pinned buffers, a DataLoader's pin_memory=True), or set pin_memory=False to "
+            "silence this.",
             RuntimeWarning,
             stacklevel=5,
         )
