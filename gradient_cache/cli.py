@@ -45,8 +45,12 @@ from .planner import (
     weight_layout,
     weight_layout_of_count,
 )
+from .testing import EmulatedDeviceError
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "emulated")
+# The scenario --device emulated runs: its device cap is what the emulated device's allocator
+# holds (the other scenarios measure memory on the CPU or CUDA only).
+EMULATED_SCENARIO = "larger-than-device"
 # A lost or doubled gradient moves a weight by about the learning rate in one AdamW step;
 # rounding differences stay far below that (4.9e-5 after 10 steps, the largest seen; one
 # thread instead of two moves the small model's weights by 4.0e-5 in 10 steps).
@@ -63,6 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _plan(plan_parser, args)
     # Errors found after parsing come with the demo's usage, as argparse's own do.
     device = _resolve_device(demo_parser, args.device)
+    if args.device == "emulated" and args.scenario != EMULATED_SCENARIO:
+        demo_parser.error(
+            f"argument --device: 'emulated' runs --scenario {EMULATED_SCENARIO} only (its "
+            f"device cap held by the emulated device's allocator), not {args.scenario!r}; use "
+            "--device cpu or --device auto"
+        )
     out = _output_folder(demo_parser, args.out)
     try:
         check_matplotlib()  # before training, not after two minutes of it
@@ -72,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _demo(args, device=device, out=out)
     except HostMemoryError as error:  # it names the figures and the option that lowers them
         return _fail(str(error))
-    except DeviceCapExceeded as error:
+    except (DeviceCapExceeded, EmulatedDeviceError) as error:
         return _fail(str(error))
     except KeyboardInterrupt:
         return _fail("interrupted", status=130)
@@ -95,6 +105,7 @@ def _demo(args: argparse.Namespace, *, device: torch.device, out: Path) -> int:
         device=device,
         seed=args.seed,
         scenario=args.scenario,
+        emulated=args.device == "emulated",
     )
     result = run_demo(settings)
     report = report_dict(result, args={**vars(args), "out": str(out)})
@@ -120,9 +131,16 @@ def check_device_cap(cap: dict[str, Any] | None) -> int:
         )
     if cache > 1:
         return _fail(f"the cache's peak was {cache:.2f}x the {cap['mb']:.1f} MiB device cap.")
+    refused = (
+        f"was refused at placement, its fp32 weights {cap['weights_bytes'] / cap['bytes']:.1f}x "
+        "the cap,"
+        if cap.get("plain_under_cap_refused_at_placement")
+        else "ran out of memory"
+    )
     print(
-        f"Under a {cap['mb']:.1f} MiB device cap plain PyTorch ran out of memory (it needs "
-        f"{plain:.1f}x the cap); the cache trained under it (its peak {cache:.0%} of the cap)."
+        f"Under a {cap['mb']:.1f} MiB device cap plain PyTorch {refused} (trained uncapped it "
+        f"needs {plain:.1f}x the cap); the cache trained under it (its peak {cache:.0%} of the "
+        "cap)."
     )
     return 0
 
@@ -212,7 +230,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         "--device",
         choices=DEVICES,
         default="auto",
-        help="where to train; auto picks cuda when available, else cpu (default auto)",
+        help="where to train; auto picks cuda when available, else cpu; emulated: the "
+        "accelerator emulated on the CPU (gradient_cache.testing, built at first use), whose "
+        f"allocator holds the device cap, for --scenario {EMULATED_SCENARIO} only "
+        "(default auto)",
     )
     demo.add_argument(
         "--out",
@@ -512,7 +533,9 @@ def _ratio(text: str) -> float:
 
 
 def _resolve_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+    """The device to train on; for ``emulated`` the CPU it runs on (each run installs the
+    emulated device in its own process: installing it is for the whole process)."""
+    if name in ("cpu", "emulated") or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         parser.error(

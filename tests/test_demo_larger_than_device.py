@@ -1,6 +1,7 @@
-"""`gradient-cache demo --scenario larger-than-device`: under a device cap of the model's
-fp32 weights, plain PyTorch runs out of memory and the cache, with the weights and the
-optimizer state on the host, trains under it, bit for bit with plain PyTorch uncapped.
+"""`gradient-cache demo --scenario larger-than-device --device emulated`: on the emulated
+device, its allocator capped at half the model's fp32 weights, plain PyTorch cannot place
+the model and the cache, set up from the host with the weights and the optimizer state
+there, trains under the cap, bit for bit with plain PyTorch uncapped.
 
 Its own file so pytest-xdist (one file per worker) runs it beside the other demo runs.
 """
@@ -18,17 +19,21 @@ from gradient_cache import cli
 from gradient_cache.demo import run as demo_run
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT
 from gradient_cache.engine.units import MIB
+from gradient_cache.testing import EmulatedDeviceError
 
-# Both steps are measured (every step of a run under the cap is); the second has the
-# optimizer state from the first.
+# Both steps are measured (the tracker beside the allocator; the allocator holds the cap on
+# every step); the second has the optimizer state from the first.
 STEPS = 2
 
 
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str, str]:
-    """The scenario as shipped, only the step count lowered."""
+    """The scenario as shipped on the emulated device, only the step count lowered. Each run
+    installs the device in its own process (this one never does)."""
     out = tmp_path_factory.mktemp("larger_than_device")
-    return run_console_script(out, "--scenario", "larger-than-device", "--steps", str(STEPS))
+    return run_console_script(
+        out, "--scenario", "larger-than-device", "--device", "emulated", "--steps", str(STEPS)
+    )
 
 
 def blocks_and_rest(size: str) -> tuple[int, int]:
@@ -40,44 +45,65 @@ def blocks_and_rest(size: str) -> tuple[int, int]:
     return block, everything - sum(p.numel() * 4 for p in model.blocks.parameters())
 
 
-def test_plain_runs_out_of_memory_under_the_cap_and_the_cache_trains_under_it(
+def test_plain_is_refused_at_placement_and_the_cache_trains_under_the_cap(
     capped: tuple,
 ) -> None:
     report, out, stdout, _ = capped
     assert report["scenario"] == "larger-than-device"
+    assert report["machine"]["device"] == "emu"
     plain, cache = report["runs"]
     assert (plain["name"], cache["name"]) == ("plain", demo_run.WEIGHTS_RUN)
     cap = report["device_cap"]
-    # The cap is the model's fp32 weights: plain's weights, gradients and AdamW's two
-    # moments are four times it, and its measured peak at least three times.
-    assert cap["bytes"] == report["model"]["gradient_bytes"] == 4 * report["model"]["parameters"]
-    assert plain["peak_device_bytes"] >= 3 * cap["bytes"]
-    assert cap["plain_under_cap_out_of_memory"].startswith("step 1, ")
+    weights = report["model"]["gradient_bytes"]
+    assert weights == cap["weights_bytes"] == 4 * report["model"]["parameters"]  # fp32
+    assert 0 < cap["bytes"] <= weights // 2
+    assert cap["enforced_by"] == "emulated device's allocator"
+    # Plain PyTorch: model.to(device) raised the allocator's out-of-memory error; nothing ran.
+    assert cap["plain_under_cap_refused_at_placement"] is True
+    assert cap["plain_under_cap_out_of_memory"].startswith("placement: Emulated device out of")
     assert cap["plain_under_cap_steps_completed"] == 0
+    # Uncapped, the allocator held its weights, gradients and AdamW's two moments at once.
+    assert plain["peak_device_bytes"] >= 4 * weights
+    # The cache: the allocator's peak within the cap (which it also enforced, on every step
+    # and at set-up), and the tensor accounting's beside it, within it too.
     assert cache["peak_device_bytes"] <= cap["bytes"]
+    accounted = cache["peak_accounted_device_bytes"]
+    assert accounted is not None and 0 < accounted <= cap["bytes"]
     assert len(cache["losses"]) == STEPS
     assert cap["peak_over_cap"] == {
         run["name"]: run["peak_device_bytes"] / cap["bytes"] for run in (plain, cache)
     }
-    # Lossless: bit for bit with plain PyTorch run without the cap (or a second plain run
-    # referees, as in every scenario: perf/RESULTS.md, "Determinism").
+    # Lossless: bit for bit with plain PyTorch run without the cap, or with a second plain
+    # run where the first left the common path (perf/RESULTS.md, "Determinism").
     assert cli.check_lossless(report["lossless_max_abs_weight_diff"], report["plain_again"]) == 0
-    if report["lossless_max_abs_weight_diff"] == 0:
+    if report["plain_again"] is None:
+        assert report["lossless_max_abs_weight_diff"] == 0
         assert cache["losses"] == plain["losses"]
+    else:
+        assert report["plain_again"]["max_abs_weight_diff_vs_lossless"] == 0
     assert cli.check_device_cap(cap) == 0
-    assert "would not fit." in stdout and "of the cap: fits." in stdout
-    assert "on a CPU the device is accounted, not real" in stdout
+    # The report names the cap and says that the weights alone did not fit.
+    assert f"Device cap: {cap['mb']:.1f} MiB, half the model's fp32 weights" in stdout
+    assert (
+        f"{demo_run.PLAIN_UNDER_CAP}: refused at placement: its fp32 weights "
+        f"({weights / MIB:.1f} MiB) exceed the cap ({cap['mb']:.1f} MiB) (model.to(device) "
+        "raised torch.OutOfMemoryError: Emulated device out of memory" in stdout
+    )
+    assert "would not fit." in stdout and "by tensor accounting), " in stdout
+    assert "of the cap: fits." in stdout
+    assert "plain PyTorch was refused at placement" in stdout
     assert "the cache trained under it" in stdout
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_device_holds_a_window_of_blocks_not_the_weights(capped: tuple) -> None:
-    """The CPU tracker counts the weights the device holds: in forward and backward the
-    rest (embeddings, final norm) and a few blocks, far below the whole model's; the
-    state and the weights are in host memory (what the run reports it holds there)."""
+    """The tensor tracker (beside the allocator) counts the weights the device holds: in
+    forward and backward the rest (embeddings, final norm) and a few blocks, far below the
+    whole model's; the state and the weights are in host memory (what the run reports it
+    holds there)."""
     report, _, _, _ = capped
-    if report["machine"]["device"] != "cpu":
-        pytest.skip("the categories come from the CPU tracker")
+    if report["machine"]["device"] not in ("cpu", "emu"):
+        pytest.skip("the categories come from the tensor tracker")
     _, cache = report["runs"]
     block, rest = blocks_and_rest(report["model"]["size"])
     for phase in ("forward", "backward", "optimizer"):
@@ -110,9 +136,9 @@ def test_the_runs_of_the_scenario_and_a_cache_out_of_memory_is_an_error(
 
     def in_process(function, variant: demo_run.Variant, settings) -> demo_run.RunResult:
         started.append(variant)
-        return run_result(
-            variant, out_of_memory="step 2, backward: over" if variant.ratio else None
-        )
+        if variant.ratio:
+            return run_result(variant, out_of_memory="step 2, backward: over")
+        return run_result(variant, out_of_memory="placement: over" if variant.capped else None)
 
     monkeypatch.setattr(demo_run, "_in_fresh_process", in_process)
     settings = demo_run.DemoSettings(
@@ -133,15 +159,17 @@ def test_the_runs_of_the_scenario_and_a_cache_out_of_memory_is_an_error(
 
 
 @pytest.mark.parametrize(
-    ("out_of_memory", "plain", "cache", "status", "says"),
+    ("out_of_memory", "placement", "plain", "cache", "status", "says"),
     [
-        ("step 1, forward: over", 4.2, 0.46, 0, "the cache trained under it"),
-        (None, 4.2, 0.46, 1, "plain PyTorch trained under the"),
-        ("step 1, forward: over", 4.2, 1.2, 1, "the cache's peak was 1.20x"),
+        ("placement: over", True, 8.3, 0.65, 0, "at placement, its fp32 weights 2.0x the cap,"),
+        ("step 1, forward: over", False, 8.3, 0.65, 0, "plain PyTorch ran out of memory"),
+        (None, False, 8.3, 0.65, 1, "plain PyTorch trained under the"),
+        ("placement: over", True, 8.3, 1.2, 1, "the cache's peak was 1.20x"),
     ],
 )
 def test_the_cap_check_fails_where_the_scenario_shows_nothing(
     out_of_memory: str | None,
+    placement: bool,
     plain: float,
     cache: float,
     status: int,
@@ -149,13 +177,50 @@ def test_the_cap_check_fails_where_the_scenario_shows_nothing(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     cap = {
-        "mb": 24.4,
+        "mb": 13.7,
+        "bytes": 14_359_296,
+        "weights_bytes": 28_718_592,
         "plain_under_cap_out_of_memory": out_of_memory,
+        "plain_under_cap_refused_at_placement": placement,
         "peak_over_cap": {"plain": plain, demo_run.WEIGHTS_RUN: cache},
     }
     assert cli.check_device_cap(cap) == status
     captured = capsys.readouterr()
     assert says in captured.out + captured.err
+
+
+def test_on_the_cpu_stand_in_placement_is_refused_by_arithmetic() -> None:
+    """Without the emulated device (--device cpu) no allocator holds the cap: placing plain
+    PyTorch's model is refused where its weights' bytes exceed the cap, and says how."""
+    model = TinyGPT(GPT_SIZES["tiny"])
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    cpu = torch.device("cpu")
+    with pytest.raises(torch.OutOfMemoryError, match="by arithmetic on the CPU stand-in"):
+        demo_run.place(model, cpu, weights // 2)
+    assert demo_run.place(model, cpu, weights) is model
+    assert demo_run.place(model, cpu, None) is model
+
+
+def test_on_cuda_the_cap_is_held_before_anything_is_placed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capped run's device: CUDA's cap set before the model or the cache touch it; the
+    uncapped run's left alone. torch.cuda is not touched: this machine has no GPU."""
+    held: list[tuple[torch.device, int]] = []
+    monkeypatch.setattr(demo_run, "hold_cuda_cap", lambda device, cap: held.append((device, cap)))
+    device = torch.device("cuda", 0)
+    settings = demo_run.DemoSettings(
+        steps=1, ratio=3.0, model_size="bytes-xl", device=device, seed=0,
+        scenario="larger-than-device",
+    )  # fmt: skip
+    assert demo_run.run_device(settings, None) == device and held == []
+    assert demo_run.run_device(settings, 123) == device and held == [(device, 123)]
+
+
+def test_the_emulated_device_runs_this_scenario_only(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--device", "emulated", "--scenario", "activations"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "'emulated' runs --scenario larger-than-device only" in message
 
 
 def test_the_default_model_is_the_devices(capsys: pytest.CaptureFixture[str]) -> None:
@@ -171,8 +236,8 @@ def test_the_default_model_is_the_devices(capsys: pytest.CaptureFixture[str]) ->
 
 def test_on_cuda_the_cap_is_the_allocators_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA cap is the share of the device the cap is, set after the allocator returned
-    its cached blocks (the weights the cache just took off the device). torch.cuda is stood
-    in for: this machine has no GPU; the demo's run on one is the real test."""
+    its cached blocks, so it counts what is in use. torch.cuda is stood in for: this machine
+    has no GPU; the demo's run on one is the real test."""
     calls: list[tuple[str, object]] = []
 
     class Properties:
@@ -188,3 +253,19 @@ def test_on_cuda_the_cap_is_the_allocators_fraction(monkeypatch: pytest.MonkeyPa
     device = torch.device("cuda", 1)
     demo_run.hold_cuda_cap(device, 25 * MIB)
     assert calls == [("empty_cache", None), ("fraction", (0.25, device))]
+
+
+def test_an_emulated_device_that_cannot_be_built_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The device is built in the first run's process; its error (no compiler, say) reaches
+    the command line as the one line it is, with exit status 1."""
+
+    def unbuildable(settings: demo_run.DemoSettings) -> None:
+        assert settings.emulated and settings.device == torch.device("cpu")
+        raise EmulatedDeviceError("needs a C++ compiler")
+
+    monkeypatch.setattr(cli, "run_demo", unbuildable)
+    argv = ["demo", "--scenario", "larger-than-device", "--device", "emulated"]
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 1
+    assert "gradient-cache: error: needs a C++ compiler" in capsys.readouterr().err

@@ -8,7 +8,10 @@ weakref drops it when it is freed) and, after each operator, takes
 
     device bytes = bytes of live storages - bytes the gradient cache holds as host copies
 
-so the figures mean what they would on a GPU. `device_memory_meter` picks the meter.
+so the figures mean what they would on a GPU. On another accelerator (the emulated device
+of `gradient_cache.testing`, whose allocator holds a real cap) `AllocatorAndTracker` reads
+``torch.accelerator``'s allocator figures and runs the tracker beside them, for the
+categories and a second, accounted figure. `device_memory_meter` picks the meter.
 
 A tensor subclass that wraps other tensors (torchao's 8-bit optimizer state, a DTensor)
 counts as the tensors inside it (``__tensor_flatten__``), not as the dense tensor it poses
@@ -24,6 +27,7 @@ as one such operator.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from abc import ABC, abstractmethod
@@ -63,6 +67,9 @@ class MemoryReading:
     host_bytes: int
     #: Device bytes per entry of CATEGORIES; empty where the meter cannot tell (CUDA).
     by_category: dict[str, int] = field(default_factory=dict)
+    #: The tensor tracker's device bytes beside an allocator's ``device_bytes``
+    #: (`AllocatorAndTracker`); None where one meter gives the one figure.
+    accounted_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,16 +196,25 @@ def device_memory_meter(
     host, scratch, weights = cache_tensors(cache) if cache is not None else (_nothing,) * 3
     if device.type == "cuda":
         return CudaMemoryMeter(device=device, host=host)
-    if device.type == "cpu":
-        return TensorMemoryTracker(
-            params=list(model.parameters()),
-            optimizer=optimizer,
-            host=host,
-            scratch=scratch,
-            weights=weights,
-            cap_bytes=cap_bytes,
+    accelerator = torch.accelerator.current_accelerator()
+    if device.type != "cpu" and (accelerator is None or accelerator.type != device.type):
+        raise ValueError(
+            f"No device-memory meter for {device}; expected a cpu model or one on the "
+            "current accelerator (torch.accelerator)."
         )
-    raise ValueError(f"No device-memory meter for {device}; expected a cpu or cuda model.")
+    tracker = TensorMemoryTracker(
+        params=list(model.parameters()),
+        optimizer=optimizer,
+        host=host,
+        scratch=scratch,
+        weights=weights,
+        # An accelerator's allocator holds its own cap, and keeps host tensors apart.
+        cap_bytes=cap_bytes if device.type == "cpu" else None,
+        device_type=None if device.type == "cpu" else device.type,
+    )
+    if device.type == "cpu":
+        return tracker
+    return AllocatorAndTracker(AcceleratorMemoryMeter(host=host), tracker)
 
 
 def _nothing() -> tuple[torch.Tensor, ...]:
@@ -250,6 +266,92 @@ class CudaMemoryMeter(DeviceMemoryMeter):
         )
 
 
+class AcceleratorMemoryMeter(DeviceMemoryMeter):
+    """Device figures from the current accelerator's allocator (``torch.accelerator``'s
+    memory functions: the emulated device's, a CUDA or XPU device's); the host store read
+    at each phase end. Counts every tensor of the process on the device."""
+
+    def __init__(self, *, host: TensorSource = _nothing) -> None:
+        super().__init__()
+        self._host = host
+
+    def reading(self) -> MemoryReading:
+        torch.accelerator.synchronize()
+        return MemoryReading(
+            device_bytes=torch.accelerator.memory_allocated(),
+            host_bytes=view_bytes(self._host()),
+        )
+
+    def _begin_phase(self) -> None:
+        torch.accelerator.synchronize()
+        torch.accelerator.reset_peak_memory_stats()
+
+    def _end_phase(self) -> PhasePeak:
+        torch.accelerator.synchronize()
+        return PhasePeak(
+            peak=MemoryReading(
+                device_bytes=torch.accelerator.max_memory_allocated(),
+                host_bytes=view_bytes(self._host()),
+            )
+        )
+
+
+_PHASE = "phase"  # the name of the current phase in each of AllocatorAndTracker's meters
+
+
+class AllocatorAndTracker(DeviceMemoryMeter):
+    """An allocator's figures (``device_bytes``: what the device's cap is held against),
+    with a `TensorMemoryTracker` beside it: its categories at its own peak and its device
+    bytes (``accounted_bytes``). The tracker's dispatch mode slows a step as on the CPU."""
+
+    def __init__(self, allocator: DeviceMemoryMeter, tracker: TensorMemoryTracker) -> None:
+        super().__init__()
+        self.allocator = allocator
+        self.tracker = tracker
+        self._phases = contextlib.ExitStack()
+
+    def reading(self) -> MemoryReading:
+        accounted = self.tracker.reading()
+        return MemoryReading(
+            device_bytes=self.allocator.reading().device_bytes,
+            host_bytes=accounted.host_bytes,
+            by_category=accounted.by_category,
+            accounted_bytes=accounted.device_bytes,
+        )
+
+    def _begin_phase(self) -> None:
+        # Each meter's own phase (the tracker samples after each operator only inside one);
+        # the allocator's entered last, so its peak counter starts from the phase's start.
+        self._phases = contextlib.ExitStack()
+        self._phases.enter_context(self.tracker.phase(_PHASE))
+        self._phases.enter_context(self.allocator.phase(_PHASE))
+
+    def _end_phase(self) -> PhasePeak:
+        self._phases.close()
+        allocated, accounted = self.allocator.peaks[_PHASE], self.tracker.peaks[_PHASE]
+        return PhasePeak(
+            peak=MemoryReading(
+                device_bytes=allocated.peak.device_bytes,
+                host_bytes=accounted.peak.host_bytes,
+                by_category=accounted.peak.by_category,
+                accounted_bytes=accounted.peak.device_bytes,
+            ),
+            max_by_category=accounted.max_by_category,
+        )
+
+    @contextlib.contextmanager
+    def opaque(self) -> Iterator[None]:
+        with self.tracker.opaque():
+            yield
+
+    def __enter__(self) -> AllocatorAndTracker:
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.tracker.__exit__(*exc_info)
+
+
 @dataclass
 class _Entry:
     nbytes: int
@@ -296,6 +398,9 @@ class TensorMemoryTracker(DeviceMemoryMeter):
             would: an operator after which more device bytes are counted raises
             ``torch.OutOfMemoryError`` (the memory it took is not freed first, so the
             cap is held at the granularity of one operator).
+        device_type: on an accelerator (the emulated device's ``"emu"``), count only the
+            storages on it: host tensors are apart there, and the host store is what
+            ``host`` holds. None (default): every storage, less the host store (the CPU).
     """
 
     def __init__(
@@ -307,9 +412,11 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         scratch: TensorSource = _nothing,
         weights: TensorSource = _nothing,
         cap_bytes: int | None = None,
+        device_type: str | None = None,
     ) -> None:
         super().__init__()
         self._cap_bytes = cap_bytes
+        self._device_type = device_type
         self._params = [p for p in params if p.requires_grad]
         self._optimizer = optimizer
         self._host = host
@@ -375,7 +482,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
     # --- readings -----------------------------------------------------------------
 
     def reading(self) -> MemoryReading:
-        return self._measure(self._host_ids(), self._tag_gradients())
+        return self._with_host_bytes(self._measure(self._host_ids(), self._tag_gradients()))
 
     def _begin_phase(self) -> None:
         self._tag_state()
@@ -384,7 +491,15 @@ class TensorMemoryTracker(DeviceMemoryMeter):
 
     def _end_phase(self) -> PhasePeak:
         self._sample(self._host_ids())
-        return PhasePeak(peak=self._peak, max_by_category=self._max_by_category)
+        peak = self._with_host_bytes(self._peak)
+        return PhasePeak(peak=peak, max_by_category=self._max_by_category)
+
+    def _with_host_bytes(self, reading: MemoryReading) -> MemoryReading:
+        """On an accelerator (``device_type``) the host store is read now, not per operator
+        (nothing of it is counted on the device), as the CUDA meter reads it."""
+        if self._device_type is None:
+            return reading
+        return dataclasses.replace(reading, host_bytes=view_bytes(self._host()))
 
     def _sample(self, host_ids: set[int]) -> MemoryReading:
         now = self._measure(host_ids, self._tag_gradients())
@@ -426,6 +541,8 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         """The key of a plain ``tensor``'s storage, counted as ``category`` if it is new."""
         storage = tensor.untyped_storage()
         key = id(storage)  # stable while the storage lives: torch keeps one Python object
+        if self._device_type is not None and storage.device.type != self._device_type:
+            return key  # not the device's: no entry
         if key not in self._entries:
             ref = weakref.ref(storage, functools.partial(self._forget, key))
             self._entries[key] = _Entry(nbytes=storage.nbytes(), category=category, ref=ref)
@@ -435,8 +552,8 @@ class TensorMemoryTracker(DeviceMemoryMeter):
     def _follow_resized_weights(self) -> None:
         """Count each resized weight's storage at its size now (see ``weights``)."""
         for storage in self._resized:
-            entry = self._entries[id(storage)]
-            if entry.nbytes != storage.nbytes():
+            entry = self._entries.get(id(storage))
+            if entry is not None and entry.nbytes != storage.nbytes():
                 self._by_category[entry.category] += storage.nbytes() - entry.nbytes
                 entry.nbytes = storage.nbytes()
 
@@ -450,7 +567,9 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         """Count ``tensors``' storages as device ``category`` from now on."""
         for tensor in (t for each in tensors for t in plain_tensors(each)):
             key = self._register(tensor, category)
-            entry = self._entries[key]
+            entry = self._entries.get(key)
+            if entry is None:  # not on the device (``device_type``)
+                continue
             if entry.category != category:
                 self._by_category[entry.category] -= entry.nbytes
                 self._by_category[category] += entry.nbytes
@@ -472,6 +591,8 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         self._tag([grad], GRADIENTS)
 
     def _host_ids(self) -> set[int]:
+        if self._device_type is not None:
+            return set()  # no host storage has an entry (see ``device_type``)
         # The cache's host payloads are plain tensors (FSDP2's are local shards).
         return {id(t.untyped_storage()) for t in self._host()}
 

@@ -61,10 +61,12 @@ GPT_SIZES: dict[str, GPTConfig] = {
     # About 22.9M parameters: "small" twelve blocks deep, so the embedding, whose encode
     # needs the most scratch, is a smaller share of the gradients.
     "medium": GPTConfig(vocab_size=4096, seq_len=128, d_model=384, n_layers=12, n_heads=6),
-    # About 6.4M parameters (24.4 MiB in fp32), 99% of them in its 8 blocks: the vocabulary
+    # About 7.2M parameters (27.4 MiB in fp32), 99% of them in its 16 blocks: the vocabulary
     # is the corpus's bytes, so with the weights on the host (offload_parameters) the
-    # embedding and head that stay on the device through a pass are small.
-    "bytes": GPTConfig(vocab_size=256, seq_len=64, d_model=256, n_layers=8, n_heads=4),
+    # embedding and head that stay on the device through a pass are small, and a block is
+    # 1/16 of the weights, so the device's window of about two blocks (and a block's
+    # gradients, and a pass's activations) fits under half of them.
+    "bytes": GPTConfig(vocab_size=256, seq_len=64, d_model=192, n_layers=16, n_heads=3),
     # About 303M parameters (1.13 GiB in fp32): "bytes" for a GPU, where the allocator's
     # own overheads (the cuBLAS workspace, 20 MiB segments) would not fit under the cap
     # of a model of a few MiB.

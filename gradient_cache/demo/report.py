@@ -50,7 +50,7 @@ def format_table(result: DemoResult) -> str:
         f"TinyGPT {settings.model_size!r}: {model['parameters'] / 1e6:.2f}M parameters, "
         f"{model['gradient_bytes'] / MIB:.1f} MiB of gradients; {settings.steps} steps of "
         f"batch {model['batch_size']} ({model['micro_batches']} x {model['micro_batch_size']}) "
-        f"on {settings.device}, AdamW, buckets of {model['bucket_size_mb']:g} MiB, seed "
+        f"on {settings.device_label}, AdamW, buckets of {model['bucket_size_mb']:g} MiB, seed "
         f"{settings.seed}.",
         f"Device memory: {result.memory_method}"
         + ("" if len(measured) == settings.steps else f", on steps {', '.join(map(str, measured))}")
@@ -98,30 +98,60 @@ def cap_notes(result: DemoResult) -> list[str]:
     if result.cap_bytes is None:
         return []
     cap = result.cap_bytes
+    weights = result.model["gradient_bytes"]  # fp32: the weights' bytes
     plain, cache = result.runs[0], result.runs[-1]
-    where = (
-        "torch.cuda.set_per_process_memory_fraction"
-        if result.settings.device.type == "cuda"
-        else "on a CPU the device is accounted, not real: on the steps it measures, the "
-        "tracker raises out-of-memory past the cap, as a GPU's allocator would"
-    )
-    under = result.plain_under_cap
+    if result.settings.emulated:
+        where = (
+            "the emulated device's allocator: torch.OutOfMemoryError past it, on every step, "
+            "at placement too"
+        )
+    elif result.settings.device.type == "cuda":
+        where = "torch.cuda.set_per_process_memory_fraction"
+    else:
+        where = (
+            "on a CPU the device is accounted, not real: on the steps it measures, the "
+            "tracker raises out-of-memory past the cap, as a GPU's allocator would; at "
+            "placement, by arithmetic, the weights' bytes against the cap"
+        )
     return [
-        f"Device cap: {cap / MIB:.1f} MiB, the model's fp32 weights, from the first step "
-        f"({where}).",
-        f"{PLAIN_UNDER_CAP}: "
-        + (
-            "trained to the end: it did not run out of memory."
-            if under is None or under.out_of_memory is None
-            else f"out of memory at {under.out_of_memory}."
-        ),
+        f"Device cap: {cap / MIB:.1f} MiB, half the model's fp32 weights "
+        f"({weights / MIB:.1f} MiB), before anything is placed on the device ({where}).",
+        f"{PLAIN_UNDER_CAP}: {plain_under_cap_outcome(result)}",
         f"{plain.name} (uncapped): peak {plain.peak_device_bytes / MIB:.1f} MiB, "
         f"{plain.peak_device_bytes / cap:.1f}x the cap: "
         + ("would not fit." if plain.peak_device_bytes > cap else "fits."),
-        f"{cache.name}: peak {cache.peak_device_bytes / MIB:.1f} MiB, "
+        f"{cache.name}: peak {cache.peak_device_bytes / MIB:.1f} MiB{_accounted(cache)}, "
         f"{cache.peak_device_bytes / cap:.0%} of the cap: "
         + ("fits." if cache.peak_device_bytes <= cap else "would not fit."),
     ]
+
+
+def plain_under_cap_outcome(result: DemoResult) -> str:
+    """What plain PyTorch did under the device cap, in a sentence."""
+    assert result.cap_bytes is not None  # called only with a cap
+    under = result.plain_under_cap
+    if under is None or under.out_of_memory is None:
+        return "trained to the end: it did not run out of memory."
+    if under.refused_at_placement:
+        error = under.out_of_memory.split(": ", 1)[1]
+        how = (
+            error  # `place`: the CPU stand-in has no allocator to refuse it
+            if result.settings.device.type == "cpu" and not result.settings.emulated
+            else f"model.to(device) raised torch.OutOfMemoryError: {error}"
+        )
+        return (
+            f"refused at placement: its fp32 weights ({result.model['gradient_bytes'] / MIB:.1f} "
+            f"MiB) exceed the cap ({result.cap_bytes / MIB:.1f} MiB) ({how.rstrip('.')})."
+        )
+    return f"out of memory at {under.out_of_memory}."
+
+
+def _accounted(run: RunResult) -> str:
+    """Beside an allocator's peak, the tensor tracker's (the emulated device)."""
+    accounted = run.peak_accounted_bytes
+    if accounted is None:
+        return ""
+    return f" by the allocator ({accounted / MIB:.1f} MiB by tensor accounting)"
 
 
 def report_dict(result: DemoResult, *, args: dict[str, Any]) -> dict[str, Any]:
@@ -154,10 +184,25 @@ def _cap_figures(result: DemoResult) -> dict[str, Any]:
     return {
         "bytes": result.cap_bytes,
         "mb": result.cap_bytes / MIB,
+        "weights_bytes": result.model["gradient_bytes"],
+        "enforced_by": "emulated device's allocator"
+        if result.settings.emulated
+        else "torch.cuda.set_per_process_memory_fraction"
+        if result.settings.device.type == "cuda"
+        else "tensor accounting (steps measured) and arithmetic (placement)",
         "plain_under_cap_out_of_memory": None if under is None else under.out_of_memory,
+        "plain_under_cap_refused_at_placement": under is not None and under.refused_at_placement,
+        "plain_under_cap_outcome": plain_under_cap_outcome(result),
         "plain_under_cap_steps_completed": None if under is None else len(under.losses),
         "peak_over_cap": {
             run.name: run.peak_device_bytes / result.cap_bytes for run in result.runs
+        },
+        # Beside the allocator's peaks (the emulated device), the tensor tracker's; else None.
+        "accounted_peak_over_cap": {
+            run.name: None
+            if run.peak_accounted_bytes is None
+            else run.peak_accounted_bytes / result.cap_bytes
+            for run in result.runs
         },
     }
 
@@ -229,7 +274,9 @@ def write_plot(result: DemoResult, path: Path) -> None:
             for run in result.runs
         ]
         under = result.plain_under_cap
-        if under is not None and under.out_of_memory is not None:
+        if under is not None and under.refused_at_placement:
+            savings.append(f"{under.name}: refused at placement (weights > cap)")
+        elif under is not None and under.out_of_memory is not None:
             savings.append(f"{under.name}: out of memory ({under.out_of_memory.split(':')[0]})")
     memory_axes.text(
         0.5,
@@ -241,7 +288,13 @@ def write_plot(result: DemoResult, path: Path) -> None:
         transform=memory_axes.transAxes,
         bbox={"facecolor": "white", "alpha": 0.8},
     )
-    where = "CUDA allocator" if result.settings.device.type == "cuda" else "accounted on the CPU"
+    where = (
+        "the emulated device's allocator"
+        if result.settings.emulated
+        else "CUDA allocator"
+        if result.settings.device.type == "cuda"
+        else "accounted on the CPU"
+    )
     memory_axes.set(
         title=f"Device memory over step {result.runs[0].memory[-1].step} ({where})",
         xticks=[i / 2 for i in range(2 * len(PHASES) + 1)],
@@ -260,7 +313,8 @@ def write_plot(result: DemoResult, path: Path) -> None:
     loss_axes.legend()
     figure.suptitle(
         f"gradient-cache demo, scenario {result.settings.scenario!r}: TinyGPT "
-        f"{result.settings.model_size!r}, {result.settings.steps} steps on {result.settings.device}"
+        f"{result.settings.model_size!r}, {result.settings.steps} steps on "
+        f"{result.settings.device_label}"
     )
     figure.savefig(path)
 
@@ -280,6 +334,8 @@ def _figures(result: DemoResult, run: RunResult) -> dict[str, Any]:
         "compression_ratio": run.ratio,
         "peak_device_bytes": run.peak_device_bytes,
         "peak_device_mb": run.peak_device_bytes / MIB,
+        # Beside an allocator's peak (the emulated device), the tensor tracker's; else None.
+        "peak_accounted_device_bytes": run.peak_accounted_bytes,
         "phase_peak_bytes": {p: run.phase_peak_bytes(p) for p in PHASES},
         "phase_peak_mb": {p: run.phase_peak_bytes(p) / MIB for p in PHASES},
         "offloaded_gradient_bytes": run.offloaded_gradient_bytes,

@@ -7,13 +7,16 @@ built-in TinyGPT on the embedded byte corpus from the same initial weights and b
 in one of three scenarios (`SCENARIOS`): "memory-bound" (the default: activation
 checkpointing and gradient accumulation, where gradients are part of the peak),
 "activations" (neither: activations set the peak before any gradient exists) or
-"larger-than-device" (a device capped at the model's fp32 weights: plain PyTorch under the
-cap and without it, and the cache lossless with the weights and the state on the host,
-`offload_parameters`, under it; `variants`).
+"larger-than-device" (a device capped at half the model's fp32 weights, the model built on
+the host: plain PyTorch refused at placement under the cap and trained without it, and the
+cache lossless with the weights and the state on the host, `offload_parameters`, set up from
+the host with ``device=`` and trained under the cap; `variants`).
 Each run records its loss and time per step and, per phase of a step (forward, backward,
 optimizer), device memory: on CUDA from the caching allocator on every step; on the CPU
 from `gradient_cache.demo.accounting`'s tensor tracker on a few designated steps only, because
-its dispatch mode slows a step down (about 1.5x on the small model, 3x on the tiny one).
+its dispatch mode slows a step down (about 1.5x on the small model, 3x on the tiny one); on
+the emulated device (``emulated``: `gradient_cache.testing`, larger-than-device only) from
+its allocator, which holds the cap on every step, with the tracker beside it on those steps.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -66,10 +70,12 @@ class Scenario:
     steps: int
     # A fourth run, lossless with the optimizer state on the host (offload_optimizer_state).
     state_run: bool = False
-    # The device capped at the model's fp32 weights (`device_cap_bytes`), from the first
-    # step: plain trains under the cap and without it (the reference), the cache lossless
-    # with the weights and the state on the host (offload_parameters) under it; no ratio run.
-    cap_to_weights: bool = False
+    # The device capped at half the model's fp32 weights (`device_cap_bytes`) before
+    # anything is placed on it, the model built on the host: plain is placed under the cap
+    # (refused) and trains without it (the reference), the cache lossless with the weights
+    # and the state on the host (offload_parameters) is set up from the host (device=) and
+    # trains under it; no ratio run.
+    cap_below_weights: bool = False
     bucket_size_mb: float | None = None  # the cache's; None: the library's own choice
     cuda_model_size: str | None = None  # the default model on CUDA, where it differs
 
@@ -111,20 +117,20 @@ SCENARIOS = {
             activation_checkpointing=True,
             micro_batches=2,
             micro_batch_size=2,
-            summary="the device capped at the model's fp32 weights, a quarter of what plain "
-            "AdamW holds (weights, gradients, two moments): plain runs out of memory under "
-            "the cap, the cache with the weights and the optimizer state on the host "
-            "(offload_parameters) trains under it, bit for bit with plain PyTorch uncapped",
-            # "bytes": 99% of its weights in its blocks, which stream a block at a time.
-            # On CUDA "bytes-xl": the allocator's overheads need a cap of a GiB.
+            summary="the device capped at half the model's fp32 weights, the model built on "
+            "the host: plain PyTorch cannot even place it under the cap, the cache with the "
+            "weights and the optimizer state on the host (offload_parameters), set up from "
+            "the host (device=), trains under it, bit for bit with plain PyTorch uncapped",
+            # "bytes": 99% of its weights in its 16 blocks, which stream a block at a time.
+            # On CUDA "bytes-xl": the allocator's overheads need a cap of half a GiB.
             model_size="bytes",
             cuda_model_size="bytes-xl",
             steps=10,
-            cap_to_weights=True,
+            cap_below_weights=True,
             # Small next to the cap: the step holds two buckets of weights, gradients and
-            # AdamW's two moments (the library's choice here, an eighth of the model, would
-            # take 83% of the cap).
-            bucket_size_mb=1.0,
+            # AdamW's two moments (with the library's choice here, 4 MiB, 32 MiB: over twice
+            # the cap).
+            bucket_size_mb=0.5,
         ),
     )
 }
@@ -132,6 +138,7 @@ DEFAULT_SCENARIO = "memory-bound"
 STATE_RUN = "cache r=1, state on host"
 WEIGHTS_RUN = "cache r=1, weights and state on host"
 PLAIN_UNDER_CAP = "plain, under the cap"
+PLACEMENT = "placement"  # where a run's model could not be placed under the device cap
 BATCH_SIZE = 4  # sequences per optimizer step, in every scenario
 LEARNING_RATE = 1e-3
 VAL_BATCHES = 4
@@ -157,6 +164,15 @@ class DemoSettings:
     # Every run uses the parent's intra-op thread count: a CPU kernel that sums per-thread
     # partial results (LayerNorm's backward does) gives other bits with other counts.
     threads: int = field(default_factory=torch.get_num_threads)
+    # The runs train on the emulated device (gradient_cache.testing), its allocator capped
+    # where a run is; ``device`` is then the CPU it runs on. Installed in each run's
+    # process, never in the caller's (it is for the whole process, for good).
+    emulated: bool = False
+
+    @property
+    def device_label(self) -> str:
+        """Where the runs train, as the report names it."""
+        return "emu (emulated on the CPU)" if self.emulated else str(self.device)
 
 
 class DeviceCapExceeded(RuntimeError):
@@ -178,7 +194,7 @@ def variants(settings: DemoSettings) -> tuple[list[Variant], Variant | None]:
     """The runs of ``settings``' scenario, compared with the first (plain PyTorch), and the
     run of plain PyTorch under the device cap, where the scenario sets one."""
     scenario = SCENARIOS[settings.scenario]
-    if scenario.cap_to_weights:
+    if scenario.cap_below_weights:
         cached = Variant(
             name=WEIGHTS_RUN, ratio=1.0, state_on_host=True, weights_on_host=True, capped=True
         )
@@ -194,9 +210,14 @@ def variants(settings: DemoSettings) -> tuple[list[Variant], Variant | None]:
 
 
 def device_cap_bytes(settings: DemoSettings) -> int | None:
-    """The scenario's device cap: the model's fp32 weights (None: no cap)."""
-    if not SCENARIOS[settings.scenario].cap_to_weights:
+    """The scenario's device cap: half the model's fp32 weights (None: no cap)."""
+    if not SCENARIOS[settings.scenario].cap_below_weights:
         return None
+    return weight_bytes(settings) // 2
+
+
+def weight_bytes(settings: DemoSettings) -> int:
+    """The bytes of the model's weights (fp32)."""
     with torch.device("meta"):  # shapes only
         params = TinyGPT(GPT_SIZES[settings.model_size]).parameters()
         return sum(p.numel() * p.element_size() for p in params)
@@ -228,12 +249,25 @@ class RunResult:
     offloaded_state_bytes: int = 0
     # The weights' masters' bytes in host memory (offload_parameters; else 0).
     offloaded_weight_bytes: int = 0
-    # Where and how a run under the device cap ran out of memory; None: it did not.
+    # Where and how a run under the device cap ran out of memory ("placement: ..." where
+    # its model could not be placed on the device); None: it did not.
     out_of_memory: str | None = None
+
+    @property
+    def refused_at_placement(self) -> bool:
+        return self.out_of_memory is not None and self.out_of_memory.startswith(PLACEMENT)
 
     @property
     def peak_device_bytes(self) -> int:
         return max(p.peak_bytes for m in self.memory for p in m.phases.values())
+
+    @property
+    def peak_accounted_bytes(self) -> int | None:
+        """The tensor tracker's peak beside an allocator's (the emulated device); else None."""
+        accounted = [p.accounted_bytes for m in self.memory for p in m.phases.values()]
+        if not accounted or None in accounted:
+            return None
+        return max(a for a in accounted if a is not None)
 
     def phase_peak_bytes(self, phase: str) -> int:
         return max(m.phases[phase].peak_bytes for m in self.memory)
@@ -334,18 +368,28 @@ def run_demo(settings: DemoSettings) -> DemoResult:
             "optimizer": "AdamW",
             "corpus_bytes": {"train": train_tokens.numel(), "validation": val_tokens.numel()},
         },
-        machine=_machine(settings.device),
-        memory_method=(
-            "torch.cuda.max_memory_allocated, reset at each phase of every step"
-            if settings.device.type == "cuda"
-            else "tensor storages counted by gradient_cache.demo.accounting (on a CPU, device "
-            "and host are the same RAM; this counts what would live on a device)"
-        ),
+        machine=_machine(settings),
+        memory_method=_memory_method(settings),
         runs=runs,
         wall_seconds=time.perf_counter() - started,
         plain_again=plain_again,
         cap_bytes=device_cap_bytes(settings),
         plain_under_cap=plain_under_cap,
+    )
+
+
+def _memory_method(settings: DemoSettings) -> str:
+    if settings.emulated:
+        return (
+            "torch.accelerator.max_memory_allocated on the emulated device, whose allocator "
+            "holds the cap on every step, reset at each phase; beside it the tensor storages "
+            "counted by gradient_cache.demo.accounting"
+        )
+    if settings.device.type == "cuda":
+        return "torch.cuda.max_memory_allocated, reset at each phase of every step"
+    return (
+        "tensor storages counted by gradient_cache.demo.accounting (on a CPU, device "
+        "and host are the same RAM; this counts what would live on a device)"
     )
 
 
@@ -410,7 +454,8 @@ def _train(variant: Variant, settings: DemoSettings) -> RunResult:
     from .accounting import device_memory_meter
 
     torch.set_num_threads(settings.threads)
-    device = settings.device
+    cap_bytes = device_cap_bytes(settings) if variant.capped else None
+    device = run_device(settings, cap_bytes)
     name = variant.name
     config = GPT_SIZES[settings.model_size]
     train_tokens, val_tokens = byte_corpus()
@@ -423,22 +468,33 @@ def _train(variant: Variant, settings: DemoSettings) -> RunResult:
     ]
     scenario = SCENARIOS[settings.scenario]
     torch.manual_seed(settings.seed)
-    model = TinyGPT(config, activation_checkpointing=scenario.activation_checkpointing).to(device)
+    # On the host: where the cache keeps the weights on the host, it sets the model up on
+    # the device from there (device=), the weights never whole on the device.
+    model = TinyGPT(config, activation_checkpointing=scenario.activation_checkpointing)
+    if not variant.weights_on_host:
+        try:
+            model = place(model, device, cap_bytes)
+        except torch.OutOfMemoryError as error:
+            if cap_bytes is None:
+                raise
+            return RunResult(
+                name=name, ratio=variant.ratio, losses=[], step_seconds=[], timed_steps=[],
+                memory=[], val_loss=math.nan, process_rss_mb=process_rss_mb(),
+                peak_rss_mb=_peak_rss_bytes() / MIB, summary=None, weights={},
+                out_of_memory=f"{PLACEMENT}: {_first_line(error)}",
+            )  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     manager = None
     if variant.ratio is not None:
-        # The model is on the device when the cache is created (docs/options.md,
-        # offload_parameters); the cap holds from the first step, once the weights left.
         manager = create_gradient_cache(
             model,
             compression_ratio=variant.ratio,
             offload_optimizer_state=variant.state_on_host,
             offload_parameters=variant.weights_on_host,
             bucket_size_mb=scenario.bucket_size_mb,
+            # From the host: the masters stay there, a window of the weights goes over.
+            device=device if variant.weights_on_host else None,
         )
-    cap_bytes = device_cap_bytes(settings) if variant.capped else None
-    if cap_bytes is not None and device.type == "cuda":
-        hold_cuda_cap(device, cap_bytes)
     generator = torch.Generator().manual_seed(settings.seed)  # the same batches in every run
 
     def train(x: torch.Tensor, y: torch.Tensor, *, phase: PhaseScope = no_phase) -> torch.Tensor:
@@ -462,24 +518,26 @@ def _train(variant: Variant, settings: DemoSettings) -> RunResult:
         )
         x, y = x.to(device), y.to(device)
         start = time.perf_counter()
-        if step in measured:
-            meter = device_memory_meter(
-                model, optimizer=optimizer, cache=manager, cap_bytes=cap_bytes
-            )
-            watch = PhaseWatch(meter)
-            try:
+        watch = None
+        try:
+            if step in measured:
+                meter = device_memory_meter(
+                    model, optimizer=optimizer, cache=manager, cap_bytes=cap_bytes
+                )
+                watch = PhaseWatch(meter)
                 with meter:
                     start_bytes = meter.reading().device_bytes
                     loss = train(x, y, phase=watch)
-            except torch.OutOfMemoryError as error:
-                if cap_bytes is None:
-                    raise
-                out_of_memory = f"step {step}, {watch.current}: {_first_line(error)}"
-                break
-            phases = {name: watch.memory(name) for name in PHASES}
-            memory.append(StepMemory(step=step, start_bytes=start_bytes, phases=phases))
-        else:
-            loss = train(x, y)
+                phases = {name: watch.memory(name) for name in PHASES}
+                memory.append(StepMemory(step=step, start_bytes=start_bytes, phases=phases))
+            else:  # an allocator holds the cap here too (on the CPU only the tracker does)
+                loss = train(x, y)
+        except torch.OutOfMemoryError as error:
+            if cap_bytes is None:
+                raise
+            where = f"step {step}" + ("" if watch is None else f", {watch.current}")
+            out_of_memory = f"{where}: {_first_line(error)}"
+            break
         losses.append(loss.item())  # on CUDA this waits for the step, so the time is real
         seconds.append(time.perf_counter() - start)
         bar.update(step, losses[-1])
@@ -493,15 +551,18 @@ def _train(variant: Variant, settings: DemoSettings) -> RunResult:
             summary=None, weights={}, out_of_memory=out_of_memory,
         )  # fmt: skip
     # Evaluated and copied out before the cache closes: closing brings weights kept on the
-    # host back to the device, where a capped GPU has no room for them all.
+    # host back to the device, where a capped device has no room for them all (it leaves
+    # them on the host, and warns).
     val_loss = _evaluate(model, val_batches, device)
     weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    summary, state_bytes, weight_bytes = None, 0, 0
+    summary, state_bytes, host_weight_bytes = None, 0, 0
     if manager is not None:
         summary = manager.get_compression_summary()
         state_bytes = round(summary["optimizer_state_host_mb"] * MIB)
-        weight_bytes = round(summary["parameters_host_mb"] * MIB)
-        manager.remove_hooks()
+        host_weight_bytes = round(summary["parameters_host_mb"] * MIB)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*did not fit on the device")
+            manager.remove_hooks()
     unmeasured = [s for s in range(1, settings.steps + 1) if s not in measured]
     return RunResult(
         name=name,
@@ -516,8 +577,37 @@ def _train(variant: Variant, settings: DemoSettings) -> RunResult:
         summary=summary,
         weights=weights,
         offloaded_state_bytes=state_bytes,
-        offloaded_weight_bytes=weight_bytes,
+        offloaded_weight_bytes=host_weight_bytes,
     )
+
+
+def run_device(settings: DemoSettings, cap_bytes: int | None) -> torch.device:
+    """The device a run trains on, capped at ``cap_bytes`` (None: uncapped) before anything
+    is placed on it: the emulated device, installed in this process (a run's own) with its
+    allocator's capacity; CUDA with `hold_cuda_cap`; the CPU as it is (the tracker holds
+    the cap in the steps it measures, and `place` at placement)."""
+    if settings.emulated:
+        from ..testing import emulated_device  # here: it is for the whole process
+
+        return emulated_device(capacity_bytes=cap_bytes)
+    if cap_bytes is not None and settings.device.type == "cuda":
+        hold_cuda_cap(settings.device, cap_bytes)
+    return settings.device
+
+
+def place(model: TinyGPT, device: torch.device, cap_bytes: int | None) -> TinyGPT:
+    """Plain PyTorch's ``model.to(device)``; under the cap, an allocator's (the emulated
+    device's, CUDA's) refuses it with ``torch.OutOfMemoryError`` if the weights do not fit.
+    On the CPU stand-in nothing is allocated (the model is already there): the cap is held
+    by arithmetic, the weights' bytes against it, and the error says so."""
+    if cap_bytes is not None and device.type == "cpu":
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        if weights > cap_bytes:
+            raise torch.OutOfMemoryError(
+                f"{weights:_} bytes of weights > the cap of {cap_bytes:_} bytes, by arithmetic "
+                "on the CPU stand-in (no allocator holds a cap there)"
+            )
+    return model.to(device)
 
 
 def hold_cuda_cap(device: torch.device, cap_bytes: int) -> None:
@@ -552,13 +642,17 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def _machine(device: torch.device) -> dict[str, Any]:
+def _machine(settings: DemoSettings) -> dict[str, Any]:
+    device = settings.device
+    processor = platform.processor() or platform.machine()
     return {
-        "device": str(device),
+        "device": "emu" if settings.emulated else str(device),
         "device_name": (
             torch.cuda.get_device_name(device)
             if device.type == "cuda"
-            else platform.processor() or platform.machine()
+            else f"emulated on the CPU ({processor})"
+            if settings.emulated
+            else processor
         ),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -107,11 +107,13 @@ class PhaseFigures:
 @dataclass(frozen=True, kw_only=True)
 class PhaseMemory:
     """Device bytes of one phase over a step's micro-batches: the largest peak, what the
-    last micro-batch left at its end, and (CPU only) each category's bytes at the peak."""
+    last micro-batch left at its end, and (the CPU tracker's) each category's bytes at the
+    peak; beside an allocator's peak, the tracker's largest (``accounted_bytes``)."""
 
     peak_bytes: int
     end_bytes: int
     peak_by_category: dict[str, int] = field(default_factory=dict)
+    accounted_bytes: int | None = None
 
 
 class PhaseWatch:
@@ -145,8 +147,12 @@ class PhaseWatch:
         """Phase ``name`` over the micro-batches: the first of the largest peaks, the last end."""
         seen = [phase for phase in self.phases if phase.name == name]
         top = max(seen, key=lambda phase: phase.peak.peak.device_bytes)
+        accounted = [p.peak.peak.accounted_bytes for p in seen]
         return PhaseMemory(
             peak_bytes=top.peak.peak.device_bytes,
             end_bytes=seen[-1].end.device_bytes,
             peak_by_category=dict(top.peak.peak.by_category),
+            accounted_bytes=max(a for a in accounted if a is not None)
+            if None not in accounted
+            else None,
         )
