@@ -272,3 +272,28 @@ class StateOnTheHost(transformers.TrainerCallback):
             if value.dim() > 0
         ]
         self.seen.append(all(values) and bool(values))
+
+
+def test_save_pretrained_while_the_weights_are_on_the_host_writes_tied_weights_once(
+    tmp_path,
+) -> None:
+    """With offload_parameters the state_dict holds compact copies of the masters; the
+    head tied to the embedding stays one tensor, so safetensors writes it once (plain's
+    file size) and from_pretrained loads it tied, equal to the trained weights."""
+    model = tiny_gpt2()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, offload_optimizer_state=True, offload_parameters=True
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    manager.step(optimizer)
+    model.save_pretrained(tmp_path / "cached")
+    tiny_gpt2().save_pretrained(tmp_path / "plain")
+    size = (tmp_path / "cached" / "model.safetensors").stat().st_size
+    assert size == (tmp_path / "plain" / "model.safetensors").stat().st_size
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "cached")
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    for (name, a), b in zip(loaded.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    manager.remove_hooks()
