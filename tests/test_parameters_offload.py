@@ -40,6 +40,11 @@ def batches(n: int, *, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]
     ]
 
 
+def batches_on(device: torch.device, n: int = 3, *, seed: int = 1) -> list:
+    """`batches` on ``device`` (the emulated device's tests)."""
+    return [(tokens.to(device), targets.to(device)) for tokens, targets in batches(n, seed=seed)]
+
+
 def adamw_two_groups(model: torch.nn.Module) -> torch.optim.Optimizer:
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]

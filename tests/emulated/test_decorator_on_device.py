@@ -7,16 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from test_parameters_offload import adamw_two_groups, gpt
+from test_parameters_offload import batches_on as on
 
 import gradient_cache
-
-
-def on(device: torch.device, count: int = 3):
-    generator = torch.Generator().manual_seed(1)
-    return [
-        tuple(torch.randint(64, (4, 16), generator=generator).to(device) for _ in range(2))
-        for _ in range(count)
-    ]
 
 
 def loop(model: torch.nn.Module, data) -> list[float]:

@@ -12,17 +12,10 @@ import pytest
 import torch
 from test_parameters_nothing_lost import writing_model
 from test_parameters_offload import STREAMED, adamw_two_groups, gpt
+from test_parameters_offload import batches_on as on
 from torch import nn
 
 import gradient_cache
-
-
-def on(device: torch.device, count: int = 3, *, seed: int = 1):
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        tuple(torch.randint(64, (4, 16), generator=generator).to(device) for _ in range(2))
-        for _ in range(count)
-    ]
 
 
 def train(model, data, manager=None, *, clip=0.5):
