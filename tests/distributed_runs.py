@@ -566,9 +566,11 @@ def record_orderings(backend: Any) -> dict[str, list[int]]:
     for name, calls in seen.items():
         method = getattr(backend, name)
 
-        def recorded(stream: Any, method: Any = method, calls: list[int] = calls) -> None:
+        def recorded(
+            stream: Any, *args: Any, method: Any = method, calls: list[int] = calls
+        ) -> None:
             calls.append(id(stream))
-            method(stream)
+            method(stream, *args)
 
         setattr(backend, name, recorded)
     return seen

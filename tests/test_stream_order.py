@@ -941,6 +941,34 @@ def test_fsdp2s_copy_in_stream_reads_a_refilled_shard_after_its_copy(
     manager.remove_hooks()
 
 
+def test_fsdp2s_copy_in_waits_for_the_refill_and_not_for_the_module_running_before(
+    fake_accelerator: FakeAccelerator,
+) -> None:
+    """Given the refill, `let_read` orders the copy-in after its event only: the copy-in
+    reads the refilled shard in order, and is not held behind compute work queued after
+    the refill started (the module before it: a read of that work's output from the
+    copy-in stream is unordered, which the checker flags)."""
+    manager = lossless_small_buckets(make_model(), fake_accelerator, offload_optimizer_state=True)
+    backend = manager.engine.backend
+    master = fake_accelerator.allocate_pinned(64).view(torch.float32)
+    shard = torch.empty(16)
+    backend.resize_storage(shard, 0)  # at rest
+    backend.resize_storage(shard, 64)
+    refill = backend.start_refill([(shard, master)])
+    later = torch.ones(16) * 2  # the module running before, queued on compute after it
+    copy_in = fake_accelerator.new_stream()
+    backend.let_read(copy_in, [refill])
+    with copy_in:
+        shard.sum()
+    fake_accelerator.checker.assert_clean()
+    with copy_in:
+        later.sum()
+    assert fake_accelerator.checker.violations  # not ordered after the compute stream
+    fake_accelerator.checker.violations.clear()
+    backend.finish_to_device(refill)
+    manager.remove_hooks()
+
+
 def test_a_shard_given_up_waits_for_fsdp2s_copy_in_that_read_it(
     fake_accelerator: FakeAccelerator,
 ) -> None:

@@ -335,11 +335,18 @@ class AcceleratorBackend(Backend):
         self.streams.current_stream(self.device).wait_event(transfer.done)
         transfer.tensors.clear()
 
-    def let_read(self, stream: Any) -> None:
+    def let_read(self, stream: Any, refills: Sequence[Transfer] = ()) -> None:
         # Guarantees work queued on ``stream`` from now on (FSDP2's all-gather copy-in)
-        # reads the refilled shards only after their copies: the compute stream waited for
-        # them (`finish_to_device`), and ``stream`` waits for the compute stream.
-        stream.wait_stream(self.streams.current_stream(self.device))
+        # reads the refilled shards only after their copies: ``stream`` waits for each
+        # refill's event, and not for the compute stream's forward so far, so an all-gather
+        # overlaps the module running before it. Without the refills (shards that arrived
+        # earlier, their event spent), it waits for the compute stream, which waited for
+        # them (`finish_to_device`).
+        events = [refill.done for refill in refills if refill.done is not None]
+        if not events:
+            stream.wait_stream(self.streams.current_stream(self.device))
+        for event in events:
+            stream.wait_event(event)
 
     def join(self, stream: Any) -> None:
         # Guarantees a block given back next (a shard, `resize_(0)` on the compute stream)

@@ -195,9 +195,12 @@ class Backend(ABC):
         """Let ``transfer``'s device tensors go, safely for the copies that read them."""
         transfer.tensors.clear()
 
-    def let_read(self, stream: Any) -> None:  # noqa: B027 - on the CPU work runs in order
-        """Order ``stream`` (FSDP2's all-gather copy-in) after the compute stream's work so
-        far, which waited for the refills `finish_to_device` finished."""
+    def let_read(  # noqa: B027 - on the CPU work runs in order
+        self, stream: Any, refills: Sequence[Transfer] = ()
+    ) -> None:
+        """Order ``stream`` (FSDP2's all-gather copy-in) after ``refills`` (the copies of the
+        shards it reads), or, without them, after the compute stream's work so far, which
+        waited for the refills `finish_to_device` finished."""
 
     def join(self, stream: Any) -> None:  # noqa: B027 - on the CPU work runs in order
         """Order the compute stream's work from now on (a block given back, then reused)

@@ -241,6 +241,18 @@ class HostWeights:
         for weight, device in chosen:
             weight.at, weight.in_use, weight.arrival = WeightAt.ARRIVING, device, transfer
 
+    def refills(self, params: Iterable[Param]) -> list[Transfer] | None:
+        """The copies on their way for ``params`` (each once), for a reader on another
+        stream to wait for; None where one of them is on the device already (its copy's
+        event spent: such a reader waits for the compute stream instead)."""
+        refills: dict[int, Transfer] = {}
+        for _, weight in self._held(params):
+            if weight.at is WeightAt.DEVICE:
+                return None
+            if weight.arrival is not None:
+                refills[id(weight.arrival)] = weight.arrival
+        return list(refills.values())
+
     def ensure(self, params: Iterable[Param], *, step: bool = False) -> None:
         """``params`` on the device, safe for work queued from now on: each one's
         ``P.data`` is its filled device tensor (``step``: the master's dtype, which the

@@ -294,9 +294,13 @@ class ShardStream:
         params = [p for i in indices for p in self._modules[i].params]
         if not params:
             return
+        self.weights.bring(params)
+        refills = self.weights.refills(params)
         self.weights.ensure(params)
         for stream in self._copy_in_streams(indices):
-            self.weights.backend.let_read(stream)
+            # The copy-in waits for the refills alone, so an all-gather overlaps the module
+            # running before it (or for the compute stream where a shard arrived earlier).
+            self.weights.backend.let_read(stream, refills or ())
 
     def _give_up(self, params: list[Param]) -> None:
         """``params``' shards given up, though FSDP2 may not have waited for an all-gather
