@@ -65,9 +65,10 @@ parts=(
     "memory_table|35|25|perf.memory_report|$py -m perf.memory_report --device cuda --json $out/memory_cuda.json"
     "link_and_pinned_pool|15|12|perf.gpu_link|$py -m perf.gpu_link --json $out/gpu_link.json"
     "step_time|55|30|perf.gpu_report|$py perf/gpu_report.py --json $out/gpu_report.json QUICK_FLAG"
-    # Issue 43: a model whose plain training needs four times the cap set, with the weights,
-    # gradients and state on the host: the peak under the cap, plain's bits, the step time
-    # against the planner's floor.
+    # Issue 43 (issue 50 item 4): the device capped at half a model's fp32 weights, plain
+    # refused at placement, the cache set up from the host (device=) with the weights,
+    # gradients and state there: the allocator's peaks and retries under the cap, plain's
+    # bits, the step time against the planner's floor; its JSON rewritten as each run ends.
     "larger_than_device|30|0|perf.larger_than_device|$py -m perf.larger_than_device --device cuda --json $out/larger_than_device.json"
     "tests_cuda_rest|65|0|pytest,gradient_cache|$pytest -k 'cuda and not stand and not ($races)' tests/test_cuda.py tests/test_accounting.py tests/test_training.py tests/test_layout.py"
     # The same tests as the parts above, under PyTorch's CUDA sanitizer: a failure here

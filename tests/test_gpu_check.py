@@ -5,6 +5,7 @@ refusal; and test_cuda.py's widened-race helper on the stand-in streams."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
 import subprocess
@@ -238,12 +239,64 @@ def test_the_widened_race_helper_fits_the_backend_it_wraps(
     assert set(sleeps) == {"compute", backend.encode_stream.name, backend.copy_stream.name}
 
 
-def test_the_larger_than_device_part_runs_on_the_cpu_with_plain_bits() -> None:
+def test_the_larger_than_device_part_runs_on_the_cpu_with_plain_bits(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """perf/larger_than_device.py, the part of issue 43, on its CPU stand-in (no cap to
-    enforce): the cache's weights equal plain's, and the floors come from the planner."""
+    enforce): the cache's weights equal plain's, and the floors come from the planner; its
+    JSON is written as each run ends, so a run cut off keeps the runs before it."""
     from perf import larger_than_device
 
     report = larger_than_device.main(["--device", "cpu", "--size", "tiny", "--steps", "2"])
     assert report["bit_for_bit"] is True and report["cache_error"] == ""
     assert report["plain_under_cap"] == "not enforced on a CPU"
+    assert report["cap_enforced"] is False and report["cache_peak_bytes"] is None
+    assert report["cap_bytes"] == report["weight_bytes"] // 2
     assert report["link_floor_s"] > 0 and report["compute_floor_s"] > 0
+    assert report["cache_summary"]["parameters_host_mb"] > 0
+
+    class CutOff(BaseException):  # as a timeout's signal would end it
+        pass
+
+    train = larger_than_device.train
+
+    def cut_off_at_the_cache(*args: object, bucket: float | None = None) -> object:
+        if bucket is not None:
+            raise CutOff
+        return train(*args)
+
+    monkeypatch.setattr(larger_than_device, "train", cut_off_at_the_cache)
+    path = tmp_path / "larger.json"
+    with pytest.raises(CutOff):
+        larger_than_device.main(
+            ["--device", "cpu", "--size", "tiny", "--steps", "1", "--json", str(path)]
+        )
+    kept = json.loads(path.read_text())
+    assert kept["runs_finished"] == ["plain"] and kept["plain_error"] == ""
+    assert kept["plain_step_s"] > 0 and "cache_error" not in kept
+
+
+def test_the_larger_than_device_part_on_the_emulated_device_refuses_plain_at_placement(
+    tmp_path: pathlib.Path,
+) -> None:
+    """On the emulated device (its own process: the install is for the whole process),
+    capped at half the fp32 weights: plain is refused at placement, the cache trains under
+    the cap (the allocator's peak from its creation on) bit for bit with plain uncapped."""
+    path = tmp_path / "larger.json"
+    command = [sys.executable, "-m", "perf.larger_than_device", "--device", "emu"]
+    command += ["--size", "tiny", "--steps", "2", "--json", str(path)]
+    root = SCRIPT.parents[1]
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(path.read_text())
+    assert report["runs_finished"] == ["plain", "plain_under_cap", "cache"]
+    cap = report["cap_bytes"]
+    assert report["cap_enforced"] is True and cap == report["weight_bytes"] // 2
+    assert report["plain_under_cap"].startswith("placement: out of memory: Emulated device")
+    assert report["plain_peak_bytes"] >= 4 * report["weight_bytes"]  # weights, grads, AdamW
+    assert report["cache_error"] == "" and report["bit_for_bit"] is True
+    assert 0 < report["cache_peak_bytes"] <= cap
+    assert report["cache_reserved_peak_bytes"] <= cap  # no cache: reserved is allocated
+    assert report["cache_alloc_retries"] == 0 and report["cache_ooms"] == 0
+    assert report["cache_setup_bytes"] < cap // 8  # buffers only: no weights brought
+    assert report["planned_window_bytes"] < cap
