@@ -8,6 +8,7 @@ Bit-for-bit means weights equal to plain FSDP2's on the same seed and data.
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import distributed_runs
 import pytest
@@ -296,3 +297,39 @@ def test_what_the_shards_on_the_host_cannot_be_combined_with_is_refused(weights_
         # FSDP2 re-reading a shard at rest takes other memory for it: the next forward
         # refuses to train on it.
         assert "'blocks.0.0.weight' moved or cast off the host master" in taken
+
+
+def fsdp2_objects(*, plural: bool = True, drop: str | None = None) -> Any:
+    """Stand-ins for FSDP2's objects holding every private name the shard stream reads
+    (the groups under torch 2.13's plural name or 2.6's singular one), less ``drop``."""
+    from types import SimpleNamespace
+
+    def holder(**names: Any) -> SimpleNamespace:
+        return SimpleNamespace(**{k: v for k, v in names.items() if k != drop})
+
+    comm = holder(post_forward_order=[], all_gather_copy_in_stream=None)
+    param = holder(sharded_param=None, _sharded_param_data=None)
+    group = holder(fsdp_params=[param], comm_ctx=comm, _post_forward_indices=[], is_unsharded=False)
+    groups = {"_fsdp_param_groups": [group]} if plural else {"_fsdp_param_group": group}
+    state = holder(
+        **groups,
+        _modules=(),
+        _lazy_init=None,
+        _comm_ctx=comm,
+        _states_to_forward_prefetch=[],
+        _states_to_backward_prefetch=[],
+    )
+    return holder(_get_fsdp_state=lambda: state)
+
+
+@pytest.mark.parametrize("plural", [True, False], ids=["torch 2.13", "torch 2.6"])
+def test_fsdp2s_private_names_are_checked_once_naming_the_missing_one(plural: bool) -> None:
+    from gradient_cache.engine.shard_stream import check_fsdp_privates
+    from gradient_cache.engine.sharding import param_groups
+
+    check_fsdp_privates(fsdp2_objects(plural=plural), initialized=True)
+    assert len(param_groups(fsdp2_objects(plural=plural)._get_fsdp_state())) == 1
+    for missing in ("_post_forward_indices", "_sharded_param_data", "all_gather_copy_in_stream"):
+        with pytest.raises(RuntimeError, match=f"no '{missing}'") as refusal:
+            check_fsdp_privates(fsdp2_objects(plural=plural, drop=missing), initialized=True)
+        assert f"torch {torch.__version__}" in str(refusal.value)

@@ -1271,6 +1271,20 @@ MUTANTS = [
         "tests/emulated/test_larger_than_device.py::test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit",
     ),
     (
+        "shards: FSDP2's private names checked at creation, the missing one named",
+        "gradient_cache/engine/shard_stream.py",
+        '            if not any(hasattr(holder, name) for name in names.split(" or ")):\n',
+        "            if False:\n",
+        "tests/test_distributed.py::test_fsdp2s_private_names_are_checked_once_naming_the_missing_one",
+    ),
+    (
+        "shards: FSDP2's parameter groups read under torch 2.6's singular name too",
+        "gradient_cache/engine/sharding.py",
+        '    group = getattr(state, "_fsdp_param_group", None)\n',
+        "    group = None\n",
+        "tests/test_distributed.py::test_fsdp2s_private_names_are_checked_once_naming_the_missing_one",
+    ),
+    (
         "weights: a checkpointed block's recomputation in backward frees nothing",
         "gradient_cache/engine/weight_stream.py",
         "        if in_backward():\n            return  # a recomputation: its backward reads these weights next\n",

@@ -35,7 +35,10 @@ of backward or at a ``state_dict``) makes the compute stream wait for the copy-i
 first (`Backend.join`): the allocator hands the memory on in the compute stream's order.
 
 This reads FSDP2's private state (its module state, parameter groups and forward order), as
-`sharding.fsdp_param_groups` does; the names are those of torch 2.6 to 2.13.
+`sharding.fsdp_param_groups` does: the names in `FSDP_PRIVATES`, each in the sources of
+torch 2.6.0, 2.10.0, 2.13.0 and 2.14.1 (the parameter groups under one of two names,
+`sharding.param_groups`); the cache's creation refuses a torch without one
+(`check_fsdp_privates`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Any, cast
 
 import torch
 
+from . import sharding
 from .shard_weights import ShardWeights
 from .weight_stream import (
     compact_masters,
@@ -56,6 +60,53 @@ from .weight_stream import (
 )
 
 Param = torch.nn.Parameter
+
+# FSDP2's private names this module reads, by the class that holds them ("a or b": either).
+FSDP_PRIVATES = {
+    "FSDPModule": ("_get_fsdp_state",),
+    "FSDPState": (
+        "_fsdp_param_groups or _fsdp_param_group",
+        "_modules",
+        "_lazy_init",
+        "_comm_ctx",
+        "_states_to_forward_prefetch",
+        "_states_to_backward_prefetch",
+    ),
+    "FSDPParamGroup": ("fsdp_params", "comm_ctx", "_post_forward_indices", "is_unsharded"),
+    "FSDPParam": ("sharded_param", "_sharded_param_data"),
+    "FSDPCommContext": ("post_forward_order", "all_gather_copy_in_stream"),  # from lazy init
+}
+
+
+def check_fsdp_privates(module: Any, *, initialized: bool = False) -> None:
+    """Raises, naming torch's version, where FSDP2's objects for ``module`` (a
+    ``fully_shard`` module) lack one of `FSDP_PRIVATES`, which the stream would otherwise
+    read as a silent default; the communication context's only once ``initialized`` (after
+    the root's lazy init, which sets them)."""
+
+    def require(kind: str, holder: Any) -> None:
+        for names in FSDP_PRIVATES[kind]:
+            if not any(hasattr(holder, name) for name in names.split(" or ")):
+                raise RuntimeError(
+                    f"offload_parameters=True under FSDP2 cannot run on torch "
+                    f"{torch.__version__}: FSDP2's {kind} has no {names!r}, one of the "
+                    "private names the cache reads to follow its all-gathers (all present "
+                    "in torch 2.6.0, 2.10.0, 2.13.0 and 2.14.1). Use one of those torch "
+                    "versions, or drop offload_parameters."
+                )
+
+    require("FSDPModule", module)
+    state = module._get_fsdp_state()
+    require("FSDPState", state)
+    groups: list[Any] = sharding.param_groups(state)
+    for group in groups:
+        require("FSDPParamGroup", group)
+        for fsdp_param in group.fsdp_params:
+            require("FSDPParam", fsdp_param)
+        if initialized:
+            require("FSDPCommContext", group.comm_ctx)
+    if initialized:
+        require("FSDPCommContext", state._comm_ctx)
 
 
 @dataclass
@@ -73,7 +124,7 @@ class ShardedModule:
 
     @property
     def groups(self) -> list[Any]:
-        return list(getattr(self.state, "_fsdp_param_groups", ()))
+        return sharding.param_groups(self.state)
 
 
 def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
@@ -86,6 +137,7 @@ def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
+        check_fsdp_privates(module)
         state = module._get_fsdp_state()
         if len(getattr(state, "_modules", (module,))) > 1:
             raise ValueError(
@@ -106,6 +158,8 @@ def initialize_roots(modules: list[ShardedModule]) -> None:
     for sharded in modules:
         if sharded.topmost:
             sharded.state._lazy_init()
+    for sharded in modules:
+        check_fsdp_privates(sharded.module, initialized=True)
 
 
 def flat_shards(modules: list[ShardedModule]) -> dict[Param, Callable[[], torch.Tensor]]:

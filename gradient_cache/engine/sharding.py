@@ -10,7 +10,7 @@ tensor passes through unchanged.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -118,13 +118,25 @@ def fsdp_param_groups(model: torch.nn.Module) -> list[FSDPParamGroup]:
     except ImportError:  # torch before 2.6, or without distributed: no FSDP2
         return []
 
-    groups = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-            if group is not None:
-                groups.append(group)
-    return groups
+    return [
+        group
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        for group in param_groups(module._get_fsdp_state())
+    ]
+
+
+def param_groups(state: Any) -> list[FSDPParamGroup]:
+    """The parameter groups of FSDP2's state ``state`` (its ``FSDPState``): the list
+    ``_fsdp_param_groups`` where torch has it (2.13 and 2.14: one group per mesh where
+    ``shard_placement_fn`` gives several), else ``_fsdp_param_group`` (one or None: torch
+    2.6 and 2.10; 2.13 keeps it as a property that raises for several groups). No groups
+    where the state has neither (`shard_stream.check_fsdp_privates` refuses that)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def fsdp_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
