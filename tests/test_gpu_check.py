@@ -274,29 +274,3 @@ def test_the_larger_than_device_part_runs_on_the_cpu_with_plain_bits(
     kept = json.loads(path.read_text())
     assert kept["runs_finished"] == ["plain"] and kept["plain_error"] == ""
     assert kept["plain_step_s"] > 0 and "cache_error" not in kept
-
-
-def test_the_larger_than_device_part_on_the_emulated_device_refuses_plain_at_placement(
-    tmp_path: pathlib.Path,
-) -> None:
-    """On the emulated device (its own process: the install is for the whole process),
-    capped at half the fp32 weights: plain is refused at placement, the cache trains under
-    the cap (the allocator's peak from its creation on) bit for bit with plain uncapped."""
-    path = tmp_path / "larger.json"
-    command = [sys.executable, "-m", "perf.larger_than_device", "--device", "emu"]
-    command += ["--size", "tiny", "--steps", "2", "--json", str(path)]
-    root = SCRIPT.parents[1]
-    result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads(path.read_text())
-    assert report["runs_finished"] == ["plain", "plain_under_cap", "cache"]
-    cap = report["cap_bytes"]
-    assert report["cap_enforced"] is True and cap == report["weight_bytes"] // 2
-    assert report["plain_under_cap"].startswith("placement: out of memory: Emulated device")
-    assert report["plain_peak_bytes"] >= 4 * report["weight_bytes"]  # weights, grads, AdamW
-    assert report["cache_error"] == "" and report["bit_for_bit"] is True
-    assert 0 < report["cache_peak_bytes"] <= cap
-    assert report["cache_reserved_peak_bytes"] <= cap  # no cache: reserved is allocated
-    assert report["cache_alloc_retries"] == 0 and report["cache_ooms"] == 0
-    assert report["cache_setup_bytes"] < cap // 8  # buffers only: no weights brought
-    assert report["planned_window_bytes"] < cap

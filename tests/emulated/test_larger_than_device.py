@@ -99,3 +99,23 @@ def test_set_up_from_the_host_refuses_what_it_cannot_do(device: torch.device) ->
     split.tok_emb.to(device)  # tied: both on the device, the blocks on the host
     with pytest.raises(ValueError, match="whose parameters are on the host, and this one's"):
         gradient_cache.create_gradient_cache(split, **OPTIONS, device=device)
+
+
+def test_the_gpu_checks_larger_than_device_part_refuses_plain_at_placement(device) -> None:
+    """perf/larger_than_device.py (gpu_check.sh's part) on the emulated device, capped at
+    half the fp32 weights: plain is refused at placement, the cache trains under the cap
+    (the allocator's peak from its creation on) bit for bit with plain uncapped."""
+    from perf import larger_than_device
+
+    report = larger_than_device.main(["--device", "emu", "--size", "tiny", "--steps", "2"])
+    assert report["runs_finished"] == ["plain", "plain_under_cap", "cache"]
+    cap = report["cap_bytes"]
+    assert report["cap_enforced"] is True and cap == report["weight_bytes"] // 2
+    assert report["plain_under_cap"].startswith("placement: out of memory: Emulated device")
+    assert report["plain_peak_bytes"] >= 4 * report["weight_bytes"]  # weights, grads, AdamW
+    assert report["cache_error"] == "" and report["bit_for_bit"] is True
+    assert 0 < report["cache_peak_bytes"] <= cap
+    assert report["cache_reserved_peak_bytes"] <= cap  # no cache: reserved is allocated
+    assert report["cache_alloc_retries"] == 0 and report["cache_ooms"] == 0
+    assert report["cache_setup_bytes"] < cap // 8  # buffers only: no weights brought
+    assert report["planned_window_bytes"] < cap
