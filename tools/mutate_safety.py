@@ -1455,7 +1455,7 @@ MUTANTS = [
     (
         "weights: the rest's own modules bring their weights (a submodule called alone)",
         "gradient_cache/engine/weight_stream.py",
-        "            if own and module is not model:\n",
+        "            if rest_own and module is not model:\n",
         "            if False:\n",
         "tests/test_parameters_offload.py::test_a_submodule_called_alone_brings_the_rest_it_uses",
     ),
@@ -1637,8 +1637,8 @@ MUTANTS = [
     (
         "shards: each bring orders FSDP2's copy-in stream after the refill",
         "gradient_cache/engine/shard_stream.py",
-        "        for stream in self._copy_in_streams(indices):\n            self.weights.backend.let_read(stream)\n",
-        "",
+        "            self.weights.backend.let_read(stream, refills or ())\n",
+        "            pass\n",
         "tests/test_distributed.py::test_shards_on_the_host_train_bit_for_bit_with_plain_fsdp2",
     ),
     (
