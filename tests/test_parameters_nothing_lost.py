@@ -298,6 +298,41 @@ def test_an_encoder_and_a_decoder_both_stream_and_a_handed_on_tensor_brings_noth
     assert max(held) < 0.6 * total
 
 
+class SharedAdapters(nn.Module):
+    """Six layers, and two small adapters shared by them (each called three times a
+    forward): a list of repeated modules, but not the model's blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 64)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.adapters = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(2))
+        self.head = nn.Linear(64, 32)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.emb(tokens)
+        for index, layer in enumerate(self.layers):
+            hidden = torch.tanh(layer(hidden)) + self.adapters[index % 2](hidden)
+        return self.head(hidden)
+
+
+def test_a_short_list_of_shared_modules_is_not_taken_for_blocks() -> None:
+    """Taken for blocks, the adapters would run three times a forward and hold every block
+    until backward ends (a review's probe: the whole model on the device)."""
+    torch.manual_seed(0)
+    model = SharedAdapters()
+    assert weight_units(model).blocks == list(model.layers)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    weights = manager.engine.optimizer_state.weights
+    held = []
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(lambda p: held.append(weights.device_bytes()))
+    tokens = torch.randint(32, (8,))
+    nn.functional.cross_entropy(model(tokens), tokens).backward()
+    assert max(held) < 0.6 * sum(p.nbytes for p in model.parameters())
+    manager.remove_hooks()
+
+
 def test_blocks_run_through_forward_are_warned_of_by_name() -> None:
     model = encoder_decoder(direct=True)
     manager = gradient_cache.create_gradient_cache(model, **STREAMED)

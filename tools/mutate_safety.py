@@ -1285,6 +1285,13 @@ MUTANTS = [
         "tests/test_distributed.py::test_fsdp2s_private_names_are_checked_once_naming_the_missing_one",
     ),
     (
+        "weights: a short list of small shared modules is not taken for blocks",
+        "gradient_cache/engine/weight_blocks.py",
+        "        and 2 * len(children) >= len(theirs)\n        and 4 * sum(map(_bytes, children)) >= sum(map(_bytes, theirs))\n",
+        "",
+        "tests/test_parameters_nothing_lost.py::test_a_short_list_of_shared_modules_is_not_taken_for_blocks",
+    ),
+    (
         "weights: a checkpointed block's recomputation in backward frees nothing",
         "gradient_cache/engine/weight_stream.py",
         "        if in_backward():\n            return  # a recomputation: its backward reads these weights next\n",

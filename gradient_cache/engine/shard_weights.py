@@ -84,6 +84,7 @@ class ShardWeights(HostWeights):
         at_rest = weight.master[: on_device.numel()].view(on_device.shape)
         self._locals[param] = (on_device, at_rest)
         weight.at, weight.in_use = WeightAt.DEVICE, weight.full
+        weight.version = param._version  # a write from now on is a write to copy back
 
     def _show(self, param: Param, weight: _Weight) -> None:
         """``P``'s local tensor: its view of S once arrived, else of its master."""

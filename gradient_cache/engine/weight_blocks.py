@@ -4,11 +4,11 @@ With ``offload_parameters=True`` the weights come to the device a block at a tim
 running, the next arriving). The blocks are the children of one container of repeated
 layers: the one ``parameter_blocks`` names (a dotted module name, ``"transformer.h"``), or
 else the ``nn.ModuleList`` / ``nn.Sequential`` whose children hold the most parameter
-bytes (a transformer's layers), with every other container of repeated layers outside it
-(an encoder's beside a decoder's). A parameter used by one block only travels with it; every
-other one (embeddings, the final norm and head, a weight tied across blocks or between a
-block and the rest) is in the *rest*, on the device from the model's forward to the end of
-its backward.
+bytes (a transformer's layers), with every other container outside it whose layers repeat
+as its do (an encoder's beside a decoder's; not a short list of small shared modules). A
+parameter used by one block only travels with it; every other one (embeddings, the final
+norm and head, a weight tied across blocks or between a block and the rest) is in the
+*rest*, on the device from the model's forward to the end of its backward.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class WeightUnits:
 def find_blocks(model: torch.nn.Module, *, name: str | None = None) -> list[torch.nn.Module]:
     """The blocks of ``model``: the children of the container ``name`` names; or else those
     of the `CONTAINERS` one whose children hold the most parameter bytes, then of every other
-    container of repeated layers (children of one class, two or more holding parameters)
-    outside it: an encoder's and a decoder's. In the model's module order, which is forward
+    container of layers repeated as its are (`_peer`) outside it: an encoder's and a
+    decoder's. In the model's module order, which is forward
     order for an encoder-decoder. Raises ValueError, naming how to name them, where there is
     none."""
     if name is not None:
@@ -55,9 +55,9 @@ def find_blocks(model: torch.nn.Module, *, name: str | None = None) -> list[torc
     largest = max(candidates, key=lambda c: sum(map(_bytes, _holding(c))))
     chosen = [largest]
     for container in candidates:
-        children = _holding(container)
-        repeated = len({type(child) for child in children}) == 1
-        if repeated and not any(_nested(container, c) or _nested(c, container) for c in chosen):
+        if _peer(container, largest) and not any(
+            _nested(container, c) or _nested(c, container) for c in chosen
+        ):
             chosen.append(container)
     order = {id(m): i for i, m in enumerate(model.modules())}
     chosen.sort(key=lambda c: order[id(c)])
@@ -100,6 +100,19 @@ def _named_blocks(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
 def _holding(container: torch.nn.Module) -> list[torch.nn.Module]:
     """``container``'s children that hold parameters."""
     return [child for child in container.children() if _bytes(child)]
+
+
+def _peer(container: torch.nn.Module, largest: torch.nn.Module) -> bool:
+    """Whether ``container`` holds layers repeated as ``largest``'s are (an encoder's beside
+    a decoder's): children of one class, at least half as many, a quarter of the bytes. A
+    short list of small modules shared across the layers (adapters called in every layer)
+    is not: run several times a forward, it would hold every block until backward ends."""
+    children, theirs = _holding(container), _holding(largest)
+    return (
+        len({type(child) for child in children}) == 1
+        and 2 * len(children) >= len(theirs)
+        and 4 * sum(map(_bytes, children)) >= sum(map(_bytes, theirs))
+    )
 
 
 def _nested(inner: torch.nn.Module, outer: torch.nn.Module) -> bool:
