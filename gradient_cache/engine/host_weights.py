@@ -306,8 +306,13 @@ class HostWeights:
                 refused.append(param)
         return refused
 
+    def names(self, params: Iterable[Param]) -> list[str]:
+        """The names of those of ``params`` these weights hold, in the model's order."""
+        wanted = set(params)
+        return [name for param, name in self._names.items() if param in wanted]
+
     def _refuse(self, written: list[Param]) -> None:
-        names = ", ".join(repr(self._names[param]) for param in written)
+        names = ", ".join(map(repr, self.names(written)))
         raise RuntimeError(
             f"Parameters {names} were written in place during a forward or backward in the "
             f"compute dtype ({self.compute_dtype}), and their fp32 masters on the host "

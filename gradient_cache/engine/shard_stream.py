@@ -51,6 +51,7 @@ from typing import Any, cast
 import torch
 
 from . import sharding
+from .module_hooks import ModuleHook
 from .shard_weights import ShardWeights
 from .weight_stream import (
     compact_masters,
@@ -60,6 +61,12 @@ from .weight_stream import (
 )
 
 Param = torch.nn.Parameter
+
+
+def _hook(method: Callable[..., Any], *bound: Any) -> ModuleHook:
+    """``method`` with ``bound`` first, as a module hook (inert in a copy of the module)."""
+    return ModuleHook(functools.partial(method, *bound))
+
 
 # FSDP2's private names this module reads, by the class that holds them ("a or b": either).
 FSDP_PRIVATES = {
@@ -195,13 +202,9 @@ class ShardStream:
             self._handles += [
                 # prepend: before FSDP2's pre-hook (its all-gather) and post-hook (which
                 # registers its backward hook on the outputs, after this one's).
-                module.register_forward_pre_hook(
-                    functools.partial(self._before_gather, index), prepend=True
-                ),
-                module.register_forward_pre_hook(functools.partial(self._gathered, index)),
-                module.register_forward_hook(
-                    functools.partial(self._forward_ends, index), prepend=True
-                ),
+                module.register_forward_pre_hook(_hook(self._before_gather, index), prepend=True),
+                module.register_forward_pre_hook(_hook(self._gathered, index)),
+                module.register_forward_hook(_hook(self._forward_ends, index), prepend=True),
             ]
             # The user's unshard() all-gathers too: an instance attribute over FSDP2's.
             unshard = functools.partial(self._unshard, index, module.unshard)
@@ -212,12 +215,10 @@ class ShardStream:
             own = {n: p for n, p in owner.named_parameters(recurse=False) if p in held}
             if own:
                 self._handles += [
-                    owner.register_state_dict_pre_hook(functools.partial(self._saving, own)),
-                    owner.register_state_dict_post_hook(functools.partial(self._saved, own)),
-                    owner.register_load_state_dict_pre_hook(
-                        functools.partial(self._load_begins, own)
-                    ),
-                    owner.register_load_state_dict_post_hook(functools.partial(self._loaded, own)),
+                    owner.register_state_dict_pre_hook(_hook(self._saving, own)),
+                    owner.register_state_dict_post_hook(_hook(self._saved, own)),
+                    owner.register_load_state_dict_pre_hook(_hook(self._load_begins, own)),
+                    owner.register_load_state_dict_post_hook(_hook(self._loaded, own)),
                 ]
         # The model's forward, and a root's where a framework calls it, not the model
         # (Lightning's training_step): prepend, registered last, before the hooks above.
@@ -225,8 +226,8 @@ class ShardStream:
         outermost.update({id(m.module): m.module for m in modules if m.topmost})
         for module in outermost.values():
             self._handles += [
-                module.register_forward_pre_hook(self._model_begins, prepend=True),
-                module.register_forward_hook(self._model_ends, always_call=True),
+                module.register_forward_pre_hook(_hook(self._model_begins), prepend=True),
+                module.register_forward_hook(_hook(self._model_ends), always_call=True),
             ]
 
     def remove(self) -> None:

@@ -2,8 +2,10 @@
 
 Module hooks move the weights (`host_weights.HostWeights`) by the model's units
 (`weight_blocks.weight_units`): the *rest* (embeddings, head, tied weights) comes at the
-model's forward and stays until backward is done with it; a block comes before its
-forward, the next block starts arriving meanwhile, and it goes after its forward. Backward
+model's forward and stays until backward is done with it (its copy and block 0's both
+start before forward waits for it); a block comes before its forward, the next block starts
+arriving meanwhile, and it goes after its forward, but the last, which backward reads first
+and keeps until its gradients are accumulated. Backward
 brings the blocks again, last first: a hook on a block's outputs (their gradient is ready,
 so the block's backward is next) brings it and starts bringing the one before. A weight
 goes as soon as its gradient is accumulated (its post-accumulate-grad hook, after the
@@ -90,7 +92,6 @@ class WeightStream:
         self._consumers: dict[int, tuple[weakref.ref[torch.Tensor], list[int]]] = {}
         self._end_queued = False
         self._in_blocks = {p for params in units.block_params for p in params}
-        self._named = list(model.named_parameters())
         self._unstreamed: set[Param] = set()  # block weights whose gradient met the host
         self._warned = False
         self._tied: set[Param] = set()  # owned by two modules or more (a tied head)
@@ -303,7 +304,7 @@ class WeightStream:
         if not self._unstreamed or self._warned:
             return
         self._warned = True
-        names = [name for name, param in self._named if param in self._unstreamed]
+        names = self.weights.names(self._unstreamed)
         warnings.warn(
             f"{len(names)} block parameter(s) ({', '.join(map(repr, names[:4]))}"
             f"{', ...' if len(names) > 4 else ''}) received their gradients while their "
