@@ -1697,6 +1697,13 @@ MUTANTS = [
         "        self.pending = PendingStep(random_state)\n",
         "tests/test_checkpoint.py::test_a_clipped_fused_step_resumed_mid_accumulation_is_bit_for_bit",
     ),
+    (
+        "weights: a block weight's gradient computed on the host is refused before it accumulates",
+        "gradient_cache/engine/weight_stream.py",
+        "        if grad.device.type == self.weights.backend.device.type:\n            return\n",
+        "        return\n",
+        "tests/emulated/test_weights_on_device.py::test_a_regularizer_over_every_parameter_raises_never_trains",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

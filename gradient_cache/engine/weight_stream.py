@@ -146,6 +146,12 @@ class WeightStream:
             for param in model.parameters()
             if param.requires_grad
         ]
+        # A block weight's gradient computed on the host: refused before it accumulates.
+        self._handles += [
+            param.register_hook(functools.partial(self._refuse_host_gradient, param))
+            for param in self._in_blocks
+            if param.requires_grad and weights.backend.device.type != "cpu"
+        ]
 
     def remove(self) -> None:
         """The hooks removed; the weights stay where they are."""
@@ -297,6 +303,23 @@ class WeightStream:
             self._unstreamed.add(param)
         if self._forwards <= 1 and not self._reused:
             self.weights.free([param])
+
+    def _refuse_host_gradient(self, param: Param, grad: torch.Tensor) -> None:
+        """A gradient for a block weight computed away from the device: a use of the weight
+        outside its block's window (a regularizer over ``model.parameters()``) read the host
+        master at rest. Autograd would accumulate it on its CPU thread beside the device's
+        accumulation of the block's own use, a race: refused before either accumulates."""
+        if grad.device.type == self.weights.backend.device.type:
+            return
+        name = self.weights.names([param])[0]
+        raise RuntimeError(
+            f"Block parameter {name!r} received a gradient computed on the {grad.device} "
+            "(its host master, with offload_parameters=True): it was used outside its "
+            "block's forward, where its weights are on the host (a regularizer over "
+            "model.parameters(), block.forward(x) instead of block(x)). Put a regularizer "
+            "into the optimizer (weight_decay) or compute it inside the block's forward, "
+            "and call the blocks as modules."
+        )
 
     def _warn_unstreamed(self) -> None:
         """Blocks' weights got their gradients without their block on the device: the

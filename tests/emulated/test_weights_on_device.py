@@ -2,9 +2,7 @@
 device and the host are two memories and two device types: bit for bit with plain PyTorch
 on the device, the window read from the device's allocator, and the uses that only a second
 device tells apart (a write in forward, a load after a dropped forward, autocast, a bf16
-compute dtype). Not here: a regularizer over every parameter, which computes the blocks'
-terms on the host masters at rest; autograd then accumulates them on its CPU thread beside
-the device's, and the outcome depends on the threads' order (docs/options.md)."""
+compute dtype), and a regularizer over every parameter, refused."""
 
 from __future__ import annotations
 
@@ -129,3 +127,22 @@ def test_a_bf16_compute_dtype_trains_on_the_device_as_on_the_cpu(device) -> None
     manager = gradient_cache.create_gradient_cache(cached, **options, device=device)
     train(cached, on(device), manager)
     same(reference, cached)
+
+
+def test_a_regularizer_over_every_parameter_raises_never_trains(device) -> None:
+    """At rest a block's weights are its host masters: a penalty over model.parameters()
+    computes their terms on the host, and autograd would accumulate those on its CPU thread
+    beside the device's (a race). Backward raises every time, before anything accumulates on
+    the host: by name where the host terms reach the parameter first, or autograd's device
+    error where a block's backward brought the weight back first (the host branch then reads
+    its saved parameter on the device): which one depends on autograd's two threads."""
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
+    tokens, targets = on(device, 1)[0]
+    for _ in range(3):
+        _, loss = model(tokens, targets)
+        penalty = sum(p.square().sum() for p in model.parameters())
+        with pytest.raises(RuntimeError, match=r"Block parameter 'blocks\.|same device"):
+            (loss + 1e-4 * penalty).backward()
+        assert all(p.grad is None or p.grad.device == device for p in model.parameters())
+        manager.engine.optimizer_state.weights.free(model.parameters())
