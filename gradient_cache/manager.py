@@ -17,7 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import gradient_readers
 from .data_parallel import check_data_parallel
-from .engine import checkpoint, sharding
+from .engine import checkpoint, sharding, weights
 from .engine.budget import BudgetWatch, DeviceMemory, MemoryBudget, device_memory_of
 from .engine.config import (
     DEFAULT_COMPRESSION_RATIO,
@@ -27,19 +27,8 @@ from .engine.config import (
 )
 from .engine.factory import BackendFactory, create_backend
 from .engine.figures import CacheTensors, cache_tensors
-from .engine.host_weights import HostWeights
 from .engine.pipeline import Pipeline
-from .engine.shard_stream import (
-    ShardedModule,
-    ShardStream,
-    flat_shards,
-    initialize_roots,
-    sharded_modules,
-)
-from .engine.shard_weights import ShardWeights
 from .engine.step import OptimizerStep
-from .engine.weight_blocks import WeightUnits, weight_units
-from .engine.weight_stream import WeightStream
 from .model_watch import ParameterWatch
 from .stats import CompressionSummary, compression_summary
 
@@ -161,7 +150,7 @@ class GradientCacheHookManager:
                 "whole, on every rank alike. Drop memory_budget (everything is offloaded)."
             )
         _warn_of_split_groups(groups, trainable, included)
-        units = _weight_units_or_refusal(named, config, patterns, groups)
+        units = weights.plan(named, config, patterns, groups)
         self._pipeline: Pipeline | None = Pipeline(
             included,
             ratio=ratio,
@@ -170,10 +159,8 @@ class GradientCacheHookManager:
             groups=groups,
             backend_factory=backend_factory,
         )
-        # With offload_parameters: the weights' hooks (None without).
-        self._weight_stream = (
-            None if units is None else _stream_weights(named, self._pipeline, units)
-        )
+        # With offload_parameters: the weights' owner (None without).
+        self._weights = None if units is None else weights.attach(named, self._pipeline, units)
         if config.codec is None:
             _warn_of_the_ladders_last_rung(self._pipeline, ratio)
         budget = None
@@ -212,7 +199,7 @@ class GradientCacheHookManager:
             [(called_names[p], p) for _, p in included],
             excluded=patterns,
             device=self._pipeline.backend.device,
-            in_place=None if self._weight_stream is None else self._weight_stream.weights.in_place,
+            in_place=None if self._weights is None else self._weights.masters.in_place,
         )
         self._attach(model)
 
@@ -490,7 +477,7 @@ class GradientCacheHookManager:
         equal up to float rounding but not bit for bit. Switch at step boundaries for
         plain PyTorch's bits.
         """
-        if self._weight_stream is not None:
+        if self._weights is not None:
             raise RuntimeError(
                 "disable() cannot run with offload_parameters=True: a gradient left on the "
                 "device would outlive its weights there, which go back to the host after "
@@ -505,11 +492,9 @@ class GradientCacheHookManager:
         """
         if self._pipeline is None:
             return
-        stream = self._weight_stream
-        if stream is not None:  # the weights back on the device first, where .grad goes
-            stream.weights.close()  # if they cannot be, nothing is detached yet
-            stream.remove()
-            self._weight_stream = None
+        if self._weights is not None:  # the weights back on the device first, where .grad goes
+            self._weights.close()  # if they cannot be, nothing is detached yet
+            self._weights = None
         pipeline, self._pipeline, self._step = self._pipeline, None, None
         self._watch.remove()
         _detached()
@@ -731,116 +716,6 @@ def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Modu
                 UserWarning,
                 stacklevel=3,  # the line that dropped it, where reference counting freed it
             )
-
-
-def _weight_units_or_refusal(
-    model: torch.nn.Module,
-    config: EngineConfig,
-    patterns: Sequence[str],
-    groups: Sequence[Sequence[torch.nn.Parameter]],
-) -> WeightUnits | list[ShardedModule] | None:
-    """With ``offload_parameters``: the model's blocks (raises naming how to name them),
-    or under FSDP2 its ``fully_shard`` modules, after refusing what it cannot be combined
-    with. Before anything is attached."""
-    if not config.offload_parameters:
-        return None
-    if patterns:
-        raise ValueError(
-            f"exclude_layers={list(patterns)} cannot be combined with offload_parameters=True: "
-            "an excluded layer's gradient stays on the device, and its weights do not. Drop "
-            "exclude_layers (every gradient is offloaded), or offload_parameters."
-        )
-    if groups:
-        return _sharded_modules_or_refusal(model, config)
-    devices = sorted({str(p.device) for p in model.parameters()})
-    target = None if config.device is None else torch.device(config.device)
-    on_it = target is not None and all(
-        d.type == target.type and target.index in (None, d.index)
-        for d in map(torch.device, devices)
-    )
-    if target is not None and devices != ["cpu"] and not on_it:
-        raise ValueError(
-            f"device={str(config.device)!r} sets up a model whose parameters are on the "
-            f"host, and this one's are on {', '.join(devices)}. Build or load the model on "
-            "the CPU (torch.device('cpu'), or load_state_dict(..., assign=True) into a "
-            "model made on the meta device), or drop device for a model already on it."
-        )
-    if len(devices) > 1:
-        raise ValueError(
-            f"offload_parameters=True found the model's parameters on several devices "
-            f"{devices}: its weights leave for the host and come back to one device, a block "
-            "at a time. Put the whole model on one device (model.to(device)) before creating "
-            "the cache."
-        )
-    return weight_units(model, name=config.parameter_blocks)
-
-
-def _sharded_modules_or_refusal(
-    model: torch.nn.Module, config: EngineConfig
-) -> list[ShardedModule]:
-    """Under FSDP2 the ``fully_shard`` modules are the blocks, and FSDP2 casts."""
-    if config.compute_dtype is not None:
-        raise ValueError(
-            f"compute_dtype={config.compute_dtype} cannot be combined with FSDP2: FSDP2 "
-            "casts the weights in its all-gathers. Drop compute_dtype and shard with "
-            "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
-            f"{config.compute_dtype}, reduce_dtype=torch.float32))."
-        )
-    if config.device is not None:
-        raise ValueError(
-            f"device={str(config.device)!r} cannot be combined with FSDP2: fully_shard puts "
-            "each rank's shards on its device, from which the cache moves them to the host. "
-            "Drop device."
-        )
-    if config.parameter_blocks is not None:
-        raise ValueError(
-            f"parameter_blocks={config.parameter_blocks!r} cannot be combined with FSDP2: "
-            "each fully_shard module's shards stream on their own. Drop parameter_blocks."
-        )
-    return sharded_modules(model)
-
-
-def _stream_weights(
-    model: torch.nn.Module, pipeline: Pipeline, units: WeightUnits | list[ShardedModule]
-) -> WeightStream | ShardStream:
-    """The weights to host memory and their hooks on ``model``; if that raises (the host
-    budget, a parameter FSDP2 does not shard), the pipeline is closed and nothing stays
-    attached."""
-    states = pipeline.optimizer_state
-    assert states is not None  # offload_parameters needs offload_optimizer_state: the config checks
-    fraction = pipeline.config.host_memory_fraction
-    named = list(model.named_parameters())
-    try:
-        if isinstance(units, WeightUnits):
-            weights: HostWeights = HostWeights(
-                named,
-                pipeline.backend,
-                fraction=fraction,
-                compute_dtype=pipeline.config.compute_dtype,
-            )
-        else:
-            initialize_roots(units)
-            weights = ShardWeights(
-                named, pipeline.backend, fraction=fraction, flat_shards=flat_shards(units)
-            )
-    except BaseException:
-        pipeline.close()
-        raise
-    states.weights = weights
-    if isinstance(units, WeightUnits):
-        _buffers_to(model, pipeline.backend.device)
-        return WeightStream(model, weights, units)
-    assert isinstance(weights, ShardWeights)  # built for the sharded modules above
-    return ShardStream(model, weights, units)
-
-
-def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
-    """``model``'s buffers on ``device``, where a model set up from the host (``device=``)
-    computes; they stay there, as plain PyTorch's would."""
-    for module in model.modules():
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            if buffer.device != device:
-                setattr(module, name, buffer.to(device))  # a buffer still, persistent or not
 
 
 def _parameter_list(

@@ -7,7 +7,7 @@ engine's own: each tensor's route (`engine.route`: its codec's payload bytes, it
 its pinned slot), ``staging_depth`` buckets in flight.
 
 With the weights on the host too (``offload_parameters=True``, `PlanInputs.weights`), the
-model's parameters are cut as `engine.weight_blocks.weight_units` cuts them: blocks, which
+model's parameters are cut as `engine.weights.blocks.weight_units` cuts them: blocks, which
 come to the device one ahead of the one running, and the rest (embeddings, final norm,
 head, tied weights), on the device from forward to the end of backward. `hiding_tokens`
 derives the tokens per micro-batch at which the link's bytes take no longer than the
@@ -32,7 +32,7 @@ from .engine.config import EngineConfig
 from .engine.pool import reserved_bytes
 from .engine.route import Codecs, Route, plan_routes
 from .engine.units import MIB
-from .engine.weight_blocks import weight_units
+from .engine.weights.blocks import weight_units
 
 #: 8-bit Adam (bitsandbytes' and torchao's AdamW8bit, Adam8bit): two moments of one uint8
 #: code an entry, each with an fp32 scale per block of 256 entries.

@@ -112,8 +112,7 @@ def compression_summary(
     compressed_numel = sum(layer.numel for layer in compressed)
     residual = pipeline.backend.residuals.nbytes()
     pool = pipeline.backend.host_pool()
-    states = pipeline.optimizer_state
-    weights = None if states is None else states.weights
+    states, weights = pipeline.optimizer_state, pipeline.weights
     return CompressionSummary(
         compression_ratio=pipeline.ratio,
         device=str(pipeline.backend.device),

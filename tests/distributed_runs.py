@@ -538,7 +538,7 @@ def two_groups(model: nn.Module) -> torch.optim.Optimizer:
 def shards_on_device(model: nn.Module) -> list[int]:
     """The ``fully_shard`` modules (by their place in ``model.modules()``) whose shards
     hold device memory now (FSDP2's padded shard, which its all-gather reads)."""
-    from gradient_cache.engine.shard_stream import sharded_modules
+    from gradient_cache.engine.fsdp_privates import sharded_modules
 
     return [
         index
@@ -550,7 +550,7 @@ def shards_on_device(model: nn.Module) -> list[int]:
 
 def shard_bytes(model: nn.Module) -> list[int]:
     """Each ``fully_shard`` module's padded shards' bytes on this rank."""
-    from gradient_cache.engine.shard_stream import sharded_modules
+    from gradient_cache.engine.fsdp_privates import sharded_modules
 
     return [
         sum(fp._sharded_param_data.nbytes for g in sharded.groups for fp in g.fsdp_params)

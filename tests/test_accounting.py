@@ -272,7 +272,7 @@ def test_weights_on_the_host_count_only_while_they_are_on_the_device() -> None:
     cache = gradient_cache.create_gradient_cache(
         model, compression_ratio=1, offload_optimizer_state=True, offload_parameters=True
     )
-    weights = cache.engine.optimizer_state.weights
+    weights = cache.engine.weights
     tokens = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
 
     def step() -> None:

@@ -308,7 +308,7 @@ def fsdp2_objects(*, plural: bool = True, drop: str | None = None) -> Any:
         return SimpleNamespace(**{k: v for k, v in names.items() if k != drop})
 
     comm = holder(post_forward_order=[], all_gather_copy_in_stream=None)
-    param = holder(sharded_param=None, _sharded_param_data=None)
+    param = holder(sharded_param=holder(_local_tensor=None), _sharded_param_data=None)
     group = holder(fsdp_params=[param], comm_ctx=comm, _post_forward_indices=[], is_unsharded=False)
     groups = {"_fsdp_param_groups": [group]} if plural else {"_fsdp_param_group": group}
     state = holder(
@@ -324,12 +324,16 @@ def fsdp2_objects(*, plural: bool = True, drop: str | None = None) -> Any:
 
 @pytest.mark.parametrize("plural", [True, False], ids=["torch 2.13", "torch 2.6"])
 def test_fsdp2s_private_names_are_checked_once_naming_the_missing_one(plural: bool) -> None:
-    from gradient_cache.engine.shard_stream import check_fsdp_privates
-    from gradient_cache.engine.sharding import param_groups
+    from gradient_cache.engine.fsdp_privates import check_fsdp_privates, param_groups
 
     check_fsdp_privates(fsdp2_objects(plural=plural), initialized=True)
     assert len(param_groups(fsdp2_objects(plural=plural)._get_fsdp_state())) == 1
-    for missing in ("_post_forward_indices", "_sharded_param_data", "all_gather_copy_in_stream"):
+    for missing in (
+        "_post_forward_indices",
+        "_sharded_param_data",
+        "all_gather_copy_in_stream",
+        "_local_tensor",
+    ):
         with pytest.raises(RuntimeError, match=f"no '{missing}'") as refusal:
             check_fsdp_privates(fsdp2_objects(plural=plural, drop=missing), initialized=True)
         assert f"torch {torch.__version__}" in str(refusal.value)

@@ -15,8 +15,8 @@ from test_parameters_offload import STREAMED, all_on_the_host, batches, gpt, sgd
 from torch import nn
 
 import gradient_cache
-from gradient_cache.engine.host_weights import WeightAt
-from gradient_cache.engine.weight_blocks import weight_units
+from gradient_cache.engine.weights.blocks import weight_units
+from gradient_cache.engine.weights.masters import WeightAt
 
 
 class WritingBlock(nn.Module):
@@ -123,7 +123,7 @@ def test_a_blocks_own_state_dict_holds_compact_copies_and_saves_its_own_bytes() 
     for name, value in block.named_parameters():
         assert torch.equal(state[name], value)
     model(*batches(1)[0])  # dropped: the rest stays on the device until a backward
-    weights = manager.engine.optimizer_state.weights
+    weights = manager.engine.weights
     assert weights.where(model.ln_f.weight) is WeightAt.DEVICE
     saved = model.ln_f.state_dict()["weight"]
     assert weights.where(model.ln_f.weight) is WeightAt.HOST  # sent home first
@@ -283,7 +283,7 @@ def test_an_encoder_and_a_decoder_both_stream_and_a_handed_on_tensor_brings_noth
     plain = encoder_decoder()
     run_writing(plain)
     manager = gradient_cache.create_gradient_cache(model, **STREAMED)
-    weights = manager.engine.optimizer_state.weights
+    weights = manager.engine.weights
     held = []
     for layer in [*model.encoder, *model.decoder]:
         layer.lin.weight.register_hook(
@@ -323,7 +323,7 @@ def test_a_short_list_of_shared_modules_is_not_taken_for_blocks() -> None:
     model = SharedAdapters()
     assert weight_units(model).blocks == list(model.layers)
     manager = gradient_cache.create_gradient_cache(model, **STREAMED)
-    weights = manager.engine.optimizer_state.weights
+    weights = manager.engine.weights
     held = []
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(lambda p: held.append(weights.device_bytes()))
@@ -359,7 +359,7 @@ def test_forward_issues_the_rests_and_the_first_blocks_copies_before_it_waits(
     backward (not given up and brought again)."""
     model = gpt()
     manager = gradient_cache.create_gradient_cache(model, **STREAMED)
-    weights = manager.engine.optimizer_state.weights
+    weights = manager.engine.weights
     backend = weights.backend
     calls: list[str] = []
     start, finish = backend.start_refill, backend.finish_to_device

@@ -15,10 +15,10 @@ from test_stream_order import fake_accelerator  # noqa: F401 - the stand-in stre
 
 import gradient_cache
 from gradient_cache.demo.models import GPTConfig, TinyGPT
-from gradient_cache.engine.host_weights import WeightAt
 from gradient_cache.engine.hostmem import HostMemoryError
 from gradient_cache.engine.records import StateAt
-from gradient_cache.engine.weight_blocks import weight_units
+from gradient_cache.engine.weights.blocks import weight_units
+from gradient_cache.engine.weights.masters import WeightAt
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2)
 STREAMED = {"compression_ratio": 1, "offload_optimizer_state": True, "offload_parameters": True}
@@ -82,7 +82,7 @@ def step(model, optimizer, manager=None, *, clip=None):
 
 
 def weights_of(manager):
-    return manager.engine.optimizer_state.weights
+    return manager.engine.weights
 
 
 def all_on_the_host(model, manager) -> bool:

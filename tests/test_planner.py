@@ -21,7 +21,7 @@ from gradient_cache.demo.models import GPT_SIZES, TinyGPT
 from gradient_cache.engine.config import EngineConfig
 from gradient_cache.engine.factory import build_accelerator_backend
 from gradient_cache.engine.route import planner
-from gradient_cache.engine.weight_blocks import weight_units
+from gradient_cache.engine.weights.blocks import weight_units
 from gradient_cache.planner import (
     GRADIENTS_AT_STEP,
     GRADIENTS_IN_BACKWARD,

@@ -173,7 +173,7 @@ class Backend(ABC):
     ) -> Transfer:
         """Start copying each (device, host) pair's host tensor into its device one, whose
         memory the caller allocated on the current stream (a weight's storage, refilled:
-        `host_weights`); then each (device, copied) cast's copied tensor into its device
+        `weights.masters`); then each (device, copied) cast's copied tensor into its device
         one (another dtype). The device tensors live as long as the `Transfer`."""
         for device, host in pairs:
             device.copy_(host)

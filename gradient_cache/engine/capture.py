@@ -75,7 +75,7 @@ class Capture:
         then spent; the step goes on (not delivered, not counted: its gradients return to
         the cache as this backward hands them over, as under accumulation)."""
         pipeline = self.pipeline
-        if pipeline.optimizer_state is not None and pipeline.optimizer_state.weights is not None:
+        if pipeline.weights is not None:
             raise RuntimeError(
                 "A backward came after a clip of this step's gradients (clip_grad_norm_ "
                 "between two backwards, whose clip the cache defers to the step) with the "

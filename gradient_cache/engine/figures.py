@@ -81,8 +81,7 @@ def cache_tensors(pipeline: Pipeline) -> CacheTensors:
     residuals = pipeline.backend.residuals
     residual_tensors = [*residuals.current().values(), *residuals.pending().values()]
     on_host = pipeline.config.residual_options.residual_location == "host"
-    states = pipeline.optimizer_state
-    weights = None if states is None else states.weights
+    states, weights = pipeline.optimizer_state, pipeline.weights
     return CacheTensors(
         host=(
             *pipeline.store.tensors(),

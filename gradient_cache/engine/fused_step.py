@@ -13,18 +13,80 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from . import sharding
-from .optimizer_state import Arrival, StateJourney
 from .pipeline import Pipeline
 from .records import GradientAt
 from .step_state import Clip, HeldProgress
 
 Param = torch.nn.Parameter
+
+
+class Traveller(Protocol):
+    """What comes to the device with each bucket and goes back after its step: the
+    weights (`weights.masters.StepJourney`), the optimizer state
+    (`optimizer_state.StateJourney`)."""
+
+    def bring(self, params: Sequence[Param]) -> Any:
+        """Start the copies of ``params``' part; returns its arrival. If it raises, nothing
+        of it moved."""
+
+    def install(self, arrival: Any) -> None:
+        """The arrival ready for the step (work queued from now on sees it)."""
+
+    def send_back(self, arrival: Any) -> None:
+        """After the bucket's step: its part to the host."""
+
+    def abandon(self, arrivals: Iterable[Any]) -> None:
+        """A step raised: each arrival's part as it was before its journey."""
+
+    def step_ended(self, steps: int) -> None:
+        """Step ``steps`` completed."""
+
+
+@dataclass
+class Journeys:
+    """The travellers of one fused step, in order (the weights first: their copies back
+    start before a new state's host copies are allocated, which may raise, and the step is
+    not retried for a bucket whose payloads are spent), and each bucket's arrivals."""
+
+    travellers: list[Traveller]
+    arrivals: deque[list[Any]] = field(default_factory=deque)
+
+    def bring(self, params: Sequence[Param]) -> None:
+        brought: list[Any] = []
+        try:
+            for traveller in self.travellers:
+                brought.append(traveller.bring(params))
+        except BaseException:  # those already on their way go back as they were
+            for traveller, arrival in zip(self.travellers, brought, strict=False):
+                traveller.abandon([arrival])
+            raise
+        self.arrivals.append(brought)
+
+    def install(self) -> None:
+        """The oldest bucket's arrivals, for its step."""
+        for traveller, arrival in zip(self.travellers, self.arrivals[0], strict=True):
+            traveller.install(arrival)
+
+    def send_back(self) -> None:
+        """The oldest bucket's, after its step."""
+        for traveller, arrival in zip(self.travellers, self.arrivals.popleft(), strict=True):
+            traveller.send_back(arrival)
+
+    def abandon(self) -> None:
+        for i, traveller in enumerate(self.travellers):
+            traveller.abandon(arrivals[i] for arrivals in self.arrivals)
+        self.arrivals.clear()
+
+    def step_ended(self, steps: int) -> None:
+        for traveller in self.travellers:
+            traveller.step_ended(steps)
 
 
 @dataclass
@@ -43,7 +105,7 @@ class BucketSteps:
     clip: Clip
     progress: HeldProgress
     step_once: Callable[[], object]
-    journey: StateJourney | None  # the optimizer's state with the buckets (offloaded)
+    journeys: Journeys  # the weights and optimizer state with the buckets (offloaded)
     hidden: bool  # the held gradients stay out of .grad afterwards (`settle_held`)
 
 
@@ -52,55 +114,37 @@ def run(pipeline: Pipeline, steps: BucketSteps) -> dict[Param, torch.Tensor]:
     If a step raises, the state of each bucket on its way goes back to the host as it
     was, the held gradients back in ``param.grad``, and the pipeline keeps the clip and
     the progress for the retry."""
-    states = steps.journey
-    arrivals: deque[Arrival] = deque()  # each bucket's optimizer state on its way
+    journeys = steps.journeys
     before = _hold(pipeline, steps.held)  # out of .grad: the buckets step without them
     try:
-        _step_cached(pipeline, steps, states, arrivals)
+        _step_cached(pipeline, steps, journeys)
         if steps.held:
-            _step_held(pipeline, steps, states, arrivals)
+            _step_held(pipeline, steps, journeys)
     except BaseException:
-        if states is not None:
-            states.abandon(arrivals)
+        journeys.abandon()
         put_back(steps.held)  # as the retry finds them: `progress` says what was done to them
         for param, at in before.items():  # where they were before the step
             pipeline.records[param].gradient = at
         pipeline.interrupt(steps.clip, steps.progress)
         raise
-    if states is not None:
-        states.step_ended(pipeline.steps)
+    journeys.step_ended(pipeline.steps)
     return settle_held(pipeline, steps.held, hidden=steps.hidden)
 
 
-def _step_cached(
-    pipeline: Pipeline,
-    steps: BucketSteps,
-    states: StateJourney | None,
-    arrivals: deque[Arrival],
-) -> None:
-    """Each bucket of cached gradients restored and stepped, its state brought along."""
-
-    def bring(params: Sequence[Param]) -> None:
-        if states is not None:
-            arrivals.append(states.bring(params))
-
-    def send_back() -> None:
-        if states is not None:
-            states.send_back(arrivals.popleft())
-
-    # Each bucket's state goes back once its payloads left the store: if that raises
+def _step_cached(pipeline: Pipeline, steps: BucketSteps, journeys: Journeys) -> None:
+    """Each bucket of cached gradients restored and stepped, its travellers brought along."""
+    # Each bucket's travellers go back once its payloads left the store: if that raises
     # (allocating new host copies), the retry does not step the bucket again.
     restoring = pipeline.restoring(
         steps.buckets,
         clip_factor=steps.restore_factor,
-        alongside=bring,
-        spent=send_back,
+        alongside=journeys.bring,
+        spent=journeys.send_back,
         depth=pipeline.backend.restore_ahead,  # a bucket ahead (CUDA): it steps, then goes
     )
     with contextlib.closing(restoring) as buckets:
         for i, grads in enumerate(buckets):
-            if states is not None:
-                states.install(arrivals[0])
+            journeys.install()
             _step_with(steps.step_once, grads)
             if i == 0:
                 # The step counts, and its residuals become current, once an optimizer
@@ -109,12 +153,7 @@ def _step_cached(
                 pipeline.deliver([p for p in steps.delivered if p in pipeline.store])
 
 
-def _step_held(
-    pipeline: Pipeline,
-    steps: BucketSteps,
-    states: StateJourney | None,
-    arrivals: deque[Arrival],
-) -> None:
+def _step_held(pipeline: Pipeline, steps: BucketSteps, journeys: Journeys) -> None:
     """The held gradients scaled in place, then stepped a bucket's worth at a time: each
     chunk's state (offloaded) is on the device only for its own step, as a bucket's is."""
     held, progress = steps.held, steps.progress
@@ -123,13 +162,11 @@ def _step_held(
         [p for p in held if p not in progress.stepped], pipeline.assembler.capacity_bytes
     )
     for chunk in chunks:
-        if states is not None:
-            arrivals.append(states.bring(chunk))
-            states.install(arrivals[0])
+        journeys.bring(chunk)
+        journeys.install()
         _step_with(steps.step_once, [(param, held[param]) for param in chunk])
         progress.stepped.update(chunk)
-        if states is not None:
-            states.send_back(arrivals.popleft())
+        journeys.send_back()
 
 
 def scale_in_place(

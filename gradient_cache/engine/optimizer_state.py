@@ -46,7 +46,6 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .backend import Backend, Transfer
-from .host_weights import HostWeights
 from .layout import gradient_strides
 from .records import StateAt
 from .state_slabs import StateSlabs
@@ -139,8 +138,6 @@ class HostOptimizerState:
     # Parameters whose state stays on the device (a memory budget's decision): brought
     # once more from its host copy, then never sent back.
     on_device: set[Param] = field(default_factory=set)
-    # The weights on the host too (offload_parameters): each bucket's travel with its state.
-    weights: HostWeights | None = None
 
     def __post_init__(self) -> None:
         # Where every host copy is cut from (the backend's slabs: pinned on CUDA).
@@ -287,7 +284,7 @@ class HostOptimizerState:
         self._slabs.expect(p for group in optimizer.param_groups for p in group["params"])
         self.attach(optimizer)
         self.send_to_host(optimizer)
-        return StateJourney(self, optimizer.state, self.state_copies(optimizer), self.weights)
+        return StateJourney(self, optimizer.state, self.state_copies(optimizer))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """From now on ``optimizer.load_state_dict`` puts the offloaded state in host
@@ -403,19 +400,16 @@ class HostOptimizerState:
 class StateJourney:
     """One fused step's journeys of one optimizer's state, a bucket at a time: ``state``
     is the optimizer's (``optimizer.state``), ``owned`` its host copies and where each
-    parameter's state is (`StateCopies`); ``weights``: with the weights on the host, each
-    bucket's come to the device with its state, step there, and go back."""
+    parameter's state is (`StateCopies`). With the weights on the host, each bucket's
+    travel beside it (`weights.masters.StepJourney`)."""
 
     states: HostOptimizerState
     state: OptimizerStateDict
     owned: StateCopies
-    weights: HostWeights | None = None
 
     def bring(self, params: Sequence[Param]) -> Arrival:
         """Start copying ``params``' host state to the device (the backend's restore
         stream on CUDA); a state not yet created comes from the step itself."""
-        if self.weights is not None:  # first: if it raises, the state has not moved
-            self.weights.bring(params, step=True)
         keys: list[tuple[Param, str, torch.Tensor]] = []
         for param in params:
             if self.owned.at.get(param) is not StateAt.HOST:
@@ -424,12 +418,7 @@ class StateJourney:
             values = self.state.get(param, {})
             keys += [(param, key, copies[key]) for key in values if key in copies]
         hosts = [leaf for _, _, host in keys for leaf in leaves(host)]
-        try:
-            transfer = self.states.backend.start_to_device(hosts)
-        except BaseException:
-            if self.weights is not None:  # the bucket's weights go home too (dirty: copied)
-                self.weights.free(params)
-            raise
+        transfer = self.states.backend.start_to_device(hosts)
         self.states.moved_bytes += nbytes(hosts)
         for param, _, _ in keys:  # only once started: a failed start leaves them home
             self.owned.at[param] = StateAt.IN_TRANSIT
@@ -442,16 +431,11 @@ class StateJourney:
         for param, key, host in arrival.keys:
             self.state[param][key] = rebuilt(host, device)
             self.owned.at[param] = StateAt.DEVICE
-        if self.weights is not None:
-            self.weights.ensure(arrival.params, step=True)
         arrival.installed = True
 
     def send_back(self, arrival: Arrival) -> None:
-        """After the bucket's step: its weights to their masters, then its state (updated
-        or new) to the host (`HostOptimizerState.send`). The weights first: allocating a
-        new state's host copies may raise, and the step is not retried for this bucket."""
-        if self.weights is not None:
-            self.weights.store(arrival.params)
+        """After the bucket's step: its state (updated or new) to the host
+        (`HostOptimizerState.send`)."""
         self.states.send(self.state, self.owned, arrival.params)
 
     def abandon(self, arrivals: Iterable[Arrival]) -> None:
@@ -469,13 +453,10 @@ class StateJourney:
                 if not had:
                     self.state.pop(param, None)
                     self.owned.at.pop(param, None)
-            if self.weights is not None:  # their masters are as before the step
-                self.weights.forget(arrival.params)
 
     def step_ended(self, steps: int) -> None:
-        """Step ``steps`` completed: the weights are home (`HostWeights.step_ended`)."""
-        if self.weights is not None:
-            self.weights.step_ended(steps)
+        """Step ``steps`` completed: nothing left to finish (each bucket's state went back
+        as its step ended)."""
 
 
 @dataclass(frozen=True)

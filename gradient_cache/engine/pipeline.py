@@ -47,6 +47,7 @@ from .step_state import (
     StepStateError,
 )
 from .store import BucketPayloads, GradientStore
+from .weights.masters import HostWeights
 
 Param = torch.nn.Parameter
 NONE, STORED, KEPT_ON_DEVICE = GradientAt.NONE, GradientAt.STORED, GradientAt.KEPT_ON_DEVICE
@@ -93,6 +94,8 @@ class Pipeline:
             if config.offload_optimizer_state
             else None
         )
+        # The weights on the host (offload_parameters): `carry_weights`.
+        self.weights: HostWeights | None = None
         self.steps = 0
         self.records = make_records(named_params, self.plan.at(0), groups)
         self._planned_at = -1
@@ -385,6 +388,10 @@ class Pipeline:
     def set_enabled(self, enabled: bool) -> None:
         """Whether later backward passes offload (False: their gradients stay put)."""
         self.enabled = enabled
+
+    def carry_weights(self, weights: HostWeights) -> None:
+        """The weights on the host travel with the fused step's buckets (`StepJourney`)."""
+        self.weights = weights
 
     def close(self) -> None:
         """Detach: the hooks removed, the parameters free for another cache, the optimizer

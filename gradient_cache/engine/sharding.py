@@ -10,10 +10,12 @@ tensor passes through unchanged.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
+
+from .fsdp_privates import fsdp_param_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -54,17 +56,6 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local()
 
 
-def local_object(param: torch.Tensor) -> torch.Tensor:
-    """The tensor object a `DTensor` holds as its local part (`local` gives a view)."""
-    return cast("DTensor", param)._local_tensor
-
-
-def set_local(param: torch.Tensor, tensor: torch.Tensor) -> None:
-    """``tensor`` as the local part of `DTensor` ``param`` (whose identity the optimizer
-    keeps), as FSDP2's own ``reset_sharded_param`` sets it; ``tensor`` has its shape."""
-    cast("DTensor", param)._local_tensor = tensor
-
-
 def local_shape(param: torch.Tensor) -> torch.Size:
     return local(param).shape
 
@@ -94,49 +85,6 @@ def rank_and_world_size() -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
-
-
-class FSDPParam(Protocol):
-    """What the engine reads of FSDP2's (private) ``FSDPParam``."""
-
-    sharded_param: torch.nn.Parameter
-
-
-class FSDPParamGroup(Protocol):
-    """What the engine reads of FSDP2's (private) ``FSDPParamGroup``."""
-
-    fsdp_params: list[FSDPParam]
-
-
-def fsdp_param_groups(model: torch.nn.Module) -> list[FSDPParamGroup]:
-    """FSDP2's parameter groups (one per ``fully_shard`` call) under ``model``.
-
-    FSDP2 has no public getter for them: this reads its module state, as its own hooks do.
-    """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch before 2.6, or without distributed: no FSDP2
-        return []
-
-    return [
-        group
-        for module in model.modules()
-        if isinstance(module, FSDPModule)
-        for group in param_groups(module._get_fsdp_state())
-    ]
-
-
-def param_groups(state: Any) -> list[FSDPParamGroup]:
-    """The parameter groups of FSDP2's state ``state`` (its ``FSDPState``): the list
-    ``_fsdp_param_groups`` where torch has it (2.13 and 2.14: one group per mesh where
-    ``shard_placement_fn`` gives several), else ``_fsdp_param_group`` (one or None: torch
-    2.6 and 2.10; 2.13 keeps it as a property that raises for several groups). No groups
-    where the state has neither (`shard_stream.check_fsdp_privates` refuses that)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
 
 
 def fsdp_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:

@@ -8,7 +8,7 @@ fires the optimizer's step hooks once around it (`step_hooks`), hides the held g
 from an integration's own ``optimizer.step()``, and runs a memory budget's measurement
 and decision. The phases it runs each live in one module: the restore path and the
 step's state in `pipeline`, the buckets in `fused_step`, the scaler in `scaling`, the
-norms in `norms`, the state's journeys in `optimizer_state` (`StateJourney`).
+norms in `norms`, the journeys of the weights and the state in `fused_step` (`Journeys`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import fused_step, scaling, sharding
-from .fused_step import BucketSteps
+from .fused_step import BucketSteps, Journeys, Traveller
 from .norms import StepNorms, clip_factor, clip_grad_norm_order, gradient_norm
-from .optimizer_state import StateJourney
 from .pipeline import Pipeline
 from .records import GradientAt
 from .step_hooks import StepHooks
 from .step_state import Clip, HeldProgress
 from .store import BucketPayloads
+from .weights.masters import StepJourney
 
 Param = torch.nn.Parameter
 Optimizer = torch.optim.Optimizer
@@ -256,7 +256,7 @@ class OptimizerStep:
         held gradients stay out of ``.grad`` afterwards (`fused_step.settle_held`); returns
         the global norm (clipping) and those gradients."""
         pipeline = self.pipeline
-        stepped, journey = self._begin(optimizer)
+        stepped, journeys = self._begin(optimizer)
         deferred = pipeline.deferred_clip
         clip, progress = pipeline.retry() if pipeline.interrupted else (None, HeldProgress())
         if clip is None and deferred is not None:
@@ -299,7 +299,7 @@ class OptimizerStep:
             clip,
             progress,
             step_once,
-            journey,
+            journeys,
             hidden,
         )
         left = fused_step.run(pipeline, steps)
@@ -308,19 +308,21 @@ class OptimizerStep:
         pipeline.finish_step()
         return total_norm, left
 
-    def _begin(self, optimizer: Optimizer) -> tuple[dict[Param, None], StateJourney | None]:
+    def _begin(self, optimizer: Optimizer) -> tuple[dict[Param, None], Journeys]:
         """The step begins: every gradient in host memory, ``optimizer``'s state there
         too (offloaded), and a parameter another optimizer's step took refused. Returns
-        ``optimizer``'s parameters (a dict: ordered, fast to test) and its state's
-        journeys (offloaded)."""
+        ``optimizer``'s parameters (a dict: ordered, fast to test) and the journeys of its
+        buckets' weights and state (offloaded)."""
         pipeline = self.pipeline
         pipeline.drain()
-        journey = None
+        travellers: list[Traveller] = []
+        if pipeline.weights is not None:
+            travellers.append(StepJourney(pipeline.weights))
         if pipeline.optimizer_state is not None:  # a skipped step moves none either
-            journey = pipeline.optimizer_state.begin_step(optimizer)
+            travellers.append(pipeline.optimizer_state.begin_step(optimizer))
         stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
         _check_not_taken(self.pipeline, optimizer, stepped)
-        return stepped, journey
+        return stepped, Journeys(travellers)
 
     # --- around the restores ------------------------------------------------------------
 

@@ -72,7 +72,7 @@ def test_the_allocator_sees_the_rest_and_two_blocks_not_the_model(device) -> Non
     base = torch.accelerator.memory_allocated()
     cached_held = held_at_each_block(cached, data, manager)
     weights = sum(p.nbytes for p in cached.parameters())
-    rest = sum(p.nbytes for p in manager.engine.optimizer_state.weights.params()) - sum(
+    rest = sum(p.nbytes for p in manager.engine.weights.params()) - sum(
         p.nbytes for block in cached.blocks for p in block.parameters()
     )
     block = max(sum(p.nbytes for p in b.parameters()) for b in cached.blocks)
@@ -145,4 +145,4 @@ def test_a_regularizer_over_every_parameter_raises_never_trains(device) -> None:
         with pytest.raises(RuntimeError, match=r"Block parameter 'blocks\.|same device"):
             (loss + 1e-4 * penalty).backward()
         assert all(p.grad is None or p.grad.device == device for p in model.parameters())
-        manager.engine.optimizer_state.weights.free(model.parameters())
+        manager.engine.weights.free(model.parameters())

@@ -43,16 +43,16 @@ at rest, and whatever the host writes into a master is what the next use reads.
 from __future__ import annotations
 
 import enum
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from . import sharding
-from .backend import Backend, Transfer
-from .layout import gradient_strides
-from .state_slabs import StateSlabs
+from .. import sharding
+from ..backend import Backend, Transfer
+from ..layout import gradient_strides
+from ..state_slabs import StateSlabs
 
 Param = torch.nn.Parameter
 
@@ -67,7 +67,7 @@ class WeightAt(enum.Enum):
 
 
 @dataclass
-class _Weight:
+class Weight:
     master: torch.Tensor  # on the host: P.data at rest
     compute: torch.Tensor  # D for forward and backward: memory only while in use
     full: torch.Tensor  # D for the step, the master's dtype (``compute`` without one)
@@ -84,22 +84,55 @@ class _Weight:
         return self.master
 
 
+class Placement(Protocol):
+    """Where a weight's device tensor lives and what ``P`` shows of it: the one-process
+    placement (`stream.OwnTensors`: a device tensor of its own, ``P.data``) or FSDP2's
+    (`shard_stream.FsdpShards`: its shard's storage, the `DTensor`'s local tensor)."""
+
+    loads_on_device: bool  # a load writes the weights on the device, not the masters
+
+    def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
+        """Refuse, naming it, a parameter this placement cannot move."""
+
+    def source(self, param: Param) -> torch.Tensor:
+        """What ``param``'s master copies."""
+
+    def weight(self, source: torch.Tensor, master: torch.Tensor) -> Weight:
+        """The record of the parameter whose data is ``source``, with its device tensors."""
+
+    def rest(self, param: Param, weight: Weight) -> None:
+        """``param`` at rest once its master is filled."""
+
+    def show(self, param: Param, weight: Weight) -> None:
+        """``param`` where ``weight`` is now (its device tensor once arrived, else its
+        master)."""
+
+    def in_place(self, param: Param, weight: Weight) -> bool:
+        """Whether ``param`` still reads where ``weight`` put it."""
+
+    def close(self, weights: HostWeights) -> None:
+        """Every weight back on the device for good, as plain PyTorch keeps it."""
+
+
 class HostWeights:
-    """The masters and device tensors of ``named_params`` (see the module docstring).
-    Construction copies each parameter's data into its master and frees the device copy:
-    the host budget (``fraction``) is checked first, and nothing changes if it refuses."""
+    """The masters and device tensors of ``named_params`` (see the module docstring), one
+    record (`Weight`) each, placed by ``placement``. Construction copies each parameter's
+    data into its master and frees the device copy: the host budget (``fraction``) is
+    checked first, and nothing changes if it refuses."""
 
     def __init__(
         self,
         named_params: Sequence[tuple[str, Param]],
         backend: Backend,
+        placement: Placement,
         *,
         fraction: float,
         compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.backend = backend
+        self.placement = placement
         self.compute_dtype = compute_dtype
-        self._check(named_params)
+        placement.check(named_params)
         self._slabs = StateSlabs(
             backend.host_slab,
             fraction=fraction,
@@ -107,11 +140,11 @@ class HostWeights:
             what="the weights' masters, offload_parameters=True",
         )
         params = [param for _, param in named_params]
-        sources = [self._source(param) for param in params]
+        sources = [placement.source(param) for param in params]
         self._slabs.expect(sources)
-        regions = self._slabs.take([_nbytes(source) for source in sources])
+        regions = self._slabs.take([nbytes(source) for source in sources])
         weights = {  # nothing changes yet
-            param: self._weight(
+            param: placement.weight(
                 source,
                 region.view(source.dtype).as_strided(source.shape, gradient_strides(source)),
             )
@@ -119,46 +152,14 @@ class HostWeights:
         }
         for (param, weight), source in zip(weights.items(), sources, strict=True):
             weight.master.copy_(source)
-            self._rest(param, weight)
-        self._weights: dict[Param, _Weight] = weights
+            placement.rest(param, weight)
+        self._weights: dict[Param, Weight] = weights
         self._names = {param: name for name, param in named_params}
         # Host-to-device and back, counted as they start, since the last step ended; and
         # the last step's (its forward and backward passes, and the step).
         self.moved_bytes = 0
         self.moved_last_step = 0
         self._counted_step = -1  # the step moved_last_step counts
-
-    def _check(self, named_params: Sequence[tuple[str, Param]]) -> None:
-        _check_own_storage(named_params)
-
-    def _source(self, param: Param) -> torch.Tensor:
-        """What a parameter's master copies: its data."""
-        return param.detach()
-
-    def _weight(self, source: torch.Tensor, master: torch.Tensor) -> _Weight:
-        """The master and the device tensors of the parameter whose data is ``source``."""
-        full = self._device_like(master, master.dtype)
-        compute = full
-        if self.compute_dtype is not None and master.is_floating_point():
-            compute = self._device_like(master, self.compute_dtype)
-        return _Weight(master, compute, full)
-
-    def _rest(self, param: Param, weight: _Weight) -> None:
-        """``param`` at rest, its master filled: ``P.data`` is the master."""
-        param.data = weight.master
-
-    def _show(self, param: Param, weight: _Weight) -> None:
-        """``param`` where ``weight`` is now: its device tensor once arrived, else its
-        master."""
-        param.data = weight.place()
-
-    def _device_like(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A device tensor like ``host`` (shape, strides) in ``dtype``, its memory given up."""
-        device = torch.empty_strided(
-            host.shape, host.stride(), dtype=dtype, device=self.backend.device
-        )
-        self.backend.resize_storage(device, 0)
-        return device
 
     @property
     def host_bytes(self) -> int:
@@ -180,19 +181,16 @@ class HostWeights:
         return self._weights[param].at
 
     def in_place(self, param: Param) -> bool:
-        """Whether ``param.data`` is where these weights put it (its master, or its device
-        tensor in use), not moved since (``model.to(...)``)."""
+        """Whether ``param`` reads where these weights put it, not moved since
+        (``model.to(...)``, FSDP2's ``reset_sharded_param``)."""
         weight = self._weights.get(param)
-        if weight is None:
-            return False
-        place = weight.place()
-        return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
+        return weight is not None and self.placement.in_place(param, weight)
 
     def device_bytes(self) -> int:
         """The device memory the weights hold now (arriving or in use)."""
-        return sum(_nbytes(w.in_use) for w in self._weights.values() if w.in_use is not None)
+        return sum(nbytes(w.in_use) for w in self._weights.values() if w.in_use is not None)
 
-    def _held(self, params: Iterable[Param]) -> list[tuple[Param, _Weight]]:
+    def _held(self, params: Iterable[Param]) -> list[tuple[Param, Weight]]:
         """``params`` these weights hold, with their weights (an optimizer may also step
         a parameter of no module: a temperature in the loss)."""
         return [(p, self._weights[p]) for p in params if p in self._weights]
@@ -216,7 +214,7 @@ class HostWeights:
         staging: list[torch.Tensor] = []
         try:
             for _, device in chosen:
-                self.backend.resize_storage(device, _nbytes(device))  # on the compute stream
+                self.backend.resize_storage(device, nbytes(device))  # on the compute stream
             pairs, casts = [], []
             for weight, device in chosen:
                 if device.dtype == weight.master.dtype:
@@ -237,7 +235,7 @@ class HostWeights:
             for _, device in chosen:  # nothing started: they stay home
                 self.backend.resize_storage(device, 0)
             raise
-        self.moved_bytes += sum(_nbytes(host) for _, host in pairs)
+        self.moved_bytes += sum(nbytes(host) for _, host in pairs)
         for weight, device in chosen:
             weight.at, weight.in_use, weight.arrival = WeightAt.ARRIVING, device, transfer
 
@@ -263,7 +261,7 @@ class HostWeights:
             if weight.at is WeightAt.ARRIVING:
                 self._arrived(weight)
                 weight.at = WeightAt.DEVICE
-                self._show(param, weight)
+                self.placement.show(param, weight)
                 weight.version = param._version
             weight.dirty |= step
 
@@ -284,12 +282,12 @@ class HostWeights:
             assert weight.in_use is not None  # set with ARRIVING
             in_use = weight.in_use
             weight.at, weight.in_use = WeightAt.HOST, None
-            self._show(param, weight)
+            self.placement.show(param, weight)
             self.backend.resize_storage(in_use, 0)
         if refused:
             self._refuse(refused)
 
-    def _written(self, held: list[tuple[Param, _Weight]]) -> list[Param]:
+    def _written(self, held: list[tuple[Param, Weight]]) -> list[Param]:
         """Those of ``held`` written in place while their device tensor was ``P.data`` (a
         write in forward: ``nn.Embedding(max_norm=)``'s renorm, a counter or codebook a
         block updates under ``no_grad``; a load between forward and backward) made dirty,
@@ -341,7 +339,7 @@ class HostWeights:
         for param in present:  # the copies back started: the masters will be the newer
             self._weights[param].dirty = False
             self._weights[param].version = param._version
-        self.moved_bytes += sum(_nbytes(device) for device, _ in pairs)
+        self.moved_bytes += sum(nbytes(device) for device, _ in pairs)
         # The compute stream waits for the copies back before the memory goes.
         self.backend.release(transfer)
         self.free(present)
@@ -387,63 +385,44 @@ class HostWeights:
         self.backend.wait_for_state_copies()
 
     def close(self) -> None:
-        """Every weight back on the device for good, as plain PyTorch keeps it (``P.data``
-        a new device tensor), the masters let go. Weights the device has no room for stay
-        on the host, with a warning: the end of a run must not fail."""
-        params = list(self._weights)
-        self.free(params)  # a dirty weight's copy back first: the masters are the newest
-        self.wait_on_host()
-        try:
-            homes = self.backend.finish_to_device(
-                self.backend.start_to_device([self._weights[p].master for p in params])
-            )
-        except torch.OutOfMemoryError:
-            self.free(params)
-            size = sum(w.master.nbytes for w in self._weights.values())
-            warnings.warn(
-                f"The gradient cache closed, and the model's weights ({size / 2**20:.1f} "
-                "MiB) did not fit on the device, where plain PyTorch keeps them: they stay "
-                "in host memory (model.parameters() are host tensors). Save them "
-                "(model.state_dict()) or hand the model to a new cache with "
-                "offload_parameters=True.",
-                UserWarning,
-                stacklevel=4,
-            )
-        else:
-            for param, home in zip(params, homes, strict=True):
-                self.free([param])
-                param.data = home
+        """Every weight back on the device for good, as plain PyTorch keeps it (the
+        placement's), the masters let go."""
+        self.placement.close(self)
         self._weights = {}
 
-    def _arrived(self, weight: _Weight) -> None:
+    def _arrived(self, weight: Weight) -> None:
         assert weight.arrival is not None  # ARRIVING is set with its arrival
         self.backend.finish_to_device(weight.arrival)
         weight.arrival = None
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+@dataclass(frozen=True)
+class StepJourney:
+    """The fused step's journey of each bucket's weights, a traveller beside the optimizer
+    state's (`optimizer_state.StateJourney`): brought in the master's dtype with the bucket
+    (`bring`), on the device for its step (`install`), copied back to their masters once it
+    stepped (`send_back`), or given up unchanged if the step raised (`abandon`)."""
+
+    weights: HostWeights
+
+    def bring(self, params: Sequence[Param]) -> list[Param]:
+        self.weights.bring(params, step=True)
+        return list(params)
+
+    def install(self, arrival: list[Param]) -> None:
+        self.weights.ensure(arrival, step=True)
+
+    def send_back(self, arrival: list[Param]) -> None:
+        self.weights.store(arrival)
+
+    def abandon(self, arrivals: Iterable[list[Param]]) -> None:
+        for arrival in arrivals:
+            self.weights.forget(arrival)
+
+    def step_ended(self, steps: int) -> None:
+        self.weights.step_ended(steps)
+
+
+def nbytes(tensor: torch.Tensor) -> int:
     """A dense tensor's bytes (what its storage takes when filled)."""
     return tensor.numel() * tensor.element_size()
-
-
-def _check_own_storage(named_params: Sequence[tuple[str, Param]]) -> None:
-    """Each parameter must own its memory, all of it: its device copy is freed and
-    refilled whole, which would take a view's base (or a parameter sharing it) along."""
-    seen: dict[int, str] = {}
-    for name, param in named_params:
-        if not param.numel():
-            continue  # no memory to share
-        storage = param.untyped_storage()
-        whole = storage.nbytes() == param.numel() * param.element_size()
-        other = seen.get(storage.data_ptr())
-        if not whole or param.storage_offset() or other is not None:
-            shared = (
-                f"shares its memory with {other!r}" if other else "is a view of a larger tensor"
-            )
-            raise ValueError(
-                f"offload_parameters=True cannot move parameter {name!r}: it {shared}, and "
-                "its weights leave the device whole. Give it memory of its own before "
-                "creating the cache (module.weight = nn.Parameter(module.weight.detach()"
-                ".clone())), or tie parameters by sharing the Parameter object itself."
-            )
-        seen[storage.data_ptr()] = name

@@ -1,6 +1,18 @@
-"""Forward and backward under FSDP2 with each rank's shards on the host.
+"""Forward and backward under FSDP2 with each rank's shards on the host: their placement
+(`FsdpShards`) and the hooks that move them (`ShardStream`).
 
-FSDP2 reads a module's shards (`shard_weights.ShardWeights`) only in its all-gathers: in
+Under ``fully_shard`` each parameter ``P`` is a `DTensor` whose local tensor is a view of
+a padded flat tensor of FSDP2's own: this rank's *shard* ``S``, which FSDP2's all-gather
+reads and the optimizer updates. Nothing else reads it: the all-gathered weights and the
+gradients live in other tensors. So `FsdpShards` keeps ``S``'s storage object and only
+moves its memory, as the one-process placement does with a device tensor of its own: the
+master is the padded shard, and FSDP2's flat view keeps pointing at ``S``. ``P``'s local
+tensor is the one thing that moves (as FSDP2's ``reset_sharded_param`` moves it): at rest
+a view of the master, so that ``model.parameters()`` and ``state_dict()`` read host tensors
+(`DTensor`s around host tensors, as FSDP2's ``CPUOffloadPolicy`` gives them); in use (the
+step, and whenever FSDP2 may re-read it: its lazy init, a load) its view of ``S``.
+
+FSDP2 reads a module's shards only in its all-gathers: in
 the module's forward pre-hook, in backward in a hook on the module's outputs (where it
 resharded after forward), and there it also starts the all-gather of the module it
 prefetches. So the cache's hooks run around FSDP2's own, on each ``fully_shard`` module:
@@ -34,157 +46,38 @@ Giving up a shard whose all-gather FSDP2 has not waited for (one it prefetched, 
 of backward or at a ``state_dict``) makes the compute stream wait for the copy-in streams
 first (`Backend.join`): the allocator hands the memory on in the compute stream's order.
 
-This reads FSDP2's private state (its module state, parameter groups and forward order), as
-`sharding.fsdp_param_groups` does: the names in `FSDP_PRIVATES`, each in the sources of
-torch 2.6.0, 2.10.0, 2.13.0 and 2.14.1 (the parameter groups under one of two names,
-`sharding.param_groups`); the cache's creation refuses a torch without one
-(`check_fsdp_privates`).
+FSDP2's private state (its module state, parameter groups, forward order and streams) is
+read through `fsdp_privates`, which the cache's creation checks against torch's version.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from . import sharding
-from .module_hooks import ModuleHook
-from .shard_weights import ShardWeights
-from .weight_stream import (
-    compact_masters,
+from .. import fsdp_privates, sharding
+from ..fsdp_privates import ShardedModule
+from .hooks import (
+    BackwardEnd,
+    OwnerHooks,
     in_backward,
+    module_hook,
     outside_graphs,
     tensors_needing_gradients,
 )
+from .masters import HostWeights, Weight, WeightAt
 
 Param = torch.nn.Parameter
-
-
-def _hook(method: Callable[..., Any], *bound: Any) -> ModuleHook:
-    """``method`` with ``bound`` first, as a module hook (inert in a copy of the module)."""
-    return ModuleHook(functools.partial(method, *bound))
-
-
-# FSDP2's private names this module reads, by the class that holds them ("a or b": either).
-FSDP_PRIVATES = {
-    "FSDPModule": ("_get_fsdp_state",),
-    "FSDPState": (
-        "_fsdp_param_groups or _fsdp_param_group",
-        "_modules",
-        "_lazy_init",
-        "_comm_ctx",
-        "_states_to_forward_prefetch",
-        "_states_to_backward_prefetch",
-    ),
-    "FSDPParamGroup": ("fsdp_params", "comm_ctx", "_post_forward_indices", "is_unsharded"),
-    "FSDPParam": ("sharded_param", "_sharded_param_data"),
-    "FSDPCommContext": ("post_forward_order", "all_gather_copy_in_stream"),  # from lazy init
-}
-
-
-def check_fsdp_privates(module: Any, *, initialized: bool = False) -> None:
-    """Raises, naming torch's version, where FSDP2's objects for ``module`` (a
-    ``fully_shard`` module) lack one of `FSDP_PRIVATES`, which the stream would otherwise
-    read as a silent default; the communication context's only once ``initialized`` (after
-    the root's lazy init, which sets them)."""
-
-    def require(kind: str, holder: Any) -> None:
-        for names in FSDP_PRIVATES[kind]:
-            if not any(hasattr(holder, name) for name in names.split(" or ")):
-                raise RuntimeError(
-                    f"offload_parameters=True under FSDP2 cannot run on torch "
-                    f"{torch.__version__}: FSDP2's {kind} has no {names!r}, one of the "
-                    "private names the cache reads to follow its all-gathers (all present "
-                    "in torch 2.6.0, 2.10.0, 2.13.0 and 2.14.1). Use one of those torch "
-                    "versions, or drop offload_parameters."
-                )
-
-    require("FSDPModule", module)
-    state = module._get_fsdp_state()
-    require("FSDPState", state)
-    groups: list[Any] = sharding.param_groups(state)
-    for group in groups:
-        require("FSDPParamGroup", group)
-        for fsdp_param in group.fsdp_params:
-            require("FSDPParam", fsdp_param)
-        if initialized:
-            require("FSDPCommContext", group.comm_ctx)
-    if initialized:
-        require("FSDPCommContext", state._comm_ctx)
-
-
-@dataclass
-class ShardedModule:
-    """A ``fully_shard`` module: FSDP2's state for it, and the sharded parameters of its
-    parameter groups."""
-
-    module: torch.nn.Module
-    state: Any  # FSDP2's FSDPState
-    topmost: bool  # under no other fully_shard module: a root, or one when called alone
-    params: list[Param] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.params = [fp.sharded_param for group in self.groups for fp in group.fsdp_params]
-
-    @property
-    def groups(self) -> list[Any]:
-        return sharding.param_groups(self.state)
-
-
-def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
-    """Each ``fully_shard`` module under ``model`` (itself first, where it is one) with its
-    sharded parameters; raises for ``fully_shard([a, b])`` (one state over two modules)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    found: list[ShardedModule] = []
-    names: list[str] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        check_fsdp_privates(module)
-        state = module._get_fsdp_state()
-        if len(getattr(state, "_modules", (module,))) > 1:
-            raise ValueError(
-                f"offload_parameters=True cannot stream FSDP2 group {name or 'the model'!r}: "
-                "it was sharded with other modules in one fully_shard([...]) call, whose "
-                "shards the cache cannot follow. Call fully_shard on each module on its own."
-            )
-        topmost = not any(name.startswith(f"{outer}.") or not outer for outer in names)
-        names.append(name)
-        found.append(ShardedModule(cast(torch.nn.Module, module), state, topmost))
-    return found
-
-
-def initialize_roots(modules: list[ShardedModule]) -> None:
-    """FSDP2's lazy init of each topmost module's tree, as its first forward would run it
-    (a no-op where one ran): it re-reads every shard (``reset_sharded_param``), which must
-    happen while they are all on the device, before the cache gives any up."""
-    for sharded in modules:
-        if sharded.topmost:
-            sharded.state._lazy_init()
-    for sharded in modules:
-        check_fsdp_privates(sharded.module, initialized=True)
-
-
-def flat_shards(modules: list[ShardedModule]) -> dict[Param, Callable[[], torch.Tensor]]:
-    """Each sharded parameter's flat padded shard as FSDP2 holds it at the call (FSDP2's
-    ``_sharded_param_data``, which its all-gather reads and it may replace)."""
-    return {
-        fsdp_param.sharded_param: functools.partial(getattr, fsdp_param, "_sharded_param_data")
-        for sharded in modules
-        for group in sharded.groups
-        for fsdp_param in group.fsdp_params
-    }
 
 
 class ShardStream:
     """The hooks that bring and give up each rank's shards (see the module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, weights: ShardWeights, modules: list[ShardedModule]
+        self, model: torch.nn.Module, weights: HostWeights, modules: list[ShardedModule]
     ) -> None:
         self.weights = weights
         self._modules = modules
@@ -194,7 +87,7 @@ class ShardStream:
         self._next: dict[int, int] = {}  # the module that ran after each, last forward
         self._previous: int | None = None  # the module that ran last in this forward
         self._reached: set[int] = set()  # the modules whose backward began
-        self._end_queued = False
+        self._end = BackwardEnd(self._backward_ended)
         self._handles: list[Any] = []
         self._unshards: list[torch.nn.Module] = []
         for index, sharded in enumerate(modules):
@@ -202,32 +95,25 @@ class ShardStream:
             self._handles += [
                 # prepend: before FSDP2's pre-hook (its all-gather) and post-hook (which
                 # registers its backward hook on the outputs, after this one's).
-                module.register_forward_pre_hook(_hook(self._before_gather, index), prepend=True),
-                module.register_forward_pre_hook(_hook(self._gathered, index)),
-                module.register_forward_hook(_hook(self._forward_ends, index), prepend=True),
+                module.register_forward_pre_hook(
+                    module_hook(self._before_gather, index), prepend=True
+                ),
+                module.register_forward_pre_hook(module_hook(self._gathered, index)),
+                module.register_forward_hook(module_hook(self._forward_ends, index), prepend=True),
             ]
             # The user's unshard() all-gathers too: an instance attribute over FSDP2's.
             unshard = functools.partial(self._unshard, index, module.unshard)
             object.__setattr__(module, "unshard", unshard)
             self._unshards.append(module)
-        held = set(weights.params())
-        for owner in model.modules():  # a save or load reaches a parameter through its owner
-            own = {n: p for n, p in owner.named_parameters(recurse=False) if p in held}
-            if own:
-                self._handles += [
-                    owner.register_state_dict_pre_hook(_hook(self._saving, own)),
-                    owner.register_state_dict_post_hook(_hook(self._saved, own)),
-                    owner.register_load_state_dict_pre_hook(_hook(self._load_begins, own)),
-                    owner.register_load_state_dict_post_hook(_hook(self._loaded, own)),
-                ]
+        self._handles += OwnerHooks(model, weights, give_up=self._give_up).handles
         # The model's forward, and a root's where a framework calls it, not the model
         # (Lightning's training_step): prepend, registered last, before the hooks above.
         outermost = {id(model): model}
         outermost.update({id(m.module): m.module for m in modules if m.topmost})
         for module in outermost.values():
             self._handles += [
-                module.register_forward_pre_hook(_hook(self._model_begins), prepend=True),
-                module.register_forward_hook(_hook(self._model_ends), always_call=True),
+                module.register_forward_pre_hook(module_hook(self._model_begins), prepend=True),
+                module.register_forward_hook(module_hook(self._model_ends), always_call=True),
             ]
 
     def remove(self) -> None:
@@ -258,7 +144,7 @@ class ShardStream:
         if in_backward():  # a recomputation: FSDP2 all-gathers only what it resharded
             self._ensure(i for i in [index] if self._gathers(i))
             return
-        prefetched = getattr(self._modules[index].state, "_states_to_forward_prefetch", ())
+        prefetched = fsdp_privates.forward_prefetch(self._modules[index].state)
         self._ensure([index, *self._indices_of(prefetched)])
         if not self._in_model:  # a submodule called on its own: no order to learn
             return
@@ -295,7 +181,7 @@ class ShardStream:
     def _backward_reaches(self, index: int, grad: torch.Tensor) -> None:
         """The module's outputs have their gradient: FSDP2's hook, next, all-gathers it
         and starts the all-gather of the module it prefetches."""
-        self._queue_end_of_backward()
+        self._end.queue()
         wanted = [index, *self._backward_prefetch(index)]
         done = [
             p
@@ -310,13 +196,12 @@ class ShardStream:
         """The modules FSDP2's backward hook of module ``index`` prefetches: those named
         (``set_modules_to_backward_prefetch``), else the one before it in forward order."""
         state = self._modules[index].state
-        named = getattr(state, "_states_to_backward_prefetch", ())
+        named = fsdp_privates.named_backward_prefetch(state)
         if named:
             return self._indices_of(named)
         found = []
         for group in self._modules[index].groups:
-            positions = getattr(group, "_post_forward_indices", ())
-            order = getattr(group.comm_ctx, "post_forward_order", ())
+            positions, order = fsdp_privates.post_forward_order(group)
             if not positions:
                 continue
             for earlier in reversed(order[: positions[-1]]):
@@ -330,15 +215,14 @@ class ShardStream:
 
     def _gathers(self, index: int) -> bool:
         """Whether FSDP2's next unshard of module ``index`` all-gathers (reads its shards)."""
-        return any(not group.is_unsharded for group in self._modules[index].groups)
+        return any(fsdp_privates.gathers(group) for group in self._modules[index].groups)
 
     def _copy_in_streams(self, indices: Iterable[int]) -> list[Any]:
         """FSDP2's all-gather copy-in streams of ``indices`` (one per root; none before its
         lazy init, whose root pre-hook waits for the compute stream)."""
         streams = {}
         for i in indices:
-            comm = getattr(self._modules[i].state, "_comm_ctx", None)
-            stream = getattr(comm, "all_gather_copy_in_stream", None)
+            stream = fsdp_privates.copy_in_stream(self._modules[i].state)
             if stream is not None:
                 streams[id(stream)] = stream
         return list(streams.values())
@@ -365,35 +249,82 @@ class ShardStream:
                 self.weights.backend.join(stream)
             self.weights.free(params)
 
-    def _queue_end_of_backward(self) -> None:
-        if not self._end_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-            self._end_queued = True
-
     def _backward_ended(self) -> None:
         self._give_up(self.weights.present())
         self._reached = set()
-        self._end_queued = False
 
-    def _saving(self, own: dict[str, Param], *args: Any) -> None:
-        """Before ``state_dict`` reads ``own`` (one module's parameters): their shards
-        home (the local tensors the masters' views), no copy in flight."""
-        present = set(self.weights.present())
-        self._give_up([p for p in own.values() if p in present])
-        self.weights.wait_on_host()
 
-    def _saved(
-        self, own: dict[str, Param], module: Any, state: dict[str, Any], prefix: str, *args: Any
-    ) -> None:
-        """Each of ``own`` in ``state`` as a copy of its own, not a view of a slab."""
-        compact_masters(self.weights, state, [prefix + name for name in own])
+class FsdpShards:
+    """FSDP2's shards (see the module docstring). ``flat_shards``: each parameter's flat
+    padded shard as FSDP2 holds it now (what its all-gather reads), read each time: FSDP2
+    may replace it."""
 
-    def _load_begins(self, own: dict[str, Param], *args: Any) -> None:
-        """A load copies into ``own`` (one module's parameters): their shards on the
-        device first, filled from their masters, the local tensors their views of them."""
-        self.weights.ensure(own.values())
+    loads_on_device = True  # FSDP2 checks the loaded shards in its own load hook
 
-    def _loaded(self, own: dict[str, Param], module: Any, incompatible_keys: Any) -> None:
-        """The loaded shards to their masters, and their memory given up."""
-        self.weights.store(own.values())
-        self.weights.wait_on_host()
+    def __init__(self, flat_shards: Mapping[Param, Callable[[], torch.Tensor]]) -> None:
+        self._flat_shards = flat_shards
+        # Each parameter's local tensor: its view of S (FSDP2's) and of the master (at rest).
+        self._locals: dict[Param, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
+        """Every parameter one of FSDP2's shards (each has a padded storage of its own):
+        the cache's own check refuses unsharded trainable ones, this the frozen ones."""
+        for name, param in named_params:
+            if not sharding.is_dtensor(param):
+                raise ValueError(
+                    f"offload_parameters=True under FSDP2 cannot move parameter {name!r}: it "
+                    "is not one of FSDP2's shards. Shard every parameter (fully_shard(model) "
+                    "after the blocks) before creating the cache."
+                )
+
+    def source(self, param: Param) -> torch.Tensor:
+        """The whole padded shard, which FSDP2's all-gather reads."""
+        return _flat(sharding.local(param))
+
+    def weight(self, source: torch.Tensor, master: torch.Tensor) -> Weight:
+        return Weight(master, source, source)  # the shard's own storage, in its dtype
+
+    def rest(self, param: Param, weight: Weight) -> None:
+        """The master filled; S stays on the device, in use, until the first time it may
+        go (FSDP2's pre-hook of a forward running now may already be under way)."""
+        on_device = fsdp_privates.local_object(param)  # FSDP2's narrow view of S
+        at_rest = weight.master[: on_device.numel()].view(on_device.shape)
+        self._locals[param] = (on_device, at_rest)
+        weight.at, weight.in_use = WeightAt.DEVICE, weight.full
+        weight.version = param._version  # a write from now on is a write to copy back
+
+    def show(self, param: Param, weight: Weight) -> None:
+        """``P``'s local tensor: its view of S once arrived, else of its master."""
+        on_device, at_rest = self._locals[param]
+        fsdp_privates.set_local(param, on_device if weight.place() is weight.full else at_rest)
+
+    def in_place(self, param: Param, weight: Weight) -> bool:
+        """Whether FSDP2 still all-gathers ``param`` from S (its ``reset_sharded_param``,
+        run while S is given up, would take other memory for the shard)."""
+        flat = self._flat_shards.get(param)
+        return flat is not None and flat().is_set_to(weight.full)
+
+    def close(self, weights: HostWeights) -> None:
+        """Every shard back on the device for good, as plain FSDP2 keeps it (one on the
+        device stays: it is the newest). Raises, with nothing changed but some shards
+        brought, where the device has no room: unlike a parameter on one process, a shard
+        left on the host would be read freed by FSDP2's next all-gather."""
+        try:
+            weights.ensure(weights.params())
+        except torch.OutOfMemoryError as error:
+            size = sum(master.nbytes for master in weights.masters()) / 2**20
+            raise RuntimeError(
+                f"remove_hooks(): this rank's shards ({size:.1f} MiB) did not fit back on "
+                "the device, where plain FSDP2 keeps them. The cache stays attached and "
+                "keeps streaming them; free device memory and call remove_hooks() again, "
+                "or save the model (model.state_dict()) and train on with the cache."
+            ) from error
+        self._locals = {}
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over the whole of ``tensor``'s storage (the padded shard)."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        storage, 0, (storage.nbytes() // tensor.element_size(),), (1,)
+    )

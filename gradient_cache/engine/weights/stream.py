@@ -1,7 +1,9 @@
-"""Forward and backward with the weights on the host: a block at a time on the device.
+"""Forward and backward with the weights on the host, on one process: their placement
+(`OwnTensors`: each parameter's device tensor of its own, ``P.data`` while in use, the host
+master at rest) and the hooks that bring and free them a block at a time (`WeightStream`).
 
-Module hooks move the weights (`host_weights.HostWeights`) by the model's units
-(`weight_blocks.weight_units`): the *rest* (embeddings, head, tied weights) comes at the
+Module hooks move the weights (`masters.HostWeights`) by the model's units
+(`blocks.weight_units`): the *rest* (embeddings, head, tied weights) comes at the
 model's forward and stays until backward is done with it (its copy and block 0's both
 start before forward waits for it); a block comes before its forward, the next block starts
 arriving meanwhile, and it goes after its forward, but the last, which backward reads first
@@ -42,35 +44,26 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from .host_weights import HostWeights, WeightAt
-from .module_hooks import ModuleHook
-from .weight_blocks import WeightUnits
+from ..backend import Backend
+from .blocks import WeightUnits
+from .hooks import (
+    BackwardEnd,
+    OwnerHooks,
+    in_backward,
+    module_hook,
+    outside_graphs,
+    refuse_create_graph,
+    tensors_needing_gradients,
+)
+from .masters import HostWeights, Weight, WeightAt
 
 Param = torch.nn.Parameter
-
-UNPICKLABLE = (
-    "torch.save(model) pickles the module whole, and with offload_parameters=True its "
-    "weights live in the gradient cache's host slabs. Save model.state_dict() instead "
-    "(compact copies of the weights; the cache's own state is hook_manager.state_dict()), "
-    "or call hook_manager.remove_hooks() first."
-)
-
-
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (a checkpointed
-    block's forward reruns there)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def outside_graphs(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method``, run eagerly where a compiled model calls it (a graph break)."""
-    return torch._dynamo.disable(method, recursive=True)
 
 
 class WeightStream:
@@ -90,13 +83,11 @@ class WeightStream:
         # an input: when its gradient is complete their backward is done, and their frozen
         # weights go before the block that made it arrives.
         self._consumers: dict[int, tuple[weakref.ref[torch.Tensor], list[int]]] = {}
-        self._end_queued = False
+        self._end = BackwardEnd(self._backward_ended)
         self._in_blocks = {p for params in units.block_params for p in params}
         self._unstreamed: set[Param] = set()  # block weights whose gradient met the host
         self._warned = False
-        self._tied: set[Param] = set()  # owned by two modules or more (a tied head)
-        self._saved: dict[Param, weakref.ref[torch.Tensor]] = {}  # a tied weight's copy
-        hook = functools.partial(ModuleHook, unpicklable=UNPICKLABLE)
+        hook = module_hook
         self._handles = [
             model.register_forward_pre_hook(hook(self._model_begins), with_kwargs=True),
             # always_call: a forward that raises gives back what it brought.
@@ -104,12 +95,8 @@ class WeightStream:
         ]
         for index, block in enumerate(units.blocks):
             self._handles += [
-                block.register_forward_pre_hook(
-                    hook(functools.partial(self._block_begins, index)), with_kwargs=True
-                ),
-                block.register_forward_hook(
-                    hook(functools.partial(self._block_ends, index)), always_call=True
-                ),
+                block.register_forward_pre_hook(hook(self._block_begins, index), with_kwargs=True),
+                block.register_forward_hook(hook(self._block_ends, index), always_call=True),
             ]
         # The rest's own modules bring their weights too: a framework may call a submodule
         # (Lightning's training_step calls self.model), never the model given.
@@ -117,30 +104,13 @@ class WeightStream:
         for module in model.modules():
             rest_own = [p for p in module.parameters(recurse=False) if p in rest]
             if rest_own and module is not model:
-                begins = functools.partial(self._rest_module_begins, rest_own)
-                ends = functools.partial(self._rest_module_ends, rest_own)
                 self._handles += [
-                    module.register_forward_pre_hook(hook(begins)),
-                    module.register_forward_hook(hook(ends), always_call=True),
-                ]
-        # A save or load reaches a parameter through the module that owns it, whichever
-        # module it is called on (a block's state_dict, a load into the head).
-        owners = [dict(m.named_parameters(recurse=False)) for m in model.modules()]
-        seen: set[Param] = set()
-        for owned in owners:
-            self._tied |= seen.intersection(owned.values())
-            seen.update(owned.values())
-        for owner, owned in zip(model.modules(), owners, strict=True):
-            if owned:
-                self._handles += [
-                    owner.register_state_dict_pre_hook(hook(functools.partial(self._home, owned))),
-                    owner.register_state_dict_post_hook(
-                        hook(functools.partial(self._compact, owned))
-                    ),
-                    owner.register_load_state_dict_pre_hook(
-                        hook(functools.partial(self._home, owned))
+                    module.register_forward_pre_hook(hook(self._rest_module_begins, rest_own)),
+                    module.register_forward_hook(
+                        hook(self._rest_module_ends, rest_own), always_call=True
                     ),
                 ]
+        self._handles += OwnerHooks(model, weights, give_up=weights.free).handles
         self._handles += [
             param.register_post_accumulate_grad_hook(self._gradient_accumulated)
             for param in model.parameters()
@@ -207,7 +177,7 @@ class WeightStream:
         """The model's output has its gradient: the rest is read next (again, in a second
         backward through a retained graph)."""
         refuse_create_graph()
-        self._queue_end_of_backward()
+        self._end.queue()
         self.weights.ensure(self.units.rest)
 
     @outside_graphs
@@ -279,7 +249,7 @@ class WeightStream:
     @outside_graphs
     def _block_backward_begins(self, index: int, consumers: list[int], grad: torch.Tensor) -> None:
         refuse_create_graph()
-        self._queue_end_of_backward()
+        self._end.queue()
         for consumer in consumers:  # their backward is done: this output's gradient is whole
             self._free_frozen(consumer)
         self.weights.ensure(self._block(index))
@@ -298,7 +268,7 @@ class WeightStream:
 
     @outside_graphs
     def _gradient_accumulated(self, param: Param) -> None:
-        self._queue_end_of_backward()
+        self._end.queue()
         if param in self._in_blocks and self.weights.where(param) is WeightAt.HOST:
             self._unstreamed.add(param)
         if self._forwards <= 1 and not self._reused:
@@ -342,11 +312,6 @@ class WeightStream:
             stacklevel=2,
         )
 
-    def _queue_end_of_backward(self) -> None:
-        if not self._end_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-            self._end_queued = True
-
     def _backward_ended(self) -> None:
         self._warn_unstreamed()
         self.weights.free(self.weights.present())
@@ -354,35 +319,6 @@ class WeightStream:
         self._called = set()  # a framework calling a submodule never begins the model
         self._reused = False
         self._consumers = {}
-        self._end_queued = False
-
-    def _home(self, own: dict[str, Param], *args: Any) -> None:
-        """Before ``state_dict`` reads ``own`` (one module's parameters) or
-        ``load_state_dict`` writes them: their device copies home (none may outlive a load,
-        the next use would read the old weights; a backward still to come brings them
-        again), and no copy still reading or writing a master."""
-        self.weights.free(own.values())
-        self.weights.wait_on_host()
-
-    def _compact(
-        self, own: dict[str, Param], module: Any, state: dict[str, Any], prefix: str, *args: Any
-    ) -> None:
-        """Each of ``own`` in ``state`` as a copy of its own, not a view of the masters'
-        slab; a weight tied across modules as one copy under each of its names (saved
-        once, still tied)."""
-        for name, param in own.items():
-            value = state.get(prefix + name)
-            if not isinstance(value, torch.Tensor) or not self.weights.holds(value):
-                continue
-            if param not in self._tied:
-                state[prefix + name] = self.weights.compact(value)
-                continue
-            earlier = self._saved.get(param)
-            copy = earlier() if earlier is not None else None
-            if copy is None or not any(v is copy for v in state.values()):
-                copy = self.weights.compact(value)
-                self._saved[param] = weakref.ref(copy)
-            state[prefix + name] = copy
 
     def _block(self, index: int) -> list[Param]:
         if 0 <= index < len(self.units.blocks):
@@ -390,34 +326,96 @@ class WeightStream:
         return []
 
 
-def compact_masters(
-    weights: HostWeights, state: dict[str, Any], keys: Iterable[str] | None = None
-) -> None:
-    """Each master in a ``model.state_dict()`` (of ``keys``, or all) as a copy of its own
-    (`HostWeights.compact`)."""
-    for key in list(state) if keys is None else keys:
-        value = state.get(key)
-        if isinstance(value, torch.Tensor) and weights.holds(value):
-            state[key] = weights.compact(value)
+class OwnTensors:
+    """One process: a device tensor of its own for each parameter, ``P.data`` at rest the
+    master. ``compute_dtype``: forward and backward use a second device tensor in it."""
 
+    loads_on_device = False  # a load writes the masters at rest
 
-def refuse_create_graph() -> None:
-    """A backward that records a graph of its own (``create_graph=True``: a gradient
-    penalty) would save the device copies of the weights in it, which go when this backward
-    ends, and the second backward would read freed memory."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "A backward with create_graph=True (torch.autograd.grad(..., create_graph=True), "
-            "a gradient penalty) reached a model whose weights are on the host "
-            "(offload_parameters=True): the graph it records would read the blocks' device "
-            "copies after they are given back. Compute the penalty without create_graph, "
-            "or create the cache without offload_parameters."
+    def __init__(self, backend: Backend, compute_dtype: torch.dtype | None) -> None:
+        self.backend = backend
+        self.compute_dtype = compute_dtype
+
+    def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
+        check_own_storage(named_params)
+
+    def source(self, param: Param) -> torch.Tensor:
+        """What a parameter's master copies: its data."""
+        return param.detach()
+
+    def weight(self, source: torch.Tensor, master: torch.Tensor) -> Weight:
+        full = self._device_like(master, master.dtype)
+        compute = full
+        if self.compute_dtype is not None and master.is_floating_point():
+            compute = self._device_like(master, self.compute_dtype)
+        return Weight(master, compute, full)
+
+    def rest(self, param: Param, weight: Weight) -> None:
+        param.data = weight.master
+
+    def show(self, param: Param, weight: Weight) -> None:
+        param.data = weight.place()
+
+    def in_place(self, param: Param, weight: Weight) -> bool:
+        """Whether ``param.data`` is its master or its device tensor in use, not moved
+        since (``model.to(...)``)."""
+        place = weight.place()
+        return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
+
+    def close(self, weights: HostWeights) -> None:
+        """``P.data`` a new device tensor each. Weights the device has no room for stay on
+        the host, with a warning: the end of a run must not fail."""
+        params = weights.params()
+        weights.free(params)  # a dirty weight's copy back first: the masters are the newest
+        weights.wait_on_host()
+        try:
+            homes = self.backend.finish_to_device(
+                self.backend.start_to_device(list(weights.masters()))
+            )
+        except torch.OutOfMemoryError:
+            weights.free(params)
+            size = sum(master.nbytes for master in weights.masters())
+            warnings.warn(
+                f"The gradient cache closed, and the model's weights ({size / 2**20:.1f} "
+                "MiB) did not fit on the device, where plain PyTorch keeps them: they stay "
+                "in host memory (model.parameters() are host tensors). Save them "
+                "(model.state_dict()) or hand the model to a new cache with "
+                "offload_parameters=True.",
+                UserWarning,
+                stacklevel=5,
+            )
+            return
+        for param, home in zip(params, homes, strict=True):
+            weights.free([param])
+            param.data = home
+
+    def _device_like(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor like ``host`` (shape, strides) in ``dtype``, its memory given up."""
+        device = torch.empty_strided(
+            host.shape, host.stride(), dtype=dtype, device=self.backend.device
         )
+        self.backend.resize_storage(device, 0)
+        return device
 
 
-def tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
-    return [
-        leaf
-        for leaf in pytree.tree_leaves(output)
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
-    ]
+def check_own_storage(named_params: Sequence[tuple[str, Param]]) -> None:
+    """Each parameter must own its memory, all of it: its device copy is freed and
+    refilled whole, which would take a view's base (or a parameter sharing it) along."""
+    seen: dict[int, str] = {}
+    for name, param in named_params:
+        if not param.numel():
+            continue  # no memory to share
+        storage = param.untyped_storage()
+        whole = storage.nbytes() == param.numel() * param.element_size()
+        other = seen.get(storage.data_ptr())
+        if not whole or param.storage_offset() or other is not None:
+            shared = (
+                f"shares its memory with {other!r}" if other else "is a view of a larger tensor"
+            )
+            raise ValueError(
+                f"offload_parameters=True cannot move parameter {name!r}: it {shared}, and "
+                "its weights leave the device whole. Give it memory of its own before "
+                "creating the cache (module.weight = nn.Parameter(module.weight.detach()"
+                ".clone())), or tie parameters by sharing the Parameter object itself."
+            )
+        seen[storage.data_ptr()] = name

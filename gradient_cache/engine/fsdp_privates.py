@@ -1,0 +1,221 @@
+"""Every private name of FSDP2 (and of `DTensor`) the cache reads, in one place.
+
+FSDP2 has no public API for what the cache must follow: its parameter groups (the
+gradients' reduce-scatters, the shards), each parameter's padded shard (what its
+all-gather reads), its forward order and prefetch lists, its copy-in stream, and a
+`DTensor`'s local tensor object. `FSDP_PRIVATES` lists the names, each present in the
+sources of torch 2.6.0, 2.10.0, 2.13.0 and 2.14.1 (the parameter groups under one of two
+names, `param_groups`); `check_fsdp_privates` runs when the cache is created and refuses,
+naming torch's version, a torch without one, so the reads below have no silent default.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+Param = torch.nn.Parameter
+
+
+def local_object(param: torch.Tensor) -> torch.Tensor:
+    """The tensor object a `DTensor` holds as its local part (`local` gives a view)."""
+    return cast("DTensor", param)._local_tensor
+
+
+def set_local(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``tensor`` as the local part of `DTensor` ``param`` (whose identity the optimizer
+    keeps), as FSDP2's own ``reset_sharded_param`` sets it; ``tensor`` has its shape."""
+    cast("DTensor", param)._local_tensor = tensor
+
+
+class FSDPParam(Protocol):
+    """What the engine reads of FSDP2's (private) ``FSDPParam``."""
+
+    sharded_param: torch.nn.Parameter
+
+
+class FSDPParamGroup(Protocol):
+    """What the engine reads of FSDP2's (private) ``FSDPParamGroup``."""
+
+    fsdp_params: list[FSDPParam]
+
+
+def fsdp_param_groups(model: torch.nn.Module) -> list[FSDPParamGroup]:
+    """FSDP2's parameter groups (one per ``fully_shard`` call) under ``model``.
+
+    FSDP2 has no public getter for them: this reads its module state, as its own hooks do.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before 2.6, or without distributed: no FSDP2
+        return []
+
+    return [
+        group
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        for group in param_groups(module._get_fsdp_state())
+    ]
+
+
+def param_groups(state: Any) -> list[FSDPParamGroup]:
+    """The parameter groups of FSDP2's state ``state`` (its ``FSDPState``): the list
+    ``_fsdp_param_groups`` where torch has it (2.13 and 2.14: one group per mesh where
+    ``shard_placement_fn`` gives several), else ``_fsdp_param_group`` (one or None: torch
+    2.6 and 2.10; 2.13 keeps it as a property that raises for several groups). No groups
+    where the state has neither (`check_fsdp_privates` refuses that)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+# FSDP2's private names this module reads, by the class that holds them ("a or b": either).
+FSDP_PRIVATES = {
+    "FSDPModule": ("_get_fsdp_state",),
+    "FSDPState": (
+        "_fsdp_param_groups or _fsdp_param_group",
+        "_modules",
+        "_lazy_init",
+        "_comm_ctx",
+        "_states_to_forward_prefetch",
+        "_states_to_backward_prefetch",
+    ),
+    "FSDPParamGroup": ("fsdp_params", "comm_ctx", "_post_forward_indices", "is_unsharded"),
+    "FSDPParam": ("sharded_param", "_sharded_param_data"),
+    "FSDPCommContext": ("post_forward_order", "all_gather_copy_in_stream"),  # from lazy init
+    "DTensor": ("_local_tensor",),
+}
+
+
+def check_fsdp_privates(module: Any, *, initialized: bool = False) -> None:
+    """Raises, naming torch's version, where FSDP2's objects for ``module`` (a
+    ``fully_shard`` module) lack one of `FSDP_PRIVATES`, which the stream would otherwise
+    read as a silent default; the communication context's only once ``initialized`` (after
+    the root's lazy init, which sets them)."""
+
+    def require(kind: str, holder: Any) -> None:
+        for names in FSDP_PRIVATES[kind]:
+            if not any(hasattr(holder, name) for name in names.split(" or ")):
+                raise RuntimeError(
+                    f"offload_parameters=True under FSDP2 cannot run on torch "
+                    f"{torch.__version__}: FSDP2's {kind} has no {names!r}, one of the "
+                    "private names the cache reads to follow its all-gathers (all present "
+                    "in torch 2.6.0, 2.10.0, 2.13.0 and 2.14.1). Use one of those torch "
+                    "versions, or drop offload_parameters."
+                )
+
+    require("FSDPModule", module)
+    state = module._get_fsdp_state()
+    require("FSDPState", state)
+    groups: list[Any] = param_groups(state)
+    for group in groups:
+        require("FSDPParamGroup", group)
+        for fsdp_param in group.fsdp_params:
+            require("FSDPParam", fsdp_param)
+            require("DTensor", fsdp_param.sharded_param)
+        if initialized:
+            require("FSDPCommContext", group.comm_ctx)
+    if initialized:
+        require("FSDPCommContext", state._comm_ctx)
+
+
+@dataclass
+class ShardedModule:
+    """A ``fully_shard`` module: FSDP2's state for it, and the sharded parameters of its
+    parameter groups."""
+
+    module: torch.nn.Module
+    state: Any  # FSDP2's FSDPState
+    topmost: bool  # under no other fully_shard module: a root, or one when called alone
+    params: list[Param] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = [fp.sharded_param for group in self.groups for fp in group.fsdp_params]
+
+    @property
+    def groups(self) -> list[Any]:
+        return param_groups(self.state)
+
+
+def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
+    """Each ``fully_shard`` module under ``model`` (itself first, where it is one) with its
+    sharded parameters; raises for ``fully_shard([a, b])`` (one state over two modules)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: list[ShardedModule] = []
+    names: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        check_fsdp_privates(module)
+        state = module._get_fsdp_state()
+        if len(state._modules) > 1:
+            raise ValueError(
+                f"offload_parameters=True cannot stream FSDP2 group {name or 'the model'!r}: "
+                "it was sharded with other modules in one fully_shard([...]) call, whose "
+                "shards the cache cannot follow. Call fully_shard on each module on its own."
+            )
+        topmost = not any(name.startswith(f"{outer}.") or not outer for outer in names)
+        names.append(name)
+        found.append(ShardedModule(cast(torch.nn.Module, module), state, topmost))
+    return found
+
+
+def initialize_roots(modules: list[ShardedModule]) -> None:
+    """FSDP2's lazy init of each topmost module's tree, as its first forward would run it
+    (a no-op where one ran): it re-reads every shard (``reset_sharded_param``), which must
+    happen while they are all on the device, before the cache gives any up."""
+    for sharded in modules:
+        if sharded.topmost:
+            sharded.state._lazy_init()
+    for sharded in modules:
+        check_fsdp_privates(sharded.module, initialized=True)
+
+
+def flat_shards(modules: list[ShardedModule]) -> dict[Param, Callable[[], torch.Tensor]]:
+    """Each sharded parameter's flat padded shard as FSDP2 holds it at the call (FSDP2's
+    ``_sharded_param_data``, which its all-gather reads and it may replace)."""
+    return {
+        fsdp_param.sharded_param: functools.partial(getattr, fsdp_param, "_sharded_param_data")
+        for sharded in modules
+        for group in sharded.groups
+        for fsdp_param in group.fsdp_params
+    }
+
+
+def forward_prefetch(state: Any) -> list[Any]:
+    """The FSDP2 states whose all-gather ``state``'s forward starts (the user's
+    ``set_modules_to_forward_prefetch``)."""
+    return list(state._states_to_forward_prefetch)
+
+
+def named_backward_prefetch(state: Any) -> list[Any]:
+    """Those its backward starts where the user named some (else FSDP2 takes the module
+    before it in forward order: `post_forward_order`)."""
+    return list(state._states_to_backward_prefetch)
+
+
+def post_forward_order(group: Any) -> tuple[list[int], list[Any]]:
+    """Where ``group`` ran in the last forward (its positions in the order), and FSDP2's
+    record of that order (the groups in the order their forwards ended)."""
+    return list(group._post_forward_indices), list(group.comm_ctx.post_forward_order)
+
+
+def gathers(group: Any) -> bool:
+    """Whether FSDP2's next unshard of ``group`` all-gathers (reads its shards)."""
+    return not group.is_unsharded
+
+
+def copy_in_stream(state: Any) -> Any:
+    """FSDP2's all-gather copy-in stream for ``state``'s root (None before its lazy init,
+    or where the device has no streams)."""
+    return state._comm_ctx.all_gather_copy_in_stream

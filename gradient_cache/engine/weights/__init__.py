@@ -1,0 +1,155 @@
+"""The weights on the host (``offload_parameters=True``): their life, with one owner.
+
+`Weights` is that owner, which the manager builds with one call (`attach`, after `plan`
+refused what cannot be combined): the masters and each weight's record of where it is
+(`masters.HostWeights`), placed by a small placement object it composes (a device tensor
+of its own on one process, `stream.OwnTensors`; FSDP2's shard storage under
+``fully_shard``, `shard_stream.FsdpShards`); the hooks that bring and give them up by the
+model's units (`stream.WeightStream` by `blocks`, `shard_stream.ShardStream` by FSDP2's
+modules), which share one set of save and load hooks (`hooks`); and the fused step's
+journey of each bucket's weights (`masters.StepJourney`), a traveller beside the optimizer
+state's. FSDP2's private names are read in `engine.fsdp_privates` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..config import EngineConfig
+from ..fsdp_privates import ShardedModule, flat_shards, initialize_roots, sharded_modules
+from .blocks import WeightUnits, weight_units
+from .masters import HostWeights, StepJourney
+from .shard_stream import FsdpShards, ShardStream
+from .stream import OwnTensors, WeightStream
+
+if TYPE_CHECKING:
+    from ..pipeline import Pipeline
+
+Param = torch.nn.Parameter
+
+__all__ = ["StepJourney", "Weights", "attach", "plan"]
+
+
+class Weights:
+    """The weights' owner: ``masters`` (where each weight is) and ``stream`` (the hooks
+    that move them)."""
+
+    def __init__(self, masters: HostWeights, stream: WeightStream | ShardStream) -> None:
+        self.masters = masters
+        self.stream = stream
+
+    def close(self) -> None:
+        """Every weight back on the device for good (if they cannot be, this raises or
+        warns as the placement says, before any hook goes), then the hooks removed."""
+        self.masters.close()
+        self.stream.remove()
+
+
+def plan(
+    model: torch.nn.Module,
+    config: EngineConfig,
+    patterns: Sequence[str],
+    groups: Sequence[Sequence[Param]],
+) -> WeightUnits | list[ShardedModule] | None:
+    """With ``offload_parameters``: ``model``'s blocks (raises naming how to name them),
+    or under FSDP2 its ``fully_shard`` modules, after refusing what it cannot be combined
+    with. Before anything is attached."""
+    if not config.offload_parameters:
+        return None
+    if patterns:
+        raise ValueError(
+            f"exclude_layers={list(patterns)} cannot be combined with offload_parameters=True: "
+            "an excluded layer's gradient stays on the device, and its weights do not. Drop "
+            "exclude_layers (every gradient is offloaded), or offload_parameters."
+        )
+    if groups:
+        return _sharded_modules_or_refusal(model, config)
+    devices = sorted({str(p.device) for p in model.parameters()})
+    target = None if config.device is None else torch.device(config.device)
+    on_it = target is not None and all(
+        d.type == target.type and target.index in (None, d.index)
+        for d in map(torch.device, devices)
+    )
+    if target is not None and devices != ["cpu"] and not on_it:
+        raise ValueError(
+            f"device={str(config.device)!r} sets up a model whose parameters are on the "
+            f"host, and this one's are on {', '.join(devices)}. Build or load the model on "
+            "the CPU (torch.device('cpu'), or load_state_dict(..., assign=True) into a "
+            "model made on the meta device), or drop device for a model already on it."
+        )
+    if len(devices) > 1:
+        raise ValueError(
+            f"offload_parameters=True found the model's parameters on several devices "
+            f"{devices}: its weights leave for the host and come back to one device, a block "
+            "at a time. Put the whole model on one device (model.to(device)) before creating "
+            "the cache."
+        )
+    return weight_units(model, name=config.parameter_blocks)
+
+
+def _sharded_modules_or_refusal(
+    model: torch.nn.Module, config: EngineConfig
+) -> list[ShardedModule]:
+    """Under FSDP2 the ``fully_shard`` modules are the blocks, and FSDP2 casts."""
+    if config.compute_dtype is not None:
+        raise ValueError(
+            f"compute_dtype={config.compute_dtype} cannot be combined with FSDP2: FSDP2 "
+            "casts the weights in its all-gathers. Drop compute_dtype and shard with "
+            "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype="
+            f"{config.compute_dtype}, reduce_dtype=torch.float32))."
+        )
+    if config.device is not None:
+        raise ValueError(
+            f"device={str(config.device)!r} cannot be combined with FSDP2: fully_shard puts "
+            "each rank's shards on its device, from which the cache moves them to the host. "
+            "Drop device."
+        )
+    if config.parameter_blocks is not None:
+        raise ValueError(
+            f"parameter_blocks={config.parameter_blocks!r} cannot be combined with FSDP2: "
+            "each fully_shard module's shards stream on their own. Drop parameter_blocks."
+        )
+    return sharded_modules(model)
+
+
+def attach(
+    model: torch.nn.Module, pipeline: Pipeline, units: WeightUnits | list[ShardedModule]
+) -> Weights:
+    """The weights to host memory, their hooks on ``model``, the step's journeys through
+    ``pipeline`` (`Pipeline.carry_weights`); if that raises (the host budget, a parameter
+    FSDP2 does not shard), the pipeline is closed and nothing stays attached."""
+    backend, config = pipeline.backend, pipeline.config
+    named = list(model.named_parameters())
+    try:
+        if isinstance(units, WeightUnits):
+            placement: OwnTensors | FsdpShards = OwnTensors(backend, config.compute_dtype)
+        else:
+            initialize_roots(units)
+            placement = FsdpShards(flat_shards(units))
+        masters = HostWeights(
+            named,
+            backend,
+            placement,
+            fraction=config.host_memory_fraction,
+            compute_dtype=config.compute_dtype,
+        )
+    except BaseException:
+        pipeline.close()
+        raise
+    pipeline.carry_weights(masters)
+    if isinstance(units, WeightUnits):
+        _buffers_to(model, backend.device)
+        return Weights(masters, WeightStream(model, masters, units))
+    return Weights(masters, ShardStream(model, masters, units))
+
+
+def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """``model``'s buffers on ``device``, where a model set up from the host (``device=``)
+    computes; they stay there, as plain PyTorch's would."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.device != device:
+                setattr(module, name, buffer.to(device))  # a buffer still, persistent or not

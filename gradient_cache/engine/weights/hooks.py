@@ -1,0 +1,168 @@
+"""What both placements' streams share: the save and load hooks on every module that owns
+a parameter, the end of backward, and the small rules every weight hook follows.
+
+A save or load reaches a parameter through the module that owns it, whichever module it is
+called on (the model, a block's ``state_dict()``, a load into the head), so the hooks are
+on every owning module. Before ``state_dict`` reads or ``load_state_dict`` writes a module's
+parameters their device copies go home (none may outlive a load: the next use would read
+the old weights; a backward still to come brings them again) and no copy still reads or
+writes a master; FSDP2 checks the loaded shards in its own load hook, so under FSDP2 a load
+writes the shards on the device and they go to their masters after
+(`shard_stream.FsdpShards.loads_on_device`). A saved master is a copy of its own, not a view
+of the masters' slab (which ``torch.save`` would write whole and safetensors refuses as
+shared memory); a weight tied across modules is one copy under each of its names (saved
+once, still tied).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..module_hooks import ModuleHook
+from .masters import HostWeights, Param
+
+UNPICKLABLE = (
+    "torch.save(model) pickles the module whole, and with offload_parameters=True its "
+    "weights live in the gradient cache's host slabs. Save model.state_dict() instead "
+    "(compact copies of the weights; the cache's own state is hook_manager.state_dict()), "
+    "or call hook_manager.remove_hooks() first."
+)
+
+
+def module_hook(method: Callable[..., Any], *bound: Any) -> ModuleHook:
+    """``method`` with ``bound`` first, as a module hook: inert in a copy of the module,
+    refused in a pickle of it (its weights are in the host slabs)."""
+    return ModuleHook(functools.partial(method, *bound), unpicklable=UNPICKLABLE)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpointed
+    block's forward reruns there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def outside_graphs(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, run eagerly where a compiled model calls it (a graph break): storage
+    resizing cannot be traced."""
+    return torch._dynamo.disable(method, recursive=True)
+
+
+def tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
+    return [
+        leaf
+        for leaf in pytree.tree_leaves(output)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
+
+
+def refuse_create_graph() -> None:
+    """A backward that records a graph of its own (``create_graph=True``: a gradient
+    penalty) would save the device copies of the weights in it, which go when this backward
+    ends, and the second backward would read freed memory."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "A backward with create_graph=True (torch.autograd.grad(..., create_graph=True), "
+            "a gradient penalty) reached a model whose weights are on the host "
+            "(offload_parameters=True): the graph it records would read the blocks' device "
+            "copies after they are given back. Compute the penalty without create_graph, "
+            "or create the cache without offload_parameters."
+        )
+
+
+class BackwardEnd:
+    """``ended``, called once at the end of the backward running now: `queue` it from any
+    hook of that backward (autograd runs queued callbacks when the backward is done)."""
+
+    def __init__(self, ended: Callable[[], None]) -> None:
+        self._ended = ended
+        self._queued = False
+
+    def queue(self) -> None:
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
+            self._queued = True
+
+    def _run(self) -> None:
+        self._queued = False
+        self._ended()
+
+
+class OwnerHooks:
+    """The save and load hooks on every module of ``model`` that owns one of ``weights``'
+    parameters (see the module docstring). ``give_up``: the stream's way to send some of
+    them home."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        weights: HostWeights,
+        *,
+        give_up: Callable[[list[Param]], None],
+    ) -> None:
+        self.weights = weights
+        self._give_up = give_up
+        held = set(weights.params())
+        owners = [
+            (m, {n: p for n, p in m.named_parameters(recurse=False) if p in held})
+            for m in model.modules()
+        ]
+        seen: set[Param] = set()
+        self._tied: set[Param] = set()  # owned by two modules or more (a tied head)
+        for _, own in owners:
+            self._tied |= seen.intersection(own.values())
+            seen.update(own.values())
+        self._saved: dict[Param, weakref.ref[torch.Tensor]] = {}  # a tied weight's copy
+        self.handles = []
+        for owner, own in owners:
+            if own:
+                self.handles += [
+                    owner.register_state_dict_pre_hook(module_hook(self._home, own)),
+                    owner.register_state_dict_post_hook(module_hook(self._compact, own)),
+                    owner.register_load_state_dict_pre_hook(module_hook(self._load_begins, own)),
+                    owner.register_load_state_dict_post_hook(module_hook(self._loaded, own)),
+                ]
+
+    def _home(self, own: dict[str, Param], *args: Any) -> None:
+        """``own`` (one module's parameters) home, no copy still reading or writing a
+        master."""
+        present = set(self.weights.present())
+        self._give_up([p for p in own.values() if p in present])
+        self.weights.wait_on_host()
+
+    def _compact(
+        self, own: dict[str, Param], module: Any, state: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        """Each of ``own`` in ``state`` as a copy of its own; a tied one as one copy."""
+        for name, param in own.items():
+            value = state.get(prefix + name)
+            if not isinstance(value, torch.Tensor) or not self.weights.holds(value):
+                continue
+            if param not in self._tied:
+                state[prefix + name] = self.weights.compact(value)
+                continue
+            earlier = self._saved.get(param)
+            copy = earlier() if earlier is not None else None
+            if copy is None or not any(v is copy for v in state.values()):
+                copy = self.weights.compact(value)
+                self._saved[param] = weakref.ref(copy)
+            state[prefix + name] = copy
+
+    def _load_begins(self, own: dict[str, Param], *args: Any) -> None:
+        """A load writes ``own``: into the masters at rest, or (FSDP2) into the shards on
+        the device, filled from their masters first."""
+        if self.weights.placement.loads_on_device:
+            self.weights.ensure(own.values())
+        else:
+            self._home(own)
+
+    def _loaded(self, own: dict[str, Param], module: Any, incompatible_keys: Any) -> None:
+        """Under FSDP2 the loaded shards to their masters, and their memory given up."""
+        if self.weights.placement.loads_on_device:
+            self.weights.store(own.values())
+            self.weights.wait_on_host()
