@@ -286,9 +286,11 @@ class StreamChecker(TorchDispatchMode):
         self.dispatched[actor, name] += 1
         for tensor, write in inputs:
             self._access(actor, tensor, write=write, what=name)
-        # A blocking `.to("cpu")` of a device tensor (a checkpoint's copy): CUDA's copy to
-        # pageable host memory returns once it is done, so the host is ordered after it.
+        # A blocking `.to("cpu")` of a device tensor (a checkpoint's copy), or a blocking
+        # `copy_` into host memory (the masters filled from the model's weights): CUDA's copy
+        # returns once it is done, so the host is ordered after it.
         to_host = func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None
+        to_host |= func is torch.ops.aten.copy_.default and self._is_host(args[0])
         if to_host and not _non_blocking(args, kwargs):
             self.join(HOST, dict(self.clocks[actor]))
         known = {t.untyped_storage().data_ptr() for t in tensors}

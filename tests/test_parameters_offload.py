@@ -18,7 +18,7 @@ from gradient_cache.demo.models import GPTConfig, TinyGPT
 from gradient_cache.engine.hostmem import HostMemoryError
 from gradient_cache.engine.records import StateAt
 from gradient_cache.engine.weights.blocks import weight_units
-from gradient_cache.engine.weights.masters import WeightAt
+from gradient_cache.engine.weights.masters import WeightAt, unit_offsets
 
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2)
 STREAMED = {"compression_ratio": 1, "offload_optimizer_state": True, "offload_parameters": True}
@@ -224,6 +224,54 @@ def test_the_device_holds_the_rest_and_two_blocks_and_each_step_moves_what_it_sa
     assert 0 <= summary.parameters_host_mb * 2**20 - planned.host_bytes <= aligned
 
 
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forward_and_backward_bring_a_unit_with_one_allocation_and_one_copy(
+    compute_dtype,
+) -> None:
+    """Each unit (the rest, a block) comes to the device as one allocation filled by one
+    copy, in the compute dtype (from its wires with bf16), not one of each per parameter;
+    the step's buckets bring each weight in fp32 on its own."""
+    model = gpt()
+    units = weight_units(model)
+    manager = gradient_cache.create_gradient_cache(
+        model, **STREAMED, compute_dtype=compute_dtype, bucket_size_mb=0.02
+    )
+    backend = manager.engine.backend
+    refills: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    allocations: list[int] = []
+    start_refill, resize_storage = backend.start_refill, backend.resize_storage
+
+    def counted_refill(pairs):
+        refills.append(list(pairs))
+        return start_refill(pairs)
+
+    def counted_resize(tensor, nbytes):
+        if nbytes:
+            allocations.append(nbytes)
+        resize_storage(tensor, nbytes)
+
+    backend.start_refill, backend.resize_storage = counted_refill, counted_resize
+    tokens, targets = batches(1)[0]
+    model(tokens, targets)[1].backward()
+    wanted = compute_dtype or torch.float32
+
+    def unit_bytes(params: list) -> int:
+        return unit_offsets(params)[1] * wanted.itemsize
+
+    # Forward: every unit; backward: the blocks but the last again.
+    expected = [unit_bytes(p) for p in [units.rest, *units.block_params, *units.block_params[:-1]]]
+    pairs = [pair for refill in refills for pair in refill]
+    assert all(device.dim() == 1 and host.dim() == 1 for device, host in pairs)  # flat
+    assert {device.dtype for device, _ in pairs} == {host.dtype for _, host in pairs} == {wanted}
+    assert sorted(d.numel() * d.element_size() for d, _ in pairs) == sorted(expected)
+    assert sorted(allocations) == sorted(expected)
+    before = len(refills)
+    manager.step(adamw_two_groups(model))  # the step: a copy per weight, in fp32
+    step_pairs = [pair for refill in refills[before:] for pair in refill]
+    assert all(device.dtype == torch.float32 for device, _ in step_pairs)
+    assert len(step_pairs) == len(list(model.parameters()))
+
+
 def test_an_eval_under_no_grad_matches_plain_and_leaves_nothing_on_the_device() -> None:
     plain, cached = gpt(), gpt()
     manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
@@ -351,24 +399,35 @@ def test_closing_the_cache_puts_the_weights_back_on_the_device_and_plain_steps_g
     assert_same_parameters(plain, cached)
 
 
-@pytest.mark.parametrize("nth", [None, 2], ids=["ordered", "a-failed-bucket-retried"])
+@pytest.mark.parametrize(
+    ("nth", "compute_dtype"),
+    [(None, None), (2, None), (2, torch.bfloat16)],
+    ids=["ordered", "a-failed-bucket-retried", "bf16-a-forward-after-a-failed-bucket"],
+)
 def test_every_weight_copy_is_ordered_on_the_stand_in_streams(
     fake_accelerator: FakeAccelerator,  # noqa: F811
     nth,
+    compute_dtype,
 ) -> None:
     """The accelerator backend on stand-in streams: each weight's device memory is filled on the
     restore stream after the compute stream's earlier work, used only after the copy,
     given back only once nothing reads it, and copied back after the step before it goes.
     With ``nth``, a bucket's optimizer.step() raises once (the next bucket's weights on
-    their way), and the retry gives plain's result."""
+    their way), and the retry gives the result of a run without the failure; with bf16, a
+    forward comes between (its wires are cast from masters the failed step's copies back
+    were still writing: the host waits for them first)."""
     data = batches(3)
+    options = {**STREAMED, "bucket_size_mb": 0.02, "compute_dtype": compute_dtype}
     plain, cached = gpt(), gpt()
     with fake_accelerator.checker.disabled():
-        train(plain, adamw_two_groups(plain), data, clip=0.5)
+        reference = None
+        if compute_dtype is not None:
+            reference = gradient_cache.create_gradient_cache(plain, **options)
+        train(plain, adamw_two_groups(plain), data, manager=reference, clip=0.5)
     optimizer = adamw_two_groups(cached)
     failure = FailsOnce(optimizer)
     manager = gradient_cache.create_gradient_cache(
-        cached, **STREAMED, bucket_size_mb=0.02, backend_factory=fake_accelerator.factory
+        cached, **options, backend_factory=fake_accelerator.factory
     )
     for i, (tokens, targets) in enumerate(data):
         cached(tokens, targets)[1].backward()
@@ -377,6 +436,9 @@ def test_every_weight_copy_is_ordered_on_the_stand_in_streams(
             with pytest.raises(torch.OutOfMemoryError):
                 manager.step(optimizer, max_grad_norm=0.5)
             assert all_on_the_host(cached, manager)
+            if compute_dtype is not None:
+                with torch.no_grad():
+                    cached(tokens)
             # The buckets stepped before the failure copied their weights back, and no
             # step's end waited for that: reading the masters waits first.
             assert all(value.sum() is not None for value in cached.state_dict().values())
@@ -470,10 +532,11 @@ def fsdp2_mixed_precision(
 
 
 def test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit(tmp_path) -> None:
-    """compute_dtype=torch.bfloat16: each fp32 master cast to bf16 on the device for
-    forward and backward, gradients accumulated in fp32, the fp32 masters stepped on the
-    device; FSDP2's mixed precision on one process, bit for bit (accumulation, clipping,
-    AdamW with two groups). The masters cross the link (4 bytes), as FSDP2's offload's."""
+    """compute_dtype=torch.bfloat16: each fp32 master's bf16 cast (its wire, cast on the
+    host) brought for forward and backward, gradients accumulated in fp32, the fp32 masters
+    stepped on the device; FSDP2's mixed precision on one process, bit for bit
+    (accumulation, clipping, AdamW with two groups). Forward and backward move 2 bytes a
+    weight over the link, not the fp32 master's 4."""
     data, micro_batches = batches(4), 2
     out = str(tmp_path / "fsdp2.pt")
     threads = torch.get_num_threads()
@@ -489,10 +552,18 @@ def test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit(tmp
         assert param.dtype == torch.float32 and torch.equal(expected, param)
     units = weight_units(cached)
     every = sum(p.nbytes for p in cached.parameters())
-    blocks = [sum(p.nbytes for p in params) for params in units.block_params]
-    streamed = every + sum(blocks) - blocks[-1]  # the last block stays for backward
-    moved = micro_batches * streamed + 2 * every  # the step: the masters both ways
+
+    def bf16_bytes(params: list) -> int:  # a unit's wires, each weight at an aligned place
+        return unit_offsets(params)[1] * 2
+
+    blocks = [bf16_bytes(params) for params in units.block_params]
+    # Forward and backward bring the bf16 wires (the last block stays for backward), the
+    # step the fp32 masters both ways: at most 0.8 of the bytes fp32 compute moves.
+    streamed = bf16_bytes(units.rest) + 2 * sum(blocks) - blocks[-1]
+    moved = micro_batches * streamed + 2 * every
     assert manager.summary().parameters_moved_mb * 2**20 == moved
+    fp32 = micro_batches * (every + sum(blocks) * 2 - blocks[-1] * 2) + 2 * every
+    assert moved <= 0.8 * fp32
 
 
 def test_writes_to_the_masters_reach_the_next_forward_and_a_cast_model_is_refused() -> None:
@@ -915,8 +986,9 @@ def test_exclude_layers_and_a_view_parameter_are_refused_and_nothing_changes() -
 def test_a_host_without_room_is_refused_before_anything_moves(monkeypatch) -> None:
     model = gpt()
     every = sum(p.nbytes for p in model.parameters())
-    # host_memory_fraction=0.5 of it: room for the cache's gradients, not for the weights.
-    monkeypatch.setattr("gradient_cache.engine.hostmem.available_host_bytes", lambda: every)
+    # host_memory_fraction=0.5 of it and of the model's own host memory, which comes back as
+    # the masters fill: room for the cache's gradients, not for the weights.
+    monkeypatch.setattr("gradient_cache.engine.hostmem.available_host_bytes", lambda: every // 2)
     pointers = [p.data_ptr() for p in model.parameters()]
     with pytest.raises(HostMemoryError, match="the weights' masters"):
         gradient_cache.create_gradient_cache(model, **STREAMED)

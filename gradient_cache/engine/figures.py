@@ -88,7 +88,7 @@ def cache_tensors(pipeline: Pipeline) -> CacheTensors:
             *(pipeline.random_state_at_step_start or {}).values(),
             *(residual_tensors if on_host else ()),
             *(() if states is None else states.host_tensors()),
-            *(() if weights is None else weights.masters()),
+            *(() if weights is None else weights.host_tensors()),
         ),
         scratch=tuple(t for codec in pipeline.codecs.all() for t in codec.scratch_tensors()),
         waiting=tuple(pipeline.assembler.waiting()),

@@ -86,15 +86,18 @@ def available_host_bytes() -> int:
     return available if headroom is None else min(available, headroom)
 
 
-def check_host_budget(needed_bytes: int, *, fraction: float, what: str) -> None:
-    """Raise HostMemoryError, with the figures and the remedies, if ``needed_bytes`` won't fit."""
-    available = available_host_bytes()
+def check_host_budget(needed_bytes: int, *, fraction: float, what: str, released: int = 0) -> None:
+    """Raise HostMemoryError, with the figures and the remedies, if ``needed_bytes`` won't fit
+    in ``fraction`` of the available host RAM and the ``released`` bytes that come back to
+    it as the cache fills (a model's own host memory, given up weight by weight)."""
+    available = available_host_bytes() + released
     allowed = int(available * fraction)
     if needed_bytes > allowed:
+        freed = f", {released / MIB:.0f} MiB of them the model's own" if released else ""
         raise HostMemoryError(
             f"gradient-cache needs about {needed_bytes / MIB:.0f} MiB of host memory ({what}) "
             f"but may use {allowed / MIB:.0f} MiB (host_memory_fraction={fraction} of "
-            f"{available / MIB:.0f} MiB available). Raise compression_ratio, drop top-k's "
+            f"{available / MIB:.0f} MiB available{freed}). Raise compression_ratio, drop top-k's "
             "residual (codec=gradient_cache.TopK(error_feedback=False)), list large layers "
             "in exclude_layers, or raise host_memory_fraction."
         )

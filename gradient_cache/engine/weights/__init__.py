@@ -126,13 +126,16 @@ def attach(
     try:
         if isinstance(units, WeightUnits):
             placement: OwnTensors | FsdpShards = OwnTensors(backend, config.compute_dtype)
+            together = [units.rest, *units.block_params]
         else:
             initialize_roots(units)
             placement = FsdpShards(flat_shards(units))
+            together = [[param] for _, param in named]
         masters = HostWeights(
             named,
             backend,
             placement,
+            units=[unit for unit in together if unit],
             fraction=config.host_memory_fraction,
             compute_dtype=config.compute_dtype,
         )

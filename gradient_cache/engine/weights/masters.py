@@ -51,6 +51,7 @@ import torch
 
 from .. import sharding
 from ..backend import Backend, Transfer
+from ..hostmem import check_host_budget
 from ..layout import gradient_strides
 from ..state_slabs import StateSlabs
 
@@ -66,11 +67,28 @@ class WeightAt(enum.Enum):
     DEVICE = "device"
 
 
+@dataclass(eq=False)
+class Unit:
+    """Weights that come to the device together (a block, the rest): one device allocation
+    (``buffer``) filled by one copy from one host region (``host``: their masters', or with
+    a compute dtype their wires'), each member's compute tensor a view of the buffer. The
+    buffer's memory goes when no member is in use any more."""
+
+    buffer: torch.Tensor  # flat, on the device: memory only while a member is in use
+    host: torch.Tensor  # flat, on the host: what one copy fills the buffer from
+    members: list[Param]
+    arrival: Transfer | None = None  # the copy that filled the buffer, while it has memory
+
+
 @dataclass
 class Weight:
     master: torch.Tensor  # on the host: P.data at rest
-    compute: torch.Tensor  # D for forward and backward: memory only while in use
-    full: torch.Tensor  # D for the step, the master's dtype (``compute`` without one)
+    compute: torch.Tensor  # for forward and backward: memory only while in use
+    full: torch.Tensor  # for the step, the master's dtype (``compute`` under FSDP2)
+    unit: Unit | None = None  # whose buffer ``compute`` views (None: memory of its own)
+    wire: torch.Tensor | None = None  # the master cast to the compute dtype, on the host
+    wired: tuple[int, int] = (-1, -1)  # (P's, the master's) versions ``wire`` was cast at
+    sent: tuple[int, int] = (-1, -1)  # those its unit's buffer was filled at
     at: WeightAt = WeightAt.HOST
     in_use: torch.Tensor | None = None  # ``compute`` or ``full``, while not HOST
     arrival: Transfer | None = None
@@ -97,8 +115,17 @@ class Placement(Protocol):
     def source(self, param: Param) -> torch.Tensor:
         """What ``param``'s master copies."""
 
-    def weight(self, source: torch.Tensor, master: torch.Tensor) -> Weight:
-        """The record of the parameter whose data is ``source``, with its device tensors."""
+    def device_tensors(
+        self,
+        sources: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        offsets: list[int],
+        numel: int,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
+        """For one unit whose ``masters`` (copied from ``sources``) lie at ``offsets``
+        (elements) in a flat region of ``numel``: its device buffer (None: each compute
+        tensor has memory of its own), each one's compute tensor and full one (the
+        step's), their memory given up."""
 
     def rest(self, param: Param, weight: Weight) -> None:
         """``param`` at rest once its master is filled."""
@@ -126,6 +153,7 @@ class HostWeights:
         backend: Backend,
         placement: Placement,
         *,
+        units: Sequence[Sequence[Param]],
         fraction: float,
         compute_dtype: torch.dtype | None = None,
     ) -> None:
@@ -137,29 +165,55 @@ class HostWeights:
             backend.host_slab,
             fraction=fraction,
             round_up=backend.host_slabs_round_up,
-            what="the weights' masters, offload_parameters=True",
+            what=WHAT,
         )
-        params = [param for _, param in named_params]
-        sources = [placement.source(param) for param in params]
-        self._slabs.expect(sources)
-        regions = self._slabs.take([nbytes(source) for source in sources])
-        weights = {  # nothing changes yet
-            param: placement.weight(
-                source,
-                region.view(source.dtype).as_strided(source.shape, gradient_strides(source)),
-            )
-            for param, source, region in zip(params, sources, regions, strict=True)
-        }
-        for (param, weight), source in zip(weights.items(), sources, strict=True):
-            weight.master.copy_(source)
-            placement.rest(param, weight)
-        self._weights: dict[Param, Weight] = weights
+        self._slabs.expect(param for _, param in named_params)
+        self._weights: dict[Param, Weight] = {}
+        self._copies_back = False  # a copy into a master may be in flight
+        sources = {param: placement.source(param) for _, param in named_params}
+        # Every master (and wire) checked first, so that a refusal changes nothing; a
+        # model on the host gives its own memory back weight by weight as its masters fill.
+        wires = 0 if compute_dtype is None else compute_dtype.itemsize
+        needed = sum(s.numel() * (s.element_size() + wires) for s in sources.values())
+        on_host = sum(nbytes(s) for s in sources.values() if s.device.type == "cpu")
+        check_host_budget(needed, fraction=fraction, what=WHAT, released=on_host)
+        covered = {param for unit in units for param in unit}
+        alone = [[param] for param in sources if param not in covered]
+        for unit in [*units, *alone]:
+            for same_dtype in _by_dtype(unit, sources):
+                self._lay_out(same_dtype, sources)
         self._names = {param: name for name, param in named_params}
         # Host-to-device and back, counted as they start, since the last step ended; and
         # the last step's (its forward and backward passes, and the step).
         self.moved_bytes = 0
         self.moved_last_step = 0
         self._counted_step = -1  # the step moved_last_step counts
+
+    def _lay_out(self, params: list[Param], sources: dict[Param, torch.Tensor]) -> None:
+        """One unit's masters (and wires) in one host region each, its device tensors;
+        each master filled and its parameter at rest there, one after another: a model on
+        the host gives each parameter's memory back as it goes (never two whole copies)."""
+        offsets, numel = unit_offsets([sources[p] for p in params])
+        dtype = sources[params[0]].dtype
+        region = self._slabs.take([numel * dtype.itemsize])[0].view(dtype)
+        masters = [_view(region, sources[p], at) for p, at in zip(params, offsets, strict=True)]
+        buffer, computes, fulls = self.placement.device_tensors(
+            [sources[p] for p in params], masters, offsets, numel
+        )
+        wires: list[torch.Tensor | None] = [None] * len(params)
+        host = region
+        if buffer is not None and buffer.dtype != dtype:  # the compute dtype's wires
+            host = self._slabs.take([numel * buffer.dtype.itemsize])[0].view(buffer.dtype)
+            wires = [_view(host, m, at) for m, at in zip(masters, offsets, strict=True)]
+        unit = None if buffer is None else Unit(buffer, host, list(params))
+        for i, param in enumerate(params):
+            weight = Weight(masters[i], computes[i], fulls[i], unit, wires[i])
+            weight.master.copy_(sources[param])
+            if weight.wire is not None:  # the cast of the parameter itself
+                weight.wire.copy_(sources[param])
+            self._weights[param] = weight
+            self.placement.rest(param, weight)
+            weight.wired = _versions(param, weight)
 
     @property
     def host_bytes(self) -> int:
@@ -188,7 +242,7 @@ class HostWeights:
 
     def device_bytes(self) -> int:
         """The device memory the weights hold now (arriving or in use)."""
-        return sum(nbytes(w.in_use) for w in self._weights.values() if w.in_use is not None)
+        return sum(t.untyped_storage().nbytes() for t in self.device_tensors())
 
     def _held(self, params: Iterable[Param]) -> list[tuple[Param, Weight]]:
         """``params`` these weights hold, with their weights (an optimizer may also step
@@ -198,46 +252,65 @@ class HostWeights:
     def bring(self, params: Iterable[Param], *, step: bool = False) -> None:
         """Start filling the device tensors of those of ``params`` at home (a block
         ahead: the copies run while the device computes); ``step``: in the master's dtype,
-        for the optimizer, else in the compute dtype. If this raises, they stay home."""
+        for the optimizer, each its own, else in the compute dtype, a unit at a time: the
+        whole unit's buffer allocated and filled by one copy (from the wires with a
+        compute dtype), where none of it is on the device yet. If this raises, they stay
+        home."""
         held = self._held(params)
         for param, weight in held:
             wanted = weight.full if step else weight.compute
             if weight.at is not WeightAt.HOST and weight.in_use is not wanted:
                 self.free([param])  # in use the other way (never between the step's phases)
-        chosen = [
-            (weight, weight.full if step else weight.compute)
-            for _, weight in held
-            if weight.at is WeightAt.HOST
-        ]
+        chosen = [(p, w) for p, w in held if w.at is WeightAt.HOST]
         if not chosen:
             return
-        staging: list[torch.Tensor] = []
+        units = {} if step else {id(w.unit): w.unit for _, w in chosen if w.unit is not None}
+        empty = [unit for unit in units.values() if unit.arrival is None]
+        pairs, own = [], []  # (device, host); the device tensors with memory of their own
+        for unit in empty:
+            for member in unit.members:
+                self._loaded(member, self._weights[member])
+            pairs.append((unit.buffer, unit.host))
+        for param, weight in chosen:
+            if step or weight.unit is None:
+                own.append(weight.full if step else weight.compute)
+                pairs.append((own[-1], weight.master))
+            elif weight.unit.arrival is not None and weight.sent != _versions(param, weight):
+                # Its unit on the device already, and it was written since (a load).
+                pairs.append((weight.compute, self._loaded(param, weight)))
         try:
-            for _, device in chosen:
+            for device in [unit.buffer for unit in empty] + own:
                 self.backend.resize_storage(device, nbytes(device))  # on the compute stream
-            pairs, casts = [], []
-            for weight, device in chosen:
-                if device.dtype == weight.master.dtype:
-                    pairs.append((device, weight.master))
-                else:  # the master to a staging tensor, cast into the device tensor there
-                    staging.append(
-                        torch.empty_strided(
-                            device.shape,
-                            device.stride(),
-                            dtype=weight.master.dtype,
-                            device=device.device,
-                        )
-                    )
-                    pairs.append((staging[-1], weight.master))
-                    casts.append((device, staging[-1]))
-            transfer = self.backend.start_refill(pairs, casts=casts)
+            transfer = self.backend.start_refill(pairs)
         except BaseException:
-            for _, device in chosen:  # nothing started: they stay home
+            for device in [unit.buffer for unit in empty] + own:  # nothing started
                 self.backend.resize_storage(device, 0)
             raise
         self.moved_bytes += sum(nbytes(host) for _, host in pairs)
-        for weight, device in chosen:
-            weight.at, weight.in_use, weight.arrival = WeightAt.ARRIVING, device, transfer
+        for unit in empty:
+            unit.arrival = transfer
+        for _, weight in chosen:
+            arrival = transfer if step or weight.unit is None else weight.unit.arrival
+            weight.in_use = weight.full if step else weight.compute
+            weight.at, weight.arrival = WeightAt.ARRIVING, arrival
+
+    def _loaded(self, param: Param, weight: Weight) -> torch.Tensor:
+        """What fills ``param``'s compute tensor now: its wire (refreshed where its master
+        changed since it was cast) or its master; the versions it had recorded."""
+        self._fresh_wire(param, weight)
+        weight.sent = _versions(param, weight)
+        return weight.master if weight.wire is None else weight.wire
+
+    def _fresh_wire(self, param: Param, weight: Weight) -> None:
+        """``weight``'s wire cast again from its master where either changed since (a step's
+        copy back, a load or an EMA written into the parameter at rest): the host's cast,
+        round to nearest even, the bits the device's cast gives."""
+        if weight.wire is None or weight.wired == _versions(param, weight):
+            return
+        if self._copies_back:  # a step that raised: its copies back may still be writing
+            self.wait_on_host()  # the master complete before the host reads it
+        weight.wire.copy_(weight.master)
+        weight.wired = _versions(param, weight)
 
     def refills(self, params: Iterable[Param]) -> list[Transfer] | None:
         """The copies on their way for ``params`` (each once), for a reader on another
@@ -283,7 +356,12 @@ class HostWeights:
             in_use = weight.in_use
             weight.at, weight.in_use = WeightAt.HOST, None
             self.placement.show(param, weight)
-            self.backend.resize_storage(in_use, 0)
+            unit = weight.unit
+            if unit is None or in_use is not weight.compute:
+                self.backend.resize_storage(in_use, 0)
+            elif all(self._weights[m].at is WeightAt.HOST for m in unit.members):
+                self.backend.resize_storage(unit.buffer, 0)  # its last member in use gone
+                unit.arrival = None
         if refused:
             self._refuse(refused)
 
@@ -298,7 +376,7 @@ class HostWeights:
             if weight.at is not WeightAt.DEVICE or param._version == weight.version:
                 continue
             weight.version = param._version
-            if weight.in_use is weight.full:
+            if _exact(weight):
                 weight.dirty = True
             else:
                 refused.append(param)
@@ -327,15 +405,15 @@ class HostWeights:
         self.free(params)
 
     def store(self, params: Iterable[Param]) -> None:
-        """After ``params`` stepped on the device: their weights copied into their
-        masters, then their device memory given up once the copies have read it."""
-        present = [
-            p for p, w in self._held(params) if w.at is WeightAt.DEVICE and w.in_use is w.full
-        ]
+        """After ``params`` stepped on the device (or were written there in the master's
+        dtype): their weights copied into their masters, then their device memory given
+        up once the copies have read it."""
+        present = [p for p, w in self._held(params) if w.at is WeightAt.DEVICE and _exact(w)]
         if not present:
             return
-        pairs = [(self._weights[p].full, self._weights[p].master) for p in present]
+        pairs = [(self._weights[p].place(), self._weights[p].master) for p in present]
         transfer = self.backend.start_to_host(pairs)
+        self._copies_back = True
         for param in present:  # the copies back started: the masters will be the newer
             self._weights[param].dirty = False
             self._weights[param].version = param._version
@@ -359,17 +437,22 @@ class HostWeights:
         self.moved_bytes = 0
 
     def masters(self) -> tuple[torch.Tensor, ...]:
-        """The masters, in host memory (memory accounting)."""
+        """The masters, in host memory."""
         return tuple(w.master for w in self._weights.values())
+
+    def host_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The masters and the wires, in host memory (memory accounting)."""
+        wires = tuple(w.wire for w in self._weights.values() if w.wire is not None)
+        return self.masters() + wires
 
     def device_tensors(self) -> tuple[torch.Tensor, ...]:
         """The device tensors, whose memory is allocated and given up by resizing their
         storages in place (memory accounting: a storage's size now is what it holds)."""
-        return tuple(
-            t
-            for w in self._weights.values()
-            for t in {id(t): t for t in (w.compute, w.full)}.values()
-        )
+        tensors = {}
+        for w in self._weights.values():
+            for t in (w.compute if w.unit is None else w.unit.buffer, w.full):
+                tensors[id(t)] = t
+        return tuple(tensors.values())
 
     def params(self) -> list[Param]:
         """Every parameter whose weights these are."""
@@ -383,6 +466,7 @@ class HostWeights:
         """Block the host until every copy to or from a master is complete: before the
         host reads one (``model.state_dict()``) or writes one (``load_state_dict``)."""
         self.backend.wait_for_state_copies()
+        self._copies_back = False
 
     def close(self) -> None:
         """Every weight back on the device for good, as plain PyTorch keeps it (the
@@ -426,3 +510,42 @@ class StepJourney:
 def nbytes(tensor: torch.Tensor) -> int:
     """A dense tensor's bytes (what its storage takes when filled)."""
     return tensor.numel() * tensor.element_size()
+
+
+WHAT = "the weights' masters, offload_parameters=True"
+UNIT_ALIGN = 16  # elements: each weight's place in a unit's regions and buffer starts here
+
+
+def unit_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Each of ``tensors``' element offset in one flat region, in order, each a multiple of
+    `UNIT_ALIGN` (aligned for any dtype's fast copies and kernels), and the region's size."""
+    offsets, end = [], 0
+    for tensor in tensors:
+        offsets.append(end)
+        end += -(-tensor.numel() // UNIT_ALIGN) * UNIT_ALIGN
+    return offsets, end
+
+
+def _view(region: torch.Tensor, like: torch.Tensor, at: int) -> torch.Tensor:
+    """``like``'s shape and dense strides at element ``at`` of flat ``region``."""
+    return region.as_strided(like.shape, gradient_strides(like), region.storage_offset() + at)
+
+
+def _by_dtype(params: Sequence[Param], sources: dict[Param, torch.Tensor]) -> list[list[Param]]:
+    """``params`` in groups of one dtype each (a unit's buffer has one), in order."""
+    groups: dict[torch.dtype, list[Param]] = {}
+    for param in params:
+        groups.setdefault(sources[param].dtype, []).append(param)
+    return list(groups.values())
+
+
+def _versions(param: Param, weight: Weight) -> tuple[int, int]:
+    """The version counters a write into ``param`` at rest, or into its master by a copy
+    back, moves."""
+    return param._version, weight.master._version
+
+
+def _exact(weight: Weight) -> bool:
+    """Whether ``weight``'s device tensor in use holds its master's dtype (a write there
+    can be copied back exactly)."""
+    return weight.in_use is not None and weight.in_use.dtype == weight.master.dtype

@@ -281,8 +281,15 @@ class FsdpShards:
         """The whole padded shard, which FSDP2's all-gather reads."""
         return _flat(sharding.local(param))
 
-    def weight(self, source: torch.Tensor, master: torch.Tensor) -> Weight:
-        return Weight(master, source, source)  # the shard's own storage, in its dtype
+    def device_tensors(
+        self,
+        sources: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        offsets: list[int],
+        numel: int,
+    ) -> tuple[None, list[torch.Tensor], list[torch.Tensor]]:
+        """No buffer: each shard's own storage, in its dtype, for forward and the step."""
+        return None, sources, sources
 
     def rest(self, param: Param, weight: Weight) -> None:
         """The master filled; S stays on the device, in use, until the first time it may

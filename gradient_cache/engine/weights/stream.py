@@ -343,12 +343,26 @@ class OwnTensors:
         """What a parameter's master copies: its data."""
         return param.detach()
 
-    def weight(self, source: torch.Tensor, master: torch.Tensor) -> Weight:
-        full = self._device_like(master, master.dtype)
-        compute = full
-        if self.compute_dtype is not None and master.is_floating_point():
-            compute = self._device_like(master, self.compute_dtype)
-        return Weight(master, compute, full)
+    def device_tensors(
+        self,
+        sources: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        offsets: list[int],
+        numel: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """One buffer for the unit in the compute dtype (floating weights), each compute
+        tensor a view of it at its master's offset (one allocation and one copy a unit);
+        each full tensor (the step's, a bucket at a time) of its own."""
+        dtype = masters[0].dtype
+        if self.compute_dtype is not None and dtype.is_floating_point:
+            dtype = self.compute_dtype
+        buffer = torch.empty(numel, dtype=dtype, device=self.backend.device)
+        computes = [
+            buffer.as_strided(m.shape, m.stride(), at)
+            for m, at in zip(masters, offsets, strict=True)
+        ]
+        self.backend.resize_storage(buffer, 0)
+        return buffer, computes, [self._device_like(m, m.dtype) for m in masters]
 
     def rest(self, param: Param, weight: Weight) -> None:
         param.data = weight.master

@@ -1,0 +1,93 @@
+"""Bytes per parameter of the weights on the host: over the link by phase, and in host RAM.
+
+    python -m perf.weights_bytes [--model small]
+
+For TinyGPT ``--model`` with ``offload_parameters=True`` and the optimizer state on the host
+(AdamW, lossless gradients), one micro-batch a step, with fp32 compute and with
+``compute_dtype=torch.bfloat16``, counts what the cache itself reports: the weights' bytes
+moved in forward, in backward and in the step (`HostWeights.moved_bytes` between phases,
+the step's from `summary().parameters_moved_mb`), and the host bytes of the weights'
+slabs (masters, and wires with bf16), the optimizer state's and the gradient store's (what
+the last step stored), each divided by the parameter count. Padding (each weight at an
+aligned place in its unit) is counted where it crosses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+
+import gradient_cache
+from gradient_cache.demo.models import GPT_SIZES, TinyGPT
+
+MIB = 2**20
+
+
+def measure(model_name: str, compute_dtype: torch.dtype | None) -> dict[str, float]:
+    torch.manual_seed(0)
+    config = GPT_SIZES[model_name]
+    model = TinyGPT(config)
+    count = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    manager = gradient_cache.create_gradient_cache(
+        model,
+        compression_ratio=1,
+        offload_optimizer_state=True,
+        offload_parameters=True,
+        compute_dtype=compute_dtype,
+    )
+    assert manager.engine is not None and manager.engine.weights is not None
+    weights = manager.engine.weights
+    tokens = torch.randint(config.vocab_size, (4, config.seq_len))
+    for _ in range(2):  # the second step: the state exists, its moves are steady
+        before = weights.moved_bytes
+        _, loss = model(tokens, tokens)
+        forward = weights.moved_bytes - before
+        loss.backward()
+        backward = weights.moved_bytes - before - forward
+        manager.step(optimizer, max_grad_norm=1.0)
+        optimizer.zero_grad()
+    summary = manager.summary()
+    step = summary.parameters_moved_mb * MIB - forward - backward
+    return {
+        "forward": forward / count,
+        "backward": backward / count,
+        "step": step / count,
+        "weights_host": summary.parameters_host_mb * MIB / count,
+        "state_host": summary.optimizer_state_host_mb * MIB / count,
+        "gradients_host": summary.stored_gradient_mb * MIB / count,
+        "params": count,
+    }
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        for line in info:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="small", choices=sorted(GPT_SIZES))
+    args = parser.parse_args()
+    print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}")
+    print(f"# torch {torch.__version__}, TinyGPT {args.model!r}, AdamW, lossless gradients")
+    print(
+        "compute   params  link B/param: forward  backward  step (both ways)"
+        "   host B/param: weights  optimizer state  gradients"
+    )
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        row = measure(args.model, dtype)
+        print(
+            f"{name:8s} {row['params']:8d}  {row['forward']:20.3f}  {row['backward']:8.3f}"
+            f"  {row['step']:15.3f}   {row['weights_host']:21.3f}  {row['state_host']:15.3f}"
+            f"  {row['gradients_host']:9.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
