@@ -272,6 +272,31 @@ def test_forward_and_backward_bring_a_unit_with_one_allocation_and_one_copy(
     assert len(step_pairs) == len(list(model.parameters()))
 
 
+def test_the_masters_fill_unit_by_unit_never_two_whole_copies(monkeypatch) -> None:
+    """A model on the host: each unit's masters are cut and filled, and its parameters rest
+    on them, before the next unit's are cut, so the cache never holds the old weights and
+    the masters whole at once (the host's peak: the model and one unit)."""
+    from gradient_cache.engine.state_slabs import StateSlabs
+
+    model = gpt()
+    units = weight_units(model)
+    every = sum(p.nbytes for p in model.parameters())
+    largest = max(unit_offsets(u)[1] * 4 for u in [units.rest, *units.block_params])
+    held: list[int] = []
+    take = StateSlabs.take
+
+    def counted(slabs, sizes):
+        regions = take(slabs, sizes)
+        old = sum(p.nbytes for p in model.parameters() if not slabs.holds(p.data))
+        held.append(slabs.reserved_bytes + old)  # the masters cut so far, the weights not moved
+        return regions
+
+    monkeypatch.setattr(StateSlabs, "take", counted)
+    gradient_cache.create_gradient_cache(model, **STREAMED)
+    assert len(held) == 1 + len(units.block_params)  # a take a unit
+    assert max(held) <= every + largest
+
+
 def test_an_eval_under_no_grad_matches_plain_and_leaves_nothing_on_the_device() -> None:
     plain, cached = gpt(), gpt()
     manager = gradient_cache.create_gradient_cache(cached, **STREAMED)

@@ -167,10 +167,10 @@ class HostWeights:
             round_up=backend.host_slabs_round_up,
             what=WHAT,
         )
-        self._slabs.expect(param for _, param in named_params)
         self._weights: dict[Param, Weight] = {}
         self._copies_back = False  # a copy into a master may be in flight
         sources = {param: placement.source(param) for _, param in named_params}
+        self._slabs.expect(sources.values())  # sizes the slabs (pinned on CUDA)
         # Every master (and wire) checked first, so that a refusal changes nothing; a
         # model on the host gives its own memory back weight by weight as its masters fill.
         wires = 0 if compute_dtype is None else compute_dtype.itemsize
