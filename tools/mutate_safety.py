@@ -1266,7 +1266,7 @@ MUTANTS = [
         "gradient_cache/engine/weights/__init__.py",
         "        _buffers_to(model, backend.device)\n",
         "",
-        "tests/emulated/test_larger_than_device.py::test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit",
+        "tests/emulated/test_larger_than_device.py::test_a_model_set_up_from_the_host_has_its_buffers_on_the_device",
     ),
     (
         "shards: FSDP2's private names checked at creation, the missing one named",
@@ -1377,7 +1377,7 @@ MUTANTS = [
         "weights: a failed step's buckets give their device weights up unchanged (the masters as before)",
         "gradient_cache/engine/weights/masters.py",
         "        for arrival in arrivals:\n            self.weights.forget(arrival)\n",
-        "        for arrival in arrivals:\n            self.weights.free(arrival)\n",
+        "        pass\n",
         "tests/test_parameters_offload.py::test_every_weight_copy_is_ordered_on_the_stand_in_streams",
     ),
     (
@@ -1400,13 +1400,6 @@ MUTANTS = [
         "        self.wait_on_host()\n        if steps != self._counted_step:\n",
         "        if steps != self._counted_step:\n",
         "tests/test_parameters_offload.py::test_the_steps_end_leaves_the_masters_complete_for_the_host",
-    ),
-    (
-        "weights: a bucket's weights come before its state moves (a failed bring leaves the state home)",
-        "gradient_cache/engine/fused_step.py",
-        "    travellers: list[Traveller]\n",
-        "    travellers: list[Traveller]\n\n    def __post_init__(self) -> None:\n        self.travellers.reverse()\n",
-        "tests/test_parameters_offload.py::test_a_failed_bring_in_the_step_leaves_weights_and_state_home",
     ),
     (
         "weights: a failed bring gives its device memory back",

@@ -52,8 +52,9 @@ class Traveller(Protocol):
 @dataclass
 class Journeys:
     """The travellers of one fused step, in order (the weights first: their copies back
-    start before a new state's host copies are allocated, which may raise, and the step is
-    not retried for a bucket whose payloads are spent), and each bucket's arrivals."""
+    start before a new state's host copies are allocated, which may raise; a stepped weight
+    left behind would go home dirty at its next free anyway), and each bucket's arrivals.
+    A traveller whose bring raises has the ones brought before it abandoned."""
 
     travellers: list[Traveller]
     arrivals: deque[list[Any]] = field(default_factory=deque)

@@ -98,6 +98,36 @@ def test_a_model_already_on_the_device_is_set_up_as_before(device: torch.device)
     assert all(p.device == device for p in net.parameters())
 
 
+class Scaled(torch.nn.Module):
+    """Three blocks and a buffer the head reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return (x * self.scale).square().mean()
+
+
+def test_a_model_set_up_from_the_host_has_its_buffers_on_the_device(device) -> None:
+    plain, cached = Scaled(), Scaled()
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS, device=device)
+    assert cached.scale.device == device and all(
+        p.device.type == "cpu" for p in cached.parameters()
+    )
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    plain(x).backward()
+    cached(x.to(device)).backward()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    manager.step(torch.optim.SGD(cached.parameters(), lr=0.1))
+    for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_set_up_from_the_host_refuses_what_it_cannot_do(device: torch.device) -> None:
     with pytest.raises(ValueError, match="acts only with offload_parameters=True"):
         gradient_cache.create_gradient_cache(model(), compression_ratio=1, device=device)
