@@ -663,19 +663,42 @@ def weights_on_host_sgd_checkpointed() -> dict[bool, dict[str, Any]]:
     return results
 
 
-def weights_on_host_mixed_precision() -> float:
+def weights_on_host_mixed_precision() -> dict[str, float]:
     """FSDP2's MixedPrecisionPolicy (bf16 all-gathers from the fp32 shards) with the
-    shards on the host: bit for bit with plain FSDP2 under the same policy."""
+    shards on the host: bit for bit with plain FSDP2 under the same policy, each shard
+    filled from its master's bf16 cast (widened on the device: FSDP2's cast of it gives the
+    same bits) for forward and backward, so they move half the bytes fp32's do."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
-    def model() -> nn.Module:
-        return sharded(plain_net(depth=4), mp_policy=policy)
+    def model(mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
+        net = plain_net(depth=4)
+        return sharded(net, mp_policy=mp_policy) if mp_policy else sharded(net)
 
-    plain = train(model())
-    cached_model = model()
+    plain = train(model(policy))
+    cached_model = model(policy)
     with offloaded(cached_model) as cache:
         cached = train(cached_model, cache=cache, fused=True)
-    return max_difference(plain["weights"], cached["weights"])
+        moved = cache.summary().parameters_moved_mb
+        # A load writes the shards on the device, which must hold the masters then, not
+        # their casts: halved at rest, the saved weights loaded back are the trained ones.
+        saved = {k: v.detach().clone() for k, v in cached_model.state_dict().items()}
+        with torch.no_grad():
+            for param in cached_model.parameters():
+                param.mul_(0.5)
+        cached_model.load_state_dict(saved)
+        loaded = full_weights(cached_model)
+    closed = full_weights(cached_model)  # the close fills the shards from the masters
+    fp32_model = model(None)
+    with offloaded(fp32_model) as cache:
+        train(fp32_model, cache=cache, fused=True)
+        moved_fp32 = cache.summary().parameters_moved_mb
+    return {
+        "difference": max_difference(plain["weights"], cached["weights"]),
+        "loaded": max_difference(cached["weights"], loaded),
+        "closed": max_difference(cached["weights"], closed),
+        "moved": moved,
+        "moved fp32": moved_fp32,
+    }
 
 
 def weights_on_host_one_rank_mesh() -> float:

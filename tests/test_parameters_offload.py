@@ -241,9 +241,9 @@ def test_forward_and_backward_bring_a_unit_with_one_allocation_and_one_copy(
     allocations: list[int] = []
     start_refill, resize_storage = backend.start_refill, backend.resize_storage
 
-    def counted_refill(pairs):
+    def counted_refill(pairs, **options):
         refills.append(list(pairs))
-        return start_refill(pairs)
+        return start_refill(pairs, **options)
 
     def counted_resize(tensor, nbytes):
         if nbytes:

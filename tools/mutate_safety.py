@@ -1572,8 +1572,8 @@ MUTANTS = [
     (
         "shards: a load into a submodule brings that module's shards first",
         "gradient_cache/engine/weights/hooks.py",
-        "        self.weights.ensure(own.values())\n",
-        "        pass\n",
+        "            self.weights.ensure(own.values(), step=True)\n",
+        "            pass\n",
         "tests/test_distributed.py::test_shards_on_the_host_beside_the_loop",
     ),
     (
@@ -1614,8 +1614,8 @@ MUTANTS = [
     (
         "shards: the shards stay on the device until their first all-gather is done",
         "gradient_cache/engine/weights/shard_stream.py",
-        "        weight.at, weight.in_use = WeightAt.DEVICE, weight.full\n",
-        "        self.backend.resize_storage(weight.full, 0)\n        self._show(param, weight)\n",
+        "        weight.at, weight.in_use, weight.exact = WeightAt.DEVICE, weight.full, True\n",
+        "        fsdp_privates.set_local(param, at_rest)\n        weight.full.untyped_storage().resize_(0)\n",
         "tests/test_distributed.py::test_shards_on_the_host_with_fsdp2_options_and_the_decorator",
     ),
     (
@@ -1736,6 +1736,34 @@ MUTANTS = [
         "                    grad = sharding.as_grad_of(param, grad).to(param.device)\n",
         "                    grad = sharding.as_grad_of(param, grad)\n",
         "tests/emulated/test_larger_than_device.py::test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit",
+    ),
+    (
+        "shards: a shard filled from its wire is filled from its master for the step",
+        "gradient_cache/engine/weights/masters.py",
+        "            other = weight.in_use is not wanted or (step and not weight.exact)\n",
+        "            other = weight.in_use is not wanted\n",
+        "tests/test_distributed.py::test_shards_on_the_host_under_mixed_precision_bring_the_bf16_casts",
+    ),
+    (
+        "shards: the close fills the shards from their masters, not their casts",
+        "gradient_cache/engine/weights/shard_stream.py",
+        "            weights.ensure(weights.params(), step=True)  # the masters, not their casts\n",
+        "            weights.ensure(weights.params())\n",
+        "tests/test_distributed.py::test_shards_on_the_host_under_mixed_precision_bring_the_bf16_casts",
+    ),
+    (
+        "shards: a load writes shards filled from their masters (copied home after)",
+        "gradient_cache/engine/weights/hooks.py",
+        "            self.weights.ensure(own.values(), step=True)\n",
+        "            self.weights.ensure(own.values())\n",
+        "tests/test_distributed.py::test_shards_on_the_host_under_mixed_precision_bring_the_bf16_casts",
+    ),
+    (
+        "shards: under a MixedPrecisionPolicy the shards come from their wires",
+        "gradient_cache/engine/weights/shard_stream.py",
+        "        return self._cast_to.get(param)\n",
+        "        return None\n",
+        "tests/test_distributed.py::test_shards_on_the_host_under_mixed_precision_bring_the_bf16_casts",
     ),
 ]
 

@@ -288,7 +288,12 @@ class AcceleratorBackend(Backend):
         # accesses must be ordered before (`HostWeights.free`, `store`).
         self._resize_storage(tensor, nbytes)
 
-    def start_refill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
+    def start_refill(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> Transfer:
         compute = self.streams.current_stream(self.device)
         # Guarantees the copies write the device blocks (allocated on the compute stream)
         # only after the compute-stream work queued so far, which may have used them
@@ -298,10 +303,12 @@ class AcceleratorBackend(Backend):
         with self.restore_stream:
             for out, host in pairs:
                 out.copy_(host, non_blocking=self.pool.is_pinned(host))
+            for out, copied in casts:  # after their copies, in this stream's order
+                out.copy_(copied)
         done = self.streams.new_event(self.device)
         done.record(self.restore_stream)
         self._unwaited_state["to the device"] = done
-        return Transfer([out for out, _ in pairs], done)
+        return Transfer([out for out, _ in pairs] + [out for out, _ in casts], done)
 
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         # Guarantees the step, queued next on the current stream, reads and updates the

@@ -165,14 +165,22 @@ class Backend(ABC):
         stream; the storage object, which autograd's saved views share, stays."""
         tensor.untyped_storage().resize_(nbytes)
 
-    def start_refill(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
+    def start_refill(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> Transfer:
         """Start copying each (device, host) pair's host tensor into its device one, whose
         memory the caller allocated on the current stream (a unit's buffer or a weight's
-        storage, refilled: `weights.masters`). The device tensors live as long as the
-        `Transfer`."""
+        storage, refilled: `weights.masters`); then each (device, copied) cast's copied
+        tensor into its device one (another dtype: a shard widened from its wire). The
+        device tensors live as long as the `Transfer`."""
         for device, host in pairs:
             device.copy_(host)
-        return Transfer([device for device, _ in pairs])
+        for device, copied in casts:
+            device.copy_(copied)
+        return Transfer([device for device, _ in pairs] + [device for device, _ in casts])
 
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         """The device tensors, safe for work queued from now on to read and write."""

@@ -91,6 +91,7 @@ FSDP_PRIVATES = {
     ),
     "FSDPParamGroup": ("fsdp_params", "comm_ctx", "_post_forward_indices", "is_unsharded"),
     "FSDPParam": ("sharded_param", "_sharded_param_data"),
+    "FSDPParam, after lazy init": ("param_dtype",),
     "FSDPCommContext": ("post_forward_order", "all_gather_copy_in_stream"),  # from lazy init
     "DTensor": ("_local_tensor",),
 }
@@ -122,6 +123,8 @@ def check_fsdp_privates(module: Any, *, initialized: bool = False) -> None:
         for fsdp_param in group.fsdp_params:
             require("FSDPParam", fsdp_param)
             require("DTensor", fsdp_param.sharded_param)
+            if initialized:
+                require("FSDPParam, after lazy init", fsdp_param)
         if initialized:
             require("FSDPCommContext", group.comm_ctx)
     if initialized:
@@ -186,6 +189,17 @@ def flat_shards(modules: list[ShardedModule]) -> dict[Param, Callable[[], torch.
     ``_sharded_param_data``, which its all-gather reads and it may replace)."""
     return {
         fsdp_param.sharded_param: functools.partial(getattr, fsdp_param, "_sharded_param_data")
+        for sharded in modules
+        for group in sharded.groups
+        for fsdp_param in group.fsdp_params
+    }
+
+
+def param_dtypes(modules: list[ShardedModule]) -> dict[Param, torch.dtype | None]:
+    """The dtype each sharded parameter's all-gather casts its shard to (its
+    ``MixedPrecisionPolicy``'s ``param_dtype``), or None where it does not cast."""
+    return {
+        fsdp_param.sharded_param: fsdp_param.param_dtype
         for sharded in modules
         for group in sharded.groups
         for fsdp_param in group.fsdp_params

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import EngineConfig
-from ..fsdp_privates import ShardedModule, flat_shards, initialize_roots, sharded_modules
+from ..fsdp_privates import (
+    ShardedModule,
+    flat_shards,
+    initialize_roots,
+    param_dtypes,
+    sharded_modules,
+)
 from .blocks import WeightUnits, weight_units
 from .masters import HostWeights, StepJourney
 from .shard_stream import FsdpShards, ShardStream
@@ -129,7 +135,7 @@ def attach(
             together = [units.rest, *units.block_params]
         else:
             initialize_roots(units)
-            placement = FsdpShards(flat_shards(units))
+            placement = FsdpShards(flat_shards(units), param_dtypes(units))
             together = [[param] for _, param in named]
         masters = HostWeights(
             named,

@@ -156,8 +156,8 @@ class OwnerHooks:
     def _load_begins(self, own: dict[str, Param], *args: Any) -> None:
         """A load writes ``own``: into the masters at rest, or (FSDP2) into the shards on
         the device, filled from their masters first."""
-        if self.weights.placement.loads_on_device:
-            self.weights.ensure(own.values())
+        if self.weights.placement.loads_on_device:  # the masters themselves, not casts
+            self.weights.ensure(own.values(), step=True)
         else:
             self._home(own)
 

@@ -92,6 +92,7 @@ class Weight:
     at: WeightAt = WeightAt.HOST
     in_use: torch.Tensor | None = None  # ``compute`` or ``full``, while not HOST
     arrival: Transfer | None = None
+    exact: bool = False  # its device tensor in use holds the master itself, not a cast
     dirty: bool = False  # stepped on the device, its copy back not started
     version: int = 0  # P's version counter when its device tensor became P.data
 
@@ -126,6 +127,10 @@ class Placement(Protocol):
         (elements) in a flat region of ``numel``: its device buffer (None: each compute
         tensor has memory of its own), each one's compute tensor and full one (the
         step's), their memory given up."""
+
+    def wire_dtype(self, param: Param) -> torch.dtype | None:
+        """The dtype forward and backward read ``param`` in, where it is not the master's:
+        its master's cast to it (its wire) crosses the link instead of the master."""
 
     def rest(self, param: Param, weight: Weight) -> None:
         """``param`` at rest once its master is filled."""
@@ -202,8 +207,9 @@ class HostWeights:
         )
         wires: list[torch.Tensor | None] = [None] * len(params)
         host = region
-        if buffer is not None and buffer.dtype != dtype:  # the compute dtype's wires
-            host = self._slabs.take([numel * buffer.dtype.itemsize])[0].view(buffer.dtype)
+        wire = self.placement.wire_dtype(params[0])
+        if wire is not None and wire != dtype:  # the masters' casts, which forward reads
+            host = self._slabs.take([numel * wire.itemsize])[0].view(wire)
             wires = [_view(host, m, at) for m, at in zip(masters, offsets, strict=True)]
         unit = None if buffer is None else Unit(buffer, host, list(params))
         for i, param in enumerate(params):
@@ -259,14 +265,15 @@ class HostWeights:
         held = self._held(params)
         for param, weight in held:
             wanted = weight.full if step else weight.compute
-            if weight.at is not WeightAt.HOST and weight.in_use is not wanted:
+            other = weight.in_use is not wanted or (step and not weight.exact)
+            if weight.at is not WeightAt.HOST and other:
                 self.free([param])  # in use the other way (never between the step's phases)
         chosen = [(p, w) for p, w in held if w.at is WeightAt.HOST]
         if not chosen:
             return
         units = {} if step else {id(w.unit): w.unit for _, w in chosen if w.unit is not None}
         empty = [unit for unit in units.values() if unit.arrival is None]
-        pairs, own = [], []  # (device, host); the device tensors with memory of their own
+        pairs, own, casts = [], [], []  # (device, host); memory of their own; (to, from)
         for unit in empty:
             for member in unit.members:
                 self._loaded(member, self._weights[member])
@@ -274,14 +281,20 @@ class HostWeights:
         for param, weight in chosen:
             if step or weight.unit is None:
                 own.append(weight.full if step else weight.compute)
-                pairs.append((own[-1], weight.master))
+                host = weight.master if step else self._loaded(param, weight)
+                if host.dtype == own[-1].dtype:
+                    pairs.append((own[-1], host))
+                else:  # a wire to a staging tensor, widened into the device tensor there
+                    staging = torch.empty_like(own[-1], dtype=host.dtype)
+                    pairs.append((staging, host))
+                    casts.append((own[-1], staging))
             elif weight.unit.arrival is not None and weight.sent != _versions(param, weight):
                 # Its unit on the device already, and it was written since (a load).
                 pairs.append((weight.compute, self._loaded(param, weight)))
         try:
             for device in [unit.buffer for unit in empty] + own:
                 self.backend.resize_storage(device, nbytes(device))  # on the compute stream
-            transfer = self.backend.start_refill(pairs)
+            transfer = self.backend.start_refill(pairs, casts=casts)
         except BaseException:
             for device in [unit.buffer for unit in empty] + own:  # nothing started
                 self.backend.resize_storage(device, 0)
@@ -292,6 +305,8 @@ class HostWeights:
         for _, weight in chosen:
             arrival = transfer if step or weight.unit is None else weight.unit.arrival
             weight.in_use = weight.full if step else weight.compute
+            same = weight.in_use.dtype == weight.master.dtype
+            weight.exact = step or (weight.wire is None and same)
             weight.at, weight.arrival = WeightAt.ARRIVING, arrival
 
     def _loaded(self, param: Param, weight: Weight) -> torch.Tensor:
@@ -546,6 +561,6 @@ def _versions(param: Param, weight: Weight) -> tuple[int, int]:
 
 
 def _exact(weight: Weight) -> bool:
-    """Whether ``weight``'s device tensor in use holds its master's dtype (a write there
-    can be copied back exactly)."""
-    return weight.in_use is not None and weight.in_use.dtype == weight.master.dtype
+    """Whether ``weight``'s device tensor in use holds its master itself (not a cast: a
+    write there can be copied back exactly)."""
+    return weight.in_use is not None and weight.exact

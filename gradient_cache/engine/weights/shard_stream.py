@@ -261,8 +261,13 @@ class FsdpShards:
 
     loads_on_device = True  # FSDP2 checks the loaded shards in its own load hook
 
-    def __init__(self, flat_shards: Mapping[Param, Callable[[], torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        flat_shards: Mapping[Param, Callable[[], torch.Tensor]],
+        cast_to: Mapping[Param, torch.dtype | None],
+    ) -> None:
         self._flat_shards = flat_shards
+        self._cast_to = cast_to  # the dtype FSDP2's all-gather casts each shard to
         # Each parameter's local tensor: its view of S (FSDP2's) and of the master (at rest).
         self._locals: dict[Param, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -291,13 +296,19 @@ class FsdpShards:
         """No buffer: each shard's own storage, in its dtype, for forward and the step."""
         return None, sources, sources
 
+    def wire_dtype(self, param: Param) -> torch.dtype | None:
+        """Under a ``MixedPrecisionPolicy`` its ``param_dtype``: FSDP2's all-gather casts
+        the shard to it, so a shard filled from the master's cast (widened on the device)
+        all-gathers the same bits, and forward and backward move half the bytes."""
+        return self._cast_to.get(param)
+
     def rest(self, param: Param, weight: Weight) -> None:
         """The master filled; S stays on the device, in use, until the first time it may
         go (FSDP2's pre-hook of a forward running now may already be under way)."""
         on_device = fsdp_privates.local_object(param)  # FSDP2's narrow view of S
         at_rest = weight.master[: on_device.numel()].view(on_device.shape)
         self._locals[param] = (on_device, at_rest)
-        weight.at, weight.in_use = WeightAt.DEVICE, weight.full
+        weight.at, weight.in_use, weight.exact = WeightAt.DEVICE, weight.full, True
         weight.version = param._version  # a write from now on is a write to copy back
 
     def show(self, param: Param, weight: Weight) -> None:
@@ -317,7 +328,7 @@ class FsdpShards:
         brought, where the device has no room: unlike a parameter on one process, a shard
         left on the host would be read freed by FSDP2's next all-gather."""
         try:
-            weights.ensure(weights.params())
+            weights.ensure(weights.params(), step=True)  # the masters, not their casts
         except torch.OutOfMemoryError as error:
             size = sum(master.nbytes for master in weights.masters()) / 2**20
             raise RuntimeError(

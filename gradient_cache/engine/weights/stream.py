@@ -364,6 +364,10 @@ class OwnTensors:
         self.backend.resize_storage(buffer, 0)
         return buffer, computes, [self._device_like(m, m.dtype) for m in masters]
 
+    def wire_dtype(self, param: Param) -> torch.dtype | None:
+        """The compute dtype, for a floating weight: its unit's buffer's."""
+        return self.compute_dtype if param.is_floating_point() else None
+
     def rest(self, param: Param, weight: Weight) -> None:
         param.data = weight.master
 
