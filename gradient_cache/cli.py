@@ -37,6 +37,7 @@ from .planner import (
     WeightLayout,
     budget_decision,
     format_plan,
+    layout_optimizers,
     model_of_factory,
     optimizer_state_bytes,
     plan,
@@ -261,8 +262,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
             "cache with apply_gradients() and with the fused step(), the cache's host memory "
             "(stored gradients, error-feedback residual, the CUDA pinned pool) and PCIe bytes "
             "per step; with --tokens, the step's compute against the restore's copy time; "
-            "with --offload-parameters, a column with the weights on the host too and their "
-            "link per phase. "
+            "with --offload-parameters, a column with the weights on the host too, their "
+            "link per phase, and the host's bytes a parameter in each layout (fp32 or bf16 "
+            "compute, AdamW or 8-bit AdamW) with the largest model --host-gib holds. "
             "Activations are left out. Nothing is trained and no cache is created."
         ),
     )
@@ -282,6 +284,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     )
     plan.add_argument("--param-bytes", type=int, choices=(2, 4), default=4)
     plan.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4)
+    plan.add_argument(
+        "--compute-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="with --offload-parameters: the weights' compute dtype (compute_dtype); bf16 "
+        "brings each weight's bf16 wire in forward and backward, 2 bytes an entry (default "
+        "fp32: the master as it is)",
+    )
     plan.add_argument(
         "--optimizer",
         default="adamw",
@@ -338,7 +348,26 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         "a step, its time floor and the tokens a micro-batch at which it hides behind the "
         "compute; then the link per phase (forward, backward, the optimizer step) and "
         "direction: bytes, with --tokens the link's and the compute's times, the tokens a "
-        "micro-batch from which each phase hides its copies, and the phase that binds",
+        "micro-batch from which each phase hides its copies, and the phase that binds; "
+        "then the host's bytes a parameter (masters, bf16 wires, gradient store, optimizer "
+        "state) for fp32 and bf16 compute with AdamW and 8-bit AdamW (and --optimizer's), "
+        "this model's host GiB and the largest model --host-gib holds",
+    )
+    plan.add_argument(
+        "--host-gib",
+        type=_host_gib,
+        default=None,
+        help="with --offload-parameters: the host's RAM, GiB, for the largest model each "
+        "layout holds, host_memory_fraction of it allowed (default: what this machine has "
+        "available now)",
+    )
+    plan.add_argument(
+        "--host-memory-fraction",
+        type=_host_memory_fraction,
+        default=None,
+        help="with --offload-parameters: host_memory_fraction, the share of the host's RAM "
+        "the cache may take, in (0, 1] (default: the library's, "
+        f"{EngineConfig().host_memory_fraction:g})",
     )
     plan.add_argument(
         "--parameter-blocks",
@@ -378,7 +407,12 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             f"argument --optimizer: {args.optimizer!r} is not one of "
             f"{', '.join(OPTIMIZER_STATE_BYTES)} or a number of bytes >= 0"
         )
+    _check_host_options(parser, args)
     tensors, weights = _plan_model(parser, args)
+    host_bytes = None if args.host_gib is None else int(args.host_gib * 2**30)
+    fraction = {}
+    if args.host_memory_fraction is not None:
+        fraction = {"host_memory_fraction": args.host_memory_fraction}
     inputs = PlanInputs(
         tensors=tensors,
         param_bytes=args.param_bytes,
@@ -387,10 +421,13 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         optimizer_tensor_bytes=state_tensor_bytes,
         micro_batches=args.micro_batches,
         compression_ratio=args.ratio,
-        config=EngineConfig(codec=args.codec, bucket_size_mb=args.bucket_size_mb),
+        config=EngineConfig(codec=args.codec, bucket_size_mb=args.bucket_size_mb, **fraction),
         tokens_per_step=args.tokens,
         flops=args.tflops * 1e12,
         weights=weights,
+        weight_copy_bytes=2 if args.compute_dtype == "bf16" else None,
+        layout_optimizers=layout_optimizers(args.optimizer),
+        host_bytes=host_bytes,
         **_link(args),
     )
     result = plan(inputs)
@@ -466,6 +503,19 @@ def _check_block_options(parser: argparse.ArgumentParser, args: argparse.Namespa
         )
 
 
+def _check_host_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--host-gib and --host-memory-fraction: only with the table they size."""
+    for option, value in (
+        ("--host-gib", args.host_gib),
+        ("--host-memory-fraction", args.host_memory_fraction),
+    ):
+        if value is not None and not args.offload_parameters:
+            parser.error(
+                f"argument {option}: {value:g} sizes the host layouts table, printed with "
+                "the weights on the host: add --offload-parameters, or leave it out"
+            )
+
+
 def _link(args: argparse.Namespace) -> dict[str, Any]:
     """The plan's ``link_gbps`` and ``link_source``, from the options."""
     if args.link_gbps is not None:
@@ -490,13 +540,38 @@ def _link(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _positive_float(text: str) -> float:
+def _number(text: str) -> float:
+    """``text`` as a float, NaN where it is not a number (each check refuses NaN)."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = math.nan
+        return math.nan
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0")
+    return value
+
+
+def _host_gib(text: str) -> float:
+    value = _number(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a finite number of GiB > 0: give the host's RAM, e.g. 1024, "
+            "or leave it out for what this machine has available now"
+        )
+    return value
+
+
+def _host_memory_fraction(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:  # NaN too
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a share of the host's RAM in (0, 1]: give e.g. 0.9, or leave "
+            f"it out for the library's {EngineConfig().host_memory_fraction:g}"
+        )
     return value
 
 

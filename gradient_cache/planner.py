@@ -12,7 +12,9 @@ come to the device one ahead of the one running, and the rest (embeddings, final
 head, tied weights), on the device from forward to the end of backward. `hiding_tokens`
 derives the tokens per micro-batch at which the link's bytes take no longer than the
 compute, pooled over the step; `phase_links` cuts the same bytes by phase (forward,
-backward, the optimizer step) and direction, each phase against its own compute.
+backward, the optimizer step) and direction, each phase against its own compute;
+`host_layouts` gives the host's bytes a parameter for each layout the library supports (fp32
+or bf16 compute, AdamW or 8-bit AdamW) and the largest model a host's RAM holds in each.
 """
 
 from __future__ import annotations
@@ -22,17 +24,19 @@ import itertools
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .engine.budget import BudgetDecision, Candidate, MemoryBudget, decide
 from .engine.config import EngineConfig
+from .engine.hostmem import available_host_bytes
 from .engine.pool import reserved_bytes
 from .engine.route import Codecs, Route, plan_routes
 from .engine.units import MIB
 from .engine.weights.blocks import weight_units
+from .engine.weights.masters import UNIT_ALIGN
 
 #: 8-bit Adam (bitsandbytes' and torchao's AdamW8bit, Adam8bit): two moments of one uint8
 #: code an entry, each with an fp32 scale per block of 256 entries.
@@ -53,6 +57,23 @@ OPTIMIZER_STATE_BYTES = {
     "adam8bit": (EIGHT_BIT_ADAM_BYTES, EIGHT_BIT_ADAM_TENSOR_BYTES),
     "adamw8bit": (EIGHT_BIT_ADAM_BYTES, EIGHT_BIT_ADAM_TENSOR_BYTES),
 }
+#: 8-bit Adam quantizes tensors of at least this many entries; smaller ones (biases, norms)
+#: keep two fp32 moments, 8 bytes an entry, and no code tables.
+EIGHT_BIT_MIN_ENTRIES = 4096
+EIGHT_BIT_OPTIMIZERS = ("adam8bit", "adamw8bit")
+#: The optimizers of the host layouts table (`host_layouts`), each with fp32 and bf16 compute.
+LAYOUT_OPTIMIZERS = ("adamw", "adamw8bit")
+#: Bytes an entry of a weight's wire: with ``compute_dtype=torch.bfloat16`` each floating
+#: weight keeps, beside its fp32 master, the master cast to bf16 on the host, which forward
+#: and backward bring to the device (`engine.weights.masters`).
+WIRE_BYTES = 2
+#: The components of a host layout, in the table's order.
+MASTERS, WIRES, GRADIENT_STORE, HOST_STATE = (
+    "masters",
+    "bf16 wires",
+    "gradient store",
+    "optimizer state",
+)
 #: Time-floor defaults: an H200 at 40% of its 989 TFLOP/s dense bf16, PCIe 5 x16 at the
 #: ~50 GB/s a copy achieves per direction.
 DEFAULT_FLOPS = 0.4 * 989e12
@@ -134,9 +155,16 @@ class PlanInputs:
     #: With ``offload_parameters``: the weights' blocks and rest (adds the last column).
     weights: WeightLayout | None = None
     #: Bytes an entry of the weights' copies in forward and backward; None: ``param_bytes``
-    #: (the engine copies the fp32 master as it is, with ``compute_dtype`` too, which casts
-    #: on the device; 2 is a what-if: bf16 copies kept on the host).
+    #: (the engine copies the master as it is); 2: a bf16 ``compute_dtype``, whose wires
+    #: (the masters' casts, kept on the host) cross (``plan --compute-dtype bf16``).
     weight_copy_bytes: int | None = None
+    #: With ``weights``: the host RAM, bytes, the layouts table's largest models are for
+    #: (``config.host_memory_fraction`` of it allowed, as the engine allows); None: what
+    #: this machine has available now (`engine.hostmem.available_host_bytes`).
+    host_bytes: int | None = None
+    #: The optimizers of the layouts table's rows: names of `OPTIMIZER_STATE_BYTES` or
+    #: numbers of bytes a parameter.
+    layout_optimizers: tuple[str, ...] = LAYOUT_OPTIMIZERS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +183,8 @@ class Plan:
     state_step_seconds: float
     #: With ``PlanInputs.weights``: the last column's figures.
     weights: WeightsOnHost | None = None
+    #: With ``PlanInputs.weights``: the host's bytes in each layout (`host_layouts`).
+    layouts: tuple[HostLayout, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +202,35 @@ class WeightsOnHost:
     step_seconds: float  # the step's copies to the device (gradients, state, weights)
     hiding_tokens: float  # tokens a micro-batch at which the compute takes as long
     phases: tuple[PhaseLink, ...]  # the same link bytes by phase: forward, backward, step
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostLayout:
+    """The host's bytes with the weights there (``offload_parameters=True``, the state
+    there too) for one compute dtype and optimizer: each component's bytes a parameter,
+    and this model's bytes with what the planner counts per tensor on top."""
+
+    compute: str  # "fp32 compute", or "bf16 compute_dtype" (the weights' bf16 wires)
+    optimizer: str  # a name of `OPTIMIZER_STATE_BYTES`, or bytes a parameter
+    per_parameter: dict[str, float]  # component -> bytes a parameter, `MASTERS` ... order
+    model_bytes: int  # this model's: per parameter, alignment and per-tensor bytes
+    numel: int  # this model's parameters
+
+    @property
+    def name(self) -> str:
+        return f"{self.compute}, {self.optimizer}"
+
+    def bytes_per_parameter(self) -> float:
+        return sum(self.per_parameter.values())
+
+    def overhead_bytes(self) -> float:
+        """This model's bytes beyond its parameters' (alignment, per-tensor bytes)."""
+        return self.model_bytes - self.bytes_per_parameter() * self.numel
+
+    def largest_model(self, allowed_bytes: int) -> int:
+        """Parameters of the largest model shaped like this one (the same overheads a
+        parameter) whose host bytes fit in ``allowed_bytes``."""
+        return allowed_bytes * self.numel // self.model_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,7 +302,7 @@ def plan(inputs: PlanInputs) -> Plan:
         for way in WAYS
     }
     payload, residual = _host_figures(tensors, inputs)
-    pool = _pool_bytes(tensors, inputs)
+    slots, pool = _pool_figures(tensors, inputs)
     host = {
         "stored gradients": payload,
         "error-feedback residual": residual,
@@ -264,7 +323,9 @@ def plan(inputs: PlanInputs) -> Plan:
     if inputs.tokens_per_step is not None:
         compute_seconds = 6 * numel * inputs.tokens_per_step / inputs.flops
     weights = None
+    layouts: tuple[HostLayout, ...] = ()
     if inputs.weights is not None:
+        layouts = host_layouts(inputs, store_bytes=(slots, pool))
         weights = weights_on_host(
             inputs, bucket=bucket, gradients=pcie, payload=payload, per_encode=per_encode
         )
@@ -282,7 +343,94 @@ def plan(inputs: PlanInputs) -> Plan:
         state_bytes_per_step=per_param_state,
         state_step_seconds=(payload + per_param_state) / (inputs.link_gbps * 1e9),
         weights=weights,
+        layouts=layouts,
     )
+
+
+def host_layouts(inputs: PlanInputs, *, store_bytes: tuple[int, int]) -> tuple[HostLayout, ...]:
+    """The host's bytes with the weights there, a layout for each of
+    ``inputs.layout_optimizers`` with the weights' dtype in compute, then each with a bf16
+    ``compute_dtype`` (none where the weights are 2-byte already). ``store_bytes``: the
+    gradient store's (CUDA pinned pool's) slots and what its slabs reserve, `_pool_figures`.
+
+    A parameter: its master (``param_bytes``), its bf16 wire (2), its gradient's slot, its
+    state (`OPTIMIZER_STATE_BYTES`). This model adds its tensors' alignment (a unit's
+    masters and wires each start on `UNIT_ALIGN` entries; the pool's slots on 64 bytes, in
+    power-of-two slabs) and the state's per-tensor bytes; 8-bit Adam's tensors under
+    `EIGHT_BIT_MIN_ENTRIES` keep fp32 moments."""
+    tensors, numel = inputs.tensors, sum(inputs.tensors)
+    slots, pool = store_bytes
+    padded = sum(-(-size // UNIT_ALIGN) * UNIT_ALIGN for size in tensors)
+    names = {2: "bf16", 4: "fp32", 8: "fp64"}
+    computes = {f"{names.get(inputs.param_bytes, inputs.param_bytes)} compute": 0}
+    if inputs.param_bytes > WIRE_BYTES:
+        computes["bf16 compute_dtype"] = WIRE_BYTES
+    layouts = []
+    for compute, wire in computes.items():
+        for optimizer in inputs.layout_optimizers:
+            per_param, state_bytes = host_state_bytes(tensors, optimizer)
+            per_parameter = {
+                MASTERS: float(inputs.param_bytes),
+                WIRES: float(wire),
+                GRADIENT_STORE: slots / numel,
+                HOST_STATE: per_param,
+            }
+            weights = padded * (inputs.param_bytes + wire)
+            layouts.append(
+                HostLayout(
+                    compute=compute,
+                    optimizer=_optimizer_label(optimizer),
+                    per_parameter=per_parameter,
+                    model_bytes=weights + pool + state_bytes,
+                    numel=numel,
+                )
+            )
+    return tuple(layouts)
+
+
+def layout_optimizers(optimizer: str) -> tuple[str, ...]:
+    """The layouts table's optimizers: `LAYOUT_OPTIMIZERS`, and ``optimizer`` (a name of
+    `OPTIMIZER_STATE_BYTES` or bytes a parameter) where its state's bytes differ from
+    theirs. Raises ValueError for an optimizer it does not know."""
+    known = {optimizer_state_bytes(name) for name in LAYOUT_OPTIMIZERS}
+    if optimizer_state_bytes(optimizer) in known:
+        return LAYOUT_OPTIMIZERS
+    return (*LAYOUT_OPTIMIZERS, optimizer)
+
+
+def _optimizer_label(optimizer: str) -> str:
+    """A name of `OPTIMIZER_STATE_BYTES` as it is, a number as its bytes a parameter."""
+    name = optimizer.lower()
+    return name if name in OPTIMIZER_STATE_BYTES else f"{float(optimizer):g} B/param state"
+
+
+def host_state_bytes(tensors: list[int], optimizer: str) -> tuple[float, int]:
+    """(bytes a parameter, ``tensors``' bytes) of ``optimizer``'s state (a name of
+    `OPTIMIZER_STATE_BYTES` or bytes a parameter) on the host: per parameter and per
+    tensor as the table gives them, 8-bit Adam's tensors under `EIGHT_BIT_MIN_ENTRIES`
+    entries at 8 bytes an entry (fp32 moments, no code tables). Raises ValueError for
+    an optimizer it does not know."""
+    per_param, per_tensor = optimizer_state_bytes(optimizer)
+    small = EIGHT_BIT_MIN_ENTRIES if optimizer.lower() in EIGHT_BIT_OPTIMIZERS else 0
+    total = 0
+    for size in tensors:
+        if size < small:
+            total += 8 * size
+        else:
+            total += int(size * per_param) + per_tensor
+    return per_param, total
+
+
+def host_allowance(inputs: PlanInputs) -> tuple[int, int, str]:
+    """(host RAM, the bytes the layouts may take, where the RAM's figure came from): the
+    RAM is ``inputs.host_bytes`` or what this machine has available now, and the engine
+    allows ``config.host_memory_fraction`` of it."""
+    if inputs.host_bytes is not None:
+        ram, source = inputs.host_bytes, "given with --host-gib"
+    else:
+        ram = available_host_bytes()
+        source = "available on this machine now: psutil's, capped by its cgroups; --host-gib"
+    return ram, int(ram * inputs.config.host_memory_fraction), source
 
 
 def weights_on_host(
@@ -456,11 +604,13 @@ def _host_figures(tensors: list[int], inputs: PlanInputs) -> tuple[int, int]:
     return sum(r.payload_bytes for r in routes), sum(r.residual_bytes for r in routes)
 
 
-def _pool_bytes(tensors: list[int], inputs: PlanInputs) -> int:
-    """The CUDA backend's pinned pool at the start: one slot per parameter, packed into
-    power-of-two slabs (what the pinned allocator reserves)."""
+def _pool_figures(tensors: list[int], inputs: PlanInputs) -> tuple[int, int]:
+    """The CUDA backend's pinned pool at the start: (its slots' bytes, what it reserves).
+    One slot per parameter (its largest payload's regions, its host residual), packed
+    into power-of-two slabs (what the pinned allocator reserves)."""
     routes = _routes(tensors, inputs, steps=0)
-    return reserved_bytes({index: route.slot for index, route in enumerate(routes)})
+    layout = {index: route.slot for index, route in enumerate(routes)}
+    return sum(sum(slot.parts()) for slot in layout.values()), reserved_bytes(layout)
 
 
 def budget_decision(
@@ -579,6 +729,10 @@ def format_plan(result: Plan, inputs: PlanInputs) -> str:
         lines += _weights_notes(result, result.weights, inputs.weights, inputs)
         lines += ["", *_phase_table(result.weights.phases, inputs), ""]
         lines += _phase_notes(result, result.weights, inputs)
+    if result.layouts:
+        ram, allowed, source = host_allowance(inputs)
+        lines += ["", *_layouts_table(result.layouts, allowed), ""]
+        lines += _layouts_notes(result.layouts, inputs, ram=ram, allowed=allowed, source=source)
     return "\n".join(lines)
 
 
@@ -695,7 +849,8 @@ def _phase_notes(result: Plan, weights: WeightsOnHost, inputs: PlanInputs) -> li
         f"{inputs.weight_copy_bytes} bytes an entry (weight_copy_bytes)"
         if inputs.weight_copy_bytes
         else f"{inputs.param_bytes} bytes an entry: the engine copies the master (fp32 unless "
-        "--param-bytes 2) as it is, with a bf16 compute_dtype too (it casts on the device)"
+        "--param-bytes 2) as it is (a bf16 compute_dtype brings its wires: --compute-dtype "
+        "bf16)"
     )
     binding = binding_phase(weights.phases)
     tokens = binding.tokens_to_hide()
@@ -730,6 +885,61 @@ def _phase_notes(result: Plan, weights: WeightsOnHost, inputs: PlanInputs) -> li
         f"step of {step_compute * 1e3:.2f} ms of compute plus that floor."
     )
     return lines
+
+
+def _layouts_table(layouts: Sequence[HostLayout], allowed: int) -> list[str]:
+    """Each layout's bytes a parameter, this model's host GiB and the largest model that
+    ``allowed`` bytes hold."""
+    components = list(layouts[0].per_parameter)
+    largest = f"largest model in {allowed / 2**30:,.1f} GiB"
+    columns = [*components, "all", "this model, GiB", largest]
+    lines = [
+        "| host, offload_parameters=True: bytes a parameter | " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for layout in layouts:
+        cells = [f"{value:.2f}" for value in layout.per_parameter.values()]
+        cells += [
+            f"**{layout.bytes_per_parameter():.2f}**",
+            f"{layout.model_bytes / 2**30:,.1f}",
+            f"{layout.largest_model(allowed):,}",
+        ]
+        lines.append(f"| {layout.name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _layouts_notes(
+    layouts: Sequence[HostLayout], inputs: PlanInputs, *, ram: int, allowed: int, source: str
+) -> list[str]:
+    """What the layouts table counts a parameter and a tensor, and what its largest
+    models are."""
+    fraction = inputs.config.host_memory_fraction
+    first = layouts[0]
+    return [
+        "Host layouts, offload_parameters=True with the state on the host: the first five "
+        "figures are bytes a parameter: each weight's master (the weights' dtype; fp32: "
+        "4), with compute_dtype=torch.bfloat16 its bf16 wire beside it (2: the master cast "
+        "on the host, what forward and backward bring to the device), the gradient store (the "
+        "CUDA pinned pool's slots for this plan's codec and ratio; lossless fp32: 4), the "
+        "optimizer state (adamw: two fp32 moments, 8; adamw8bit: two uint8 codes with an "
+        f"fp32 scale per 256 entries, {EIGHT_BIT_ADAM_BYTES:.2f}).",
+        f"This model ({sum(inputs.tensors):,} parameters in {len(inputs.tensors)} tensors) "
+        "adds what the planner counts per tensor: the masters' and wires' alignment "
+        f"({UNIT_ALIGN} entries), the pool's (64 bytes) and its power-of-two slabs, the "
+        "state's per-tensor bytes (Adam's step, 4; 8-bit Adam's code tables, 2 KiB) and "
+        f"8-bit Adam's fp32 moments for tensors under {EIGHT_BIT_MIN_ENTRIES} entries: "
+        f"{first.overhead_bytes() / MIB:,.1f} MiB for {first.name}. Not counted: the ends of "
+        "the slabs the masters, wires and state are cut from (a region, such as a block's "
+        "masters, is never split across slabs: one a little over a power of two leaves "
+        "its slab's end to smaller ones), the process itself and the data.",
+        f"Largest model: one shaped like this one (the same overheads a parameter) whose "
+        f"host bytes fit host_memory_fraction {fraction:g} of {ram / 2**30:,.1f} GiB "
+        f"({source}), {allowed / 2**30:,.1f} GiB: floor(that / (this model's host bytes / "
+        "its parameters)). The engine checks each host allocation (the pool, the masters and "
+        "wires, the state's slabs as they grow) against host_memory_fraction of what is "
+        "free at the time, so a model within this passes every check; "
+        "--host-memory-fraction 1 gives the RAM's ceiling.",
+    ]
 
 
 def peak_bytes(result: Plan, way: str, moment: str) -> int:

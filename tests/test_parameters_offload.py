@@ -111,6 +111,44 @@ def test_training_with_the_weights_on_the_host_is_plain_pytorch_bit_for_bit(
     assert summary.parameters_host_mb * 2**20 >= sum(p.nbytes for p in cached.parameters())
 
 
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_unit_over_a_run_comes_in_runs_into_one_buffer(monkeypatch, compute_dtype) -> None:
+    """A unit larger than a host run (pinned slabs are powers of two: one region of several
+    GiB would waste up to half) lies in several runs, each one copy into the unit's one
+    buffer; training is unchanged, bit for bit with the same unit in one run."""
+    from gradient_cache.engine.weights import masters
+
+    options = {**STREAMED, "compute_dtype": compute_dtype, "bucket_size_mb": 0.02}
+    data = batches(2)
+    whole = gpt()
+    train(
+        whole,
+        adamw_two_groups(whole),
+        data,
+        manager=gradient_cache.create_gradient_cache(whole, **options),
+    )
+    monkeypatch.setattr(masters, "RUN_BYTES", 8192)
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **options)
+    pairs: list[int] = []
+    start_refill = manager.engine.backend.start_refill
+
+    def counted(refill_pairs, **kwargs):
+        pairs.append(len(refill_pairs))
+        return start_refill(refill_pairs, **kwargs)
+
+    manager.engine.backend.start_refill = counted
+    tokens, targets = data[0]
+    model(tokens, targets)[1].backward()
+    units = weight_units(model)
+    assert sum(pairs) > len(units.block_params) * 2  # more copies than units: the runs
+    manager.engine.backend.start_refill = start_refill
+    optimizer = adamw_two_groups(model)
+    step(model, optimizer, manager)
+    train(model, optimizer, data[1:], manager=manager)
+    assert_same_parameters(whole, model)
+
+
 @pytest.mark.parametrize("variant", ["checkpointing", "compile-model", "compile-blocks"])
 def test_checkpointing_and_compile_keep_working_bit_for_bit(variant: str) -> None:
     """A checkpointed block's forward reruns in backward: it brings its weights and frees

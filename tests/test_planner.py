@@ -23,16 +23,20 @@ from gradient_cache.engine.factory import build_accelerator_backend
 from gradient_cache.engine.route import planner
 from gradient_cache.engine.weights.blocks import weight_units
 from gradient_cache.planner import (
+    EIGHT_BIT_ADAM_BYTES,
+    EIGHT_BIT_ADAM_TENSOR_BYTES,
     GRADIENTS_AT_STEP,
     GRADIENTS_IN_BACKWARD,
     PARAMETERS_AT_STEP,
     STATE_ON_HOST,
     WAYS,
     WEIGHTS_ON_HOST,
+    HostLayout,
     PlanInputs,
     WeightLayout,
     WeightsOnHost,
     binding_phase,
+    host_allowance,
     peak_bytes,
     plan,
     tensors_of_count,
@@ -164,6 +168,19 @@ def test_plan_command_prints_the_tables(capsys: pytest.CaptureFixture[str]) -> N
     assert "error-feedback residual" in out and "Compute of the step" in out
 
 
+def test_plan_with_a_bf16_compute_dtype_counts_the_wires(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--compute-dtype bf16: forward and backward bring 2 bytes an entry (the wires)."""
+    args = ["plan", "--params", "7000000000", "--blocks", "32", "--offload-parameters"]
+    assert cli.main([*args, "--host-gib", "512"]) == 0
+    fp32 = capsys.readouterr().out
+    assert cli.main([*args, "--host-gib", "512", "--compute-dtype", "bf16"]) == 0
+    bf16 = capsys.readouterr().out
+    assert "the weights at 4 bytes an entry" in fp32
+    assert "the weights at 2 bytes an entry (weight_copy_bytes)" in bf16
+
+
 def test_plan_help_documents_every_input(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["plan", "--help"])
@@ -185,6 +202,9 @@ def test_plan_help_documents_every_input(capsys: pytest.CaptureFixture[str]) -> 
         "--offload-parameters",
         "--parameter-blocks",
         "--blocks",
+        "--host-gib",
+        "--host-memory-fraction",
+        "--compute-dtype",
         "meta",
     ):
         assert option in help_text, option
@@ -212,6 +232,15 @@ def test_plan_help_documents_every_input(capsys: pytest.CaptureFixture[str]) -> 
         (
             [*MEDIUM, "--offload-parameters", "--parameter-blocks", "transformer.h"],
             "argument --parameter-blocks: parameter_blocks='transformer.h' names no module",
+        ),
+        (
+            ["--params", "10", "--offload-parameters", "--host-gib", "-1"],
+            "argument --host-gib: '-1' is not a finite number of GiB > 0: give the host's RAM",
+        ),
+        (["--params", "10", "--host-gib", "64"], "add --offload-parameters"),
+        (
+            ["--params", "10", "--offload-parameters", "--host-memory-fraction", "0"],
+            "argument --host-memory-fraction: '0' is not a share of the host's RAM in (0, 1]",
         ),
     ],
 )
@@ -521,3 +550,143 @@ def test_plan_command_prints_the_link_per_phase(capsys: pytest.CaptureFixture[st
     assert "| link per phase | MiB | hides from, tokens a micro-batch |" in out
     assert "| backward, device to host, a micro-batch | 3814.7 | 8,000 |" in out
     assert "Binding: forward" in out and "At 1,024" not in out
+
+
+LAYOUT_ROWS = (
+    "fp32 compute, adamw",
+    "fp32 compute, adamw8bit",
+    "bf16 compute_dtype, adamw",
+    "bf16 compute_dtype, adamw8bit",
+)
+
+
+def layouts_of(tensors: list[int], **options: object) -> dict[str, HostLayout]:
+    """The planner's host layouts for ``tensors`` in two equal blocks (the cut does not
+    change the host's bytes), by row name; ``options`` more of `PlanInputs`."""
+    layout = WeightLayout(blocks=(sum(tensors) // 2,) * 2, rest=0, source="test")
+    result = plan(PlanInputs(tensors=tensors, weights=layout, **options))  # type: ignore[arg-type]
+    return {row.name: row for row in result.layouts}
+
+
+def test_the_host_layouts_are_the_hand_computed_bytes_a_parameter() -> None:
+    """Ten tensors of 2**20 entries (multiples of the masters' 16 entries and 8-bit Adam's
+    256-entry blocks), lossless fp32: a master 4 bytes, a bf16 wire 2, a gradient's slot 4,
+    AdamW 8 and 8-bit AdamW 2 x (1 + 4 / 256); this model adds the pool's slabs and the
+    state's per-tensor bytes (AdamW's step, 8-bit AdamW's step and code tables)."""
+    tensors = [2**20] * 10
+    numel = sum(tensors)
+    rows = layouts_of(tensors)
+    assert list(rows) == list(LAYOUT_ROWS)
+    eight_bit = 2 * (1 + 4 / 256)
+    assert eight_bit == EIGHT_BIT_ADAM_BYTES
+    expected = {
+        LAYOUT_ROWS[0]: ([4, 0, 4, 8], 16),
+        LAYOUT_ROWS[1]: ([4, 0, 4, eight_bit], 10 + 1 / 32),
+        LAYOUT_ROWS[2]: ([4, 2, 4, 8], 18),
+        LAYOUT_ROWS[3]: ([4, 2, 4, eight_bit], 12 + 1 / 32),
+    }
+    pool = plan(PlanInputs(tensors=tensors)).host["pinned pool (CUDA)"]
+    assert pool == 4 * numel  # 40 MiB of 4 MiB slots: slabs of 32 and 8 MiB, nothing spare
+    for name, (components, total) in expected.items():
+        row = rows[name]
+        assert list(row.per_parameter.values()) == components
+        assert row.bytes_per_parameter() == total
+        weights = (4 + row.per_parameter["bf16 wires"]) * numel
+        per_tensor = 4 if row.optimizer == "adamw" else EIGHT_BIT_ADAM_TENSOR_BYTES
+        state = row.per_parameter["optimizer state"] * numel + per_tensor * len(tensors)
+        assert row.model_bytes == weights + pool + state
+        assert row.overhead_bytes() == per_tensor * len(tensors)
+
+
+def test_the_host_layouts_count_alignment_and_small_tensors() -> None:
+    """A tensor of 100 entries: its master and wire take 112 (16-entry alignment); 8-bit
+    AdamW keeps its moments in fp32 (8 bytes an entry, no code tables: under 4096
+    entries), AdamW counts its 8 bytes an entry and its step; the pool is the planner's
+    (`test_pinned_pool_is_the_cuda_backends_pool`: the engine's)."""
+    tensors = [100, 2**20]
+    rows = layouts_of(tensors)
+    pool = plan(PlanInputs(tensors=tensors)).host["pinned pool (CUDA)"]
+    masters = (112 + 2**20) * 4
+    adamw = (100 + 2**20) * 8 + 2 * 4
+    eight_bit = 100 * 8 + int(2**20 * EIGHT_BIT_ADAM_BYTES) + EIGHT_BIT_ADAM_TENSOR_BYTES
+    assert rows[LAYOUT_ROWS[0]].model_bytes == masters + pool + adamw
+    assert rows[LAYOUT_ROWS[1]].model_bytes == masters + pool + eight_bit
+    assert rows[LAYOUT_ROWS[2]].model_bytes == masters * 6 // 4 + pool + adamw
+    assert rows[LAYOUT_ROWS[3]].model_bytes == masters * 6 // 4 + pool + eight_bit
+
+
+def test_the_largest_model_is_the_allowed_bytes_over_the_bytes_a_parameter() -> None:
+    """host_memory_fraction (0.5 by default) of the host's RAM is allowed: the largest model
+    is floor(allowed / bytes a parameter), the modelled overheads taken in the same
+    proportion (a model shaped like this one): it fits and one parameter more does not,
+    below the figure without the overheads by their share."""
+    tensors = [2**20] * 10
+    ram = 1024 * 2**30
+    for fraction in (0.5, 1.0):
+        inputs = PlanInputs(
+            tensors=tensors,
+            weights=WeightLayout(blocks=(2**19,) * 20, rest=0, source="test"),
+            host_bytes=ram,
+            config=EngineConfig(host_memory_fraction=fraction),
+        )
+        assert host_allowance(inputs)[:2] == (ram, int(ram * fraction))
+        allowed = int(ram * fraction)
+        for row in plan(inputs).layouts:
+            largest = row.largest_model(allowed)
+            per_parameter = row.bytes_per_parameter()
+            share = row.overhead_bytes() / row.model_bytes
+            assert allowed / per_parameter * (1 - share) - 1 <= largest <= allowed / per_parameter
+            assert largest * row.model_bytes <= allowed * sum(tensors)  # it fits
+            assert (largest + 1) * row.model_bytes > allowed * sum(tensors)  # one more does not
+    # fp32 AdamW in 512 GiB: 2**39 / 16 = 2**35 parameters, less the steps' 40 bytes' share.
+    rows = layouts_of(tensors, host_bytes=ram)
+    assert rows[LAYOUT_ROWS[0]].largest_model(2**39) == 2**39 * 10 * 2**20 // (160 * 2**20 + 40)
+    assert 2**35 - rows[LAYOUT_ROWS[0]].largest_model(2**39) == 8192
+
+
+def test_plan_command_prints_the_host_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only with --offload-parameters: a row a layout with its bytes a parameter, this
+    model's GiB and the largest model in host_memory_fraction of --host-gib; a row for
+    --optimizer where its state differs from AdamW's and 8-bit AdamW's."""
+    base = ["plan", "--params", "10485760", "--largest", "1048576"]
+    assert cli.main([*base, "--host-gib", "1", "--offload-parameters", "--blocks", "8"]) == 0
+    out = capsys.readouterr().out
+    header = (
+        "| host, offload_parameters=True: bytes a parameter | masters | bf16 wires | gradient "
+        "store | optimizer state | all | this model, GiB | largest model in 0.5 GiB |"
+    )
+    assert header in out
+    # 2**29 bytes over (16 x 10 x 2**20 + 40) / (10 x 2**20) bytes a parameter: 2**25 less
+    # 40 bytes' share, 8.
+    assert (
+        "| fp32 compute, adamw | 4.00 | 0.00 | 4.00 | 8.00 | **16.00** | 0.2 | 33,554,424 |" in out
+    )
+    assert "| bf16 compute_dtype, adamw | 4.00 | 2.00 | 4.00 | 8.00 | **18.00** |" in out
+    assert "| fp32 compute, adamw8bit | 4.00 | 0.00 | 4.00 | 2.03 | **10.03** |" in out
+    assert "| bf16 compute_dtype, adamw8bit | 4.00 | 2.00 | 4.00 | 2.03 | **12.03** |" in out
+    assert "first five figures are bytes a parameter" in out
+    assert "host_memory_fraction 0.5 of 1.0 GiB (given with --host-gib), 0.5 GiB" in out
+    options = ["--offload-parameters", "--optimizer", "sgd-momentum", "--host-memory-fraction", "1"]
+    assert cli.main([*base, *options]) == 0
+    out = capsys.readouterr().out
+    assert "| fp32 compute, sgd-momentum | 4.00 | 0.00 | 4.00 | 4.00 | **12.00** |" in out
+    assert "host_memory_fraction 1 of" in out and "available on this machine now" in out
+    assert cli.main(base) == 0
+    assert "bytes a parameter |" not in capsys.readouterr().out
+
+
+def test_the_gradient_store_is_the_codecs_slots() -> None:
+    """The gradient store a parameter is its slot in the CUDA pinned pool for the plan's
+    codec: int8's payload (an int8 code an entry, an fp32 scale per 64 entries); top-k's
+    payload and its int8 error-feedback residual, twice (the slot keeps a spare for a
+    pending step's new residual)."""
+    tensors = [2**20] * 4
+    int8 = layouts_of(tensors, config=EngineConfig(codec="int8"))[LAYOUT_ROWS[0]]
+    assert int8.per_parameter["gradient store"] == 1 + 4 / 64
+    config = EngineConfig(codec=TopK(selection="exact"))
+    host = plan(PlanInputs(tensors=tensors, compression_ratio=100, config=config)).host
+    topk = layouts_of(tensors, compression_ratio=100, config=config)[LAYOUT_ROWS[0]]
+    store = host["stored gradients"] + 2 * host["error-feedback residual"]
+    assert topk.per_parameter["gradient store"] == store / sum(tensors)
+    # The residual: an int8 an entry, an fp32 scale per 64.
+    assert host["error-feedback residual"] == sum(tensors) * (1 + 4 / 64)

@@ -124,11 +124,12 @@ class EngineConfig:
             blocks are the children of ``parameter_blocks``. Needs
             ``offload_optimizer_state=True`` and the fused step; not with
             ``exclude_layers``, ``memory_budget`` or FSDP2. Each forward and backward moves
-            the weights to the device (4 bytes per parameter each), and the step moves them
-            both ways. Default False.
+            the weights to the device (4 bytes per parameter each; 2 with a bf16
+            ``compute_dtype``), and the step moves the masters both ways. Default False.
         compute_dtype: With ``offload_parameters``: the dtype forward and backward compute
-            in (``torch.bfloat16``): the blocks bring the fp32 masters and cast them on
-            the device (4 bytes a parameter over the link), the floating inputs of the model
+            in (``torch.bfloat16``): the blocks bring each weight's wire, its fp32 master
+            cast on the host (2 bytes a parameter over the link, 2 more on the host, cast
+            again where the master changed), the floating inputs of the model
             and of each block are cast to it, the gradients are accumulated
             and stepped in fp32, and the step steps the fp32 masters on the device: FSDP2's
             ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)``

@@ -6,14 +6,17 @@ before any is allocated) and, at rest, ``P.data`` *is* that master: ``model.para
 ``model.state_dict()`` and ``load_state_dict`` read and write the masters, on the host.
 
 While ``P`` is in use (its block's forward and backward, its bucket's optimizer step) it
-holds a device tensor ``D`` of its own, the same one every time: ``D``'s memory is
-allocated and filled from the master (`bring`, `ensure`), then given up
-(``untyped_storage().resize_(0)``, `free`) when the use ends, and the storage object stays.
-Tensors autograd saved in forward (``P`` itself, or a view of it such as ``P.t()``) share
-that storage, so backward reads them again once it is refilled. A refill writes ``D``,
-not ``P``: the version counter the saved tensors check (``P``'s, shared by its views) does
-not change. Forward and backward only read the weights: a use ends without a copy back;
-the step's use ends with one (`store`).
+holds a device tensor ``D``, the same one every time: for forward and backward a view of
+its unit's buffer (`Unit`: the rest, a block, laid out as its masters on the host, one
+allocation filled by one copy a run), for the step one of its own (``full``). ``D``'s
+memory is allocated and filled (`bring`, `ensure`), then given up
+(``untyped_storage().resize_(0)``, `free`; a unit's when its last weight in use goes) when
+the use ends, and the storage object stays. Tensors autograd saved in forward (``P``
+itself, or a view of it such as ``P.t()``) share that storage, so backward reads them again
+once it is refilled. A refill writes ``D``, not ``P``: the version counter the saved
+tensors check (``P``'s, shared by its views) does not change. Forward and backward only
+read the weights: a use ends without a copy back, unless ``P`` was written (its version
+counter moved: dirty); the step's use ends with one (`store`).
 
 Streams (CUDA): ``D``'s memory is allocated on the compute stream and filled on the
 restore stream, which first waits for the compute stream (`Backend.start_refill`); the
@@ -32,12 +35,13 @@ ends with the host waiting for the copies back (`step_ended`): at rest the param
 the masters, which a user may read or write at any time (a log, an EMA), so they must be
 complete then.
 
-With a compute dtype (``compute_dtype=torch.bfloat16``) forward and backward use a device
-tensor in that dtype: the fp32 master is copied into a device staging tensor and cast
-into it on the restore stream (``copy_``: the same bits as FSDP2's cast of its fp32
-shards), the staging tensor going once the compute stream has waited for the cast. The
-step uses a device tensor in the master's dtype. So nothing but the master holds a weight
-at rest, and whatever the host writes into a master is what the next use reads.
+With a compute dtype (``compute_dtype=torch.bfloat16``, or under FSDP2 a
+``MixedPrecisionPolicy``'s ``param_dtype``) each weight also has a *wire* on the host: its
+master cast to that dtype by the host (round to nearest even, the device's bits), laid out
+as the unit. Forward and backward bring the wires, half the bytes; the step brings the
+masters. A wire is cast again where its parameter's (a write at rest: a load, an EMA) or
+its master's (a copy back) version counter moved since (`_fresh_wire`), so whatever the
+host writes into a master is what the next use reads.
 """
 
 from __future__ import annotations
@@ -70,12 +74,13 @@ class WeightAt(enum.Enum):
 @dataclass(eq=False)
 class Unit:
     """Weights that come to the device together (a block, the rest): one device allocation
-    (``buffer``) filled by one copy from one host region (``host``: their masters', or with
-    a compute dtype their wires'), each member's compute tensor a view of the buffer. The
-    buffer's memory goes when no member is in use any more."""
+    (``buffer``) filled by one copy from each host run (``hosts``: their masters', or with a
+    compute dtype their wires'; one run unless the unit is over `RUN_BYTES`), each member's
+    compute tensor a view of the buffer. The buffer's memory goes when no member is in use
+    any more."""
 
     buffer: torch.Tensor  # flat, on the device: memory only while a member is in use
-    host: torch.Tensor  # flat, on the host: what one copy fills the buffer from
+    hosts: list[tuple[int, torch.Tensor]]  # (offset, flat host run) the buffer is filled from
     members: list[Param]
     arrival: Transfer | None = None  # the copy that filled the buffer, while it has memory
 
@@ -195,23 +200,23 @@ class HostWeights:
         self._counted_step = -1  # the step moved_last_step counts
 
     def _lay_out(self, params: list[Param], sources: dict[Param, torch.Tensor]) -> None:
-        """One unit's masters (and wires) in one host region each, its device tensors;
-        each master filled and its parameter at rest there, one after another: a model on
-        the host gives each parameter's memory back as it goes (never two whole copies)."""
+        """One unit's masters (and wires) in host regions laid out as its device buffer,
+        its device tensors; each master filled and its parameter at rest there, one after
+        another: a model on the host gives each parameter's memory back as it goes (never
+        two whole copies)."""
         offsets, numel = unit_offsets([sources[p] for p in params])
         dtype = sources[params[0]].dtype
-        region = self._slabs.take([numel * dtype.itemsize])[0].view(dtype)
-        masters = [_view(region, sources[p], at) for p, at in zip(params, offsets, strict=True)]
+        masters = self._regions(params, sources, offsets, numel, dtype)
         buffer, computes, fulls = self.placement.device_tensors(
             [sources[p] for p in params], masters, offsets, numel
         )
         wires: list[torch.Tensor | None] = [None] * len(params)
-        host = region
+        hosts = _flat_runs(masters, offsets, numel)
         wire = self.placement.wire_dtype(params[0])
         if wire is not None and wire != dtype:  # the masters' casts, which forward reads
-            host = self._slabs.take([numel * wire.itemsize])[0].view(wire)
-            wires = [_view(host, m, at) for m, at in zip(masters, offsets, strict=True)]
-        unit = None if buffer is None else Unit(buffer, host, list(params))
+            casts = self._regions(params, sources, offsets, numel, wire)
+            wires, hosts = list(casts), _flat_runs(casts, offsets, numel)
+        unit = None if buffer is None else Unit(buffer, hosts, list(params))
         for i, param in enumerate(params):
             weight = Weight(masters[i], computes[i], fulls[i], unit, wires[i])
             weight.master.copy_(sources[param])
@@ -220,6 +225,24 @@ class HostWeights:
             self._weights[param] = weight
             self.placement.rest(param, weight)
             weight.wired = _versions(param, weight)
+
+    def _regions(
+        self,
+        params: list[Param],
+        sources: dict[Param, torch.Tensor],
+        offsets: list[int],
+        numel: int,
+        dtype: torch.dtype,
+    ) -> list[torch.Tensor]:
+        """A host tensor in ``dtype`` like each of ``params``' sources, at its offset in
+        runs of at most `RUN_BYTES` (a larger weight alone): pinned slabs are powers of two,
+        so a unit of several GiB in one would waste up to half of it."""
+        views = []
+        for run in _runs(offsets, numel, dtype.itemsize):
+            start, end = offsets[run[0]], _end(offsets, numel, run[-1])
+            region = self._slabs.take([(end - start) * dtype.itemsize])[0].view(dtype)
+            views += [_view(region, sources[params[i]], offsets[i] - start) for i in run]
+        return views
 
     @property
     def host_bytes(self) -> int:
@@ -277,7 +300,6 @@ class HostWeights:
         for unit in empty:
             for member in unit.members:
                 self._loaded(member, self._weights[member])
-            pairs.append((unit.buffer, unit.host))
         for param, weight in chosen:
             if step or weight.unit is None:
                 own.append(weight.full if step else weight.compute)
@@ -294,6 +316,11 @@ class HostWeights:
         try:
             for device in [unit.buffer for unit in empty] + own:
                 self.backend.resize_storage(device, nbytes(device))  # on the compute stream
+            pairs[:0] = [  # one copy a run (a unit under RUN_BYTES: one)
+                (unit.buffer.narrow(0, start, host.numel()), host)
+                for unit in empty
+                for start, host in unit.hosts
+            ]
             transfer = self.backend.start_refill(pairs, casts=casts)
         except BaseException:
             for device in [unit.buffer for unit in empty] + own:  # nothing started
@@ -539,6 +566,40 @@ def unit_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
         offsets.append(end)
         end += -(-tensor.numel() // UNIT_ALIGN) * UNIT_ALIGN
     return offsets, end
+
+
+RUN_BYTES = 2**30  # the largest host run of a unit: `state_slabs.MAX_SLAB`'s slabs
+
+
+def _runs(offsets: list[int], numel: int, itemsize: int) -> list[list[int]]:
+    """The indices of a unit's weights in runs of consecutive ones of at most `RUN_BYTES`
+    (a larger weight alone)."""
+    runs: list[list[int]] = []
+    start = 0
+    for i in range(len(offsets)):
+        if not runs or (_end(offsets, numel, i) - start) * itemsize > RUN_BYTES:
+            runs.append([])
+            start = offsets[i]
+        runs[-1].append(i)
+    return runs
+
+
+def _end(offsets: list[int], numel: int, i: int) -> int:
+    """Where weight ``i``'s place in its unit ends (the next one's offset)."""
+    return offsets[i + 1] if i + 1 < len(offsets) else numel
+
+
+def _flat_runs(
+    views: list[torch.Tensor], offsets: list[int], numel: int
+) -> list[tuple[int, torch.Tensor]]:
+    """Each host run's (offset in the unit, flat tensor over it), from the weights' views."""
+    runs = []
+    for run in _runs(offsets, numel, views[0].element_size()):
+        start, end = offsets[run[0]], _end(offsets, numel, run[-1])
+        first = views[run[0]]
+        flat = first.as_strided((end - start,), (1,), first.storage_offset())
+        runs.append((start, flat))
+    return runs
 
 
 def _view(region: torch.Tensor, like: torch.Tensor, at: int) -> torch.Tensor:
