@@ -1765,6 +1765,20 @@ MUTANTS = [
         "        return None\n",
         "tests/test_distributed.py::test_shards_on_the_host_under_mixed_precision_bring_the_bf16_casts",
     ),
+    (
+        "lightning: with device= the strategy does not move the whole model to the device",
+        "gradient_cache/integrations/lightning.py",
+        "        strategy.model_to_device = _leave_on_host  # type: ignore[method-assign]\n",
+        "",
+        "tests/test_integrations_device.py",
+    ),
+    (
+        "transformers: with device= accelerate's prepare does not move the whole model",
+        "gradient_cache/integrations/transformers.py",
+        "        accelerator.device_placement = False\n",
+        "        pass\n",
+        "tests/test_integrations_device.py",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -19,6 +19,7 @@ clipping read the gradients.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,9 +33,13 @@ from .routing import StepRouting
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy, Strategy
 except ImportError as error:
     raise missing_extra(__name__, "lightning", "lightning", error) from error
+
+
+def _leave_on_host() -> None:
+    """A strategy's ``model_to_device`` while the callback sets the model up from the host."""
 
 
 class GradientCacheCallback(pl.Callback):
@@ -67,6 +72,14 @@ class GradientCacheCallback(pl.Callback):
     as ``gradient_cache/<field>``; ``last_summary`` holds the whole
     ``get_compression_summary()`` of the latest step, and stays after ``fit`` returns.
 
+    A model on the host (``device=`` with ``offload_parameters=True``, as for
+    `gradient_cache.create_gradient_cache`): the strategy does not move the LightningModule
+    to its device in this fit; the cache sets it up from the host in ``on_fit_start``, its
+    weights on the device a window at a time, while Lightning puts the batches on the
+    device as usual. ``device`` must be the trainer's (its strategy's ``root_device``; a
+    device without an index takes the trainer's), on one device (``SingleDeviceStrategy``);
+    anything else is refused in ``setup``.
+
     Checkpoints: the cache's state (``GradientCacheHookManager.state_dict()``) is saved
     in Lightning's checkpoints and loaded on ``trainer.fit(..., ckpt_path=...)``, so a
     resumed run continues as the uninterrupted one would.
@@ -90,6 +103,10 @@ class GradientCacheCallback(pl.Callback):
             verbose=verbose,
             options=options,
         )
+        # This fit's options: ``device=`` resolved to the trainer's device (see setup).
+        self._fit_options = self._options
+        # The strategy kept from moving the model to its device in this fit (``device=``).
+        self._strategy_on_hold: Strategy | None = None
         self._manager: GradientCacheHookManager | None = None
         self.last_summary: dict[str, Any] | None = None
         # A checkpoint's cache state: Lightning restores callbacks before on_fit_start,
@@ -126,6 +143,44 @@ class GradientCacheCallback(pl.Callback):
                 "strategy=ModelParallelStrategy(tensor_parallel_size=1) and fully_shard the "
                 "model in configure_model, train on one device, or remove the callback."
             )
+        self._fit_options = self._options
+        if self._options.config.device is not None:
+            device = torch.device(self._options.config.device)
+            self._fit_options = self._hold_on_host(strategy, device)
+
+    def _hold_on_host(self, strategy: Strategy, device: torch.device) -> CacheOptions:
+        """``device=``: this fit's options on the trainer's own device, after keeping the
+        strategy from moving the whole model there (raises naming what cannot)."""
+        if not isinstance(strategy, SingleDeviceStrategy):
+            raise ValueError(
+                f"GradientCacheCallback(device={str(device)!r}) sets the model up from the host "
+                f"on one device, and strategy {type(strategy).__name__} places it itself: "
+                "fully_shard puts each rank's shards on its device in configure_model, from "
+                "which offload_parameters=True takes them to the host. Drop device (build the "
+                "model in configure_model), or train on one device."
+            )
+        root = strategy.root_device
+        if root.type != device.type or device.index not in (None, root.index):
+            flags = f"accelerator={device.type!r}"
+            if device.index is not None:
+                flags += f", devices=[{device.index}]"
+            raise ValueError(
+                f"GradientCacheCallback(device={str(device)!r}) sets the model up on {device}, "
+                f"and this trainer runs on {root} (its strategy's root_device, where Lightning "
+                f"puts the batches). Give the Trainer that device ({flags}) or pass "
+                f"device={str(root)!r}."
+            )
+        # SingleDeviceStrategy.setup, after this hook and before on_fit_start, moves the
+        # whole LightningModule to root_device (model_to_device): the model the cache is for
+        # may not fit there. For this fit it does nothing (an instance attribute, removed in
+        # _release); on_fit_start's cache then sets the model up from the host (buffers to
+        # the device, weights a window at a time). Lightning still puts each batch on
+        # root_device, and LightningModule.device already answers root_device (Lightning
+        # sets it before the setup hooks).
+        strategy.model_to_device = _leave_on_host  # type: ignore[method-assign]
+        self._strategy_on_hold = strategy
+        config = dataclasses.replace(self._options.config, device=root)
+        return dataclasses.replace(self._options, config=config)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Not in setup: configure_model and the move to the device come after it.
@@ -140,7 +195,7 @@ class GradientCacheCallback(pl.Callback):
                 "the step would need the whole optimizer state on the device. Use "
                 "precision='bf16-mixed' or '32-true', or drop offload_optimizer_state."
             )
-        self._manager = self._options.create_manager(pl_module, grad_scaler=scaler)
+        self._manager = self._fit_options.create_manager(pl_module, grad_scaler=scaler)
         self._logged_steps = -1
         manager = self._manager
         self._routing = StepRouting(lambda: [manager], fused=fused).__enter__()
@@ -196,12 +251,21 @@ class GradientCacheCallback(pl.Callback):
             self._manager.load_state_dict(state)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._detach()
+        self._release()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._detach()  # Lightning skips teardown hooks when fit raises
+        self._release()  # Lightning skips teardown hooks when fit raises
+
+    def _release(self) -> None:
+        """Detach, and let the strategy move the model again (``device=``)."""
+        strategy, self._strategy_on_hold = self._strategy_on_hold, None
+        try:
+            self._detach()
+        finally:
+            if strategy is not None:
+                vars(strategy).pop("model_to_device", None)
 
     def _detach(self) -> None:
         """Put back anything still cached and remove the hooks from the model."""

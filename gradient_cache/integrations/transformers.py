@@ -14,6 +14,12 @@ logs the figures through ``Trainer.log``, so every reporter the trainer has (Ten
 W&B, ...) receives them, and they are in ``trainer.state.log_history``; it also saves the
 cache's state in every checkpoint folder (``gradient_cache.pt``) and loads it when
 training resumes from one. transformers is imported only by this module.
+
+A model on the host, set up on the device by the cache (``device=`` with
+``offload_parameters=True``): the ``Trainer`` must be built with the model left on the host
+(``place_model_on_device`` False: its ``__init__`` moves the whole model otherwise), and
+`train` keeps accelerate's ``prepare`` from moving it when training starts; the ``Trainer``
+still puts each batch on ``TrainingArguments.device``.
 """
 
 from __future__ import annotations
@@ -62,6 +68,17 @@ def train(
     cache's ``state_dict()`` as ``gradient_cache.pt``; with ``resume_from_checkpoint``
     (a folder, or True for the last one in ``output_dir``) it is loaded before the first
     step, so error-feedback residuals carry over. Returns what ``trainer.train`` returns.
+
+    ``device`` (with ``offload_parameters=True``): the model, on the host, is set up on the
+    trainer's device (``TrainingArguments.device``; a device without an index takes its
+    index) from the host, its weights never whole on the device. Build the ``Trainer`` with
+    arguments whose ``place_model_on_device`` is False (subclass your ``TrainingArguments``
+    class with that property returning False); while ``trainer.train`` runs, accelerate's
+    ``device_placement`` is False so that its ``prepare`` leaves the model where it is (the
+    ``Trainer`` puts the batches on the device itself). Refused before any step: a trainer on
+    another device, a model the ``Trainer`` already moved to the device, and
+    ``fp16_full_eval``/``bf16_full_eval`` (the ``Trainer`` moves the model when training
+    starts).
     """
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}.")
@@ -76,13 +93,68 @@ def train(
     check_precision(
         trainer.args, offload_optimizer_state=decorator.settings.config.offload_optimizer_state
     )
+    # EngineConfig has refused device= without offload_parameters=True, naming the fix.
+    device = decorator.settings.config.device
+    if device is not None:
+        device = _check_set_up_from_host(trainer, torch.device(device))
+        decorator = optimize(
+            compression_ratio,
+            exclude_layers=exclude_layers,
+            verbose=verbose,
+            **{**options, "device": device},
+        )
     logger = _CacheCallback(trainer, resume_folder)
     cached_train = decorator(trainer.train)
+    accelerator = trainer.accelerator
+    placement = accelerator.device_placement
+    if device is not None:
+        # accelerate's prepare(model), when training starts, moves the whole model to its
+        # device where device_placement is on; the cache sets it up from the host at its
+        # first forward instead. Off, prepare also leaves the batches and the optimizer's
+        # state where they are: the Trainer puts each batch on args.device itself
+        # (_prepare_inputs), and the cache keeps the state on the host.
+        accelerator.device_placement = False
     trainer.add_callback(logger)
     try:
         return cached_train(resume_from_checkpoint=resume_from_checkpoint)
     finally:
+        accelerator.device_placement = placement
         trainer.remove_callback(logger)
+
+
+def _check_set_up_from_host(trainer: transformers.Trainer, device: torch.device) -> torch.device:
+    """The device the model is set up on from the host (``device=``): the trainer's
+    (``TrainingArguments.device``, where it puts the batches). Refuses, before any step, a
+    trainer on another device and one that moves or has moved the whole model there."""
+    args = trainer.args
+    target = args.device
+    if target.type != device.type or device.index not in (None, target.index):
+        raise ValueError(
+            f"device={str(device)!r} sets the model up on {device}, and this Trainer runs on "
+            f"{target} (TrainingArguments.device, where it puts the batches). Pass "
+            f"device={str(target)!r}, or TrainingArguments that run on {device}."
+        )
+    if target.type == "cpu":
+        return target  # the host is the device: nothing is moved
+    params = [] if trainer.model is None else list(trainer.model.parameters())
+    moved = [p.device for p in params if p.device.type != "cpu"]
+    if moved and trainer.place_model_on_device:
+        raise ValueError(
+            f"device={str(device)!r} sets the model up on {target} from the host, and this "
+            f"Trainer already moved the whole model to {moved[0]} in its __init__ "
+            "(Trainer.place_model_on_device is True). Build the Trainer with arguments "
+            "that leave the model on the host: a subclass of your TrainingArguments class "
+            "whose place_model_on_device property returns False. Or drop device, for a "
+            "model that fits the device."
+        )
+    full_eval = "fp16_full_eval" if args.fp16_full_eval else "bf16_full_eval"
+    if args.fp16_full_eval or args.bf16_full_eval:
+        raise ValueError(
+            f"device={str(device)!r} cannot be combined with TrainingArguments({full_eval}="
+            f"True): the Trainer then moves the whole model to {target} when training starts. "
+            f"Drop {full_eval}, or device."
+        )
+    return target
 
 
 def check_precision(args: transformers.TrainingArguments, *, offload_optimizer_state: bool) -> None:
