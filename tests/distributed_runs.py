@@ -685,8 +685,9 @@ def weights_on_host_mixed_precision() -> dict[str, float]:
         with torch.no_grad():
             for param in cached_model.parameters():
                 param.mul_(0.5)
+        cache.engine.weights.ensure(list(cached_model.parameters()))  # in use, their casts
         cached_model.load_state_dict(saved)
-        loaded = full_weights(cached_model)
+        loaded = [v.full_tensor() for v in cached_model.state_dict().values()]  # the masters
     closed = full_weights(cached_model)  # the close fills the shards from the masters
     fp32_model = model(None)
     with offloaded(fp32_model) as cache:

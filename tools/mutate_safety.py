@@ -1738,7 +1738,7 @@ MUTANTS = [
         "tests/emulated/test_larger_than_device.py::test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit",
     ),
     (
-        "shards: a shard filled from its wire is filled from its master for the step",
+        "shards: a shard filled from its wire is filled from its master for the step or a load",
         "gradient_cache/engine/weights/masters.py",
         "            other = weight.in_use is not wanted or (step and not weight.exact)\n",
         "            other = weight.in_use is not wanted\n",
