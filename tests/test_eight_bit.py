@@ -1,6 +1,7 @@
 """The cache with 8-bit optimizers (the ``eightbit`` extra): bitsandbytes' and torchao's
 AdamW8bit give, through the cache at ratio 1, the weights and the 8-bit state they give
-without it; the planner's and the accounting's 8-bit state bytes.
+without it (the state on the host, and the weights too); the planner's and the accounting's
+8-bit state bytes.
 
 Both libraries' CPU steps are elementwise within 256-entry blocks, so the same gradient
 bits give the same bits out: every comparison here is exact (tolerance 0). torchao
@@ -34,6 +35,8 @@ MAX_NORM = 1.0
 LEARNING_RATE = 1e-2
 # The fused step with offload_optimizer_state: gradients and 8-bit state both on the host.
 STATE_ON_HOST = "fused step, state on the host"
+# And the weights there too (offload_parameters): each bucket's weights and 8-bit state.
+WEIGHTS_ON_HOST = "fused step, weights and state on the host"
 
 
 def bitsandbytes_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -101,7 +104,8 @@ def train(
             model,
             compression_ratio=1,
             bucket_size_mb=1e-3,
-            offload_optimizer_state=way == STATE_ON_HOST,
+            offload_optimizer_state=way in (STATE_ON_HOST, WEIGHTS_ON_HOST),
+            offload_parameters=way == WEIGHTS_ON_HOST,
         )
     norms = []
     for x, y in data():
@@ -110,7 +114,7 @@ def train(
             loss.backward()
             if cache is not None:
                 cache.compress_and_free_gradients()
-        if way in ("fused step", STATE_ON_HOST):
+        if way in ("fused step", STATE_ON_HOST, WEIGHTS_ON_HOST):
             norms.append(cache.step(optimizer, max_grad_norm=MAX_NORM))
         else:
             if cache is not None:
@@ -118,11 +122,13 @@ def train(
             norms.append(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    if way == STATE_ON_HOST:  # every state tensor with a dimension is the cache's host copy
+    if way in (STATE_ON_HOST, WEIGHTS_ON_HOST):  # each state tensor: the cache's host copy
         host = cache.engine.optimizer_state.copies_of(optimizer)
         for param in model.parameters():
             for key, value in optimizer.state[param].items():
                 assert not torch.is_tensor(value) or value.dim() == 0 or value is host[param][key]
+    if way == WEIGHTS_ON_HOST:  # the weights moved with each step's buckets
+        assert cache.summary().parameters_moved_mb > 0
     if cache is not None:
         cache.remove_hooks()
     return model, optimizer, [float(n) for n in norms]
@@ -142,7 +148,9 @@ def state_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[to
 
 
 @pytest.mark.parametrize("library", sorted(LIBRARIES))
-@pytest.mark.parametrize("way", ["fused step", "apply_gradients()", STATE_ON_HOST])
+@pytest.mark.parametrize(
+    "way", ["fused step", "apply_gradients()", STATE_ON_HOST, WEIGHTS_ON_HOST]
+)
 def test_cache_at_ratio_1_gives_the_8bit_optimizers_own_weights_and_state(
     library: str, way: str
 ) -> None:
