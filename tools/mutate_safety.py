@@ -1779,6 +1779,13 @@ MUTANTS = [
         "        pass\n",
         "tests/test_integrations_device.py",
     ),
+    (
+        "weights: a forward after a backward that raised ends that backward first",
+        "gradient_cache/engine/weights/stream.py",
+        "        if not in_backward():\n            self._end.after_a_failed_backward()\n",
+        "",
+        "tests/emulated/test_weights_on_device.py::test_a_regularizer_over_every_parameter_raises_never_trains",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -145,4 +145,10 @@ def test_a_regularizer_over_every_parameter_raises_never_trains(device) -> None:
         with pytest.raises(RuntimeError, match=r"Block parameter 'blocks\.|same device"):
             (loss + 1e-4 * penalty).backward()
         assert all(p.grad is None or p.grad.device == device for p in model.parameters())
-        manager.engine.weights.free(model.parameters())
+    # The failed backwards' ends never ran: the next forward ends them, and a step trains
+    # and leaves nothing on the device.
+    optimizer = adamw_two_groups(model)
+    optimizer.zero_grad()
+    model(tokens, targets)[1].backward()
+    assert manager.engine.weights.present() == []  # its end ran: nothing kept
+    manager.step(optimizer)

@@ -92,6 +92,13 @@ class BackwardEnd:
         self._queued = False
         self._ended()
 
+    def after_a_failed_backward(self) -> None:
+        """Called outside any backward (a forward begins): a callback still queued means its
+        backward raised before its end (autograd drops the callbacks then), so ``ended``
+        runs now, or no later backward would queue its own."""
+        if self._queued:
+            self._run()
+
 
 class OwnerHooks:
     """The save and load hooks on every module of ``model`` that owns one of ``weights``'

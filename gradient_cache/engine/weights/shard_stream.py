@@ -127,6 +127,7 @@ class ShardStream:
     @outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any) -> None:
         if not in_backward():
+            self._end.after_a_failed_backward()
             self._in_model, self._previous = True, None
 
     @outside_graphs

@@ -132,6 +132,8 @@ class WeightStream:
     @outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         self._in_model = True
+        if not in_backward():
+            self._end.after_a_failed_backward()
         if not in_backward() and torch.is_grad_enabled():
             self._forwards += 1
             self._called = set()
