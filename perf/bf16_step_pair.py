@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-from perf.weights_bytes import cpu_model
+from perf.harness import cpu_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

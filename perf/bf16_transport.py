@@ -35,16 +35,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 import torch
+
+from perf.harness import cpu_model
 
 # Bit i of carry byte j is the carry of element 8 j + i.
 SHIFTS = torch.arange(8, dtype=torch.uint8)
@@ -347,16 +347,6 @@ def time_block(block: BlockShape, repeats: int, seed: int = 0) -> BlockTimes:
 
 # ---------------------------------------------------------------------------------------
 # Report
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def usable_cores() -> int:

@@ -21,6 +21,7 @@ import torch
 
 import gradient_cache
 from gradient_cache.demo.models import GPT_SIZES, TinyGPT
+from perf.harness import cpu_model
 
 MIB = 2**20
 
@@ -60,14 +61,6 @@ def measure(model_name: str, compute_dtype: torch.dtype | None) -> dict[str, flo
         "gradients_host": summary.stored_gradient_mb * MIB / count,
         "params": count,
     }
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as info:
-        for line in info:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main() -> None:
