@@ -1786,6 +1786,20 @@ MUTANTS = [
         "",
         "tests/emulated/test_weights_on_device.py::test_a_regularizer_over_every_parameter_raises_never_trains",
     ),
+    (
+        "weights: a backward that raised is not warned of at the next forward",
+        "gradient_cache/engine/weights/stream.py",
+        "        if self._end.raised:  # that backward's error said it: no warning beside it\n            self._unstreamed.clear()\n",
+        "",
+        "tests/test_parameters_nothing_lost.py::test_a_backward_that_raised_is_not_warned_of_again_at_the_next_forward",
+    ),
+    (
+        "weights: the hooks of a backward ended as failed are skipped",
+        "gradient_cache/engine/weights/hooks.py",
+        "            if self._end.in_a_failed_backward():\n                return None\n",
+        "",
+        "tests/test_parameters_nothing_lost.py::test_hooks_of_a_backward_ended_as_failed_do_not_run",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

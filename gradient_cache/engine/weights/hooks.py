@@ -17,6 +17,7 @@ once, still tied).
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -77,16 +78,27 @@ def refuse_create_graph() -> None:
 
 class BackwardEnd:
     """``ended``, called once at the end of the backward running now: `queue` it from any
-    hook of that backward (autograd runs queued callbacks when the backward is done)."""
+    hook of that backward (autograd runs queued callbacks when the backward is done).
+
+    A backward that raised ends at the next forward (`after_a_failed_backward`). Autograd's
+    other thread (the device's) may still be finishing a node of it then, and its hooks
+    run after ``backward()`` raised: a stream's backward hooks run under ``lock`` and not at
+    all for that failed backward (`of_this_backward`), so none of them frees or counts a
+    weight while the next forward uses it."""
 
     def __init__(self, ended: Callable[[], None]) -> None:
         self._ended = ended
         self._queued = False
+        self._task = -1  # the graph task whose end is queued
+        self._failed = -1  # the last graph task that raised before its end
+        self.raised = False  # ``ended`` is running for a backward that raised
+        self.lock = threading.RLock()
 
     def queue(self) -> None:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._run)
             self._queued = True
+            self._task = torch._C._current_graph_task_id()
 
     def _run(self) -> None:
         self._queued = False
@@ -95,9 +107,34 @@ class BackwardEnd:
     def after_a_failed_backward(self) -> None:
         """Called outside any backward (a forward begins): a callback still queued means its
         backward raised before its end (autograd drops the callbacks then), so ``ended``
-        runs now, or no later backward would queue its own."""
-        if self._queued:
-            self._run()
+        runs now (`raised` True meanwhile), or no later backward would queue its own."""
+        with self.lock:
+            if not self._queued:
+                return
+            self._failed = self._task
+            self.raised = True
+            try:
+                self._run()
+            finally:
+                self.raised = False
+
+    def in_a_failed_backward(self) -> bool:
+        """Whether the hook running now belongs to a backward that raised."""
+        return torch._C._current_graph_task_id() == self._failed
+
+
+def of_this_backward(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A stream's backward hook ``method`` (its stream's ``_end`` a `BackwardEnd`), run under
+    that end's lock, and skipped in a backward that already raised."""
+
+    @functools.wraps(method)
+    def hook(self: Any, *args: Any) -> Any:
+        with self._end.lock:
+            if self._end.in_a_failed_backward():
+                return None
+            return method(self, *args)
+
+    return hook
 
 
 class OwnerHooks:

@@ -65,6 +65,7 @@ from .hooks import (
     OwnerHooks,
     in_backward,
     module_hook,
+    of_this_backward,
     outside_graphs,
     tensors_needing_gradients,
 )
@@ -179,6 +180,7 @@ class ShardStream:
             tensor.register_hook(hook)
 
     @outside_graphs
+    @of_this_backward
     def _backward_reaches(self, index: int, grad: torch.Tensor) -> None:
         """The module's outputs have their gradient: FSDP2's hook, next, all-gathers it
         and starts the all-gather of the module it prefetches."""

@@ -57,6 +57,7 @@ from .hooks import (
     OwnerHooks,
     in_backward,
     module_hook,
+    of_this_backward,
     outside_graphs,
     refuse_create_graph,
     tensors_needing_gradients,
@@ -175,6 +176,7 @@ class WeightStream:
         self.weights.bring(self._block(len(self.units.blocks) - 1))
 
     @outside_graphs
+    @of_this_backward
     def _backward_begins(self, grad: torch.Tensor) -> None:
         """The model's output has its gradient: the rest is read next (again, in a second
         backward through a retained graph)."""
@@ -249,6 +251,7 @@ class WeightStream:
             self.weights.free(self._block(index))  # the last one: backward begins with it
 
     @outside_graphs
+    @of_this_backward
     def _block_backward_begins(self, index: int, consumers: list[int], grad: torch.Tensor) -> None:
         refuse_create_graph()
         self._end.queue()
@@ -258,6 +261,7 @@ class WeightStream:
         self.weights.bring(self._block(index - 1))
 
     @outside_graphs
+    @of_this_backward
     def _block_backward_ended(self, index: int, grad: torch.Tensor) -> None:
         """The block's inputs have their gradient: its backward is done."""
         self._free_frozen(index)
@@ -269,6 +273,7 @@ class WeightStream:
             self.weights.free(param for param in self._block(index) if not param.requires_grad)
 
     @outside_graphs
+    @of_this_backward
     def _gradient_accumulated(self, param: Param) -> None:
         self._end.queue()
         if param in self._in_blocks and self.weights.where(param) is WeightAt.HOST:
@@ -315,6 +320,8 @@ class WeightStream:
         )
 
     def _backward_ended(self) -> None:
+        if self._end.raised:  # that backward's error said it: no warning beside it
+            self._unstreamed.clear()
         self._warn_unstreamed()
         self.weights.free(self.weights.present())
         self._forwards = 0
