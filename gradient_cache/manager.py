@@ -172,6 +172,7 @@ class GradientCacheHookManager:
                 memory,
                 device.type,
                 warmup_steps=config.warmup_steps,
+                weights=self._weights,
             )
         # The step's owner; it holds the manager weakly (the log line), so that a manager no
         # one keeps is still collected (`_detach_dropped`).

@@ -148,9 +148,7 @@ def state_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[to
 
 
 @pytest.mark.parametrize("library", sorted(LIBRARIES))
-@pytest.mark.parametrize(
-    "way", ["fused step", "apply_gradients()", STATE_ON_HOST, WEIGHTS_ON_HOST]
-)
+@pytest.mark.parametrize("way", ["fused step", "apply_gradients()", STATE_ON_HOST, WEIGHTS_ON_HOST])
 def test_cache_at_ratio_1_gives_the_8bit_optimizers_own_weights_and_state(
     library: str, way: str
 ) -> None:

@@ -1010,10 +1010,6 @@ def test_the_option_needs_the_state_offloaded_and_the_blocks_option_needs_it() -
         gradient_cache.EngineConfig(offload_parameters=True)
     with pytest.raises(ValueError, match="acts only with offload_parameters=True"):
         gradient_cache.EngineConfig(parameter_blocks="blocks")
-    with pytest.raises(ValueError, match="memory_budget='80%' cannot be combined"):
-        gradient_cache.EngineConfig(
-            offload_parameters=True, offload_optimizer_state=True, memory_budget="80%"
-        )
     with pytest.raises(TypeError, match="parameter_blocks must be"):
         gradient_cache.EngineConfig(
             offload_parameters=True, offload_optimizer_state=True, parameter_blocks=3

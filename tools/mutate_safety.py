@@ -1800,6 +1800,48 @@ MUTANTS = [
         "",
         "tests/test_parameters_nothing_lost.py::test_hooks_of_a_backward_ended_as_failed_do_not_run",
     ),
+    (
+        "budget blocks: a kept unit's parameters become device tensors",
+        "gradient_cache/engine/weights/stream.py",
+        "        for param, home in zip(params, homes, strict=True):\n            param.data = home\n",
+        "",
+        "tests/test_budget_blocks.py",
+    ),
+    (
+        "budget blocks: a kept unit's records dropped",
+        "gradient_cache/engine/weights/stream.py",
+        "        weights.drop(params)\n",
+        "",
+        "tests/test_budget_blocks.py",
+    ),
+    (
+        "budget blocks: the stream told a kept unit is settled",
+        "gradient_cache/engine/weights/__init__.py",
+        "        self.stream.settled(params)\n",
+        "",
+        "tests/test_budget_blocks.py",
+    ),
+    (
+        "budget blocks: the budget keeps the units it decided on",
+        "gradient_cache/engine/budget.py",
+        '            self.weights.keep_on_device(decision.kept_names("weights"))\n',
+        "            pass\n",
+        "tests/test_budget_blocks.py",
+    ),
+    (
+        "budget blocks: the rest and the last block cost three copies a step, not four",
+        "gradient_cache/engine/weights/__init__.py",
+        "        return 3 if stays else 4\n",
+        "        return 4\n",
+        "tests/test_budget_blocks.py",
+    ),
+    (
+        "norms: grouped by the gradient's device, not the parameter's",
+        "gradient_cache/engine/norms.py",
+        "        groups.setdefault((norms[param].device, param.dtype), []).append(param)",
+        "        groups.setdefault((param.device, param.dtype), []).append(param)",
+        "tests/emulated/test_budget_on_device.py",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

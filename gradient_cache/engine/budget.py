@@ -15,6 +15,13 @@ link (down in backward, up at the step), so compressed gradients leave first; th
 state and lossless gradients free a byte per two link bytes, and of those the gradients
 leave first (a gradient is on the device only from backward to the step, the state always).
 
+With the weights on the host (``offload_parameters``) the candidates are the weights'
+units instead (the blocks, and the rest: embeddings, head), each a whole: a unit kept is
+on the device for good, plain parameters there, and the link carries it no more (four
+times its bytes a step: forward, backward, and the step's copies both ways; three for the
+rest and the last block, which stay from forward through backward, so the other blocks
+are kept first). The gradients and the optimizer state stay offloaded.
+
 The bound is conservative: each kept tensor is counted at full size at every moment of
 the step, on top of the measured peak, and a kept gradient whose state is offloaded counts
 that state too (the fused step brings it to the device for the gradient's step). On a
@@ -40,6 +47,7 @@ from .units import MIB
 
 if TYPE_CHECKING:  # for the annotations only: the pipeline imports config, config imports this
     from .pipeline import Pipeline
+    from .weights import Weights
 
 logger = logging.getLogger("gradient_cache")
 
@@ -181,8 +189,8 @@ class Candidate:
     """A tensor the budget may keep on the device: its device bytes while kept, and the
     link bytes a step moves while it is offloaded."""
 
-    name: str  # the parameter's
-    kind: str  # "gradient" or "optimizer state"
+    name: str  # the parameter's (the unit's, for weights)
+    kind: str  # "gradient", "optimizer state" or "weights"
     device_bytes: int
     link_bytes: int
 
@@ -211,9 +219,11 @@ class BudgetDecision:
     def describe(self) -> str:
         counts = {
             kind: (len(self.kept_names(kind)), sum(c.kind == kind for c in self.offloaded))
-            for kind in ("gradient", "optimizer state")
+            for kind in ("gradient", "optimizer state", "weights")
         }
-        parts = [f"{k} of {k + o} {kind}s" for kind, (k, o) in counts.items() if k + o]
+        plural = {"gradient": "gradients", "optimizer state": "optimizer states"}
+        plural["weights"] = "units of weights"
+        parts = [f"{k} of {k + o} {plural[kind]}" for kind, (k, o) in counts.items() if k + o]
         return (
             f"first step's peak {self.measured_peak / MIB:.1f} MiB with everything offloaded, "
             f"budget {self.budget_bytes / MIB:.1f} MiB: kept on the device "
@@ -232,6 +242,8 @@ def decide(
     if room < 0:
         with_state = any(c.kind != "gradient" for c in candidates)
         everything = "every gradient and the optimizer state" if with_state else "every gradient"
+        if any(c.kind == "weights" for c in candidates):
+            everything = "the weights, every gradient and the optimizer state"
         fixes = "raise the budget, "
         if not with_state:
             fixes += "offload the optimizer state (offload_optimizer_state=True), "
@@ -277,10 +289,19 @@ class BudgetWatch:
     metrics) lowers no sample already taken."""
 
     def __init__(
-        self, budget: MemoryBudget, memory: DeviceMemory | None, device: str, *, warmup_steps: int
+        self,
+        budget: MemoryBudget,
+        memory: DeviceMemory | None,
+        device: str,
+        *,
+        warmup_steps: int,
+        weights: Weights | None = None,
     ) -> None:
+        """``weights``: the weights' owner where they are on the host (``offload_parameters``):
+        then the budget keeps units of weights (see the module docstring)."""
         self.budget = budget
         self.memory = memory
+        self.weights = weights
         self.decision: BudgetDecision | None = None
         # Steps measured before deciding: through the first step after the warm-up, whose
         # lossy codecs (warm-up steps are lossless) are the steady state's.
@@ -322,12 +343,15 @@ class BudgetWatch:
         if pipeline.steps < self.measured_steps:
             return
         usable = int(self.memory.total_bytes() * self.memory.process_fraction())
-        self.decision = decide(
-            candidates_of(pipeline),
+        decision = decide(
+            candidates_of(pipeline) if self.weights is None else units_of(self.weights),
             measured_peak=self.peak,
             budget_bytes=self.budget.bytes_of(usable),
             budget=self.budget.text,
         )
+        if self.weights is not None:  # raises, all on the host still, if they do not fit
+            self.weights.keep_on_device(decision.kept_names("weights"))
+        self.decision = decision
         by_name = pipeline.params_by_name()
         for name in self.decision.kept_names("gradient"):
             # Later backward passes leave its gradient on the device, as exclude_layers would.
@@ -377,4 +401,16 @@ def candidates_of(pipeline: Pipeline) -> list[Candidate]:
             name = pipeline.records[param].name if param in pipeline.records else None
             if name is not None and nbytes:
                 candidates.append(Candidate(name, "optimizer state", nbytes, 2 * nbytes))
+    return candidates
+
+
+def units_of(weights: Weights) -> list[Candidate]:
+    """Each unit of the weights on the host: its bytes on the device while kept, and the
+    link bytes a step with one micro-batch moves while it is not (`Weights.copies_a_step`;
+    forward's and backward's again with each further micro-batch)."""
+    candidates = []
+    for name, params in weights.units.items():
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        link = weights.copies_a_step(name) * nbytes
+        candidates.append(Candidate(name, "weights", device_bytes=nbytes, link_bytes=link))
     return candidates

@@ -123,7 +123,8 @@ class EngineConfig:
             ``model.parameters()`` and ``model.state_dict()`` are the host masters. The
             blocks are the children of ``parameter_blocks``. Needs
             ``offload_optimizer_state=True`` and the fused step; not with
-            ``exclude_layers``, ``memory_budget`` or FSDP2. Each forward and backward moves
+            ``exclude_layers``; a ``memory_budget`` keeps whole blocks on the device
+            (not with ``compute_dtype``, nor under FSDP2). Each forward and backward moves
             the weights to the device (4 bytes per parameter each; 2 with a bf16
             ``compute_dtype``), and the step moves the masters both ways. Default False.
         compute_dtype: With ``offload_parameters``: the dtype forward and backward compute
@@ -150,7 +151,9 @@ class EngineConfig:
             allocator's reserved peak plus what lies outside it); from then on the cache
             keeps on the device the most that fits the budget, parameter by parameter,
             what frees the fewest device bytes per link byte first
-            (`gradient_cache.engine.budget`). On a device without memory statistics (a CPU) there
+            (`gradient_cache.engine.budget`); with ``offload_parameters``, whole blocks of
+            weights (and the rest), on the device for good, the gradients and the state
+            still offloaded. On a device without memory statistics (a CPU) there
             is nothing to budget. Not with FSDP2. Default None: everything offloaded.
         checkpoint_frequency: how often, in steps, ``verbose=True`` logs the summary: every
             step by default. (The seed's name: it set how often the compression statistics
@@ -264,11 +267,12 @@ class EngineConfig:
                 "weights come to the device with its optimizer state and step there, in "
                 "hook_manager.step(optimizer). Add offload_optimizer_state=True."
             )
-        if self.memory_budget is not None:
+        if self.memory_budget is not None and self.compute_dtype is not None:
             raise ValueError(
                 f"memory_budget={self.memory_budget!r} cannot be combined with "
-                "offload_parameters=True: the budget keeps gradients and state on the "
-                "device, and a weight's gradient there would outlive its weights. Drop one."
+                f"offload_parameters=True and compute_dtype={self.compute_dtype}: a block the "
+                "budget keeps on the device would compute in its parameters' own dtype. Drop "
+                "memory_budget (every block streams) or compute_dtype."
             )
 
     # --- derived from the codec's options (read-only; not options of their own). The

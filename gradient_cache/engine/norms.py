@@ -83,14 +83,17 @@ def clip_factor(max_norm: float, total: torch.Tensor) -> torch.Tensor:
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
-Norm = TypeVar("Norm")
+Norm = TypeVar("Norm", bound=torch.Tensor)
 
 
 def clip_grad_norm_order(
     norms: dict[torch.nn.Parameter, Norm], model_order: Mapping[torch.nn.Parameter, int]
 ) -> list[tuple[torch.nn.Parameter, Norm]]:
     """``norms`` in the order ``clip_grad_norm_(model.parameters())`` sums them: grouped by
-    device and dtype (in order of first appearance), each group in the model's order.
+    device and dtype (in order of first appearance), each group in the model's order. The
+    device is the gradient's, where its norm was taken, not the parameter's: with the
+    weights on the host a parameter at rest is a host master, or (a block a memory budget
+    keeps) a device tensor, while every gradient is on the device, as plain PyTorch's.
 
     A sum of floats depends on its order, so any other (the optimizer's: nanoGPT's decay
     and no-decay groups) gives another norm in the last bit, and the weights drift. The
@@ -101,5 +104,5 @@ def clip_grad_norm_order(
     ordered = sorted(norms, key=lambda param: model_order.get(param, last))
     groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
     for param in ordered:
-        groups.setdefault((param.device, param.dtype), []).append(param)
+        groups.setdefault((norms[param].device, param.dtype), []).append(param)
     return [(param, norms[param]) for group in groups.values() for param in group]

@@ -165,3 +165,41 @@ def test_uncapped_the_measured_peak_is_the_allocators(device: torch.device) -> N
     assert measured == seen["peak"], (
         f"measured {measured / MIB:.1f} MiB, the allocator's peak {seen['peak'] / MIB:.3f} MiB"
     )
+
+
+def test_with_the_weights_on_the_host_the_budget_keeps_blocks(device: torch.device) -> None:
+    """A model set up from the host (``device=``) with its weights streamed: at the
+    decision the device is capped at the measured peak plus room for two and a half
+    blocks, and ``"100%"`` of it keeps the first two blocks and the rest (which fits the
+    half) on the device for good: plain parameters there, the others at rest on the host;
+    within the cap, plain's bits."""
+    from test_budget_blocks import unit_bytes
+    from test_parameters_offload import STREAMED, adamw_two_groups, gpt
+    from test_parameters_offload import batches_on as on
+
+    from test_weights_on_device import train as plain_training
+
+    from gradient_cache.engine.weights import REST
+
+    data = on(device, 4)
+    plain = gpt().to(device)
+    plain_training(plain, data, clip=CLIP)
+    sizes = unit_bytes(plain)
+    room = 2 * sizes["blocks.1"] + sizes["blocks.1"] // 2
+    emulated_device(capacity_bytes=CAP)
+    model = gpt()
+    optimizer = adamw_two_groups(model)
+    manager = gradient_cache.create_gradient_cache(
+        model, device=device, memory_budget="100%", **STREAMED
+    )
+    for index, (tokens, targets) in enumerate(data):
+        model(tokens, targets)[1].backward()
+        if index == DECIDING_STEP:  # the cap: what the device held so far, and the room
+            emulated_device(capacity_bytes=torch.accelerator.max_memory_reserved() + room)
+        manager.step(optimizer, max_grad_norm=CLIP)
+        optimizer.zero_grad()
+    assert kept(manager, "weights") == {"blocks.0", "blocks.1", REST}
+    for name, param in model.named_parameters():
+        stays = name.startswith(("blocks.0.", "blocks.1.")) or not name.startswith("blocks.")
+        assert param.device.type == (device.type if stays else "cpu"), name
+    assert_same_parameters(plain, model)

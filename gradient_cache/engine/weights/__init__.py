@@ -13,7 +13,7 @@ state's. FSDP2's private names are read in `engine.fsdp_privates` only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,12 +40,37 @@ __all__ = ["StepJourney", "Weights", "attach", "plan"]
 
 
 class Weights:
-    """The weights' owner: ``masters`` (where each weight is) and ``stream`` (the hooks
-    that move them)."""
+    """The weights' owner: ``masters`` (where each weight is), ``stream`` (the hooks that
+    move them) and, on one process, the ``units`` a memory budget may keep on the device
+    for good, by name (a block's module name; the rest's, ``"(the rest)"``)."""
 
-    def __init__(self, masters: HostWeights, stream: WeightStream | ShardStream) -> None:
+    def __init__(
+        self,
+        masters: HostWeights,
+        stream: WeightStream | ShardStream,
+        units: dict[str, list[Param]] | None = None,
+    ) -> None:
         self.masters = masters
         self.stream = stream
+        self.units = units or {}
+
+    def copies_a_step(self, name: str) -> int:
+        """The copies of unit ``name`` a step with one micro-batch makes while it streams:
+        forward's and backward's (one, for the rest and the last block, which stay from
+        forward to the end of backward) and the step's two, to the device and back."""
+        stays = name in (REST, next(reversed(self.units)))
+        return 3 if stays else 4
+
+    def keep_on_device(self, names: Iterable[str]) -> None:
+        """The units ``names`` names on the device for good, plain parameters there, as
+        plain PyTorch keeps them (a memory budget's choice): the link carries them no
+        more. Raises torch.OutOfMemoryError, with them all on the host still, where the
+        device has no room."""
+        params = [param for name in names for param in self.units.pop(name)]
+        assert isinstance(self.stream, WeightStream)  # a budget is refused under FSDP2
+        assert isinstance(self.masters.placement, OwnTensors)
+        self.masters.placement.settle(self.masters, params)
+        self.stream.settled(params)
 
     def close(self) -> None:
         """Every weight back on the device for good (if they cannot be, this raises or
@@ -151,8 +176,21 @@ def attach(
     pipeline.carry_weights(masters)
     if isinstance(units, WeightUnits):
         _buffers_to(model, backend.device)
-        return Weights(masters, WeightStream(model, masters, units))
+        return Weights(masters, WeightStream(model, masters, units), _named_units(model, units))
     return Weights(masters, ShardStream(model, masters, units))
+
+
+REST = "(the rest)"  # the name of the unit that is not a block (embeddings, head, tied)
+
+
+def _named_units(model: torch.nn.Module, units: WeightUnits) -> dict[str, list[Param]]:
+    """``units``' parameters by unit name: each block's module name, and `REST`."""
+    names = {id(module): name for name, module in model.named_modules()}
+    named = {
+        names[id(block)]: params
+        for block, params in zip(units.blocks, units.block_params, strict=True)
+    }
+    return {REST: units.rest, **named} if units.rest else named
 
 
 def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:

@@ -267,7 +267,9 @@ class HostWeights:
         """Whether ``param`` reads where these weights put it, not moved since
         (``model.to(...)``, FSDP2's ``reset_sharded_param``)."""
         weight = self._weights.get(param)
-        return weight is not None and self.placement.in_place(param, weight)
+        if weight is None:  # on the device for good (`drop`): a plain parameter there
+            return param.device == self.backend.device
+        return self.placement.in_place(param, weight)
 
     def device_bytes(self) -> int:
         """The device memory the weights hold now (arriving or in use)."""
@@ -478,9 +480,11 @@ class HostWeights:
         self.moved_last_step += self.moved_bytes
         self.moved_bytes = 0
 
-    def masters(self) -> tuple[torch.Tensor, ...]:
-        """The masters, in host memory."""
-        return tuple(w.master for w in self._weights.values())
+    def masters(self, params: Iterable[Param] | None = None) -> tuple[torch.Tensor, ...]:
+        """The masters (of ``params``: every one these weights hold), in host memory."""
+        if params is None:
+            return tuple(w.master for w in self._weights.values())
+        return tuple(w.master for _, w in self._held(params))
 
     def host_tensors(self) -> tuple[torch.Tensor, ...]:
         """The masters and the wires, in host memory (memory accounting)."""
@@ -499,6 +503,15 @@ class HostWeights:
     def params(self) -> list[Param]:
         """Every parameter whose weights these are."""
         return list(self._weights)
+
+    def drop(self, params: Iterable[Param]) -> None:
+        """``params``, whole units at home, are these weights' no more: their placement put
+        them on the device for good (`stream.OwnTensors.settle`), and bring, ensure, free,
+        the step and the save and load hooks pass them by from now on. Their masters' slab
+        space stays reserved (a slab is given back whole)."""
+        for param, weight in self._held(params):
+            assert weight.at is WeightAt.HOST  # home first: nothing of them is in flight
+            del self._weights[param]
 
     def present(self) -> list[Param]:
         """The parameters whose weights are on the device or on their way."""

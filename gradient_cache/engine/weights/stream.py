@@ -124,6 +124,11 @@ class WeightStream:
             if param.requires_grad and weights.backend.device.type != "cpu"
         ]
 
+    def settled(self, params: Sequence[Param]) -> None:
+        """``params`` are on the device for good (`OwnTensors.settle`): plain parameters,
+        whose gradients are computed where they are."""
+        self._in_blocks.difference_update(params)
+
     def remove(self) -> None:
         """The hooks removed; the weights stay where they are."""
         for handle in self._handles:
@@ -389,18 +394,28 @@ class OwnTensors:
         place = weight.place()
         return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
 
-    def close(self, weights: HostWeights) -> None:
-        """``P.data`` a new device tensor each. Weights the device has no room for stay on
-        the host, with a warning: the end of a run must not fail."""
-        params = weights.params()
+    def settle(self, weights: HostWeights, params: Sequence[Param]) -> None:
+        """Those of ``params`` (whole units) on the device for good, as plain PyTorch keeps
+        them: ``P.data`` a new device tensor each, filled from its master, and ``weights``
+        holds them no more (`HostWeights.drop`). Raises torch.OutOfMemoryError where the
+        device has no room, with them all at home still."""
+        held = set(weights.params())
+        params = [param for param in params if param in held]
         weights.free(params)  # a dirty weight's copy back first: the masters are the newest
         weights.wait_on_host()
+        homes = self.backend.finish_to_device(
+            self.backend.start_to_device(list(weights.masters(params)))
+        )
+        for param, home in zip(params, homes, strict=True):
+            param.data = home
+        weights.drop(params)
+
+    def close(self, weights: HostWeights) -> None:
+        """Every weight settled (`settle`). Weights the device has no room for stay on the
+        host, with a warning: the end of a run must not fail."""
         try:
-            homes = self.backend.finish_to_device(
-                self.backend.start_to_device(list(weights.masters()))
-            )
+            self.settle(weights, weights.params())
         except torch.OutOfMemoryError:
-            weights.free(params)
             size = sum(master.nbytes for master in weights.masters())
             warnings.warn(
                 f"The gradient cache closed, and the model's weights ({size / 2**20:.1f} "
@@ -411,10 +426,6 @@ class OwnTensors:
                 UserWarning,
                 stacklevel=5,
             )
-            return
-        for param, home in zip(params, homes, strict=True):
-            weights.free([param])
-            param.data = home
 
     def _device_like(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A device tensor like ``host`` (shape, strides) in ``dtype``, its memory given up."""
