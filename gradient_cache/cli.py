@@ -448,8 +448,9 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except MemoryBudgetError as error:
             print(f"\nmemory_budget: {error}")
             return 1
+        offloaded = "state and weights" if args.offload_parameters else "state"
         print(
-            f"\nmemory_budget={budget.text!r}, state offloaded too, activations "
+            f"\nmemory_budget={budget.text!r}, {offloaded} offloaded too, activations "
             f"{args.activations_mib:g} MiB: {decision.describe()}."
         )
     return 0

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine.budget import BudgetDecision, Candidate, MemoryBudget, decide
+from .engine.budget import REST, BudgetDecision, Candidate, MemoryBudget, decide, unit_candidates
 from .engine.config import EngineConfig
 from .engine.hostmem import available_host_bytes
 from .engine.pool import reserved_bytes
@@ -622,18 +622,32 @@ def budget_decision(
     activation_bytes: int,
 ) -> BudgetDecision:
     """What ``memory_budget`` would keep on the device after its first step, with the
-    state offloaded too: that step's peak taken as the state-on-host column's plus
-    ``activation_bytes`` at the end of backward; each tensor's gradient and state the
-    candidates, as `budget.candidates_of` makes them for a live model."""
+    state offloaded too: that step's peak taken as the state-on-host column's (with the
+    weights on the host, theirs) plus ``activation_bytes`` at the end of backward; each
+    tensor's gradient and state the candidates, as `budget.candidates_of` makes them for a
+    live model (with the weights on the host, each unit of weights, as `budget.units_of`)."""
     if budget.nbytes is None and device_bytes is None:
         raise ValueError(
             f"memory_budget={budget.text!r} is a share of the device's memory: give the "
             "device's memory too (--device-gib)."
         )
+    way = STATE_ON_HOST if inputs.weights is None else WEIGHTS_ON_HOST
     measured = max(
-        peak_bytes(result, STATE_ON_HOST, GRADIENTS_IN_BACKWARD) + activation_bytes,
-        peak_bytes(result, STATE_ON_HOST, GRADIENTS_AT_STEP),
+        peak_bytes(result, way, GRADIENTS_IN_BACKWARD) + activation_bytes,
+        peak_bytes(result, way, GRADIENTS_AT_STEP),
     )
+    budget_bytes = budget.bytes_of(device_bytes)
+    if inputs.weights is None:
+        candidates = _tensor_candidates(inputs)
+    else:  # the budget keeps units of weights (`budget.units_of`)
+        units, size = inputs.weights, inputs.param_bytes
+        blocks = [(f"block {i}", n * size) for i, n in enumerate(units.blocks)]
+        candidates = unit_candidates((REST, units.rest * size), blocks)
+    return decide(candidates, measured_peak=measured, budget_bytes=budget_bytes, budget=budget.text)
+
+
+def _tensor_candidates(inputs: PlanInputs) -> list[Candidate]:
+    """Each tensor's gradient and state, as `budget.candidates_of` makes them."""
     routes = _routes(inputs.tensors, inputs, steps=inputs.config.warmup_steps)
     candidates = []
     for index, (numel, route) in enumerate(zip(inputs.tensors, routes, strict=True)):
@@ -644,12 +658,7 @@ def budget_decision(
         state = int(numel * inputs.optimizer_state_bytes)
         if state:
             candidates.append(Candidate(name, "optimizer state", state, 2 * state))
-    return decide(
-        candidates,
-        measured_peak=measured,
-        budget_bytes=budget.bytes_of(device_bytes),
-        budget=budget.text,
-    )
+    return candidates
 
 
 def tensors_of_factory(path: str) -> list[int]:

@@ -12,7 +12,7 @@ from test_memory_budget import FakeMemory
 from test_parameters_offload import STREAMED, adamw_two_groups, batches, gpt, train
 
 import gradient_cache
-from gradient_cache.engine.weights import REST
+from gradient_cache.engine.budget import REST
 
 MIB = 2**20
 PEAK = 100 * MIB  # the stand-in's measured peak, everything offloaded

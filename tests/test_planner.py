@@ -46,6 +46,7 @@ from gradient_cache.planner import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+MIB = 2**20
 MEDIUM = ["--model", "gradient_cache.demo.models:medium"]
 
 
@@ -268,6 +269,31 @@ def test_plan_shows_what_a_memory_budget_keeps(capsys: pytest.CaptureFixture[str
     assert kept and int(kept.group(1)) < int(kept.group(2)) < 292
     assert cli.main([*base, "--memory-budget", "8GiB"]) == 1
     assert "MiB over" in capsys.readouterr().out
+
+
+def test_plan_with_the_weights_on_the_host_shows_the_units_a_budget_keeps(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With --offload-parameters the budget keeps units of weights: measured from the
+    weights-on-host column, room for two blocks of 24 equal ones (and not the rest, the
+    largest tensor) keeps two, and the link bytes left are the other units' copies (four a
+    step, three for the rest and the last block), as `budget.unit_candidates` counts them
+    for a live model."""
+    base = ["plan", "--params", "1000000000", "--blocks", "24", "--offload-parameters"]
+    tensors = tensors_of_count(10**9, largest=None)
+    layout = weight_layout_of_count(tensors, blocks=24)
+    block, rest = layout.blocks[0] * 4, layout.rest * 4
+    assert cli.main([*base, "--memory-budget", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "kept on the device 25 of 25 units of weights" in out
+    peak = float(re.search(r"first step's peak ([\d.]+) MiB", out).group(1))
+    budget = peak + (2 * block + rest // 2) / MIB  # room for two blocks, not the rest too
+    assert cli.main([*base, "--memory-budget", f"{budget:.1f}MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "state and weights offloaded too" in out
+    assert "kept on the device 2 of 25 units of weights" in out
+    left = 21 * 4 * block + 3 * block + 3 * rest  # 21 middle blocks, the last, the rest
+    assert f"{left / MIB:.1f} MiB of the weights" in out
 
 
 def planned_weights_on_host(model: torch.nn.Module, **options: object) -> WeightsOnHost:

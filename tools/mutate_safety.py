@@ -1830,9 +1830,9 @@ MUTANTS = [
     ),
     (
         "budget blocks: the rest and the last block cost three copies a step, not four",
-        "gradient_cache/engine/weights/__init__.py",
-        "        return 3 if stays else 4\n",
-        "        return 4\n",
+        "gradient_cache/engine/budget.py",
+        "    units = [] if rest is None else [(*rest, 3)]\n    last = len(blocks) - 1\n",
+        "    units = [] if rest is None else [(*rest, 4)]\n    last = -1\n",
         "tests/test_budget_blocks.py",
     ),
     (

@@ -49,6 +49,8 @@ if TYPE_CHECKING:  # for the annotations only: the pipeline imports config, conf
     from .pipeline import Pipeline
     from .weights import Weights
 
+REST = "(the rest)"  # the weights' unit that is not a block (embeddings, head, tied weights)
+
 logger = logging.getLogger("gradient_cache")
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -224,11 +226,13 @@ class BudgetDecision:
         plural = {"gradient": "gradients", "optimizer state": "optimizer states"}
         plural["weights"] = "units of weights"
         parts = [f"{k} of {k + o} {plural[kind]}" for kind, (k, o) in counts.items() if k + o]
+        weights = any(c.kind == "weights" for c in (*self.kept, *self.offloaded))
+        of = " of the weights (the gradients and the state as before)" if weights else ""
         return (
             f"first step's peak {self.measured_peak / MIB:.1f} MiB with everything offloaded, "
             f"budget {self.budget_bytes / MIB:.1f} MiB: kept on the device "
             f"{' and '.join(parts)} ({self.kept_bytes / MIB:.1f} MiB); "
-            f"{self.link_bytes / MIB:.1f} MiB cross the link a step"
+            f"{self.link_bytes / MIB:.1f} MiB{of} cross the link a step"
         )
 
 
@@ -405,12 +409,25 @@ def candidates_of(pipeline: Pipeline) -> list[Candidate]:
 
 
 def units_of(weights: Weights) -> list[Candidate]:
-    """Each unit of the weights on the host: its bytes on the device while kept, and the
-    link bytes a step with one micro-batch moves while it is not (`Weights.copies_a_step`;
-    forward's and backward's again with each further micro-batch)."""
-    candidates = []
-    for name, params in weights.units.items():
-        nbytes = sum(p.numel() * p.element_size() for p in params)
-        link = weights.copies_a_step(name) * nbytes
-        candidates.append(Candidate(name, "weights", device_bytes=nbytes, link_bytes=link))
-    return candidates
+    """The units of the weights on the host as `unit_candidates`, by their names."""
+    sizes = {
+        name: sum(p.numel() * p.element_size() for p in params)
+        for name, params in weights.units.items()
+    }
+    rest = sizes.pop(REST, None)
+    return unit_candidates(None if rest is None else (REST, rest), list(sizes.items()))
+
+
+def unit_candidates(
+    rest: tuple[str, int] | None, blocks: Sequence[tuple[str, int]]
+) -> list[Candidate]:
+    """The weights' units, ``(name, bytes)`` each (the ``rest``, the ``blocks`` in forward
+    order): each one's bytes on the device while kept, and the link bytes a step with one
+    micro-batch moves while it streams: four copies (forward's, backward's, and the step's
+    to the device and back), three for the rest and the last block, which stay from
+    forward to the end of backward (forward's and backward's again with each further
+    micro-batch)."""
+    units = [] if rest is None else [(*rest, 3)]
+    last = len(blocks) - 1
+    units += [(name, nbytes, 3 if i == last else 4) for i, (name, nbytes) in enumerate(blocks)]
+    return [Candidate(name, "weights", nbytes, copies * nbytes) for name, nbytes, copies in units]

@@ -176,10 +176,9 @@ def test_with_the_weights_on_the_host_the_budget_keeps_blocks(device: torch.devi
     from test_budget_blocks import unit_bytes
     from test_parameters_offload import STREAMED, adamw_two_groups, gpt
     from test_parameters_offload import batches_on as on
-
     from test_weights_on_device import train as plain_training
 
-    from gradient_cache.engine.weights import REST
+    from gradient_cache.engine.budget import REST
 
     data = on(device, 4)
     plain = gpt().to(device)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..budget import REST
 from ..config import EngineConfig
 from ..fsdp_privates import (
     ShardedModule,
@@ -53,13 +54,6 @@ class Weights:
         self.masters = masters
         self.stream = stream
         self.units = units or {}
-
-    def copies_a_step(self, name: str) -> int:
-        """The copies of unit ``name`` a step with one micro-batch makes while it streams:
-        forward's and backward's (one, for the rest and the last block, which stay from
-        forward to the end of backward) and the step's two, to the device and back."""
-        stays = name in (REST, next(reversed(self.units)))
-        return 3 if stays else 4
 
     def keep_on_device(self, names: Iterable[str]) -> None:
         """The units ``names`` names on the device for good, plain parameters there, as
@@ -178,9 +172,6 @@ def attach(
         _buffers_to(model, backend.device)
         return Weights(masters, WeightStream(model, masters, units), _named_units(model, units))
     return Weights(masters, ShardStream(model, masters, units))
-
-
-REST = "(the rest)"  # the name of the unit that is not a block (embeddings, head, tied)
 
 
 def _named_units(model: torch.nn.Module, units: WeightUnits) -> dict[str, list[Param]]:
