@@ -296,7 +296,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         "--optimizer",
         default="adamw",
         help=f"{', '.join(OPTIMIZER_STATE_BYTES)} (adam and adamw: 8 bytes a parameter; "
-        "the 8-bit ones 2.03), or the optimizer state's bytes per parameter (default adamw)",
+        "the 8-bit ones and fp8 2.03, 4-bit 1.06), or the optimizer state's bytes per "
+        "parameter (default adamw; 4 for an AdamW with bf16 moments)",
     )
     plan.add_argument("--micro-batches", type=_positive_int, default=1)
     plan.add_argument(

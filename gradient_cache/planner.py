@@ -49,6 +49,13 @@ EIGHT_BIT_ADAM_TENSOR_BYTES = 4 + 2 * 256 * 4
 #: AdamW). Both 8-bit libraries keep tensors under 4096 entries (biases, norms) in fp32,
 #: 8 bytes an entry, which the 8-bit figure leaves out: under 1% of the state of the
 #: demo's GPT (tests/test_eight_bit.py measures both libraries).
+#: torchao's AdamW4bit: two moments of 4-bit codes (two an entry in a byte), each with an
+#: fp32 scale per block of 128 entries; per tensor its step and a 16-entry fp32 code table
+#: per moment. Its AdamWFp8: two float8_e4m3 moments, an fp32 scale per 256 entries; per
+#: tensor its step. (Measured: tests/test_eight_bit.py.)
+FOUR_BIT_ADAM_BYTES = 2 * (0.5 + 4 / 128)
+FOUR_BIT_ADAM_TENSOR_BYTES = 4 + 2 * 16 * 4
+FP8_ADAM_BYTES = 2 * (1 + 4 / 256)
 OPTIMIZER_STATE_BYTES = {
     "sgd": (0, 0),
     "sgd-momentum": (4, 0),
@@ -56,13 +63,15 @@ OPTIMIZER_STATE_BYTES = {
     "adamw": (8, 4),
     "adam8bit": (EIGHT_BIT_ADAM_BYTES, EIGHT_BIT_ADAM_TENSOR_BYTES),
     "adamw8bit": (EIGHT_BIT_ADAM_BYTES, EIGHT_BIT_ADAM_TENSOR_BYTES),
+    "adamw4bit": (FOUR_BIT_ADAM_BYTES, FOUR_BIT_ADAM_TENSOR_BYTES),
+    "adamwfp8": (FP8_ADAM_BYTES, 4),
 }
-#: 8-bit Adam quantizes tensors of at least this many entries; smaller ones (biases, norms)
-#: keep two fp32 moments, 8 bytes an entry, and no code tables.
+#: The quantized Adams quantize tensors of at least this many entries; smaller ones
+#: (biases, norms) keep two fp32 moments, 8 bytes an entry, and no code tables.
 EIGHT_BIT_MIN_ENTRIES = 4096
-EIGHT_BIT_OPTIMIZERS = ("adam8bit", "adamw8bit")
+EIGHT_BIT_OPTIMIZERS = ("adam8bit", "adamw8bit", "adamw4bit", "adamwfp8")
 #: The optimizers of the host layouts table (`host_layouts`), each with fp32 and bf16 compute.
-LAYOUT_OPTIMIZERS = ("adamw", "adamw8bit")
+LAYOUT_OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")
 #: Bytes an entry of a weight's wire: with ``compute_dtype=torch.bfloat16`` each floating
 #: weight keeps, beside its fp32 master, the master cast to bf16 on the host, which forward
 #: and backward bring to the device (`engine.weights.masters`).
@@ -931,12 +940,14 @@ def _layouts_notes(
         "on the host, what forward and backward bring to the device), the gradient store (the "
         "CUDA pinned pool's slots for this plan's codec and ratio; lossless fp32: 4), the "
         "optimizer state (adamw: two fp32 moments, 8; adamw8bit: two uint8 codes with an "
-        f"fp32 scale per 256 entries, {EIGHT_BIT_ADAM_BYTES:.2f}).",
+        f"fp32 scale per 256 entries, {EIGHT_BIT_ADAM_BYTES:.2f}; adamw4bit, torchao's: two "
+        f"4-bit codes with an fp32 scale per 128 entries, {FOUR_BIT_ADAM_BYTES:.2f}).",
         f"This model ({sum(inputs.tensors):,} parameters in {len(inputs.tensors)} tensors) "
         "adds what the planner counts per tensor: the masters' and wires' alignment "
         f"({UNIT_ALIGN} entries), the pool's (64 bytes) and its power-of-two slabs, the "
-        "state's per-tensor bytes (Adam's step, 4; 8-bit Adam's code tables, 2 KiB) and "
-        f"8-bit Adam's fp32 moments for tensors under {EIGHT_BIT_MIN_ENTRIES} entries: "
+        "state's per-tensor bytes (Adam's step, 4; 8-bit Adam's code tables, 2 KiB; 4-bit's, "
+        "128 bytes) and the quantized Adams' fp32 moments for tensors under "
+        f"{EIGHT_BIT_MIN_ENTRIES} entries: "
         f"{first.overhead_bytes() / MIB:,.1f} MiB for {first.name}. Not counted: the ends of "
         "the slabs the masters, wires and state are cut from (a region, such as a block's "
         "masters, is never split across slabs: one a little over a power of two leaves "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -46,13 +47,17 @@ def bitsandbytes_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return bnb.optim.AdamW8bit(params, lr=LEARNING_RATE)
 
 
-def torchao_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def torchao_optim() -> ModuleType:
     optim = pytest.importorskip(
         "torchao.optim", reason="needs the eightbit extra: pip install -e '.[eightbit]'"
     )
     if not any(map(shutil.which, ("g++", "c++", "clang++"))):
-        pytest.skip("torchao's AdamW8bit compiles its step (torch.compile): no C++ compiler")
-    return optim.AdamW8bit(params, lr=LEARNING_RATE)
+        pytest.skip("torchao's optimizers compile their step (torch.compile): no C++ compiler")
+    return optim
+
+
+def torchao_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torchao_optim().AdamW8bit(params, lr=LEARNING_RATE)
 
 
 LIBRARIES: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
@@ -152,7 +157,15 @@ def state_tensors(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[to
 def test_cache_at_ratio_1_gives_the_8bit_optimizers_own_weights_and_state(
     library: str, way: str
 ) -> None:
-    make_optimizer = LIBRARIES[library]
+    # The 8-bit path ran: the weights' moments are one byte an entry.
+    assert same_as_plain(LIBRARIES[library], way) < 3 * WIDTH * WIDTH
+
+
+def same_as_plain(
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], way: str
+) -> int:
+    """Plain's and the cache's (``way``) runs, with clipping at every step: the same norms,
+    weights and every state tensor. The bytes of the first weight's state."""
     plain, plain_optimizer, plain_norms = train(make_optimizer, "plain")
     cached, cached_optimizer, cached_norms = train(make_optimizer, way)
     assert all(norm > MAX_NORM for norm in plain_norms)  # clipping acts at every step
@@ -166,11 +179,9 @@ def test_cache_at_ratio_1_gives_the_8bit_optimizers_own_weights_and_state(
     assert len(got_state) == len(expected_state)
     for expected, got in zip(expected_state, got_state, strict=True):
         assert torch.equal(got, expected)
-    # The 8-bit path ran: the weights' moments are one byte an entry.
-    weight_state = storage_bytes(
+    return storage_bytes(
         t for t in plain_optimizer.state[plain.layers[0].weight].values() if torch.is_tensor(t)
     )
-    assert weight_state < 3 * WIDTH * WIDTH
 
 
 def test_planner_counts_8bit_state_as_the_libraries_hold_it() -> None:
@@ -232,3 +243,62 @@ def test_a_compiled_8bit_step_runs_inside_a_measured_phase() -> None:
     weights = 3 * (2 * (WIDTH * WIDTH + WIDTH * WIDTH // 256 * 4 + 256 * 4) + 4)
     norm = 2 * (2 * WIDTH * 4 + 4)
     assert state == weights + norm
+
+
+class Bf16MomentsAdamW(torch.optim.Optimizer):
+    """AdamW whose moments are kept in bf16 (4 bytes a parameter): each update computed
+    in fp32 from the widened moments, which are then rounded back. Any optimizer's state
+    tensors travel as they are, whatever their dtype."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float = LEARNING_RATE) -> None:
+        super().__init__(params, {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "wd": 0.01})
+
+    @torch.no_grad()
+    def step(self) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), device=param.device)
+                    state["exp_avg"] = torch.zeros_like(param, dtype=torch.bfloat16)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.bfloat16)
+                state["step"] += 1
+                grad = param.grad
+                exp_avg = state["exp_avg"].float().mul_(beta1).add_(grad, alpha=1 - beta1)
+                exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2)
+                exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
+                state["exp_avg"].copy_(exp_avg)
+                state["exp_avg_sq"].copy_(exp_avg_sq)
+                step = state["step"]
+                denominator = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
+                param.mul_(1 - group["lr"] * group["wd"])
+                param.addcdiv_(exp_avg / (1 - beta1**step), denominator, value=-group["lr"])
+
+
+def torchao_adamw_of(name: str) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return getattr(torchao_optim(), name)(params, lr=LEARNING_RATE)
+
+    return make
+
+
+#: Each optimizer, and its state's bytes a parameter and a tensor as the planner counts them
+#: (`--optimizer`: a name, or bytes a parameter; the bf16 moments' step is a 4-byte tensor).
+SMALLER_STATES = {
+    "torchao 4-bit": (torchao_adamw_of("AdamW4bit"), optimizer_state_bytes("adamw4bit")),
+    "torchao fp8": (torchao_adamw_of("AdamWFp8"), optimizer_state_bytes("adamwfp8")),
+    "bf16 moments": (Bf16MomentsAdamW, (optimizer_state_bytes("4")[0], 4)),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(SMALLER_STATES))
+def test_state_smaller_than_fp32_on_the_host_with_the_weights_bit_for_bit(optimizer: str) -> None:
+    """torchao's 4-bit and fp8 AdamW and an AdamW with bf16 moments, the weights and the
+    state on the host: the weights, the norms and every state tensor as without the cache;
+    the weights' moments take the bytes the planner counts."""
+    make_optimizer, (per_param, per_tensor) = SMALLER_STATES[optimizer]
+    weight_state = same_as_plain(make_optimizer, WEIGHTS_ON_HOST)
+    assert weight_state == WIDTH * WIDTH * per_param + per_tensor

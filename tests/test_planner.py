@@ -581,9 +581,12 @@ def test_plan_command_prints_the_link_per_phase(capsys: pytest.CaptureFixture[st
 LAYOUT_ROWS = (
     "fp32 compute, adamw",
     "fp32 compute, adamw8bit",
+    "fp32 compute, adamw4bit",
     "bf16 compute_dtype, adamw",
     "bf16 compute_dtype, adamw8bit",
+    "bf16 compute_dtype, adamw4bit",
 )
+PER_TENSOR = {"adamw": 4, "adamw8bit": EIGHT_BIT_ADAM_TENSOR_BYTES, "adamw4bit": 4 + 2 * 16 * 4}
 
 
 def layouts_of(tensors: list[int], **options: object) -> dict[str, HostLayout]:
@@ -605,11 +608,14 @@ def test_the_host_layouts_are_the_hand_computed_bytes_a_parameter() -> None:
     assert list(rows) == list(LAYOUT_ROWS)
     eight_bit = 2 * (1 + 4 / 256)
     assert eight_bit == EIGHT_BIT_ADAM_BYTES
+    four_bit = 2 * (0.5 + 4 / 128)  # torchao's: two 4-bit codes an entry, a scale per 128
     expected = {
         LAYOUT_ROWS[0]: ([4, 0, 4, 8], 16),
         LAYOUT_ROWS[1]: ([4, 0, 4, eight_bit], 10 + 1 / 32),
-        LAYOUT_ROWS[2]: ([4, 2, 4, 8], 18),
-        LAYOUT_ROWS[3]: ([4, 2, 4, eight_bit], 12 + 1 / 32),
+        LAYOUT_ROWS[2]: ([4, 0, 4, four_bit], 9 + 1 / 16),
+        LAYOUT_ROWS[3]: ([4, 2, 4, 8], 18),
+        LAYOUT_ROWS[4]: ([4, 2, 4, eight_bit], 12 + 1 / 32),
+        LAYOUT_ROWS[5]: ([4, 2, 4, four_bit], 11 + 1 / 16),
     }
     pool = plan(PlanInputs(tensors=tensors)).host["pinned pool (CUDA)"]
     assert pool == 4 * numel  # 40 MiB of 4 MiB slots: slabs of 32 and 8 MiB, nothing spare
@@ -618,7 +624,7 @@ def test_the_host_layouts_are_the_hand_computed_bytes_a_parameter() -> None:
         assert list(row.per_parameter.values()) == components
         assert row.bytes_per_parameter() == total
         weights = (4 + row.per_parameter["bf16 wires"]) * numel
-        per_tensor = 4 if row.optimizer == "adamw" else EIGHT_BIT_ADAM_TENSOR_BYTES
+        per_tensor = PER_TENSOR[row.optimizer]
         state = row.per_parameter["optimizer state"] * numel + per_tensor * len(tensors)
         assert row.model_bytes == weights + pool + state
         assert row.overhead_bytes() == per_tensor * len(tensors)
@@ -635,10 +641,10 @@ def test_the_host_layouts_count_alignment_and_small_tensors() -> None:
     masters = (112 + 2**20) * 4
     adamw = (100 + 2**20) * 8 + 2 * 4
     eight_bit = 100 * 8 + int(2**20 * EIGHT_BIT_ADAM_BYTES) + EIGHT_BIT_ADAM_TENSOR_BYTES
-    assert rows[LAYOUT_ROWS[0]].model_bytes == masters + pool + adamw
-    assert rows[LAYOUT_ROWS[1]].model_bytes == masters + pool + eight_bit
-    assert rows[LAYOUT_ROWS[2]].model_bytes == masters * 6 // 4 + pool + adamw
-    assert rows[LAYOUT_ROWS[3]].model_bytes == masters * 6 // 4 + pool + eight_bit
+    four_bit = 100 * 8 + int(2**20 * 2 * (0.5 + 4 / 128)) + PER_TENSOR["adamw4bit"]
+    for index, state in enumerate((adamw, eight_bit, four_bit)):
+        assert rows[LAYOUT_ROWS[index]].model_bytes == masters + pool + state
+        assert rows[LAYOUT_ROWS[index + 3]].model_bytes == masters * 6 // 4 + pool + state
 
 
 def test_the_largest_model_is_the_allowed_bytes_over_the_bytes_a_parameter() -> None:
