@@ -323,10 +323,11 @@ def plan(inputs: PlanInputs) -> Plan:
     # residual crosses in its stored form in for every encode and out after it.
     on_host = config.residual_options.residual_location == "host"
     per_encode = payload + (residual if on_host else 0)
-    pcie = {
-        "device to host": per_encode * inputs.micro_batches,
-        "host to device": per_encode * inputs.micro_batches,
-    }
+    # The first micro-batch's payload (`_first_payload`): with the weights on the host, a
+    # carried bf16 gradient's may be narrower than the later ones'.
+    first = _first_payload(tensors, inputs, payload) if inputs.weights else payload
+    crossing = per_encode * inputs.micro_batches - payload + first
+    pcie = {"device to host": crossing, "host to device": crossing}
     restore_seconds = payload / (inputs.link_gbps * 1e9)
     compute_seconds = None
     if inputs.tokens_per_step is not None:
@@ -336,7 +337,12 @@ def plan(inputs: PlanInputs) -> Plan:
     if inputs.weights is not None:
         layouts = host_layouts(inputs, store_bytes=(slots, pool))
         weights = weights_on_host(
-            inputs, bucket=bucket, gradients=pcie, payload=payload, per_encode=per_encode
+            inputs,
+            bucket=bucket,
+            gradients=pcie,
+            payload=payload,
+            per_encode=per_encode,
+            first=first,
         )
         host["parameters (weights on host)"] = weights.host_bytes
         device[WEIGHTS_ON_HOST] = device[STATE_ON_HOST] | {
@@ -443,12 +449,19 @@ def host_allowance(inputs: PlanInputs) -> tuple[int, int, str]:
 
 
 def weights_on_host(
-    inputs: PlanInputs, *, bucket: int, gradients: dict[str, int], payload: int, per_encode: int
+    inputs: PlanInputs,
+    *,
+    bucket: int,
+    gradients: dict[str, int],
+    payload: int,
+    per_encode: int,
+    first: int,
 ) -> WeightsOnHost:
     """The weights-on-host column's figures (``inputs.weights`` set); ``bucket``: a bucket's
     gradient bytes, ``gradients``: their link bytes a step (direction -> bytes),
-    ``payload``: their restore's, ``per_encode``: a micro-batch's each way in backward.
-    The state crosses as in the state-on-host column."""
+    ``payload``: their restore's, ``per_encode``: a micro-batch's each way in backward,
+    ``first``: the first micro-batch's payload (`_first_payload`). The state crosses as in
+    the state-on-host column."""
     layout = inputs.weights
     if layout is None:
         raise ValueError("weights_on_host needs PlanInputs.weights (the blocks and the rest)")
@@ -474,11 +487,13 @@ def weights_on_host(
         link_seconds=max(to_device, to_host) / rate,
         step_seconds=(payload + state + weights) / rate,
         hiding_tokens=hiding_tokens(max(to_device, to_host), inputs),
-        phases=phase_links(inputs, payload=payload, per_encode=per_encode),
+        phases=phase_links(inputs, payload=payload, per_encode=per_encode, first=first),
     )
 
 
-def phase_links(inputs: PlanInputs, *, payload: int, per_encode: int) -> tuple[PhaseLink, ...]:
+def phase_links(
+    inputs: PlanInputs, *, payload: int, per_encode: int, first: int | None = None
+) -> tuple[PhaseLink, ...]:
     """The weights-on-host link by phase and direction (``inputs.weights`` set);
     ``payload``: the stored gradients' bytes, ``per_encode``: a micro-batch's gradient
     bytes each way in backward (the payload, and a host residual: in before its encode,
@@ -500,6 +515,11 @@ def phase_links(inputs: PlanInputs, *, payload: int, per_encode: int) -> tuple[P
     residual = per_encode - payload
     master_and_state = numel * inputs.param_bytes + int(numel * inputs.optimizer_state_bytes)
     accumulations = micro_batches - 1
+    # The first micro-batch's payload (carried bf16: half), brought back by the second's
+    # accumulation or else by the restore; the later ones' are the full payload.
+    first = payload if first is None else first
+    brought_back = first + max(accumulations - 1, 0) * payload if accumulations else 0
+    restored = payload if accumulations else first
     return (
         _phase_link(
             inputs,
@@ -513,11 +533,11 @@ def phase_links(inputs: PlanInputs, *, payload: int, per_encode: int) -> tuple[P
             phase="backward",
             per_micro_batch={
                 "host to device": blocks + residual + (payload if accumulations else 0),
-                "device to host": per_encode,
+                "device to host": per_encode if accumulations else first + residual,
             },
             per_step={
-                "host to device": micro_batches * (blocks + residual) + accumulations * payload,
-                "device to host": micro_batches * per_encode,
+                "host to device": micro_batches * (blocks + residual) + brought_back,
+                "device to host": first + residual + accumulations * per_encode,
             },
             flops_per_token=4 * numel,
         ),
@@ -526,7 +546,7 @@ def phase_links(inputs: PlanInputs, *, payload: int, per_encode: int) -> tuple[P
             phase="optimizer step",
             per_micro_batch=None,
             per_step={
-                "host to device": master_and_state + payload,  # the restore's gradients
+                "host to device": master_and_state + restored,  # the restore's gradients
                 "device to host": master_and_state,
             },
             flops_per_token=0,
@@ -605,6 +625,17 @@ def _routes(tensors: list[int], inputs: PlanInputs, *, steps: int) -> list[Route
     codecs = Codecs.for_options(inputs.config, ratio=inputs.compression_ratio, selection="exact")
     shapes = {i: ((numel,), dtype) for i, numel in enumerate(tensors)}
     return list(plan_routes(shapes, codecs=codecs, config=inputs.config, steps=steps).values())
+
+
+def _first_payload(tensors: list[int], inputs: PlanInputs, payload: int) -> int:
+    """The first micro-batch's stored gradients (nothing to join them): with a narrower
+    compute dtype (``weight_copy_bytes``) and lossless routes they cross as they came,
+    its bytes an entry (`engine.capture.Capture._carried`); else ``payload``."""
+    copy_bytes = inputs.weight_copy_bytes or inputs.grad_bytes
+    routes = _routes(tensors, inputs, steps=inputs.config.warmup_steps)
+    if copy_bytes >= inputs.grad_bytes or any(route.codec.lossy for route in routes):
+        return payload
+    return sum(tensors) * copy_bytes
 
 
 def _host_figures(tensors: list[int], inputs: PlanInputs) -> tuple[int, int]:

@@ -8,7 +8,11 @@ For TinyGPT ``--model`` with ``offload_parameters=True`` and the optimizer state
 moved in forward, in backward and in the step (`HostWeights.moved_bytes` between phases,
 the step's from `summary().parameters_moved_mb`), and the host bytes of the weights'
 slabs (masters, and wires with bf16), the optimizer state's and the gradient store's (what
-the last step stored), each divided by the parameter count. Padding (each weight at an
+the last step stored: its payloads' bytes; on CUDA the pinned pool keeps a slot sized for
+an fp32 gradient whatever a payload takes of it, `summary().host_pool`), each divided by
+the parameter count. The gradients' link bytes are
+what backward stored (out, device to host) and the step's restore brought back (in): one
+micro-batch's, in bf16 as it came with a bf16 compute dtype. Padding (each weight at an
 aligned place in its unit) is counted where it crosses.
 """
 
@@ -48,6 +52,8 @@ def measure(model_name: str, compute_dtype: torch.dtype | None) -> dict[str, flo
         forward = weights.moved_bytes - before
         loss.backward()
         backward = weights.moved_bytes - before - forward
+        manager.compress_and_free_gradients()
+        gradients = manager.summary().stored_gradient_mb * MIB  # out in backward, back at the step
         manager.step(optimizer, max_grad_norm=1.0)
         optimizer.zero_grad()
     summary = manager.summary()
@@ -56,6 +62,7 @@ def measure(model_name: str, compute_dtype: torch.dtype | None) -> dict[str, flo
         "forward": forward / count,
         "backward": backward / count,
         "step": step / count,
+        "gradients": gradients / count,
         "weights_host": summary.parameters_host_mb * MIB / count,
         "state_host": summary.optimizer_state_host_mb * MIB / count,
         "gradients_host": summary.stored_gradient_mb * MIB / count,
@@ -70,15 +77,16 @@ def main() -> None:
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}")
     print(f"# torch {torch.__version__}, TinyGPT {args.model!r}, AdamW, lossless gradients")
     print(
-        "compute   params  link B/param: forward  backward  step (both ways)"
-        "   host B/param: weights  optimizer state  gradients"
+        "compute   params  weights' link B/param: forward  backward  step (both ways)"
+        "   gradients' link B/param: each way   host B/param: weights  optimizer state"
+        "  gradients stored"
     )
     for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         row = measure(args.model, dtype)
         print(
-            f"{name:8s} {row['params']:8d}  {row['forward']:20.3f}  {row['backward']:8.3f}"
-            f"  {row['step']:15.3f}   {row['weights_host']:21.3f}  {row['state_host']:15.3f}"
-            f"  {row['gradients_host']:9.3f}"
+            f"{name:8s} {row['params']:8d}  {row['forward']:30.3f}  {row['backward']:8.3f}"
+            f"  {row['step']:15.3f}   {row['gradients']:32.3f}   {row['weights_host']:21.3f}"
+            f"  {row['state_host']:15.3f}  {row['gradients_host']:9.3f}"
         )
 
 

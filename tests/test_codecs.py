@@ -220,6 +220,23 @@ def test_a_bf16_gradients_payload_decodes_to_its_bf16_values_whatever_the_output
     assert torch.equal(as_fp32, as_bf16.float())
 
 
+def test_a_bf16_dense_payload_crosses_in_its_own_bytes_and_widens_after() -> None:
+    """A compute dtype's gradient carried in bf16 (`NARROW_FLOATS`): its restore into the
+    fp32 gradient moves the bf16 tensor itself (2 bytes an entry: a cross-device copy_
+    that converts would cast on the host first and move 4) and widens it, exactly."""
+    flat = torch.randn(1000, generator=torch.Generator().manual_seed(4)).bfloat16()
+    payload, _ = make_codec("lossless").encode(flat, None, loss_scale=None)
+    moved: list[torch.Tensor] = []
+
+    def to_device(tensor: torch.Tensor) -> torch.Tensor:
+        moved.append(tensor)
+        return tensor.clone()
+
+    out = payload.restore_into(torch.empty(1000), to_device)
+    assert [t.dtype for t in moved] == [torch.bfloat16]
+    assert out.dtype == torch.float32 and torch.equal(out, flat.float())
+
+
 @contextlib.contextmanager
 def matmul_precision(precision: str):
     before = torch.get_float32_matmul_precision()

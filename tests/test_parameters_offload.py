@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from helpers import FailsOnce, assert_same_parameters
+from helpers import FailsOnce, assert_same_parameters, save_and_load
 from stream_checker import FakeAccelerator
 from test_optimizer_state import FailsAtCall
 from test_planner import planned_weights_on_host
@@ -627,6 +627,93 @@ def test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit(tmp
     assert manager.summary().parameters_moved_mb * 2**20 == moved
     fp32 = micro_batches * (every + sum(blocks) * 2 - blocks[-1] * 2) + 2 * every
     assert moved <= 0.8 * fp32
+
+
+def written_out_bf16_training(data: list, micro_batches: int) -> torch.nn.Module:
+    """``compute_dtype``'s reference in plain PyTorch: each micro-batch's forward and
+    backward through a bf16 copy of the fp32 masters, its gradients widened to fp32 and
+    accumulated there, then clipping and AdamW on the masters, in fp32."""
+    masters = gpt()
+    optimizer = adamw_two_groups(masters)
+    for index, (tokens, targets) in enumerate(data):
+        copy_ = gpt().to(torch.bfloat16)
+        copy_.load_state_dict(masters.state_dict())  # cast to bf16 as it is copied
+        (copy_(tokens, targets)[1] / micro_batches).backward()
+        for master, low in zip(masters.parameters(), copy_.parameters(), strict=True):
+            widened = low.grad.float()
+            master.grad = widened if master.grad is None else master.grad + widened
+        if (index + 1) % micro_batches == 0:
+            step(masters, optimizer, clip=0.5)
+    return masters
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_bf16_gradients_cross_as_they_came_and_train_as_written_out(micro_batches) -> None:
+    """compute_dtype=torch.bfloat16, lossless: a micro-batch's gradient with nothing to
+    join crosses in bf16 (2 bytes a parameter) and is widened at its restore, exactly; a
+    later micro-batch's joins it in fp32. Three AdamW steps with clipping equal the
+    reference written out in plain PyTorch; the store holds half the dense bytes after one
+    micro-batch, all of them after two."""
+    data = batches(3 * micro_batches)
+    reference = written_out_bf16_training(data, micro_batches)
+    cached = gpt()
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(
+        cached, **STREAMED, compute_dtype=torch.bfloat16, bucket_size_mb=0.02
+    )
+    train(
+        cached,
+        optimizer,
+        data[:-micro_batches],
+        manager=manager,
+        micro_batches=micro_batches,
+        clip=0.5,
+    )
+    for tokens, targets in data[-micro_batches:]:
+        (cached(tokens, targets)[1] / micro_batches).backward()
+    manager.compress_and_free_gradients()
+    figures = manager.summary()
+    assert figures.stored_gradient_mb == figures.dense_gradient_mb / (3 - micro_batches)
+    # The planner (`gradient-cache plan --compute-dtype bf16`) counts these bytes: out in
+    # backward, the first micro-batch's carried; back at the restore.
+    planned = planned_weights_on_host(
+        cached, micro_batches=micro_batches, weight_copy_bytes=2, compression_ratio=1
+    )
+    backward, step_ = planned.phases[1:]
+    first = figures.dense_gradient_mb * 2**20 / 2
+    later = (micro_batches - 1) * figures.dense_gradient_mb * 2**20
+    assert backward.link_bytes_per_step["device to host"] == first + later
+    masters_and_adamw = planned.host_bytes * 3  # 4 bytes an entry, and AdamW's 8
+    restored = step_.link_bytes_per_step["host to device"] - masters_and_adamw
+    assert restored == figures.stored_gradient_mb * 2**20
+    step(cached, optimizer, manager, clip=0.5)
+    assert_same_parameters(reference, cached)
+
+
+def test_a_checkpoint_holding_a_bf16_gradient_resumes_as_written_out() -> None:
+    """A checkpoint taken after the first of two micro-batches holds that micro-batch's
+    gradient as it crossed, in bf16; a new cache loads it (a bf16 payload of an fp32
+    gradient is not taken for damage) and the step ends as the written-out reference."""
+    data = batches(2)
+    reference = written_out_bf16_training(data, micro_batches=2)
+
+    def build() -> tuple:
+        model = gpt()
+        optimizer = adamw_two_groups(model)
+        options = dict(STREAMED, compute_dtype=torch.bfloat16, bucket_size_mb=0.02)
+        return model, optimizer, gradient_cache.create_gradient_cache(model, **options)
+
+    model, optimizer, manager = build()
+    (model(*data[0])[1] / 2).backward()
+    saved = save_and_load(model, manager, optimizer)
+    manager.remove_hooks()
+    model, optimizer, manager = build()
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    manager.load_state_dict(saved["cache"])
+    (model(*data[1])[1] / 2).backward()
+    step(model, optimizer, manager, clip=0.5)
+    assert_same_parameters(reference, model)
 
 
 def test_writes_to_the_masters_reach_the_next_forward_and_a_cast_model_is_refused() -> None:

@@ -101,9 +101,15 @@ class Payload(ABC):
         return {"kind": self.kind, **fields}
 
 
+#: The dtypes a dense payload of an fp32 gradient may hold: a compute dtype's gradient,
+#: carried as it came, widened exactly where it is added to or restored.
+NARROW_FLOATS = (torch.bfloat16, torch.float16)
+
+
 @dataclass
 class DensePayload(Payload):
-    """A whole gradient, kept as it is."""
+    """A whole gradient, kept as it is (in a narrower dtype, `NARROW_FLOATS`, where it came
+    so)."""
 
     kind: ClassVar[str] = "dense"
     tensor: torch.Tensor  # flat, the gradient's dtype
@@ -136,6 +142,8 @@ class DensePayload(Payload):
         return out.copy_(self.tensor, non_blocking=True)
 
     def restore_into(self, out: torch.Tensor, to_device: Move) -> torch.Tensor:
+        if self.tensor.dtype != out.dtype:  # a compute dtype's gradient: its own bytes
+            return out.copy_(to_device(self.tensor))  # cross, widened on the device
         return out.copy_(self.tensor, non_blocking=True)  # the copy is the move
 
 

@@ -235,8 +235,8 @@ class CpuBackend(Backend):
         grads = []
         for param, payload in items:
             whole = payload.as_gradient()
-            if whole is not None:  # lossless: the gradient itself, no copy
-                grad = clipped(whole, clip_factor)
+            if whole is not None:  # lossless: the gradient itself, no copy (but a widening)
+                grad = clipped(whole.to(self.routes[param].dtype), clip_factor)
             else:
                 route = self.routes[param]
                 grad = payload.decode_into(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from ..codecs.payloads import NARROW_FLOATS
 from . import sharding
 from .backend import Encoded
 from .bucket import BucketState, Item
@@ -62,13 +63,24 @@ class Capture:
             # before the third does ((a + b) + c, plain PyTorch's order).
             self.launch(pipeline.assembler.flush() or [])
         group_complete = _group_complete(record.group)
-        # A compute dtype's gradient (offload_parameters) is accumulated and stepped in
-        # the master's dtype, as FSDP2's reduce_dtype=float32 does.
-        self.add(param, sharding.local(grad).to(record.route.dtype))
+        self.add(param, self._carried(param, sharding.local(grad)))
         if group_complete:
             # The group's shared buffer is freed once its last gradient is offloaded: send
             # it now rather than when the next group's gradients fill the bucket.
             self.launch(pipeline.assembler.flush() or [])
+
+    def _carried(self, param: Param, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` as its bucket carries it. A compute dtype's gradient (offload_parameters)
+        is accumulated and stepped in the master's dtype, as FSDP2's reduce_dtype=float32
+        does: widened here, except on a lossless route with nothing to join (no earlier
+        micro-batch's part cached or waiting), where its own bits cross, half the bytes of
+        bf16, and widen exactly where they are added to or restored (`DensePayload`)."""
+        route = self.pipeline.records[param].route
+        alone = param not in self.pipeline.store and not self.pipeline.assembler.holds(param)
+        narrower = grad.dtype in NARROW_FLOATS and route.dtype == torch.float32
+        if alone and narrower and not route.codec.lossy:
+            return grad
+        return grad.to(route.dtype)
 
     def _restore_clipped(self) -> None:
         """Every cached gradient back in ``param.grad``, times the deferred clip, which is
@@ -139,7 +151,7 @@ class Capture:
             # The norm of what this encode compresses (under accumulation, the decoded
             # earlier micro-batches plus this one), read by the fused step's clip with no
             # pass over the payloads.
-            pending.norms.write(param, flat)
+            pending.norms.write(param, flat.to(route.dtype))  # a carried bf16's, widened
         payload, new_residual = codec.encode(flat, residual, loss_scale=scale)
         return Encoded(param, payload, new_residual, () if residual is None else (residual,))
 

@@ -132,7 +132,8 @@ class EngineConfig:
             cast on the host (2 bytes a parameter over the link, 2 more on the host, cast
             again where the master changed), the floating inputs of the model
             and of each block are cast to it, the gradients are accumulated
-            and stepped in fp32, and the step steps the fp32 masters on the device: FSDP2's
+            and stepped in fp32 (a lossless one with nothing to join crosses in bf16 and is
+            widened at its restore), and the step steps the fp32 masters on the device: FSDP2's
             ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)``
             on one process, bit for bit. None (default): the weights' own dtype.
         parameter_blocks: With ``offload_parameters``: the dotted name of the module list

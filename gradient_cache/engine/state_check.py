@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..codecs import payload_from_state
+from ..codecs.payloads import NARROW_FLOATS
 from .layout import contiguous_strides
 from .pipeline import Pipeline
 from .route import Route
@@ -242,7 +243,7 @@ def _check_payload(saved: Any, where: str, route: Any) -> None:
     expected_kept = route.numel if indices is None else indices.numel()
     if (
         payload.numel != route.numel
-        or values.dtype != route.dtype
+        or not _carries(values.dtype, payload.kind, route.dtype)
         or values.numel() != expected_kept
         or (indices is not None and not _within(indices, route.numel))
     ):
@@ -251,6 +252,13 @@ def _check_payload(saved: Any, where: str, route: Any) -> None:
             f"{payload.numel}-entry gradient; expected a gradient of {route.numel} "
             f"{route.dtype} entries, every index below {route.numel}."
         )
+
+
+def _carries(dtype: torch.dtype, kind: str, route_dtype: torch.dtype) -> bool:
+    """Whether a payload's values in ``dtype`` are a gradient of ``route_dtype``: its own,
+    or a compute dtype's lossless one, carried as it came (`capture.Capture._carried`)."""
+    carried = kind == "dense" and dtype in NARROW_FLOATS and route_dtype == torch.float32
+    return dtype == route_dtype or carried
 
 
 def _within(indices: torch.Tensor, numel: int) -> bool:

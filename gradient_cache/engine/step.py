@@ -455,7 +455,8 @@ def _cached_norms(
             if norm is None:
                 # No encode computed it (the first step that asks, a resumed step):
                 # from the host payload, to the device, where clip_grad_norm_ returns it.
-                norm = gradient_norm(payload.kept_values(), norm_type).to(device)
+                values = payload.kept_values().to(pipeline.records[param].route.dtype)
+                norm = gradient_norm(values, norm_type).to(device)
             norms[param] = norm
     return norms
 
