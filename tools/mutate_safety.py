@@ -1850,6 +1850,27 @@ MUTANTS = [
         "tests/test_parameters_offload.py::test_a_checkpoint_holding_a_bf16_gradient_resumes_as_written_out",
     ),
     (
+        "schedule: the order a forward ran its blocks in is learned",
+        "gradient_cache/engine/weights/schedule.py",
+        "        if ran and len(set(ran)) == len(ran) and ran != self._order:\n",
+        "        if False:\n",
+        "tests/test_weight_schedule.py",
+    ),
+    (
+        "schedule: backward brings the block forward ran before, not the one before in module order",
+        "gradient_cache/engine/weights/stream.py",
+        "        self.weights.bring(self._block(self.schedule.before(index)))\n",
+        "        self.weights.bring(self._block(index - 1))\n",
+        "tests/test_weight_schedule.py",
+    ),
+    (
+        "schedule: the last block run is kept for backward",
+        "gradient_cache/engine/weights/stream.py",
+        "        last = index == self.schedule.last()\n",
+        "        last = index == len(self.units.blocks) - 1\n",
+        "tests/test_weight_schedule.py",
+    ),
+    (
         "budget blocks: a kept unit's parameters become device tensors",
         "gradient_cache/engine/weights/stream.py",
         "        for param, home in zip(params, homes, strict=True):\n            param.data = home\n",

@@ -3,11 +3,12 @@
 master at rest) and the hooks that bring and free them a block at a time (`WeightStream`).
 
 Module hooks move the weights (`masters.HostWeights`) by the model's units
-(`blocks.weight_units`): the *rest* (embeddings, head, tied weights) comes at the
-model's forward and stays until backward is done with it (its copy and block 0's both
-start before forward waits for it); a block comes before its forward, the next block starts
-arriving meanwhile, and it goes after its forward, but the last, which backward reads first
-and keeps until its gradients are accumulated. Backward
+(`blocks.weight_units`), in the order forward runs the blocks (`schedule.Schedule`, learned
+from the forwards; module order until one has run): the *rest* (embeddings, head, tied
+weights) comes at the model's forward and stays until backward is done with it (its copy
+and the first block's both start before forward waits for it); a block comes before its
+forward, the next block starts arriving meanwhile, and it goes after its forward, but the
+last, which backward reads first and keeps until its gradients are accumulated. Backward
 brings the blocks again, last first: a hook on a block's outputs (their gradient is ready,
 so the block's backward is next) brings it and starts bringing the one before. A weight
 goes as soon as its gradient is accumulated (its post-accumulate-grad hook, after the
@@ -63,6 +64,7 @@ from .hooks import (
     tensors_needing_gradients,
 )
 from .masters import HostWeights, Weight, WeightAt
+from .schedule import Schedule
 
 Param = torch.nn.Parameter
 
@@ -73,6 +75,7 @@ class WeightStream:
     def __init__(self, model: torch.nn.Module, weights: HostWeights, units: WeightUnits) -> None:
         self.weights = weights
         self.units = units
+        self.schedule = Schedule(len(units.blocks))  # the order forward runs the blocks in
         # Forwards with gradients since the last backward ended (a graph each, which a
         # backward may come for: an output dropped without one still counts until then).
         self._forwards = 0
@@ -146,7 +149,7 @@ class WeightStream:
         self._refuse_autocast()
         self.weights.bring(self.units.rest)
         if not in_backward():  # both copies issued before the compute stream waits for one
-            self.weights.bring(self._block(0))
+            self.weights.bring(self._block(self.schedule.first()))
         self.weights.ensure(self.units.rest)
         return self._cast(args, kwargs)
 
@@ -168,6 +171,7 @@ class WeightStream:
         self._in_model = False
         if in_backward():
             return
+        self.schedule.learn()
         outputs = tensors_needing_gradients(output) if torch.is_grad_enabled() else []
         if not outputs:  # an eval, a forward that raised, nothing to train: no backward
             if torch.is_grad_enabled():
@@ -176,9 +180,9 @@ class WeightStream:
             return
         for tensor in outputs:
             tensor.register_hook(self._backward_begins)
-        # Backward starts with the last block: kept from its forward (brought again where
-        # a later forward freed it).
-        self.weights.bring(self._block(len(self.units.blocks) - 1))
+        # Backward starts with the last block run: kept from its forward (brought again
+        # where a later forward freed it).
+        self.weights.bring(self._block(self.schedule.last()))
 
     @outside_graphs
     @of_this_backward
@@ -194,6 +198,7 @@ class WeightStream:
         if not in_backward() and torch.is_grad_enabled():
             self._reused |= index in self._called
             self._called.add(index)
+            self.schedule.ran(index)
             self._kwargs[index] = kwargs  # its inputs' gradient ends its backward
             for tensor in tensors_needing_gradients((args, kwargs)):
                 made = self._consumers.get(id(tensor))
@@ -202,7 +207,7 @@ class WeightStream:
         self._refuse_autocast()
         self.weights.ensure(self._block(index))
         if not in_backward():
-            self.weights.bring(self._block(index + 1))
+            self.weights.bring(self._block(self.schedule.after(index)))
         return self._cast(args, kwargs)
 
     def _refuse_autocast(self) -> None:
@@ -251,7 +256,7 @@ class WeightStream:
                 tensor.register_hook(
                     functools.partial(self._block_backward_begins, index, consumers)
                 )
-        last = index == len(self.units.blocks) - 1
+        last = index == self.schedule.last()
         if not (last and output is not None and torch.is_grad_enabled()):
             self.weights.free(self._block(index))  # the last one: backward begins with it
 
@@ -263,7 +268,7 @@ class WeightStream:
         for consumer in consumers:  # their backward is done: this output's gradient is whole
             self._free_frozen(consumer)
         self.weights.ensure(self._block(index))
-        self.weights.bring(self._block(index - 1))
+        self.weights.bring(self._block(self.schedule.before(index)))
 
     @outside_graphs
     @of_this_backward
@@ -329,13 +334,14 @@ class WeightStream:
             self._unstreamed.clear()
         self._warn_unstreamed()
         self.weights.free(self.weights.present())
+        self.schedule.learn()  # a framework calling a submodule never ends the model
         self._forwards = 0
-        self._called = set()  # a framework calling a submodule never begins the model
+        self._called = set()  # nor begins it
         self._reused = False
         self._consumers = {}
 
-    def _block(self, index: int) -> list[Param]:
-        if 0 <= index < len(self.units.blocks):
+    def _block(self, index: int | None) -> list[Param]:
+        if index is not None and 0 <= index < len(self.units.blocks):
             return self.units.block_params[index]
         return []
 

@@ -1,0 +1,55 @@
+"""The order a model's forward runs its blocks in, learned from its forwards: what the
+one-process stream brings ahead (`stream.WeightStream`).
+
+Until a forward has taught it, the blocks' module order stands in. A forward with gradients
+that runs each of its blocks once teaches the order from then on (a block run twice keeps
+its weights to the end of backward anyway, and teaches nothing): forward brings the block
+after the running one, backward, which runs them the other way, the one before, and the
+last one run stays from its forward to its backward. A block that forward did not run (a
+skipped layer) has no neighbours in the order: nothing is brought on its account. A model
+that runs its blocks out of module order (in reverse, interleaved) would otherwise have the
+wrong block brought at every step, and the one it runs next fetched while it waits.
+"""
+
+from __future__ import annotations
+
+
+class Schedule:
+    """The learned order of ``count`` blocks, by index (see the module docstring)."""
+
+    def __init__(self, count: int) -> None:
+        self._order = list(range(count))
+        self._at = {index: index for index in range(count)}  # a block's place in the order
+        self._running: list[int] = []  # the blocks this forward ran, in order
+
+    def ran(self, index: int) -> None:
+        """Block ``index``'s forward began (one with gradients, outside backward)."""
+        self._running.append(index)
+
+    def learn(self) -> None:
+        """A forward ended (or a backward, for a framework that never calls the model's
+        own forward): what ran since, each block once, is the order from now on."""
+        ran, self._running = self._running, []
+        if ran and len(set(ran)) == len(ran) and ran != self._order:
+            self._order = ran
+            self._at = {index: place for place, index in enumerate(ran)}
+
+    def first(self) -> int | None:
+        return self._order[0] if self._order else None
+
+    def last(self) -> int | None:
+        return self._order[-1] if self._order else None
+
+    def after(self, index: int) -> int | None:
+        """The block forward runs after block ``index`` (None: none, or not in the order)."""
+        return self._neighbour(index, 1)
+
+    def before(self, index: int) -> int | None:
+        """The block forward ran before block ``index``: backward's next."""
+        return self._neighbour(index, -1)
+
+    def _neighbour(self, index: int, step: int) -> int | None:
+        place = self._at.get(index)
+        if place is None or not 0 <= place + step < len(self._order):
+            return None
+        return self._order[place + step]
