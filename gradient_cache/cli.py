@@ -192,14 +192,16 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
-        help="train a small GPT three ways and compare memory, speed and loss",
+        help="train a small GPT several ways and compare memory, speed and loss",
         description=(
             "Train the built-in TinyGPT on an embedded byte corpus (nothing is downloaded) "
-            "three ways from the same seed and batches: plain PyTorch, the gradient cache "
-            "lossless (ratio 1) and at --ratio (--scenario larger-than-device: plain under a "
-            "device cap and without it, and the cache with the weights and the optimizer "
-            "state on the host under the cap). Prints a table and writes report.json and "
-            "report.png to --out."
+            "several ways from the same seed and batches: plain PyTorch, the gradient cache "
+            "lossless (ratio 1) and at --ratio; in the default scenario, memory-bound, also "
+            "lossless with the optimizer state on the host, and with the weights on the host "
+            "beside it (five runs); --scenario larger-than-device: plain under a device cap "
+            "and without it, and the cache with the weights and the optimizer state on the "
+            "host under the cap. Prints a table and writes report.json and report.png to "
+            "--out."
         ),
     )
     defaults = ", ".join(f"{s.steps} for {s.name}" for s in SCENARIOS.values())

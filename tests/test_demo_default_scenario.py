@@ -1,5 +1,6 @@
 """`gradient-cache demo`'s default scenario (memory-bound): the peak falls by most of what
-the cache offloads, and the planner predicts what the demo measures.
+the cache offloads, the run with the weights on the host too has the lowest, and the planner
+predicts what the demo measures.
 
 Its own file so pytest-xdist (one file per worker) runs it beside test_demo.py's run.
 """
@@ -10,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_demo import run_console_script, runs_by_name
+from test_demo import run_in_process, runs_by_name
 
 from gradient_cache import cli
+from gradient_cache.demo.run import STATE_RUN, WEIGHTS_RUN
 from gradient_cache.engine.units import MIB
 from gradient_cache.planner import (
     GRADIENTS_AT_STEP,
@@ -29,16 +31,18 @@ MEMORY_BOUND_STEPS = 2
 
 @pytest.fixture(scope="module")
 def memory_bound(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str, str]:
-    """The default scenario (only the step count lowered)."""
+    """The default scenario (only the step count lowered), by the command's ``main`` in this
+    process (test_demo.py runs the console script itself)."""
     out = tmp_path_factory.mktemp("memory_bound")
-    return run_console_script(out, "--steps", str(MEMORY_BOUND_STEPS))
+    return run_in_process(out, "--steps", str(MEMORY_BOUND_STEPS))
 
 
-def with_the_state_run(report: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-    """The scenario's runs: the three of every scenario, then the state-on-host one."""
-    *three, state = report["runs"]
-    assert state["name"] == "cache r=1, state on host"
-    return (*runs_by_name({"runs": three}), state)
+def the_runs(report: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The scenario's runs: the three of every scenario, then the state-on-host one and the
+    one with the weights on the host too."""
+    *three, state, weights = report["runs"]
+    assert (state["name"], weights["name"]) == (STATE_RUN, WEIGHTS_RUN)
+    return (*runs_by_name({"runs": three}), state, weights)
 
 
 def test_the_default_scenario_lowers_the_peak_by_most_of_the_offloaded_gradients(
@@ -49,7 +53,7 @@ def test_the_default_scenario_lowers_the_peak_by_most_of_the_offloaded_gradients
     report, _, stdout, _ = memory_bound
     assert report["scenario"] == "memory-bound"
     assert report["model"]["size"] == "medium" and report["model"]["micro_batches"] == 2
-    plain, lossless, compressed, state = with_the_state_run(report)
+    plain, lossless, compressed, state, _ = the_runs(report)
     assert cli.check_lossless(report["lossless_max_abs_weight_diff"], report["plain_again"]) == 0
     for cache in (lossless, compressed):
         saved = plain["peak_device_bytes"] - cache["peak_device_bytes"]
@@ -79,6 +83,31 @@ def test_the_default_scenario_lowers_the_peak_by_most_of_the_offloaded_gradients
     assert "Scenario 'memory-bound'" in stdout
 
 
+def test_the_weights_on_host_too_give_the_lowest_peak_on_plains_path(memory_bound: tuple) -> None:
+    """offload_parameters beside the state on the host (set up from the host, device=): the
+    weights' masters live on the host as well, so the peak falls below the state-only run's
+    by most of the weights' bytes, the scenario's lowest, which the summary names; the run
+    trains as plain PyTorch does, bit for bit, as the other lossless runs."""
+    report, _, stdout, _ = memory_bound
+    plain, _, _, state, weights = the_runs(report)
+    weight_bytes = report["model"]["gradient_bytes"]  # fp32: the weights' bytes too
+    assert weights["compression_summary"]["parameters_host_mb"] * MIB >= weight_bytes
+    assert weights["offloaded_state_bytes"] == state["offloaded_state_bytes"] > 0
+    saved = state["peak_device_bytes"] - weights["peak_device_bytes"]
+    assert saved >= 0.75 * weight_bytes, saved / MIB
+    assert report["lowest_peak_run"] == WEIGHTS_RUN
+    assert f"| {WEIGHTS_RUN} | {weights['peak_device_mb']:.1f} |" in stdout
+    assert f"Lowest peak: {WEIGHTS_RUN}, {weights['peak_device_mb']:.1f} MiB" in stdout
+    assert len(weights["losses"]) == MEMORY_BOUND_STEPS
+    # As the lossless run's check (cli.check_lossless): plain's very weights and losses, or,
+    # where plain PyTorch left its own path (a second plain run made), within rounding.
+    difference = weights["max_abs_weight_diff_vs_plain"]
+    if report["plain_again"] is None:
+        assert difference == 0 and weights["losses"] == plain["losses"]
+    else:
+        assert difference <= cli.LOSSLESS_TOLERANCE
+
+
 def test_the_planner_matches_the_demos_measured_components(memory_bound: tuple) -> None:
     """`gradient-cache plan` for the demo's own model and settings against what the demo
     measured (CPU accounting): parameters, optimizer state and plain's gradients to the
@@ -89,7 +118,7 @@ def test_the_planner_matches_the_demos_measured_components(memory_bound: tuple) 
     if report["machine"]["device"] != "cpu":
         pytest.skip("the categories come from the CPU tracker")
     tensors = tensors_of_factory("gradient_cache.demo.models:medium")
-    plain, lossless, compressed, _ = with_the_state_run(report)
+    plain, lossless, compressed, _, _ = the_runs(report)
 
     def measured(run: dict[str, Any], phase: str, category: str) -> int:
         return max(m["phases"][phase]["peak_by_category_bytes"][category] for m in run["memory"])
@@ -117,7 +146,7 @@ def test_optimizer_step_holds_one_bucket_of_gradients_not_all(memory_bound: tupl
     restores one bucket (4 MiB, or one larger tensor) at a time, so its peak there falls
     by most of the gradient bytes (most of the medium model's)."""
     report, _, _, _ = memory_bound
-    plain, lossless, compressed, _ = with_the_state_run(report)
+    plain, lossless, compressed, _, _ = the_runs(report)
     gradient_bytes = report["model"]["gradient_bytes"]
     for cache in (lossless, compressed):
         saved = plain["phase_peak_bytes"]["optimizer"] - cache["phase_peak_bytes"]["optimizer"]
