@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 L = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
 
+from integration_runs import fit, gpt2, hf_trainer, same_weights  # noqa: E402
 from lightning.pytorch.accelerators import CPUAccelerator  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy  # noqa: E402
 
@@ -31,6 +31,7 @@ HOST = dict(
     offload_parameters=True,
 )
 NO_OFFLOAD = "acts only with offload_parameters=True"  # the engine's refusal, reused
+SAMPLES = 48  # a Lightning fit's: three steps of two batches
 
 
 @pytest.fixture(autouse=True)
@@ -70,31 +71,6 @@ class CountingStrategy(SingleDeviceStrategy):
         super().model_to_device()
 
 
-def fit(model: L.LightningModule, callbacks: list[L.Callback], **trainer_kwargs) -> L.Trainer:
-    generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(
-        torch.randn(48, 16, generator=generator), torch.randn(48, 4, generator=generator)
-    )
-    trainer = L.Trainer(
-        callbacks=callbacks,
-        max_epochs=1,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.05,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kwargs,
-    )
-    trainer.fit(model, DataLoader(data, 8))
-    return trainer
-
-
-def same_weights(left: nn.Module, right: nn.Module) -> bool:
-    pairs = zip(left.parameters(), right.parameters(), strict=True)
-    return all(torch.equal(a, b) for a, b in pairs)
-
-
 class CacheDevice(L.Callback):
     """Records the cache's configured device after each step."""
 
@@ -111,18 +87,18 @@ def test_lightning_device_reaches_the_cache_and_the_strategy_leaves_the_model_al
     """The strategy's move of the whole model is skipped for that fit only (given back
     afterwards), the cache gets the trainer's device, and the run is plain Lightning's."""
     plain, cached = Stack(), Stack()
-    fit(plain, [], accelerator="cpu", devices=1)
+    fit(plain, [], SAMPLES, accelerator="cpu", devices=1)
     callback = GradientCacheCallback(**HOST, device="cpu")
     probe = CacheDevice(callback)
     strategy = CountingStrategy(device=torch.device("cpu"), accelerator=CPUAccelerator())
-    fit(cached, [callback, probe], strategy=strategy)
+    fit(cached, [callback, probe], SAMPLES, strategy=strategy)
     assert strategy.moves == 0
     assert "model_to_device" not in vars(strategy)  # the strategy's own method again
     assert probe.seen == [torch.device("cpu")] * 6
     assert same_weights(plain, cached) and not same_weights(plain, Stack())
 
     again = CountingStrategy(device=torch.device("cpu"), accelerator=CPUAccelerator())
-    fit(Stack(), [GradientCacheCallback(**HOST)], strategy=again)
+    fit(Stack(), [GradientCacheCallback(**HOST)], SAMPLES, strategy=again)
     assert again.moves == 1  # without device= Lightning places the model as usual
 
 
@@ -134,7 +110,7 @@ def test_lightning_refuses_a_device_the_trainer_does_not_run_on() -> None:
     with pytest.raises(
         ValueError, match=r"device='cuda:1'.*runs on cpu.*accelerator='cuda', devices=\[1\]"
     ):
-        fit(model, [callback], strategy=strategy)
+        fit(model, [callback], SAMPLES, strategy=strategy)
     assert "model_to_device" not in vars(strategy)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
@@ -151,7 +127,7 @@ def test_lightning_refuses_device_under_model_parallel_strategy() -> None:
 def test_device_without_offload_parameters_is_the_engines_refusal(tmp_path) -> None:
     with pytest.raises(ValueError, match=NO_OFFLOAD):
         GradientCacheCallback(compression_ratio=1, device="cpu")
-    trainer = hf_trainer(tiny_gpt2(), tmp_path)
+    trainer = trainer_for(tiny_gpt2(), tmp_path)
     with pytest.raises(ValueError, match=NO_OFFLOAD):
         hf.train(trainer, compression_ratio=1, device="cpu")
     assert trainer.state.global_step == 0
@@ -161,29 +137,13 @@ VOCAB = 64
 
 
 def tiny_gpt2() -> transformers.GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return gpt2(layers=2, width=32, vocab=VOCAB)
 
 
-def hf_trainer(model: nn.Module, folder, **arguments) -> transformers.Trainer:
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(VOCAB, (16, 16), generator=generator)
-    args = transformers.TrainingArguments(
-        output_dir=str(folder),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        **arguments,
-    )
-    dataset = [{"input_ids": row, "labels": row} for row in ids]
-    return transformers.Trainer(model=model, args=args, train_dataset=dataset)
+def trainer_for(model: nn.Module, folder, **arguments) -> transformers.Trainer:
+    ids = torch.randint(VOCAB, (16, 16), generator=torch.Generator().manual_seed(0))
+    arguments = dict(max_steps=2, per_device_train_batch_size=4, use_cpu=True, **arguments)
+    return hf_trainer(model, folder, ids, **arguments)
 
 
 class Placement(transformers.TrainerCallback):
@@ -203,7 +163,7 @@ def test_trainer_device_reaches_the_cache_and_accelerate_leaves_the_model_alone(
     off; on again afterwards), and the cache gets the trainer's device. (Bit for bit with
     plain Trainer: tests/emulated/test_integrations_on_device.py.)"""
     cached = tiny_gpt2()
-    trainer = hf_trainer(cached, tmp_path)
+    trainer = trainer_for(cached, tmp_path)
     probe = Placement(trainer)
     trainer.add_callback(probe)
     hf.train(trainer, **HOST, device="cpu")
@@ -214,7 +174,7 @@ def test_trainer_device_reaches_the_cache_and_accelerate_leaves_the_model_alone(
 
 def test_trainer_refuses_a_device_it_does_not_run_on(tmp_path) -> None:
     model = tiny_gpt2()
-    trainer = hf_trainer(model, tmp_path)
+    trainer = trainer_for(model, tmp_path)
     with pytest.raises(
         ValueError, match=r"device='cuda'.*this Trainer runs on cpu \(TrainingArguments.device"
     ):

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 L = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
 
+from integration_runs import fit, gpt2, hf_trainer, same_weights  # noqa: E402
 from lightning.pytorch.accelerators import Accelerator  # noqa: E402
 from lightning.pytorch.strategies import SingleDeviceStrategy  # noqa: E402
 
@@ -43,6 +43,7 @@ HOST = dict(
 # At the end the cache puts the weights and AdamW's state back on the device, where they
 # do not fit under the cap: they stay on the host, with these warnings.
 DID_NOT_FIT = "did not fit on the device"
+SAMPLES = 32  # a Lightning fit's: two steps of two batches
 
 
 class _SetThreads(torch.autograd.Function):
@@ -100,11 +101,6 @@ def held_on_device() -> int:
     the checks are relative to it: the test's share of the device comes on top."""
     gc.collect()
     return torch.accelerator.memory_allocated()
-
-
-def same_weights(left: nn.Module, right: nn.Module) -> bool:
-    pairs = zip(left.parameters(), right.parameters(), strict=True)
-    return all(torch.equal(a, b) for a, b in pairs)
 
 
 # --- Lightning --------------------------------------------------------------------------
@@ -181,28 +177,9 @@ class Probe(L.Callback):
         self.cache_devices.add(str(None if manager is None else manager.config.device))
 
 
-def fit(model: L.LightningModule, callbacks: list[L.Callback], **trainer_kwargs) -> L.Trainer:
-    generator = torch.Generator().manual_seed(0)
-    inputs = torch.randn(32, 16, generator=generator)
-    data = TensorDataset(inputs, torch.randn(32, 4, generator=generator))
-    trainer = L.Trainer(
-        callbacks=callbacks,
-        max_epochs=1,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.05,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **trainer_kwargs,
-    )
-    trainer.fit(model, DataLoader(data, 8))
-    return trainer
-
-
 def test_lightning_trains_a_model_larger_than_the_device_from_the_host(device) -> None:
     plain = Stack()
-    fit(plain, [], accelerator="cpu", devices=1)
+    fit(plain, [], SAMPLES, accelerator="cpu", devices=1)
     base = held_on_device()
     share = weight_bytes(plain) * 9 // 10  # the cache's peak: three quarters of it
     cap = base + share
@@ -215,7 +192,7 @@ def test_lightning_trains_a_model_larger_than_the_device_from_the_host(device) -
     callback = GradientCacheCallback(**HOST, device="emu")  # no index: the trainer's
     probe = Probe(callback)
     with pytest.warns(UserWarning, match=DID_NOT_FIT):
-        fit(cached, [probe, callback], strategy=strategy)
+        fit(cached, [probe, callback], SAMPLES, strategy=strategy)
     assert probe.devices == {"cpu"} and probe.allocated - base < share // 8  # not placed
     assert probe.cache_devices == {"emu:0"}
     assert cached.seen == {("emu:0", "emu:0")}  # the batches, and self.device
@@ -229,13 +206,9 @@ def test_lightning_trains_a_model_larger_than_the_device_from_the_host(device) -
 VOCAB = 128
 
 
-def gpt2() -> transformers.GPT2LMHeadModel:
+def small_gpt2() -> transformers.GPT2LMHeadModel:
     """Eight 128-wide blocks (6.4 MB of fp32 weights), few tokens: weights over activations."""
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=8, n_embd=128, n_head=2, vocab_size=VOCAB, n_positions=16
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return gpt2(layers=8, width=128, vocab=VOCAB)
 
 
 class HostArguments(transformers.TrainingArguments):
@@ -249,19 +222,8 @@ class HostArguments(transformers.TrainingArguments):
 def trainer_for(model: nn.Module, folder, arguments=transformers.TrainingArguments, **extra):
     generator = torch.Generator().manual_seed(0)
     ids = (torch.randint(VOCAB, (8, 1), generator=generator) + torch.arange(16)) % VOCAB
-    args = arguments(
-        output_dir=str(folder),
-        max_steps=3,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        **extra,
-    )
-    dataset = [{"input_ids": row, "labels": row} for row in ids]
-    return transformers.Trainer(model=model, args=args, train_dataset=dataset)
+    extra = dict(max_steps=3, per_device_train_batch_size=1, logging_steps=1, **extra)
+    return hf_trainer(model, folder, ids, arguments=arguments, **extra)
 
 
 class TrainerProbe(transformers.TrainerCallback):
@@ -288,7 +250,7 @@ def grad_norms(trainer: transformers.Trainer) -> list[float]:
 def test_trainer_trains_a_model_larger_than_the_device_from_the_host(
     device, tmp_path, monkeypatch
 ) -> None:
-    plain = gpt2()
+    plain = small_gpt2()
     plain_trainer = trainer_for(plain, tmp_path / "plain", use_cpu=True)
     plain_trainer.train()
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "emu:0")
@@ -297,8 +259,8 @@ def test_trainer_trains_a_model_larger_than_the_device_from_the_host(
     cap = base + share
     emulated_device(capacity_bytes=cap)
     with pytest.raises(torch.OutOfMemoryError):
-        gpt2().to(device)  # what the Trainer's placement, or accelerate's, would do
-    cached = gpt2()
+        small_gpt2().to(device)  # what the Trainer's placement, or accelerate's, would do
+    cached = small_gpt2()
     trainer = trainer_for(cached, tmp_path / "cached", HostArguments)
     assert trainer.args.device == device
     probe = TrainerProbe()
@@ -314,7 +276,7 @@ def test_trainer_trains_a_model_larger_than_the_device_from_the_host(
     assert probe.devices == {"cpu"} and probe.allocated - base < share // 8  # not placed
     assert probe.cache_devices == {"emu:0"} and inputs == {"emu:0"}
     assert torch.accelerator.max_memory_allocated() - base <= share  # never over the cap
-    assert same_weights(plain, cached) and not same_weights(plain, gpt2())
+    assert same_weights(plain, cached) and not same_weights(plain, small_gpt2())
     assert grad_norms(trainer) == grad_norms(plain_trainer) and len(grad_norms(trainer)) == 3
     assert trainer.accelerator.device_placement is True
 
@@ -323,11 +285,11 @@ def test_trainer_refuses_what_would_move_the_whole_model(device, tmp_path, monke
     """A Trainer built with the default arguments moved the model in its __init__; with
     fp16_full_eval it would move it when training starts: both refused before any step."""
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "emu:0")
-    moved = trainer_for(gpt2(), tmp_path / "moved")
+    moved = trainer_for(small_gpt2(), tmp_path / "moved")
     assert next(moved.model.parameters()).device == device
     with pytest.raises(ValueError, match=r"already moved the whole model.*place_model_on_device"):
         hf.train(moved, **HOST, device="emu")
-    model = gpt2()
+    model = small_gpt2()
     full_eval = trainer_for(model, tmp_path / "full", HostArguments, fp16_full_eval=True)
     with pytest.raises(ValueError, match=r"TrainingArguments\(fp16_full_eval=True\)"):
         hf.train(full_eval, **HOST, device="emu")
