@@ -751,7 +751,9 @@ def test_the_compute_copies_are_ordered_on_the_stand_in_streams(
 ) -> None:
     """compute_dtype on the stand-in streams: the bf16 copies brought for forward and
     backward, the masters for the step, the new bf16 copies cast on the compute stream and
-    copied back on the copy stream before their memory goes: every access ordered."""
+    copied back on the copy stream before their memory goes; three micro-batches a step,
+    the wires read by each micro-batch's copies and cast again only after a step: every
+    access ordered."""
     cached = gpt()
     optimizer = adamw_two_groups(cached)
     manager = gradient_cache.create_gradient_cache(
@@ -761,7 +763,7 @@ def test_the_compute_copies_are_ordered_on_the_stand_in_streams(
         bucket_size_mb=0.02,
         backend_factory=fake_accelerator.factory,
     )
-    train(cached, optimizer, batches(2), manager=manager, clip=0.5)
+    train(cached, optimizer, batches(6), manager=manager, micro_batches=3, clip=0.5)
     assert all_on_the_host(cached, manager)
     with torch.no_grad():
         cached(batches(1)[0][0])  # reads the new bf16 copies

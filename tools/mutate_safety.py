@@ -1850,6 +1850,13 @@ MUTANTS = [
         "tests/test_parameters_offload.py::test_a_checkpoint_holding_a_bf16_gradient_resumes_as_written_out",
     ),
     (
+        "weights: each master and wire has a version counter of its own",
+        "gradient_cache/engine/weights/masters.py",
+        "    return tensor.set_(region.untyped_storage(), offset, like.shape, gradient_strides(like))\n",
+        "    return region.as_strided(like.shape, gradient_strides(like), offset)\n",
+        "tests/test_parameters_offload.py::test_the_compute_copies_are_ordered_on_the_stand_in_streams",
+    ),
+    (
         "schedule: the order a forward ran its blocks in is learned",
         "gradient_cache/engine/weights/schedule.py",
         "        if ran and len(set(ran)) == len(ran) and ran != self._order:\n",

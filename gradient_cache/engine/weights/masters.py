@@ -616,8 +616,14 @@ def _flat_runs(
 
 
 def _view(region: torch.Tensor, like: torch.Tensor, at: int) -> torch.Tensor:
-    """``like``'s shape and dense strides at element ``at`` of flat ``region``."""
-    return region.as_strided(like.shape, gradient_strides(like), region.storage_offset() + at)
+    """``like``'s shape and dense strides at element ``at`` of flat ``region``: the same
+    memory, but not a view, so that its version counter is its own. A view shares its
+    slab's, and `_versions` would then take a write into any master or wire of the slab
+    (a wire cast, a neighbour's copy back) for a write into this one: wires cast again at
+    every micro-batch, on the host, while the last one's copies may still read them."""
+    tensor = torch.empty(0, dtype=region.dtype, device=region.device)
+    offset = region.storage_offset() + at
+    return tensor.set_(region.untyped_storage(), offset, like.shape, gradient_strides(like))
 
 
 def _by_dtype(params: Sequence[Param], sources: dict[Param, torch.Tensor]) -> list[list[Param]]:
