@@ -325,9 +325,12 @@ def plan(inputs: PlanInputs) -> Plan:
     per_encode = payload + (residual if on_host else 0)
     # The first micro-batch's payload (`_first_payload`): with the weights on the host, a
     # carried bf16 gradient's may be narrower than the later ones'.
+    # The second's joins it as carried (`DensePayload.followed_by`): out as narrow, and back
+    # (a clipped step's norm, before the step: `phase_links`) only as the first's bytes.
     first = _first_payload(tensors, inputs, payload) if inputs.weights else payload
     crossing = per_encode * inputs.micro_batches - payload + first
-    pcie = {"device to host": crossing, "host to device": crossing}
+    second_saves = payload - first if inputs.micro_batches > 1 else 0
+    pcie = {"device to host": crossing - second_saves, "host to device": crossing}
     restore_seconds = payload / (inputs.link_gbps * 1e9)
     compute_seconds = None
     if inputs.tokens_per_step is not None:
@@ -516,9 +519,14 @@ def phase_links(
     master_and_state = numel * inputs.param_bytes + int(numel * inputs.optimizer_state_bytes)
     accumulations = micro_batches - 1
     # The first micro-batch's payload (carried bf16: half), brought back by the second's
-    # accumulation or else by the restore; the later ones' are the full payload.
+    # encode or else by the restore. The second's (carried too) goes out beside it in the
+    # same slot; the first part comes back then only for a clipped step's norm (counted:
+    # without clipping nothing crosses back before the third). The later ones' are the
+    # full payload.
     first = payload if first is None else first
     brought_back = first + max(accumulations - 1, 0) * payload if accumulations else 0
+    second = first + residual  # a carried part has no residual: lossless
+    sent = first + (second + (accumulations - 1) * per_encode if accumulations else 0)
     restored = payload if accumulations else first
     return (
         _phase_link(
@@ -537,7 +545,7 @@ def phase_links(
             },
             per_step={
                 "host to device": micro_batches * (blocks + residual) + brought_back,
-                "device to host": first + residual + accumulations * per_encode,
+                "device to host": sent + residual,
             },
             flops_per_token=4 * numel,
         ),

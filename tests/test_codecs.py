@@ -237,6 +237,35 @@ def test_a_bf16_dense_payload_crosses_in_its_own_bytes_and_widens_after() -> Non
     assert out.dtype == torch.float32 and torch.equal(out, flat.float())
 
 
+def test_two_bf16_parts_add_in_plain_pytorchs_order_wherever_read() -> None:
+    """A lone bf16 payload followed by a later micro-batch's bf16 gradient keeps both
+    (`followed_by`); every reader gets ``fp32(a) + fp32(b)``, and a third gradient ``c`` is
+    added as ``(a + b) + c``: plain PyTorch's accumulation order, on values where another
+    order gives other bits (1 + 2**-30 rounds to 1 in fp32)."""
+    a = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)
+    b = torch.tensor([2.0**-30, -3.0], dtype=torch.bfloat16)
+    c = torch.tensor([-1.0, 0.5])
+    plain = a.float() + b.float()  # .grad accumulated in fp32, micro-batch by micro-batch
+    first, _ = make_codec("lossless").encode(a, None, loss_scale=None)
+    joined = first.followed_by(b)
+    assert joined is not None and joined.tensors() == [a, b]
+    assert first.followed_by(c) is None and joined.followed_by(b) is None  # one part each
+    assert joined.nbytes == 8 and joined.placement() == [(0, 0), (0, 4)]  # halves of fp32's
+    assert joined.as_gradient() is None
+    assert torch.equal(joined.kept_values(), plain)
+    assert torch.equal(joined.decode_into(torch.empty(2)), plain)
+    moved: list[torch.Tensor] = []
+
+    def to_device(tensor: torch.Tensor) -> torch.Tensor:
+        moved.append(tensor)
+        return tensor.clone()
+
+    assert torch.equal(joined.restore_into(torch.empty(2), to_device), plain)
+    assert [t.dtype for t in moved] == [torch.bfloat16, torch.bfloat16]  # 2 bytes each
+    third = joined.add_to(c.clone())
+    assert torch.equal(third, plain + c) and third[0] == 0.0
+
+
 @contextlib.contextmanager
 def matmul_precision(precision: str):
     before = torch.get_float32_matmul_precision()

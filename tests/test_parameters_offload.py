@@ -3,6 +3,7 @@ forward and backward, a bucket at a time in the fused step; bit for bit with pla
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -647,13 +648,14 @@ def written_out_bf16_training(data: list, micro_batches: int) -> torch.nn.Module
     return masters
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
 def test_bf16_gradients_cross_as_they_came_and_train_as_written_out(micro_batches) -> None:
     """compute_dtype=torch.bfloat16, lossless: a micro-batch's gradient with nothing to
-    join crosses in bf16 (2 bytes a parameter) and is widened at its restore, exactly; a
-    later micro-batch's joins it in fp32. Three AdamW steps with clipping equal the
-    reference written out in plain PyTorch; the store holds half the dense bytes after one
-    micro-batch, all of them after two."""
+    join crosses in bf16 (2 bytes a parameter) and is widened at its restore, exactly; the
+    second's crosses in bf16 too, beside the first's in its slot, summed in fp32 where read;
+    a third joins their sum in fp32. Three AdamW steps with clipping equal the reference
+    written out in plain PyTorch; the store holds half the dense bytes after one
+    micro-batch, all of them after two or three."""
     data = batches(3 * micro_batches)
     reference = written_out_bf16_training(data, micro_batches)
     cached = gpt()
@@ -673,16 +675,16 @@ def test_bf16_gradients_cross_as_they_came_and_train_as_written_out(micro_batche
         (cached(tokens, targets)[1] / micro_batches).backward()
     manager.compress_and_free_gradients()
     figures = manager.summary()
-    assert figures.stored_gradient_mb == figures.dense_gradient_mb / (3 - micro_batches)
+    dense = figures.dense_gradient_mb * 2**20
+    assert figures.stored_gradient_mb * 2**20 == (dense / 2 if micro_batches == 1 else dense)
     # The planner (`gradient-cache plan --compute-dtype bf16`) counts these bytes: out in
-    # backward, the first micro-batch's carried; back at the restore.
+    # backward, the first two micro-batches' carried; back at the restore.
     planned = planned_weights_on_host(
         cached, micro_batches=micro_batches, weight_copy_bytes=2, compression_ratio=1
     )
     backward, step_ = planned.phases[1:]
-    first = figures.dense_gradient_mb * 2**20 / 2
-    later = (micro_batches - 1) * figures.dense_gradient_mb * 2**20
-    assert backward.link_bytes_per_step["device to host"] == first + later
+    carried, joined = min(micro_batches, 2) * dense / 2, max(micro_batches - 2, 0) * dense
+    assert backward.link_bytes_per_step["device to host"] == carried + joined
     masters_and_adamw = planned.host_bytes * 3  # 4 bytes an entry, and AdamW's 8
     restored = step_.link_bytes_per_step["host to device"] - masters_and_adamw
     assert restored == figures.stored_gradient_mb * 2**20
@@ -690,12 +692,58 @@ def test_bf16_gradients_cross_as_they_came_and_train_as_written_out(micro_batche
     assert_same_parameters(reference, cached)
 
 
-def test_a_checkpoint_holding_a_bf16_gradient_resumes_as_written_out() -> None:
-    """A checkpoint taken after the first of two micro-batches holds that micro-batch's
-    gradient as it crossed, in bf16; a new cache loads it (a bf16 payload of an fp32
-    gradient is not taken for damage) and the step ends as the written-out reference."""
+def test_bf16_gradients_waiting_in_an_open_bucket_join_in_fp32() -> None:
+    """Two micro-batches into one bucket that fills only at the step: the first's bf16
+    gradients still wait on the device when the second's come, which are widened before
+    they are added to them (two bf16 gradients added in bf16 would round), as written out."""
     data = batches(2)
     reference = written_out_bf16_training(data, micro_batches=2)
+    cached = gpt()
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(
+        cached, **STREAMED, compute_dtype=torch.bfloat16, bucket_size_mb=64
+    )
+    (cached(*data[0])[1] / 2).backward()
+    assert len(manager.engine.assembler) == len(list(cached.parameters()))  # all waiting
+    (cached(*data[1])[1] / 2).backward()
+    step(cached, optimizer, manager, clip=0.5)
+    assert_same_parameters(reference, cached)
+
+
+def test_a_failed_encode_gives_a_carried_bf16_gradient_back_widened() -> None:
+    """An encode at the drain that raises (out of memory) gives the gradients not yet
+    encoded back in ``.grad``: a carried bf16 one widened to its fp32 master's dtype, its
+    value unchanged (assigned as it came, it raised a dtype error in place of the
+    encode's, and was lost)."""
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(
+        model, **STREAMED, compute_dtype=torch.bfloat16, bucket_size_mb=0.02
+    )
+    low = gpt().to(torch.bfloat16)  # the written-out bf16 gradients
+    low.load_state_dict(model.state_dict())
+    tokens, targets = batches(1)[0]
+    low(tokens, targets)[1].backward()
+    model(tokens, targets)[1].backward()  # the last bucket waits for the drain
+    FailsAtCall(manager.engine.capture, "_encode", nth=2)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.compress_and_free_gradients()
+    given = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert given
+    for name, grad in given.items():
+        assert grad.dtype == torch.float32, name
+        assert torch.equal(grad, low.get_parameter(name).grad.float()), name
+    manager.remove_hooks()
+
+
+@pytest.mark.parametrize("held", [1, 2])
+def test_a_checkpoint_holding_bf16_gradients_resumes_as_written_out(held) -> None:
+    """A checkpoint taken after the first (or the first two) of ``held + 1`` micro-batches
+    holds their gradients as they crossed, in bf16 (two side by side); a new cache loads it
+    (a bf16 payload of an fp32 gradient is not taken for damage, two parts of different
+    dtypes are) and the step ends as the written-out reference."""
+    micro_batches = held + 1
+    data = batches(micro_batches)
+    reference = written_out_bf16_training(data, micro_batches=micro_batches)
 
     def build() -> tuple:
         model = gpt()
@@ -704,14 +752,24 @@ def test_a_checkpoint_holding_a_bf16_gradient_resumes_as_written_out() -> None:
         return model, optimizer, gradient_cache.create_gradient_cache(model, **options)
 
     model, optimizer, manager = build()
-    (model(*data[0])[1] / 2).backward()
+    for tokens, targets in data[:held]:
+        (model(tokens, targets)[1] / micro_batches).backward()
     saved = save_and_load(model, manager, optimizer)
     manager.remove_hooks()
+    payloads = [item["payload"] for bucket in saved["cache"]["buckets"] for item in bucket]
+    assert {p["tensor"].dtype for p in payloads} == {torch.bfloat16}
+    assert all((p["earlier"] is None) == (held == 1) for p in payloads)
     model, optimizer, manager = build()
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
+    if held == 2:
+        damaged = copy.deepcopy(saved["cache"])
+        first = damaged["buckets"][0][0]["payload"]
+        first["earlier"] = first["earlier"].float()
+        with pytest.raises(ValueError, match="differ in dtype"):
+            manager.load_state_dict(damaged)
     manager.load_state_dict(saved["cache"])
-    (model(*data[1])[1] / 2).backward()
+    (model(*data[-1])[1] / micro_batches).backward()
     step(model, optimizer, manager, clip=0.5)
     assert_same_parameters(reference, model)
 
@@ -752,8 +810,8 @@ def test_the_compute_copies_are_ordered_on_the_stand_in_streams(
     """compute_dtype on the stand-in streams: the bf16 copies brought for forward and
     backward, the masters for the step, the new bf16 copies cast on the compute stream and
     copied back on the copy stream before their memory goes; three micro-batches a step,
-    the wires read by each micro-batch's copies and cast again only after a step: every
-    access ordered."""
+    the second's bf16 gradients copied beside the first's in their slots, the third's
+    encode reading both: every access ordered."""
     cached = gpt()
     optimizer = adamw_two_groups(cached)
     manager = gradient_cache.create_gradient_cache(

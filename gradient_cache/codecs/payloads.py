@@ -51,6 +51,16 @@ class Payload(ABC):
         """Where the kept values go in the flat gradient; None: every entry, in order."""
         return None
 
+    def placement(self) -> list[tuple[int, int]]:
+        """Where each of `tensors` goes in a host slot: (region index, byte offset)."""
+        return [(index, 0) for index in range(len(self.tensors()))]
+
+    def followed_by(self, later: torch.Tensor) -> Payload | None:
+        """This payload with ``later``, a later micro-batch's gradient in a narrower dtype
+        (`NARROW_FLOATS`), kept beside it and added only where the sum is read; None where
+        it cannot be (only a lone narrow `DensePayload` can: the two fill an fp32 slot)."""
+        return None
+
     def as_gradient(self) -> torch.Tensor | None:
         """The flat gradient itself where this payload stores it whole, unencoded."""
         return None
@@ -109,39 +119,62 @@ NARROW_FLOATS = (torch.bfloat16, torch.float16)
 @dataclass
 class DensePayload(Payload):
     """A whole gradient, kept as it is (in a narrower dtype, `NARROW_FLOATS`, where it came
-    so)."""
+    so). ``earlier``: an earlier micro-batch's part in that dtype (`followed_by`), where
+    it is (its host slot's first half); the gradient is then ``earlier + tensor`` in fp32,
+    ``(a + b) + c`` when a third joins, plain PyTorch's order of accumulation."""
 
     kind: ClassVar[str] = "dense"
     tensor: torch.Tensor  # flat, the gradient's dtype
+    earlier: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:  # type: ignore[override]  # a property here, other payloads a field
         return self.tensor.numel()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.tensor]
+        return [self.tensor] if self.earlier is None else [self.earlier, self.tensor]
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> DensePayload:
-        (tensor,) = tensors
-        return DensePayload(tensor)
+        *earlier, tensor = tensors
+        return DensePayload(tensor, earlier[0] if earlier else None)
+
+    def placement(self) -> list[tuple[int, int]]:
+        if self.earlier is None:
+            return [(0, 0)]
+        return [(0, 0), (0, self.earlier.numel() * self.earlier.element_size())]
+
+    def followed_by(self, later: torch.Tensor) -> DensePayload | None:
+        alone = self.earlier is None and self.tensor.dtype in NARROW_FLOATS
+        if alone and later.dtype == self.tensor.dtype and later.numel() == self.tensor.numel():
+            return DensePayload(later, self.tensor)
+        return None
 
     @property
     def kept(self) -> int:
         return self.tensor.numel()
 
     def kept_values(self) -> torch.Tensor:
-        return self.tensor
+        return self.tensor if self.earlier is None else self._sum()
 
-    def as_gradient(self) -> torch.Tensor:
-        return self.tensor
+    def as_gradient(self) -> torch.Tensor | None:
+        return self.tensor if self.earlier is None else None
+
+    def _sum(self) -> torch.Tensor:
+        """``earlier + tensor``, widened to fp32 first (each widening exact)."""
+        assert self.earlier is not None
+        return self.earlier.to(torch.float32).add_(self.tensor)
 
     def add_to(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.add_(self.tensor)
+        return flat.add_(self.tensor if self.earlier is None else self._sum())
 
     def decode_into(self, out: torch.Tensor) -> torch.Tensor:
+        if self.earlier is not None:
+            return out.copy_(self.earlier).add_(self.tensor)
         return out.copy_(self.tensor, non_blocking=True)
 
     def restore_into(self, out: torch.Tensor, to_device: Move) -> torch.Tensor:
+        if self.earlier is not None:  # both parts cross as they are, summed on the device
+            return out.copy_(to_device(self.earlier)).add_(to_device(self.tensor))
         if self.tensor.dtype != out.dtype:  # a compute dtype's gradient: its own bytes
             return out.copy_(to_device(self.tensor))  # cross, widened on the device
         return out.copy_(self.tensor, non_blocking=True)  # the copy is the move

@@ -191,9 +191,13 @@ class AcceleratorBackend(Backend):
             for item in encoded:
                 slot = self.pool.slots[item.param]
                 tensors = item.payload.tensors()
-                payloads[item.param] = item.payload.with_tensors(
-                    [self._to_host(slot.region_for(i, t), t) for i, t in enumerate(tensors)]
-                )
+                hosts = []
+                for tensor, (region, offset) in zip(tensors, item.payload.placement(), strict=True):
+                    host = slot.region_for(region, tensor, offset)
+                    # An earlier micro-batch's part is there already (`Payload.followed_by`).
+                    there = tensor.data_ptr() == host.data_ptr()
+                    hosts.append(host if there else self._to_host(host, tensor))
+                payloads[item.param] = item.payload.with_tensors(hosts)
                 kept += tensors
                 # A residual loaded from a checkpoint was allocated on the compute stream,
                 # and with one residual a parameter `write` drops it: kept until the

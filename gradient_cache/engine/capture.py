@@ -72,15 +72,24 @@ class Capture:
     def _carried(self, param: Param, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` as its bucket carries it. A compute dtype's gradient (offload_parameters)
         is accumulated and stepped in the master's dtype, as FSDP2's reduce_dtype=float32
-        does: widened here, except on a lossless route with nothing to join (no earlier
-        micro-batch's part cached or waiting), where its own bits cross, half the bytes of
-        bf16, and widen exactly where they are added to or restored (`DensePayload`)."""
-        route = self.pipeline.records[param].route
-        alone = param not in self.pipeline.store and not self.pipeline.assembler.holds(param)
-        narrower = grad.dtype in NARROW_FLOATS and route.dtype == torch.float32
-        if alone and narrower and not route.codec.lossy:
+        does: widened here, except on a lossless route where its own bits cross, half the
+        bytes of bf16, and widen exactly where they are added to or restored
+        (`DensePayload`): with nothing to join (no earlier micro-batch's part cached or
+        waiting), or beside the first micro-batch's part, which fills half of its slot
+        (`_encode`). A GradScaler's inf check reads what crosses, so with one the second
+        joins in fp32 (the sum of two finite parts can overflow)."""
+        pipeline = self.pipeline
+        route = pipeline.records[param].route
+        if grad.dtype not in NARROW_FLOATS or route.dtype != torch.float32 or route.codec.lossy:
+            return grad.to(route.dtype)
+        if pipeline.assembler.holds(param):
+            return grad.to(route.dtype)
+        cached = pipeline.store.payload(param)
+        if cached is None:
             return grad
-        return grad.to(route.dtype)
+        pending = pipeline.pending
+        inf_checked = pending is not None and pending.found_inf is not None
+        return grad if cached.followed_by(grad) and not inf_checked else grad.to(route.dtype)
 
     def _restore_clipped(self) -> None:
         """Every cached gradient back in ``param.grad``, times the deferred clip, which is
@@ -127,7 +136,9 @@ class Capture:
                     encoded.append(self._encode(param, grad, scale))
         except BaseException:
             for param, grad in items[len(encoded) :]:
-                param.grad = sharding.as_grad_of(param, grad)
+                # In the parameter's dtype now: a carried bf16 one's after backward, whose
+                # master is fp32 again (widened), or in backward (its bf16 copy).
+                param.grad = sharding.as_grad_of(param, grad.to(param.dtype))
                 pipeline.records[param].gradient = self._cached_part_at(param)
             raise
         finally:
@@ -140,8 +151,9 @@ class Capture:
         codec = route.codec
         flat = route.flatten(grad.detach())
         cached = pipeline.store.payload(param)
-        if cached is not None:  # gradient accumulation: the cached part joins this one
-            flat = cached.moved(pipeline.backend.to_device).add_to(flat)
+        joined = None if cached is None or flat.dtype == route.dtype else cached.followed_by(flat)
+        if cached is not None and joined is None:  # accumulation: the cached part joins
+            flat = cached.moved(pipeline.backend.to_device).add_to(flat.to(route.dtype))
         residual = None if codec.residual is None else pipeline.backend.residuals.read(param)
         pending = pipeline.pending
         if pending is not None and pending.found_inf is not None:
@@ -151,7 +163,13 @@ class Capture:
             # The norm of what this encode compresses (under accumulation, the decoded
             # earlier micro-batches plus this one), read by the fused step's clip with no
             # pass over the payloads.
-            pending.norms.write(param, flat.to(route.dtype))  # a carried bf16's, widened
+            whole = flat.to(route.dtype)  # a carried bf16's, widened
+            if joined is not None and cached is not None:
+                # The sum's norm: the first micro-batch's part is brought for it.
+                whole = cached.moved(pipeline.backend.to_device).add_to(whole)
+            pending.norms.write(param, whole)
+        if joined is not None:  # lossless: no codec, no residual
+            return Encoded(param, joined, None)
         payload, new_residual = codec.encode(flat, residual, loss_scale=scale)
         return Encoded(param, payload, new_residual, () if residual is None else (residual,))
 

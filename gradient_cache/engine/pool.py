@@ -134,10 +134,11 @@ class Slot:
     residual: torch.Tensor | None  # stored form, when kept on the host
     spare_residual: torch.Tensor | None
 
-    def region_for(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        """Region ``index`` viewed as a tensor of ``tensor``'s dtype and numel."""
+    def region_for(self, index: int, tensor: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Region ``index`` from byte ``offset`` on, viewed as a tensor of ``tensor``'s
+        dtype and numel."""
         nbytes = tensor.numel() * tensor.element_size()
-        return self.regions[index][:nbytes].view(tensor.dtype)
+        return self.regions[index][offset : offset + nbytes].view(tensor.dtype)
 
 
 def _fits(spec: SlotSpec, room: Slot) -> bool:

@@ -233,6 +233,8 @@ def _check_payload(saved: Any, where: str, route: Any) -> None:
         tensors = payload.tensors()
         if any(t.device.type != "cpu" for t in tensors):
             raise ValueError("a tensor is not on the CPU")
+        if payload.kind == "dense" and len({t.dtype for t in tensors}) > 1:
+            raise ValueError("a dense payload's two micro-batches differ in dtype")
         values = payload.kept_values()
         indices = payload.kept_indices()
     except (KeyError, TypeError, AttributeError, ValueError, RuntimeError, IndexError) as error:

@@ -6,6 +6,8 @@ compute dtype), and a regularizer over every parameter, refused."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_parameters_nothing_lost import writing_model
@@ -14,6 +16,7 @@ from test_parameters_offload import batches_on as on
 from torch import nn
 
 import gradient_cache
+from perf.gradient_link import Copies
 
 
 def train(model, data, manager=None, *, clip=0.5):
@@ -127,6 +130,42 @@ def test_a_bf16_compute_dtype_trains_on_the_device_as_on_the_cpu(device) -> None
     manager = gradient_cache.create_gradient_cache(cached, **options, device=device)
     train(cached, on(device), manager)
     same(reference, cached)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_bf16_micro_batches_cross_as_bf16_beside_each_other(device, micro_batches) -> None:
+    """compute_dtype=torch.bfloat16 with accumulation on the device: the first two
+    micro-batches' gradients go out as bf16, the second's into the second half of the
+    first's fp32 slot; only the clip's norm brings the first back before the step; a third
+    joins their sum in fp32. Counted at the backend's copies in the second step's backwards
+    (`perf.gradient_link.Copies`); bit for bit with the same run on the CPU (itself the
+    written-out reference: test_parameters_offload)."""
+    options = {**STREAMED, "compute_dtype": torch.bfloat16, "bucket_size_mb": 0.02}
+
+    def run(where: torch.device, copies: Copies | None = None) -> nn.Module:
+        model = gpt()
+        manager = gradient_cache.create_gradient_cache(
+            model, **options, **({} if copies is None else {"device": where})
+        )
+        optimizer = adamw_two_groups(model)
+        for index, (tokens, targets) in enumerate(on(where, 2 * micro_batches)):
+            _, loss = model(tokens, targets)
+            counted = copies is not None and index >= micro_batches
+            with copies.counting(manager) if counted else contextlib.nullcontext():
+                (loss / micro_batches).backward()
+                manager.compress_and_free_gradients()  # the last bucket too
+            if (index + 1) % micro_batches == 0:
+                manager.step(optimizer, max_grad_norm=0.5)
+                optimizer.zero_grad()
+        return model
+
+    reference = run(torch.device("cpu"))
+    copies = Copies()
+    cached = run(device, copies)
+    same(reference, cached)
+    dense = sum(p.nbytes for p in cached.parameters())  # fp32 gradients
+    assert copies.out == dense / 2 * 2 + dense * (micro_batches - 2)
+    assert copies.back == dense / 2 + dense * (micro_batches - 2)
 
 
 def test_a_regularizer_over_every_parameter_raises_never_trains(device) -> None:
