@@ -1,11 +1,12 @@
 """The gradients' bytes over the link per parameter, by micro-batch count, on the emulated device.
 
-    python -m perf.gradient_link [--model small] [--micro-batches 1 2 3 4]
+    python -m perf.gradient_link [--model small] [--micro-batches 1 2 3 4] [--device cuda]
 
 TinyGPT ``--model`` with the weights and the optimizer state on the host (AdamW, lossless
 gradients, clipped at 1.0), set up from the host on the emulated accelerator
 (`gradient_cache.testing`, a CPU emulation with its own device type, so the accelerator
-backend and its copies run), with fp32 compute and with ``compute_dtype=torch.bfloat16``.
+backend and its copies run; ``--device cuda`` on a GPU), with fp32 compute and with
+``compute_dtype=torch.bfloat16``.
 Counted at the backend over the second step (`Copies`): the payload bytes copied out in
 backward (device to host), those brought back in backward (an encode reading the cached
 part: accumulation, or a clipped step's norm), and those the step's restore brings back,
@@ -78,9 +79,14 @@ class Copies:
             del backend.store, capture._encode, backend.start_restore
 
 
-def measure(model_name: str, micro_batches: int, compute_dtype: torch.dtype | None) -> Copies:
+def measure(
+    model_name: str,
+    micro_batches: int,
+    compute_dtype: torch.dtype | None,
+    *,
+    device: torch.device,
+) -> Copies:
     """The second step's gradient copies (see the module docstring)."""
-    device = emulated_device()
     torch.manual_seed(0)
     config = GPT_SIZES[model_name]
     model = TinyGPT(config)
@@ -111,10 +117,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="small", choices=sorted(GPT_SIZES))
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument(
+        "--device", default="emulated", help="'emulated' (the default), or an accelerator: cuda"
+    )
     args = parser.parse_args()
+    device = emulated_device() if args.device == "emulated" else torch.device(args.device)
     count = sum(p.numel() for p in TinyGPT(GPT_SIZES[args.model]).parameters())
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cpu_model()}")
-    print(f"# torch {torch.__version__}, TinyGPT {args.model!r} ({count} parameters), emulated")
+    print(f"# torch {torch.__version__}, TinyGPT {args.model!r} ({count} parameters), {device}")
     print(
         "| compute | micro-batches | out in backward | back in backward | back at the restore "
         "| total | per micro-batch |"
@@ -122,7 +132,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for micro_batches in args.micro_batches:
         for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-            c = measure(args.model, micro_batches, dtype)
+            c = measure(args.model, micro_batches, dtype, device=device)
             total = c.out + c.back + c.restored
             print(
                 f"| {name} | {micro_batches} | {c.out / count:.3f} | {c.back / count:.3f} "
