@@ -710,6 +710,48 @@ def test_bf16_gradients_waiting_in_an_open_bucket_join_in_fp32() -> None:
     assert_same_parameters(reference, cached)
 
 
+def test_two_finite_bf16_gradients_whose_sum_overflows_skip_a_scaled_step() -> None:
+    """With a GradScaler two micro-batches' bf16 gradients are not kept side by side: each
+    is finite (2e38), their fp32 sum is not, and the scaler's inf check reads what the
+    encode sees. The step is skipped and the scale backs off, as plain PyTorch does."""
+
+    class TwoBlocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2, bias=False) for _ in "ab")
+            with torch.no_grad():
+                for block in self.blocks:
+                    block.weight.copy_(torch.eye(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x[:, 1].sum()  # block 0's weight gets 2e38 a micro-batch
+
+    x = torch.tensor([[2e38, 1.0]])
+    scales = []
+    for options in (None, {**STREAMED, "compute_dtype": torch.bfloat16}):
+        model = TwoBlocks()
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        manager = None
+        if options is not None:
+            manager = gradient_cache.create_gradient_cache(model, **options, grad_scaler=scaler)
+        for _ in range(2):
+            scaler.scale(model(x)).backward()
+            if manager is not None:
+                manager.compress_and_free_gradients()  # the first in the store, not waiting
+        if manager is None:
+            scaler.step(optimizer)
+        else:
+            manager.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert scales == [0.5, 0.5]
+
+
 def test_a_failed_encode_gives_a_carried_bf16_gradient_back_widened() -> None:
     """An encode at the drain that raises (out of memory) gives the gradients not yet
     encoded back in ``.grad``: a carried bf16 one widened to its fp32 master's dtype, its

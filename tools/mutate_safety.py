@@ -1836,6 +1836,13 @@ MUTANTS = [
         "tests/test_parameters_offload.py::test_the_compute_copies_are_ordered_on_the_stand_in_streams",
     ),
     (
+        "bf16 gradients: with a GradScaler the second joins in fp32 (the inf check reads it)",
+        "gradient_cache/engine/capture.py",
+        "        return grad if cached.followed_by(grad) and not inf_checked else grad.to(route.dtype)\n",
+        "        return grad if cached.followed_by(grad) else grad.to(route.dtype)\n",
+        "tests/test_parameters_offload.py::test_two_finite_bf16_gradients_whose_sum_overflows_skip_a_scaled_step",
+    ),
+    (
         "bf16 gradients: the joined parts' norm is of their sum",
         "gradient_cache/engine/capture.py",
         "                whole = cached.moved(pipeline.backend.to_device).add_to(whole)\n",
