@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_demo import run_console_script
+from test_demo import run_in_process
 
 from gradient_cache import cli
 from gradient_cache.demo import run as demo_run
@@ -28,10 +28,11 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str, str]:
-    """The scenario as shipped on the emulated device, only the step count lowered. Each run
-    installs the device in its own process (this one never does)."""
+    """The scenario as shipped on the emulated device, only the step count lowered, by the
+    command's ``main`` in this process (test_demo.py runs the console script itself). Each
+    run installs the device in its own process (this one never does)."""
     out = tmp_path_factory.mktemp("larger_than_device")
-    return run_console_script(
+    return run_in_process(
         out, "--scenario", "larger-than-device", "--device", "emulated", "--steps", str(STEPS)
     )
 

@@ -8,10 +8,24 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from test_scripts import run
+
+from perf import quality, soak
+
+
+def summarized(
+    main: Callable[[list[str]], None], saved: Path, capsys: pytest.CaptureFixture
+) -> str:
+    """What ``main(["--summarize", saved])`` prints, run in this process: the script's own
+    run above went through ``python -m`` already, and a second interpreter only added the
+    4 s of importing torch and the package again."""
+    capsys.readouterr()
+    main(["--summarize", str(saved)])
+    return capsys.readouterr().out
 
 
 def test_quality_timing_prints_its_table() -> None:
@@ -22,7 +36,9 @@ def test_quality_timing_prints_its_table() -> None:
     assert "|---" in out
 
 
-def test_quality_benchmark_pairs_seeds_and_counts_bytes(tmp_path: Path) -> None:
+def test_quality_benchmark_pairs_seeds_and_counts_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """A few steps of the quality benchmark: lossless equals plain, bytes follow the recipe."""
     out_json = tmp_path / "quality.json"
     out = run(
@@ -44,10 +60,12 @@ def test_quality_benchmark_pairs_seeds_and_counts_bytes(tmp_path: Path) -> None:
     assert 0.25 < compressed["pcie_bytes"] / (2 * compressed["dense_bytes"]) < 0.35
     assert compressed["device_bytes"] == 0
     assert "| adamw | r100-ef-int8 |" in out
-    assert run("-m", "perf.quality", "--summarize", str(out_json)).strip() in out  # re-printed
+    assert summarized(quality.main, out_json, capsys).strip() in out  # re-printed
 
 
-def test_soak_returns_tensors_threads_and_hooks_to_their_start_counts(tmp_path: Path) -> None:
+def test_soak_returns_tensors_threads_and_hooks_to_their_start_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out_json = tmp_path / "soak.json"
     out = run(
         "-m", "perf.soak", "--settings", "r1", "default", "--steps", "9", "--warmup", "3",
@@ -66,7 +84,7 @@ def test_soak_returns_tensors_threads_and_hooks_to_their_start_counts(tmp_path: 
         assert all(rss > 0 and tensors > 0 for _, rss, tensors in result["curve"])
         assert math.isfinite(result["rss_slope_mib_per_1000"])
     assert "| default | 1 | 9 |" in out
-    assert run("-m", "perf.soak", "--summarize", str(out_json)).strip() in out  # re-printed
+    assert summarized(soak.main, out_json, capsys).strip() in out  # re-printed
 
 
 def test_the_soak_verdict_compares_each_settings_mean_slope_with_plains_plus_the_target() -> None:

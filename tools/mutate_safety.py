@@ -1348,7 +1348,7 @@ MUTANTS = [
     (
         "demo accounting: the weights' masters are host memory",
         "gradient_cache/engine/figures.py",
-        "            *(() if weights is None else weights.host_tensors()),\n",
+        "        *(() if weights is None else weights.host_tensors()),\n",
         "",
         "tests/test_accounting.py::test_weights_on_the_host_count_only_while_they_are_on_the_device",
     ),

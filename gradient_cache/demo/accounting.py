@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..engine.figures import host_tensors
 from ..engine.units import MIB as MIB  # re-exported: perf/ reads it from here
 from ._torch_private import (
     TorchDispatchMode,
@@ -165,7 +166,10 @@ def cache_tensors(
     """
 
     def host() -> tuple[torch.Tensor, ...]:
-        return cache.cache_tensors().host
+        # Read before every operator: the host tensors alone, not every list of
+        # `cache.cache_tensors()` (the same, once the cache is closed: none).
+        engine = cache.engine
+        return () if engine is None else host_tensors(engine)
 
     def scratch() -> tuple[torch.Tensor, ...]:
         return cache.cache_tensors().scratch
