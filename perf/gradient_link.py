@@ -45,11 +45,11 @@ class Copies:
     @contextlib.contextmanager
     def counting(self, manager: Any) -> Iterator[None]:
         """Count ``manager``'s gradient copies inside the block (its backend's methods
-        wrapped on the instance, put back after)."""
-        engine = manager.engine
-        backend, capture = engine.backend, engine.capture
-        store, to_device = backend.store, backend.to_device
-        encode, start_restore = capture._encode, backend.start_restore
+        wrapped on the instance, put back after): outside a restore, only an encode reading
+        the cached part brings payload bytes to the device."""
+        backend = manager.engine.backend
+        store, to_device, start_restore = backend.store, backend.to_device, backend.start_restore
+        restoring = False
 
         def stored(encoded: list, grads: list) -> Any:
             # What the copies move: an earlier micro-batch's part on the host already stays.
@@ -58,25 +58,23 @@ class Copies:
             return store(encoded, grads)
 
         def brought(tensor: torch.Tensor) -> torch.Tensor:
-            self.back += tensor.nbytes
+            self.back += 0 if restoring else tensor.nbytes
             return to_device(tensor)
 
-        def encoding(*args: Any) -> Any:
-            backend.to_device = brought  # an encode's reads of the cached part only
-            try:
-                return encode(*args)
-            finally:
-                del backend.to_device
-
         def restore(items: list, **options: Any) -> Any:
+            nonlocal restoring
             self.restored += sum(payload.nbytes for _, payload in items)
-            return start_restore(items, **options)
+            restoring = True
+            try:
+                return start_restore(items, **options)
+            finally:
+                restoring = False
 
-        backend.store, capture._encode, backend.start_restore = stored, encoding, restore
+        backend.store, backend.to_device, backend.start_restore = stored, brought, restore
         try:
             yield
         finally:
-            del backend.store, capture._encode, backend.start_restore
+            del backend.store, backend.to_device, backend.start_restore
 
 
 def measure(
