@@ -85,6 +85,7 @@ def test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit(device: torch.de
         manager.remove_hooks()
     assert any("did not fit on the device" in str(w.message) for w in caught)
     assert all(p.device.type == "cpu" for p in cached.parameters())
+    assert all(type(p) is torch.nn.Parameter for p in cached.parameters())  # no guard left
     for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
         assert b.grad is not None and b.grad.device.type == "cpu" and torch.equal(a.grad, b.grad)
 

@@ -426,6 +426,10 @@ class HostWeights:
                 refused.append(param)
         return refused
 
+    def name(self, param: Param) -> str:
+        """``param``'s name in the model (one these weights hold)."""
+        return self._names[param]
+
     def names(self, params: Iterable[Param]) -> list[str]:
         """The names of those of ``params`` these weights hold, in the model's order."""
         wanted = set(params)

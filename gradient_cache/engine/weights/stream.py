@@ -52,6 +52,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..backend import Backend
+from . import at_rest
 from .blocks import WeightUnits
 from .hooks import (
     BackwardEnd,
@@ -120,12 +121,20 @@ class WeightStream:
             for param in model.parameters()
             if param.requires_grad
         ]
-        # A block weight's gradient computed on the host: refused before it accumulates.
-        self._handles += [
-            param.register_hook(functools.partial(self._refuse_host_gradient, param))
+        # A block weight used at rest, outside its window: refused where a backward reaches
+        # the use (`at_rest`), and a gradient computed on the host, before it accumulates.
+        guarded = [
+            param
             for param in self._in_blocks
             if param.requires_grad and weights.backend.device.type != "cpu"
         ]
+        self._handles += [
+            param.register_hook(functools.partial(self._refuse_host_gradient, param))
+            for param in guarded
+        ]
+        placement = weights.placement
+        assert isinstance(placement, OwnTensors)  # this stream's (FSDP2's: `ShardStream`)
+        placement.guard({param: weights.name(param) for param in guarded})
 
     def settled(self, params: Sequence[Param]) -> None:
         """``params`` are on the device for good (`OwnTensors.settle`): plain parameters,
@@ -298,7 +307,7 @@ class WeightStream:
         accumulation of the block's own use, a race: refused before either accumulates."""
         if grad.device.type == self.weights.backend.device.type:
             return
-        name = self.weights.names([param])[0]
+        name = self.weights.name(param)
         raise RuntimeError(
             f"Block parameter {name!r} received a gradient computed on the {grad.device} "
             "(its host master, with offload_parameters=True): it was used outside its "
@@ -355,6 +364,21 @@ class OwnTensors:
     def __init__(self, backend: Backend, compute_dtype: torch.dtype | None) -> None:
         self.backend = backend
         self.compute_dtype = compute_dtype
+        self._guarded: dict[Param, str] = {}  # refuse a use at rest (`at_rest`), by name
+
+    def guard(self, names: dict[Param, str]) -> None:
+        """``names``' weights refuse, by name, a use at rest that a backward would reach
+        (`at_rest.GuardedAtRest`), from now on while they are at rest."""
+        self._guarded.update(names)
+        for param in names:
+            self._dress(param)
+
+    def _dress(self, param: Param) -> None:
+        """``param`` guarded while at rest on the host, a plain ``Parameter`` on the device."""
+        name = self._guarded.get(param)
+        if name is not None and param.device == self.backend.device:
+            name = None
+        at_rest.dress(param, name)
 
     def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
         check_own_storage(named_params)
@@ -390,9 +414,11 @@ class OwnTensors:
 
     def rest(self, param: Param, weight: Weight) -> None:
         param.data = weight.master
+        self._dress(param)
 
     def show(self, param: Param, weight: Weight) -> None:
         param.data = weight.place()
+        self._dress(param)
 
     def in_place(self, param: Param, weight: Weight) -> bool:
         """Whether ``param.data`` is its master or its device tensor in use, not moved
@@ -414,6 +440,8 @@ class OwnTensors:
         )
         for param, home in zip(params, homes, strict=True):
             param.data = home
+            self._guarded.pop(param, None)
+            at_rest.dress(param, None)
         weights.drop(params)
 
     def close(self, weights: HostWeights) -> None:
@@ -432,6 +460,10 @@ class OwnTensors:
                 UserWarning,
                 stacklevel=5,
             )
+        finally:
+            for param in self._guarded:  # a closed cache leaves plain parameters
+                at_rest.dress(param, None)
+            self._guarded.clear()
 
     def _device_like(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A device tensor like ``host`` (shape, strides) in ``dtype``, its memory given up."""

@@ -1,0 +1,96 @@
+"""A block weight at rest on the host, guarded: a use that a backward would reach is refused
+there, by name, before anything runs.
+
+At rest ``P.data`` is the host master. A use of ``P`` outside its block's window (a
+regularizer over ``model.parameters()``, ``block.forward(x)``) computes on the host, and
+its backward would run on autograd's CPU thread while the device thread brings the weight
+back for the block's own backward, swapping ``P.data``: which thread reaches ``P`` first
+decides the error (ours, from the gradient's tensor hook, or autograd's device mismatch
+when the host node reads its saved ``P`` on the device), and nothing may accumulate. So a
+guarded weight at rest is a `GuardedAtRest` (its class swapped, its data and identity the
+same): each torch function it takes part in runs as on a plain ``Parameter``, and a result
+autograd records gets a pre-hook on its node that raises naming the weights, on whichever
+thread first reaches it, before that node reads anything. A use that is never backwarded
+(a log of ``p.norm()``) costs nothing more; no-grad uses (``state_dict``, an EMA written in)
+record nothing. In its block's window the weight is a plain ``Parameter`` again, so forward
+and backward pay nothing. A copy (``copy.deepcopy``, ``AveragedModel``) or a pickle of one
+is a plain ``Parameter``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+Param = torch.nn.Parameter
+
+#: Each guarded weight's name, by ``id`` (a tensor's ``==`` is elementwise), for the
+#: refusal; `dress` keeps it.
+NAMES: dict[int, str] = {}
+
+
+class GuardedAtRest(torch.nn.Parameter):
+    """A plain ``Parameter`` whose recorded uses refuse their backward (module docstring)."""
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        if torch.is_grad_enabled():
+            nodes = {
+                id(t.grad_fn): t.grad_fn
+                for t in pytree.tree_leaves(result)
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None
+            }
+            if nodes:
+                leaves = pytree.tree_leaves((args, kwargs))
+                used = [NAMES.get(id(a), "?") for a in leaves if isinstance(a, cls)]
+                for node in nodes.values():
+                    node.register_prehook(_refusal(used))
+        return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Param:
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            result = Param(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        result.__dict__ = copy.deepcopy(self.__dict__, memo)
+        memo[id(self)] = result
+        return result
+
+
+def dress(param: Param, name: str | None) -> None:
+    """``param`` as a `GuardedAtRest` named ``name``, or (None) a plain ``Parameter`` again;
+    a parameter of another class (a library's subclass) is left as it is."""
+    wanted = Param if name is None else GuardedAtRest
+    if type(param) in (Param, GuardedAtRest) and type(param) is not wanted:
+        param.__class__ = wanted
+    if name is None:
+        NAMES.pop(id(param), None)
+    else:
+        NAMES[id(param)] = name
+
+
+def _refusal(names: list[str]) -> Callable[[Any], None]:
+    def refuse(grad_outputs: Any) -> None:
+        raise RuntimeError(
+            f"Block parameter(s) {', '.join(map(repr, names))} were used outside their "
+            "block's forward, where their weights are on the host (offload_parameters=True): "
+            "a regularizer over model.parameters(), or block.forward(x) instead of block(x). "
+            "Its backward would compute on the host beside the block's own on the device. "
+            "Put a regularizer into the optimizer (weight_decay) or compute it inside the "
+            "block's forward, and call the blocks as modules."
+        )
+
+    return refuse
