@@ -376,9 +376,9 @@ class OwnTensors:
     def _dress(self, param: Param) -> None:
         """``param`` guarded while at rest on the host, a plain ``Parameter`` on the device."""
         name = self._guarded.get(param)
-        if name is not None and param.device == self.backend.device:
-            name = None
-        at_rest.dress(param, name)
+        if name is None:
+            return  # never guarded (on the CPU, a rest weight), or no longer (settled)
+        at_rest.dress(param, None if param.device == self.backend.device else name)
 
     def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
         check_own_storage(named_params)
