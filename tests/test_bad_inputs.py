@@ -281,3 +281,22 @@ def test_the_docs_table_matches() -> None:
 
 if __name__ == "__main__":
     print(table())
+
+
+def test_gradients_cached_before_a_cast_come_back_in_the_models_new_dtype() -> None:
+    """A model cast after its cache was created (refused at its next forward) gets its
+    cached gradients back at remove_hooks in its new dtype, as model.to() casts a plain
+    model's .grad (assigned as they were cached, they raised, inside the finalizer of a
+    dropped manager too)."""
+    models = []
+    for cached in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 4)
+        cache = create_gradient_cache(net, compression_ratio=1) if cached else None
+        net(torch.randn(2, 4)).sum().backward()
+        net.to(torch.bfloat16)
+        if cache is not None:
+            cache.remove_hooks()
+        models.append(net)
+    for plain, restored in zip(*(m.parameters() for m in models), strict=True):
+        assert restored.grad.dtype == torch.bfloat16 and torch.equal(plain.grad, restored.grad)
