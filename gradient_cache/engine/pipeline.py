@@ -225,8 +225,7 @@ class Pipeline:
         buckets = [[param for param, _ in part] for part in self.store.parts(set(params))]
         with contextlib.closing(self.restoring(buckets, clip_factor=self.deferred_clip)) as each:
             for grads in each:
-                for param, grad in grads:  # beside weights left on the host at a close,
-                    # in a model cast since (refused at its forward) as .to() casts .grad
+                for param, grad in grads:  # beside host weights; cast as .to() casts .grad
                     grad = sharding.as_grad_of(param, grad).to(param.device, param.dtype)
                     param.grad = grad if param.grad is None else param.grad.add_(grad)
 
