@@ -1941,6 +1941,20 @@ MUTANTS = [
         "tests/emulated/test_weights_on_device.py::test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches tests/emulated/test_weights_on_device.py::test_a_regularizer_over_every_parameter_raises_never_trains",
     ),
     (
+        "weights at rest: guarded from the forward's end",
+        "gradient_cache/engine/weights/stream.py",
+        "        self._own.guarding(True)  # what the loss adds to the graph until backward\n",
+        "",
+        "tests/emulated/test_weights_on_device.py::test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches tests/emulated/test_weights_on_device.py::test_a_regularizer_over_every_parameter_raises_never_trains",
+    ),
+    (
+        "weights at rest: plain again from the backward's begin",
+        "gradient_cache/engine/weights/stream.py",
+        "        self._own.guarding(False)  # the uses before it are recorded, their refusals set\n",
+        "",
+        "tests/emulated/test_weights_on_device.py::test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches",
+    ),
+    (
         "weights at rest: a copy is a plain Parameter",
         "gradient_cache/engine/weights/at_rest.py",
         "    def __deepcopy__(self, memo: dict[int, Any]) -> Param:\n",

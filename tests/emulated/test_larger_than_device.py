@@ -80,6 +80,7 @@ def test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit(device: torch.de
     tokens, targets = batches(torch.device("cpu"))[0]
     plain(tokens, targets)[1].backward()
     cached(tokens.to(device), targets.to(device))[1].backward()
+    cached(tokens.to(device))  # a forward whose graph is dropped: its weights guarded
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         manager.remove_hooks()

@@ -171,16 +171,18 @@ def test_bf16_micro_batches_cross_as_bf16_beside_each_other(device, micro_batche
 
 
 def test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches(device) -> None:
-    """A block weight at rest is guarded (`at_rest.GuardedAtRest`) yet a Parameter for
-    everything else: a log of its norm with gradients on, a write under no_grad, a copy of
-    the model (deepcopy: plain parameters, no guard), a pickle of the weight; a use a
-    backward reaches is refused by name; removing the hooks leaves plain parameters."""
+    """From the model's forward end to its backward's begin a block weight at rest is
+    guarded (`at_rest.GuardedAtRest`) yet a Parameter for everything else: a log of its norm
+    with gradients on, a write under no_grad, a copy of the model (deepcopy: plain
+    parameters, no guard), a pickle of the weight; a use a backward reaches is refused by
+    name. Through backward and the step, and once the hooks are removed, every weight is a
+    plain Parameter."""
     model = gpt()
     manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
     tokens, targets = on(device, 1)[0]
-    model(tokens, targets)[1].backward()
-    manager.step(adamw_two_groups(model))
     weight = model.blocks[0].attn.qkv.weight
+    assert type(weight) is nn.Parameter  # before a forward
+    _, loss = model(tokens, targets)
     assert isinstance(weight, nn.Parameter) and type(weight) is not nn.Parameter
     assert weight.norm().item() > 0  # recorded, never backwarded: free
     with torch.no_grad():
@@ -192,7 +194,12 @@ def test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches(de
     buffer.seek(0)
     assert type(torch.load(buffer, weights_only=False)) is nn.Parameter
     with pytest.raises(RuntimeError, match=r"'blocks\.0\.attn\.qkv\.weight' were used outside"):
-        weight.square().sum().backward()
+        (loss + weight.square().sum()).backward()
+    model(tokens, targets)[1].backward()
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # backward began
+    manager.step(adamw_two_groups(model))
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    model(tokens, targets)
     manager.remove_hooks()
     assert all(type(p) is nn.Parameter for p in model.parameters())
 

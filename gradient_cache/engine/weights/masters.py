@@ -58,6 +58,7 @@ from ..backend import Backend, Transfer
 from ..hostmem import check_host_budget
 from ..layout import gradient_strides
 from ..state_slabs import StateSlabs
+from . import at_rest
 
 Param = torch.nn.Parameter
 
@@ -641,7 +642,8 @@ def _by_dtype(params: Sequence[Param], sources: dict[Param, torch.Tensor]) -> li
 def _versions(param: Param, weight: Weight) -> tuple[int, int]:
     """The version counters a write into ``param`` at rest, or into its master by a copy
     back, moves."""
-    return param._version, weight.master._version
+    with at_rest.as_plain():
+        return param._version, weight.master._version
 
 
 def _exact(weight: Weight) -> bool:

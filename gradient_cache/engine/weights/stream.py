@@ -134,6 +134,7 @@ class WeightStream:
         ]
         placement = weights.placement
         assert isinstance(placement, OwnTensors)  # this stream's (FSDP2's: `ShardStream`)
+        self._own = placement
         placement.guard({param: weights.name(param) for param in guarded})
 
     def settled(self, params: Sequence[Param]) -> None:
@@ -150,6 +151,7 @@ class WeightStream:
     @outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         self._in_model = True
+        self._own.guarding(False)  # a forward with no backward since the last one ended
         if not in_backward():
             self._end.after_a_failed_backward()
         if not in_backward() and torch.is_grad_enabled():
@@ -192,6 +194,7 @@ class WeightStream:
         # Backward starts with the last block run: kept from its forward (brought again
         # where a later forward freed it).
         self.weights.bring(self._block(self.schedule.last()))
+        self._own.guarding(True)  # what the loss adds to the graph until backward
 
     @outside_graphs
     @of_this_backward
@@ -199,6 +202,7 @@ class WeightStream:
         """The model's output has its gradient: the rest is read next (again, in a second
         backward through a retained graph)."""
         refuse_create_graph()
+        self._own.guarding(False)  # the uses before it are recorded, their refusals set
         self._end.queue()
         self.weights.ensure(self.units.rest)
 
@@ -365,20 +369,31 @@ class OwnTensors:
         self.backend = backend
         self.compute_dtype = compute_dtype
         self._guarded: dict[Param, str] = {}  # refuse a use at rest (`at_rest`), by name
+        self._guarding = False  # from a forward's end to its backward's begin
 
     def guard(self, names: dict[Param, str]) -> None:
         """``names``' weights refuse, by name, a use at rest that a backward would reach
-        (`at_rest.GuardedAtRest`), from now on while they are at rest."""
+        (`at_rest.GuardedAtRest`), while `guarding`."""
         self._guarded.update(names)
-        for param in names:
-            self._dress(param)
 
-    def _dress(self, param: Param) -> None:
-        """``param`` guarded while at rest on the host, a plain ``Parameter`` on the device."""
+    def guarding(self, on: bool) -> None:
+        """The guarded weights at rest guarded (``on``: from a forward's end, where a use
+        outside the blocks, a regularizer, is computed) or plain ``Parameter``s (from its
+        backward's begin, through the step, to the next forward's end: the loops of the
+        step, the optimizer and the hooks read their fields with no Python call each)."""
+        self._guarding = on
+        for param, name in self._guarded.items():
+            with at_rest.as_plain():
+                home = param.device.type == "cpu"  # its master (the device is not the CPU)
+            at_rest.dress(param, name if on and home else None)
+
+    def _dress(self, param: Param, weight: Weight) -> None:
+        """``param`` guarded while at rest on the host and `guarding`, else plain."""
         name = self._guarded.get(param)
         if name is None:
             return  # never guarded (on the CPU, a rest weight), or no longer (settled)
-        at_rest.dress(param, None if param.device == self.backend.device else name)
+        home = weight.place() is weight.master
+        at_rest.dress(param, name if self._guarding and home else None)
 
     def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
         check_own_storage(named_params)
@@ -413,18 +428,21 @@ class OwnTensors:
         return self.compute_dtype if param.is_floating_point() else None
 
     def rest(self, param: Param, weight: Weight) -> None:
-        param.data = weight.master
-        self._dress(param)
+        with at_rest.as_plain():
+            param.data = weight.master
+        self._dress(param, weight)
 
     def show(self, param: Param, weight: Weight) -> None:
-        param.data = weight.place()
-        self._dress(param)
+        with at_rest.as_plain():
+            param.data = weight.place()
+        self._dress(param, weight)
 
     def in_place(self, param: Param, weight: Weight) -> bool:
         """Whether ``param.data`` is its master or its device tensor in use, not moved
         since (``model.to(...)``)."""
         place = weight.place()
-        return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
+        with at_rest.as_plain():
+            return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
 
     def settle(self, weights: HostWeights, params: Sequence[Param]) -> None:
         """Those of ``params`` (whole units) on the device for good, as plain PyTorch keeps
