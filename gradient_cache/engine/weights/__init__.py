@@ -69,6 +69,7 @@ class Weights:
     def close(self) -> None:
         """Every weight back on the device for good (if they cannot be, this raises or
         warns as the placement says, before any hook goes), then the hooks removed."""
+        self.stream.end_a_failed_backward()  # else its last hook may bring one meanwhile
         self.masters.close()
         self.stream.remove()
 

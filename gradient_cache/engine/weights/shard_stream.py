@@ -117,6 +117,11 @@ class ShardStream:
                 module.register_forward_hook(module_hook(self._model_ends), always_call=True),
             ]
 
+    def end_a_failed_backward(self) -> None:
+        """A backward that raised ends now, as at the next forward: the cache closes. Waits
+        for a hook of it that autograd's device thread may still be running."""
+        self._end.after_a_failed_backward()
+
     def remove(self) -> None:
         """The hooks removed; the shards stay where they are."""
         for handle in self._handles:

@@ -142,6 +142,11 @@ class WeightStream:
         whose gradients are computed where they are."""
         self._in_blocks.difference_update(params)
 
+    def end_a_failed_backward(self) -> None:
+        """A backward that raised ends now, as at the next forward: the cache closes. Waits
+        for a hook of it that autograd's device thread may still be running."""
+        self._end.after_a_failed_backward()
+
     def remove(self) -> None:
         """The hooks removed; the weights stay where they are."""
         for handle in self._handles:
