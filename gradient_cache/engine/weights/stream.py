@@ -386,6 +386,8 @@ class OwnTensors:
         outside the blocks, a regularizer, is computed) or plain ``Parameter``s (from its
         backward's begin, through the step, to the next forward's end: the loops of the
         step, the optimizer and the hooks read their fields with no Python call each)."""
+        if not on and not self._guarding:
+            return  # plain already: `_dress` guards only while guarding
         self._guarding = on
         for param, name in self._guarded.items():
             with at_rest.as_plain():
