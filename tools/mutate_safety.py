@@ -1943,14 +1943,14 @@ MUTANTS = [
     (
         "weights at rest: guarded from the forward's end",
         "gradient_cache/engine/weights/stream.py",
-        "        self._own.guarding(True)  # what the loss adds to the graph until backward\n",
+        "        self._placement.guarding(True)  # what the loss adds to the graph until backward\n",
         "",
         "tests/emulated/test_weights_on_device.py::test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches tests/emulated/test_weights_on_device.py::test_a_regularizer_over_every_parameter_raises_never_trains",
     ),
     (
         "weights at rest: plain again from the backward's begin",
         "gradient_cache/engine/weights/stream.py",
-        "        self._own.guarding(False)  # the uses before it are recorded, their refusals set\n",
+        "        self._placement.guarding(False)  # the uses before it are recorded, their refusals set\n",
         "",
         "tests/emulated/test_weights_on_device.py::test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches",
     ),

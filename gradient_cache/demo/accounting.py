@@ -604,10 +604,7 @@ class TensorMemoryTracker(DeviceMemoryMeter):
         every operator, so where every gradient is a plain tensor counted as a gradient
         already, and none was made from host tensors (`_tag` would change nothing), the
         keys are all it does, in set operations."""
-        # A block weight at rest may be a torch-function subclass (engine/weights/at_rest.py):
-        # read through it, each weight's .grad after each operator is a Python call.
-        with torch._C.DisableTorchFunctionSubclass():
-            grads = [grad for grad in map(_grad, self._params) if grad is not None]
+        grads = [grad for grad in map(_grad, self._params) if grad is not None]
         if all(type(grad) is torch.Tensor for grad in grads):
             keys = set(map(id, map(_untyped_storage, grads)))
             if keys <= self._gradient_keys and keys.isdisjoint(self._host_made):

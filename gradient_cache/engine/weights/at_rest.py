@@ -75,11 +75,6 @@ class GuardedAtRest(torch.nn.Parameter):
         return result
 
 
-#: Where the cache reads or sets its own weights' fields (``.data``, ``_version``): there a
-#: guarded weight is a plain tensor, with no Python call per field.
-as_plain = torch._C.DisableTorchFunctionSubclass
-
-
 def dress(param: Param, name: str | None) -> None:
     """``param`` as a `GuardedAtRest` named ``name``, or (None) a plain ``Parameter`` again;
     a parameter of another class (a library's subclass) is left as it is."""

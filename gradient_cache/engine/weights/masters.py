@@ -58,7 +58,6 @@ from ..backend import Backend, Transfer
 from ..hostmem import check_host_budget
 from ..layout import gradient_strides
 from ..state_slabs import StateSlabs
-from . import at_rest
 
 Param = torch.nn.Parameter
 
@@ -642,8 +641,7 @@ def _by_dtype(params: Sequence[Param], sources: dict[Param, torch.Tensor]) -> li
 def _versions(param: Param, weight: Weight) -> tuple[int, int]:
     """The version counters a write into ``param`` at rest, or into its master by a copy
     back, moves."""
-    with at_rest.as_plain():
-        return param._version, weight.master._version
+    return param._version, weight.master._version
 
 
 def _exact(weight: Weight) -> bool:

@@ -134,7 +134,7 @@ class WeightStream:
         ]
         placement = weights.placement
         assert isinstance(placement, OwnTensors)  # this stream's (FSDP2's: `ShardStream`)
-        self._own = placement
+        self._placement = placement
         placement.guard({param: weights.name(param) for param in guarded})
 
     def settled(self, params: Sequence[Param]) -> None:
@@ -156,7 +156,7 @@ class WeightStream:
     @outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         self._in_model = True
-        self._own.guarding(False)  # a forward with no backward since the last one ended
+        self._placement.guarding(False)  # a forward with no backward since the last one ended
         if not in_backward():
             self._end.after_a_failed_backward()
         if not in_backward() and torch.is_grad_enabled():
@@ -199,7 +199,7 @@ class WeightStream:
         # Backward starts with the last block run: kept from its forward (brought again
         # where a later forward freed it).
         self.weights.bring(self._block(self.schedule.last()))
-        self._own.guarding(True)  # what the loss adds to the graph until backward
+        self._placement.guarding(True)  # what the loss adds to the graph until backward
 
     @outside_graphs
     @of_this_backward
@@ -207,7 +207,7 @@ class WeightStream:
         """The model's output has its gradient: the rest is read next (again, in a second
         backward through a retained graph)."""
         refuse_create_graph()
-        self._own.guarding(False)  # the uses before it are recorded, their refusals set
+        self._placement.guarding(False)  # the uses before it are recorded, their refusals set
         self._end.queue()
         self.weights.ensure(self.units.rest)
 
@@ -390,9 +390,8 @@ class OwnTensors:
             return  # plain already: `_dress` guards only while guarding
         self._guarding = on
         for param, name in self._guarded.items():
-            with at_rest.as_plain():
-                home = param.device.type == "cpu"  # its master (the device is not the CPU)
-            at_rest.dress(param, name if on and home else None)
+            # Read while plain (``on``): at rest, ``P.data`` is its master, on the CPU.
+            at_rest.dress(param, name if on and param.device.type == "cpu" else None)
 
     def _dress(self, param: Param, weight: Weight) -> None:
         """``param`` guarded while at rest on the host and `guarding`, else plain."""
@@ -435,21 +434,18 @@ class OwnTensors:
         return self.compute_dtype if param.is_floating_point() else None
 
     def rest(self, param: Param, weight: Weight) -> None:
-        with at_rest.as_plain():
-            param.data = weight.master
+        param.data = weight.master
         self._dress(param, weight)
 
     def show(self, param: Param, weight: Weight) -> None:
-        with at_rest.as_plain():
-            param.data = weight.place()
+        param.data = weight.place()
         self._dress(param, weight)
 
     def in_place(self, param: Param, weight: Weight) -> bool:
         """Whether ``param.data`` is its master or its device tensor in use, not moved
         since (``model.to(...)``)."""
         place = weight.place()
-        with at_rest.as_plain():
-            return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
+        return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
 
     def settle(self, weights: HostWeights, params: Sequence[Param]) -> None:
         """Those of ``params`` (whole units) on the device for good, as plain PyTorch keeps
