@@ -445,11 +445,15 @@ def test_plan_command_prints_the_weights_column(capsys: pytest.CaptureFixture[st
     assert "the blocks of 'blocks', 12 of them" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("micro_batches", [1, 3])
+@pytest.mark.parametrize("copy_bytes", [None, 2], ids=["fp32", "bf16 compute"])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
 @pytest.mark.parametrize("ratio", [1, 100], ids=["lossless", "top-k, host residual"])
-def test_the_phases_add_up_to_the_pooled_link_bytes(micro_batches: int, ratio: float) -> None:
+def test_the_phases_add_up_to_the_pooled_link_bytes(
+    micro_batches: int, ratio: float, copy_bytes: int | None
+) -> None:
     """Forward's and backward's bytes over the step's micro-batches and the optimizer
-    step's are the weights column's link bytes a step, each direction; a micro-batch's
+    step's are the weights column's link bytes a step, each direction (also with a bf16
+    compute dtype, whose first two micro-batches' gradients cross in bf16); a micro-batch's
     are the step's over the micro-batches, backward's from the second on (with the stored
     gradients' accumulation) where the micro-batches differ."""
     with torch.device("meta"):
@@ -461,6 +465,7 @@ def test_the_phases_add_up_to_the_pooled_link_bytes(micro_batches: int, ratio: f
         compression_ratio=ratio,
         config=config if ratio > 1 else EngineConfig(),
         weights=weight_layout(model),
+        weight_copy_bytes=copy_bytes,
     )
     figures = plan(inputs)
     weights = figures.weights
@@ -474,9 +479,13 @@ def test_the_phases_add_up_to_the_pooled_link_bytes(micro_batches: int, ratio: f
         )
         assert step.link_bytes_per_step[direction] == step.link_bytes[direction]
     backward_out = backward.link_bytes_per_step["device to host"]
+    payload = figures.host["stored gradients"]
+    if copy_bytes is not None and ratio == 1:  # carried: the first two at half the bytes
+        carried = min(micro_batches, 2) * payload // 2 + max(micro_batches - 2, 0) * payload
+        assert backward_out == carried
+        return
     assert backward_out == micro_batches * backward.link_bytes["device to host"]
     # Backward's micro-batches from the second on bring the stored gradients back.
-    payload = figures.host["stored gradients"]
     first = backward.link_bytes["host to device"] - (payload if micro_batches > 1 else 0)
     assert backward.link_bytes_per_step["host to device"] == (
         micro_batches * first + (micro_batches - 1) * payload
