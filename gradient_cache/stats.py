@@ -9,7 +9,6 @@ from typing import Any
 
 import psutil
 
-from .engine.figures import describe
 from .engine.hostmem import available_host_bytes
 from .engine.pipeline import Pipeline
 from .engine.units import MIB
@@ -102,9 +101,7 @@ def compression_summary(
     # partial bucket is not cached yet (still on the device, in no figure) but the step is.
     pending = pipeline.step_pending
     layers = (
-        describe(pipeline.store, pipeline.records, pipeline.store)
-        if pending
-        else pipeline.last_step
+        pipeline.store.figures(pipeline.records, pipeline.store) if pending else pipeline.last_step
     ).layers
     dense = sum(layer.dense_bytes for layer in layers.values())
     stored = sum(layer.stored_bytes for layer in layers.values())

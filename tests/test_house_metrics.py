@@ -44,3 +44,15 @@ def test_following_the_optimizer_through_the_step_stays_in_few_files() -> None:
     result = follow_optimizer.main_scenario()
     found = follow_optimizer.breaches([result], max_comebacks=8, max_entries=4)
     assert not found, "\n".join([*found, follow_optimizer.report(result)])
+
+
+def test_following_a_weight_on_the_host_through_a_step_stays_in_few_files() -> None:
+    """Issue 50's bounds on the weights' life: one block weight of a model whose weights,
+    gradients and state are on the host enters at most 12 files and is handed back to a
+    file at most 45 times through one training step (every call counted)."""
+    follow_weight = load_tool("follow_weight")
+    result = follow_weight.walk_one_step(
+        "the weights on the host", offload_optimizer_state=True, offload_parameters=True
+    )
+    files, back = len(result.every.entries()), follow_weight.returns(result.every)
+    assert files <= 12 and back <= 45, follow_weight.report(result)

@@ -399,6 +399,13 @@ MUTANTS = [
         "tests/test_checkpoint.py::test_the_state_holds_residuals_and_the_cached_gradients_by_name tests/test_checkpoint.py::test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start",
     ),
     (
+        "residuals: the delivered step promotes where a step wrote any (any_pending)",
+        "gradient_cache/engine/residuals.py",
+        "        return bool(self._pending)",
+        "        return False",
+        "tests/test_scaler_skip.py::test_a_skipped_step_leaves_no_trace tests/test_checkpoint.py::test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start",
+    ),
+    (
         "host residuals: promote swaps the slot and its spare",
         "gradient_cache/engine/residuals.py",
         # Since the scaler-skip work promote swaps through _swap (shared with
@@ -758,7 +765,7 @@ MUTANTS = [
     (
         "fused step: a shared gradient another optimizer's step took is refused",
         "gradient_cache/engine/step.py",
-        "        _check_not_taken(self.pipeline, optimizer, stepped)\n",
+        "        refuse_taken(self.pipeline, optimizer, stepped)\n",
         "",
         "tests/test_state_ownership.py::test_a_shared_gradient_another_optimizers_step_took_is_refused_with_the_fix",
     ),

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-
-from .records import CachedParam
-from .store import GradientStore
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
@@ -55,25 +51,6 @@ class CacheTensors:
     scratch: tuple[torch.Tensor, ...] = ()
     waiting: tuple[torch.Tensor, ...] = ()
     weights: tuple[torch.Tensor, ...] = ()
-
-
-def describe(
-    store: GradientStore, records: Mapping[Param, CachedParam], params: Iterable[Param]
-) -> StepFigures:
-    """The figures of the cached payloads of ``params`` (sizes only: no data is read)."""
-    figures = StepFigures()
-    for param in params:
-        payload = store[param]
-        record = records[param]
-        figures.layers[record.name] = LayerFigures(
-            numel=record.route.numel,
-            dense_bytes=record.route.numel * param.element_size(),
-            stored_bytes=payload.nbytes,
-            kept=payload.kept,
-            compressed=record.route.compressed,
-            codec=record.route.codec.name,
-        )
-    return figures
 
 
 def cache_tensors(pipeline: Pipeline) -> CacheTensors:

@@ -25,7 +25,7 @@ from .bucket import BucketAssembler
 from .capture import Capture
 from .config import EngineConfig
 from .factory import BackendFactory, create_backend
-from .figures import StepFigures, describe
+from .figures import StepFigures
 from .layout import gradient_strides
 from .norms import StepNorms, norm_slots
 from .optimizer_state import HostOptimizerState
@@ -94,8 +94,7 @@ class Pipeline:
             if config.offload_optimizer_state
             else None
         )
-        # The weights on the host (offload_parameters): `carry_weights`.
-        self.weights: HostWeights | None = None
+        self.weights: HostWeights | None = None  # offload_parameters: `carry_weights`
         self.steps = 0
         self.records = make_records(named_params, self.plan.at(0), groups)
         self._planned_at = -1
@@ -276,7 +275,7 @@ class Pipeline:
             return
         self._enter("deliver", STEPPING)
         assert self.pending is not None  # every state deliver starts from has one
-        figures = describe(self.store, self.records, params)
+        figures = self.store.figures(self.records, params)
         if self.pending.counted:
             self.last_step.layers.update(figures.layers)
         else:
@@ -285,8 +284,9 @@ class Pipeline:
                 self.skips.delivered(self.pending.random_state, self.steps)
             self.steps += 1
             self.pending.counted = True
-        unsettled = self.skips is not None and self.skips.unsettled is not None
-        self.backend.residuals.promote(params, keep_replaced=unsettled)
+        if self.backend.residuals.any_pending():
+            unsettled = self.skips is not None and self.skips.unsettled is not None
+            self.backend.residuals.promote(params, keep_replaced=unsettled)
 
     def interrupt(self, clip: Clip, held: HeldProgress) -> None:
         """A fused step raised: its clip and progress kept for the `retry`."""
@@ -464,6 +464,38 @@ def _refuse_cached_twice(named_params: Sequence[tuple[str, Param]]) -> None:
             "GradientCacheHookManager; one model takes one manager. Call remove_hooks() "
             "on the other one (or leave its with-block) before creating this one; a "
             "notebook cell run twice must reuse the first manager or rebuild the model."
+        )
+
+
+def refuse_taken(
+    pipeline: Pipeline, optimizer: torch.optim.Optimizer, params: Iterable[Param]
+) -> None:
+    """Refuse a fused step of ``optimizer`` over a parameter whose cached gradient
+    another optimizer's fused step took in this step, and that has none now: plain
+    PyTorch would step it again with that gradient, left in ``.grad``, unless a
+    ``zero_grad()`` ran in between, which the cache cannot see. Raises before
+    anything changes."""
+    records = pipeline.records
+    taken = [
+        records[param].name
+        for param in params
+        if param in records
+        and param.grad is None
+        and records[param].gradient is GradientAt.NONE
+        and records[param].taken_by is not None
+        and records[param].taken_by() is not optimizer  # type: ignore[misc]
+    ]
+    if taken:
+        raise RuntimeError(
+            f"step({type(optimizer).__name__}) steps {len(taken)} parameters "
+            f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}) whose cached "
+            "gradients another optimizer's step already stepped in this step and freed "
+            "(the fused step frees what it restores, as zero_grad() would). Plain PyTorch "
+            "leaves them in .grad, so this optimizer would step them again, unless "
+            "zero_grad() ran in between: the cache cannot tell which you meant. Give each "
+            "parameter to one optimizer; or run a backward before each optimizer's step; "
+            "or keep the shared parameters' gradients on the device (exclude_layers=[...]: "
+            "both steps then find them in .grad, as in plain PyTorch)."
         )
 
 

@@ -14,7 +14,7 @@ pinned slots, swapping a slot and its spare when a step completes.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 
@@ -26,8 +26,14 @@ Param = torch.nn.Parameter
 class ResidualStore(ABC):
     """Current residuals (as of the last completed step) and a pending step's new ones."""
 
+    _pending: Collection[Param]  # the parameters a pending step wrote a residual of
+
     def __init__(self, *, keep_previous: bool) -> None:
         self.keep_previous = keep_previous
+
+    def any_pending(self) -> bool:
+        """Whether a pending step wrote any residual: without error feedback, never."""
+        return bool(self._pending)
 
     @abstractmethod
     def read(self, param: Param) -> torch.Tensor | None:

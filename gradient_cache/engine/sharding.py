@@ -60,10 +60,6 @@ def local_shape(param: torch.Tensor) -> torch.Size:
     return local(param).shape
 
 
-def local_numel(param: torch.Tensor) -> int:
-    return local(param).numel()
-
-
 def as_grad_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``grad`` (a local tensor) as ``param.grad``: a `DTensor` like ``param`` where it is one;
     a gradient that is one already (held in ``.grad``, never cached) as it is."""

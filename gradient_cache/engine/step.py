@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import fused_step, scaling, sharding
 from .fused_step import BucketSteps, Journeys, Traveller
 from .norms import StepNorms, clip_factor, clip_grad_norm_order, gradient_norm
-from .pipeline import Pipeline
+from .pipeline import Pipeline, refuse_taken
 from .records import GradientAt
 from .step_hooks import StepHooks
 from .step_state import Clip, HeldProgress
@@ -321,7 +321,7 @@ class OptimizerStep:
         if pipeline.optimizer_state is not None:  # a skipped step moves none either
             travellers.append(pipeline.optimizer_state.begin_step(optimizer))
         stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
-        _check_not_taken(self.pipeline, optimizer, stepped)
+        refuse_taken(self.pipeline, optimizer, stepped)
         return stepped, Journeys(travellers)
 
     # --- around the restores ------------------------------------------------------------
@@ -357,36 +357,6 @@ class OptimizerStep:
             self.budget.sample()
         if self._on_restored is not None:
             self._on_restored(steps_before)
-
-
-def _check_not_taken(pipeline: Pipeline, optimizer: Optimizer, params: Iterable[Param]) -> None:
-    """Refuse a fused step of ``optimizer`` over a parameter whose cached gradient
-    another optimizer's fused step took in this step, and that has none now: plain
-    PyTorch would step it again with that gradient, left in ``.grad``, unless a
-    ``zero_grad()`` ran in between, which the cache cannot see. Raises before
-    anything changes."""
-    records = pipeline.records
-    taken = [
-        records[param].name
-        for param in params
-        if param in records
-        and param.grad is None
-        and records[param].gradient is GradientAt.NONE
-        and records[param].taken_by is not None
-        and records[param].taken_by() is not optimizer  # type: ignore[misc]
-    ]
-    if taken:
-        raise RuntimeError(
-            f"step({type(optimizer).__name__}) steps {len(taken)} parameters "
-            f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}) whose cached "
-            "gradients another optimizer's step already stepped in this step and freed "
-            "(the fused step frees what it restores, as zero_grad() would). Plain PyTorch "
-            "leaves them in .grad, so this optimizer would step them again, unless "
-            "zero_grad() ran in between: the cache cannot tell which you meant. Give each "
-            "parameter to one optimizer; or run a backward before each optimizer's step; "
-            "or keep the shared parameters' gradients on the device (exclude_layers=[...]: "
-            "both steps then find them in .grad, as in plain PyTorch)."
-        )
 
 
 def _scaler_verdict(

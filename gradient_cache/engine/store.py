@@ -3,17 +3,19 @@
 Nothing else writes its containers. Launches `put` a bucket's host payloads; a restore
 asks for the `parts` it wants (by bucket, in arrival order) and `remove`s what it spent;
 a discarded step `remove`s everything (the pipeline's `_spend`, as a restore); a checkpoint
-reads `buckets` and puts them back.
+reads `buckets` and puts them back; the step's `figures` are read from the payloads' sizes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 import torch
 
 from ..codecs import Payload
 from .bucket import Bucket, BucketState
+from .figures import LayerFigures, StepFigures
+from .records import CachedParam
 
 Param = torch.nn.Parameter
 BucketPayloads = list[tuple[Param, Payload]]
@@ -92,6 +94,21 @@ class GradientStore:
     def buckets(self) -> list[BucketPayloads]:
         """Every bucket's (parameter, payload) pairs, in arrival order (checkpoints)."""
         return [list(b.payloads.items()) for b in self._buckets]
+
+    def figures(self, records: Mapping[Param, CachedParam], params: Iterable[Param]) -> StepFigures:
+        """The figures of the payloads of ``params``, cached here (sizes only: no data is read)."""
+        figures = StepFigures()
+        for param in params:
+            payload, record = self[param], records[param]
+            figures.layers[record.name] = LayerFigures(
+                numel=record.route.numel,
+                dense_bytes=record.route.numel * param.element_size(),
+                stored_bytes=payload.nbytes,
+                kept=payload.kept,
+                compressed=record.route.compressed,
+                codec=record.route.codec.name,
+            )
+        return figures
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """The host payloads' tensors (memory accounting)."""
