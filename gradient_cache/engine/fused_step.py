@@ -243,9 +243,11 @@ def _chunks(params: list[Param], size_bytes: int) -> list[list[Param]]:
 
 
 def _step_with(step_once: Callable[[], object], grads: list[tuple[Param, torch.Tensor]]) -> None:
-    """A step with exactly ``grads`` set; ``param.grad`` is None afterwards."""
+    """A step with exactly ``grads`` set; ``param.grad`` is None afterwards. A held
+    gradient restored beside its weight at rest on the host (a clip over some of the
+    parameters restores theirs) is copied to where the step brought the weight."""
     for param, grad in grads:
-        param.grad = sharding.as_grad_of(param, grad)
+        param.grad = sharding.as_grad_of(param, grad).to(param.device)
     try:
         step_once()
     finally:

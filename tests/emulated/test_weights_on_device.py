@@ -51,6 +51,33 @@ def test_training_on_the_device_is_plain_bit_for_bit(device, checkpointing) -> N
     assert all(p.device.type == "cpu" for p in cached.parameters())  # the masters at rest
 
 
+def test_a_clip_over_some_parameters_then_the_step_is_plain_bit_for_bit(device) -> None:
+    """``clip_grad_norm_`` over the blocks' parameters alone: their cached gradients come
+    back into ``.grad`` beside their weights at rest on the host, to be clipped in place,
+    and the step takes each to where it brought the weight (it assigned a host gradient to
+    a device weight and raised); the norms and weights are plain's on the device."""
+
+    def run(model, manager=None) -> list[torch.Tensor]:
+        optimizer = adamw_two_groups(model)
+        norms = []
+        for tokens, targets in on(device):
+            model(tokens, targets)[1].backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.blocks.parameters(), 0.05))
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+        return norms
+
+    plain = gpt().to(device)
+    expected = run(plain)
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    assert [n.cpu() for n in run(cached, manager)] == [n.cpu() for n in expected]
+    same(plain, cached)
+
+
 def held_at_each_block(model, data, manager=None) -> list[int]:
     """The device bytes allocated as each block's forward ends, in one step."""
     held: list[int] = []
