@@ -78,6 +78,55 @@ def test_a_clip_over_some_parameters_then_the_step_is_plain_bit_for_bit(device) 
     same(plain, cached)
 
 
+@pytest.mark.parametrize("forwards", [1, 2], ids=["one-forward", "two-forwards"])
+def test_a_backward_naming_the_block_weights_trains_them_as_plain(device, forwards) -> None:
+    """``loss.backward(inputs=...)`` over the blocks' weights: each weight left the device
+    after its block's forward, which made autograd start a new accumulation node, so the
+    backward named nodes the graph never used and trained none of the streamed blocks;
+    it is handed the nodes the forward used (two forwards before one backward: two each)."""
+
+    def run(model, manager=None) -> None:
+        optimizer = adamw_two_groups(model)
+        for tokens, targets in on(device):
+            loss = sum(model(tokens, targets)[1] for _ in range(forwards))
+            loss.backward(inputs=list(model.blocks.parameters()))
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+
+    plain = gpt().to(device)
+    run(plain)
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    run(cached, manager)
+    same(plain, cached)
+    assert not torch.equal(cached.blocks[0].mlp.fc.weight, gpt().blocks[0].mlp.fc.weight)
+
+
+@pytest.mark.parametrize("forwards", [1, 2], ids=["one-forward", "two-forwards"])
+def test_autograd_grad_of_every_weight_is_plain_bit_for_bit(device, forwards) -> None:
+    """``torch.autograd.grad(loss, model.parameters())`` gives every weight's gradient as
+    on plain PyTorch's device (it found no use of the streamed blocks' weights: an error,
+    or None with ``allow_unused``), call after call (the first one's nodes forgotten:
+    not used in the second's graph, they would fail it); two forwards before it give a
+    block weight two nodes, whose gradients are summed."""
+
+    def loss(model, tokens, targets) -> torch.Tensor:
+        return sum(model(tokens, targets)[1] for _ in range(forwards))
+
+    plain = gpt().to(device)
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    for tokens, targets in on(device, 2):
+        expected = torch.autograd.grad(loss(plain, tokens, targets), list(plain.parameters()))
+        grads = torch.autograd.grad(loss(cached, tokens, targets), list(cached.parameters()))
+        for (name, _), a, b in zip(plain.named_parameters(), expected, grads, strict=True):
+            assert b.device == device and torch.equal(a.cpu(), b.cpu()), name
+    assert manager.engine.weights is not None  # held, and attached, until here
+
+
 def held_at_each_block(model, data, manager=None) -> list[int]:
     """The device bytes allocated as each block's forward ends, in one step."""
     held: list[int] = []

@@ -20,15 +20,22 @@ step took about 15% longer). A use computed before the forward is not guarded: t
 gradient's tensor hook still refuses it (`WeightStream`), by name unless the device
 thread's bring comes first. A copy (``copy.deepcopy``, ``AveragedModel``) or a pickle of a
 guarded weight is a plain ``Parameter``.
+
+``loss.backward(inputs=[P])`` and ``torch.autograd.grad(loss, [P])`` name ``P``'s
+accumulation node as autograd finds it now; moving ``P.data`` to the host (another device
+or dtype) made autograd start a new one, which the forward's graph never used, so those
+calls would silently leave ``P`` out. Where a guarded weight is among their inputs they are
+given the nodes its uses recorded before it left the device (`record_uses`) instead.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils import _pytree as pytree
 
 Param = torch.nn.Parameter
@@ -36,6 +43,9 @@ Param = torch.nn.Parameter
 #: Each guarded weight's name, by ``id`` (a tensor's ``==`` is elementwise), for the
 #: refusal; `dress` keeps it.
 NAMES: dict[int, str] = {}
+#: The accumulation nodes of each guarded weight's uses since the last backward, by ``id``
+#: (`record_uses`).
+USES: dict[int, list[GradientEdge]] = {}
 
 
 class GuardedAtRest(torch.nn.Parameter):
@@ -50,6 +60,8 @@ class GuardedAtRest(torch.nn.Parameter):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is torch.autograd.backward or func is torch.autograd.grad:
+            return _through_recorded_uses(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         if torch.is_grad_enabled():
@@ -85,6 +97,47 @@ def dress(param: Param, name: str | None) -> None:
         NAMES.pop(id(param), None)
     else:
         NAMES[id(param)] = name
+
+
+def record_uses(params: Iterable[Param]) -> None:
+    """The accumulation node each of ``params`` has now, where a forward used it on the
+    device, kept for ``autograd.backward`` and ``autograd.grad`` (once each: a block run
+    twice without moving has one)."""
+    for param in params:
+        edge = get_gradient_edge(param)
+        known = USES.setdefault(id(param), [])
+        if all(seen.node is not edge.node for seen in known):
+            known.append(edge)
+
+
+def forget_uses(params: Iterable[Param]) -> None:
+    """The backward came: the nodes `record_uses` kept of ``params`` go."""
+    for param in params:
+        USES.pop(id(param), None)
+
+
+def _through_recorded_uses(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``autograd.backward`` or ``autograd.grad`` with each weight among its inputs that
+    `record_uses` kept replaced by its nodes; ``grad`` answers one gradient per input as
+    given (the sum of a weight's nodes' where a weight has more than one)."""
+    grad = func is torch.autograd.grad
+    inputs = args[1] if grad else kwargs.get("inputs")
+    if inputs is None:  # a whole backward: it reaches the nodes the forward used
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    groups = [USES.get(id(x), [x]) if isinstance(x, torch.Tensor) else [x] for x in inputs]
+    flat = [edge for group in groups for edge in group]
+    with torch._C.DisableTorchFunctionSubclass():
+        if not grad:
+            return func(*args, **{**kwargs, "inputs": flat})
+        results = iter(func(args[0], flat, *args[2:], **kwargs))
+    answers = []
+    for group in groups:
+        parts = [part for part in (next(results) for _ in group) if part is not None]
+        answers.append(sum(parts[1:], parts[0]) if parts else None)
+    return tuple(answers)
 
 
 def _refusal(names: list[str]) -> Callable[[Any], None]:

@@ -262,6 +262,7 @@ class WeightStream:
             return  # a recomputation: its backward reads these weights next
         kwargs = self._kwargs.pop(index, {})
         if output is not None and torch.is_grad_enabled():
+            self._placement.record_uses(self._block(index))  # before they may leave
             hook = functools.partial(self._block_backward_ended, index)
             for tensor in tensors_needing_gradients((args, kwargs)):
                 tensor.register_hook(hook)
@@ -351,6 +352,7 @@ class WeightStream:
         if self._end.raised:  # that backward's error said it: no warning beside it
             self._unstreamed.clear()
         self._warn_unstreamed()
+        self._placement.forget_uses()
         self.weights.free(self.weights.present())
         self.schedule.learn()  # a framework calling a submodule never ends the model
         self._forwards = 0
@@ -392,6 +394,15 @@ class OwnTensors:
         for param, name in self._guarded.items():
             # Read while plain (``on``): at rest, ``P.data`` is its master, on the CPU.
             at_rest.dress(param, name if on and param.device.type == "cpu" else None)
+
+    def record_uses(self, params: Sequence[Param]) -> None:
+        """A forward used ``params``: their accumulation nodes, before they may leave the
+        device, for a ``backward(inputs=...)`` naming them (`at_rest.record_uses`)."""
+        at_rest.record_uses(p for p in params if p.requires_grad and p in self._guarded)
+
+    def forget_uses(self) -> None:
+        """A backward ended: the nodes `record_uses` kept go."""
+        at_rest.forget_uses(self._guarded)
 
     def _dress(self, param: Param, weight: Weight) -> None:
         """``param`` guarded while at rest on the host and `guarding`, else plain."""
