@@ -223,6 +223,26 @@ def test_apply_without_compress_drains_first() -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_a_post_accumulate_grad_hook_sees_the_gradient_where_registered_before() -> None:
+    """As training-loop.md says: a parameter's post-accumulate-grad hook registered before
+    the cache runs before the cache's, and sees plain's gradient in ``.grad``; one
+    registered after runs after the cache took it, and sees None."""
+    plain = make_model()
+    loss_of(plain, *batches(1)[0]).backward()
+    model = make_model()
+    before: dict[int, torch.Tensor] = {}
+    after: dict[int, torch.Tensor | None] = {}
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(lambda p: before.update({id(p): p.grad.clone()}))
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(lambda p: after.update({id(p): p.grad}))
+    loss_of(model, *batches(1)[0]).backward()
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(before[id(b)], a.grad) and after[id(b)] is None
+    manager.remove_hooks()
+
+
 def test_compress_twice_and_apply_twice_are_harmless() -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)

@@ -127,6 +127,38 @@ def test_autograd_grad_of_every_weight_is_plain_bit_for_bit(device, forwards) ->
     assert manager.engine.weights is not None  # held, and attached, until here
 
 
+def test_a_forward_hook_registered_before_the_cache_reads_the_blocks_weights(device) -> None:
+    """As options.md says: a block's forward hook that uses the block's weights runs with
+    them on the device where registered before the cache, or after it with
+    ``prepend=True``, and trains as plain; registered after without it, it meets the host
+    masters, and its use of them is refused by name (or, where a device tensor meets them,
+    by the device)."""
+
+    def scale_by_weight(block, args, output):
+        return output * block.mlp.fc.weight.mean()
+
+    def hooked(model, *, before: bool, prepend: bool = False):
+        manager = None
+        if not before:
+            manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
+        model.blocks[1].register_forward_hook(scale_by_weight, prepend=prepend)
+        if before:
+            manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
+        return manager
+
+    plain = gpt().to(device)
+    plain.blocks[1].register_forward_hook(scale_by_weight)
+    train(plain, on(device))
+    for options in ({"before": True}, {"before": False, "prepend": True}):
+        cached = gpt()
+        train(cached, on(device), hooked(cached, **options))
+        same(plain, cached)
+    late = gpt()
+    manager = hooked(late, before=False)
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.mlp\.fc\.weight' received a gradient"):
+        train(late, on(device), manager)
+
+
 def held_at_each_block(model, data, manager=None) -> list[int]:
     """The device bytes allocated as each block's forward ends, in one step."""
     held: list[int] = []
