@@ -62,6 +62,7 @@ class ParameterWatch:
         ):
             self.saw_fp16_autocast = True
         changes = []
+        to_device = False  # a model.to(device) of weights the cache keeps on the host
         present = dict(model.named_parameters())
         for name, ref in self._cached.items():
             param = present.get(name)
@@ -71,7 +72,10 @@ class ParameterWatch:
                 changes.append(f"{name!r} replaced by a new Parameter")
             elif self._in_place is not None and (cached := ref()) is not None:
                 if not self._in_place(cached):  # the sharded one, not FSDP2's unsharded one
-                    changes.append(f"{name!r} moved or cast off the host master it was given")
+                    moved = cached.device == self._device and self._device.type != "cpu"
+                    to_device |= moved
+                    change = f"moved to {self._device}" if moved else "moved or cast"
+                    changes.append(f"{name!r} {change} off the host master it was given")
             elif (cast := _cast_of(ref(), self._dtypes[name])) is not None:
                 changes.append(f"{name!r} {cast}")
             elif param.device != self._device:
@@ -85,9 +89,16 @@ class ParameterWatch:
                 changes.append(f"{name!r} added or unfrozen")
         if changes:
             shown = "; ".join(changes[:5]) + ("; ..." if len(changes) > 5 else "")
+            advice = (
+                " With offload_parameters=True the cache keeps the weights on the host and "
+                "brings each block to the device itself: leave model.to(device) out (only "
+                "the batches go to the device)."
+                if to_device
+                else ""
+            )
             raise RuntimeError(
                 f"The model's parameters changed after the gradient cache was created "
-                f"({shown}). The cache only takes the gradients of the parameters it was "
+                f"({shown}).{advice} The cache only takes the gradients of the parameters it was "
                 "created with, on their device then. Call remove_hooks() on the manager "
                 "and create a new one after changing the model (after casting it with "
                 "model.to(dtype) too; freezing a parameter needs no new cache)."

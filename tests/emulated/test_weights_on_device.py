@@ -159,6 +159,20 @@ def test_a_forward_hook_registered_before_the_cache_reads_the_blocks_weights(dev
         train(late, on(device), manager)
 
 
+def test_a_model_moved_to_the_device_after_the_cache_is_refused_saying_to_leave_it(
+    device,
+) -> None:
+    """Set up from the host, then ``model.to(device)`` as a plain loop does: the next
+    forward refuses, naming the weights moved and the fix (the cache brings the blocks)."""
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    cached.to(device)
+    tokens, targets = on(device, 1)[0]
+    with pytest.raises(RuntimeError, match=r"moved to emu:0 .* leave model\.to\(device\) out"):
+        cached(tokens, targets)
+    manager.remove_hooks()
+
+
 def held_at_each_block(model, data, manager=None) -> list[int]:
     """The device bytes allocated as each block's forward ends, in one step."""
     held: list[int] = []
