@@ -103,6 +103,11 @@ def current_reads() -> CacheReads | None:
     return _routings[-1] if _routings else _fallback
 
 
+def routed() -> bool:
+    """Whether an integration routes the readers and steps now (`route_gradient_reads`)."""
+    return bool(_routings)
+
+
 def _follow() -> None:
     """The swap in place while anyone answers, the originals otherwise."""
     if current_reads() is None:

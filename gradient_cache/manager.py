@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import gradient_readers
@@ -29,6 +30,7 @@ from .engine.factory import BackendFactory, create_backend
 from .engine.figures import CacheTensors, cache_tensors
 from .engine.pipeline import Pipeline
 from .engine.step import OptimizerStep
+from .engine.step_hooks import OWN_HOOKS, after_the_closure
 from .model_watch import ParameterWatch
 from .stats import CompressionSummary, compression_summary
 
@@ -679,6 +681,31 @@ _ATTACHED_READS = ManagerReads(
     "(create_gradient_cache(..., grad_scaler=scaler)): step(optimizer) then unscales as it "
     "restores, in place of scaler.unscale_(optimizer) and scaler.step(optimizer).",
 )
+
+
+def _refuse_plain_steps(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """A global optimizer step pre-hook: the user's own ``optimizer.step()`` over parameters
+    whose gradients an attached manager holds once its closure ran (a closure may restore
+    them) is refused (`OptimizerStep.refuse_a_plain_step`): it would step without them. An
+    integration's routing turns that call into the fused step itself, so then it is let
+    through. Registered once, at import: a manager created or closed inside a step hook
+    must not change torch's table of global hooks while torch runs them."""
+    if gradient_readers.routed():
+        return None
+
+    def refuse() -> None:
+        for manager in list(_attached):
+            step = manager.optimizer_step
+            if manager.engine is not None and step is not None:
+                step.refuse_a_plain_step(optimizer)
+
+    return after_the_closure(args, kwargs, refuse)
+
+
+register_optimizer_step_pre_hook(_refuse_plain_steps)
+OWN_HOOKS.add(_refuse_plain_steps)  # not the user's: a fused step's hooks leave it out
 
 
 def _detached() -> None:

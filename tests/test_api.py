@@ -243,6 +243,28 @@ def test_a_post_accumulate_grad_hook_sees_the_gradient_where_registered_before()
     manager.remove_hooks()
 
 
+def test_a_plain_optimizer_step_over_cached_gradients_is_refused_before_it_steps() -> None:
+    """``optimizer.step()`` where ``hook_manager.step(optimizer)`` belongs: the gradients
+    are the cache's, not in ``.grad``, so it would step nothing, silently. Refused before
+    anything changes, naming the fix; after ``apply_gradients()`` it is plain's step."""
+    plain, model = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
+    for net in (plain, model):
+        loss_of(net, *batches(1)[0]).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"AdamW\.step\(\) while the gradient cache holds"):
+        optimizers[1].step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    manager.apply_gradients()
+    for optimizer in optimizers:
+        optimizer.step()
+    assert all(
+        torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters(), strict=True)
+    )
+    manager.remove_hooks()
+
+
 def test_compress_twice_and_apply_twice_are_harmless() -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)

@@ -140,6 +140,8 @@ CASES = [
     # --- the fused step
     ("a model instead of its optimizer", "cache.step(cached_model)", TypeError,
      "optimizer must be a torch.optim.Optimizer"),
+    ("optimizer.step() over gradients the cache holds", "sgd.step()", RuntimeError,
+     "Call hook_manager.step(optimizer) in place of optimizer.step()"),
     ("a second optimizer's step over gradients another step took",
      "cache.step(sgd); cache.step(torch.optim.SGD(cached_model.parameters(), lr=0.1))",
      RuntimeError, "another optimizer's step already stepped in this step and freed"),

@@ -315,14 +315,17 @@ class RestoreInsideTheClosure(SeedReadmePattern):
         optimizer.step(closure=closure_then_restore)
 
 
-def test_seed_readme_pattern_never_trains_restoring_inside_the_closure_does() -> None:
+def test_seed_readme_pattern_is_refused_restoring_inside_the_closure_trains() -> None:
     """Lightning runs the step's backward inside optimizer.step(closure), after
-    optimizer_step began: restoring there comes too early and the step finds no gradients."""
-    plain, seed, fixed = Regressor(), SeedReadmePattern(), RestoreInsideTheClosure()
-    for model in (plain, seed, fixed):
+    optimizer_step began: restoring there comes too early and the step would find no
+    gradients (it trained nothing, silently); the step over gradients the cache holds is
+    refused, naming the fix. Restoring inside the closure trains as plain."""
+    plain, fixed = Regressor(), RestoreInsideTheClosure()
+    for model in (plain, fixed):
         fit(model, [], accumulate_grad_batches=3, gradient_clip_val=0.05)
-    assert same_weights(seed, Regressor())  # still the initial weights
     assert same_weights(fixed, plain)
+    with pytest.raises(RuntimeError, match=r"Call hook_manager\.step\(optimizer\) in place of"):
+        fit(SeedReadmePattern(), [], accumulate_grad_batches=3, gradient_clip_val=0.05)
 
 
 def test_callback_hands_the_trainers_grad_scaler_to_the_cache() -> None:

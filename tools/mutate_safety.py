@@ -427,6 +427,27 @@ MUTANTS = [
         "tests/emulated/test_weights_on_device.py::test_autograd_grad_of_every_weight_is_plain_bit_for_bit",
     ),
     (
+        "a plain optimizer.step() over gradients the cache holds is refused",
+        "gradient_cache/engine/step.py",
+        '        if held:\n            raise RuntimeError(\n                f"{type(optimizer).__name__}.step() while',
+        '        if False:\n            raise RuntimeError(\n                f"{type(optimizer).__name__}.step() while',
+        "tests/test_api.py::test_a_plain_optimizer_step_over_cached_gradients_is_refused_before_it_steps",
+    ),
+    (
+        "a plain optimizer.step(): the fused step's own bucket steps let through",
+        "gradient_cache/engine/step.py",
+        "        if self._stepping:\n            return\n",
+        "",
+        "tests/test_api.py::test_a_plain_optimizer_step_over_cached_gradients_is_refused_before_it_steps tests/test_fused_routing.py",
+    ),
+    (
+        "a plain optimizer.step(): an integration's routed step let through",
+        "gradient_cache/manager.py",
+        "    if gradient_readers.routed():\n        return\n",
+        "",
+        "tests/test_fused_routing.py tests/test_decorator.py",
+    ),
+    (
         "residuals: the delivered step promotes where a step wrote any (any_pending)",
         "gradient_cache/engine/residuals.py",
         "        return bool(self._pending)",

@@ -32,6 +32,8 @@ from .weights.masters import StepJourney
 
 Param = torch.nn.Parameter
 Optimizer = torch.optim.Optimizer
+# Where a gradient is the cache's, not in ``.grad`` (`refuse_a_plain_step`).
+_HELD_BY_THE_CACHE = (GradientAt.OPEN_BUCKET, GradientAt.IN_FLIGHT, GradientAt.STORED)
 
 
 class Budget(Protocol):
@@ -68,6 +70,7 @@ class OptimizerStep:
         # optimizer.step(), out of .grad until that call's step is over (`show_held`).
         # Weak keys: an optimizer whose call never ended (its step raised) is not kept.
         self._hidden: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._stepping = False  # inside `step` (`refuse_a_plain_step`)
 
     # --- the public face ----------------------------------------------------------------
 
@@ -90,16 +93,20 @@ class OptimizerStep:
         steps_before = pipeline.steps
         self._before_restore()
         step_hooks = StepHooks(optimizer, through_instance=hooks)
-        total_norm, left = self._fused(
-            optimizer,
-            max_norm,
-            norm_type,
-            hidden=not hooks,
-            step_once=step_hooks.unhooked_step,
-            # Not on a step a GradScaler skips, as scaler.step() then calls no
-            # optimizer.step(): the pre-hooks fire once it is known to step.
-            before_steps=step_hooks.fire_pre_hooks if hooks else None,
-        )
+        self._stepping = True  # its buckets' optimizer.step() calls are this step's own
+        try:
+            total_norm, left = self._fused(
+                optimizer,
+                max_norm,
+                norm_type,
+                hidden=not hooks,
+                step_once=step_hooks.unhooked_step,
+                # Not on a step a GradScaler skips, as scaler.step() then calls no
+                # optimizer.step(): the pre-hooks fire once it is known to step.
+                before_steps=step_hooks.fire_pre_hooks if hooks else None,
+            )
+        finally:
+            self._stepping = False
         self._after_restore(steps_before)
         states = pipeline.optimizer_state
         step_hooks.fire_post_hooks(wait_for_state=None if states is None else states.wait_on_host)
@@ -202,6 +209,29 @@ class OptimizerStep:
         until `show_held`."""
         if self.takes(optimizer):
             self.step(optimizer, hooks=False)
+
+    def refuse_a_plain_step(self, optimizer: Optimizer) -> None:
+        """The user's own ``optimizer.step()``, no integration routing it: refused where
+        this cache holds gradients of its parameters, which are not in ``.grad``, so it
+        would step without them (silently, for most optimizers: the weights stay put)."""
+        if self._stepping:
+            return
+        records = self.pipeline.records
+        held = [
+            records[param].name
+            for group in optimizer.param_groups
+            for param in group["params"]
+            if param in records and records[param].gradient in _HELD_BY_THE_CACHE
+        ]
+        if held:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() while the gradient cache holds the "
+                f"gradients of {len(held)} of its parameters ({', '.join(held[:3])}"
+                f"{', ...' if len(held) > 3 else ''}), which are not in .grad: it would step "
+                "without them. Call hook_manager.step(optimizer) in place of "
+                "optimizer.step() (the fused step), or hook_manager.apply_gradients() "
+                "before it."
+            )
 
     def show_held(self, optimizer: Optimizer) -> None:
         """An integration's own ``optimizer.step()`` is over: the gradients the fused step

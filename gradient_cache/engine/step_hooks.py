@@ -16,6 +16,10 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+#: The cache's own global step hooks (the manager's refusal of a plain step over gradients
+#: it holds): not the user's, so the hooks a fused step fires once leave them out.
+OWN_HOOKS: set[Callable[..., Any]] = set()
+
 
 class StepHooks:
     """One fused step's view of ``optimizer``'s step hooks. ``through_instance``: the
@@ -37,7 +41,10 @@ class StepHooks:
         """The pre- and post-hooks ``optimizer.step()`` fires, in the order torch fires
         them (`Optimizer.profile_hook_step`): global pre-hooks first, global post last."""
         optimizer = self._optimizer
-        pre = [*_global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()]
+        pre = [
+            *(hook for hook in _global_optimizer_pre_hooks.values() if hook not in OWN_HOOKS),
+            *optimizer._optimizer_step_pre_hooks.values(),
+        ]
         post = [
             *optimizer._optimizer_step_post_hooks.values(),
             *_global_optimizer_post_hooks.values(),
@@ -99,3 +106,25 @@ class StepHooks:
         finally:
             for table, hooks in zip(tables, saved, strict=True):
                 table.update(hooks)  # the same keys, in order: handles still remove them
+
+
+def after_the_closure(
+    args: tuple[Any, ...], kwargs: dict[str, Any], then: Callable[[], object]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """For an optimizer step pre-hook: ``then`` once the step's closure ran (Lightning's
+    runs the backward and the clipping), or now where there is none. Returns what the
+    pre-hook returns: the step's arguments with the closure wrapped, or None."""
+    # args holds the optimizer itself, then step's own arguments: step(closure=None).
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        then()
+        return None
+
+    def closure_then() -> Any:
+        loss = closure()
+        then()
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then}
+    return (args[0], closure_then, *args[2:]), kwargs

@@ -34,6 +34,7 @@ from torch.optim.optimizer import (
 )
 
 from ..engine.step import OptimizerStep
+from ..engine.step_hooks import after_the_closure
 from ..gradient_readers import route_gradient_reads
 from ..manager import GradientCacheHookManager, ManagerReads
 
@@ -84,20 +85,7 @@ class StepRouting:
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """The fused step in place of this step; with a closure, once the closure ran."""
-        # args holds the optimizer itself, then step's own arguments: step(closure=None).
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if not callable(closure):
-            self._route(optimizer)
-            return None
-
-        def closure_then_route() -> Any:
-            loss = closure()
-            self._route(optimizer)  # the closure's backward (and clipping) ran
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_route}
-        return (args[0], closure_then_route, *args[2:]), kwargs
+        return after_the_closure(args, kwargs, lambda: self._route(optimizer))
 
     def _route(self, optimizer: torch.optim.Optimizer) -> None:
         steps = [m.optimizer_step for m in self._managers() if m.optimizer_step is not None]
