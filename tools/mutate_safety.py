@@ -448,6 +448,20 @@ MUTANTS = [
         "tests/test_fused_routing.py tests/test_decorator.py",
     ),
     (
+        "a plain optimizer.step(): checked once the step's closure ran",
+        "gradient_cache/manager.py",
+        "    return after_the_closure(args, kwargs, refuse)\n",
+        "    refuse()\n    return None\n",
+        "tests/test_lightning.py::test_seed_readme_pattern_is_refused_restoring_inside_the_closure_trains",
+    ),
+    (
+        "a fused step fires the user's hooks once, not the cache's own",
+        "gradient_cache/engine/step_hooks.py",
+        "            *(hook for hook in _global_optimizer_pre_hooks.values() if hook not in OWN_HOOKS),\n",
+        "            *_global_optimizer_pre_hooks.values(),\n",
+        "tests/test_house_metrics.py::test_following_the_optimizer_through_the_step_stays_in_few_files",
+    ),
+    (
         "residuals: the delivered step promotes where a step wrote any (any_pending)",
         "gradient_cache/engine/residuals.py",
         "        return bool(self._pending)",
