@@ -97,7 +97,26 @@ def _install() -> None:
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
         )
+    _check_autograd_sees_it()
     _installed = True
+
+
+def _check_autograd_sees_it() -> None:
+    """A backward on the device, once: autograd sizes its device threads at a process's
+    first backward, and one that ran before the install left the device out, which only
+    an internal assertion in a later backward would say."""
+    probe = torch.zeros((), device=torch.device(DEVICE_NAME, 0), requires_grad=True)
+    try:
+        (probe * 1).backward()
+    except RuntimeError as error:
+        if "device_ready_queues_" not in str(error):
+            raise
+        raise EmulatedDeviceError(
+            "The emulated device was installed after this process's first backward: "
+            "autograd made its device threads then, without it, and cannot run a backward "
+            "on it. Call emulated_device() before any backward (at the top of the script, "
+            "or in a session-scoped fixture)."
+        ) from None
 
 
 def _check_torch_version() -> None:
