@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..engine.devices import current_accelerator_type
 from ..engine.figures import host_tensors
 from ..engine.units import MIB as MIB  # re-exported: perf/ reads it from here
 from ._torch_private import (
@@ -201,8 +202,7 @@ def device_memory_meter(
     host, scratch, weights = cache_tensors(cache) if cache is not None else (_nothing,) * 3
     if device.type == "cuda":
         return CudaMemoryMeter(device=device, host=host)
-    accelerator = torch.accelerator.current_accelerator()
-    if device.type != "cpu" and (accelerator is None or accelerator.type != device.type):
+    if device.type != "cpu" and current_accelerator_type() != device.type:
         raise ValueError(
             f"No device-memory meter for {device}; expected a cpu model or one on the "
             "current accelerator (torch.accelerator)."
