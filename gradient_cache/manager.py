@@ -309,9 +309,34 @@ class GradientCacheHookManager:
         if not (_is_positive_number(norm_type) or norm_type == math.inf):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         self._warn_of_a_missing_grad_scaler()
+        if max_grad_norm is not None:
+            self._refuse_a_clip_over_another_cache(optimizer)
         return self._live_step().step(
             optimizer, max_norm=max_grad_norm, norm_type=float(norm_type), hooks=True
         )
+
+    def _refuse_a_clip_over_another_cache(self, optimizer: torch.optim.Optimizer) -> None:
+        """``max_grad_norm`` clips by the norm of the gradients this cache holds: where
+        another attached cache holds gradients of ``optimizer``'s parameters too (one
+        optimizer over two models), each would clip by its own share's norm, not the
+        optimizer's global one."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        others = [
+            manager
+            for manager in _attached
+            if manager is not self
+            and manager.optimizer_step is not None
+            and manager.optimizer_step.caches(params)
+        ]
+        if others:
+            raise RuntimeError(
+                f"step({type(optimizer).__name__}, max_grad_norm=...) over parameters that "
+                f"{len(others) + 1} gradient caches hold (one optimizer over several models): "
+                "each cache would clip by the norm of its own share, not of all the "
+                "optimizer's gradients. Create one cache over a module holding the models "
+                "(torch.nn.ModuleDict), whose max_grad_norm covers all of them, or give "
+                "each model its own optimizer."
+            )
 
     def _warn_of_a_missing_grad_scaler(self) -> None:
         """Once: the forward ran under float16 autocast and no GradScaler was given. The

@@ -508,3 +508,45 @@ def test_a_torch_whose_current_accelerator_raises_without_one_trains_on_the_cpu(
         torch.equal(a.grad, b.grad)
         for a, b in zip(plain.parameters(), cached.parameters(), strict=True)
     )
+
+
+def test_one_optimizer_over_two_caches_clips_by_the_global_norm_or_is_refused() -> None:
+    """One optimizer over two models, each with a cache: ``max_grad_norm`` would clip each
+    cache's share by its own norm (silently off plain's global clip), so it is refused,
+    naming the fix; one cache over a ModuleDict of both clips as plain does."""
+
+    def models() -> tuple[torch.nn.Module, torch.nn.Module]:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()), torch.nn.Linear(8, 8)
+
+    def train(encoder, decoder, caches) -> None:
+        params = [*encoder.parameters(), *decoder.parameters()]
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        for x in torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1)):
+            ((decoder(encoder(x)) - x) ** 2).mean().backward()
+            if not caches:
+                torch.nn.utils.clip_grad_norm_(params, 0.05)
+                optimizer.step()
+            for cache in caches:
+                cache.step(optimizer, max_grad_norm=0.05)
+            optimizer.zero_grad()
+
+    plain = models()
+    train(*plain, [])
+    encoder, decoder = models()
+    one = gradient_cache.create_gradient_cache(
+        torch.nn.ModuleDict({"encoder": encoder, "decoder": decoder}), compression_ratio=1
+    )
+    train(encoder, decoder, [one])
+    cached = [*encoder.parameters(), *decoder.parameters()]
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip([*plain[0].parameters(), *plain[1].parameters()], cached, strict=True)
+    )
+    one.remove_hooks()
+    encoder, decoder = models()
+    caches = [
+        gradient_cache.create_gradient_cache(m, compression_ratio=1) for m in (encoder, decoder)
+    ]
+    with pytest.raises(RuntimeError, match=r"2 gradient caches hold .*torch\.nn\.ModuleDict"):
+        train(encoder, decoder, caches)

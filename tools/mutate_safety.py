@@ -462,6 +462,13 @@ MUTANTS = [
         "tests/test_house_metrics.py::test_following_the_optimizer_through_the_step_stays_in_few_files",
     ),
     (
+        "one optimizer over two caches: max_grad_norm refused",
+        "gradient_cache/manager.py",
+        "            self._refuse_a_clip_over_another_cache(optimizer)\n",
+        "            pass\n",
+        "tests/test_api.py::test_one_optimizer_over_two_caches_clips_by_the_global_norm_or_is_refused",
+    ),
+    (
         "residuals: the delivered step promotes where a step wrote any (any_pending)",
         "gradient_cache/engine/residuals.py",
         "        return bool(self._pending)",
