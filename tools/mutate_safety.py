@@ -469,6 +469,13 @@ MUTANTS = [
         "tests/test_api.py::test_one_optimizer_over_two_caches_clips_by_the_global_norm_or_is_refused",
     ),
     (
+        "Lightning: a checkpoint's gradients of a step in progress dropped on load",
+        "gradient_cache/integrations/lightning.py",
+        "        self._manager.discard_gradients()\n",
+        "",
+        "tests/test_lightning.py::test_a_checkpoint_written_mid_accumulation_resumes_as_plain_lightning",
+    ),
+    (
         "residuals: the delivered step promotes where a step wrote any (any_pending)",
         "gradient_cache/engine/residuals.py",
         "        return bool(self._pending)",

@@ -201,7 +201,7 @@ class GradientCacheCallback(pl.Callback):
         self._routing = StepRouting(lambda: [manager], fused=fused).__enter__()
         if self._state_to_load is not None:
             state, self._state_to_load = self._state_to_load, None
-            self._manager.load_state_dict(state)
+            self._load(state)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A resumed fit loaded the optimizers' state and moved it to the device after
@@ -248,7 +248,16 @@ class GradientCacheCallback(pl.Callback):
             # Strategies that restore after setup (ModelParallelStrategy) call this after
             # on_fit_start made the manager, still before the first backward.
             state, self._state_to_load = self._state_to_load, None
-            self._manager.load_state_dict(state)
+            self._load(state)
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """The manager's state, without the gradients of a step in progress: Lightning
+        keeps no ``.grad`` in a checkpoint written mid-accumulation and restarts the
+        epoch's batches on resume, so plain Lightning loses that step's earlier
+        micro-batches; added to other batches, these would train differently."""
+        assert self._manager is not None
+        self._manager.load_state_dict(state)
+        self._manager.discard_gradients()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
