@@ -320,13 +320,13 @@ class GradientCacheHookManager:
         another attached cache holds gradients of ``optimizer``'s parameters too (one
         optimizer over two models), each would clip by its own share's norm, not the
         optimizer's global one."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = {p for group in optimizer.param_groups for p in group["params"]}
         others = [
             manager
             for manager in _attached
             if manager is not self
-            and manager.optimizer_step is not None
-            and manager.optimizer_step.caches(params)
+            and manager.engine is not None
+            and not params.isdisjoint(manager.engine.records)
         ]
         if others:
             raise RuntimeError(
@@ -513,15 +513,20 @@ class GradientCacheHookManager:
             )
         self._live().set_enabled(False)
 
-    def remove_hooks(self) -> None:
+    def remove_hooks(self, *, abandon_an_awaited_backward: bool = False) -> None:
         """Put any cached gradients back into ``param.grad`` and detach from the model.
 
-        The manager cannot be used afterwards; calling this twice is harmless.
+        The manager cannot be used afterwards; calling this twice is harmless. With
+        ``offload_parameters=True`` it raises, changing nothing, between a forward and
+        its backward (while the forward's graph lives: that backward would read weights
+        the close moves); ``abandon_an_awaited_backward=True`` closes anyway (the
+        integrations at their end, a with-block left on an exception).
         """
         if self._pipeline is None:
             return
         if self._weights is not None:  # the weights back on the device first, where .grad goes
-            self._weights.close()  # if they cannot be, nothing is detached yet
+            # If they cannot be, nothing is detached yet.
+            self._weights.close(refuse_an_awaited_backward=not abandon_an_awaited_backward)
             self._weights = None
         pipeline, self._pipeline, self._step = self._pipeline, None, None
         self._watch.remove()
@@ -541,7 +546,8 @@ class GradientCacheHookManager:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.remove_hooks()
+        # Leaving on an exception closes anyway: that exception is the one to see.
+        self.remove_hooks(abandon_an_awaited_backward=exc_type is not None)
 
     def cache_tensors(self) -> CacheTensors:
         """The tensors the cache has now, host and device (`CacheTensors`), for memory
@@ -756,7 +762,7 @@ def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Modu
     stand_in = GradientCacheHookManager.__new__(GradientCacheHookManager)
     vars(stand_in).update(attributes)
     try:
-        stand_in.remove_hooks()
+        stand_in.remove_hooks(abandon_an_awaited_backward=True)
     finally:
         if unused:
             warnings.warn(

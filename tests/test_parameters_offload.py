@@ -1244,3 +1244,35 @@ def test_a_host_without_room_is_refused_before_anything_moves(monkeypatch) -> No
     monkeypatch.undo()
     manager = gradient_cache.create_gradient_cache(model, **STREAMED)  # nothing was attached
     assert manager.summary().parameters_host_mb > 0
+
+
+def test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran() -> None:
+    """remove_hooks() while a forward's graph lives (a loss computed from its output, the
+    output itself dropped) would leave its backward reading weights the close moved (a
+    bare setStorage error): refused, changing nothing; the backward and the step then
+    match plain's, and the close goes through. A forward whose graph was dropped, and a
+    with-block left on an exception, close at once."""
+    data = batches(2)
+    plain = gpt()
+    optimizer = adamw_two_groups(plain)
+    train(plain, optimizer, data)
+    cached = gpt()
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED)
+    for i, (tokens, targets) in enumerate(data):
+        loss = cached(tokens, targets)[1] * 1.0  # the model's own outputs dropped
+        if i == 0:
+            with pytest.raises(RuntimeError, match="between a forward and its backward"):
+                manager.remove_hooks()
+        loss.backward()
+        step(cached, optimizer, manager)
+    same = zip(plain.parameters(), cached.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in same)
+    cached(*data[0])  # no backward will come for it: its graph is dropped at once
+    manager.remove_hooks()
+    again = gpt()
+    manager = gradient_cache.create_gradient_cache(again, **STREAMED)
+    with pytest.raises(ValueError, match="the user's"), manager:
+        loss = again(*data[0])[1]
+        raise ValueError("the user's")
+    assert manager.engine is None and loss.grad_fn is not None  # closed, its graph alive

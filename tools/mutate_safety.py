@@ -476,6 +476,27 @@ MUTANTS = [
         "tests/test_lightning.py::test_a_checkpoint_written_mid_accumulation_resumes_as_plain_lightning",
     ),
     (
+        "a close between a forward and its backward: the graph's token",
+        "gradient_cache/engine/weights/stream.py",
+        "                self._awaiting.append(weakref.ref(awaited))\n",
+        "",
+        "tests/test_parameters_offload.py::test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran",
+    ),
+    (
+        "a close between a forward and its backward: tokens forgotten once it ran",
+        "gradient_cache/engine/weights/stream.py",
+        "        self._forwards = 0\n        self._awaiting = []\n",
+        "        self._forwards = 0\n",
+        "tests/test_parameters_offload.py::test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran",
+    ),
+    (
+        "a close between a forward and its backward: a with-block left on an exception closes",
+        "gradient_cache/manager.py",
+        "        self.remove_hooks(abandon_an_awaited_backward=exc_type is not None)\n",
+        "        self.remove_hooks()\n",
+        "tests/test_parameters_offload.py::test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran",
+    ),
+    (
         "residuals: the delivered step promotes where a step wrote any (any_pending)",
         "gradient_cache/engine/residuals.py",
         "        return bool(self._pending)",

@@ -14,9 +14,10 @@ import torch
 def current_accelerator_type() -> str | None:
     """The current accelerator's device type (``"cuda"``, ``"xpu"``, a PrivateUse1
     backend's name), or None where there is none."""
-    if not torch.accelerator.is_available():  # torch 2.6's current_accelerator() raises
+    try:
+        accelerator = torch.accelerator.current_accelerator()
+    except RuntimeError:  # torch 2.6 raises where there is none; later releases return None
         return None
-    accelerator = torch.accelerator.current_accelerator()
     return None if accelerator is None else accelerator.type
 
 

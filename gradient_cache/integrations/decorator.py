@@ -264,7 +264,8 @@ class _Session:
         error: BaseException | None = None
         for manager in managers:
             try:
-                manager.remove_hooks()
+                # Never refused: the function ended (or raised) with any forward in it.
+                manager.remove_hooks(abandon_an_awaited_backward=True)
             except BaseException as caught:  # detach the rest, then re-raise the first
                 error = error or caught
         if error is not None:
@@ -298,7 +299,7 @@ class _Session:
             return  # nothing to cache: frozen, parameter-free, or wholly excluded
         for inner in [root for root in self.managers if root in modules]:
             # A submodule that ran on its own first: its parent's manager replaces it.
-            self.managers.pop(inner).remove_hooks()
+            self.managers.pop(inner).remove_hooks(abandon_an_awaited_backward=True)
         budget = self.settings.config.memory_budget
         if budget is not None and self.managers:
             raise ValueError(

@@ -284,8 +284,8 @@ class GradientCacheCallback(pl.Callback):
             if routing is not None:
                 routing.__exit__(None, None, None)
         finally:
-            if manager is not None:
-                manager.remove_hooks()
+            if manager is not None:  # never refused: the fit ended, or raised
+                manager.remove_hooks(abandon_an_awaited_backward=True)
 
     # --- the training step --------------------------------------------------------
 

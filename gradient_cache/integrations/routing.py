@@ -51,8 +51,9 @@ class StepRouting:
         self.fused = fused
         self._reads = ManagerReads(
             managers,
-            fix="Only clip_grad_norm_ over one model's parameters is answered from the cache: "
-            "drop this call (clip_grad_value_, GradScaler.unscale_), or the state offload.",
+            fix="Only clip_grad_norm_ over one model's parameters is answered from the cache; "
+            "this call reads every gradient at once (clip_grad_value_, GradScaler.unscale_, "
+            "or a clip over two models' caches). Drop the call, or the state offload.",
         )
         self._stack = contextlib.ExitStack()
 

@@ -154,6 +154,14 @@ def _check_set_up_from_host(trainer: transformers.Trainer, device: torch.device)
             f"True): the Trainer then moves the whole model to {target} when training starts. "
             f"Drop {full_eval}, or device."
         )
+    if getattr(args, "eval_on_start", False):
+        raise ValueError(
+            f"device={str(device)!r} cannot be combined with TrainingArguments(eval_on_start="
+            "True): the cache sets the model up on the device at its first training "
+            "forward, and that evaluation runs before it, on the model still on the host, "
+            "with the batches on the device. Drop eval_on_start (evaluate after the first "
+            "step, eval_steps), or device."
+        )
     return target
 
 

@@ -283,7 +283,8 @@ def test_trainer_trains_a_model_larger_than_the_device_from_the_host(
 
 def test_trainer_refuses_what_would_move_the_whole_model(device, tmp_path, monkeypatch) -> None:
     """A Trainer built with the default arguments moved the model in its __init__; with
-    fp16_full_eval it would move it when training starts: both refused before any step."""
+    fp16_full_eval it would move it when training starts, and eval_on_start would evaluate
+    the model still on the host: each refused before any step."""
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "emu:0")
     moved = trainer_for(small_gpt2(), tmp_path / "moved")
     assert next(moved.model.parameters()).device == device
@@ -293,5 +294,9 @@ def test_trainer_refuses_what_would_move_the_whole_model(device, tmp_path, monke
     full_eval = trainer_for(model, tmp_path / "full", HostArguments, fp16_full_eval=True)
     with pytest.raises(ValueError, match=r"TrainingArguments\(fp16_full_eval=True\)"):
         hf.train(full_eval, **HOST, device="emu")
+    # An evaluation before the first step would run on the model still on the host.
+    early = trainer_for(small_gpt2(), tmp_path / "early", HostArguments, eval_on_start=True)
+    with pytest.raises(ValueError, match=r"TrainingArguments\(eval_on_start=True\)"):
+        hf.train(early, **HOST, device="emu")
     assert moved.state.global_step == full_eval.state.global_step == 0
     assert {str(p.device) for p in model.parameters()} == {"cpu"}

@@ -66,9 +66,22 @@ class Weights:
         self.masters.placement.settle(self.masters, params)
         self.stream.settled(params)
 
-    def close(self) -> None:
+    def close(self, *, refuse_an_awaited_backward: bool) -> None:
         """Every weight back on the device for good (if they cannot be, this raises or
-        warns as the placement says, before any hook goes), then the hooks removed."""
+        warns as the placement says, before any hook goes), then the hooks removed.
+        ``refuse_an_awaited_backward``: raise first, closing nothing, where a forward's
+        output still waits for its backward, which would read what the close moves."""
+        if (
+            refuse_an_awaited_backward
+            and isinstance(self.stream, WeightStream)
+            and self.stream.awaited()
+        ):
+            raise RuntimeError(
+                "remove_hooks() between a forward and its backward, with the weights on the "
+                "host (offload_parameters=True): that backward would read weights the close "
+                "moves and fail. Run the backward first, or drop the forward's outputs "
+                "(del loss, logits) if no backward will come."
+            )
         self.stream.end_a_failed_backward()  # else its last hook may bring one meanwhile
         self.masters.close()
         self.stream.remove()

@@ -46,7 +46,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -80,6 +80,10 @@ class WeightStream:
         # Forwards with gradients since the last backward ended (a graph each, which a
         # backward may come for: an output dropped without one still counts until then).
         self._forwards = 0
+        # A token in each model output's node since the last backward ended, weakly: a
+        # close while its graph lives would leave that backward reading weights the
+        # close moved (`awaited`).
+        self._awaiting: list[weakref.ref[_Awaited]] = []
         self._called: set[int] = set()  # the blocks this forward ran
         self._reused = False  # a block ran twice since the last backward ended
         self._kwargs: dict[int, Any] = {}  # a running block's keyword inputs
@@ -147,6 +151,12 @@ class WeightStream:
         for a hook of it that autograd's device thread may still be running."""
         self._end.after_a_failed_backward()
 
+    def awaited(self) -> bool:
+        """Whether the graph of a forward since the last backward lives (a loss computed
+        from its outputs, say): its backward may still come, and read the weights its
+        forward saved where the stream put them."""
+        return any(ref() is not None for ref in self._awaiting)
+
     def remove(self) -> None:
         """The hooks removed; the weights stay where they are."""
         for handle in self._handles:
@@ -196,6 +206,10 @@ class WeightStream:
             return
         for tensor in outputs:
             tensor.register_hook(self._backward_begins)
+            if tensor.grad_fn is not None:  # lives with the graph, not with this tensor
+                metadata = cast("dict[str, Any]", tensor.grad_fn.metadata)  # a dict, typed
+                metadata[_AWAITED] = awaited = _Awaited()  # as a method
+                self._awaiting.append(weakref.ref(awaited))
         # Backward starts with the last block run: kept from its forward (brought again
         # where a later forward freed it).
         self.weights.bring(self._block(self.schedule.last()))
@@ -206,6 +220,7 @@ class WeightStream:
     def _backward_begins(self, grad: torch.Tensor) -> None:
         """The model's output has its gradient: the rest is read next (again, in a second
         backward through a retained graph)."""
+        self._awaiting = []  # it came (if refused, too): a close no longer leaves one to come
         refuse_create_graph()
         self._placement.guarding(False)  # the uses before it are recorded, their refusals set
         self._end.queue()
@@ -356,6 +371,7 @@ class WeightStream:
         self.weights.free(self.weights.present())
         self.schedule.learn()  # a framework calling a submodule never ends the model
         self._forwards = 0
+        self._awaiting = []
         self._called = set()  # nor begins it
         self._reused = False
         self._consumers = {}
@@ -364,6 +380,14 @@ class WeightStream:
         if index is not None and 0 <= index < len(self.units.blocks):
             return self.units.block_params[index]
         return []
+
+
+_AWAITED = "gradient_cache.awaited"  # the key of `WeightStream`'s token in a node's metadata
+
+
+class _Awaited:
+    """A token a model output's autograd node holds in its metadata: alive while the graph
+    is (`WeightStream.awaited`)."""
 
 
 class OwnTensors:
