@@ -183,6 +183,8 @@ def device_memory_of(device: torch.device) -> DeviceMemory | None:
         torch.accelerator.get_memory_info(device)
     except RuntimeError:  # an allocator that is no c10::DeviceAllocator, or lacks the query
         return None
+    except AttributeError:  # torch 2.6: torch.accelerator has no memory queries yet
+        return None
     return AcceleratorMemory(device)
 
 

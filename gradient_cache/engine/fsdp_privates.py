@@ -4,7 +4,7 @@ FSDP2 has no public API for what the cache must follow: its parameter groups (th
 gradients' reduce-scatters, the shards), each parameter's padded shard (what its
 all-gather reads), its forward order and prefetch lists, its copy-in stream, and a
 `DTensor`'s local tensor object. `FSDP_PRIVATES` lists the names, each present in the
-sources of torch 2.6.0, 2.10.0, 2.13.0 and 2.14.1 (the parameter groups under one of two
+sources of torch 2.6.0, 2.10.0, 2.13.0, 2.14.1 and 2.15.0 (the parameter groups under one of two
 names, `param_groups`); `check_fsdp_privates` runs when the cache is created and refuses,
 naming torch's version, a torch without one, so the reads below have no silent default.
 """
@@ -110,7 +110,7 @@ def check_fsdp_privates(module: Any, *, initialized: bool = False) -> None:
                     f"offload_parameters=True under FSDP2 cannot run on torch "
                     f"{torch.__version__}: FSDP2's {kind} has no {names!r}, one of the "
                     "private names the cache reads to follow its all-gathers (all present "
-                    "in torch 2.6.0, 2.10.0, 2.13.0 and 2.14.1). Use one of those torch "
+                    "in torch 2.6.0, 2.10.0, 2.13.0, 2.14.1 and 2.15.0). Use one of those torch "
                     "versions, or drop offload_parameters."
                 )
 
