@@ -1276,3 +1276,26 @@ def test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran() ->
         loss = again(*data[0])[1]
         raise ValueError("the user's")
     assert manager.engine is None and loss.grad_fn is not None  # closed, its graph alive
+
+
+def test_a_backward_naming_every_weight_under_a_compute_dtype_is_the_whole_backward() -> None:
+    """On the CPU with compute_dtype=torch.bfloat16 a block weight moves between dtypes
+    (fp32 master, bf16 in use), which resets its accumulation node as a device change
+    does: ``backward(inputs=model.parameters())`` named nodes the graph never used and
+    trained only the block kept for backward. Now the weights are guarded at rest there
+    too, and the call trains what ``backward()`` trains, bit for bit."""
+    data = batches(2)
+    models = []
+    for named in (False, True):
+        model = gpt()
+        optimizer = adamw_two_groups(model)
+        manager = gradient_cache.create_gradient_cache(
+            model, **STREAMED, compute_dtype=torch.bfloat16
+        )
+        for tokens, targets in data:
+            loss = model(tokens, targets)[1]
+            loss.backward(inputs=list(model.parameters()) if named else None)
+            step(model, optimizer, manager)
+        models.append(model)
+    assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models), strict=True))
+    assert not torch.equal(models[1].blocks[0].mlp.fc.weight, gpt().blocks[0].mlp.fc.weight)

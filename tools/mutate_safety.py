@@ -497,6 +497,13 @@ MUTANTS = [
         "tests/test_parameters_offload.py::test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran",
     ),
     (
+        "weights named by a backward: guarded on the CPU too under a compute dtype",
+        "gradient_cache/engine/weights/stream.py",
+        "        cast = weights.compute_dtype is not None\n",
+        "        cast = False\n",
+        "tests/test_parameters_offload.py::test_a_backward_naming_every_weight_under_a_compute_dtype_is_the_whole_backward",
+    ),
+    (
         "residuals: the delivered step promotes where a step wrote any (any_pending)",
         "gradient_cache/engine/residuals.py",
         "        return bool(self._pending)",

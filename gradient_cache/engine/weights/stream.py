@@ -139,7 +139,11 @@ class WeightStream:
         placement = weights.placement
         assert isinstance(placement, OwnTensors)  # this stream's (FSDP2's: `ShardStream`)
         self._placement = placement
-        placement.guard({param: weights.name(param) for param in guarded})
+        # On a CPU a compute dtype moves the weights too (fp32 master, bf16 in use): the
+        # accumulation node resets there as on a device, so the guard is on for it.
+        cast = weights.compute_dtype is not None
+        guard = guarded or [p for p in self._in_blocks if p.requires_grad and cast]
+        placement.guard({param: weights.name(param) for param in guard})
 
     def settled(self, params: Sequence[Param]) -> None:
         """``params`` are on the device for good (`OwnTensors.settle`): plain parameters,
