@@ -315,6 +315,10 @@ def test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches(de
     torch.save(weight, buffer)
     buffer.seek(0)
     assert type(torch.load(buffer, weights_only=False)) is nn.Parameter
+    # The write moved the weight's version, which that forward's backward would refuse
+    # (plain PyTorch's in-place error, raced against the refusal below on autograd's other
+    # thread): a new forward, its graph made after the write.
+    _, loss = model(tokens, targets)
     with pytest.raises(RuntimeError, match=r"'blocks\.0\.attn\.qkv\.weight' were used outside"):
         (loss + weight.square().sum()).backward()
     model(tokens, targets)[1].backward()
