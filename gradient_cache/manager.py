@@ -723,8 +723,8 @@ def _refuse_plain_steps(
     integration's routing turns that call into the fused step itself, so then it is let
     through. Registered once, at import: a manager created or closed inside a step hook
     must not change torch's table of global hooks while torch runs them."""
-    if gradient_readers.routed():
-        return None
+    if gradient_readers.routed() or not any(m.engine is not None for m in _attached):
+        return None  # the closure as it is: nothing to refuse
 
     def refuse() -> None:
         for manager in list(_attached):

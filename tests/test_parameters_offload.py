@@ -1266,8 +1266,7 @@ def test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran() ->
                 manager.remove_hooks()
         loss.backward()
         step(cached, optimizer, manager)
-    same = zip(plain.parameters(), cached.parameters(), strict=True)
-    assert all(torch.equal(a, b) for a, b in same)
+    assert_same_parameters(plain, cached)
     cached(*data[0])  # no backward will come for it: its graph is dropped at once
     manager.remove_hooks()
     again = gpt()
@@ -1297,5 +1296,5 @@ def test_a_backward_naming_every_weight_under_a_compute_dtype_is_the_whole_backw
             loss.backward(inputs=list(model.parameters()) if named else None)
             step(model, optimizer, manager)
         models.append(model)
-    assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models), strict=True))
+    assert_same_parameters(*models)
     assert not torch.equal(models[1].blocks[0].mlp.fc.weight, gpt().blocks[0].mlp.fc.weight)

@@ -158,8 +158,8 @@ MUTANTS = [
     (
         "launch: give gradients back on an encode failure",
         "gradient_cache/engine/capture.py",
-        "            for param, grad in items[len(encoded) :]:\n                param.grad = sharding.as_grad_of(param, grad)\n                pipeline.records[param].gradient = self._cached_part_at(param)\n",
-        "",
+        "                param.grad = sharding.as_grad_of(param, grad.to(param.dtype))\n                pipeline.records[param].gradient = self._cached_part_at(param)\n",
+        "                pass\n",
         "tests/test_pipeline.py",
     ),
     (
@@ -210,7 +210,7 @@ MUTANTS = [
     (
         "accumulation: the cached payload joins the next gradient",
         "gradient_cache/engine/capture.py",
-        "            flat = cached.moved(pipeline.backend.to_device).add_to(flat)",
+        "            flat = cached.moved(pipeline.backend.to_device).add_to(flat.to(route.dtype))",
         "            pass",
         "tests/test_training.py tests/test_stream_order.py",
     ),
@@ -443,8 +443,8 @@ MUTANTS = [
     (
         "a plain optimizer.step(): an integration's routed step let through",
         "gradient_cache/manager.py",
-        "    if gradient_readers.routed():\n        return\n",
-        "",
+        "    if gradient_readers.routed() or not any(m.engine is not None for m in _attached):\n",
+        "    if not any(m.engine is not None for m in _attached):\n",
         "tests/test_fused_routing.py tests/test_decorator.py",
     ),
     (
@@ -499,9 +499,16 @@ MUTANTS = [
     (
         "weights named by a backward: guarded on the CPU too under a compute dtype",
         "gradient_cache/engine/weights/stream.py",
-        "        cast = weights.compute_dtype is not None\n",
-        "        cast = False\n",
+        "        if on_device or weights.compute_dtype is not None:\n",
+        "        if on_device:\n",
         "tests/test_parameters_offload.py::test_a_backward_naming_every_weight_under_a_compute_dtype_is_the_whole_backward",
+    ),
+    (
+        "fused step: a held gradient beside a host weight goes to the weight's device",
+        "gradient_cache/engine/fused_step.py",
+        "[(param, held[param].to(param.device)) for param in chunk]",
+        "[(param, held[param]) for param in chunk]",
+        "tests/emulated/test_weights_on_device.py::test_a_clip_over_some_parameters_then_the_step_is_plain_bit_for_bit",
     ),
     (
         "residuals: the delivered step promotes where a step wrote any (any_pending)",
@@ -730,7 +737,7 @@ MUTANTS = [
     (
         "clip norm: the encodes compute each gradient's norm",
         "gradient_cache/engine/capture.py",
-        "            pending.norms.write(param, flat)",
+        "            pending.norms.write(param, whole)",
         "            pass",
         "tests/test_training.py::test_the_encodes_compute_the_clip_norms_once_a_clipped_step_asked",
     ),
@@ -1018,7 +1025,7 @@ MUTANTS = [
     (
         "unkept manager: its finalizer detaches it (hooks removed, gradients back in .grad)",
         "gradient_cache/manager.py",
-        "        stand_in.remove_hooks()",
+        "        stand_in.remove_hooks(abandon_an_awaited_backward=True)",
         "        pass",
         "tests/test_unkept_manager.py",
     ),
@@ -1432,9 +1439,9 @@ MUTANTS = [
     (
         "weights, compute dtype: a gradient is accumulated in the master's dtype",
         "gradient_cache/engine/capture.py",
-        "        self.add(param, sharding.local(grad).to(record.route.dtype))\n",
-        "        self.add(param, sharding.local(grad))\n",
-        "tests/test_parameters_offload.py::test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit",
+        "        if grad.dtype not in NARROW_FLOATS or route.dtype != torch.float32 or route.codec.lossy:\n            return grad.to(route.dtype)\n",
+        "        if grad.dtype not in NARROW_FLOATS or route.dtype != torch.float32 or route.codec.lossy:\n            return grad\n",
+        "tests/test_parameters_offload.py tests/test_codecs.py",
     ),
     (
         "weights, compute dtype: floating inputs cast to it",
@@ -1600,7 +1607,7 @@ MUTANTS = [
     (
         "weights: the blocks a forward ran are forgotten at the end of backward (a submodule's loop)",
         "gradient_cache/engine/weights/stream.py",
-        "        self._called = set()  # a framework calling a submodule never begins the model\n",
+        "        self._called = set()  # nor begins it\n",
         "",
         "tests/test_parameters_offload.py::test_through_a_submodule_an_eval_then_a_load_reaches_training_and_the_window_holds",
     ),
@@ -1733,8 +1740,8 @@ MUTANTS = [
     (
         "shards: a close without room raises with the cache attached",
         "gradient_cache/manager.py",
-        "            self._weights.close()  # if they cannot be, nothing is detached yet\n            self._weights = None\n        pipeline, self._pipeline, self._step = self._pipeline, None, None\n",
-        "            pipeline, self._pipeline, self._step = self._pipeline, None, None\n            self._weights.close()\n            self._weights = None\n        else:\n            pipeline, self._pipeline, self._step = self._pipeline, None, None\n",
+        "            self._weights.close(refuse_an_awaited_backward=not abandon_an_awaited_backward)\n            self._weights = None\n        pipeline, self._pipeline, self._step = self._pipeline, None, None\n",
+        "            pipeline, self._pipeline, self._step = self._pipeline, None, None\n            self._weights.close(refuse_an_awaited_backward=not abandon_an_awaited_backward)\n            self._weights = None\n        else:\n            pipeline, self._pipeline, self._step = self._pipeline, None, None\n",
         "tests/test_distributed.py::test_a_close_without_room_for_the_shards_keeps_the_cache",
     ),
     (
@@ -1845,7 +1852,7 @@ MUTANTS = [
     (
         "weights: gradients restored at a close come back beside weights left on the host",
         "gradient_cache/engine/pipeline.py",
-        "                    grad = sharding.as_grad_of(param, grad).to(param.device)\n",
+        "                    grad = sharding.as_grad_of(param, grad).to(param.device, param.dtype)\n",
         "                    grad = sharding.as_grad_of(param, grad)\n",
         "tests/emulated/test_larger_than_device.py::test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit",
     ),

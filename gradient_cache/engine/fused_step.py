@@ -165,7 +165,9 @@ def _step_held(pipeline: Pipeline, steps: BucketSteps, journeys: Journeys) -> No
     for chunk in chunks:
         journeys.bring(chunk)
         journeys.install()
-        _step_with(steps.step_once, [(param, held[param]) for param in chunk])
+        # A held gradient restored beside its weight at rest on the host (a clip over some
+        # of the parameters restores theirs) goes to where the weight was brought.
+        _step_with(steps.step_once, [(param, held[param].to(param.device)) for param in chunk])
         progress.stepped.update(chunk)
         journeys.send_back()
 
@@ -243,11 +245,9 @@ def _chunks(params: list[Param], size_bytes: int) -> list[list[Param]]:
 
 
 def _step_with(step_once: Callable[[], object], grads: list[tuple[Param, torch.Tensor]]) -> None:
-    """A step with exactly ``grads`` set; ``param.grad`` is None afterwards. A held
-    gradient restored beside its weight at rest on the host (a clip over some of the
-    parameters restores theirs) is copied to where the step brought the weight."""
+    """A step with exactly ``grads`` set; ``param.grad`` is None afterwards."""
     for param, grad in grads:
-        param.grad = sharding.as_grad_of(param, grad).to(param.device)
+        param.grad = sharding.as_grad_of(param, grad)
     try:
         step_once()
     finally:

@@ -127,23 +127,20 @@ class WeightStream:
         ]
         # A block weight used at rest, outside its window: refused where a backward reaches
         # the use (`at_rest`), and a gradient computed on the host, before it accumulates.
-        guarded = [
-            param
-            for param in self._in_blocks
-            if param.requires_grad and weights.backend.device.type != "cpu"
-        ]
-        self._handles += [
-            param.register_hook(functools.partial(self._refuse_host_gradient, param))
-            for param in guarded
-        ]
+        # The guard wherever P.data moves between uses, which restarts autograd's
+        # accumulation of P: to a device, or on a CPU to a compute dtype.
+        on_device = weights.backend.device.type != "cpu"
+        trainable = [param for param in self._in_blocks if param.requires_grad]
+        if on_device:
+            self._handles += [
+                param.register_hook(functools.partial(self._refuse_host_gradient, param))
+                for param in trainable
+            ]
         placement = weights.placement
         assert isinstance(placement, OwnTensors)  # this stream's (FSDP2's: `ShardStream`)
         self._placement = placement
-        # On a CPU a compute dtype moves the weights too (fp32 master, bf16 in use): the
-        # accumulation node resets there as on a device, so the guard is on for it.
-        cast = weights.compute_dtype is not None
-        guard = guarded or [p for p in self._in_blocks if p.requires_grad and cast]
-        placement.guard({param: weights.name(param) for param in guard})
+        if on_device or weights.compute_dtype is not None:
+            placement.guard({param: weights.name(param) for param in trainable})
 
     def settled(self, params: Sequence[Param]) -> None:
         """``params`` are on the device for good (`OwnTensors.settle`): plain parameters,
