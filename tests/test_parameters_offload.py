@@ -710,6 +710,42 @@ def test_bf16_gradients_waiting_in_an_open_bucket_join_in_fp32() -> None:
     assert_same_parameters(reference, cached)
 
 
+class Bf16Forward(torch.nn.Module):
+    """``inner``'s forward through bf16 casts of its fp32 weights, in plain PyTorch: each
+    weight's gradient is the bf16 one, widened exactly by the cast's backward."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> tuple:
+        low = {name: p.to(torch.bfloat16) for name, p in self.inner.named_parameters()}
+        return torch.func.functional_call(self.inner, low, args)
+
+
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_a_lossy_codec_encodes_a_compute_dtypes_gradient_widened(codec) -> None:
+    """compute_dtype=torch.bfloat16 with a lossy codec: the codec encodes each gradient
+    widened to fp32, as it encodes the gradient of an fp32 weight cast to bf16 in a plain
+    forward (same codec, seed and buckets): bit for bit over three clipped steps of two
+    micro-batches. Encoding the bf16 gradient itself (scales and rounding in bf16) trains
+    2e-2 away."""
+    data = batches(6)
+    options = {"codec": codec, "offload_optimizer_state": True, "bucket_size_mb": 0.02}
+    cached = gpt()
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(
+        cached, **options, offload_parameters=True, compute_dtype=torch.bfloat16
+    )
+    train(cached, optimizer, data, manager=manager, micro_batches=2, clip=0.5)
+    reference = gpt()
+    optimizer = adamw_two_groups(reference)
+    wrapped = Bf16Forward(reference)
+    manager = gradient_cache.create_gradient_cache(wrapped, **options)
+    train(wrapped, optimizer, data, manager=manager, micro_batches=2, clip=0.5)
+    assert_same_parameters(reference, cached)
+
+
 def test_two_finite_bf16_gradients_whose_sum_overflows_skip_a_scaled_step() -> None:
     """With a GradScaler two micro-batches' bf16 gradients are not kept side by side: each
     is finite (2e38), their fp32 sum is not, and the scaler's inf check reads what the

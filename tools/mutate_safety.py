@@ -1444,6 +1444,13 @@ MUTANTS = [
         "tests/test_parameters_offload.py tests/test_codecs.py",
     ),
     (
+        "weights, compute dtype: a lossy codec encodes the gradient widened",
+        "gradient_cache/engine/capture.py",
+        "        if grad.dtype not in NARROW_FLOATS or route.dtype != torch.float32 or route.codec.lossy:\n",
+        "        if grad.dtype not in NARROW_FLOATS or route.dtype != torch.float32:\n",
+        "tests/test_parameters_offload.py::test_a_lossy_codec_encodes_a_compute_dtypes_gradient_widened",
+    ),
+    (
         "weights, compute dtype: floating inputs cast to it",
         "gradient_cache/engine/weights/stream.py",
         "        dtype = self.weights.compute_dtype\n        if dtype is None:\n",
