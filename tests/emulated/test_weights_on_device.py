@@ -127,6 +127,35 @@ def test_autograd_grad_of_every_weight_is_plain_bit_for_bit(device, forwards) ->
     assert manager.engine.weights is not None  # held, and attached, until here
 
 
+@pytest.mark.parametrize("first", ["backward", "autograd.grad"])
+def test_a_second_backward_through_a_retained_graph_is_plain(device, first) -> None:
+    """A backward (or ``autograd.grad``) with ``retain_graph=True``, then a whole
+    ``backward()`` through the same graph: the blocks' weights come back for the second as
+    for the first, and their gradients add up as plain PyTorch's do (twice the loss's)."""
+
+    def run(model, manager=None) -> None:
+        optimizer = adamw_two_groups(model)
+        for tokens, targets in on(device):
+            loss = model(tokens, targets)[1]
+            if first == "backward":
+                loss.backward(retain_graph=True)
+            else:
+                torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            loss.backward()
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+
+    plain = gpt().to(device)
+    run(plain)
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    run(cached, manager)
+    same(plain, cached)
+
+
 def test_a_forward_hook_registered_before_the_cache_reads_the_blocks_weights(device) -> None:
     """As options.md says: a block's forward hook that uses the block's weights runs with
     them on the device where registered before the cache, or after it with
