@@ -412,6 +412,15 @@ class GradientCacheHookManager:
         """
         self._live().discard()
 
+    def keep_gradients(self) -> None:
+        """Let the next backward add to the cached gradients a step left (another
+        optimizer's, whose step comes later), as plain PyTorch adds to ``.grad`` when no
+        ``zero_grad()`` clears it in between. Without this (or `discard_gradients`) that
+        backward is refused: the cache cannot see whether a ``zero_grad()`` ran."""
+        pending = self._live().pending
+        if pending is not None:
+            pending.siblings_taken = False
+
     def state_dict(self) -> dict[str, Any]:
         """The cache's state, to save with the model's and the optimizer's.
 

@@ -231,6 +231,12 @@ CASES = [
      "import io; m = torch.nn.Sequential(model(), model()); "
      "c = create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True); "
      "torch.save(m, io.BytesIO())", TypeError, "Save model.state_dict() instead"),
+    ("a backward onto gradients a step left",
+     "m = torch.nn.Sequential(model(), model()); c = create_gradient_cache(m); "
+     "a = torch.optim.SGD(m[0].parameters(), lr=0.1); "
+     "b = torch.optim.SGD(m[1].parameters(), lr=0.1); m(torch.randn(2, 4)).sum().backward(); "
+     "c.step(a); m(torch.randn(2, 4)).sum().backward()", RuntimeError,
+     "call hook_manager.discard_gradients() to drop them"),
 ]  # fmt: skip
 
 

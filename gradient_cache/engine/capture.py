@@ -18,11 +18,12 @@ from ..codecs.payloads import NARROW_FLOATS
 from . import sharding
 from .backend import Encoded
 from .bucket import BucketState, Item
-from .records import GradientAt, GroupArrivals
+from .records import HELD_BY_THE_CACHE, GradientAt, GroupArrivals
 from .scaling import loss_scale
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
+    from .step_state import PendingStep
 
 Param = torch.nn.Parameter
 
@@ -48,6 +49,9 @@ class Capture:
         if record.keep_on_device:
             record.gradient = GradientAt.KEPT_ON_DEVICE  # left in .grad, part of the step
             return
+        pending = pipeline.pending
+        if pending is not None and pending.siblings_taken:
+            _refuse_adding_to_left_gradients(pipeline, pending)
         if pipeline.deferred_clip is not None:
             # A backward after a clip answered from the cache: plain PyTorch adds to the
             # clipped gradients, so they come back clipped first (a restore, once).
@@ -56,6 +60,7 @@ class Capture:
             sharding.check_gradient_is_reduced(record.name, grad)
             self._gradient_checked = True
         pipeline.begin_capture()
+        cast("PendingStep", pipeline.pending).backwards.add(torch._C._current_graph_task_id())
         param.grad = None
         if pipeline.assembler.holds(param) and param in pipeline.store:
             # A third micro-batch while the second waits here and the first is cached:
@@ -199,3 +204,27 @@ def _group_complete(arrivals: GroupArrivals | None) -> bool:
         return False
     arrivals.count = 0
     return True
+
+
+def _refuse_adding_to_left_gradients(pipeline: Pipeline, pending: PendingStep) -> None:
+    """A backward would add to gradients a step left cached beside those it took from the
+    same backward (`PendingStep.siblings_taken`). Plain PyTorch leaves them in ``.grad``,
+    where a ``zero_grad()`` the cache cannot see may have cleared them: refused before this
+    backward changes anything."""
+    records = pipeline.records.values()
+    names = [record.name for record in records if record.gradient in HELD_BY_THE_CACHE]
+    if not names:
+        pending.siblings_taken = False  # nothing was left
+        return
+    raise RuntimeError(
+        f"A backward began while the gradient cache holds gradients of {len(names)} "
+        f"parameters ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) that an "
+        "earlier backward gave beside gradients another optimizer's step has taken since "
+        "(a GAN's generator step leaves the discriminator's gradients from the generator's "
+        "loss). Plain PyTorch leaves them in .grad, and whether they join this backward's "
+        "depends on a zero_grad() the cache cannot see. After that step, call "
+        "hook_manager.discard_gradients() to drop them (what D.zero_grad() does), or "
+        "hook_manager.keep_gradients() to add this backward's to them (no zero_grad() in "
+        "between); or step their optimizer first. @gradient_cache.optimize and the "
+        "integrations put them in .grad after each step, where zero_grad() reaches them."
+    )

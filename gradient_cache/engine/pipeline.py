@@ -275,6 +275,7 @@ class Pipeline:
             return
         self._enter("deliver", STEPPING)
         assert self.pending is not None  # every state deliver starts from has one
+        self.pending.taken()
         figures = self.store.figures(self.records, params)
         if self.pending.counted:
             self.last_step.layers.update(figures.layers)
@@ -338,9 +339,8 @@ class Pipeline:
         return None if self.pending is None else self.pending.random_state
 
     def settle_scaled_step(self) -> None:
-        """If the GradScaler skipped the last completed step (`SkipWatch`), undo what it
-        did to the engine (residuals, random draws, count); before anything builds on it
-        (the next step's first launch, a discard, a checkpoint)."""
+        """If the GradScaler skipped the last completed step (`SkipWatch`), undo its residuals,
+        random draws and count, before anything builds on it (a launch, a discard, a checkpoint)."""
         if self.skips is None or self.skips.unsettled is None:
             return
         skipped = self.skips.settle()

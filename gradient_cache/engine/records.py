@@ -32,6 +32,10 @@ class GradientAt(enum.Enum):
     HELD_FOR_STEP = "held for the step"  # a device gradient the fused step steps last
 
 
+# Where a gradient the cache holds (of a pending step, not in ``.grad``) is.
+HELD_BY_THE_CACHE = (GradientAt.OPEN_BUCKET, GradientAt.IN_FLIGHT, GradientAt.STORED)
+
+
 class StateAt(enum.Enum):
     """Where a parameter's offloaded optimizer state is, for one optimizer
     (`optimizer_state.StateCopies`: a parameter has a state per optimizer, and parameters

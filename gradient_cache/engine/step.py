@@ -24,7 +24,7 @@ from . import fused_step, scaling, sharding
 from .fused_step import BucketSteps, Journeys, Traveller
 from .norms import StepNorms, clip_factor, clip_grad_norm_order, gradient_norm
 from .pipeline import Pipeline, refuse_taken
-from .records import GradientAt
+from .records import HELD_BY_THE_CACHE, GradientAt
 from .step_hooks import StepHooks
 from .step_state import Clip, HeldProgress
 from .store import BucketPayloads
@@ -32,8 +32,6 @@ from .weights.masters import StepJourney
 
 Param = torch.nn.Parameter
 Optimizer = torch.optim.Optimizer
-# Where a gradient is the cache's, not in ``.grad`` (`refuse_a_plain_step`).
-_HELD_BY_THE_CACHE = (GradientAt.OPEN_BUCKET, GradientAt.IN_FLIGHT, GradientAt.STORED)
 
 
 class Budget(Protocol):
@@ -221,7 +219,7 @@ class OptimizerStep:
             records[param].name
             for group in optimizer.param_groups
             for param in group["params"]
-            if param in records and records[param].gradient in _HELD_BY_THE_CACHE
+            if param in records and records[param].gradient in HELD_BY_THE_CACHE
         ]
         if held:
             raise RuntimeError(

@@ -7,6 +7,7 @@ from the states `PHASES_FROM` lists for it.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +63,7 @@ class HeldProgress:
     stepped: set[torch.nn.Parameter] = field(default_factory=set)
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: `_PENDING` holds them
 class PendingStep:
     """The pending step: from its first gradient until all it cached is restored or dropped."""
 
@@ -83,3 +84,23 @@ class PendingStep:
     # multiplied it in place at the clip. None: no such clip.
     deferred_clip: torch.Tensor | None = None
     norm_read: bool = False  # a norm was read from the cache in this step
+    # The backwards (autograd's graph task ids) whose gradients it took, and whether a step
+    # took gradients of one of them while it still holds others (`Pipeline.deliver`): a
+    # GAN's generator step leaves its discriminator's, which plain PyTorch's zero_grad()
+    # may clear unseen, so a backward adding to them is refused (`Capture`).
+    backwards: set[int] = field(default_factory=set)
+    siblings_taken: bool = False
+
+    def __post_init__(self) -> None:
+        _PENDING.add(self)
+
+    def taken(self) -> None:
+        """A step takes some of its gradients: every pending step (of every cache, this one
+        too) that holds gradients of one of its backwards now holds their siblings."""
+        for pending in list(_PENDING):
+            if not pending.backwards.isdisjoint(self.backwards):
+                pending.siblings_taken = True
+
+
+# Every pending step alive (a pipeline drops its own when the step ends).
+_PENDING: weakref.WeakSet[PendingStep] = weakref.WeakSet()
