@@ -309,6 +309,7 @@ class GradientCacheHookManager:
         if not (_is_positive_number(norm_type) or norm_type == math.inf):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         self._warn_of_a_missing_grad_scaler()
+        self._watch.check_before_step()
         if max_grad_norm is not None:
             self._refuse_a_clip_over_another_cache(optimizer)
         return self._live_step().step(

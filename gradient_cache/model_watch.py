@@ -42,6 +42,7 @@ class ParameterWatch:
         self._excluded = tuple(excluded)
         self._device = device
         self._in_place = in_place
+        self._model = weakref.ref(model)
         # Whether a forward ran under float16 autocast: then a GradScaler is all but sure,
         # and the manager warns if it was not given one (`grad_scaler=`).
         self.saw_fp16_autocast = False
@@ -52,6 +53,14 @@ class ParameterWatch:
     def remove(self) -> None:
         self._handle.remove()
 
+    def check_before_step(self) -> None:
+        """The forward's check, at the fused step: a change between a backward and its step
+        (``p.data = t``, ``model.to(dtype)``) is refused before the step would undo it or
+        fail on it."""
+        model = self._model()
+        if model is not None:
+            self._check_parameters(model)
+
     @torch.compiler.disable
     def _check(self, model: torch.nn.Module, args: object) -> None:
         kind = self._device.type
@@ -61,8 +70,12 @@ class ParameterWatch:
             and torch.get_autocast_dtype(kind) == torch.float16
         ):
             self.saw_fp16_autocast = True
+        self._check_parameters(model)
+
+    def _check_parameters(self, model: torch.nn.Module) -> None:
         changes = []
         to_device = False  # a model.to(device) of weights the cache keeps on the host
+        rebound = False  # a P.data = t or a cast of weights the cache keeps on the host
         present = dict(model.named_parameters())
         for name, ref in self._cached.items():
             param = present.get(name)
@@ -74,6 +87,7 @@ class ParameterWatch:
                 if not self._in_place(cached):  # the sharded one, not FSDP2's unsharded one
                     moved = cached.device == self._device and self._device.type != "cpu"
                     to_device |= moved
+                    rebound |= not moved
                     change = f"moved to {self._device}" if moved else "moved or cast"
                     changes.append(f"{name!r} {change} off the host master it was given")
             elif (cast := _cast_of(ref(), self._dtypes[name])) is not None:
@@ -89,13 +103,20 @@ class ParameterWatch:
                 changes.append(f"{name!r} added or unfrozen")
         if changes:
             shown = "; ".join(changes[:5]) + ("; ..." if len(changes) > 5 else "")
-            advice = (
-                " With offload_parameters=True the cache keeps the weights on the host and "
-                "brings each block to the device itself: leave model.to(device) out (only "
-                "the batches go to the device)."
-                if to_device
-                else ""
-            )
+            advice = ""
+            if to_device:
+                advice = (
+                    " With offload_parameters=True the cache keeps the weights on the host and "
+                    "brings each block to the device itself: leave model.to(device) out (only "
+                    "the batches go to the device)."
+                )
+            elif rebound:
+                advice = (
+                    " With offload_parameters=True new values go into a weight in place "
+                    "(with torch.no_grad(): param.copy_(new)), not by rebinding param.data "
+                    "(or torch.nn.utils.vector_to_parameters); a dtype is chosen before the "
+                    "cache is created."
+                )
             raise RuntimeError(
                 f"The model's parameters changed after the gradient cache was created "
                 f"({shown}).{advice} The cache only takes the gradients of the parameters it was "

@@ -483,3 +483,71 @@ def test_a_sparse_embeddings_gradient_steps_with_its_weights_brought_bit_for_bit
         return model
 
     assert_same_parameters(run(False), run(True))
+
+
+@pytest.mark.parametrize(
+    ("offload_parameters", "change"),
+    [(True, "data"), (True, "cast"), (False, "cast")],
+    ids=["weights-on-host-data", "weights-on-host-cast", "cache-cast"],
+)
+def test_a_change_between_backward_and_step_is_refused_at_the_step(
+    offload_parameters, change
+) -> None:
+    """``p.data = t`` or ``model.to(dtype)`` after a backward: with the weights on the host
+    the fused step put the host master back over the new data (silently), and a cast made
+    it fail inside torch on the gradients' dtype. Refused before the step changes anything,
+    naming the parameter (and, with the weights on the host, an in-place copy as the way).
+    Without the weights on the host ``p.data = t`` is plain PyTorch's (the cache does not
+    hold the weights)."""
+    model = gpt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = STREAMED if offload_parameters else {"compression_ratio": 1}
+    manager = gradient_cache.create_gradient_cache(model, **options)
+    model(*batches(1)[0])[1].backward()
+    if change == "data":
+        weight = model.blocks[1].mlp.fc.weight
+        weight.data = torch.full_like(weight, 0.01)
+        first = "blocks.1.mlp.fc.weight"
+    else:
+        model.double()
+        first = "tok_emb.weight"
+    with pytest.raises(RuntimeError, match=f"'{first}' (moved|cast)") as refused:
+        manager.step(optimizer)
+    assert ("param.copy_(new)" in str(refused.value)) == offload_parameters
+    manager.remove_hooks()
+
+
+def test_a_rebound_weight_is_kept_by_the_close_and_a_new_cache_trains_as_plain() -> None:
+    """With the weights on the host, the close puts the masters back on the model, except
+    where the user rebound ``P.data`` (refused at the next forward or step, whose message
+    says to close and create a new cache): those new values are the model's, as in plain
+    PyTorch (the close put the stale master back over them). Then a new cache steps the
+    gradients the first one held, bit for bit with plain PyTorch's step."""
+    data = batches(2)
+
+    def run(cached: bool) -> nn.Module:
+        model = gpt()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        manager = gradient_cache.create_gradient_cache(model, **STREAMED) if cached else None
+        model(*data[0])[1].backward()
+        weight = model.blocks[1].mlp.fc.weight
+        weight.data = torch.full_like(weight, 0.01)
+        if manager is not None:
+            with pytest.raises(RuntimeError, match="copy_"):
+                manager.step(optimizer)
+            manager.remove_hooks()
+            assert torch.equal(weight, torch.full_like(weight, 0.01))
+            manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+        step(model, optimizer, manager)
+        train(model, optimizer, data[1:], manager=manager)
+        return model
+
+    assert_same_parameters(run(cached=False), run(cached=True))
+
+
+def test_a_model_cast_with_the_weights_on_the_host_keeps_its_dtype_through_the_close() -> None:
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    model.double()
+    manager.remove_hooks()
+    assert {p.dtype for p in model.parameters()} == {torch.float64}

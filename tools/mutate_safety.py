@@ -1451,6 +1451,27 @@ MUTANTS = [
         "tests/test_parameters_offload.py::test_a_lossy_codec_encodes_a_compute_dtypes_gradient_widened",
     ),
     (
+        "a change between backward and step: refused at the step",
+        "gradient_cache/manager.py",
+        "        self._watch.check_before_step()\n",
+        "",
+        "tests/test_parameters_nothing_lost.py",
+    ),
+    (
+        "a rebound weight: kept by the close",
+        "gradient_cache/engine/weights/stream.py",
+        "            param.data = rebound.get(param, home)\n",
+        "            param.data = home\n",
+        "tests/test_parameters_nothing_lost.py",
+    ),
+    (
+        "a rebound weight: the refusal says to copy in place",
+        "gradient_cache/model_watch.py",
+        "            elif rebound:\n",
+        "            elif False:\n",
+        "tests/test_parameters_nothing_lost.py",
+    ),
+    (
         "left by a step: a step marks the siblings of what it takes",
         "gradient_cache/engine/pipeline.py",
         "        self.pending.taken()\n",

@@ -490,13 +490,16 @@ class OwnTensors:
         device has no room, with them all at home still."""
         held = set(weights.params())
         params = [param for param in params if param in held]
+        # A P.data the user rebound (p.data = t, model.to(dtype): refused at the next forward
+        # or step) holds the newest values, which the close keeps, as plain PyTorch would.
+        rebound = {param: param.data for param in params if not weights.in_place(param)}
         weights.free(params)  # a dirty weight's copy back first: the masters are the newest
         weights.wait_on_host()
         homes = self.backend.finish_to_device(
             self.backend.start_to_device(list(weights.masters(params)))
         )
         for param, home in zip(params, homes, strict=True):
-            param.data = home
+            param.data = rebound.get(param, home)
             self._guarded.pop(param, None)
             at_rest.dress(param, None)
         weights.drop(params)
