@@ -304,6 +304,7 @@ class GradientCacheHookManager:
                 "re-evaluates the loss (closure). Use apply_gradients() and "
                 "optimizer.step(closure) instead."
             )
+        max_grad_norm, norm_type = _as_clip_number(max_grad_norm), _as_clip_number(norm_type)
         if max_grad_norm is not None and not _is_positive_number(max_grad_norm):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0.")
         if not (_is_positive_number(norm_type) or norm_type == math.inf):
@@ -795,6 +796,19 @@ def _parameter_list(
     tensor is found in no store and counts by its ``.grad``, as clip_grad_norm_ counts it."""
     tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     return cast(list[torch.nn.Parameter], tensors)
+
+
+def _as_clip_number(value: Any) -> Any:
+    """A one-element tensor or a string such as ``"inf"`` as the float torch's
+    ``clip_grad_norm_`` makes of it; anything else as it is, for the checks to judge."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _is_positive_number(value: Any) -> bool:

@@ -237,6 +237,12 @@ CASES = [
      "b = torch.optim.SGD(m[1].parameters(), lr=0.1); m(torch.randn(2, 4)).sum().backward(); "
      "c.step(a); m(torch.randn(2, 4)).sum().backward()", RuntimeError,
      "call hook_manager.discard_gradients() to drop them"),
+    ("a clip between micro-batches with the weights on the host",
+     "m = torch.nn.Sequential(model(), model()); "
+     "c = create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True); "
+     "m(torch.randn(2, 4)).sum().backward(); torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0); "
+     "m(torch.randn(2, 4)).sum().backward()", RuntimeError,
+     "Clip once, after the step's last backward"),
 ]  # fmt: skip
 
 

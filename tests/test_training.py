@@ -449,3 +449,22 @@ def test_the_fused_steps_norm_is_clip_grad_norm_over_the_models_parameters(
     # fp32: the optimizer's order gives other bits in some step (bf16 rounds them away,
     # but a norm in fp32 is not clip_grad_norm_'s bf16 one).
     assert orders_differ or dtype == torch.bfloat16
+
+
+def test_a_clip_given_as_torch_takes_it_clips_as_plain_pytorch() -> None:
+    """``max_grad_norm`` as a one-element tensor and ``norm_type`` as ``"inf"``, as
+    ``torch.nn.utils.clip_grad_norm_`` takes them (they were refused as not numbers)."""
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS)
+    for model in (plain, cached):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for tokens, targets in batches(2):
+            loss_of(model, tokens, targets).backward()
+            if model is plain:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), torch.tensor(0.5), "inf")
+                optimizer.step()
+            else:
+                norm = manager.step(optimizer, max_grad_norm=torch.tensor(0.5), norm_type="inf")
+            optimizer.zero_grad()
+        assert norm is not None and norm > 0.5  # clipped
+    assert_same_parameters(plain, cached)
