@@ -80,7 +80,7 @@ class ParameterWatch:
         for name, ref in self._cached.items():
             param = present.get(name)
             if param is None:
-                changes.append(f"{name!r} removed")
+                changes.append(f"{name!r} removed (or tied to another parameter)")
             elif param is not ref() and not _unsharded_of(param, ref()):
                 changes.append(f"{name!r} replaced by a new Parameter")
             elif self._in_place is not None and (cached := ref()) is not None:

@@ -243,6 +243,10 @@ CASES = [
      "m(torch.randn(2, 4)).sum().backward(); torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0); "
      "m(torch.randn(2, 4)).sum().backward()", RuntimeError,
      "Clip once, after the step's last backward"),
+    ("a weight tied to another after creation",
+     "m = torch.nn.Sequential(model(), model()); c = create_gradient_cache(m); "
+     "m[1].weight = m[0].weight; m(torch.randn(2, 4))", RuntimeError,
+     "'1.weight' removed (or tied to another parameter)"),
 ]  # fmt: skip
 
 
