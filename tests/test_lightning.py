@@ -436,3 +436,15 @@ def test_the_weights_on_the_host_train_as_plain_lightning_bit_for_bit() -> None:
     )
     fit(cached, [callback], **settings)
     assert same_weights(plain, cached)
+
+
+def test_clipping_by_value_with_the_state_on_the_host_is_refused_at_fit_start() -> None:
+    """Lightning's own clip_grad_value_ call needs every gradient on the device, which the
+    state offload refuses at the first step, in a call of Lightning's: refused before any
+    step instead, naming clipping by norm."""
+    callback = GradientCacheCallback(compression_ratio=1, offload_optimizer_state=True)
+    model = Regressor()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="gradient_clip_algorithm='norm'"):
+        fit(model, [callback], gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -195,6 +195,18 @@ class GradientCacheCallback(pl.Callback):
                 "the step would need the whole optimizer state on the device. Use "
                 "precision='bf16-mixed' or '32-true', or drop offload_optimizer_state."
             )
+        if (
+            self._options.config.offload_optimizer_state
+            and trainer.gradient_clip_val
+            and trainer.gradient_clip_algorithm == "value"
+        ):
+            raise ValueError(
+                "gradient_clip_algorithm='value' cannot run with offload_optimizer_state=True: "
+                "clipping by value reads every gradient on the device at once, and the step "
+                "would then need the whole optimizer state there. Clip by norm "
+                "(gradient_clip_algorithm='norm', answered from the cache a bucket at a "
+                "time), or drop offload_optimizer_state."
+            )
         self._manager = self._fit_options.create_manager(pl_module, grad_scaler=scaler)
         self._logged_steps = -1
         manager = self._manager
