@@ -435,3 +435,35 @@ def test_the_weights_on_the_host_train_as_the_undecorated_function() -> None:
     options = dict(LOSSLESS, offload_optimizer_state=True, offload_parameters=True)
     gradient_cache.optimize(**options)(train_loop)(cached, micro_batches=2)
     assert_same_parameters(plain, cached)
+
+
+def test_two_modules_called_apart_sharing_a_weight_are_refused_naming_manager_of() -> None:
+    """An embedding and a head tied to it, each called on its own: each would be a root
+    with a cache of its own, and the tied weight can be in one only (the error was the
+    manager's "already cached by another GradientCacheHookManager", whose fix does not
+    apply). Refused naming manager_of; with it the parts train as plain PyTorch does."""
+
+    def parts() -> nn.ModuleDict:
+        torch.manual_seed(0)
+        modules = nn.ModuleDict(
+            dict(emb=nn.Embedding(64, 16), body=nn.Linear(16, 16), head=nn.Linear(16, 64))
+        )
+        modules.head.weight = modules.emb.weight
+        return modules
+
+    def run(modules: nn.ModuleDict, *, one_model: bool = False) -> None:
+        if one_model:
+            gradient_cache.manager_of(modules)
+        optimizer = torch.optim.AdamW(modules.parameters(), lr=1e-2)
+        for tokens, targets in batches(3):
+            logits = modules.head(torch.tanh(modules.body(modules.emb(tokens))))
+            nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    with pytest.raises(ValueError, match=r"share parameters \(weight\).*manager_of"):
+        gradient_cache.optimize(**LOSSLESS)(run)(parts())
+    plain, cached = parts(), parts()
+    run(plain)
+    gradient_cache.optimize(**LOSSLESS)(run)(cached, one_model=True)
+    assert_same_parameters(plain, cached)

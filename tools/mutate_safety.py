@@ -1472,6 +1472,13 @@ MUTANTS = [
         "tests/test_parameters_nothing_lost.py",
     ),
     (
+        "decorator: two roots sharing a parameter refused",
+        "gradient_cache/integrations/decorator.py",
+        "        self._refuse_sharing(module)\n",
+        "",
+        "tests/test_decorator.py",
+    ),
+    (
         "left by a step: a step marks the siblings of what it takes",
         "gradient_cache/engine/pipeline.py",
         "        self.pending.taken()\n",

@@ -285,6 +285,22 @@ class _Session:
                 return manager
         return None
 
+    def _refuse_sharing(self, module: torch.nn.Module) -> None:
+        """A module called on its own that shares a parameter with another one called on
+        its own (an embedding and a head tied to it): each would be a model with a cache of
+        its own, and a parameter can be in one cache only."""
+        for root in self.managers:
+            shared = _shared_with(module, root)
+            if shared:
+                raise ValueError(
+                    f"{self.name} called {type(module).__name__} and {type(root).__name__} "
+                    f"each on its own, and they share parameters ({', '.join(shared[:3])}): "
+                    "@gradient_cache.optimize caches each model called on its own, and a "
+                    "parameter can be in one cache only. Call gradient_cache.manager_of(m) "
+                    "first in the function, with m a module holding both (the one whose "
+                    "parameters the optimizer takes): it then caches them as one model."
+                )
+
     def attach(self, module: torch.nn.Module) -> None:
         """Make ``module`` a root: cache its trainable parameters (if any are left)."""
         # The outermost module of a forward pass fires first, so its submodules are
@@ -300,6 +316,7 @@ class _Session:
         for inner in [root for root in self.managers if root in modules]:
             # A submodule that ran on its own first: its parent's manager replaces it.
             self.managers.pop(inner).remove_hooks(abandon_an_awaited_backward=True)
+        self._refuse_sharing(module)
         budget = self.settings.config.memory_budget
         if budget is not None and self.managers:
             raise ValueError(
@@ -317,6 +334,12 @@ class _Session:
                 len(trainable),
                 self.name,
             )
+
+
+def _shared_with(module: torch.nn.Module, root: torch.nn.Module) -> list[str]:
+    """The names in ``module`` of the parameters it shares with ``root`` (a tied weight)."""
+    theirs = set(root.parameters())
+    return [name for name, param in module.named_parameters() if param in theirs]
 
 
 def _store_on_flow(args: tuple[Any, ...], summaries: list[dict[str, Any]]) -> None:
