@@ -50,7 +50,10 @@ def find_blocks(model: torch.nn.Module, *, name: str | None = None) -> list[torc
             "come to the device a block at a time, and the blocks are the children of an "
             "nn.ModuleList or nn.Sequential (a transformer's layers), of which it has none "
             "with two or more holding parameters. Hold the repeated layers in an "
-            "nn.ModuleList, or name their container: parameter_blocks='encoder.layers'."
+            "nn.ModuleList, or name their container: parameter_blocks='encoder.layers'. "
+            "(Under @gradient_cache.optimize the model is the outermost module called: a "
+            "loop calling model.forward(x), or a submodule on its own, makes that submodule "
+            "the model; call model(x), or gradient_cache.manager_of(model) first.)"
         )
     largest = max(candidates, key=lambda c: sum(map(_bytes, _holding(c))))
     chosen = [largest]
