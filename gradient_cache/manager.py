@@ -18,7 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import gradient_readers
 from .data_parallel import check_data_parallel
-from .engine import checkpoint, sharding, weights
+from .engine import checkpoint, scaling, sharding, weights
 from .engine.budget import BudgetWatch, DeviceMemory, MemoryBudget, device_memory_of
 from .engine.config import (
     DEFAULT_COMPRESSION_RATIO,
@@ -113,6 +113,8 @@ class GradientCacheHookManager:
                 f"grad_scaler must be a torch.amp.GradScaler (the one that scales the loss), "
                 f"got {type(grad_scaler).__name__}."
             )
+        if grad_scaler is not None:
+            scaling.warn_unless_powers_of_two(grad_scaler)
 
         # torch.compile(model) holds the model as `_orig_mod`: name the parameters as the
         # model itself does, so checkpoints and exclude_layers mean the same compiled or not.

@@ -247,6 +247,16 @@ CASES = [
      "m = torch.nn.Sequential(model(), model()); c = create_gradient_cache(m); "
      "m[1].weight = m[0].weight; m(torch.randn(2, 4))", RuntimeError,
      "'1.weight' removed (or tied to another parameter)"),
+    ("a GradScaler that scaled no loss",
+     "m = model(); s = torch.amp.GradScaler('cpu'); c = create_gradient_cache(m, grad_scaler=s); "
+     "m(torch.randn(2, 4)).sum().backward(); c.step(torch.optim.SGD(m.parameters(), lr=0.1))",
+     RuntimeError, "backpropagate scaler.scale(loss), not the loss"),
+    ("fp16 parameters with a GradScaler",
+     "m = model().half(); s = torch.amp.GradScaler('cpu'); "
+     "c = create_gradient_cache(m, grad_scaler=s); "
+     "s.scale(m(torch.randn(2, 4).half()).sum()).backward(); "
+     "c.step(torch.optim.SGD(m.parameters(), lr=0.1))",
+     ValueError, "Attempting to unscale FP16 gradients."),
 ]  # fmt: skip
 
 

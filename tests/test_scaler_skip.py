@@ -9,6 +9,7 @@ scaler's update() ran (its scale's version moved) and no optimizer stepped since
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -282,3 +283,55 @@ def test_a_skipped_fused_step_fires_no_step_hook() -> None:
         for handle in handles:
             handle.remove()
     assert calls == plain == ["pre", "post"] * 4
+
+
+def test_a_scale_past_the_range_of_an_fp32_norm_clips_as_plain_pytorch() -> None:
+    """Under bf16 (or fp32) compute backward never overflows, so a GradScaler doubles its
+    scale without end; from about 2**64 the scaled gradients' norm overflows fp32 though
+    each gradient is finite. The fused step took that norm times 1/scale: inf, a clip
+    factor of 0, every gradient zeroed and the step taken. It now takes the unscaled
+    gradients' norm there, as clip_grad_norm_ after unscale_() does: bit for bit."""
+
+    def run(cached: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4)
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**66)
+        manager = (
+            gradient_cache.create_gradient_cache(model, compression_ratio=1, grad_scaler=scaler)
+            if cached
+            else None
+        )
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).pow(2).mean() * 100
+        scaler.scale(loss).backward()
+        if manager is None:
+            scaler.unscale_(optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+        else:
+            norm = manager.step(optimizer, max_grad_norm=1.0)
+        scaler.update()
+        return norm, [p.detach().clone() for p in model.parameters()]
+
+    (plain_norm, plain), (cached_norm, cached) = run(False), run(True)
+    assert torch.isfinite(plain_norm) and torch.equal(plain_norm, cached_norm)
+    assert all(torch.equal(a, b) for a, b in zip(plain, cached, strict=True))
+
+
+def test_a_scale_not_a_power_of_two_is_warned_of() -> None:
+    """The fused step's one multiply by (clip factor / scale) is plain's unscale_() then
+    clip only for a power-of-two scale (init_scale=10000: 3e-8 off plain after 5 steps)."""
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="scale=10000.0, not a power of two"):
+        gradient_cache.create_gradient_cache(
+            model, grad_scaler=torch.amp.GradScaler("cpu", init_scale=10000.0)
+        ).remove_hooks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradient_cache.create_gradient_cache(
+            model, grad_scaler=torch.amp.GradScaler("cpu")
+        ).remove_hooks()

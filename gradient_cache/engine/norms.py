@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
 import torch
-from torch.utils._foreach_utils import _has_foreach_support
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 
 def gradient_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -90,10 +90,12 @@ def clip_grad_norm_order(
     norms: dict[torch.nn.Parameter, Norm], model_order: Mapping[torch.nn.Parameter, int]
 ) -> list[tuple[torch.nn.Parameter, Norm]]:
     """``norms`` in the order ``clip_grad_norm_(model.parameters())`` sums them: grouped by
-    device and dtype (in order of first appearance), each group in the model's order. The
-    device is the gradient's, where its norm was taken, not the parameter's: with the
-    weights on the host a parameter at rest is a host master, or (a block a memory budget
-    keeps) a device tensor, while every gradient is on the device, as plain PyTorch's.
+    device and dtype as torch groups them there (`_group_tensors_by_device_and_dtype`, whose
+    groups do not come in order of first appearance: [fp32, bf16] gives bf16 first), each
+    group in the model's order. A norm has its gradient's dtype and device (where it was
+    taken), not the parameter's: with the weights on the host a parameter at rest is a host
+    master, or (a block a memory budget keeps) a device tensor, while every gradient is on
+    the device, as plain PyTorch's.
 
     A sum of floats depends on its order, so any other (the optimizer's: nanoGPT's decay
     and no-decay groups) gives another norm in the last bit, and the weights drift. The
@@ -102,7 +104,5 @@ def clip_grad_norm_order(
     """
     last = len(model_order)
     ordered = sorted(norms, key=lambda param: model_order.get(param, last))
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
-    for param in ordered:
-        groups.setdefault((norms[param].device, param.dtype), []).append(param)
-    return [(param, norms[param]) for group in groups.values() for param in group]
+    groups = _group_tensors_by_device_and_dtype([[norms[p] for p in ordered]], with_indices=True)
+    return [(ordered[i], norms[ordered[i]]) for _, indices in groups.values() for i in indices]

@@ -17,6 +17,8 @@ that the pipeline can undo what that step did to the engine (`Pipeline.settle_sc
 
 from __future__ import annotations
 
+import math
+import warnings
 import weakref
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -38,9 +40,12 @@ def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
     return scaler._get_scale_async()
 
 
-def check_ready(scaler: torch.amp.GradScaler, optimizer_id: int, *, sharded: bool) -> None:
-    """Refuse an enabled ``scaler`` not ready to step the optimizer of ``optimizer_id``
-    (``id(optimizer)``, as the scaler keys it), or one given under FSDP2 (``sharded``)."""
+def check_ready(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *, sharded: bool
+) -> None:
+    """Refuse an enabled ``scaler`` not ready to step ``optimizer`` (a loss it never
+    scaled; unscaled or stepped already), fp16 parameters, which ``unscale_`` refuses, or
+    a scaler given under FSDP2 (``sharded``)."""
     if sharded:
         # Each rank sees only its shards' inf: ranks would disagree on the skip.
         raise RuntimeError(
@@ -48,13 +53,54 @@ def check_ready(scaler: torch.amp.GradScaler, optimizer_id: int, *, sharded: boo
             "this rank's alone): restore with apply_gradients() and step with a "
             "ShardedGradScaler's scaler.step(optimizer)."
         )
-    stage = scaler._per_optimizer_states[optimizer_id]["stage"]
+    if scaler._scale is None:
+        raise RuntimeError(
+            "step(optimizer) with a GradScaler that scaled no loss yet (its scale is made by "
+            "the first scaler.scale(loss)): backpropagate scaler.scale(loss), not the loss."
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    fp16 = [p for p in params if p.dtype == torch.float16]
+    if fp16:
+        raise ValueError(
+            f"step(optimizer) with a GradScaler over {len(fp16)} fp16 parameters: as plain "
+            "PyTorch's scaler.unscale_() ('Attempting to unscale FP16 gradients.'), the "
+            "cache does not unscale fp16 gradients, whose small values the scale is there to "
+            "keep. Keep the parameters in fp32 and compute in fp16 under torch.autocast, or "
+            "(weights on the host) pass compute_dtype=torch.float16."
+        )
+    stage = scaler._per_optimizer_states[id(optimizer)]["stage"]
     if stage is not OptState.READY:
         raise RuntimeError(
             "step(optimizer) unscales the gradients as it restores them and records the "
             f"step for scaler.update(), but the GradScaler has this optimizer {stage.name} "
             "already: call neither scaler.unscale_(optimizer) nor scaler.step(optimizer) "
             "in a step the fused step steps; after it, call scaler.update()."
+        )
+
+
+def warn_unless_powers_of_two(scaler: torch.amp.GradScaler) -> None:
+    """The fused step unscales and clips a gradient with one multiply (by the clip factor
+    over the scale), which gives ``unscale_()`` then the clip's two roundings only while
+    the scale is a power of two, as GradScaler's defaults keep it."""
+    if not scaler.is_enabled():
+        return
+    factors = {
+        "scale": scaler.get_scale(),
+        "growth_factor": scaler.get_growth_factor(),
+        "backoff_factor": scaler.get_backoff_factor(),
+    }
+    odd = {name: value for name, value in factors.items() if math.frexp(value)[0] != 0.5}
+    if odd:
+        shown = ", ".join(f"{name}={value!r}" for name, value in odd.items())
+        warnings.warn(
+            f"The GradScaler given to the cache has {shown}, not a power of two: the fused "
+            "step unscales and clips each gradient with one multiply (by the clip factor "
+            "over the scale), which equals plain PyTorch's unscale_() then clip only for a "
+            "power-of-two scale, so a clipped step may differ from plain's in the last bits. "
+            "GradScaler's defaults (init_scale=2.0**16, growth_factor=2.0, "
+            "backoff_factor=0.5) keep the scale a power of two.",
+            UserWarning,
+            stacklevel=4,
         )
 
 

@@ -306,7 +306,14 @@ class OptimizerStep:
         scaler, inv_scale, skip = _scaler_verdict(pipeline, optimizer, parts, held)
         if clip is None:
             clip = _clip(
-                pipeline, self._model_order, parts, held, max_norm, norm_type, inv_scale=inv_scale
+                pipeline,
+                self._model_order,
+                parts,
+                held,
+                max_norm,
+                norm_type,
+                inv_scale=inv_scale,
+                skip=skip,
             )
         total_norm, factor = clip
         held_factor = None if deferred is not None else factor  # a deferred clip clipped them
@@ -399,7 +406,7 @@ def _scaler_verdict(
     if scaler is None or not scaler.is_enabled():
         return None, None, False  # a disabled scaler is no scaler
     sharded = any(record.sharded for record in pipeline.records.values())
-    scaling.check_ready(scaler, id(optimizer), sharded=sharded)
+    scaling.check_ready(scaler, optimizer, sharded=sharded)
     flag = None if pipeline.pending is None else pipeline.pending.found_inf
     skip = scaling.found_inf(flag, parts, held, pipeline.backend.device)
     return scaler, scaling.inv_scale(scaler), skip
@@ -414,6 +421,7 @@ def _clip(
     norm_type: float,
     *,
     inv_scale: torch.Tensor | None,
+    skip: bool = False,
 ) -> Clip:
     """The global norm of the step's gradients and the factor the restores apply: the
     clip factor, times ``inv_scale`` where given; (None, inv_scale) without clipping.
@@ -432,9 +440,36 @@ def _clip(
         # The norms of the scaled gradients times 1/scale, a power of two: exactly the
         # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
         total = total * inv_scale.to(total.device)
+        if not skip and not bool(torch.isfinite(total)):  # a host sync, as the verdict's
+            total = _unscaled_norm(pipeline, model_order, parts, held, norm_type, inv_scale)
     device = pipeline.backend.device
     factor = clip_factor(max_norm, total).to(device)
     return total, factor if inv_scale is None else factor * inv_scale.to(device)
+
+
+def _unscaled_norm(
+    pipeline: Pipeline,
+    model_order: Mapping[Param, int],
+    parts: list[BucketPayloads],
+    held: dict[Param, torch.Tensor],
+    norm_type: float,
+    inv_scale: torch.Tensor,
+) -> torch.Tensor:
+    """The norm of the unscaled gradients, each times ``inv_scale`` on the device as
+    ``scaler.unscale_()`` makes them: for a step whose gradients are finite but whose
+    scaled norm overflows fp32 (a GradScaler under bf16 or fp32 compute, which never
+    overflows in backward, lets its scale grow past about 2**64). A gradient at a time,
+    from its payload: the factor from the overflowed norm would have zeroed the step."""
+    device = pipeline.backend.device
+    local = {}
+    for part in parts:
+        for param, payload in part:
+            values = payload.kept_values().to(pipeline.records[param].route.dtype)
+            local[param] = gradient_norm(values.to(device) * inv_scale.to(device), norm_type)
+    for param, grad in held.items():
+        grad = sharding.local(grad)
+        local[param] = gradient_norm(grad * inv_scale.to(grad.device), norm_type)
+    return sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
 
 
 def _cached_norms(
