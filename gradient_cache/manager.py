@@ -115,6 +115,15 @@ class GradientCacheHookManager:
             )
         if grad_scaler is not None:
             scaling.warn_unless_powers_of_two(grad_scaler)
+        elif config.compute_dtype == torch.float16:
+            warnings.warn(
+                "compute_dtype=torch.float16 and no GradScaler given: fp16 gradients underflow "
+                "unless the loss is scaled. Scale it with a torch.amp.GradScaler and pass "
+                "that scaler (create_gradient_cache(..., grad_scaler=scaler)), whose unscale "
+                "and skip the fused step then does; or compute in torch.bfloat16.",
+                UserWarning,
+                stacklevel=3,
+            )
 
         # torch.compile(model) holds the model as `_orig_mod`: name the parameters as the
         # model itself does, so checkpoints and exclude_layers mean the same compiled or not.

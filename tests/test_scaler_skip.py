@@ -17,6 +17,7 @@ import torch
 from helpers import assert_same_parameters, batches, loss_of, make_model
 
 # The stand-in CUDA streams (a pytest fixture, found here by name).
+from test_parameters_offload import STREAMED, gpt
 from test_stream_order import fake_accelerator  # noqa: F401
 
 import gradient_cache
@@ -334,4 +335,18 @@ def test_a_scale_not_a_power_of_two_is_warned_of() -> None:
         warnings.simplefilter("error")
         gradient_cache.create_gradient_cache(
             model, grad_scaler=torch.amp.GradScaler("cpu")
+        ).remove_hooks()
+
+
+def test_an_fp16_compute_dtype_without_a_scaler_is_warned_of() -> None:
+    """The cache computes in fp16 itself (no autocast to notice): without a scaler its
+    gradients underflow, and a loss scaled by a scaler not given is stepped scaled."""
+    with pytest.warns(UserWarning, match="compute_dtype=torch.float16 and no GradScaler"):
+        gradient_cache.create_gradient_cache(
+            gpt(), **STREAMED, compute_dtype=torch.float16
+        ).remove_hooks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradient_cache.create_gradient_cache(
+            gpt(), **STREAMED, compute_dtype=torch.float16, grad_scaler=torch.amp.GradScaler("cpu")
         ).remove_hooks()

@@ -1514,6 +1514,13 @@ MUTANTS = [
         "tests/test_bad_inputs.py",
     ),
     (
+        "GradScaler: an fp16 compute dtype without one warned of",
+        "gradient_cache/manager.py",
+        "        elif config.compute_dtype == torch.float16:\n",
+        "        elif False:\n",
+        "tests/test_scaler_skip.py",
+    ),
+    (
         "left by a step: a step marks the siblings of what it takes",
         "gradient_cache/engine/pipeline.py",
         "        self.pending.taken()\n",
