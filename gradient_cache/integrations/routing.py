@@ -53,7 +53,11 @@ class StepRouting:
             managers,
             fix="Only clip_grad_norm_ over one model's parameters is answered from the cache; "
             "this call reads every gradient at once (clip_grad_value_, GradScaler.unscale_, "
-            "or a clip over two models' caches). Drop the call, or the state offload.",
+            "or a clip over two models' caches). Drop the call, or the state offload. A "
+            "GradScaler's scaler.step() calls unscale_ itself: with the state on the host "
+            "the loss scale is the cache's to apply (grad_scaler= to create_gradient_cache "
+            "and hook_manager.step(optimizer)), which an integration cannot be given; or "
+            "compute in bf16, which needs no scaler.",
         )
         self._stack = contextlib.ExitStack()
 
