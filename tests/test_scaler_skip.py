@@ -350,3 +350,28 @@ def test_an_fp16_compute_dtype_without_a_scaler_is_warned_of() -> None:
         gradient_cache.create_gradient_cache(
             gpt(), **STREAMED, compute_dtype=torch.float16, grad_scaler=torch.amp.GradScaler("cpu")
         ).remove_hooks()
+
+
+def test_the_residuals_kept_to_undo_a_skip_are_counted_in_the_summary() -> None:
+    """With a GradScaler, each step keeps the error-feedback residuals it replaced until
+    the next step knows whether it was skipped: held bytes, which residual_mb (and
+    host_held_mb) left out, reporting half of what the cache held."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    manager = gradient_cache.create_gradient_cache(
+        model, grad_scaler=scaler, codec="topk", compression_ratio=10, min_compress_numel=256
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    residuals = manager.engine.backend.residuals
+    for step in range(2):
+        scaler.scale(model(torch.randn(8, 256)).pow(2).mean()).backward()
+        manager.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        current = sum(r.numel() * r.element_size() for r in residuals.current().values())
+        kept = 0 if step == 0 else current  # the first step replaced none
+        assert manager.summary().residual_mb * 2**20 == current + kept > 0
+    manager.remove_hooks()

@@ -1521,6 +1521,13 @@ MUTANTS = [
         "tests/test_scaler_skip.py",
     ),
     (
+        "residuals: those kept to undo a skip counted",
+        "gradient_cache/engine/residuals.py",
+        "        return [*self.current().values(), *self.pending().values(), *self.replaced().values()]\n",
+        "        return [*self.current().values(), *self.pending().values()]\n",
+        "tests/test_scaler_skip.py",
+    ),
+    (
         "left by a step: a step marks the siblings of what it takes",
         "gradient_cache/engine/pipeline.py",
         "        self.pending.taken()\n",

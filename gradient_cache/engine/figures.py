@@ -73,7 +73,7 @@ def host_tensors(pipeline: Pipeline) -> tuple[torch.Tensor, ...]:
     return (
         *pipeline.store.tensors(),
         *(pipeline.random_state_at_step_start or {}).values(),
-        *((*residuals.current().values(), *residuals.pending().values()) if on_host else ()),
+        *(residuals.held() if on_host else ()),
         *(() if states is None else states.host_tensors()),
         *(() if weights is None else weights.host_tensors()),
     )

@@ -71,13 +71,21 @@ class ResidualStore(ABC):
         """A pending step's new residuals, stored form (read-only views)."""
 
     @abstractmethod
+    def replaced(self) -> dict[Param, torch.Tensor]:
+        """The residuals promotions kept for `bring_back_replaced` (with a GradScaler, until
+        the next step knows its verdict), stored form (read-only views)."""
+
+    @abstractmethod
     def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
         """Take ``current`` and ``pending`` (CPU tensors, stored form): nothing is in flight."""
 
+    def held(self) -> list[torch.Tensor]:
+        """Every residual held now: current, a pending step's new ones, and those kept."""
+        return [*self.current().values(), *self.pending().values(), *self.replaced().values()]
+
     def nbytes(self) -> int:
-        """Bytes now: the current residuals and a pending step's new ones."""
-        residuals = [*self.current().values(), *self.pending().values()]
-        return sum(r.numel() * r.element_size() for r in residuals)
+        """Bytes now: every residual held (`held`)."""
+        return sum(r.numel() * r.element_size() for r in self.held())
 
 
 class DeviceResiduals(ResidualStore):
@@ -122,6 +130,9 @@ class DeviceResiduals(ResidualStore):
 
     def pending(self) -> dict[Param, torch.Tensor]:
         return dict(self._pending)
+
+    def replaced(self) -> dict[Param, torch.Tensor]:
+        return {param: kept for param, kept in self._replaced.items() if kept is not None}
 
     def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
         # Copies, allocated on the current stream (the caller's tensors stay the caller's).
@@ -203,6 +214,10 @@ class HostSlotResiduals(ResidualStore):
 
     def pending(self) -> dict[Param, torch.Tensor]:
         return {p: self._target(p) for p in self._pending}
+
+    def replaced(self) -> dict[Param, torch.Tensor]:
+        spares = {p: self._pool().slots[p].spare_residual for p in self._replaced}
+        return {param: spare for param, spare in spares.items() if spare is not None}
 
     def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
         self._replaced = set()
