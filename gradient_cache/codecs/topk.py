@@ -179,7 +179,8 @@ class TopKEncoder:
     Error feedback keeps, per tensor, the residual ``r``: each step encodes ``g + r`` and
     sets ``r`` to what was not sent, so what is delivered plus the new residual always
     equals the gradients seen plus the old residual (exactly in fp32; on average with a
-    bf16 or int8 residual, whose rounding is stochastic). NaN and inf outrank every
+    bf16 or int8 residual, whose rounding is stochastic, and with int8 kept values, whose
+    stochastic rounding is not fed back). NaN and inf outrank every
     finite magnitude, so they are always kept and delivered (GradScaler sees them and
     skips the step); they reset that tensor's residual to zero.
     """
