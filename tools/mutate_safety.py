@@ -1528,6 +1528,20 @@ MUTANTS = [
         "tests/test_scaler_skip.py",
     ),
     (
+        "a close without room: the kept blocks join the rest on the host",
+        "gradient_cache/engine/weights/stream.py",
+        "                param.data = param.data.cpu()\n",
+        "                pass\n",
+        "tests/emulated/test_budget_on_device.py",
+    ),
+    (
+        "a close without room: each master in memory of its own",
+        "gradient_cache/engine/weights/stream.py",
+        "                param.data = param.data.clone()\n",
+        "                pass\n",
+        "tests/emulated/test_budget_on_device.py",
+    ),
+    (
         "left by a step: a step marks the siblings of what it takes",
         "gradient_cache/engine/pipeline.py",
         "        self.pending.taken()\n",

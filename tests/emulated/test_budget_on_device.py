@@ -202,3 +202,49 @@ def test_with_the_weights_on_the_host_the_budget_keeps_blocks(device: torch.devi
         stays = name.startswith(("blocks.0.", "blocks.1.")) or not name.startswith("blocks.")
         assert param.device.type == (device.type if stays else "cpu"), name
     assert_same_parameters(plain, model)
+
+
+def test_a_close_without_room_leaves_the_whole_model_on_the_host_for_a_new_cache(
+    device: torch.device,
+) -> None:
+    """The budget kept some blocks on the device for good; at the close the streamed
+    weights find no room there. The close warns that the weights stay on the host: it
+    left the kept blocks on the device (the model split in two, so a forward and the new
+    cache the warning advises both failed) and the others as views of the host slabs,
+    which a new cache refuses. Now the whole model is on the host in memory of its own,
+    a new cache set up from the host takes it, and training goes on as plain PyTorch's."""
+    import warnings
+
+    from test_budget_blocks import unit_bytes
+    from test_parameters_offload import STREAMED, adamw_two_groups, gpt
+    from test_parameters_offload import batches_on as on
+    from test_weights_on_device import train as plain_training
+
+    data = on(device, 5)
+    plain = gpt().to(device)
+    plain_training(plain, data, clip=CLIP)
+    block = unit_bytes(plain)["blocks.1"]
+    emulated_device(capacity_bytes=CAP)
+    model = gpt()
+    optimizer = adamw_two_groups(model)
+    manager = gradient_cache.create_gradient_cache(
+        model, device=device, memory_budget="100%", **STREAMED
+    )
+    for index, (tokens, targets) in enumerate(data[:4]):
+        model(tokens, targets)[1].backward()
+        if index == DECIDING_STEP:
+            emulated_device(capacity_bytes=torch.accelerator.max_memory_reserved() + 2 * block)
+        manager.step(optimizer, max_grad_norm=CLIP)
+        optimizer.zero_grad()
+    assert any(p.device == device for p in model.parameters())  # kept blocks
+    emulated_device(capacity_bytes=torch.accelerator.memory_allocated() + block // 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager.remove_hooks()
+    assert any("did not fit on the device" in str(w.message) for w in caught)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    emulated_device()
+    manager = gradient_cache.create_gradient_cache(model, device=device, **STREAMED)
+    model(*data[4])[1].backward()
+    manager.step(optimizer, max_grad_norm=CLIP)
+    assert_same_parameters(plain, model)

@@ -402,6 +402,7 @@ class OwnTensors:
         self.compute_dtype = compute_dtype
         self._guarded: dict[Param, str] = {}  # refuse a use at rest (`at_rest`), by name
         self._guarding = False  # from a forward's end to its backward's begin
+        self._settled: list[Param] = []  # on the device for good (`settle`)
 
     def guard(self, names: dict[Param, str]) -> None:
         """``names``' weights refuse, by name, a use at rest that a backward would reach
@@ -503,6 +504,7 @@ class OwnTensors:
             self._guarded.pop(param, None)
             at_rest.dress(param, None)
         weights.drop(params)
+        self._settled.extend(params)
 
     def close(self, weights: HostWeights) -> None:
         """Every weight settled (`settle`). Weights the device has no room for stay on the
@@ -510,7 +512,16 @@ class OwnTensors:
         try:
             self.settle(weights, weights.params())
         except torch.OutOfMemoryError:
+            # The model in one place, as the warning says, that a new cache can take: units
+            # a memory budget settled on the device earlier join the rest on the host, and
+            # each master leaves its slab for memory of its own (briefly twice the bytes).
+            kept = [p for p in self._settled if p.device == self.backend.device]
+            for param in kept:
+                param.data = param.data.cpu()
+            for param in weights.params():
+                param.data = param.data.clone()
             size = sum(master.nbytes for master in weights.masters())
+            size += sum(param.nbytes for param in kept)
             warnings.warn(
                 f"The gradient cache closed, and the model's weights ({size / 2**20:.1f} "
                 "MiB) did not fit on the device, where plain PyTorch keeps them: they stay "
