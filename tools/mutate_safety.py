@@ -1542,6 +1542,13 @@ MUTANTS = [
         "tests/emulated/test_budget_on_device.py",
     ),
     (
+        "weights on the host: the model's host inputs go to the device",
+        "gradient_cache/engine/weights/stream.py",
+        '            torch.Tensor, lambda t: t.to(device) if t.device.type == "cpu" else t, (args, kwargs)\n',
+        "            torch.Tensor, lambda t: t, (args, kwargs)\n",
+        "tests/emulated/test_integrations_on_device.py",
+    ),
+    (
         "left by a step: a step marks the siblings of what it takes",
         "gradient_cache/engine/pipeline.py",
         "        self.pending.taken()\n",

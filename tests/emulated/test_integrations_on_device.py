@@ -12,6 +12,7 @@ emulated device through ``torch.accelerator``."""
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -300,3 +301,34 @@ def test_trainer_refuses_what_would_move_the_whole_model(device, tmp_path, monke
         hf.train(early, **HOST, device="emu")
     assert moved.state.global_step == full_eval.state.global_step == 0
     assert {str(p.device) for p in model.parameters()} == {"cpu"}
+
+
+def test_generate_with_the_weights_on_the_host_gives_plains_tokens(device) -> None:
+    """At rest the parameters are host tensors, so Hugging Face's ``model.device`` is the
+    host and generate() made its position tensors there, which met the device's weights
+    (a device mismatch). The model's host inputs go to the device as its forward begins:
+    the greedy tokens are plain PyTorch's on the device, with the model set up from the
+    host and with it on the device first."""
+    tokens = torch.randint(64, (1, 4), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def generated(model: nn.Module) -> list[list[int]]:
+        model.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers: input_ids not on model.device
+            return model.generate(tokens, max_new_tokens=4, do_sample=False).tolist()
+
+    expected = generated(small_gpt2().to(device))
+    for on_device in (False, True):
+        model = small_gpt2()
+        where = {} if on_device else {"device": device}
+        if on_device:
+            model = model.to(device)
+        manager = gradient_cache.create_gradient_cache(
+            model,
+            compression_ratio=1,
+            offload_optimizer_state=True,
+            offload_parameters=True,
+            **where,
+        )
+        assert generated(model) == expected
+        manager.remove_hooks()

@@ -178,7 +178,19 @@ class WeightStream:
         if not in_backward():  # both copies issued before the compute stream waits for one
             self.weights.bring(self._block(self.schedule.first()))
         self.weights.ensure(self.units.rest)
-        return self._cast(args, kwargs)
+        return self._cast(*self._on_the_device(args, kwargs))
+
+    def _on_the_device(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """The model's host tensor inputs on the device. At rest its parameters are host
+        tensors, so code that places tensors by the model's device (Hugging Face's
+        ``generate()``: its position tensors) makes them on the host; they go where a
+        model on the device would have had them made."""
+        device = self.weights.backend.device
+        if device.type == "cpu":
+            return args, kwargs
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(device) if t.device.type == "cpu" else t, (args, kwargs)
+        )
 
     @outside_graphs
     def _rest_module_begins(self, params: list[Param], module: torch.nn.Module, args: Any) -> None:
@@ -264,10 +276,10 @@ class WeightStream:
 
     def _cast(self, args: Any, kwargs: Any) -> Any:
         """The floating inputs in the compute dtype (FSDP2's ``cast_forward_inputs``, at
-        the model and each block), or None (unchanged) without one."""
+        the model and each block), or the inputs as given without one."""
         dtype = self.weights.compute_dtype
         if dtype is None:
-            return None
+            return args, kwargs
         return pytree.tree_map_only(
             torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs)
         )
