@@ -209,8 +209,9 @@ def _group_complete(arrivals: GroupArrivals | None) -> bool:
 def _refuse_adding_to_left_gradients(pipeline: Pipeline, pending: PendingStep) -> None:
     """A backward would add to gradients a step left cached beside those it took from the
     same backward (`PendingStep.siblings_taken`). Plain PyTorch leaves them in ``.grad``,
-    where a ``zero_grad()`` the cache cannot see may have cleared them: refused before this
-    backward changes anything."""
+    where a ``zero_grad()`` the cache cannot see may have cleared them: refused before the
+    cache takes any of this backward's gradients (autograd's own accumulation into
+    ``.grad`` before the hook stays, as a backward that raises leaves it)."""
     records = pipeline.records.values()
     names = [record.name for record in records if record.gradient in HELD_BY_THE_CACHE]
     if not names:
