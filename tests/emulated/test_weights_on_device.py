@@ -39,6 +39,30 @@ def same(plain: nn.Module, cached: nn.Module) -> None:
         assert torch.equal(a.cpu(), b.cpu()), name
 
 
+def trains_as_plain(device, backward) -> tuple[nn.Module, gradient_cache.GradientCacheHookManager]:
+    """Three AdamW steps, each after ``backward(model, tokens, targets)``: plain PyTorch on
+    the device, and the cache set up from the host with the fused step, bit for bit. Returns
+    the cached model and its manager, still attached."""
+
+    def run(model, manager=None) -> None:
+        optimizer = adamw_two_groups(model)
+        for tokens, targets in on(device):
+            backward(model, tokens, targets)
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+
+    plain = gpt().to(device)
+    run(plain)
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    run(cached, manager)
+    same(plain, cached)
+    return cached, manager
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 def test_training_on_the_device_is_plain_bit_for_bit(device, checkpointing) -> None:
     data = on(device)
@@ -85,23 +109,11 @@ def test_a_backward_naming_the_block_weights_trains_them_as_plain(device, forwar
     backward named nodes the graph never used and trained none of the streamed blocks;
     it is handed the nodes the forward used (two forwards before one backward: two each)."""
 
-    def run(model, manager=None) -> None:
-        optimizer = adamw_two_groups(model)
-        for tokens, targets in on(device):
-            loss = sum(model(tokens, targets)[1] for _ in range(forwards))
-            loss.backward(inputs=list(model.blocks.parameters()))
-            if manager is None:
-                optimizer.step()
-            else:
-                manager.step(optimizer)
-            optimizer.zero_grad()
+    def backward(model, tokens, targets) -> None:
+        loss = sum(model(tokens, targets)[1] for _ in range(forwards))
+        loss.backward(inputs=list(model.blocks.parameters()))
 
-    plain = gpt().to(device)
-    run(plain)
-    cached = gpt()
-    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
-    run(cached, manager)
-    same(plain, cached)
+    cached, _ = trains_as_plain(device, backward)
     assert not torch.equal(cached.blocks[0].mlp.fc.weight, gpt().blocks[0].mlp.fc.weight)
 
 
@@ -133,27 +145,15 @@ def test_a_second_backward_through_a_retained_graph_is_plain(device, first) -> N
     ``backward()`` through the same graph: the blocks' weights come back for the second as
     for the first, and their gradients add up as plain PyTorch's do (twice the loss's)."""
 
-    def run(model, manager=None) -> None:
-        optimizer = adamw_two_groups(model)
-        for tokens, targets in on(device):
-            loss = model(tokens, targets)[1]
-            if first == "backward":
-                loss.backward(retain_graph=True)
-            else:
-                torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
-            loss.backward()
-            if manager is None:
-                optimizer.step()
-            else:
-                manager.step(optimizer)
-            optimizer.zero_grad()
+    def backward(model, tokens, targets) -> None:
+        loss = model(tokens, targets)[1]
+        if first == "backward":
+            loss.backward(retain_graph=True)
+        else:
+            torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        loss.backward()
 
-    plain = gpt().to(device)
-    run(plain)
-    cached = gpt()
-    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
-    run(cached, manager)
-    same(plain, cached)
+    trains_as_plain(device, backward)
 
 
 def test_a_forward_hook_registered_before_the_cache_reads_the_blocks_weights(device) -> None:

@@ -178,7 +178,8 @@ class WeightStream:
         if not in_backward():  # both copies issued before the compute stream waits for one
             self.weights.bring(self._block(self.schedule.first()))
         self.weights.ensure(self.units.rest)
-        return self._cast(*self._on_the_device(args, kwargs))
+        inputs = self._on_the_device(args, kwargs)
+        return self._cast(*inputs) or inputs
 
     def _on_the_device(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """The model's host tensor inputs on the device. At rest its parameters are host
@@ -276,10 +277,10 @@ class WeightStream:
 
     def _cast(self, args: Any, kwargs: Any) -> Any:
         """The floating inputs in the compute dtype (FSDP2's ``cast_forward_inputs``, at
-        the model and each block), or the inputs as given without one."""
+        the model and each block), or None (unchanged) without one."""
         dtype = self.weights.compute_dtype
         if dtype is None:
-            return args, kwargs
+            return None
         return pytree.tree_map_only(
             torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs)
         )
