@@ -3,29 +3,11 @@
 One code path for whichever device is torch's current accelerator (CUDA, XPU, a
 PrivateUse1 device such as the emulated one): streams and events are `torch.Stream` and
 `torch.Event`, the current stream `torch.accelerator.current_stream`, and pinned host memory
-the accelerator's (`allocate_pinned`).
-
-Per bucket, while backward keeps the compute stream busy (docs/ARCHITECTURE.md has the
-whole picture and the reasons):
-
-    compute ──(wait_stream)──► encode stream: top-k / identity, + residual
-    encode  ──(event `encoded`)──► copy stream: D2H into each parameter's pinned slot
-    copy    ──(event `copied`)──► host: `drain()` synchronizes, the one host wait
-
-At most ``staging_depth`` buckets are between launch and a known-finished copy: launching
-one more makes the compute stream wait on the oldest bucket's `copied` event, then drops
-that bucket's device tensors. The caching allocator reuses a freed block on the host's
-say-so, so only this host-side bound limits device memory. Under FSDP2 a gradient may come
-from another stream than the hook's: `record_stream` then covers it (see `store`).
-
-Restores run on a restore stream into blocks allocated on the compute stream:
-
-    compute ──(wait_stream)──► restore stream: H2D + decode (+ clip factor)
-    restore ──(event `done`)──► compute: the optimizer reads the gradients
-
-Streams and events are made through ``streams`` (a `StreamApi`; pinned memory through
-``allocate_pinned``), so tests/test_stream_order.py can run this very code on CPU tensors
-with stand-in streams and events and check every ordering.
+the accelerator's (`allocate_pinned`). At most ``staging_depth`` buckets are between launch
+and a known-finished copy, the only bound on the device memory the copies hold. Streams
+and events are made through ``streams`` (a `StreamApi`), so tests/test_stream_order.py runs
+this very code on CPU tensors with stand-in streams and checks every ordering. The streams,
+each wait and what it guarantees: docs/ARCHITECTURE.md, "Streams and events".
 """
 
 from __future__ import annotations
@@ -277,14 +259,6 @@ class AcceleratorBackend(Backend):
 
     def host_slab(self, nbytes: int) -> torch.Tensor:
         return self.pool.allocate_slab(nbytes)  # pinned where it can be, as the pool's slabs
-
-    def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
-        # Allocated for the compute stream, which steps with them and frees them.
-        outs = [
-            torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
-            for h in hosts
-        ]
-        return self.start_refill(list(zip(outs, hosts, strict=True)))
 
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
         # On the current (compute) stream: the allocator hands a freed block on in that

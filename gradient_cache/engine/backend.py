@@ -153,7 +153,8 @@ class Backend(ABC):
     def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
         """Start copying ``hosts`` to the device, into tensors of the same strides (new
         device tensors, as on a GPU: the demo's accounting counts them as device memory,
-        where a clone of a host tensor would count as host)."""
+        where a clone of a host tensor would count as host), allocated for the compute stream,
+        which steps with them and frees them."""
         outs = [
             torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
             for h in hosts

@@ -1,32 +1,10 @@
 """``memory_budget``: offload only what must leave the device, decided from a measurement.
 
-Offloading frees device memory and costs link bytes every step. With a budget the cache
-offloads everything through the first step after the warm-up (the first with the steady
-codecs), measures what the device held (`DeviceMemory`: the allocator's reserved peak, its
-cache and fragmentation included, plus what lies outside the allocator, such as the CUDA
-context and NCCL's buffers; sampled at each restore and step end from the cache's creation
-until the next step's restore, so the optimizer steps and the state they create are in it;
-the cache's own running maximum, which an outside reset of the peak statistics cannot
-lower), and then, against the usable memory (the device's, times a per-process fraction),
-keeps on the device the most it can without
-passing the budget, parameter by parameter: what frees the fewest device bytes per link
-byte stays first. A gradient compressed r-fold frees its dense bytes for 2/r of them on the
-link (down in backward, up at the step), so compressed gradients leave first; the optimizer
-state and lossless gradients free a byte per two link bytes, and of those the gradients
-leave first (a gradient is on the device only from backward to the step, the state always).
-
-With the weights on the host (``offload_parameters``) the candidates are the weights'
-units instead (the blocks, and the rest: embeddings, head), each a whole: a unit kept is
-on the device for good, plain parameters there, and the link carries it no more (four
-times its bytes a step: forward, backward, and the step's copies both ways; three for the
-rest and the last block, which stay from forward through backward, so the other blocks
-are kept first). The gradients and the optimizer state stay offloaded.
-
-The bound is conservative: each kept tensor is counted at full size at every moment of
-the step, on top of the measured peak, and a kept gradient whose state is offloaded counts
-that state too (the fused step brings it to the device for the gradient's step). On a
-device without memory statistics (a CPU) the budget is accepted and there is nothing to
-budget: everything stays offloaded.
+The cache offloads everything through the first step after the warm-up, measures what the
+device held (`DeviceMemory`), then keeps on the device the most it can within the budget,
+what frees the fewest device bytes per link byte first (with the weights on the host: whole
+units). The measure, the order and why the bound is conservative: docs/ARCHITECTURE.md,
+"The memory budget".
 """
 
 from __future__ import annotations
@@ -284,15 +262,8 @@ def decide(
 
 class BudgetWatch:
     """A manager's budget: measures the steps up to the first after the warm-up, then keeps
-    on the device what fits.
-
-    The measure is the most the device held: the allocator's reserved peak (its cache and
-    fragmentation in it) plus what lies outside the allocator (the CUDA context, NCCL's
-    buffers), against the usable memory (the device's, times a per-process fraction where
-    one is set). The watch samples it itself at each restore and at each step's end and
-    keeps its own running maximum, so an outside reset of the peak statistics
-    (``torch.accelerator.reset_peak_memory_stats()``: per-step logging, a trainer's memory
-    metrics) lowers no sample already taken."""
+    on the device what fits. It keeps its own running maximum of its samples, so an outside
+    reset of the peak statistics (per-step logging) lowers no sample already taken."""
 
     def __init__(
         self,

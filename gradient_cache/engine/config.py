@@ -197,30 +197,30 @@ class EngineConfig:
         check_codec(self.codec)
         if self.bucket_size_mb is not None:
             _check_positive_number("bucket_size_mb", self.bucket_size_mb)
-        _check_non_negative_int("warmup_steps", self.warmup_steps)
+        _check_int("warmup_steps", self.warmup_steps, 0)
         if self.min_compress_numel is not None:
-            _check_positive_int("min_compress_numel", self.min_compress_numel)
+            _check_int("min_compress_numel", self.min_compress_numel, 1)
         _check_positive_number("host_memory_fraction", self.host_memory_fraction)
         if self.host_memory_fraction > 1:
             raise ValueError(
                 f"Invalid host_memory_fraction: {self.host_memory_fraction!r}; "
                 "expected a share of available RAM in (0, 1]."
             )
-        _check_choice("backend", self.backend, BACKENDS)
-        _check_positive_int("staging_depth", self.staging_depth)
-        _check_bool("pin_memory", self.pin_memory)
-        _check_bool("offload_optimizer_state", self.offload_optimizer_state)
+        check_choice("backend", self.backend, BACKENDS)
+        _check_int("staging_depth", self.staging_depth, 1)
+        check_bool("pin_memory", self.pin_memory)
+        check_bool("offload_optimizer_state", self.offload_optimizer_state)
         self._check_parameters_offload()
         if self.host_pool_mb is not None:
             _check_positive_number("host_pool_mb", self.host_pool_mb)
         if self.memory_budget is not None:
             MemoryBudget.parse(self.memory_budget)  # raises naming memory_budget
-        _check_positive_int("checkpoint_frequency", self.checkpoint_frequency)
+        _check_int("checkpoint_frequency", self.checkpoint_frequency, 1)
 
     def _check_parameters_offload(self) -> None:
         """``offload_parameters`` and ``parameter_blocks``: the weights travel with the
         state in the fused step, and stream by blocks."""
-        _check_bool("offload_parameters", self.offload_parameters)
+        check_bool("offload_parameters", self.offload_parameters)
         if self.parameter_blocks is not None and not isinstance(self.parameter_blocks, str):
             raise TypeError(
                 f"parameter_blocks must be a module's dotted name (a str such as "
@@ -444,15 +444,6 @@ def _check_positive_number(name: str, value: Any) -> None:
         raise ValueError(f"Invalid {name}: {value!r}; expected a finite number > 0.")
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"Invalid {name}: {value!r}; expected an integer >= 1.")
-
-
-def _check_non_negative_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"Invalid {name}: {value!r}; expected an integer >= 0.")
-
-
-_check_choice = check_choice
-_check_bool = check_bool
+def _check_int(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"Invalid {name}: {value!r}; expected an integer >= {least}.")

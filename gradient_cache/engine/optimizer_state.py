@@ -1,35 +1,11 @@
 """The optimizer's state in host memory between steps, on the device one bucket at a time.
 
-With ``offload_optimizer_state=True`` the fused step (`engine/step.py`) keeps every
-per-parameter state tensor the optimizer holds on the parameter's device (Adam's moments,
-SGD's momentum buffer: any tensor with a dimension) in host memory between steps, where
-``optimizer.state`` and ``optimizer.state_dict()`` show it. Scalars (``step``) stay as the
-optimizer keeps them. A bucket's state travels with its gradients: brought to the device
-ahead of its step (`StateJourney.bring`, then `install`), stepped there, copied back
-(`send_back`), and its device copy let go once that copy has read it. A state the
-optimizer creates in a bucket's step (its first) goes to the host the same way, so the
-whole state is never on the device at once.
-
-The host copies of the whole state are cut one after another from large slabs
-(`state_slabs.StateSlabs`; on CUDA pinned, powers of two as the payload pool's, which the
-pinned allocator does not round up), checked against the host budget before each new slab.
-A host copy is a view of a slab: ``optimizer.state_dict()`` hands out compact copies of
-them (`HostOptimizerState.attach`), so that a checkpoint holds the state's bytes, not
-its slabs'.
-
-The step's end does not wait on the host: the copies back are complete for everything
-the device does later (the compute stream waits on each, `Backend.release`, and the next
-bring's restore stream on the compute stream), and the host waits for them only where
-it reads or writes the host copies (`HostOptimizerState.wait_on_host`): in
-``optimizer.state_dict()`` and ``load_state_dict``, before the step's post-hooks, and when
-the cache closes.
-
-Host copies belong to one optimizer: two optimizers over one parameter (a trunk shared by
-two heads) each keep their own state, as in plain PyTorch. A state that sits on the device
-when a fused step begins (loaded before `attach`, or left there by a framework's resume)
-is sent to the host first (`send_to_host`). When the cache closes (`close`) every host
-copy goes back to its parameter's device, as new tensors, and the optimizer keeps working
-without the cache; nothing of the optimizer keeps the closed cache alive.
+With ``offload_optimizer_state=True`` every per-parameter state tensor with a dimension
+lives in host copies cut from slabs (`state_slabs.StateSlabs`) between steps, where
+``optimizer.state`` and ``optimizer.state_dict()`` show it; a bucket's state travels with
+its gradients (brought, installed, stepped, sent back) so the whole state is never on the
+device at once, and the close hands it back to the device. Each moment, its stream and
+what orders it: docs/ARCHITECTURE.md, "The life of an optimizer-state tensor".
 """
 
 from __future__ import annotations

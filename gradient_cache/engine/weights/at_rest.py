@@ -1,31 +1,13 @@
 """A block weight at rest on the host, guarded: a use that a backward would reach is refused
 there, by name, before anything runs.
 
-At rest ``P.data`` is the host master. A use of ``P`` outside its block's window (a
-regularizer over ``model.parameters()``, ``block.forward(x)``) computes on the host, and
-its backward would run on autograd's CPU thread while the device thread brings the weight
-back for the block's own backward, swapping ``P.data``: which thread reaches ``P`` first
-decides the error (ours, from the gradient's tensor hook, or autograd's device mismatch
-when the host node reads its saved ``P`` on the device), and nothing may accumulate. So
-from the model's forward end to its backward's begin, where a loss's terms are computed
-(`stream.OwnTensors.guarding`), a guarded weight at rest is a `GuardedAtRest` (its class
-swapped, its data and identity the same): each torch function it takes part in runs as on
-a plain ``Parameter``, and a result autograd records gets a pre-hook on its node that
-raises naming the weights, on whichever thread first reaches it, before that node reads
-anything. A use never backwarded (a log of ``p.norm()``) costs nothing more; no-grad uses
-(an EMA written in) record nothing. Elsewhere (forward, backward, the step, between steps)
-every weight is a plain ``Parameter``: the loops of the step, the optimizer and the hooks
-read their fields with no Python call each (guarded throughout, the emulated device's
-step took about 15% longer). A use computed before the forward is not guarded: the
-gradient's tensor hook still refuses it (`WeightStream`), by name unless the device
-thread's bring comes first. A copy (``copy.deepcopy``, ``AveragedModel``) or a pickle of a
-guarded weight is a plain ``Parameter``.
-
-``loss.backward(inputs=[P])`` and ``torch.autograd.grad(loss, [P])`` name ``P``'s
-accumulation node as autograd finds it now; moving ``P.data`` to the host (another device
-or dtype) made autograd start a new one, which the forward's graph never used, so those
-calls would silently leave ``P`` out. Where a guarded weight is among their inputs they are
-given the nodes its uses recorded before it left the device (`record_uses`) instead.
+From the model's forward end to its backward's begin a block weight at rest (``P.data`` the
+host master) is a `GuardedAtRest` (its class swapped, data and identity the same): a use
+autograd records gets a pre-hook on its node that raises naming the weights, on whichever
+thread reaches it first; elsewhere every weight is a plain ``Parameter``. Where
+``backward(inputs=)`` or ``autograd.grad`` name a guarded weight they are given the
+accumulation nodes its uses recorded (`record_uses`), since moving ``P.data`` made autograd
+start a new one. Why, and what it costs: docs/ARCHITECTURE.md, "Traps".
 """
 
 from __future__ import annotations

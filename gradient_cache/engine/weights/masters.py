@@ -1,47 +1,12 @@
 """The weights in host memory, on the device only while in use (``offload_parameters``).
 
-Each parameter ``P`` the model holds keeps its fp32 *master* in host memory (cut from
-slabs as the optimizer state's host copies are: pinned on CUDA, the host budget checked
-before any is allocated) and, at rest, ``P.data`` *is* that master: ``model.parameters()``,
-``model.state_dict()`` and ``load_state_dict`` read and write the masters, on the host.
-
-While ``P`` is in use (its block's forward and backward, its bucket's optimizer step) it
-holds a device tensor ``D``, the same one every time: for forward and backward a view of
-its unit's buffer (`Unit`: the rest, a block, laid out as its masters on the host, one
-allocation filled by one copy a run), for the step one of its own (``full``). ``D``'s
-memory is allocated and filled (`bring`, `ensure`), then given up
-(``untyped_storage().resize_(0)``, `free`; a unit's when its last weight in use goes) when
-the use ends, and the storage object stays. Tensors autograd saved in forward (``P``
-itself, or a view of it such as ``P.t()``) share that storage, so backward reads them again
-once it is refilled. A refill writes ``D``, not ``P``: the version counter the saved
-tensors check (``P``'s, shared by its views) does not change. Forward and backward only
-read the weights: a use ends without a copy back, unless ``P`` was written (its version
-counter moved: dirty); the step's use ends with one (`store`).
-
-Streams (CUDA): ``D``'s memory is allocated on the compute stream and filled on the
-restore stream, which first waits for the compute stream (`Backend.start_refill`); the
-compute stream waits for the copy before the block uses it (`ensure`, through
-`Backend.finish_to_device`). A weight brought but never used waits for its copy too
-before its memory goes (`free`): the allocator hands freed blocks on in compute-stream
-order. After the step the copy back runs on the copy stream, and the compute stream waits
-for it before ``D``'s memory goes (`Backend.release`); the next refill's restore stream
-waits on the compute stream, so it reads the master only after the copy back wrote it.
-The host reads or writes a master only after `wait_on_host`.
-
-A weight the optimizer stepped on the device is *dirty* until `store` has started its copy
-back: if that raises (or the step does, after its bucket's payloads were spent), the
-device copy is the newer one, and whatever frees it later copies it back first. The step
-ends with the host waiting for the copies back (`step_ended`): at rest the parameters are
-the masters, which a user may read or write at any time (a log, an EMA), so they must be
-complete then.
-
-With a compute dtype (``compute_dtype=torch.bfloat16``, or under FSDP2 a
-``MixedPrecisionPolicy``'s ``param_dtype``) each weight also has a *wire* on the host: its
-master cast to that dtype by the host (round to nearest even, the device's bits), laid out
-as the unit. Forward and backward bring the wires, half the bytes; the step brings the
-masters. A wire is cast again where its parameter's (a write at rest: a load, an EMA) or
-its master's (a copy back) version counter moved since (`_fresh_wire`), so whatever the
-host writes into a master is what the next use reads.
+Each parameter ``P`` keeps its fp32 *master* in host slabs, and at rest ``P.data`` is that
+master. In use it holds a device tensor ``D``, the same one every time (a view of its
+unit's buffer for forward and backward, ``full`` for the step), whose memory is allocated
+and filled, then given up while the storage object, which autograd's saved tensors share,
+stays. A weight the step updated is *dirty* until `store` starts its copy back; a compute
+dtype's *wire* is the master's host cast, cast again where a version counter moved.
+Each moment, its stream and what orders it: docs/ARCHITECTURE.md, "The life of a weight".
 """
 
 from __future__ import annotations

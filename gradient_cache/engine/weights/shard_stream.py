@@ -1,53 +1,13 @@
 """Forward and backward under FSDP2 with each rank's shards on the host: their placement
 (`FsdpShards`) and the hooks that move them (`ShardStream`).
 
-Under ``fully_shard`` each parameter ``P`` is a `DTensor` whose local tensor is a view of
-a padded flat tensor of FSDP2's own: this rank's *shard* ``S``, which FSDP2's all-gather
-reads and the optimizer updates. Nothing else reads it: the all-gathered weights and the
-gradients live in other tensors. So `FsdpShards` keeps ``S``'s storage object and only
-moves its memory, as the one-process placement does with a device tensor of its own: the
-master is the padded shard, and FSDP2's flat view keeps pointing at ``S``. ``P``'s local
-tensor is the one thing that moves (as FSDP2's ``reset_sharded_param`` moves it): at rest
-a view of the master, so that ``model.parameters()`` and ``state_dict()`` read host tensors
-(`DTensor`s around host tensors, as FSDP2's ``CPUOffloadPolicy`` gives them); in use (the
-step, and whenever FSDP2 may re-read it: its lazy init, a load) its view of ``S``.
-
-FSDP2 reads a module's shards only in its all-gathers: in
-the module's forward pre-hook, in backward in a hook on the module's outputs (where it
-resharded after forward), and there it also starts the all-gather of the module it
-prefetches. So the cache's hooks run around FSDP2's own, on each ``fully_shard`` module:
-
-* a forward pre-hook registered before FSDP2's brings the module's shards (and those of
-  the modules FSDP2 prefetches in forward, where the user named some), and, inside the
-  model's forward, starts bringing the module that ran next last time (it arrives while
-  this one runs; a submodule called on its own teaches no order);
-* one registered after FSDP2's, when FSDP2 has waited for the all-gather, gives them up
-  (a module brought ahead that the forward does not run goes at the end of backward, or
-  at the model's end without gradients);
-* a hook on the module's outputs registered before FSDP2's brings, in backward, its shards
-  and those of the module FSDP2 prefetches (read from FSDP2's own record of the forward
-  order, so the two agree), and gives up the shards of the modules whose backward began
-  earlier (FSDP2 has waited for their all-gathers). What is left goes at the end of
-  backward.
-
-FSDP2's lazy init (at a root's first forward) pads and checks every shard of the root's
-tree: it runs when the cache is created (`initialize_roots`), and the shards stay on the
-device until their module's first all-gather is done (the decorator creates the cache inside
-a root's first forward, whose hooks were fixed before these existed). A module's forward
-rerun in
-backward (activation checkpointing) brings its shards only where FSDP2 all-gathers again.
-FSDP2's ``unshard()``, called by the user, brings the module's shards first. A load
-(``load_state_dict``, into the model or any submodule) writes the shards of each module it
-reaches: they are on the device for it (FSDP2 checks them after, in its own load hook on
-that module), and go to their masters after. A ``state_dict`` (of the model or any
-submodule) copies the masters out of their slabs.
-
-Giving up a shard whose all-gather FSDP2 has not waited for (one it prefetched, at the end
-of backward or at a ``state_dict``) makes the compute stream wait for the copy-in streams
-first (`Backend.join`): the allocator hands the memory on in the compute stream's order.
-
-FSDP2's private state (its module state, parameter groups, forward order and streams) is
-read through `fsdp_privates`, which the cache's creation checks against torch's version.
+The master is FSDP2's padded shard ``S`` in host slabs; ``S`` keeps its storage object and
+only its memory moves, while ``P``'s local tensor is repointed (a view of the master at
+rest, of ``S`` in use). The cache's hooks run around FSDP2's own all-gathers: one before
+FSDP2's forward pre-hook brings a module (and the one that ran next last time), one after
+it gives the module up, and a hook on the module's outputs does the same in backward,
+following FSDP2's own forward order. Each moment, its hook and its streams: docs/
+ARCHITECTURE.md, "Under FSDP2". FSDP2's private state is read through `fsdp_privates`.
 """
 
 from __future__ import annotations

@@ -2,42 +2,11 @@
 (`OwnTensors`: each parameter's device tensor of its own, ``P.data`` while in use, the host
 master at rest) and the hooks that bring and free them a block at a time (`WeightStream`).
 
-Module hooks move the weights (`masters.HostWeights`) by the model's units
-(`blocks.weight_units`), in the order forward runs the blocks (`schedule.Schedule`, learned
-from the forwards; module order until one has run): the *rest* (embeddings, head, tied
-weights) comes at the model's forward and stays until backward is done with it (its copy
-and the first block's both start before forward waits for it); a block comes before its
-forward, the next block starts arriving meanwhile, and it goes after its forward, but the
-last, which backward reads first and keeps until its gradients are accumulated. Backward
-brings the blocks again, last first: a hook on a block's outputs (their gradient is ready,
-so the block's backward is next) brings it and starts bringing the one before. A weight
-goes as soon as its gradient is accumulated (its post-accumulate-grad hook, after the
-cache's): autograd runs a parameter's accumulation once every use in this backward has
-given its part, so nothing of this backward reads it later. Whatever is left goes at the
-end of backward (a callback the first backward hook queues), and after a forward without
-gradients (an eval under ``no_grad``) nothing stays.
-
-What PyTorch's own streamer (FSDP2) taught, and this follows: a block's forward rerun
-inside backward (activation checkpointing's recomputation) brings its weights and frees
-nothing, since backward is about to read them; the hooks run outside compiled graphs
-(``torch._dynamo.disable``: a compiled model breaks its graph at each block), as storage
-resizing cannot be traced.
-
-Frozen weights have no accumulation: they go when their block's inputs have their gradient
-(the block's backward is done), and, where an input is another block's output, as that
-output's hook runs (it knows the blocks that took it), before the block that made it
-arrives. The rest's own modules bring their weights too, for a framework that calls a
-submodule, never the model given (Lightning's ``training_step``). An eval under ``no_grad``
-frees everything it finds on the device; each backward brings the rest again when the
-model's outputs have their gradient (after such an eval, and for a retained graph's second
-backward). A forward that raises frees what it brought (``always_call``).
-
-A parameter's accumulation runs once per backward only while it is never moved between
-two of its uses: ``P.data`` moving to the host and back (to another device) makes autograd
-start a new accumulation for the later uses (on CUDA; not on a CPU, where both are the
-same device). So where a forward uses a block twice (a block module repeated in the list,
-or a loop over the blocks) or two forwards come before one backward (their losses
-summed), nothing goes at its accumulation: the weights stay until the end of backward.
+The rest comes at the model's forward; a block comes before its forward with the next one
+arriving meanwhile, and goes after it (the last stays for backward); backward brings them
+again last first, from a hook on each block's outputs, and a weight goes at its gradient's
+accumulation. Each moment and what orders it: docs/ARCHITECTURE.md, "The life of a
+weight"; why weights used twice stay to the end of backward: its "Traps".
 """
 
 from __future__ import annotations
