@@ -2283,6 +2283,20 @@ MUTANTS = [
         "        groups.setdefault((param.device, param.dtype), []).append(param)",
         "tests/emulated/test_budget_on_device.py",
     ),
+    (
+        "uses' parts: a block weight's uses taken whole",
+        "gradient_cache/engine/capture.py",
+        "        if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):\n",
+        "        if False:\n",
+        "tests/emulated/test_weights_on_device.py::test_two_uses_of_a_block_under_accumulation_sum_as_plain",
+    ),
+    (
+        "uses' parts: only the nodes this backward runs",
+        "gradient_cache/engine/weights/stream.py",
+        "        if run < sum(map(torch._C._will_engine_execute_node, nodes)):\n",
+        "        if run < len(nodes):\n",
+        "tests/emulated/test_weights_on_device.py",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

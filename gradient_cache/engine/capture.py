@@ -49,6 +49,9 @@ class Capture:
         if record.keep_on_device:
             record.gradient = GradientAt.KEPT_ON_DEVICE  # left in .grad, part of the step
             return
+        weights = pipeline.weights
+        if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):
+            return  # autograd adds the next use's part into .grad: taken whole, as plain's
         pending = pipeline.pending
         if pending is not None and pending.siblings_taken:
             _refuse_adding_to_left_gradients(pipeline, pending)

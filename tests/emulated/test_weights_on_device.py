@@ -117,6 +117,18 @@ def test_a_backward_naming_the_block_weights_trains_them_as_plain(device, forwar
     assert not torch.equal(cached.blocks[0].mlp.fc.weight, gpt().blocks[0].mlp.fc.weight)
 
 
+def test_two_uses_of_a_block_under_accumulation_sum_as_plain(device) -> None:
+    """Two forwards before each of two backwards a step: each block weight moved between its
+    uses, so autograd accumulates it at two nodes; the cache takes their sum whole, as
+    plain's one node gives it (``M + (b + a)``; taking each part had ``(M + b) + a``)."""
+
+    def backward(model, tokens, targets) -> None:
+        for rows in (slice(0, 2), slice(2, None)):
+            sum(model(tokens[rows], targets[rows])[1] for _ in range(2)).backward()
+
+    trains_as_plain(device, backward)
+
+
 @pytest.mark.parametrize("forwards", [1, 2], ids=["one-forward", "two-forwards"])
 def test_autograd_grad_of_every_weight_is_plain_bit_for_bit(device, forwards) -> None:
     """``torch.autograd.grad(loss, model.parameters())`` gives every weight's gradient as

@@ -86,6 +86,10 @@ class Placement(Protocol):
     def source(self, param: Param) -> torch.Tensor:
         """What ``param``'s master copies."""
 
+    def part_to_come(self, param: Param) -> bool:
+        """Whether another use of ``param`` is still to accumulate its gradient in this
+        backward (`Capture.on_grad_ready` takes the uses' sum at the last)."""
+
     def device_tensors(
         self,
         sources: list[torch.Tensor],
@@ -390,6 +394,10 @@ class HostWeights:
             else:
                 refused.append(param)
         return refused
+
+    def part_to_come(self, param: Param) -> bool:
+        """Whether another use of ``param`` is still to accumulate in this backward."""
+        return self.placement.part_to_come(param)
 
     def name(self, param: Param) -> str:
         """``param``'s name in the model (one these weights hold)."""

@@ -254,6 +254,9 @@ class FsdpShards:
         """The whole padded shard, which FSDP2's all-gather reads."""
         return _flat(sharding.local(param))
 
+    def part_to_come(self, param: Param) -> bool:
+        return False  # FSDP2 reduce-scatters a shard's gradient once per backward
+
     def device_tensors(
         self,
         sources: list[torch.Tensor],

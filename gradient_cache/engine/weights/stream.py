@@ -385,6 +385,7 @@ class OwnTensors:
         self._guarded: dict[Param, str] = {}  # refuse a use at rest (`at_rest`), by name
         self._guarding = False  # from a forward's end to its backward's begin
         self._settled: list[Param] = []  # on the device for good (`settle`)
+        self._accumulated: dict[Param, int] = {}  # nodes of a weight's uses run (`part_to_come`)
 
     def guard(self, names: dict[Param, str]) -> None:
         """``names``' weights refuse, by name, a use at rest that a backward would reach
@@ -411,6 +412,23 @@ class OwnTensors:
     def forget_uses(self) -> None:
         """A backward ended: the nodes `record_uses` kept go."""
         at_rest.forget_uses(self._guarded)
+        self._accumulated.clear()
+
+    def part_to_come(self, param: Param) -> bool:
+        """Whether another of ``param``'s recorded nodes is still to accumulate in this
+        backward (a block used twice, its weight moved between the uses). Autograd adds that
+        part into ``.grad``, so the cache takes the uses' sum whole, as plain PyTorch's one
+        node gives it: ``M + (b + a)`` under accumulation, not ``(M + b) + a``. Only the
+        nodes this backward runs count (not a dropped forward's)."""
+        nodes = [edge.node for edge in at_rest.USES.get(id(param), ())]
+        if len(nodes) < 2:
+            return False
+        run = self._accumulated.get(param, 0) + 1
+        if run < sum(map(torch._C._will_engine_execute_node, nodes)):
+            self._accumulated[param] = run
+            return True
+        self._accumulated.pop(param, None)
+        return False
 
     def _dress(self, param: Param, weight: Weight) -> None:
         """``param`` guarded while at rest on the host and `guarding`, else plain."""
