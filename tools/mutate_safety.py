@@ -1481,8 +1481,8 @@ MUTANTS = [
     (
         "clip: norms summed in torch's dtype-group order",
         "gradient_cache/engine/norms.py",
-        "    groups = _group_tensors_by_device_and_dtype([[norms[p] for p in ordered]], with_indices=True)\n",
-        "    groups = dict(reversed(list(_group_tensors_by_device_and_dtype([[norms[p] for p in ordered]], with_indices=True).items())))\n",
+        "    groups = _group_tensors_by_device_and_dtype([keys], with_indices=True)\n",
+        "    groups = dict(reversed(list(_group_tensors_by_device_and_dtype([keys], with_indices=True).items())))\n",
         "tests/test_training.py",
     ),
     (
@@ -2282,6 +2282,20 @@ MUTANTS = [
         "        groups.setdefault((norms[param].device, param.dtype), []).append(param)",
         "        groups.setdefault((param.device, param.dtype), []).append(param)",
         "tests/emulated/test_budget_on_device.py",
+    ),
+    (
+        "complex norms: real buffers",
+        "gradient_cache/engine/norms.py",
+        "            dtype: torch.empty(size, dtype=dtype.to_real(), device=device)\n",
+        "            dtype: torch.empty(size, dtype=dtype, device=device)\n",
+        "tests/test_training.py::test_a_clip_over_complex_and_real_gradients_is_plain_pytorchs",
+    ),
+    (
+        "complex norms: grouped by the gradient's dtype",
+        "gradient_cache/engine/norms.py",
+        "    keys = [norms[p].to(p.dtype) if p.is_complex() else norms[p] for p in ordered]\n",
+        "    keys = [norms[p] for p in ordered]\n",
+        "tests/test_training.py::test_a_clip_over_complex_and_real_gradients_is_plain_pytorchs",
     ),
     (
         "uses' parts: a block weight's uses taken whole",

@@ -46,7 +46,9 @@ class StepNorms:
         self._slots = slots
         sizes = Counter(dtype for dtype, _ in slots.values())
         self._buffers = {
-            dtype: torch.empty(size, dtype=dtype, device=device) for dtype, size in sizes.items()
+            # A norm is real: a complex gradient's is in its real dtype, as torch gives it.
+            dtype: torch.empty(size, dtype=dtype.to_real(), device=device)
+            for dtype, size in sizes.items()
         }
         self._written: set[torch.nn.Parameter] = set()
 
@@ -104,5 +106,7 @@ def clip_grad_norm_order(
     """
     last = len(model_order)
     ordered = sorted(norms, key=lambda param: model_order.get(param, last))
-    groups = _group_tensors_by_device_and_dtype([[norms[p] for p in ordered]], with_indices=True)
+    # Grouped by the gradient's dtype: a complex one's norm is real but its group its own.
+    keys = [norms[p].to(p.dtype) if p.is_complex() else norms[p] for p in ordered]
+    groups = _group_tensors_by_device_and_dtype([keys], with_indices=True)
     return [(ordered[i], norms[ordered[i]]) for _, indices in groups.values() for i in indices]
