@@ -72,6 +72,22 @@ class ParameterWatch:
             self.saw_fp16_autocast = True
         self._check_parameters(model)
 
+    def _swapped_for_a_call(self, name: str) -> None:
+        """A plain tensor in a parameter's place: ``torch.func.functional_call`` (or
+        ``torch.nn.utils.stateless``) for one call. Its gradient goes where the tensor came
+        from, as without the cache; with the weights on the host, a tensor computed from a
+        weight at rest is a host tensor, refused."""
+        if self._in_place is None:
+            return
+        raise RuntimeError(
+            f"{name!r} is a plain tensor in place of its parameter in this forward "
+            "(torch.func.functional_call or torch.nn.utils.stateless), while "
+            "offload_parameters=True keeps the weights on the host and brings each block's "
+            "own parameters to the device: a tensor made from a weight at rest is a host "
+            "tensor. Call the model without the override, or call remove_hooks() before "
+            "the functional call and create a new cache after."
+        )
+
     def _check_parameters(self, model: torch.nn.Module) -> None:
         changes = []
         to_device = False  # a model.to(device) of weights the cache keeps on the host
@@ -81,6 +97,8 @@ class ParameterWatch:
             param = present.get(name)
             if param is None:
                 changes.append(f"{name!r} removed (or tied to another parameter)")
+            elif not isinstance(param, torch.nn.Parameter):
+                self._swapped_for_a_call(name)  # the parameter is back after the call
             elif param is not ref() and not _unsharded_of(param, ref()):
                 changes.append(f"{name!r} replaced by a new Parameter")
             elif self._in_place is not None and (cached := ref()) is not None:

@@ -417,6 +417,34 @@ def test_parameters_changed_after_creation_are_refused_before_backward(change, m
     manager.remove_hooks()
 
 
+def functional_call_steps(cached: bool) -> list[torch.Tensor]:
+    """Four clipped SGD steps, each backward through ``torch.func.functional_call`` with a
+    weight halved in place of the head's and through the model itself."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1) if cached else None
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(4, 8, generator=generator)
+        halved = torch.func.functional_call(model, {"2.weight": model[2].weight * 0.5}, (x,))
+        (halved.pow(2).mean() + model(x).pow(2).mean()).backward()
+        if manager is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+        else:
+            manager.step(optimizer, max_grad_norm=0.5)
+        optimizer.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_a_functional_call_with_a_tensor_in_a_parameters_place_trains_as_plain() -> None:
+    """A plain tensor in a parameter's place for one call is not a changed model (it was
+    refused as "replaced by a new Parameter", advising a new cache)."""
+    plain, cached = functional_call_steps(False), functional_call_steps(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, cached, strict=True))
+
+
 def test_unfreezing_is_refused_and_freezing_needs_no_new_cache() -> None:
     frozen_at_start, reference = make_model(), make_model()
     frozen_at_start.norm.weight.requires_grad_(False)

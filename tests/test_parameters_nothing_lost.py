@@ -485,6 +485,16 @@ def test_a_sparse_embeddings_gradient_steps_with_its_weights_brought_bit_for_bit
     assert_same_parameters(run(False), run(True))
 
 
+def test_a_functional_call_with_a_tensor_made_from_a_weight_at_rest_is_refused() -> None:
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED)
+    tokens, targets = batches(1)[0]
+    override = {"blocks.0.mlp.fc.weight": model.blocks[0].mlp.fc.weight * 0.5}
+    with pytest.raises(RuntimeError, match=r"'blocks\.0\.mlp\.fc\.weight' is a plain tensor"):
+        torch.func.functional_call(model, override, (tokens, targets))
+    manager.remove_hooks()
+
+
 @pytest.mark.parametrize(
     ("offload_parameters", "change"),
     [(True, "data"), (True, "cast"), (False, "cast")],
