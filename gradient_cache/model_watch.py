@@ -92,6 +92,7 @@ class ParameterWatch:
         changes = []
         to_device = False  # a model.to(device) of weights the cache keeps on the host
         rebound = False  # a P.data = t or a cast of weights the cache keeps on the host
+        reparametrized = False  # module.weight = value through torch's parametrize
         present = dict(model.named_parameters())
         for name, ref in self._cached.items():
             param = present.get(name)
@@ -106,6 +107,7 @@ class ParameterWatch:
                     moved = cached.device == self._device and self._device.type != "cpu"
                     to_device |= moved
                     rebound |= not moved
+                    reparametrized |= not moved and ".parametrizations." in name
                     change = f"moved to {self._device}" if moved else "moved or cast"
                     changes.append(f"{name!r} {change} off the host master it was given")
             elif (cast := _cast_of(ref(), self._dtypes[name])) is not None:
@@ -134,6 +136,14 @@ class ParameterWatch:
                     "(with torch.no_grad(): param.copy_(new)), not by rebinding param.data "
                     "(or torch.nn.utils.vector_to_parameters); a dtype is chosen before the "
                     "cache is created."
+                )
+            if reparametrized:
+                advice += (
+                    " Assigning a parametrized weight (module.weight = value) rebinds its "
+                    "original (torch's parametrize calls set_): copy "
+                    "module.parametrizations.weight[0].right_inverse(value) (with several "
+                    "parametrizations, each one's in turn, the last first) into "
+                    "module.parametrizations.weight.original under torch.no_grad() instead."
                 )
             raise RuntimeError(
                 f"The model's parameters changed after the gradient cache was created "

@@ -485,6 +485,43 @@ def test_a_sparse_embeddings_gradient_steps_with_its_weights_brought_bit_for_bit
     assert_same_parameters(run(False), run(True))
 
 
+def test_a_parametrized_weights_assignment_is_refused_naming_the_in_place_write() -> None:
+    """``module.weight = value`` under torch's parametrize rebinds the original (set_),
+    refused; the write the refusal names trains as plain's assignment does."""
+
+    def orthogonal_gpt() -> nn.Module:
+        model = gpt()
+        for block in model.blocks:
+            nn.utils.parametrizations.orthogonal(block.mlp.fc)
+        return model
+
+    def run(model, manager=None, *, assign: bool) -> None:
+        optimizer = sgd_momentum(model)
+        train(model, optimizer, data[:2], manager=manager)
+        fc = model.blocks[1].mlp.fc
+        torch.manual_seed(5)  # the right inverse completes the matrix with torch.randn
+        with torch.no_grad():
+            if assign:
+                fc.weight = value
+            else:
+                original = fc.parametrizations.weight.original
+                original.copy_(fc.parametrizations.weight[0].right_inverse(value))
+        train(model, optimizer, data[2:], manager=manager)
+
+    data = batches(4)
+    value = torch.linalg.qr(torch.randn(128, 32, generator=torch.Generator().manual_seed(3)))[0]
+    plain, cached, refused = orthogonal_gpt(), orthogonal_gpt(), orthogonal_gpt()
+    run(plain, assign=True)
+    with (
+        gradient_cache.create_gradient_cache(refused, **STREAMED) as manager,
+        pytest.raises(RuntimeError, match="right_inverse"),
+    ):
+        run(refused, manager, assign=True)
+    with gradient_cache.create_gradient_cache(cached, **STREAMED) as manager:
+        run(cached, manager, assign=False)
+    assert_same_parameters(plain, cached)
+
+
 def test_a_functional_call_with_a_tensor_made_from_a_weight_at_rest_is_refused() -> None:
     model = gpt()
     manager = gradient_cache.create_gradient_cache(model, **STREAMED)
