@@ -25,7 +25,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -292,11 +292,13 @@ def plan(inputs: PlanInputs) -> Plan:
     fused_step_grads = min(grads, 2 * bucket)
     backward_grads = min(grads, in_flight)  # the cache's: buckets not yet copied
     step_grads = {"plain": grads, WAYS[1]: grads, WAYS[2]: fused_step_grads}
-    step_grads[STATE_ON_HOST] = fused_step_grads
+    # With the state on the host the cache sizes its buckets from the model (`bucket_bytes`).
+    state_bucket = state_on_host(config).bucket_bytes(grads) + largest
+    step_grads[STATE_ON_HOST] = min(grads, 2 * state_bucket)
     # offload_optimizer_state: the state of the two buckets at the step (the one stepped,
     # the one arriving) on the device; scalars (a step counter per tensor) stay there.
     per_param_state = int(numel * inputs.optimizer_state_bytes)
-    bucket_state = int(2 * bucket / inputs.grad_bytes * inputs.optimizer_state_bytes)
+    bucket_state = int(2 * state_bucket / inputs.grad_bytes * inputs.optimizer_state_bytes)
     tensor_state = inputs.optimizer_tensor_bytes * len(tensors)
     step_state = {way: state for way in WAYS}
     step_state[STATE_ON_HOST] = min(per_param_state, bucket_state) + tensor_state
@@ -341,7 +343,7 @@ def plan(inputs: PlanInputs) -> Plan:
         layouts = host_layouts(inputs, store_bytes=(slots, pool))
         weights = weights_on_host(
             inputs,
-            bucket=bucket,
+            bucket=state_bucket,
             gradients=pcie,
             payload=payload,
             per_encode=per_encode,
@@ -743,16 +745,30 @@ def model_of_factory(path: str) -> torch.nn.Module:
     return model
 
 
+def state_on_host(config: EngineConfig) -> EngineConfig:
+    """``config`` with ``offload_optimizer_state=True``, as the state-on-host column runs."""
+    return (
+        config if config.offload_optimizer_state else replace(config, offload_optimizer_state=True)
+    )
+
+
 def format_plan(result: Plan, inputs: PlanInputs) -> str:
     """Markdown tables of the plan, then what they leave out."""
     lines = [*_device_table(result), "", *_host_table(result)]
     numel = sum(inputs.tensors)
-    bucket_mb = inputs.config.bucket_bytes(numel * inputs.grad_bytes) / MIB
+    grads = numel * inputs.grad_bytes
+    bucket_mb = inputs.config.bucket_bytes(grads) / MIB
+    state_bucket_mb = state_on_host(inputs.config).bucket_bytes(grads) / MIB
+    buckets = f"{bucket_mb:.3g} MiB" + (
+        f" ({state_bucket_mb:.3g} MiB with the state on the host)"
+        if state_bucket_mb != bucket_mb
+        else ""
+    )
     lines += [
         "",
         f"{numel / 1e6:.1f}M trainable parameters in {len(inputs.tensors)} tensors; "
         f"compression_ratio {inputs.compression_ratio:g}, {inputs.micro_batches} micro-batch(es) "
-        f"per step, buckets of {bucket_mb:.3g} MiB, staging depth "
+        f"per step, buckets of {buckets}, staging depth "
         f"{inputs.config.staging_depth}.",
         "Activations are left out: they depend on batch, sequence and checkpointing, and add "
         "to the end of backward's figure (the last micro-batch's) and not to the step's. The "

@@ -137,6 +137,25 @@ def test_the_state_on_the_host_is_what_a_manager_holds_after_a_step() -> None:
     assert summary.optimizer_state_moved_mb * 2**20 == 2 * figures.state_bytes_per_step
 
 
+def test_the_state_on_host_columns_buckets_are_the_ones_the_cache_sizes() -> None:
+    """With the state on the host the cache sizes a bucket from the model (an eighth of its
+    gradients, a small model's under 4 MiB): the column's step figures follow that bucket,
+    not the other columns' 4 MiB (a probe found them 6x the measured for a small model)."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8)))  # 2 MiB
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, offload_optimizer_state=True
+    )
+    capacity = manager.engine.assembler.capacity_bytes
+    manager.remove_hooks()
+    tensors = sizes(model)
+    figures = plan(PlanInputs(tensors=tensors, optimizer_state_bytes=8, optimizer_tensor_bytes=0))
+    grads, bucket = 4 * sum(tensors), capacity + 4 * max(tensors)
+    assert capacity < 4 * 2**20 and 2 * bucket < grads
+    on_host = figures.device[STATE_ON_HOST]
+    assert on_host[GRADIENTS_AT_STEP] == 2 * bucket
+    assert on_host["optimizer state"] == 2 * (2 * bucket)
+
+
 def test_time_floor_compares_the_restore_with_the_compute() -> None:
     figures = plan(PlanInputs(tensors=[10**9], tokens_per_step=1000, flops=6e12, link_gbps=4.0))
     assert figures.restore_seconds == pytest.approx(4e9 / 4e9)  # 4 GB of fp32 at 4 GB/s
