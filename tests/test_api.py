@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 from helpers import batches, loss_of, make_model, train_with_a_skipped_batch
+from test_parameters_offload import step
 
 import gradient_cache
 from gradient_cache import EngineConfig, GradientCacheHookManager
@@ -429,12 +430,7 @@ def functional_call_steps(cached: bool) -> list[torch.Tensor]:
         x = torch.randn(4, 8, generator=generator)
         halved = torch.func.functional_call(model, {"2.weight": model[2].weight * 0.5}, (x,))
         (halved.pow(2).mean() + model(x).pow(2).mean()).backward()
-        if manager is None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            optimizer.step()
-        else:
-            manager.step(optimizer, max_grad_norm=0.5)
-        optimizer.zero_grad()
+        step(model, optimizer, manager, clip=0.5)
     return [p.detach() for p in model.parameters()]
 
 
