@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -214,6 +215,7 @@ class GradientCacheHookManager:
             excluded=patterns,
             device=self._pipeline.backend.device,
             in_place=None if self._weights is None else self._weights.masters.in_place,
+            retry_pending=functools.partial(getattr, self._pipeline, "interrupted"),
         )
         self._attach(model)
 
@@ -422,8 +424,20 @@ class GradientCacheHookManager:
         residuals are kept beside the old ones until its restore (on CUDA, a second
         host slot per residual); with ``TopK(keep_previous_residual=False)`` there is no
         second one, and the residuals keep the discarded step's held-back part.
+
+        After a fused step that raised having stepped some buckets, this is refused: the
+        rest would be dropped and those updates kept. Call ``step(optimizer)`` again.
         """
-        self._live().discard()
+        engine = self._live()
+        pending = engine.pending
+        if engine.interrupted and pending is not None and pending.partly_stepped():
+            raise RuntimeError(
+                "discard_gradients() after a fused step that raised having stepped part of "
+                "its buckets would keep those updates and drop the rest, a step plain "
+                "PyTorch never takes. Call hook_manager.step(optimizer) again to complete "
+                "it, as an uninterrupted step would."
+            )
+        engine.discard()
 
     def keep_gradients(self) -> None:
         """Let the next backward add to the cached gradients a step left (another

@@ -16,6 +16,7 @@ import torch
 
 from .engine.module_hooks import ModuleHook
 from .engine.sharding import is_dtensor
+from .engine.step_state import ADVICE, INTERRUPTED, StepStateError
 
 
 class ParameterWatch:
@@ -32,16 +33,19 @@ class ParameterWatch:
         excluded: Sequence[str],
         device: torch.device,
         in_place: Callable[[torch.nn.Parameter], bool] | None = None,
+        retry_pending: Callable[[], bool] | None = None,
     ) -> None:
         """``in_place``: with the weights on the host (``offload_parameters``), whether a
         parameter is where the cache put it (its host master or its device copy, in the
-        compute dtype or its own), which then stands for the dtype and device checks."""
+        compute dtype or its own), which then stands for the dtype and device checks.
+        ``retry_pending``: whether a fused step that raised waits for its retry."""
         self._cached = {name: weakref.ref(param) for name, param in cached}
         # The routes, slots and restores are planned for these dtypes.
         self._dtypes = {name: param.dtype for name, param in cached}
         self._excluded = tuple(excluded)
         self._device = device
         self._in_place = in_place
+        self._retry_pending = retry_pending or _never
         self._model = weakref.ref(model)
         # Whether a forward ran under float16 autocast: then a GradScaler is all but sure,
         # and the manager warns if it was not given one (`grad_scaler=`).
@@ -52,6 +56,7 @@ class ParameterWatch:
 
     def remove(self) -> None:
         self._handle.remove()
+        self._retry_pending = _never  # the pipeline is let go with the cache
 
     def check_before_step(self) -> None:
         """The forward's check, at the fused step: a change between a backward and its step
@@ -70,6 +75,13 @@ class ParameterWatch:
             and torch.get_autocast_dtype(kind) == torch.float16
         ):
             self.saw_fp16_autocast = True
+        if torch.is_grad_enabled() and self._retry_pending():
+            # Before anything of this forward's backward reaches .grad or the cache, whose
+            # capture refuses it too (the engine's step states).
+            raise StepStateError(
+                "The gradient cache cannot begin a forward with gradients while its step is "
+                f"{INTERRUPTED.value}: {ADVICE[INTERRUPTED]} (evaluate under torch.no_grad())."
+            )
         self._check_parameters(model)
 
     def _swapped_for_a_call(self, name: str) -> None:
@@ -152,6 +164,11 @@ class ParameterWatch:
                 "and create a new one after changing the model (after casting it with "
                 "model.to(dtype) too; freezing a parameter needs no new cache)."
             )
+
+
+def _never() -> bool:
+    """No fused step waits for its retry (a removed cache's watch)."""
+    return False
 
 
 def _cast_of(cached: torch.nn.Parameter | None, dtype: torch.dtype) -> str | None:

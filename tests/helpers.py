@@ -143,10 +143,13 @@ def assert_same_parameters(left: nn.Module, right: nn.Module, *, atol: float = 0
 
 class FailsOnce:
     """Once armed, makes the ``nth`` next update of ``optimizer`` raise before changing
-    anything: each bucket's, in a fused step (which steps its buckets without step hooks,
-    so this is no hook: the optimizer's class becomes a subclass whose ``step`` counts)."""
+    anything (``after``: once it changed every state entry of the parameters with a
+    gradient but no weight, as an out-of-memory error inside Adam at ``_foreach_sqrt``,
+    after it counted the step and moved the moments): each bucket's, in a fused step
+    (which steps its buckets without step hooks, so this is no hook: the optimizer's class
+    becomes a subclass whose ``step`` counts)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, after: bool = False) -> None:
         self.calls = 0
         self.fail_at = None
         parent = type(optimizer)
@@ -155,6 +158,10 @@ class FailsOnce:
         def step(opt, *args, **kwargs):
             watch.calls += 1
             if watch.calls == watch.fail_at:
+                stepped = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+                for state in (opt.state.get(p, {}) for p in stepped if after):
+                    for value in state.values():
+                        value.add_(1)
                 raise torch.OutOfMemoryError("injected: out of memory")
             return parent.step(opt, *args, **kwargs)
 
@@ -184,9 +191,11 @@ def train_through_a_failed_step(
     *,
     nth: int,
     clip: float | None,
+    after_failure: Callable[[], object] = lambda: None,
 ) -> None:
     """Three Adam steps, plain against the cache's fused step. In the second, the cache's
-    ``nth`` ``optimizer.step()`` raises once; the user calls ``step`` again."""
+    ``nth`` ``optimizer.step()`` raises once; ``after_failure()`` runs, then the user calls
+    ``step`` again."""
     plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
     cached_opt = torch.optim.Adam(cached.parameters(), lr=1e-2)
     failure = FailsOnce(cached_opt)
@@ -204,6 +213,7 @@ def train_through_a_failed_step(
             # What was not stepped is kept: cached buckets, or device gradients put back.
             kept = any(p.grad is not None for p in cached.parameters())
             assert manager.engine.store or kept
+            after_failure()
         manager.step(cached_opt, max_grad_norm=clip)
         cached_opt.zero_grad()
 

@@ -287,15 +287,19 @@ def test_a_checkpoint_whose_group_sizes_differ_is_refused_as_torch_refuses_it() 
     assert_on_the_host(manager, optimizer)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before-changing", "after-changing"])
 @pytest.mark.parametrize("nth", [1, 3])
 @pytest.mark.parametrize("at_step", [0, 1])
-def test_a_raising_optimizer_step_retried_gives_plains_result(nth: int, at_step: int) -> None:
+def test_a_raising_optimizer_step_retried_gives_plains_result(
+    nth: int, at_step: int, after: bool
+) -> None:
     """The ``nth`` optimizer.step() of a step raises once (at the first step: while the
-    state is being created); the user calls step again."""
+    state is being created), before or after it changed the state (``step`` counted, the
+    moments moved: a retry counted the step twice); the user calls step again."""
     plain, cached = make_model(), make_model()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
-    failure = FailsOnce(cached_opt)
+    failure = FailsOnce(cached_opt, after=after)
     manager = gradient_cache.create_gradient_cache(cached, **OPTIONS)
 
     @contextlib.contextmanager

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from helpers import (
+    FailsOnce,
     MadeGradients,
     assert_same_parameters,
     batches,
@@ -18,6 +19,7 @@ from helpers import (
 
 import gradient_cache
 from gradient_cache.engine import step as step_module
+from gradient_cache.engine.step_state import StepStateError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -359,6 +361,80 @@ def test_a_failed_fused_step_retried_gives_the_plain_result(clip: float | None) 
     manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
     train_through_a_failed_step(plain, cached, manager, nth=2, clip=clip)
     assert_same_parameters(plain, cached, atol=0 if clip is None else 1e-6)
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_before_a_failed_fused_steps_retry_a_backward_is_refused_and_a_discard_once_it_stepped(
+    nth: int,
+) -> None:
+    """A new batch's forward with gradients would add to what the step has still to take:
+    refused before anything reaches .grad. Skipping the step is refused once a bucket
+    stepped (``nth`` 2: the rest would be dropped, that bucket's update kept; a probe found
+    it silently accepted, 0.25 off plain); the retry then gives plain's result."""
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
+
+    def mistakes() -> None:
+        tokens, targets = batches(1, seed=9)[0]
+        with pytest.raises(StepStateError, match=r"forward with gradients while its step"):
+            loss_of(cached, tokens, targets).backward()
+        with torch.no_grad():
+            loss_of(cached, tokens, targets)  # an evaluation is no backward
+        if nth > 1:
+            with pytest.raises(RuntimeError, match=r"step\(optimizer\) again to complete"):
+                manager.discard_gradients()
+            # A submodule called on its own skips the model's check; the capture refuses
+            # it by the step's state (it had named another optimizer's left gradients).
+            with pytest.raises(StepStateError, match="step is interrupted"):
+                cached.mlp(torch.ones(2, 32)).sum().backward()
+            cached.mlp.zero_grad()  # what the refused backward accumulated before its hook
+
+    train_through_a_failed_step(plain, cached, manager, nth=nth, clip=None, after_failure=mistakes)
+    assert_same_parameters(plain, cached)
+
+
+def test_the_backward_of_a_forward_made_before_a_failed_step_is_refused_until_the_retry() -> None:
+    """The forward's check cannot see it (it ran before the step raised at its first
+    bucket, so no weight changed under the graph): the capture refuses it (the step's
+    state), naming the retry and the discard, not another optimizer's left gradients."""
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, **LOSSLESS, **SMALL_BUCKETS)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    failure = FailsOnce(optimizer)
+    (tokens, targets), (later, later_targets) = batches(2)
+    loss_of(model, tokens, targets).backward()
+    early = loss_of(model, later, later_targets)
+    failure.arm(1)
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(optimizer)
+    with pytest.raises(StepStateError, match=r"step is interrupted: .*discard_gradients\(\)"):
+        early.backward()
+    manager.remove_hooks()
+
+
+def test_a_clip_over_a_model_whose_submodule_alone_is_cached_sums_as_plain() -> None:
+    """The cache over the MLP alone, the optimizer over the whole model: the norms are
+    summed in the optimizer's order, which is model.parameters()'s here (in the cached
+    submodule's, the rest after, 1 ulp off plain's from the second step: a probe)."""
+
+    def run(cached: bool) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+        model = make_model()
+        manager = gradient_cache.create_gradient_cache(model.mlp, **LOSSLESS) if cached else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        norms = []
+        for tokens, targets in batches(6):
+            loss_of(model, tokens, targets).backward()
+            if manager is None:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+                optimizer.step()
+            else:
+                norms.append(manager.step(optimizer, max_grad_norm=0.05))
+            optimizer.zero_grad()
+        return model, norms
+
+    (plain, plain_norms), (cached, cached_norms) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain_norms, cached_norms, strict=True))
+    assert_same_parameters(plain, cached)
 
 
 def test_fused_steps_of_two_optimizers_each_restore_only_their_own_parameters() -> None:

@@ -53,7 +53,7 @@ class Capture:
         if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):
             return  # autograd adds the next use's part into .grad: taken whole, as plain's
         pending = pipeline.pending
-        if pending is not None and pending.siblings_taken:
+        if pending is not None and pending.siblings_taken and not pipeline.interrupted:
             _refuse_adding_to_left_gradients(pipeline, pending)
         if pipeline.deferred_clip is not None:
             # A backward after a clip answered from the cache: plain PyTorch adds to the

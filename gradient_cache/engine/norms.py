@@ -88,6 +88,19 @@ def clip_factor(max_norm: float, total: torch.Tensor) -> torch.Tensor:
 Norm = TypeVar("Norm", bound=torch.Tensor)
 
 
+def clip_order(
+    model_order: Mapping[torch.nn.Parameter, int], stepped: Iterable[torch.nn.Parameter]
+) -> Mapping[torch.nn.Parameter, int]:
+    """The order the clip sums its norms in: the cached model's, as
+    ``clip_grad_norm_(model.parameters())``; where the optimizer also steps parameters the
+    cache does not hold (a cache over a submodule), the optimizer's, which is that call's
+    order where the optimizer was built from the whole model's ``parameters()``."""
+    stepped = list(stepped)
+    if all(param in model_order for param in stepped):
+        return model_order
+    return {param: index for index, param in enumerate(stepped)}
+
+
 def clip_grad_norm_order(
     norms: dict[torch.nn.Parameter, Norm], model_order: Mapping[torch.nn.Parameter, int]
 ) -> list[tuple[torch.nn.Parameter, Norm]]:

@@ -82,12 +82,14 @@ def offloaded(value: object) -> bool:
 @dataclass
 class Arrival:
     """A bucket's state on its way to the device: ``params`` (each one's state as it was:
-    empty or not), and per brought tensor its parameter, key and host copy."""
+    empty or not), per brought tensor its parameter, key and host copy, and a copy of
+    each entry that stays where the optimizer keeps it (Adam's ``step``)."""
 
     params: list[Param]
     had_state: list[bool]
     keys: list[tuple[Param, str, torch.Tensor]]
     transfer: Transfer
+    kept: list[tuple[Param, str, Any]]
     installed: bool = False
 
 
@@ -399,7 +401,15 @@ class StateJourney:
         for param, _, _ in keys:  # only once started: a failed start leaves them home
             self.owned.at[param] = StateAt.IN_TRANSIT
         had_state = [bool(self.state.get(param)) for param in params]
-        return Arrival(list(params), had_state, keys, transfer)
+        # An optimizer may count its step before it raises (Adam's ``step += 1``, then an
+        # out-of-memory error): a retry must find the count as it was.
+        kept = [
+            (param, key, value.clone() if isinstance(value, torch.Tensor) else value)
+            for param in params
+            for key, value in self.state.get(param, {}).items()
+            if not (isinstance(value, torch.Tensor) and value.dim())  # not offloaded
+        ]
+        return Arrival(list(params), had_state, keys, transfer, kept)
 
     def install(self, arrival: Arrival) -> None:
         """Put the brought tensors in the optimizer's state, safe for its step to use."""
@@ -425,6 +435,8 @@ class StateJourney:
             for param, key, host in arrival.keys:
                 self.state[param][key] = host
                 self.owned.at[param] = StateAt.HOST
+            for param, key, value in arrival.kept:
+                self.state[param][key] = value
             for param, had in zip(arrival.params, arrival.had_state, strict=True):
                 if not had:
                     self.state.pop(param, None)

@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import fused_step, scaling, sharding
 from .fused_step import BucketSteps, Journeys, Traveller
-from .norms import StepNorms, clip_factor, clip_grad_norm_order, gradient_norm
+from .norms import StepNorms, clip_factor, clip_grad_norm_order, clip_order, gradient_norm
 from .pipeline import Pipeline, refuse_taken
 from .records import HELD_BY_THE_CACHE, GradientAt
 from .step_hooks import StepHooks
@@ -307,7 +307,7 @@ class OptimizerStep:
         if clip is None:
             clip = _clip(
                 pipeline,
-                self._model_order,
+                clip_order(self._model_order, stepped),
                 parts,
                 held,
                 max_norm,

@@ -42,7 +42,8 @@ PHASES_FROM: dict[str, frozenset[StepState]] = {
 # Why a phase cannot start from a state, where a user's call order can get there.
 ADVICE = {
     INTERRUPTED: "a fused step(optimizer) raised and was neither retried nor discarded: call "
-    "step(optimizer) again to finish that step, or discard_gradients(), first",
+    "step(optimizer) again to finish that step (or discard_gradients() to skip it, where it "
+    "had stepped no bucket yet), first",
 }
 
 # A fused step's global gradient norm and clip factor (None, None without clipping).
@@ -100,6 +101,10 @@ class PendingStep:
         for pending in list(_PENDING):
             if not pending.backwards.isdisjoint(self.backwards):
                 pending.siblings_taken = True
+
+    def partly_stepped(self) -> bool:
+        """Whether an interrupted fused step had stepped a bucket or held gradients."""
+        return self.counted or bool(self.held and self.held.stepped)
 
 
 # Every pending step alive (a pipeline drops its own when the step ends).
