@@ -309,7 +309,10 @@ class GradientCacheHookManager:
         before it changed anything, as PyTorch's optimizers do on an allocation failure.
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}.")
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}; for another "
+                "object with a step(), call hook_manager.apply_gradients() and then its step()."
+            )
         if isinstance(optimizer, torch.optim.LBFGS):
             raise TypeError(
                 "step(optimizer) cannot step LBFGS: it steps one bucket at a time, while LBFGS "
@@ -318,8 +321,13 @@ class GradientCacheHookManager:
                 "optimizer.step(closure) instead."
             )
         max_grad_norm, norm_type = _as_clip_number(max_grad_norm), _as_clip_number(norm_type)
-        if max_grad_norm is not None and not _is_positive_number(max_grad_norm):
-            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0.")
+        if max_grad_norm is not None and not (
+            _is_positive_number(max_grad_norm) or max_grad_norm == math.inf
+        ):
+            raise ValueError(
+                f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0 (inf: the "
+                "norm, returned, without clipping, as clip_grad_norm_ gives it)."
+            )
         if not (_is_positive_number(norm_type) or norm_type == math.inf):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         self._warn_of_a_missing_grad_scaler()

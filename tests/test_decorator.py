@@ -413,6 +413,34 @@ def test_manager_of_saves_and_resumes_a_decorated_run() -> None:
     assert_same_parameters(uninterrupted, resumed)
 
 
+def test_manager_of_steps_a_clipped_fused_step_inside_the_decorated_function() -> None:
+    """``manager_of(model).step(optimizer, max_grad_norm=...)`` inside the decorated
+    function: its buckets' own optimizer.step() calls are not routed again as the
+    decorator's fused step (they were: a KeyError after an unclipped step, a probe)."""
+
+    @gradient_cache.optimize(compression_ratio=1)
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list) -> list:
+        norms = []
+        for tokens, targets in data:
+            loss_of(model, tokens, targets).backward()
+            norms.append(gradient_cache.manager_of(model).step(optimizer, max_grad_norm=0.05))
+            optimizer.zero_grad()
+        return norms
+
+    data = batches(3)
+    plain, cached = make_model(), make_model()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    expected = []
+    for tokens, targets in data:
+        loss_of(plain, tokens, targets).backward()
+        expected.append(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05))
+        plain_opt.step()
+        plain_opt.zero_grad()
+    norms = train(cached, torch.optim.SGD(cached.parameters(), lr=0.1, momentum=0.9), data)
+    assert all(torch.equal(a, b) for a, b in zip(expected, norms, strict=True))
+    assert_same_parameters(plain, cached)
+
+
 def test_manager_of_outside_a_decorated_call_or_without_gradients_is_refused() -> None:
     with pytest.raises(RuntimeError, match="only while a function decorated"):
         gradient_cache.manager_of(make_model())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -434,6 +435,23 @@ def test_a_clip_over_a_model_whose_submodule_alone_is_cached_sums_as_plain() -> 
 
     (plain, plain_norms), (cached, cached_norms) = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(plain_norms, cached_norms, strict=True))
+    assert_same_parameters(plain, cached)
+
+
+def test_max_grad_norm_inf_returns_plains_norm_and_clips_nothing() -> None:
+    """As clip_grad_norm_(params, inf): the norm, and a factor of exactly 1 (it was refused
+    as not "> 0")."""
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, cached)]
+    for tokens, targets in batches(3):
+        for model in (plain, cached):
+            loss_of(model, tokens, targets).backward()
+        expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), math.inf)
+        optimizers[0].step()
+        assert torch.equal(manager.step(optimizers[1], max_grad_norm=math.inf), expected)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
     assert_same_parameters(plain, cached)
 
 

@@ -94,6 +94,8 @@ class StepRouting:
 
     def _route(self, optimizer: torch.optim.Optimizer) -> None:
         steps = [m.optimizer_step for m in self._managers() if m.optimizer_step is not None]
+        if any(step.stepping for step in steps):
+            return  # a bucket's own step in a cache's fused step (manager_of(model).step)
         if self.fused:
             for step in steps:
                 step.step_in_call(optimizer)  # hidden what it stepped until `_after_step`
