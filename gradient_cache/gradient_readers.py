@@ -23,6 +23,11 @@ readers are replaced:
   ``.grad`` is set before it calls any torch function, so wrapping torch's functions alone
   is too late.)
 
+* ``torch.optim.Optimizer.zero_grad`` and ``torch.nn.Module.zero_grad``: where a manager's
+  pending gradients are all among the parameters zeroed, it drops them
+  (``discard_gradients``), as ``zero_grad()`` drops ``.grad`` (a skipped batch, a GAN's
+  critic after the generator's step); one holding others' too keeps them.
+
 Who answers: the innermost integration running (its `route_gradient_reads`), else the
 attached managers (`fall_back_to`, from the manager module). One swap serves both: it is in
 place while either exists, and the originals come back when neither does (the last manager
@@ -68,6 +73,9 @@ class CacheReads(Protocol):
     def cache_for(self, parameters: list[torch.Tensor]) -> ClipAnswers | None:
         """What answers a norm or clip over ``parameters`` without restoring, or None (then
         the gradients are restored and the original runs)."""
+
+    def zeroed(self, parameters: list[torch.Tensor]) -> None:
+        """``zero_grad()`` over ``parameters``: drop the cached gradients it reaches."""
 
 
 # The integrations' routings, innermost last; the attached managers' reads, or None.
@@ -123,6 +131,8 @@ def _swap() -> None:
         _patch(module, "clip_grads_with_norm_", _clip_grads_with_norm)
         _patch(module, "clip_grad_value_", _clip_grad_value)
     _patch(torch.amp.GradScaler, "unscale_", _unscale)
+    _patch(torch.optim.Optimizer, "zero_grad", _optimizer_zero_grad)
+    _patch(torch.nn.Module, "zero_grad", _module_zero_grad)
     accelerate = sys.modules.get("accelerate")
     if accelerate is not None and hasattr(accelerate, "Accelerator"):
         owner = accelerate.Accelerator
@@ -285,6 +295,30 @@ def _accelerator_unscale(function: Callable[..., Any]) -> Callable[..., Any]:
         return function(accelerator, *args, **kwargs)
 
     return unscale_gradients
+
+
+def _optimizer_zero_grad(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def zero_grad(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        _zeroed([p for group in optimizer.param_groups for p in group["params"]])
+        function(optimizer, *args, **kwargs)
+
+    return zero_grad
+
+
+def _module_zero_grad(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def zero_grad(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        _zeroed(list(module.parameters()))
+        function(module, *args, **kwargs)
+
+    return zero_grad
+
+
+def _zeroed(parameters: list[torch.Tensor]) -> None:
+    reads = current_reads()
+    if reads is not None:
+        reads.zeroed(parameters)
 
 
 def _as_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:

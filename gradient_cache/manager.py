@@ -30,6 +30,7 @@ from .engine.config import (
 from .engine.factory import BackendFactory, create_backend
 from .engine.figures import CacheTensors, cache_tensors
 from .engine.pipeline import Pipeline
+from .engine.records import HELD_BY_THE_CACHE
 from .engine.step import OptimizerStep
 from .engine.step_hooks import OWN_HOOKS, after_the_closure
 from .model_watch import ParameterWatch
@@ -424,11 +425,12 @@ class GradientCacheHookManager:
     def discard_gradients(self) -> None:
         """Drop every cached gradient, as ``optimizer.zero_grad()`` drops device ones.
 
-        ``zero_grad()`` cannot reach the gradients the cache holds; call this too when
-        a step is skipped (a bad batch, a NaN loss), or they are added into the next
-        step. The discarded step leaves no trace: error-feedback residuals go back to
-        what they were before its backward (what compression held back from earlier
-        steps), and so do the engine's random generators. The cost: a step's new
+        A ``zero_grad()`` over every gradient the cache holds does this itself; call it
+        where a skipped step's ``zero_grad()`` reaches only some of them (an optimizer over
+        part of the model), or they are added into the next step. The discarded step
+        leaves no trace: error-feedback residuals go back to what they were before its
+        backward (what compression held back from earlier steps), and so do the engine's
+        random generators. The cost: a step's new
         residuals are kept beside the old ones until its restore (on CUDA, a second
         host slot per residual); with ``TopK(keep_previous_residual=False)`` there is no
         second one, and the residuals keep the discarded step's held-back part.
@@ -734,6 +736,21 @@ class ManagerReads:
         (holder,) = holders
         scaler = holder.pipeline.grad_scaler
         return None if scaler is not None and scaler.is_enabled() else holder
+
+    def zeroed(self, parameters: list[torch.Tensor]) -> None:
+        """``zero_grad()`` over ``parameters``: a manager whose pending gradients are all of
+        ``parameters`` drops them (`discard_gradients`), as ``zero_grad()`` drops ``.grad``
+        (a skipped batch, a GAN's discriminator after the generator's step); one holding
+        others' too keeps them all, as before (it cannot drop a part of its step)."""
+        for manager in self._managers():
+            pipeline = manager.engine
+            if pipeline is None or not pipeline.step_pending:
+                continue  # the common case: zero_grad() after the step
+            if pipeline.interrupted and pipeline.pending and pipeline.pending.partly_stepped():
+                continue  # a failed step that stepped a bucket waits for its retry
+            held = [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]
+            if held and set(held) <= set(parameters):
+                pipeline.discard()
 
     def _caching(self, parameters: list[torch.Tensor] | None) -> list[OptimizerStep]:
         """The steps of the attached managers caching any of ``parameters`` (None: every

@@ -219,12 +219,13 @@ def train_through_a_failed_step(
 
 
 def train_with_a_skipped_batch(
-    options: dict | None, *, skip: bool, fused_step: bool = False
+    options: dict | None, *, skip: bool, fused_step: bool = False, discard: bool = True
 ) -> torch.nn.Module:
     """Four Adam steps; with ``skip``, a batch whose step is skipped comes before the third.
 
-    The skipped batch gets the user's calls for a skipped step: backward, then
-    ``zero_grad()`` and (with a cache) ``discard_gradients()``. ``options`` None is plain.
+    The skipped batch gets the user's calls for a skipped step: backward, then (with a
+    cache and ``discard``) ``discard_gradients()``, and ``zero_grad()``, which drops the
+    cached gradients too. ``options`` None is plain.
     """
     model = make_model()
     manager = None if options is None else gradient_cache.create_gradient_cache(model, **options)
@@ -233,7 +234,7 @@ def train_with_a_skipped_batch(
     for index, (tokens, targets) in enumerate(batches(4)):
         if skip and index == 2:
             loss_of(model, *skipped).backward()
-            if manager is not None:
+            if manager is not None and discard:
                 manager.compress_and_free_gradients()
                 manager.discard_gradients()
             optimizer.zero_grad()

@@ -294,6 +294,7 @@ def test_disable_leaves_gradients_and_apply_adds_to_them() -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("discard", [True, False], ids=["discard_gradients", "zero_grad-only"])
 @pytest.mark.parametrize("fused_step", [False, True])
 @pytest.mark.parametrize(
     ("ratio", "codec"),
@@ -305,7 +306,7 @@ def test_disable_leaves_gradients_and_apply_adds_to_them() -> None:
     ],
     ids=["lossless", "ladder", "top-k", "top-k with error feedback"],
 )
-def test_a_discarded_batch_leaves_no_trace(ratio: int, codec, fused_step) -> None:
+def test_a_discarded_batch_leaves_no_trace(ratio: int, codec, fused_step, discard) -> None:
     """A run with a discarded batch ends exactly where a run that never saw it ends.
 
     Defaults otherwise: threshold selection and the int8 residual both draw random
@@ -314,7 +315,9 @@ def test_a_discarded_batch_leaves_no_trace(ratio: int, codec, fused_step) -> Non
     the ladder ran in all four of its ratio-100 cases and top-k in none.)
     """
     options = dict(compression_ratio=ratio, min_compress_numel=1, codec=codec)
-    skipping = train_with_a_skipped_batch(options, skip=True, fused_step=fused_step)
+    skipping = train_with_a_skipped_batch(
+        options, skip=True, fused_step=fused_step, discard=discard
+    )
     reference = train_with_a_skipped_batch(options, skip=False, fused_step=fused_step)
     if ratio == 1:  # lossless: the same as plain PyTorch doing the same calls
         plain = train_with_a_skipped_batch(None, skip=True)

@@ -413,6 +413,24 @@ def test_manager_of_saves_and_resumes_a_decorated_run() -> None:
     assert_same_parameters(uninterrupted, resumed)
 
 
+def test_a_batch_skipped_with_zero_grad_is_dropped_as_plain_drops_it() -> None:
+    """``optimizer.zero_grad()`` with no step after a backward: the cached gradients go
+    too (they were added into the next step)."""
+
+    def loop(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        for index, (tokens, targets) in enumerate(batches(4)):
+            loss_of(model, tokens, targets).backward()
+            if index != 1:  # the second batch is skipped
+                optimizer.step()
+            optimizer.zero_grad()
+
+    plain, cached = make_model(), make_model()
+    loop(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9))
+    decorated = gradient_cache.optimize(compression_ratio=1)(loop)
+    decorated(cached, torch.optim.SGD(cached.parameters(), lr=0.1, momentum=0.9))
+    assert_same_parameters(plain, cached)
+
+
 def test_manager_of_steps_a_clipped_fused_step_inside_the_decorated_function() -> None:
     """``manager_of(model).step(optimizer, max_grad_norm=...)`` inside the decorated
     function: its buckets' own optimizer.step() calls are not routed again as the

@@ -1,8 +1,8 @@
 """Gradients a step leaves cached beside those it took from the same backward (a GAN's
 generator step leaves the critic's gradients from the generator's loss): plain PyTorch
-keeps them in ``.grad``, where the user's ``zero_grad()`` clears them or not, which the
-cache cannot see. A backward adding to them is refused, naming the two fixes, each bit for
-bit with plain PyTorch's loop."""
+keeps them in ``.grad``, where the user's ``zero_grad()`` clears them or not. A
+``zero_grad()`` over them drops them from the cache too; a backward adding to them with
+none between is refused, naming the two fixes, each bit for bit with plain PyTorch's loop."""
 
 from __future__ import annotations
 
@@ -21,14 +21,16 @@ def models() -> tuple[nn.Module, nn.Module]:
     return make_model(), nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 1))
 
 
-def gan_loop(generator, critic, *, step, critics_left=None) -> None:
+def gan_loop(generator, critic, *, step, critics_left=None, zero_critic=True) -> None:
     """The DCGAN tutorial's loop: the critic's step on real and fake, then the generator's,
-    whose loss leaves gradients on the critic too (``critic.zero_grad()`` clears them)."""
+    whose loss leaves gradients on the critic too (``critic.zero_grad()`` clears them;
+    ``zero_critic`` False leaves that call out)."""
     g_opt = torch.optim.Adam(generator.parameters(), lr=1e-2)
     c_opt = torch.optim.Adam(critic.parameters(), lr=1e-2)
     for tokens, _ in batches(4):
         fake = generator(tokens).softmax(-1)
-        critic.zero_grad()
+        if zero_critic:
+            critic.zero_grad()
         critic(fake.detach()).mean().backward()
         step(c_opt)
         generator.zero_grad()
@@ -66,12 +68,26 @@ def stepper(generator_manager, critic_manager, critic):
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["a-cache-each", "one-cache"])
+def test_the_tutorials_loop_trains_as_plain_its_critic_zero_grad_dropping_them(shared) -> None:
+    """``critic.zero_grad()`` drops the critic's left gradients from the cache as from
+    ``.grad`` (the cache once added them to the critic's next step: 4.7e-2 off plain)."""
+    plain = models()
+    gan_loop(*plain, step=lambda optimizer: optimizer.step())
+    generator, critic, g_manager, c_manager = cached_gan(shared)
+    gan_loop(generator, critic, step=stepper(g_manager, c_manager, critic))
+    for a, b in zip(plain, (generator, critic), strict=True):
+        assert_same_parameters(a, b)
+    for manager in {g_manager, c_manager}:
+        manager.remove_hooks()  # the last generator step's critic gradients go to .grad
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["a-cache-each", "one-cache"])
 def test_a_backward_onto_the_critics_left_gradients_is_refused(shared) -> None:
-    """Without a fix the critic's next step added the generator loss's critic gradients
-    to its own (4.7e-2 off plain): the next backward is refused, naming both fixes."""
+    """With no zero_grad() between, plain adds them; whether that was meant the cache
+    cannot tell: the next backward is refused, naming both fixes."""
     generator, critic, g_manager, c_manager = cached_gan(shared)
     with pytest.raises(RuntimeError, match=r"discard_gradients.*keep_gradients") as refused:
-        gan_loop(generator, critic, step=stepper(g_manager, c_manager, critic))
+        gan_loop(generator, critic, step=stepper(g_manager, c_manager, critic), zero_critic=False)
     assert ("critic.0.weight" if shared else "0.weight") in str(refused.value)
     for manager in {g_manager, c_manager}:
         manager.remove_hooks()

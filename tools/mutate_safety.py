@@ -2333,6 +2333,27 @@ MUTANTS = [
         "tests/test_training.py::test_a_clip_over_a_model_whose_submodule_alone_is_cached_sums_as_plain",
     ),
     (
+        "zero_grad: an optimizer's drops the cached gradients it reaches",
+        "gradient_cache/gradient_readers.py",
+        '    _patch(torch.optim.Optimizer, "zero_grad", _optimizer_zero_grad)\n',
+        "",
+        "tests/test_api.py tests/test_decorator.py",
+    ),
+    (
+        "zero_grad: a module's drops the cached gradients it reaches",
+        "gradient_cache/gradient_readers.py",
+        '    _patch(torch.nn.Module, "zero_grad", _module_zero_grad)\n',
+        "",
+        "tests/test_left_gradients.py",
+    ),
+    (
+        "zero_grad: only where it reaches every gradient held",
+        "gradient_cache/manager.py",
+        "            if held and set(held) <= set(parameters):\n",
+        "            if held:\n",
+        "tests/test_left_gradients.py",
+    ),
+    (
         "uses' parts: a block weight's uses taken whole",
         "gradient_cache/engine/capture.py",
         "        if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):\n",

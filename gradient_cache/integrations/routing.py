@@ -79,6 +79,10 @@ class StepRouting:
         reads them."""
         self._reads.restore(reader, parameters)
 
+    def zeroed(self, parameters: list[torch.Tensor]) -> None:
+        """``zero_grad()`` over ``parameters`` (`ManagerReads.zeroed`)."""
+        self._reads.zeroed(parameters)
+
     def cache_for(self, parameters: list[torch.Tensor]) -> OptimizerStep | None:
         """The one cache answering a norm or clip over ``parameters`` from the cache
         (`ManagerReads.cache_for`); None without the fused step."""
