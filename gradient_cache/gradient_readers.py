@@ -74,8 +74,10 @@ class CacheReads(Protocol):
         """What answers a norm or clip over ``parameters`` without restoring, or None (then
         the gradients are restored and the original runs)."""
 
-    def zeroed(self, parameters: list[torch.Tensor]) -> None:
-        """``zero_grad()`` over ``parameters``: drop the cached gradients it reaches."""
+    def zeroed(self, parameters: Callable[[], list[torch.Tensor]]) -> None:
+        """``zero_grad()`` over ``parameters()`` (called only where a step is pending: the
+        usual ``zero_grad()`` after a step builds no list): drop the cached gradients it
+        reaches."""
 
 
 # The integrations' routings, innermost last; the attached managers' reads, or None.
@@ -300,7 +302,7 @@ def _accelerator_unscale(function: Callable[..., Any]) -> Callable[..., Any]:
 def _optimizer_zero_grad(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def zero_grad(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        _zeroed([p for group in optimizer.param_groups for p in group["params"]])
+        _zeroed(lambda: [p for group in optimizer.param_groups for p in group["params"]])
         function(optimizer, *args, **kwargs)
 
     return zero_grad
@@ -309,13 +311,13 @@ def _optimizer_zero_grad(function: Callable[..., Any]) -> Callable[..., Any]:
 def _module_zero_grad(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def zero_grad(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        _zeroed(list(module.parameters()))
+        _zeroed(lambda: list(module.parameters()))
         function(module, *args, **kwargs)
 
     return zero_grad
 
 
-def _zeroed(parameters: list[torch.Tensor]) -> None:
+def _zeroed(parameters: Callable[[], list[torch.Tensor]]) -> None:
     reads = current_reads()
     if reads is not None:
         reads.zeroed(parameters)

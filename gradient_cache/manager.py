@@ -737,11 +737,12 @@ class ManagerReads:
         scaler = holder.pipeline.grad_scaler
         return None if scaler is not None and scaler.is_enabled() else holder
 
-    def zeroed(self, parameters: list[torch.Tensor]) -> None:
-        """``zero_grad()`` over ``parameters``: a manager whose pending gradients are all of
-        ``parameters`` drops them (`discard_gradients`), as ``zero_grad()`` drops ``.grad``
-        (a skipped batch, a GAN's discriminator after the generator's step); one holding
+    def zeroed(self, parameters: Callable[[], list[torch.Tensor]]) -> None:
+        """``zero_grad()`` over ``parameters()``: a manager whose pending gradients are all
+        among them drops them (`discard_gradients`), as ``zero_grad()`` drops ``.grad`` (a
+        skipped batch, a GAN's discriminator after the generator's step); one holding
         others' too keeps them all, as before (it cannot drop a part of its step)."""
+        zeroed: set[torch.Tensor] | None = None  # built once, where a step is pending
         for manager in self._managers():
             pipeline = manager.engine
             if pipeline is None or not pipeline.step_pending:
@@ -749,7 +750,8 @@ class ManagerReads:
             if pipeline.interrupted and pipeline.pending and pipeline.pending.partly_stepped():
                 continue  # a failed step that stepped a bucket waits for its retry
             held = [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]
-            if held and set(held) <= set(parameters):
+            zeroed = set(parameters()) if zeroed is None else zeroed
+            if held and set(held) <= zeroed:
                 pipeline.discard()
 
     def _caching(self, parameters: list[torch.Tensor] | None) -> list[OptimizerStep]:

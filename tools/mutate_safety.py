@@ -2349,7 +2349,7 @@ MUTANTS = [
     (
         "zero_grad: only where it reaches every gradient held",
         "gradient_cache/manager.py",
-        "            if held and set(held) <= set(parameters):\n",
+        "            if held and set(held) <= zeroed:\n",
         "            if held:\n",
         "tests/test_left_gradients.py",
     ),

@@ -79,7 +79,7 @@ class StepRouting:
         reads them."""
         self._reads.restore(reader, parameters)
 
-    def zeroed(self, parameters: list[torch.Tensor]) -> None:
+    def zeroed(self, parameters: Callable[[], list[torch.Tensor]]) -> None:
         """``zero_grad()`` over ``parameters`` (`ManagerReads.zeroed`)."""
         self._reads.zeroed(parameters)
 
