@@ -692,6 +692,35 @@ def test_bf16_gradients_cross_as_they_came_and_train_as_written_out(micro_batche
     assert_same_parameters(reference, cached)
 
 
+def test_bf16_gradients_fill_buckets_as_their_fp32_sums_will() -> None:
+    """A bucket is counted in the dtype it is restored and stepped in: bf16 gradients that
+    cross as they came fill the fp32 run's buckets, not twice as many parameters (the
+    step holds two buckets' fp32 gradients, weights and AdamW state: a probe found a bf16
+    step's peak twice the fp32 one's on Llama and Mixtral shapes)."""
+
+    def buckets(compute_dtype: torch.dtype | None) -> list[list[int]]:
+        model = gpt()
+        manager = gradient_cache.create_gradient_cache(
+            model, **STREAMED, compute_dtype=compute_dtype, bucket_size_mb=0.02
+        )
+        launched: list[list[int]] = []
+        launch = manager.engine.capture.launch
+
+        def counting(items) -> None:
+            launched.append([param.numel() for param, _ in items or []])
+            launch(items)
+
+        manager.engine.capture.launch = counting
+        tokens, targets = batches(1)[0]
+        model(tokens, targets)[1].backward()
+        manager.compress_and_free_gradients()
+        manager.remove_hooks()
+        return [sizes for sizes in launched if sizes]
+
+    fp32 = buckets(None)
+    assert len(fp32) > 2 and buckets(torch.bfloat16) == fp32
+
+
 def test_bf16_gradients_waiting_in_an_open_bucket_join_in_fp32() -> None:
     """Two micro-batches into one bucket that fills only at the step: the first's bf16
     gradients still wait on the device when the second's come, which are widened before

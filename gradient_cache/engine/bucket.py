@@ -40,10 +40,6 @@ class Bucket:
         return len(self.payloads)
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class BucketAssembler:
     """Collects (parameter, gradient) pairs until they hold ``capacity_bytes``.
 
@@ -56,8 +52,13 @@ class BucketAssembler:
         self._items: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._bytes = 0
 
-    def add(self, param: torch.nn.Parameter, grad: torch.Tensor) -> list[Item] | None:
-        """Add one gradient; return the bucket's items if it is now full.
+    def add(
+        self, param: torch.nn.Parameter, grad: torch.Tensor, dtype: torch.dtype
+    ) -> list[Item] | None:
+        """Add one gradient, counted in ``dtype``, the one it is restored and stepped in (a
+        bf16 gradient that crosses as it came fills a bucket as its fp32 sum will: the
+        step holds two buckets' fp32 gradients, weights and state, twice as many with
+        bf16 counted at 2 bytes, a probe found); return the bucket's items if now full.
 
         A parameter already waiting here (a second backward before the bucket filled)
         gets the new gradient added to its own: ``new + old`` has plain PyTorch's bits.
@@ -67,7 +68,7 @@ class BucketAssembler:
             self._items[param] = grad.add_(waiting)
             return None
         self._items[param] = grad
-        self._bytes += tensor_bytes(grad)
+        self._bytes += grad.numel() * dtype.itemsize
         return self.flush() if self._bytes >= self.capacity_bytes else None
 
     def holds(self, param: torch.nn.Parameter) -> bool:

@@ -120,7 +120,7 @@ class Capture:
 
     def add(self, param: Param, grad: torch.Tensor) -> None:
         """``grad`` into the open bucket, which launches once full."""
-        items = self.pipeline.assembler.add(param, grad)
+        items = self.pipeline.assembler.add(param, grad, self.pipeline.records[param].route.dtype)
         self.pipeline.records[param].gradient = GradientAt.OPEN_BUCKET
         if items is not None:
             self.launch(items)
