@@ -324,6 +324,16 @@ class SharedAdapters(nn.Module):
         return self.head(hidden)
 
 
+def test_a_sequential_wrapping_the_list_of_blocks_is_not_taken_for_it() -> None:
+    """nn.Sequential(embed, nn.Sequential(*blocks), head): the outer one's children hold
+    the most bytes, but one of them is the list of blocks, which it wraps (taken for the
+    blocks, the whole stack came to the device as one: a probe, 1.2x the weights)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(6)]
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(*blocks), nn.Linear(16, 4))
+    assert weight_units(model).blocks == blocks
+
+
 def test_a_short_list_of_shared_modules_is_not_taken_for_blocks() -> None:
     """Taken for blocks, the adapters would run three times a forward and hold every block
     until backward ends (a review's probe: the whole model on the device)."""

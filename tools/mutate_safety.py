@@ -2354,6 +2354,13 @@ MUTANTS = [
         "tests/test_left_gradients.py",
     ),
     (
+        "blocks: a container wrapping the list of blocks is not taken for it",
+        "gradient_cache/engine/weights/blocks.py",
+        "    unwrapped = [c for c in candidates if not _wraps(c, lists)] or candidates\n",
+        "    unwrapped = candidates\n",
+        "tests/test_parameters_nothing_lost.py::test_a_sequential_wrapping_the_list_of_blocks_is_not_taken_for_it",
+    ),
+    (
         "uses' parts: a block weight's uses taken whole",
         "gradient_cache/engine/capture.py",
         "        if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):\n",

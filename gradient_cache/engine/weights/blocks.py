@@ -4,11 +4,12 @@ With ``offload_parameters=True`` the weights come to the device a block at a tim
 running, the next arriving). The blocks are the children of one container of repeated
 layers: the one ``parameter_blocks`` names (a dotted module name, ``"transformer.h"``), or
 else the ``nn.ModuleList`` / ``nn.Sequential`` whose children hold the most parameter
-bytes (a transformer's layers), with every other container outside it whose layers repeat
-as its do (an encoder's beside a decoder's; not a short list of small shared modules). A
-parameter used by one block only travels with it; every other one (embeddings, the final
-norm and head, a weight tied across blocks or between a block and the rest) is in the
-*rest*, on the device from the model's forward to the end of its backward.
+bytes (a transformer's layers; not one that wraps such a list, most of its bytes in it),
+with every other container outside it whose layers repeat as its do (an encoder's beside a
+decoder's; not a short list of small shared modules). A parameter used by one block only
+travels with it; every other one (embeddings, the final norm and head, a weight tied
+across blocks or between a block and the rest) is in the *rest*, on the device from the
+model's forward to the end of its backward.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def find_blocks(model: torch.nn.Module, *, name: str | None = None) -> list[torc
             "loop calling model.forward(x), or a submodule on its own, makes that submodule "
             "the model; call model(x), or gradient_cache.manager_of(model) first.)"
         )
-    largest = max(candidates, key=lambda c: sum(map(_bytes, _holding(c))))
+    # A container most of whose bytes are one child container of blocks wraps that list
+    # (nn.Sequential(embed, nn.Sequential(*blocks), head)): its children are not blocks.
+    lists = {id(c) for c in candidates}
+    unwrapped = [c for c in candidates if not _wraps(c, lists)] or candidates
+    largest = max(unwrapped, key=lambda c: sum(map(_bytes, _holding(c))))
     chosen = [largest]
     for container in candidates:
         if _peer(container, largest) and not any(
@@ -103,6 +108,14 @@ def _named_blocks(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
 def _holding(container: torch.nn.Module) -> list[torch.nn.Module]:
     """``container``'s children that hold parameters."""
     return [child for child in container.children() if _bytes(child)]
+
+
+def _wraps(container: torch.nn.Module, lists: set[int]) -> bool:
+    """Whether one of ``container``'s children is itself a container of blocks (its id in
+    ``lists``) holding more than half of its bytes."""
+    children = _holding(container)
+    total = sum(map(_bytes, children))
+    return any(id(child) in lists and 2 * _bytes(child) > total for child in children)
 
 
 def _peer(container: torch.nn.Module, largest: torch.nn.Module) -> bool:
