@@ -2361,6 +2361,13 @@ MUTANTS = [
         "tests/test_parameters_nothing_lost.py::test_a_sequential_wrapping_the_list_of_blocks_is_not_taken_for_it",
     ),
     (
+        "buckets: a gradient counted in the dtype it is stepped in",
+        "gradient_cache/engine/capture.py",
+        "        items = self.pipeline.assembler.add(param, grad, self.pipeline.records[param].route.dtype)\n",
+        "        items = self.pipeline.assembler.add(param, grad, grad.dtype)\n",
+        "tests/test_parameters_offload.py::test_bf16_gradients_fill_buckets_as_their_fp32_sums_will tests/emulated/test_weights_on_device.py::test_a_bf16_fused_steps_peak_is_the_fp32_ones_within_its_parts",
+    ),
+    (
         "uses' parts: a block weight's uses taken whole",
         "gradient_cache/engine/capture.py",
         "        if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):\n",
