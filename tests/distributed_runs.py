@@ -950,7 +950,16 @@ def weights_on_host_refusals() -> list[str]:
         _error_of(lambda: gradient_cache.create_gradient_cache(grouped(), **options)),
         _error_of(lambda: gradient_cache.create_gradient_cache(frozen_root(), **options)),
         shard_taken_at_rest(),
+        cache_on_the_blocks_of_a_sharded_model(),
     ]
+
+
+def cache_on_the_blocks_of_a_sharded_model() -> str:
+    """The cache on ``model.blocks`` of a fully_shard model: refused (it made the blocks
+    roots of their own, which FSDP2's root then refused, or after a forward crashed)."""
+    model = deep()
+    options = {"offload_optimizer_state": True, "offload_parameters": True}
+    return _error_of(lambda: gradient_cache.create_gradient_cache(model.blocks, **options))
 
 
 def shard_taken_at_rest() -> str:

@@ -298,7 +298,7 @@ def test_shards_on_the_host_resume_from_a_checkpoint_bit_for_bit(weights_results
 
 def test_what_the_shards_on_the_host_cannot_be_combined_with_is_refused(weights_results):
     for errors in each_rank(weights_results, "weights_on_host_refusals"):
-        dtype, blocks, grouped, frozen, taken = errors
+        dtype, blocks, grouped, frozen, taken, inside = errors
         assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in dtype
         assert "Drop parameter_blocks" in blocks
         assert "fully_shard([...])" in grouped and "Call fully_shard on each module" in grouped
@@ -306,6 +306,8 @@ def test_what_the_shards_on_the_host_cannot_be_combined_with_is_refused(weights_
         # FSDP2 re-reading a shard at rest takes other memory for it: the next forward
         # refuses to train on it.
         assert "'blocks.0.0.weight' moved or cast off the host master" in taken
+        assert "root is FSDPNet, not a Sequential inside it" in inside
+        assert "Create the cache on the root module" in inside
 
 
 def fsdp2_objects(*, plural: bool = True, drop: str | None = None) -> Any:

@@ -2368,6 +2368,13 @@ MUTANTS = [
         "tests/test_parameters_offload.py::test_bf16_gradients_fill_buckets_as_their_fp32_sums_will tests/emulated/test_weights_on_device.py::test_a_bf16_fused_steps_peak_is_the_fp32_ones_within_its_parts",
     ),
     (
+        "FSDP2: a cache on a module inside a fully_shard model refused",
+        "gradient_cache/engine/fsdp_privates.py",
+        "    _refuse_a_root_outside(model, [sharded.module for sharded in found if sharded.topmost])\n",
+        "",
+        "tests/test_distributed.py::test_what_the_shards_on_the_host_cannot_be_combined_with_is_refused",
+    ),
+    (
         "uses' parts: a block weight's uses taken whole",
         "gradient_cache/engine/capture.py",
         "        if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):\n",

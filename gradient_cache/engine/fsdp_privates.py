@@ -3,7 +3,8 @@
 FSDP2 has no public API for what the cache must follow: its parameter groups (the
 gradients' reduce-scatters, the shards), each parameter's padded shard (what its
 all-gather reads), its forward order and prefetch lists, its copy-in stream, and a
-`DTensor`'s local tensor object. `FSDP_PRIVATES` lists the names, each present in the
+`DTensor`'s local tensor object (and the registry of module states, for the modules around
+the one given). `FSDP_PRIVATES` lists the names, each present in the
 sources of torch 2.6.0, 2.10.0, 2.13.0, 2.14.1 and 2.15.0 (the parameter groups under one of two
 names, `param_groups`); `check_fsdp_privates` runs when the cache is created and refuses,
 naming torch's version, a torch without one, so the reads below have no silent default.
@@ -170,7 +171,34 @@ def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
         topmost = not any(name.startswith(f"{outer}.") or not outer for outer in names)
         names.append(name)
         found.append(ShardedModule(cast(torch.nn.Module, module), state, topmost))
+    _refuse_a_root_outside(model, [sharded.module for sharded in found if sharded.topmost])
     return found
+
+
+def _refuse_a_root_outside(model: torch.nn.Module, topmost: list[torch.nn.Module]) -> None:
+    """Refuse a cache on a module inside a ``fully_shard`` model (its blocks, say): its
+    topmost shards' root is outside it, and the cache's lazy init would make them roots of
+    their own, which FSDP2's root then refuses (or, once FSDP2 ran, its prefetch reads
+    shards the cache gave up: a probe's segmentation fault). FSDP2's registry of module
+    states (``_module_state_mapping``, torch 2.6 to 2.15) is the only way to the modules
+    around ``model``."""
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp import FSDPModule
+
+    inside = {id(module) for module in model.modules()}
+    wanted = {id(module) for module in topmost}
+    for outer in list(_module_state_mapping):
+        if (
+            isinstance(outer, FSDPModule)
+            and id(outer) not in inside
+            and any(id(module) in wanted for module in outer.modules())
+        ):
+            raise ValueError(
+                f"offload_parameters=True under FSDP2 takes the fully_shard model whose "
+                f"root is {type(outer).__name__}, not a {type(model).__name__} inside it: "
+                "the cache follows FSDP2's all-gathers from the root down. Create the cache "
+                "on the root module."
+            )
 
 
 def initialize_roots(modules: list[ShardedModule]) -> None:
