@@ -2293,8 +2293,8 @@ MUTANTS = [
     (
         "complex norms: grouped by the gradient's dtype",
         "gradient_cache/engine/norms.py",
-        "    keys = [norms[p].to(p.dtype) if p.is_complex() else norms[p] for p in ordered]\n",
-        "    keys = [norms[p] for p in ordered]\n",
+        "        norms[p].to(p.dtype) if p.is_complex() else norms[p] for p in ordered\n",
+        "        norms[p] for p in ordered\n",
         "tests/test_training.py::test_a_clip_over_complex_and_real_gradients_is_plain_pytorchs",
     ),
     (

@@ -120,6 +120,8 @@ def clip_grad_norm_order(
     last = len(model_order)
     ordered = sorted(norms, key=lambda param: model_order.get(param, last))
     # Grouped by the gradient's dtype: a complex one's norm is real but its group its own.
-    keys = [norms[p].to(p.dtype) if p.is_complex() else norms[p] for p in ordered]
+    keys: list[torch.Tensor | None] = [
+        norms[p].to(p.dtype) if p.is_complex() else norms[p] for p in ordered
+    ]
     groups = _group_tensors_by_device_and_dtype([keys], with_indices=True)
     return [(ordered[i], norms[ordered[i]]) for _, indices in groups.values() for i in indices]
