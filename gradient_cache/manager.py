@@ -752,7 +752,8 @@ class ManagerReads:
             held = [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]
             zeroed = set(parameters()) if zeroed is None else zeroed
             if held and set(held) <= zeroed:
-                pipeline.discard()
+                with pipeline.capture.lock:  # not beside a failed backward's last hook
+                    pipeline.discard()
 
     def _caching(self, parameters: list[torch.Tensor] | None) -> list[OptimizerStep]:
         """The steps of the attached managers caching any of ``parameters`` (None: every

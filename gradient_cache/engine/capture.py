@@ -9,6 +9,7 @@ and their records' locations, nothing else.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import TYPE_CHECKING, cast
 
@@ -36,9 +37,16 @@ class Capture:
         # parameters alive until a full garbage collection.
         self.pipeline = cast("Pipeline", weakref.proxy(pipeline))
         self._gradient_checked = False
+        # Held by the hook, and by a zero_grad()'s discard on the main thread: after a
+        # backward raised, autograd's device thread may still be in a hook of it.
+        self.lock = threading.RLock()
 
     def on_grad_ready(self, param: Param) -> None:
         """Backward's hook: ``param``'s gradient is complete."""
+        with self.lock:
+            self._take(param)
+
+    def _take(self, param: Param) -> None:
         pipeline = self.pipeline
         grad = param.grad
         if grad is None or grad.is_sparse:
