@@ -430,10 +430,10 @@ class GradientCacheHookManager:
         part of the model), or they are added into the next step. The discarded step
         leaves no trace: error-feedback residuals go back to what they were before its
         backward (what compression held back from earlier steps), and so do the engine's
-        random generators. The cost: a step's new
-        residuals are kept beside the old ones until its restore (on CUDA, a second
-        host slot per residual); with ``TopK(keep_previous_residual=False)`` there is no
-        second one, and the residuals keep the discarded step's held-back part.
+        random generators. The cost: a step's new residuals are kept beside the old ones
+        until its restore (on CUDA, a second host slot per residual); with
+        ``TopK(keep_previous_residual=False)`` there is no second one, and the residuals
+        keep the discarded step's held-back part.
 
         After a fused step that raised having stepped some buckets, this is refused: the
         rest would be dropped and those updates kept. Call ``step(optimizer)`` again.
