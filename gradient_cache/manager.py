@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import numbers
@@ -210,13 +209,14 @@ class GradientCacheHookManager:
         # The forward check stays on the module called (outside a compiled graph), under
         # the names it gives.
         called_names = {p: n for n, p in model.named_parameters()}
+        pipeline = self._pipeline  # the closure below holds it, not the manager
         self._watch = ParameterWatch(
             model,
             [(called_names[p], p) for _, p in included],
             excluded=patterns,
             device=self._pipeline.backend.device,
             in_place=None if self._weights is None else self._weights.masters.in_place,
-            retry_pending=functools.partial(getattr, self._pipeline, "interrupted"),
+            retry_pending=lambda: pipeline.interrupted,
         )
         self._attach(model)
 
@@ -439,8 +439,7 @@ class GradientCacheHookManager:
         rest would be dropped and those updates kept. Call ``step(optimizer)`` again.
         """
         engine = self._live()
-        pending = engine.pending
-        if engine.interrupted and pending is not None and pending.partly_stepped():
+        if _awaits_its_retry(engine):
             raise RuntimeError(
                 "discard_gradients() after a fused step that raised having stepped part of "
                 "its buckets would keep those updates and drop the rest, a step plain "
@@ -747,8 +746,8 @@ class ManagerReads:
             pipeline = manager.engine
             if pipeline is None or not pipeline.step_pending:
                 continue  # the common case: zero_grad() after the step
-            if pipeline.interrupted and pipeline.pending and pipeline.pending.partly_stepped():
-                continue  # a failed step that stepped a bucket waits for its retry
+            if _awaits_its_retry(pipeline):
+                continue
             held = [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]
             zeroed = set(parameters()) if zeroed is None else zeroed
             if held and set(held) <= zeroed:
@@ -849,6 +848,13 @@ def _parameter_list(
     tensor is found in no store and counts by its ``.grad``, as clip_grad_norm_ counts it."""
     tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     return cast(list[torch.nn.Parameter], tensors)
+
+
+def _awaits_its_retry(pipeline: Pipeline) -> bool:
+    """Whether a fused step raised after stepping a bucket: it waits for its retry, and a
+    discard would keep those updates and drop the rest."""
+    pending = pipeline.pending
+    return pipeline.interrupted and pending is not None and pending.partly_stepped()
 
 
 def _as_clip_number(value: Any) -> Any:

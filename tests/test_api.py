@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import weakref
 
 import pytest
@@ -292,6 +293,26 @@ def test_disable_leaves_gradients_and_apply_adds_to_them() -> None:
     backward_once(plain, seed=2)
     for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_zero_grads_discard_waits_for_a_gradient_hook_still_running() -> None:
+    """After a backward raised, autograd's device thread may still be in the capture's hook;
+    a discard beside it left the store inconsistent (a KeyError in one CI run). The hook
+    holds the capture's lock, and zero_grad()'s discard waits for it."""
+    model = make_model()
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_of(model, *batches(1)[0]).backward()
+    lock = manager.engine.capture.lock
+    zeroing = threading.Thread(target=optimizer.zero_grad)
+    with lock:  # a hook of a backward that raised, still running
+        zeroing.start()
+        zeroing.join(timeout=0.5)
+        assert zeroing.is_alive()  # waits for the hook
+        assert manager.engine.step_pending  # nothing dropped beside it
+    zeroing.join()
+    assert not manager.engine.step_pending
+    manager.remove_hooks()
 
 
 @pytest.mark.parametrize("discard", [True, False], ids=["discard_gradients", "zero_grad-only"])

@@ -1565,7 +1565,7 @@ MUTANTS = [
     (
         "left by a step: a backward adding to them refused",
         "gradient_cache/engine/capture.py",
-        "        if pending is not None and pending.siblings_taken:\n",
+        "        if pending is not None and pending.siblings_taken and not pipeline.interrupted:\n",
         "        if False:\n",
         "tests/test_left_gradients.py",
     ),
@@ -2244,7 +2244,7 @@ MUTANTS = [
     (
         "budget blocks: a kept unit's parameters become device tensors",
         "gradient_cache/engine/weights/stream.py",
-        "        for param, home in zip(params, homes, strict=True):\n            param.data = home\n",
+        "            param.data = rebound.get(param, home)\n",
         "",
         "tests/test_budget_blocks.py",
     ),
@@ -2279,8 +2279,8 @@ MUTANTS = [
     (
         "norms: grouped by the gradient's device, not the parameter's",
         "gradient_cache/engine/norms.py",
-        "        groups.setdefault((norms[param].device, param.dtype), []).append(param)",
-        "        groups.setdefault((param.device, param.dtype), []).append(param)",
+        "        norms[p].to(p.dtype) if p.is_complex() else norms[p] for p in ordered\n",
+        "        p.detach() for p in ordered\n",
         "tests/emulated/test_budget_on_device.py",
     ),
     (
@@ -2314,7 +2314,7 @@ MUTANTS = [
     (
         "interrupted step: a discard refused once a bucket stepped",
         "gradient_cache/manager.py",
-        "        if engine.interrupted and pending is not None and pending.partly_stepped():\n",
+        "        if _awaits_its_retry(engine):\n",
         "        if False:\n",
         "tests/test_training.py::test_before_a_failed_fused_steps_retry_a_backward_is_refused_and_a_discard_once_it_stepped",
     ),
@@ -2373,6 +2373,20 @@ MUTANTS = [
         "    _refuse_a_root_outside(model, [sharded.module for sharded in found if sharded.topmost])\n",
         "",
         "tests/test_distributed.py::test_what_the_shards_on_the_host_cannot_be_combined_with_is_refused",
+    ),
+    (
+        "zero_grad: the discard waits for a gradient hook still running",
+        "gradient_cache/manager.py",
+        "                with pipeline.capture.lock:  # not beside a failed backward's last hook\n                    pipeline.discard()\n",
+        "                pipeline.discard()\n",
+        "tests/test_api.py::test_a_zero_grads_discard_waits_for_a_gradient_hook_still_running",
+    ),
+    (
+        "routing: a cache's own fused step fires the step's pre-hooks without the routing's",
+        "gradient_cache/integrations/routing.py",
+        "            OWN_HOOKS.add(self._before_step)\n",
+        "",
+        "tests/test_decorator.py::test_manager_of_steps_a_clipped_fused_step_inside_the_decorated_function",
     ),
     (
         "uses' parts: a block weight's uses taken whole",

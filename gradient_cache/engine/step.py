@@ -68,7 +68,7 @@ class OptimizerStep:
         # optimizer.step(), out of .grad until that call's step is over (`show_held`).
         # Weak keys: an optimizer whose call never ended (its step raised) is not kept.
         self._hidden: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.stepping = False  # inside `step` (`refuse_a_plain_step`)
+        self._stepping = False  # inside `step` (`refuse_a_plain_step`)
 
     # --- the public face ----------------------------------------------------------------
 
@@ -91,7 +91,7 @@ class OptimizerStep:
         steps_before = pipeline.steps
         self._before_restore()
         step_hooks = StepHooks(optimizer, through_instance=hooks)
-        self.stepping = True  # its buckets' optimizer.step() calls are this step's own
+        self._stepping = True  # its buckets' optimizer.step() calls are this step's own
         try:
             total_norm, left = self._fused(
                 optimizer,
@@ -104,7 +104,7 @@ class OptimizerStep:
                 before_steps=step_hooks.fire_pre_hooks if hooks else None,
             )
         finally:
-            self.stepping = False
+            self._stepping = False
         self._after_restore(steps_before)
         states = pipeline.optimizer_state
         step_hooks.fire_post_hooks(wait_for_state=None if states is None else states.wait_on_host)
@@ -212,7 +212,7 @@ class OptimizerStep:
         """The user's own ``optimizer.step()``, no integration routing it: refused where
         this cache holds gradients of its parameters, which are not in ``.grad``, so it
         would step without them (silently, for most optimizers: the weights stay put)."""
-        if self.stepping:
+        if self._stepping:
             return
         records = self.pipeline.records
         held = [

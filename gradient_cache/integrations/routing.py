@@ -34,7 +34,7 @@ from torch.optim.optimizer import (
 )
 
 from ..engine.step import OptimizerStep
-from ..engine.step_hooks import after_the_closure
+from ..engine.step_hooks import OWN_HOOKS, after_the_closure
 from ..gradient_readers import route_gradient_reads
 from ..manager import GradientCacheHookManager, ManagerReads
 
@@ -64,6 +64,11 @@ class StepRouting:
     def __enter__(self) -> StepRouting:
         with contextlib.ExitStack() as stack:
             stack.callback(register_optimizer_step_pre_hook(self._before_step).remove)
+            # Not the user's: a cache's own fused step (manager_of(model).step inside the
+            # decorated function) fires the step's pre-hooks without it, or it would route
+            # that step again as a fused step inside it.
+            OWN_HOOKS.add(self._before_step)
+            stack.callback(OWN_HOOKS.discard, self._before_step)
             stack.callback(register_optimizer_step_post_hook(self._after_step).remove)
             stack.enter_context(route_gradient_reads(self))
             self._stack = stack.pop_all()
@@ -98,8 +103,6 @@ class StepRouting:
 
     def _route(self, optimizer: torch.optim.Optimizer) -> None:
         steps = [m.optimizer_step for m in self._managers() if m.optimizer_step is not None]
-        if any(step.stepping for step in steps):
-            return  # a bucket's own step in a cache's fused step (manager_of(model).step)
         if self.fused:
             for step in steps:
                 step.step_in_call(optimizer)  # hidden what it stepped until `_after_step`
