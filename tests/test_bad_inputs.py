@@ -142,6 +142,10 @@ CASES = [
      "optimizer must be a torch.optim.Optimizer"),
     ("optimizer.step() over gradients the cache holds", "sgd.step()", RuntimeError,
      "Call hook_manager.step(optimizer) in place of optimizer.step()"),
+    ("optimizer.step() with the state on the host: apply_gradients() is refused there",
+     "m = model(); c = create_gradient_cache(m, offload_optimizer_state=True); "
+     "m(torch.randn(2, 4)).sum().backward(); torch.optim.SGD(m.parameters(), lr=0.1).step()",
+     RuntimeError, "in place of optimizer.step() (the fused step)."),
     ("a second optimizer's step over gradients another step took",
      "cache.step(sgd); cache.step(torch.optim.SGD(cached_model.parameters(), lr=0.1))",
      RuntimeError, "another optimizer's step already stepped in this step and freed"),

@@ -2402,6 +2402,34 @@ MUTANTS = [
         "        if run < len(nodes):\n",
         "tests/emulated/test_weights_on_device.py",
     ),
+    (
+        "side outputs: a tensor a block left on a module brings the block first",
+        "gradient_cache/engine/weights/stream.py",
+        "                    tensor.register_hook(functools.partial(self._side_begins, index))\n",
+        "                    pass\n",
+        "tests/emulated/test_device_defects.py -k handing",
+    ),
+    (
+        "side outputs: an output inside a plain object is found",
+        "gradient_cache/engine/weights/hooks.py",
+        "    return tensors_needing_gradients(output) or tensors_needing_gradients(\n",
+        "    return tensors_needing_gradients(output) or 0 * tensors_needing_gradients(\n",
+        "tests/emulated/test_device_defects.py -k handing",
+    ),
+    (
+        "side outputs: one left there across forwards hooked once",
+        "gradient_cache/engine/weights/stream.py",
+        "                    self._sides[id(tensor)] = tensor\n",
+        "",
+        "tests/emulated/test_device_defects.py -k hooked_once",
+    ),
+    (
+        "a failed backward's end waits for autograd's device thread",
+        "gradient_cache/engine/weights/hooks.py",
+        "            self._wait_for_the_device_thread()\n",
+        "",
+        "tests/emulated/test_device_defects.py -k failed_backwards_last",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

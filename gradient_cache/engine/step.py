@@ -222,13 +222,14 @@ class OptimizerStep:
             if param in records and records[param].gradient in HELD_BY_THE_CACHE
         ]
         if held:
+            apply = self.pipeline.optimizer_state is None  # else apply_gradients is refused
+            or_apply = ", or hook_manager.apply_gradients() before it" if apply else ""
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() while the gradient cache holds the "
                 f"gradients of {len(held)} of its parameters ({', '.join(held[:3])}"
                 f"{', ...' if len(held) > 3 else ''}), which are not in .grad: it would step "
                 "without them. Call hook_manager.step(optimizer) in place of "
-                "optimizer.step() (the fused step), or hook_manager.apply_gradients() "
-                "before it."
+                f"optimizer.step() (the fused step){or_apply}."
             )
 
     def show_held(self, optimizer: Optimizer) -> None:

@@ -4,6 +4,10 @@ device a gradient on the device assigned to a parameter on the host raises, as o
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import ClassVar
+
 import pytest
 import torch
 from helpers import FailsOnce
@@ -76,3 +80,130 @@ def test_a_clip_between_backwards_with_the_weights_on_the_host_is_refused(device
     )(clip_between_backwards)
     with pytest.raises(RuntimeError, match=r"max_grad_norm=\.\.\."):
         decorated(cached, on(device, 1))
+
+
+class Handed(torch.nn.Module):
+    """A block whose backward does not all start at its returned tensor: an auxiliary loss
+    left on an attribute (``aux``: from an activation, an MoE router's, or from a weight),
+    or its output inside an object pytree cannot see into (``wrapped``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.how = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), how
+
+    def forward(self, x):
+        x = x.value if isinstance(x, Wrapped) else x
+        h = x + self.fc2(torch.tanh(self.fc1(x)))
+        if self.how == "activation aux":  # made after the output: its backward runs first
+            self.aux = 1e-2 * torch.softmax(self.fc1(x), -1).pow(2).mean()
+        elif self.how == "weight aux":
+            self.aux = 1e-3 * self.fc1.weight.pow(2).sum()
+        elif not hasattr(self, "first"):  # left there, in no later graph
+            self.first = h.sum()
+        return Wrapped(h) if self.how == "wrapped" else h
+
+
+class Wrapped:
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class HandingNet(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Handed(how) for _ in range(4))
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        x = x.value if isinstance(x, Wrapped) else x
+        return self.head(x).pow(2).mean() + sum(getattr(b, "aux", 0) for b in self.blocks)
+
+
+@pytest.mark.parametrize("how", ["activation aux", "weight aux", "wrapped"])
+def test_a_block_handing_on_its_graph_otherwise_than_by_its_outputs_trains_as_plain(
+    device, how: str
+) -> None:
+    """Backward brings a block from hooks on the tensors it returns; a loss it left on an
+    attribute ran its backward before them (on freed or still-arriving weights: NaN, or a
+    device mismatch), and an output inside a plain object had no hook at all."""
+
+    def run(model, data, step) -> None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in data:
+            model(x).backward()
+            step(optimizer)
+            optimizer.zero_grad()
+
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 16, generator=generator) for _ in range(3)]
+    plain = HandingNet(how)
+    run(plain, data, lambda optimizer: optimizer.step())
+    cached = HandingNet(how)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    run(cached, [x.to(device) for x in data], manager.step)
+    same(plain, cached)
+
+
+def test_a_tensor_left_on_a_module_across_forwards_is_hooked_once(device) -> None:
+    """A hook each forward on a tensor that stays on its module would grow without end."""
+    model = HandingNet("kept")
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
+    for _ in range(3):
+        model(torch.ones(2, 16, device=device)).backward()
+        manager.discard_gradients()
+    assert len(model.blocks[0].first._backward_hooks) == 1
+
+
+class Slow(torch.autograd.Function):
+    """``x @ weight.T`` whose backward, on autograd's device thread, signals ``started``,
+    sleeps, then records whether ``weight`` still had its memory."""
+
+    started = threading.Event()
+    had_memory: ClassVar[list[bool]] = []
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        Slow.started.set()
+        time.sleep(0.5)
+        Slow.had_memory.append(weight.untyped_storage().nbytes() > 0)
+        return grad @ weight, grad.T @ x
+
+
+class AfterSlow(torch.autograd.Function):
+    """Identity whose backward (on the host's thread) waits until `Slow`'s has begun."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        Slow.started.wait(timeout=10)
+        return grad
+
+
+def test_the_next_forward_waits_for_a_failed_backwards_last_node_on_the_device(device) -> None:
+    """A backward refused on the host's thread returns while autograd's device thread may
+    still be inside a node reading a block's weights; the next forward ends that backward
+    and frees them, so it waits for the node first (freed under it, it crashed)."""
+    blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4, bias=False) for _ in range(2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), *blocks)
+    for block in blocks:
+        block.forward = lambda x, block=block: Slow.apply(x, block.weight)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
+    x = torch.ones(2, 4, device=device)
+    penalty = AfterSlow.apply(blocks[0].weight.square().sum())  # a host term, refused
+    with pytest.raises(RuntimeError, match="received a gradient computed on the cpu"):
+        (model(x).sum() + penalty).backward()
+    model(x)  # ends the failed backward
+    assert Slow.had_memory == [True]
+    manager.remove_hooks()

@@ -62,6 +62,36 @@ def tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
     ]
 
 
+def outputs_needing_gradients(output: Any) -> list[torch.Tensor]:
+    """A forward's output tensors that need gradients, or where pytree sees none, those of
+    the objects it cannot see into (a plain class, an unregistered dataclass): the hooks
+    that bring a block's backward are on them, and a missed one reads freed weights."""
+    return tensors_needing_gradients(output) or tensors_needing_gradients(
+        [vars(leaf) for leaf in pytree.tree_leaves(output) if _plain_object(leaf)]
+    )
+
+
+def _plain_object(value: Any) -> bool:
+    return hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type))
+
+
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))  # a module's own bookkeeping attributes
+
+
+def left_on_modules(block: torch.nn.Module) -> list[torch.Tensor]:
+    """Tensors of a graph that a block's forward left on its modules' attributes (an
+    auxiliary loss kept as ``self.aux_loss``, an MoE router's): their backward reads the
+    block's weights too, and may run before the block's outputs have their gradient."""
+    return [
+        tensor
+        for module in block.modules()
+        for name, value in vars(module).items()
+        if name not in _MODULE_OWN
+        for tensor in tensors_needing_gradients(value)
+        if tensor.grad_fn is not None
+    ]
+
+
 def refuse_create_graph() -> None:
     """A backward that records a graph of its own (``create_graph=True``: a gradient
     penalty) would save the device copies of the weights in it, which go when this backward
@@ -81,13 +111,15 @@ class BackwardEnd:
     hook of that backward (autograd runs queued callbacks when the backward is done).
 
     A backward that raised ends at the next forward (`after_a_failed_backward`). Autograd's
-    other thread (the device's) may still be finishing a node of it then, and its hooks
+    other thread (``device``'s) may still be finishing a node of it then, and its hooks
     run after ``backward()`` raised: a stream's backward hooks run under ``lock`` and not at
     all for that failed backward (`of_this_backward`), so none of them frees or counts a
-    weight while the next forward uses it."""
+    weight while the next forward uses it, and the end waits for that thread's node first
+    (`_wait_for_the_device_thread`): it frees the weights the node may be reading."""
 
-    def __init__(self, ended: Callable[[], None]) -> None:
+    def __init__(self, ended: Callable[[], None], device: torch.device) -> None:
         self._ended = ended
+        self._device = device
         self._queued = False
         self._task = -1  # the graph task whose end is queued
         self._failed = -1  # the last graph task that raised before its end
@@ -111,12 +143,23 @@ class BackwardEnd:
         with self.lock:
             if not self._queued:
                 return
-            self._failed = self._task
+            self._failed = self._task  # its late hooks skip from now on
+        self._wait_for_the_device_thread()  # unlocked: a late hook takes the lock to skip
+        with self.lock:
             self.raised = True
             try:
                 self._run()
             finally:
                 self.raised = False
+
+    def _wait_for_the_device_thread(self) -> None:
+        """A backward of one node on the device: autograd's thread for it runs the node after
+        the one it is running now, and skips what is left of a backward that raised. (A
+        node of it reading a weight freed beside it crashed the emulated device.)"""
+        if self._device.type == "cpu":
+            return  # one thread: the backward that raised is over
+        with torch.inference_mode(False), torch.enable_grad():
+            torch.zeros((), device=self._device, requires_grad=True).backward()
 
     def in_a_failed_backward(self) -> bool:
         """Whether the hook running now belongs to a backward that raised."""

@@ -48,7 +48,7 @@ class ShardStream:
         self._next: dict[int, int] = {}  # the module that ran after each, last forward
         self._previous: int | None = None  # the module that ran last in this forward
         self._reached: set[int] = set()  # the modules whose backward began
-        self._end = BackwardEnd(self._backward_ended)
+        self._end = BackwardEnd(self._backward_ended, weights.backend.device)
         self._handles: list[Any] = []
         self._unshards: list[torch.nn.Module] = []
         for index, sharded in enumerate(modules):

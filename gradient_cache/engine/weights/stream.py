@@ -27,8 +27,10 @@ from .hooks import (
     BackwardEnd,
     OwnerHooks,
     in_backward,
+    left_on_modules,
     module_hook,
     of_this_backward,
+    outputs_needing_gradients,
     outside_graphs,
     refuse_create_graph,
     tensors_needing_gradients,
@@ -61,7 +63,9 @@ class WeightStream:
         # an input: when its gradient is complete their backward is done, and their frozen
         # weights go before the block that made it arrives.
         self._consumers: dict[int, tuple[weakref.ref[torch.Tensor], list[int]]] = {}
-        self._end = BackwardEnd(self._backward_ended)
+        # The tensors `left_on_modules` hooked, by id: hooked once, if one stays there.
+        self._sides: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._end = BackwardEnd(self._backward_ended, weights.backend.device)
         self._in_blocks = {p for params in units.block_params for p in params}
         self._unstreamed: set[Param] = set()  # block weights whose gradient met the host
         self._warned = False
@@ -181,7 +185,7 @@ class WeightStream:
         if in_backward():
             return
         self.schedule.learn()
-        outputs = tensors_needing_gradients(output) if torch.is_grad_enabled() else []
+        outputs = outputs_needing_gradients(output) if torch.is_grad_enabled() else []
         if not outputs:  # an eval, a forward that raised, nothing to train: no backward
             if torch.is_grad_enabled():
                 self._forwards -= 1  # counted at its begin, and no graph to come back to
@@ -265,7 +269,8 @@ class WeightStream:
             for tensor in tensors_needing_gradients((args, kwargs)):
                 tensor.register_hook(hook)
             inputs = {id(t) for t in pytree.tree_leaves((args, kwargs))}
-            for tensor in tensors_needing_gradients(output):
+            outputs = outputs_needing_gradients(output)
+            for tensor in outputs:
                 if id(tensor) in inputs:
                     continue  # handed on unchanged (T5's position bias): not this block's
                 consumers: list[int] = []
@@ -273,6 +278,11 @@ class WeightStream:
                 tensor.register_hook(
                     functools.partial(self._block_backward_begins, index, consumers)
                 )
+            inputs.update(map(id, outputs))
+            for tensor in left_on_modules(module):
+                if id(tensor) not in inputs and self._sides.get(id(tensor)) is not tensor:
+                    self._sides[id(tensor)] = tensor
+                    tensor.register_hook(functools.partial(self._side_begins, index))
         last = index == self.schedule.last()
         if not (last and output is not None and torch.is_grad_enabled()):
             self.weights.free(self._block(index))  # the last one: backward begins with it
@@ -286,6 +296,15 @@ class WeightStream:
             self._free_frozen(consumer)
         self.weights.ensure(self._block(index))
         self.weights.bring(self._block(self.schedule.before(index)))
+
+    @outside_graphs
+    @of_this_backward
+    def _side_begins(self, index: int, grad: torch.Tensor) -> None:
+        """A tensor block ``index`` left on a module has its gradient: its backward reads
+        the block's weights, and may run before the block's outputs have theirs."""
+        refuse_create_graph()
+        self._end.queue()
+        self.weights.ensure(self._block(index))
 
     @outside_graphs
     @of_this_backward
@@ -320,9 +339,10 @@ class WeightStream:
             f"Block parameter {name!r} received a gradient computed on the {grad.device} "
             "(its host master, with offload_parameters=True): it was used outside its "
             "block's forward, where its weights are on the host (a regularizer over "
-            "model.parameters(), block.forward(x) instead of block(x)). Put a regularizer "
-            "into the optimizer (weight_decay) or compute it inside the block's forward, "
-            "and call the blocks as modules."
+            "model.parameters(), block.forward(x) instead of block(x), a forward hook "
+            "registered on the block after the cache). Put a regularizer into the optimizer "
+            "(weight_decay) or compute it inside the block's forward, call the blocks as "
+            "modules, and register such a hook before the cache or with prepend=True."
         )
 
     def _warn_unstreamed(self) -> None:
