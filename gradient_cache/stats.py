@@ -60,7 +60,7 @@ class CompressionSummary:
     passes (every micro-batch's) and its fused step. ``steps``: steps
     restored so far (a step delivered by several optimizers counts once), less those a
     GradScaler skipped (a skip is learnt when the next step begins). ``memory_budget``:
-    with one, what it decided after the first step (or that there is nothing to budget).
+    with one, what it decided after its measured steps (or that there is nothing to budget).
     """
 
     compression_ratio: float

@@ -202,7 +202,8 @@ def test_a_reader_giving_a_nonsense_peak_is_named(peak: float) -> None:
 
 def test_the_measurement_holds_the_first_optimizer_step_on_every_path() -> None:
     """apply_gradients() restores before the optimizer creates its state: the budget decides
-    only at the second step's restore, once the first step's state exists."""
+    only at the third step's restore, once the state exists and a step past its creation
+    ran."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     states_when_read = []
@@ -220,9 +221,10 @@ def test_the_measurement_holds_the_first_optimizer_step_on_every_path() -> None:
         manager.apply_gradients()
         optimizer.step()
         optimizer.zero_grad()
-    # Sampled at each restore and its end; the decision's last sample, at the second
-    # step's restore, holds the first optimizer step's state. None after the decision.
-    assert states_when_read == [0, 0, len(list(model.parameters()))]
+    # Sampled at each restore and its end; the samples from the second step's restore on
+    # hold the first optimizer step's state. None after the decision.
+    n = len(list(model.parameters()))
+    assert states_when_read == [0, 0, n, n, n]
 
 
 def test_a_budget_covers_one_model_per_decorated_function() -> None:
@@ -249,18 +251,18 @@ def budgeted(memory: FakeMemory, room: int, **options):
 
 
 def test_a_checkpoint_mid_accumulation_carries_the_gradients_the_budget_kept() -> None:
-    """Saved between two micro-batches of the third step (the budget kept some gradients
-    on the device since the second): the resumed run, in a fresh model, optimizer and
+    """Saved between two micro-batches of the fourth step (the budget kept some gradients
+    on the device since the third): the resumed run, in a fresh model, optimizer and
     manager, ends bit for bit as plain PyTorch's uninterrupted one."""
-    steps = 4
+    steps = 5
     plain = make_model()
     train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), steps=steps)
     room = gradient_bytes() * 3 // 2
     model, optimizer, manager = budgeted(FakeMemory(peak=100 * MIB), room)
     data = batches(steps)
-    train(model, optimizer, manager, steps=2)
-    assert kept(manager, "gradient")  # decided at the second step: some gradients kept
-    tokens, targets = data[2]
+    train(model, optimizer, manager, steps=3)
+    assert kept(manager, "gradient")  # decided at the third step: some gradients kept
+    tokens, targets = data[3]
     (loss_of(model, tokens[:2], targets[:2]) / 2).backward()
     saved = save_and_load(model, manager, optimizer)
     manager.remove_hooks()
@@ -272,7 +274,7 @@ def test_a_checkpoint_mid_accumulation_carries_the_gradients_the_budget_kept() -
     manager.load_state_dict(saved["cache"])
     (loss_of(model, tokens[2:], targets[2:]) / 2).backward()
     manager.step(optimizer, max_grad_norm=0.05)
-    tokens, targets = data[3]
+    tokens, targets = data[4]
     for half in (slice(0, 2), slice(2, 4)):
         (loss_of(model, tokens[half], targets[half]) / 2).backward()
     manager.step(optimizer, max_grad_norm=0.05)
@@ -287,9 +289,9 @@ def test_a_checkpoint_after_a_restore_carries_no_kept_gradient() -> None:
     model, optimizer, manager = budgeted(
         memory, 10 * gradient_bytes(), offload_optimizer_state=False
     )
-    for tokens, targets in batches(3):
+    for tokens, targets in batches(4):
         loss_of(model, tokens, targets).backward()
-        manager.step(optimizer) if manager.engine.steps < 2 else manager.apply_gradients()
+        manager.step(optimizer) if manager.engine.steps < 3 else manager.apply_gradients()
     assert all(p.grad is not None for p in model.parameters())
     assert manager.state_dict()["kept_gradients"] == {}
 
@@ -299,8 +301,8 @@ def kept_everything(**options):
     then one more backward of two micro-batches: the next step's gradients all in `.grad`."""
     memory = FakeMemory(peak=100 * MIB)
     model, optimizer, manager = budgeted(memory, 10 * gradient_bytes(), **options)
-    train(model, optimizer, manager, steps=2)
-    for tokens, targets in batches(3)[2:]:
+    train(model, optimizer, manager, steps=3)
+    for tokens, targets in batches(4)[3:]:
         for half in (slice(0, 2), slice(2, 4)):
             (loss_of(model, tokens[half], targets[half]) / 2).backward()
     assert kept(manager, "gradient") == len(list(model.parameters()))
@@ -325,7 +327,7 @@ def test_a_failed_step_of_the_kept_gradients_retried_gives_plain_bits(nth: int) 
     """The kept gradients step a bucket at a time; a step that raises in the ``nth`` of
     them is retried: none is clipped twice (they were clipped in place) nor stepped twice."""
     plain = make_model()
-    train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), steps=3)
+    train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), steps=4)
     model, optimizer, manager = kept_everything()
     failure = FailsOnce(optimizer)
     failure.arm(nth)
@@ -471,12 +473,12 @@ def test_only_an_accelerator_that_answers_memory_queries_is_budgeted(monkeypatch
     assert device_memory_of(torch.device("xpu", 0)) is None
 
 
-def test_the_decision_waits_for_the_first_step_after_the_warm_up() -> None:
-    """warmup_steps=2 (lossless steps): the steps measured run through the third, the
-    first with the steady codecs; the decision comes at the fourth's restore."""
+def test_the_decision_waits_for_the_second_step_after_the_warm_up() -> None:
+    """warmup_steps=2 (lossless steps): the steps measured run through the fourth, the
+    second with the steady codecs; the decision comes at the fifth's restore."""
     memory = FakeMemory(peak=MIB)
-    assert decided(memory, "1TiB", steps=3, warmup_steps=2).decision is None
-    assert decided(memory, "1TiB", steps=4, warmup_steps=2).decision is not None
+    assert decided(memory, "1TiB", steps=4, warmup_steps=2).decision is None
+    assert decided(memory, "1TiB", steps=5, warmup_steps=2).decision is not None
 
 
 def test_apply_gradients_after_a_failed_step_that_clipped_kept_gradients_refuses() -> None:

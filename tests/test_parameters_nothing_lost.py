@@ -392,7 +392,7 @@ def test_hooks_of_a_backward_ended_as_failed_do_not_run() -> None:
 
     class Stream:
         def __init__(self) -> None:
-            self._end = BackwardEnd(lambda: None)
+            self._end = BackwardEnd(lambda: None, torch.device("cpu"))
             self.ran: list[str] = []
 
         @of_this_backward

@@ -455,6 +455,26 @@ def test_max_grad_norm_inf_returns_plains_norm_and_clips_nothing() -> None:
     assert_same_parameters(plain, cached)
 
 
+@pytest.mark.parametrize("offload", [{}, {"offload_optimizer_state": True}])
+def test_a_clipped_step_with_no_gradient_returns_plains_zero_norm(offload) -> None:
+    """A batch dropped by zero_grad() and the loop steps anyway: clip_grad_norm_ over no
+    gradient is 0 and the step changes nothing (it raised from inside torch's foreach
+    norm); gradient_norm() likewise."""
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **offload)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, cached)]
+    tokens, targets = batches(1)[0]
+    for model, optimizer in zip((plain, cached), optimizers, strict=True):
+        loss_of(model, tokens, targets).backward()
+        optimizer.zero_grad()
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    optimizers[0].step()
+    assert torch.equal(manager.gradient_norm(cached.parameters()), expected)
+    assert torch.equal(manager.step(optimizers[1], max_grad_norm=1.0), expected)
+    assert_same_parameters(plain, cached)
+    manager.remove_hooks()
+
+
 def test_fused_steps_of_two_optimizers_each_restore_only_their_own_parameters() -> None:
     """Buckets are restored in parts: step(opt1) leaves opt2's gradients cached."""
     plain, cached = make_model(), make_model()

@@ -1,6 +1,6 @@
 """``memory_budget``: offload only what must leave the device, decided from a measurement.
 
-The cache offloads everything through the first step after the warm-up, measures what the
+The cache offloads everything through the second step after the warm-up, measures what the
 device held (`DeviceMemory`), then keeps on the device the most it can within the budget,
 what frees the fewest device bytes per link byte first (with the weights on the host: whole
 units). The measure, the order and why the bound is conservative: docs/ARCHITECTURE.md,
@@ -179,7 +179,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class BudgetDecision:
-    """What a budget kept on the device after measuring the first step."""
+    """What a budget kept on the device after measuring the first steps."""
 
     budget_bytes: int
     measured_peak: int  # the first step's, everything offloaded
@@ -280,9 +280,11 @@ class BudgetWatch:
         self.memory = memory
         self.weights = weights
         self.decision: BudgetDecision | None = None
-        # Steps measured before deciding: through the first step after the warm-up, whose
-        # lossy codecs (warm-up steps are lossless) are the steady state's.
-        self.measured_steps = warmup_steps + 1
+        # Steps measured before deciding: through the second after the warm-up, whose lossy
+        # codecs (warm-up steps are lossless) are the steady state's. Not the first: it
+        # creates the optimizer's state where it steps, where a later step brings the next
+        # bucket's state ahead of it too (a higher peak: deciding on the first ran out).
+        self.measured_steps = warmup_steps + 2
         self.peak = 0  # the running maximum of the samples
         if memory is None:
             self.note = (
@@ -291,8 +293,9 @@ class BudgetWatch:
             )
             logger.info("gradient-cache: %s", self.note)
         else:
-            steps = "the first step" if warmup_steps == 0 else f"the first {warmup_steps + 1} steps"
-            self.note = f"memory_budget={budget.text!r}: measuring {steps}"
+            self.note = (
+                f"memory_budget={budget.text!r}: measuring the first {self.measured_steps} steps"
+            )
             memory.reset_peak()
 
     def measure_from_now(self) -> None:

@@ -117,6 +117,8 @@ def clip_grad_norm_order(
     order is the same in every process, so under FSDP2 every rank sums alike. Parameters
     the model does not list (another module's, in the same optimizer) go last.
     """
+    if not norms:
+        return []  # no gradient at all (a dropped batch): plain's norm is 0 then
     last = len(model_order)
     ordered = sorted(norms, key=lambda param: model_order.get(param, last))
     # Grouped by the gradient's dtype: a complex one's norm is real but its group its own.
