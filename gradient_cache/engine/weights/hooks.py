@@ -86,10 +86,13 @@ def left_on_modules(block: torch.nn.Module) -> list[torch.Tensor]:
         tensor
         for module in block.modules()
         for name, value in vars(module).items()
-        if name not in _MODULE_OWN
+        if name not in _MODULE_OWN and isinstance(value, _HOLDERS)  # not pytree's each
         for tensor in tensors_needing_gradients(value)
         if tensor.grad_fn is not None
     ]
+
+
+_HOLDERS = (torch.Tensor, list, tuple, dict)
 
 
 def refuse_create_graph() -> None:
