@@ -140,7 +140,7 @@ def test_a_decision_midway_trains_bit_for_bit_as_plain() -> None:
 
 def test_a_budget_the_offloaded_step_already_passes_raises_with_the_numbers() -> None:
     with pytest.raises(
-        MemoryBudgetError, match=r"is 99\.0 MiB, and the first step peaked at 100\.0"
+        MemoryBudgetError, match=r"is 99\.0 MiB, and the first steps peaked at 100\.0"
     ):
         budgeted_run(room=-MIB)
 

@@ -232,7 +232,7 @@ def decide(
         if not with_state:
             fixes += "offload the optimizer state (offload_optimizer_state=True), "
         raise MemoryBudgetError(
-            f"memory_budget={budget!r} is {budget_bytes / MIB:.1f} MiB, and the first step "
+            f"memory_budget={budget!r} is {budget_bytes / MIB:.1f} MiB, and the first steps "
             f"peaked at {measured_peak / MIB:.1f} MiB with {everything} offloaded: "
             f"{(measured_peak - budget_bytes) / MIB:.1f} MiB over. To fit: {fixes}compress "
             "more, or lower the activations (smaller micro-batches, activation checkpointing)."
