@@ -1306,8 +1306,8 @@ MUTANTS = [
     (
         "weights: a tensor a block hands on unchanged does not bring it back in backward",
         "gradient_cache/engine/weights/stream.py",
-        "                if id(tensor) in inputs:\n",
-        "                if False:\n",
+        "                if id(t) not in handed\n",
+        "                if True\n",
         "tests/test_parameters_nothing_lost.py::test_an_encoder_and_a_decoder_both_stream_and_a_handed_on_tensor_brings_nothing_back",
     ),
     (
@@ -2412,8 +2412,43 @@ MUTANTS = [
     (
         "side outputs: an output inside a plain object is found",
         "gradient_cache/engine/weights/hooks.py",
-        "    return tensors_needing_gradients(output) or tensors_needing_gradients(\n",
-        "    return tensors_needing_gradients(output) or 0 * tensors_needing_gradients(\n",
+        '        elif depth and hasattr(leaf, "__dict__") and not isinstance(leaf, torch.nn.Module | type):\n',
+        "        elif False:\n",
+        "tests/emulated/test_device_defects.py -k handing",
+    ),
+    (
+        "side outputs: a loss assigned to a buffer's name",
+        "gradient_cache/engine/weights/hooks.py",
+        '        return name == "_buffers"',
+        "        return False",
+        "tests/emulated/test_device_defects.py -k handing",
+    ),
+    (
+        "side outputs: a deque",
+        "gradient_cache/engine/weights/hooks.py",
+        "_HOLDERS = (torch.Tensor, list, tuple, dict, collections.deque)",
+        "_HOLDERS = (torch.Tensor, list, tuple, dict)",
+        "tests/emulated/test_device_defects.py -k handing",
+    ),
+    (
+        "side outputs: a dataclass on a module",
+        "gradient_cache/engine/weights/hooks.py",
+        "        dataclasses.is_dataclass(value) and not isinstance(value, type)",
+        "        False",
+        "tests/emulated/test_device_defects.py -k handing",
+    ),
+    (
+        "block outputs: an input updated in place is the block's output",
+        "gradient_cache/engine/weights/stream.py",
+        "            handed = {id(t): t for t, made_by in entered if t.grad_fn is made_by}",
+        "            handed = {id(t): t for t, made_by in entered}",
+        "tests/emulated/test_device_defects.py -k handing",
+    ),
+    (
+        "block outputs: what it wrote into its inputs",
+        "gradient_cache/engine/weights/stream.py",
+        "                + tensors_needing_gradients((args, kwargs))\n",
+        "",
         "tests/emulated/test_device_defects.py -k handing",
     ),
     (

@@ -4,6 +4,8 @@ device a gradient on the device assigned to a parameter on the host raises, as o
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import threading
 import time
 from typing import ClassVar
@@ -83,24 +85,46 @@ def test_a_clip_between_backwards_with_the_weights_on_the_host_is_refused(device
 
 
 class Handed(torch.nn.Module):
-    """A block whose backward does not all start at its returned tensor: an auxiliary loss
-    left on an attribute (``aux``: from an activation, an MoE router's, or from a weight),
-    or its output inside an object pytree cannot see into (``wrapped``)."""
+    """A block whose backward does not all start at the tensor it returns: an auxiliary loss
+    (an MoE router's, from an activation or from a weight) left on an attribute, a buffer's
+    name, a dataclass or a deque; its output inside an object pytree cannot see into, or
+    beside one holding the loss; an input updated in place; a list it was given, written."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.fc1, self.fc2, self.how = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), how
+        if how == "buffer aux":
+            self.register_buffer("aux", None, persistent=False)
 
-    def forward(self, x):
+    def forward(self, x, losses=None):
         x = x.value if isinstance(x, Wrapped) else x
+        if self.how == "in place":
+            return x.add_(self.fc2(torch.tanh(self.fc1(x * 1.0))))
         h = x + self.fc2(torch.tanh(self.fc1(x)))
-        if self.how == "activation aux":  # made after the output: its backward runs first
-            self.aux = 1e-2 * torch.softmax(self.fc1(x), -1).pow(2).mean()
+        aux = 1e-2 * torch.softmax(self.fc1(x), -1).pow(2).mean()  # after the output: first
+        if self.how in ("activation aux", "buffer aux"):
+            self.aux = aux
         elif self.how == "weight aux":
             self.aux = 1e-3 * self.fc1.weight.pow(2).sum()
+        elif self.how == "dataclass aux":
+            self.stats = Stats(aux)
+        elif self.how == "deque aux":
+            self.stats = collections.deque([aux])
+        elif self.how == "into a list it was given":
+            losses.append(aux)
         elif not hasattr(self, "first"):  # left there, in no later graph
             self.first = h.sum()
-        return Wrapped(h) if self.how == "wrapped" else h
+        return {"wrapped": Wrapped(h), "beside an object": (h, Wrapped(aux))}.get(self.how, h)
+
+    def loss_term(self):
+        if self.how in ("dataclass aux", "deque aux"):
+            return self.stats.loss if self.how == "dataclass aux" else self.stats[0]
+        return getattr(self, "aux", None)
+
+
+@dataclasses.dataclass
+class Stats:
+    loss: torch.Tensor
 
 
 class Wrapped:
@@ -114,21 +138,41 @@ class HandingNet(torch.nn.Module):
         torch.manual_seed(0)
         self.blocks = torch.nn.ModuleList(Handed(how) for _ in range(4))
         self.head = torch.nn.Linear(16, 1)
+        self.how = how
 
     def forward(self, x):
+        x, terms = x * 1.0, []  # not the data in place
         for block in self.blocks:
-            x = block(x)
+            x = block(x, losses=terms) if self.how == "into a list it was given" else block(x)
+            if isinstance(x, tuple):
+                x, beside = x
+                terms.append(beside.value)
         x = x.value if isinstance(x, Wrapped) else x
-        return self.head(x).pow(2).mean() + sum(getattr(b, "aux", 0) for b in self.blocks)
+        terms += [t for t in (b.loss_term() for b in self.blocks) if t is not None]
+        return self.head(x).pow(2).mean() + sum(terms)
 
 
-@pytest.mark.parametrize("how", ["activation aux", "weight aux", "wrapped"])
+HOW = [
+    "activation aux",
+    "weight aux",
+    "buffer aux",
+    "dataclass aux",
+    "deque aux",
+    "wrapped",
+    "beside an object",
+    "in place",
+    "into a list it was given",
+]
+
+
+@pytest.mark.parametrize("how", HOW)
 def test_a_block_handing_on_its_graph_otherwise_than_by_its_outputs_trains_as_plain(
     device, how: str
 ) -> None:
     """Backward brings a block from hooks on the tensors it returns; a loss it left on an
     attribute ran its backward before them (on freed or still-arriving weights: NaN, or a
-    device mismatch), and an output inside a plain object had no hook at all."""
+    device mismatch), and an output inside a plain object, an input updated in place and a
+    list it was given, written, had no hook at all (a bare setStorage error)."""
 
     def run(model, data, step) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -16,6 +16,8 @@ once, still tied).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import threading
 import weakref
@@ -63,36 +65,52 @@ def tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
 
 
 def outputs_needing_gradients(output: Any) -> list[torch.Tensor]:
-    """A forward's output tensors that need gradients, or where pytree sees none, those of
-    the objects it cannot see into (a plain class, an unregistered dataclass): the hooks
-    that bring a block's backward are on them, and a missed one reads freed weights."""
-    return tensors_needing_gradients(output) or tensors_needing_gradients(
-        [vars(leaf) for leaf in pytree.tree_leaves(output) if _plain_object(leaf)]
-    )
+    """A forward's output tensors that need gradients, those inside objects pytree cannot see
+    into included (`tensors_in`): the hooks that bring a block's backward are on them, and
+    a missed one reads weights that went."""
+    return [tensor for tensor in tensors_in(output) if tensor.requires_grad]
 
 
-def _plain_object(value: Any) -> bool:
-    return hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type))
+def tensors_in(value: Any, depth: int = 3) -> list[torch.Tensor]:
+    """The tensors in ``value``: in pytree's containers (a deque is one), and ``depth`` levels
+    down the objects it cannot see into (a plain class, an unregistered dataclass)."""
+    found: list[torch.Tensor] = []
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif depth and hasattr(leaf, "__dict__") and not isinstance(leaf, torch.nn.Module | type):
+            found += tensors_in(vars(leaf), depth - 1)
+    return found
 
 
 _MODULE_OWN = frozenset(vars(torch.nn.Module()))  # a module's own bookkeeping attributes
 
 
 def left_on_modules(block: torch.nn.Module) -> list[torch.Tensor]:
-    """Tensors of a graph that a block's forward left on its modules' attributes (an
-    auxiliary loss kept as ``self.aux_loss``, an MoE router's): their backward reads the
-    block's weights too, and may run before the block's outputs have their gradient."""
+    """Tensors of a graph that a block's forward left on its modules (an auxiliary loss kept
+    as ``self.aux_loss``, an MoE router's, also where that name is a buffer's): their
+    backward reads the block's weights too, and may run before the block's outputs have
+    their gradient. Searched: tensors, lists, tuples, dicts, deques and dataclasses, not
+    objects of other classes (a config: too many to read at every forward)."""
     return [
         tensor
         for module in block.modules()
         for name, value in vars(module).items()
-        if name not in _MODULE_OWN and isinstance(value, _HOLDERS)  # not pytree's each
-        for tensor in tensors_needing_gradients(value)
+        if _may_hold(name, value)
+        for tensor in tensors_in(value, depth=2)
         if tensor.grad_fn is not None
     ]
 
 
-_HOLDERS = (torch.Tensor, list, tuple, dict)
+def _may_hold(name: str, value: Any) -> bool:
+    if name in _MODULE_OWN:
+        return name == "_buffers"  # a loss assigned to a buffer's name goes there
+    return isinstance(value, _HOLDERS) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    )
+
+
+_HOLDERS = (torch.Tensor, list, tuple, dict, collections.deque)
 
 
 def refuse_create_graph() -> None:

@@ -58,6 +58,9 @@ class WeightStream:
         self._called: set[int] = set()  # the blocks this forward ran
         self._reused = False  # a block ran twice since the last backward ended
         self._kwargs: dict[int, Any] = {}  # a running block's keyword inputs
+        # A running block's inputs needing gradients and their nodes at its begin: one still
+        # made by that node at its end is handed on (or only read), not its output.
+        self._entered: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         self._in_model = False  # inside the model's own forward
         # Each block output of this forward (weakly, by id) and the blocks that took it as
         # an input: when its gradient is complete their backward is done, and their frozen
@@ -220,7 +223,9 @@ class WeightStream:
             self._called.add(index)
             self.schedule.ran(index)
             self._kwargs[index] = kwargs  # its inputs' gradient ends its backward
+            self._entered[index] = []
             for tensor in tensors_needing_gradients((args, kwargs)):
+                self._entered[index].append((tensor, tensor.grad_fn))
                 made = self._consumers.get(id(tensor))
                 if made is not None and made[0]() is tensor:
                     made[1].append(index)
@@ -263,24 +268,32 @@ class WeightStream:
         if in_backward():
             return  # a recomputation: its backward reads these weights next
         kwargs = self._kwargs.pop(index, {})
-        if output is not None and torch.is_grad_enabled():
+        entered = self._entered.pop(index, None)
+        if entered is not None and output is not None and torch.is_grad_enabled():
             self._placement.record_uses(self._block(index))  # before they may leave
+            # Handed on unchanged (T5's position bias), or only read: not this block's.
+            handed = {id(t): t for t, made_by in entered if t.grad_fn is made_by}
             hook = functools.partial(self._block_backward_ended, index)
-            for tensor in tensors_needing_gradients((args, kwargs)):
+            for tensor in handed.values():
                 tensor.register_hook(hook)
-            inputs = {id(t) for t in pytree.tree_leaves((args, kwargs))}
-            outputs = outputs_needing_gradients(output)
-            for tensor in outputs:
-                if id(tensor) in inputs:
-                    continue  # handed on unchanged (T5's position bias): not this block's
+            # What it returns, and what it wrote into its inputs (a dict it was given, an
+            # input updated in place): the gradient of each brings its backward.
+            made = {
+                id(t): t
+                for t in outputs_needing_gradients(output)
+                + tensors_needing_gradients((args, kwargs))
+                if id(t) not in handed
+            }
+            for tensor in made.values():
                 consumers: list[int] = []
                 self._consumers[id(tensor)] = (weakref.ref(tensor), consumers)
                 tensor.register_hook(
                     functools.partial(self._block_backward_begins, index, consumers)
                 )
-            inputs.update(map(id, outputs))
             for tensor in left_on_modules(module):
-                if id(tensor) not in inputs and self._sides.get(id(tensor)) is not tensor:
+                if id(tensor) in handed or id(tensor) in made:
+                    continue
+                if self._sides.get(id(tensor)) is not tensor:
                     self._sides[id(tensor)] = tensor
                     tensor.register_hook(functools.partial(self._side_begins, index))
         last = index == self.schedule.last()
