@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -453,6 +454,32 @@ def test_max_grad_norm_inf_returns_plains_norm_and_clips_nothing() -> None:
         for optimizer in optimizers:
             optimizer.zero_grad()
     assert_same_parameters(plain, cached)
+
+
+@pytest.mark.parametrize("close", ["remove_hooks", "a with-block left on the error"])
+def test_a_close_after_a_clipped_step_failed_midway_puts_back_clipped_gradients(close) -> None:
+    """The step raised at its second bucket, the first stepped with clipped gradients: the
+    close puts the rest back clipped too, as plain's .grad after clip_grad_norm_ (they came
+    back unclipped, 8.9x a probe's, and a loop finishing with optimizer.step() drifted);
+    apply_gradients() there is refused, naming the retry."""
+    plain, cached = make_model(), make_model()
+    tokens, targets = batches(1)[0]
+    loss_of(plain, tokens, targets).backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS, **SMALL_BUCKETS)
+    optimizer = torch.optim.AdamW(cached.parameters(), lr=1e-2)
+    FailsOnce(optimizer).arm(2)
+    loss_of(cached, tokens, targets).backward()
+    closing = manager if close != "remove_hooks" else contextlib.nullcontext()
+    with pytest.raises(torch.OutOfMemoryError), closing:
+        manager.step(optimizer, max_grad_norm=0.05)
+    if close == "remove_hooks":
+        with pytest.raises(RuntimeError, match=r"Call step\(optimizer\) again"):
+            manager.apply_gradients()
+        manager.remove_hooks()
+    back = [(a.grad, b.grad) for a, b in zip(plain.parameters(), cached.parameters(), strict=True)]
+    assert any(grad is None for _, grad in back) and any(grad is not None for _, grad in back)
+    assert all(torch.equal(a, b) for a, b in back if b is not None)
 
 
 @pytest.mark.parametrize("offload", [{}, {"offload_optimizer_state": True}])

@@ -93,8 +93,8 @@ MUTANTS = [
     (
         "pipeline: restores apply the deferred clip",
         "gradient_cache/engine/pipeline.py",
-        "self.restoring(buckets, clip_factor=self.deferred_clip)",
-        "self.restoring(buckets, clip_factor=None)",
+        "        factor = self.deferred_clip\n",
+        "        factor = None\n",
         "tests/test_fused_routing.py::test_gradient_readers_after_the_clip_see_clipped_gradients",
     ),
     (
@@ -1229,8 +1229,8 @@ MUTANTS = [
     (
         "restore: the plain restore has no bucket ahead (the apply path's device peak)",
         "gradient_cache/engine/pipeline.py",
-        "        with contextlib.closing(self.restoring(buckets, clip_factor=self.deferred_clip)) as each:",
-        "        with contextlib.closing(self.restoring(buckets, clip_factor=self.deferred_clip, depth=self.backend.restore_ahead)) as each:",
+        "        with contextlib.closing(self.restoring(buckets, clip_factor=factor)) as each:",
+        "        with contextlib.closing(self.restoring(buckets, clip_factor=factor, depth=self.backend.restore_ahead)) as each:",
         "tests/test_stream_order.py::test_only_the_fused_step_restores_ahead",
     ),
     (
@@ -2471,6 +2471,20 @@ MUTANTS = [
         "        return []  # no gradient at all (a dropped batch): plain's norm is 0 then\n",
         "        pass\n",
         "tests/test_training.py -k no_gradient_returns",
+    ),
+    (
+        "a close after a failed clipped step puts the rest back clipped",
+        "gradient_cache/engine/pipeline.py",
+        "            factor = self.pending.clip[1]\n",
+        "            pass\n",
+        "tests/test_training.py -k close_after",
+    ),
+    (
+        "apply_gradients after a failed step that stepped a bucket is refused",
+        "gradient_cache/engine/step.py",
+        "        if failed is not None and (failed.partly_stepped() or (failed.held and failed.held.scaled)):",
+        "        if failed is not None and (failed.held and failed.held.scaled):",
+        "tests/test_training.py -k close_after",
     ),
     (
         "budget: measured through the second step after the warm-up",

@@ -220,9 +220,14 @@ class Pipeline:
 
     def restore(self, params: Iterable[Param]) -> None:
         """The cached gradients of ``params`` into ``param.grad`` (added to any there), times
-        the deferred clip's factor; a bucket at a time (they stay: none restores ahead)."""
+        the deferred clip's factor, or an interrupted fused step's (the close: as plain's
+        ``.grad`` after its clip, the step's buckets stepped clipped); a bucket at a time
+        (they stay: none restores ahead)."""
         buckets = [[param for param, _ in part] for part in self.store.parts(set(params))]
-        with contextlib.closing(self.restoring(buckets, clip_factor=self.deferred_clip)) as each:
+        factor = self.deferred_clip
+        if self.interrupted and self.pending is not None and self.pending.clip is not None:
+            factor = self.pending.clip[1]
+        with contextlib.closing(self.restoring(buckets, clip_factor=factor)) as each:
             for grads in each:
                 for param, grad in grads:  # beside host weights; cast as .to() casts .grad
                     grad = sharding.as_grad_of(param, grad).to(param.device, param.dtype)

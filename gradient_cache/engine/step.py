@@ -162,14 +162,13 @@ class OptimizerStep:
         steps_before = pipeline.steps
         if pipeline.step_pending:
             self._before_restore()
-        pending = pipeline.pending
-        held = None if pending is None or not pipeline.interrupted else pending.held
-        if held is not None and (held.scaled or held.stepped):
+        failed = pipeline.pending if pipeline.interrupted else None
+        if failed is not None and (failed.partly_stepped() or (failed.held and failed.held.scaled)):
             raise RuntimeError(
                 "apply_gradients() after a fused step(optimizer) that raised once it had "
-                "scaled or stepped device gradients in place: restoring the rest whole "
-                "would clip or step those twice. Call step(optimizer) again to finish "
-                "that step."
+                "stepped a bucket or scaled device gradients in place: restoring the rest "
+                "whole would clip or step those twice, or leave the rest unclipped beside "
+                "clipped ones. Call step(optimizer) again to finish that step."
             )
         pipeline.apply()
         self._after_restore(steps_before)
