@@ -21,7 +21,7 @@ _REPLACED = {
     ),
     "GPUMemoryManager": (
         "the memory_budget= option (offload only what must leave the device, decided from "
-        "the first step's measured peak) and the summary's memory figures "
+        "the first steps' measured peak) and the summary's memory figures "
         "(hook_manager.summary()). Docs: docs/options.md#memory_budget and docs/summary.md"
     ),
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -217,6 +218,7 @@ class GradientCacheHookManager:
             device=self._pipeline.backend.device,
             in_place=None if self._weights is None else self._weights.masters.in_place,
             retry_pending=lambda: pipeline.interrupted,
+            at_forward=functools.partial(pipeline.settle_scaled_step, known_only=True),
         )
         self._attach(model)
 

@@ -34,11 +34,13 @@ class ParameterWatch:
         device: torch.device,
         in_place: Callable[[torch.nn.Parameter], bool] | None = None,
         retry_pending: Callable[[], bool] | None = None,
+        at_forward: Callable[[], None] | None = None,
     ) -> None:
         """``in_place``: with the weights on the host (``offload_parameters``), whether a
         parameter is where the cache put it (its host master or its device copy, in the
         compute dtype or its own), which then stands for the dtype and device checks.
-        ``retry_pending``: whether a fused step that raised waits for its retry."""
+        ``retry_pending``: whether a fused step that raised waits for its retry.
+        ``at_forward``: called as a forward with gradients begins."""
         self._cached = {name: weakref.ref(param) for name, param in cached}
         # The routes, slots and restores are planned for these dtypes.
         self._dtypes = {name: param.dtype for name, param in cached}
@@ -46,6 +48,7 @@ class ParameterWatch:
         self._device = device
         self._in_place = in_place
         self._retry_pending = retry_pending or _never
+        self._at_forward = at_forward or _nothing
         self._model = weakref.ref(model)
         # Whether a forward ran under float16 autocast: then a GradScaler is all but sure,
         # and the manager warns if it was not given one (`grad_scaler=`).
@@ -57,6 +60,7 @@ class ParameterWatch:
     def remove(self) -> None:
         self._handle.remove()
         self._retry_pending = _never  # the pipeline is let go with the cache
+        self._at_forward = _nothing
 
     def check_before_step(self) -> None:
         """The forward's check, at the fused step: a change between a backward and its step
@@ -75,6 +79,8 @@ class ParameterWatch:
             and torch.get_autocast_dtype(kind) == torch.float16
         ):
             self.saw_fp16_autocast = True
+        if torch.is_grad_enabled():
+            self._at_forward()
         if torch.is_grad_enabled() and self._retry_pending():
             # Before anything of this forward's backward reaches .grad or the cache, whose
             # capture refuses it too (the engine's step states).
@@ -169,6 +175,10 @@ class ParameterWatch:
 def _never() -> bool:
     """No fused step waits for its retry (a removed cache's watch)."""
     return False
+
+
+def _nothing() -> None:
+    return None
 
 
 def _cast_of(cached: torch.nn.Parameter | None, dtype: torch.dtype) -> str | None:

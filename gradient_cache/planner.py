@@ -671,8 +671,8 @@ def budget_decision(
     device_bytes: int | None,
     activation_bytes: int,
 ) -> BudgetDecision:
-    """What ``memory_budget`` would keep on the device after its first step, with the
-    state offloaded too: that step's peak taken as the state-on-host column's (with the
+    """What ``memory_budget`` would keep on the device after its measured steps, with the
+    state offloaded too: the steady step's peak taken as the state-on-host column's (with the
     weights on the host, theirs) plus ``activation_bytes`` at the end of backward; each
     tensor's gradient and state the candidates, as `budget.candidates_of` makes them for a
     live model (with the weights on the host, each unit of weights, as `budget.units_of`)."""

@@ -305,7 +305,7 @@ def test_plan_with_the_weights_on_the_host_shows_the_units_a_budget_keeps(
     assert cli.main([*base, "--memory-budget", "80GiB"]) == 0
     out = capsys.readouterr().out
     assert "kept on the device 25 of 25 units of weights" in out
-    peak = float(re.search(r"first step's peak ([\d.]+) MiB", out).group(1))
+    peak = float(re.search(r"measured peak ([\d.]+) MiB", out).group(1))
     budget = peak + (2 * block + rest // 2) / MIB  # room for two blocks, not the rest too
     assert cli.main([*base, "--memory-budget", f"{budget:.1f}MiB"]) == 0
     out = capsys.readouterr().out

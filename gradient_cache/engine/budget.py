@@ -182,7 +182,7 @@ class BudgetDecision:
     """What a budget kept on the device after measuring the first steps."""
 
     budget_bytes: int
-    measured_peak: int  # the first step's, everything offloaded
+    measured_peak: int  # the measured steps', everything offloaded
     kept: tuple[Candidate, ...]
     offloaded: tuple[Candidate, ...]
 
@@ -209,7 +209,7 @@ class BudgetDecision:
         weights = any(c.kind == "weights" for c in (*self.kept, *self.offloaded))
         of = " of the weights (the gradients and the state as before)" if weights else ""
         return (
-            f"first step's peak {self.measured_peak / MIB:.1f} MiB with everything offloaded, "
+            f"measured peak {self.measured_peak / MIB:.1f} MiB with everything offloaded, "
             f"budget {self.budget_bytes / MIB:.1f} MiB: kept on the device "
             f"{' and '.join(parts)} ({self.kept_bytes / MIB:.1f} MiB); "
             f"{self.link_bytes / MIB:.1f} MiB{of} cross the link a step"

@@ -23,6 +23,7 @@ from .backend import Encoded
 from .layout import contiguous_strides
 from .pipeline import Pipeline
 from .records import GradientAt
+from .step_state import ADVICE, INTERRUPTED
 
 # 2: generators named by codec ("topk.selection"); the codec among the recipe fields.
 # 3: int8 values draw their rounding noise from a dither (a draw counter, not a generator).
@@ -84,12 +85,10 @@ def _as_today(saved: dict[str, Any]) -> dict[str, Any]:
 def save(pipeline: Pipeline) -> dict[str, Any]:
     """The pipeline's state; drains first, so every cached gradient is in host memory."""
     if pipeline.interrupted:
-        raise RuntimeError(
-            "state_dict() was called after a fused step() raised and before it was retried: "
-            "call step(optimizer) again to finish that step, or discard_gradients(), first."
-        )
+        raise RuntimeError(f"state_dict() cannot save the pending step: {ADVICE[INTERRUPTED]}.")
     pipeline.settle_scaled_step()  # a step the GradScaler skipped is not saved as taken
     pipeline.drain()
+    pending = pipeline.pending
     names = {param: record.name for param, record in pipeline.records.items()}
     residuals = pipeline.backend.residuals
     return {
@@ -104,7 +103,7 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
         "clip_norm_type": pipeline.clip_norm_type,
         "random_device": pipeline.backend.device.type,
         "random_state": pipeline.codecs.random_state(pipeline.backend.device),
-        "random_state_at_step_start": pipeline.random_state_at_step_start,
+        "random_state_at_step_start": None if pending is None else pending.random_state,
         "residuals": {names[p]: _cpu(r) for p, r in residuals.current().items()},
         "pending_residuals": {names[p]: _cpu(r) for p, r in residuals.pending().items()},
         "buckets": [
@@ -161,7 +160,7 @@ def load(pipeline: Pipeline, state: Any) -> None:
             ]
         pipeline.launching()  # stored as a launch stores a bucket
         pipeline.capture.store_encoded(encoded, [])
-    # This manager's budget has not decided yet (it measures its own first step), so it
+    # This manager's budget has not decided yet (it measures its own first steps), so it
     # offloads everything: the kept gradients too, cached as backward hands them over.
     for name, grad in kept.items():
         pipeline.capture.add(by_name[name], to_device(grad))

@@ -72,7 +72,7 @@ def host_tensors(pipeline: Pipeline) -> tuple[torch.Tensor, ...]:
     on_host = pipeline.config.residual_options.residual_location == "host"
     return (
         *pipeline.store.tensors(),
-        *(pipeline.random_state_at_step_start or {}).values(),
+        *((pipeline.pending and pipeline.pending.random_state) or {}).values(),
         *(residuals.held() if on_host else ()),
         *(() if states is None else states.host_tensors()),
         *(() if weights is None else weights.host_tensors()),

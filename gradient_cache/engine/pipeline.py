@@ -46,7 +46,7 @@ from .step_state import (
     StepState,
     StepStateError,
 )
-from .store import BucketPayloads, GradientStore
+from .store import GradientStore
 from .weights.masters import HostWeights
 
 Param = torch.nn.Parameter
@@ -220,13 +220,10 @@ class Pipeline:
 
     def restore(self, params: Iterable[Param]) -> None:
         """The cached gradients of ``params`` into ``param.grad`` (added to any there), times
-        the deferred clip's factor, or an interrupted fused step's (the close: as plain's
-        ``.grad`` after its clip, the step's buckets stepped clipped); a bucket at a time
+        the pending step's clip factor (`PendingStep.restore_factor`); a bucket at a time
         (they stay: none restores ahead)."""
         buckets = [[param for param, _ in part] for part in self.store.parts(set(params))]
-        factor = self.deferred_clip
-        if self.interrupted and self.pending is not None and self.pending.clip is not None:
-            factor = self.pending.clip[1]
+        factor = None if self.pending is None else self.pending.restore_factor()
         with contextlib.closing(self.restoring(buckets, clip_factor=factor)) as each:
             for grads in each:
                 for param, grad in grads:  # beside host weights; cast as .to() casts .grad
@@ -264,10 +261,6 @@ class Pipeline:
         self.store.remove(params)
         for param in params:
             self.records[param].gradient = NONE
-
-    def parts(self, params: Iterable[Param]) -> list[BucketPayloads]:
-        """The cached payloads of ``params``, bucket by bucket (`GradientStore.parts`)."""
-        return self.store.parts(set(params))
 
     # --- the step's phases ------------------------------------------------------------
 
@@ -338,15 +331,14 @@ class Pipeline:
         """From the first gradient handed over until all is restored or discarded."""
         return self.state is not IDLE
 
-    @property
-    def random_state_at_step_start(self) -> dict[str, torch.Tensor] | None:
-        """The generators as the pending step found them (None: none pending, or unknown)."""
-        return None if self.pending is None else self.pending.random_state
-
-    def settle_scaled_step(self) -> None:
+    def settle_scaled_step(self, *, known_only: bool = False) -> None:
         """If the GradScaler skipped the last completed step (`SkipWatch`), undo its residuals,
-        random draws and count, before anything builds on it (a launch, a discard, a checkpoint)."""
+        random draws and count, before anything builds on it (a forward, once that is
+        ``known_only``; a launch, a discard, a checkpoint). Back in the warm-up, its routes
+        again outside a hook (the CUDA pool is re-laid): so the forward settles first."""
         if self.skips is None or self.skips.unsettled is None:
+            return
+        if known_only and not self.skips.decided():
             return
         skipped = self.skips.settle()
         if skipped is None:
@@ -355,6 +347,8 @@ class Pipeline:
         self.backend.residuals.bring_back_replaced()
         self.codecs.set_random_state(self.backend.device, skipped.random_state)
         self.steps = skipped.steps
+        if self._planned_at > self.steps and torch._C._current_graph_task_id() == -1:
+            self._follow_plan()
 
     def _forget_takers(self) -> None:
         for record in self.records.values():

@@ -197,6 +197,15 @@ class SkipWatch:
         updated = scale is not None and scale._version != scaled.scale_version
         return scaled if updated else None
 
+    def decided(self) -> bool:
+        """Whether the last completed step is known taken or skipped: an optimizer stepped
+        a cached parameter, or the scaler's ``update()`` ran."""
+        scaled = self.unsettled
+        if scaled is None:
+            return False
+        scale = loss_scale(self.scaler)
+        return scaled.stepped or (scale is not None and scale._version != scaled.scale_version)
+
     def _note_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After any optimizer's step: note a step of the cached parameters."""
         scaled = self.unsettled

@@ -121,7 +121,7 @@ class OptimizerStep:
         `GradientCacheHookManager.gradient_norm`)."""
         params = list(params)
         pipeline = self._clip_ready("gradient_norm")
-        norms = _cached_norms(pipeline, pipeline.parts(params), norm_type)
+        norms = _cached_norms(pipeline, pipeline.store.parts(set(params)), norm_type)
         for param in params:
             if param.grad is not None:
                 norms[param] = gradient_norm(sharding.local(param.grad), norm_type)
@@ -302,7 +302,7 @@ class OptimizerStep:
         # behaves like any device gradient. Parameters of other optimizers stay cached.
         pipeline.deliver_and_restore(p for p in delivered if p.grad is not None)
         held = {p: p.grad for p in stepped if p.grad is not None}
-        parts = pipeline.parts(stepped)
+        parts = pipeline.store.parts(set(stepped))
         scaler, inv_scale, skip = _scaler_verdict(pipeline, optimizer, parts, held)
         if clip is None:
             clip = _clip(

@@ -102,6 +102,12 @@ class PendingStep:
             if not pending.backwards.isdisjoint(self.backwards):
                 pending.siblings_taken = True
 
+    def restore_factor(self) -> torch.Tensor | None:
+        """What a restore outside the fused step multiplies by: the deferred clip's factor,
+        or a fused step's that raised (a close then puts back what plain's ``.grad`` holds
+        after its unscale and clip: that step's buckets stepped so)."""
+        return self.deferred_clip if self.clip is None else self.clip[1]
+
     def partly_stepped(self) -> bool:
         """Whether an interrupted fused step had stepped a bucket or held gradients."""
         return self.counted or bool(self.held and self.held.stepped)

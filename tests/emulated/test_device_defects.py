@@ -251,3 +251,68 @@ def test_the_next_forward_waits_for_a_failed_backwards_last_node_on_the_device(d
     model(x)  # ends the failed backward
     assert Slow.had_memory == [True]
     manager.remove_hooks()
+
+
+class Windowed(torch.nn.Module):
+    """A block that returns fp32 under a bf16 compute dtype (its next input comes cast), or
+    that appends to a cache object every block is passed and returns it with its output."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.how = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), how
+
+    def forward(self, x, cache=None):
+        key = self.fc1(x)
+        h = x + self.fc2(torch.tanh(key))
+        if cache is None:
+            return h.float() if self.how == "fp32 between blocks" else h
+        cache.keys.append(key)
+        return h, cache
+
+
+class KeyCache:
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class WindowNet(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Windowed(how) for _ in range(8))
+        self.head, self.how = torch.nn.Linear(16, 1), how
+
+    def forward(self, x):
+        cache = KeyCache() if self.how == "a cache passed on" else None
+        for block in self.blocks:
+            x = block(x) if cache is None else block(x, cache=cache)[0]
+        return self.head(x.to(self.head.weight.dtype)).float().pow(2).mean()
+
+
+def most_blocks_in_backward(device, how: str) -> int:
+    """The most of `WindowNet`'s 8 blocks on the device at once in one backward."""
+    model = WindowNet(how)
+    manager = gradient_cache.create_gradient_cache(
+        model, **STREAMED, device=device, compute_dtype=torch.bfloat16
+    )
+    weights, blocks = manager.engine.weights, [set(b.parameters()) for b in model.blocks]
+    most, ensure = [0], weights.ensure
+
+    def counting(params, *args, **kwargs):
+        ensure(params, *args, **kwargs)
+        present = set(weights.present())
+        most[0] = max(most[0], sum(block <= present for block in blocks))
+
+    loss = model(torch.randn(4, 16, device=device))
+    weights.ensure = counting
+    loss.backward()
+    manager.discard_gradients()
+    return most[0]
+
+
+@pytest.mark.parametrize("how", ["fp32 between blocks", "a cache passed on"])
+def test_inputs_a_block_got_cast_or_shared_do_not_bring_blocks_back(device, how) -> None:
+    """Taken for a block's outputs, a cast copy of its input (its gradient comes once the
+    block's backward is done) and the earlier blocks' tensors in a cache object it returns
+    brought blocks back after their backward, which stayed: all 8 at once."""
+    assert most_blocks_in_backward(device, how) == most_blocks_in_backward(device, "plain")

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import Any
 
 import torch
@@ -64,23 +64,29 @@ def tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
     ]
 
 
-def outputs_needing_gradients(output: Any) -> list[torch.Tensor]:
+def outputs_needing_gradients(output: Any, *, passed: Set[int] = frozenset()) -> list[torch.Tensor]:
     """A forward's output tensors that need gradients, those inside objects pytree cannot see
-    into included (`tensors_in`): the hooks that bring a block's backward are on them, and
-    a missed one reads weights that went."""
-    return [tensor for tensor in tensors_in(output) if tensor.requires_grad]
+    into included (`tensors_in`) but for the objects ``passed`` in (by id: a cache the
+    blocks share holds the earlier blocks' tensors): the hooks that bring a block's
+    backward are on them, and a missed one reads weights that went."""
+    return [tensor for tensor in tensors_in(output, skip=passed) if tensor.requires_grad]
 
 
-def tensors_in(value: Any, depth: int = 3) -> list[torch.Tensor]:
+def tensors_in(value: Any, depth: int = 3, *, skip: Set[int] = frozenset()) -> list[torch.Tensor]:
     """The tensors in ``value``: in pytree's containers (a deque is one), and ``depth`` levels
-    down the objects it cannot see into (a plain class, an unregistered dataclass)."""
+    down the objects it cannot see into (a plain class, an unregistered dataclass), but for
+    those in ``skip`` (by id)."""
     found: list[torch.Tensor] = []
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
-        elif depth and hasattr(leaf, "__dict__") and not isinstance(leaf, torch.nn.Module | type):
-            found += tensors_in(vars(leaf), depth - 1)
+        elif depth and _plain_object(leaf) and id(leaf) not in skip:
+            found += tensors_in(vars(leaf), depth - 1, skip=skip)
     return found
+
+
+def _plain_object(value: Any) -> bool:
+    return hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module | type)
 
 
 _MODULE_OWN = frozenset(vars(torch.nn.Module()))  # a module's own bookkeeping attributes
@@ -102,15 +108,16 @@ def left_on_modules(block: torch.nn.Module) -> list[torch.Tensor]:
     ]
 
 
+_HOLDERS = (torch.Tensor, list, tuple, dict, collections.deque)
+
+
 def _may_hold(name: str, value: Any) -> bool:
+    """Whether a module's attribute ``name`` may hold a tensor of a graph."""
     if name in _MODULE_OWN:
         return name == "_buffers"  # a loss assigned to a buffer's name goes there
     return isinstance(value, _HOLDERS) or (
         dataclasses.is_dataclass(value) and not isinstance(value, type)
     )
-
-
-_HOLDERS = (torch.Tensor, list, tuple, dict, collections.deque)
 
 
 def refuse_create_graph() -> None:
@@ -177,8 +184,8 @@ class BackwardEnd:
         """A backward of one node on the device: autograd's thread for it runs the node after
         the one it is running now, and skips what is left of a backward that raised. (A
         node of it reading a weight freed beside it crashed the emulated device.)"""
-        if self._device.type == "cpu":
-            return  # one thread: the backward that raised is over
+        if self._device.type == "cpu" or in_backward():
+            return  # one thread, or on autograd's own (a finalizer): nothing to wait for
         with torch.inference_mode(False), torch.enable_grad():
             torch.zeros((), device=self._device, requires_grad=True).backward()
 

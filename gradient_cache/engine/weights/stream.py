@@ -15,6 +15,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -57,10 +58,7 @@ class WeightStream:
         self._awaiting: list[weakref.ref[_Awaited]] = []
         self._called: set[int] = set()  # the blocks this forward ran
         self._reused = False  # a block ran twice since the last backward ended
-        self._kwargs: dict[int, Any] = {}  # a running block's keyword inputs
-        # A running block's inputs needing gradients and their nodes at its begin: one still
-        # made by that node at its end is handed on (or only read), not its output.
-        self._entered: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._running: dict[int, _Entered] = {}  # a running block's inputs
         self._in_model = False  # inside the model's own forward
         # Each block output of this forward (weakly, by id) and the blocks that took it as
         # an input: when its gradient is complete their backward is done, and their frozen
@@ -222,13 +220,11 @@ class WeightStream:
             self._reused |= index in self._called
             self._called.add(index)
             self.schedule.ran(index)
-            self._kwargs[index] = kwargs  # its inputs' gradient ends its backward
-            self._entered[index] = []
             for tensor in tensors_needing_gradients((args, kwargs)):
-                self._entered[index].append((tensor, tensor.grad_fn))
                 made = self._consumers.get(id(tensor))
                 if made is not None and made[0]() is tensor:
                     made[1].append(index)
+            self._running[index] = _Entered(args, kwargs)
         self._refuse_autocast()
         self.weights.ensure(self._block(index))
         if not in_backward():
@@ -267,38 +263,37 @@ class WeightStream:
     def _block_ends(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         if in_backward():
             return  # a recomputation: its backward reads these weights next
-        kwargs = self._kwargs.pop(index, {})
-        entered = self._entered.pop(index, None)
+        entered = self._running.pop(index, None)
         if entered is not None and output is not None and torch.is_grad_enabled():
             self._placement.record_uses(self._block(index))  # before they may leave
-            # Handed on unchanged (T5's position bias), or only read: not this block's.
-            handed = {id(t): t for t, made_by in entered if t.grad_fn is made_by}
-            hook = functools.partial(self._block_backward_ended, index)
-            for tensor in handed.values():
-                tensor.register_hook(hook)
-            # What it returns, and what it wrote into its inputs (a dict it was given, an
-            # input updated in place): the gradient of each brings its backward.
-            made = {
-                id(t): t
-                for t in outputs_needing_gradients(output)
-                + tensors_needing_gradients((args, kwargs))
-                if id(t) not in handed
-            }
-            for tensor in made.values():
-                consumers: list[int] = []
-                self._consumers[id(tensor)] = (weakref.ref(tensor), consumers)
-                tensor.register_hook(
-                    functools.partial(self._block_backward_begins, index, consumers)
-                )
-            for tensor in left_on_modules(module):
-                if id(tensor) in handed or id(tensor) in made:
-                    continue
-                if self._sides.get(id(tensor)) is not tensor:
-                    self._sides[id(tensor)] = tensor
-                    tensor.register_hook(functools.partial(self._side_begins, index))
+            self._hook_its_backward(index, module, entered, output)
         last = index == self.schedule.last()
         if not (last and output is not None and torch.is_grad_enabled()):
             self.weights.free(self._block(index))  # the last one: backward begins with it
+
+    def _hook_its_backward(
+        self, index: int, module: torch.nn.Module, entered: _Entered, output: Any
+    ) -> None:
+        """Hooks on what block ``index`` made, whose gradient brings its backward: what it
+        returns, and what it wrote into its inputs (a list it was given, an input updated
+        in place), and left on its modules; and on its inputs, whose gradient ends it."""
+        handed = entered.handed()  # (T5's position bias): not this block's
+        hook = functools.partial(self._block_backward_ended, index)
+        for tensor in handed.values():
+            tensor.register_hook(hook)
+        written = tensors_needing_gradients((entered.args, entered.kwargs))
+        returned = outputs_needing_gradients(output, passed=entered.objects)
+        made = {id(t): t for t in returned + written if id(t) not in handed}
+        for tensor in made.values():
+            consumers: list[int] = []
+            self._consumers[id(tensor)] = (weakref.ref(tensor), consumers)
+            tensor.register_hook(functools.partial(self._block_backward_begins, index, consumers))
+        for tensor in left_on_modules(module):
+            if id(tensor) in handed or id(tensor) in made:
+                continue
+            if self._sides.get(id(tensor)) is not tensor:  # hooked once, if it stays there
+                self._sides[id(tensor)] = tensor
+                tensor.register_hook(functools.partial(self._side_begins, index))
 
     @outside_graphs
     @of_this_backward
@@ -396,6 +391,26 @@ class WeightStream:
         if index is not None and 0 <= index < len(self.units.blocks):
             return self.units.block_params[index]
         return []
+
+
+@dataclass
+class _Entered:
+    """A running block's inputs (before a compute dtype's cast: where a cast copy was taken
+    for its output, its gradient brought the block back after its backward)."""
+
+    args: Any
+    kwargs: Any
+
+    def __post_init__(self) -> None:
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        # The inputs needing gradients and their nodes now: one still made by the same node
+        # at the block's end is handed on, or only read, not its output.
+        self.nodes = [(t, t.grad_fn) for t in tensors_needing_gradients(leaves)]
+        # The objects passed in (a cache shared by the blocks): handed on too, not searched.
+        self.objects = {id(leaf) for leaf in leaves if not isinstance(leaf, torch.Tensor)}
+
+    def handed(self) -> dict[int, torch.Tensor]:
+        return {id(t): t for t, made_by in self.nodes if t.grad_fn is made_by}
 
 
 _AWAITED = "gradient_cache.awaited"  # the key of `WeightStream`'s token in a node's metadata
