@@ -741,8 +741,9 @@ class ManagerReads:
     def zeroed(self, parameters: Callable[[], list[torch.Tensor]]) -> None:
         """``zero_grad()`` over ``parameters()``: a manager whose pending gradients are all
         among them drops them (`discard_gradients`), as ``zero_grad()`` drops ``.grad`` (a
-        skipped batch, a GAN's discriminator after the generator's step); one holding
-        others' too keeps them all, as before (it cannot drop a part of its step)."""
+        skipped batch, a GAN's discriminator after the generator's step), also where the
+        zero_grad() calls since the last backward reached them together (two optimizers');
+        one holding others' too keeps them all (it cannot drop a part of its step)."""
         zeroed: set[torch.Tensor] | None = None  # built once, where a step is pending
         for manager in self._managers():
             pipeline = manager.engine
@@ -752,7 +753,7 @@ class ManagerReads:
                 continue
             held = [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]
             zeroed = set(parameters()) if zeroed is None else zeroed
-            if held and set(held) <= zeroed:
+            if held and pipeline.pending and set(held) <= pipeline.pending.zeroed_since(zeroed):
                 with pipeline.capture.lock:  # not beside a failed backward's last hook
                     pipeline.discard()
 

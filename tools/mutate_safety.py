@@ -2473,6 +2473,27 @@ MUTANTS = [
         "tests/test_training.py -k no_gradient_returns",
     ),
     (
+        "zero_grad: the calls since the last backward reach the held gradients together",
+        "gradient_cache/engine/step_state.py",
+        "        zeroed |= params\n        return zeroed",
+        "        return params",
+        "tests/test_api.py -k two_optimizers_zero_grad",
+    ),
+    (
+        "zero_grad: a backward between two calls starts over",
+        "gradient_cache/engine/step_state.py",
+        "            self.zeroed = backwards, zeroed = frozenset(self.backwards), set()\n",
+        "            pass\n",
+        "tests/test_api.py -k two_optimizers_zero_grad",
+    ),
+    (
+        "discard: the norm type a clip in the step set is put back",
+        "gradient_cache/engine/pipeline.py",
+        "            self.clip_norm_type = None if pending.norms is None else pending.norms.norm_type\n",
+        "",
+        "tests/test_custom_loop_readers.py -k skipped_after_its_norm",
+    ),
+    (
         "block outputs: an object passed in is not searched",
         "gradient_cache/engine/weights/stream.py",
         "        returned = outputs_needing_gradients(output, passed=entered.objects)",

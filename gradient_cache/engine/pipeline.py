@@ -142,7 +142,8 @@ class Pipeline:
         if self.pending is None:
             self.settle_scaled_step()
             self.pending = _new_pending(self, self.codecs.random_state(self.backend.device))
-            self._forget_takers()  # a new step: its gradients are new
+            for record in self.records.values():  # a new step: its gradients are new
+                record.taken_by = None
 
     def _enter(self, phase: str, state: StepState) -> None:
         """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
@@ -176,17 +177,20 @@ class Pipeline:
             codec.release_scratch()  # reused across one backward's tensors, not between steps
 
     def discard(self) -> None:
-        """Drop every cached gradient (after a drain) and undo the step: the pending
-        residuals dropped, the generators rewound, as before the discarded backward."""
+        """Drop every cached gradient (after a drain) and undo the step (its residuals, its
+        draws, the norm type a clip in it set), as before the discarded backward."""
         self.settle_scaled_step()
         self.drain()
         self._spend(list(self.store))
         self.backend.residuals.drop_pending()
-        if self.pending is not None and self.pending.random_state is not None:
-            self.codecs.set_random_state(self.backend.device, self.pending.random_state)
+        if (pending := self.pending) is not None:
+            self.clip_norm_type = None if pending.norms is None else pending.norms.norm_type
+            if pending.random_state is not None:
+                self.codecs.set_random_state(self.backend.device, pending.random_state)
         self._enter("discard", IDLE)
         self.pending = None
-        self._forget_takers()
+        for record in self.records.values():
+            record.taken_by = None
 
     def restoring(
         self,
@@ -349,10 +353,6 @@ class Pipeline:
         self.steps = skipped.steps
         if self._planned_at > self.steps and torch._C._current_graph_task_id() == -1:
             self._follow_plan()
-
-    def _forget_takers(self) -> None:
-        for record in self.records.values():
-            record.taken_by = None
 
     # --- the clip's and the norms' part of the pending step ---------------------------
 

@@ -91,6 +91,8 @@ class PendingStep:
     # may clear unseen, so a backward adding to them is refused (`Capture`).
     backwards: set[int] = field(default_factory=set)
     siblings_taken: bool = False
+    # The parameters zero_grad() calls reached since its last backward (`zeroed_since`).
+    zeroed: tuple[frozenset[int], set[torch.Tensor]] = (frozenset(), set())
 
     def __post_init__(self) -> None:
         _PENDING.add(self)
@@ -101,6 +103,17 @@ class PendingStep:
         for pending in list(_PENDING):
             if not pending.backwards.isdisjoint(self.backwards):
                 pending.siblings_taken = True
+
+    def zeroed_since(self, params: set[torch.Tensor]) -> set[torch.Tensor]:
+        """Every parameter the zero_grad() calls since this step's last backward reached,
+        ``params`` (this call's) included: two optimizers' zero_grad() over the two halves
+        of a model skip a batch as one over the whole does. A backward in between starts
+        over (its gradients are new)."""
+        backwards, zeroed = self.zeroed
+        if backwards != self.backwards:
+            self.zeroed = backwards, zeroed = frozenset(self.backwards), set()
+        zeroed |= params
+        return zeroed
 
     def restore_factor(self) -> torch.Tensor | None:
         """What a restore outside the fused step multiplies by: the deferred clip's factor,
