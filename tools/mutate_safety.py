@@ -2473,6 +2473,20 @@ MUTANTS = [
         "tests/test_training.py -k no_gradient_returns",
     ),
     (
+        "checkpoint: the pending step's encode norms are carried",
+        "gradient_cache/engine/checkpoint.py",
+        "            norms.put(by_name[name], norm.to(device))\n",
+        "            pass\n",
+        "tests/test_checkpoint.py -k encodes_norms",
+    ),
+    (
+        "checkpoint: a damaged pending norm is refused",
+        "gradient_cache/engine/state_check.py",
+        "    _check_pending_norms(state, by_name)\n",
+        "",
+        "tests/test_checkpoint_damage.py",
+    ),
+    (
         "zero_grad: the calls since the last backward reach the held gradients together",
         "gradient_cache/engine/step_state.py",
         "        zeroed |= params\n        return zeroed",

@@ -89,6 +89,7 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
     pipeline.settle_scaled_step()  # a step the GradScaler skipped is not saved as taken
     pipeline.drain()
     pending = pipeline.pending
+    norms = {} if pending is None or pending.norms is None else pending.norms.written()
     names = {param: record.name for param, record in pipeline.records.items()}
     residuals = pipeline.backend.residuals
     return {
@@ -101,6 +102,9 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
         # a resumed step clips by the norms the uninterrupted one would, not the host
         # copies' (with a lossy codec they differ).
         "clip_norm_type": pipeline.clip_norm_type,
+        # The pending step's norms its encodes took (of that type): a resumed clipped step
+        # reads these, not its payloads' (with a lossy codec they differ).
+        "pending_norms": {names[p]: _cpu(n) for p, n in norms.items()},
         "random_device": pipeline.backend.device.type,
         "random_state": pipeline.codecs.random_state(pipeline.backend.device),
         "random_state_at_step_start": None if pending is None else pending.random_state,
@@ -160,6 +164,10 @@ def load(pipeline: Pipeline, state: Any) -> None:
             ]
         pipeline.launching()  # stored as a launch stores a bucket
         pipeline.capture.store_encoded(encoded, [])
+    norms = None if pipeline.pending is None else pipeline.pending.norms
+    for name, norm in state.get("pending_norms", {}).items():  # absent: saved before kept
+        if norms is not None:
+            norms.put(by_name[name], norm.to(device))
     # This manager's budget has not decided yet (it measures its own first steps), so it
     # offloads everything: the kept gradients too, cached as backward hands them over.
     for name, grad in kept.items():

@@ -58,6 +58,15 @@ class StepNorms:
         self._buffers[dtype][index].copy_(gradient_norm(grad, self.norm_type))
         self._written.add(param)
 
+    def put(self, param: torch.nn.Parameter, norm: torch.Tensor) -> None:
+        """``norm`` in ``param``'s slot, as an encode wrote it (a checkpoint's)."""
+        dtype, index = self._slots[param]
+        self._buffers[dtype][index].copy_(norm)
+        self._written.add(param)
+
+    def written(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        return {param: norm for param in self._written if (norm := self.get(param)) is not None}
+
     def get(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """``param``'s norm, None if no encode wrote it."""
         if param not in self._written:

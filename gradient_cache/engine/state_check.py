@@ -40,6 +40,7 @@ OPTIONAL_KEYS = frozenset(
         "layouts",  # none: every parameter's layout was contiguous
         "clip_norm_type",  # none: the encodes computed no norms
         "kept_gradients",  # none: no gradient kept on the device by a memory budget
+        "pending_norms",  # none: a resumed clipped step reads its payloads' norms
     }
 )
 
@@ -110,7 +111,24 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
                 )
     _check_buckets(state["buckets"], by_name, routes)
     _check_kept_gradients(state, by_name)
+    _check_pending_norms(state, by_name)
     _check_layouts(state, by_name, routes)
+
+
+def _check_pending_norms(state: dict[str, Any], by_name: dict[str, Any]) -> None:
+    """Each saved norm a finite real number >= 0 on the CPU, of a parameter cached."""
+    for name, norm in _named_tensors(state.get("pending_norms", {}), "pending_norms", by_name):
+        if (
+            not isinstance(norm, torch.Tensor)
+            or norm.device.type != "cpu"
+            or norm.numel() != 1
+            or norm.is_complex()
+            or not bool(torch.isfinite(norm) & (norm >= 0))
+        ):
+            raise ValueError(
+                f"state['pending_norms'][{name!r}] is {_describe(norm)}; expected a finite "
+                "norm >= 0, a one-element CPU tensor."
+            )
 
 
 def _check_kept_gradients(state: dict[str, Any], by_name: dict[str, Any]) -> None:
