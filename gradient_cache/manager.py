@@ -747,8 +747,13 @@ class ManagerReads:
         zeroed: set[torch.Tensor] | None = None  # built once, where a step is pending
         for manager in self._managers():
             pipeline = manager.engine
-            if pipeline is None or not pipeline.step_pending:
-                continue  # the common case: zero_grad() after the step
+            if pipeline is None:
+                continue
+            if not pipeline.step_pending:  # the common case: zero_grad() after the step
+                # A GradScaler's skip known now is settled here, outside a hook, where the
+                # forward's check does not see it (Lightning's training_step calls submodules).
+                pipeline.settle_scaled_step(known_only=True)
+                continue
             if _awaits_its_retry(pipeline):
                 continue
             held = [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]

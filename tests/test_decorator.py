@@ -513,3 +513,31 @@ def test_two_modules_called_apart_sharing_a_weight_are_refused_naming_manager_of
     run(plain)
     gradient_cache.optimize(**LOSSLESS)(run)(cached, one_model=True)
     assert_same_parameters(plain, cached)
+
+
+def test_a_grad_scaler_given_to_the_decorator_undoes_its_skipped_steps() -> None:
+    """optimize(grad_scaler=...) (refused as an unknown option before): a step the scaler
+    skips at the warm-up's last step leaves no trace, as the run that never saw that batch
+    (its scale halved as the skip halves it). Without it the skipped step was counted and
+    its residuals and draws kept (4.7e-4 off, in a probe)."""
+
+    def loop(model, data, scaler, with_bad: bool) -> None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for index, (tokens, targets) in enumerate(data):
+            if index == 1 and not with_bad:
+                scaler.update(2.0**9)  # where the skip leaves it
+                continue
+            loss = loss_of(model, tokens, targets) * (float("inf") if index == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+
+    def run(with_bad: bool) -> torch.nn.Module:
+        model = make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+        options = dict(codec="int8", min_compress_numel=1, warmup_steps=2, grad_scaler=scaler)
+        gradient_cache.optimize(**options)(loop)(model, batches(5), scaler, with_bad)
+        return model
+
+    assert_same_parameters(run(with_bad=True), run(with_bad=False))

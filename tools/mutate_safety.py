@@ -2473,6 +2473,20 @@ MUTANTS = [
         "tests/test_training.py -k no_gradient_returns",
     ),
     (
+        "scaler skip: settled at zero_grad() after the step",
+        "gradient_cache/manager.py",
+        "                pipeline.settle_scaled_step(known_only=True)\n",
+        "                pass\n",
+        "tests/test_scaler_skip.py -k warm_up",
+    ),
+    (
+        "decorator: its grad_scaler reaches the managers",
+        "gradient_cache/integrations/__init__.py",
+        "            grad_scaler=self.grad_scaler if grad_scaler is None else grad_scaler,",
+        "            grad_scaler=grad_scaler,",
+        "tests/test_decorator.py -k grad_scaler_given",
+    ),
+    (
         "checkpoint: the pending step's encode norms are carried",
         "gradient_cache/engine/checkpoint.py",
         "            norms.put(by_name[name], norm.to(device))\n",

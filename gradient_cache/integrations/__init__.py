@@ -51,6 +51,9 @@ class CacheOptions:
     #: Whether ``optimizer.step()`` is the fused step (`routing.StepRouting`); False
     #: restores every gradient before any step or gradient reader.
     fused_step: bool = True
+    #: The GradScaler the loop scales with (the decorator's ``grad_scaler=``): its skipped
+    #: steps leave no trace in the cache. An integration that finds its own passes that.
+    grad_scaler: torch.amp.GradScaler | None = None
 
     @classmethod
     def from_arguments(
@@ -68,6 +71,11 @@ class CacheOptions:
             raise TypeError(f"verbose must be True or False, got {verbose!r}.")
         options = dict(options)
         fused_step = options.pop("fused_step", True)
+        grad_scaler = options.pop("grad_scaler", None)
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}."
+            )
         if not isinstance(fused_step, bool):
             raise TypeError(f"fused_step must be True or False, got {fused_step!r}.")
         config = EngineConfig.from_options(options, compression_ratio=ratio)
@@ -78,7 +86,7 @@ class CacheOptions:
                 "every gradient before optimizer.step(), which would need the whole state "
                 "on the device. Drop fused_step=False, or the state offload."
             )
-        return cls(ratio, patterns, verbose, config, fused_step)
+        return cls(ratio, patterns, verbose, config, fused_step, grad_scaler)
 
     def create_manager(
         self,
@@ -95,5 +103,5 @@ class CacheOptions:
             exclude_layers=list(patterns),
             verbose=self.verbose,
             config=self.config,
-            grad_scaler=grad_scaler,
+            grad_scaler=self.grad_scaler if grad_scaler is None else grad_scaler,
         )
