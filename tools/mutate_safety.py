@@ -224,8 +224,8 @@ MUTANTS = [
     (
         "discard: the engine's generators are rewound",
         "gradient_cache/engine/pipeline.py",
-        "            self.codecs.set_random_state(self.backend.device, self.pending.random_state)",
-        "            pass",
+        "                self.codecs.set_random_state(self.backend.device, pending.random_state)",
+        "                pass",
         "tests/test_checkpoint.py::test_a_discard_after_resuming_mid_step_rewinds_to_the_step_start",
     ),
     (
@@ -2349,8 +2349,8 @@ MUTANTS = [
     (
         "zero_grad: only where it reaches every gradient held",
         "gradient_cache/manager.py",
-        "            if held and set(held) <= zeroed:\n",
-        "            if held:\n",
+        "            if held and pipeline.pending and set(held) <= pipeline.pending.zeroed_since(zeroed):\n",
+        "            if held and pipeline.pending:\n",
         "tests/test_left_gradients.py",
     ),
     (
