@@ -297,3 +297,25 @@ def test_save_pretrained_while_the_weights_are_on_the_host_writes_tied_weights_o
     for (name, a), b in zip(loaded.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b), name
     manager.remove_hooks()
+
+
+def test_accelerates_grad_scaler_is_handed_to_the_cache(tmp_path, monkeypatch) -> None:
+    """Under fp16 accelerate scales with a GradScaler of its own (on a GPU; set by hand
+    here): the cache gets it (before, none: a skipped step was counted and its residuals
+    kept), and at ratio 1 the run is plain Trainer's, bit for bit."""
+    handed = []
+    init = gradient_cache.GradientCacheHookManager.__init__
+
+    def spying(self, *args, **kwargs):
+        handed.append(kwargs.get("grad_scaler"))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(gradient_cache.GradientCacheHookManager, "__init__", spying)
+    models = []
+    for cached in (False, True):
+        trainer = trainer_for(tiny_gpt2(), tmp_path / str(cached))
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        hf.train(trainer, compression_ratio=1) if cached else trainer.train()
+        models.append(trainer.model)
+    assert handed and all(scaler is trainer.accelerator.scaler for scaler in handed)
+    assert weight_gap(*models) == 0

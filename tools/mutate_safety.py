@@ -2473,6 +2473,13 @@ MUTANTS = [
         "tests/test_training.py -k no_gradient_returns",
     ),
     (
+        "Trainer: accelerate's GradScaler handed to the cache",
+        "gradient_cache/integrations/transformers.py",
+        '        options = {**options, "grad_scaler": scaler}  # its skipped steps leave no trace\n',
+        "        pass\n",
+        "tests/test_transformers.py -k grad_scaler_is_handed",
+    ),
+    (
         "scaler skip: settled at zero_grad() after the step",
         "gradient_cache/manager.py",
         "                pipeline.settle_scaled_step(known_only=True)\n",

@@ -87,6 +87,9 @@ def train(
         resume_folder = get_last_checkpoint(trainer.args.output_dir)
     else:
         resume_folder = resume_from_checkpoint or None
+    scaler = getattr(trainer.accelerator, "scaler", None)  # fp16: accelerate's GradScaler
+    if scaler is not None and "grad_scaler" not in options:
+        options = {**options, "grad_scaler": scaler}  # its skipped steps leave no trace
     decorator = optimize(
         compression_ratio, exclude_layers=exclude_layers, verbose=verbose, **options
     )
