@@ -26,7 +26,8 @@ readers are replaced:
 * ``torch.optim.Optimizer.zero_grad`` and ``torch.nn.Module.zero_grad``: where a manager's
   pending gradients are all among the parameters zeroed, it drops them
   (``discard_gradients``), as ``zero_grad()`` drops ``.grad`` (a skipped batch, a GAN's
-  critic after the generator's step); one holding others' too keeps them.
+  critic after the generator's step), the calls since its last backward counted together;
+  one holding others' too keeps them.
 
 Who answers: the innermost integration running (its `route_gradient_reads`), else the
 attached managers (`fall_back_to`, from the manager module). One swap serves both: it is in
@@ -75,9 +76,9 @@ class CacheReads(Protocol):
         the gradients are restored and the original runs)."""
 
     def zeroed(self, parameters: Callable[[], list[torch.Tensor]]) -> None:
-        """``zero_grad()`` over ``parameters()`` (called only where a step is pending: the
-        usual ``zero_grad()`` after a step builds no list): drop the cached gradients it
-        reaches."""
+        """``zero_grad()`` over ``parameters()`` (a list built only where a step is pending:
+        the usual ``zero_grad()`` after a step builds none): drop the cached gradients it
+        reaches; after a step, settle what it left open (a GradScaler's skip)."""
 
 
 # The integrations' routings, innermost last; the attached managers' reads, or None.

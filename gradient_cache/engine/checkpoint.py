@@ -165,8 +165,8 @@ def load(pipeline: Pipeline, state: Any) -> None:
         pipeline.launching()  # stored as a launch stores a bucket
         pipeline.capture.store_encoded(encoded, [])
     norms = None if pipeline.pending is None else pipeline.pending.norms
-    for name, norm in state.get("pending_norms", {}).items():  # absent: saved before kept
-        if norms is not None:
+    if norms is not None:
+        for name, norm in state.get("pending_norms", {}).items():  # absent: saved before kept
             norms.put(by_name[name], norm.to(device))
     # This manager's budget has not decided yet (it measures its own first steps), so it
     # offloads everything: the kept gradients too, cached as backward hands them over.

@@ -47,6 +47,7 @@ from .step_state import (
     StepStateError,
 )
 from .store import GradientStore
+from .weights.hooks import in_backward
 from .weights.masters import HostWeights
 
 Param = torch.nn.Parameter
@@ -351,7 +352,7 @@ class Pipeline:
         self.backend.residuals.bring_back_replaced()
         self.codecs.set_random_state(self.backend.device, skipped.random_state)
         self.steps = skipped.steps
-        if self._planned_at > self.steps and torch._C._current_graph_task_id() == -1:
+        if self._planned_at > self.steps and not in_backward():
             self._follow_plan()
 
     # --- the clip's and the norms' part of the pending step ---------------------------

@@ -91,8 +91,10 @@ class PendingStep:
     # may clear unseen, so a backward adding to them is refused (`Capture`).
     backwards: set[int] = field(default_factory=set)
     siblings_taken: bool = False
-    # The parameters zero_grad() calls reached since its last backward (`zeroed_since`).
-    zeroed: tuple[frozenset[int], set[torch.Tensor]] = (frozenset(), set())
+    # The parameters zero_grad() calls reached since its last backward (`zeroed_since`),
+    # and the backwards they came after.
+    zeroed: set[torch.Tensor] = field(default_factory=set)
+    zeroed_after: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         _PENDING.add(self)
@@ -109,11 +111,10 @@ class PendingStep:
         ``params`` (this call's) included: two optimizers' zero_grad() over the two halves
         of a model skip a batch as one over the whole does. A backward in between starts
         over (its gradients are new)."""
-        backwards, zeroed = self.zeroed
-        if backwards != self.backwards:
-            self.zeroed = backwards, zeroed = frozenset(self.backwards), set()
-        zeroed |= params
-        return zeroed
+        if self.zeroed_after != self.backwards:
+            self.zeroed, self.zeroed_after = set(), frozenset(self.backwards)
+        self.zeroed |= params
+        return self.zeroed
 
     def restore_factor(self) -> torch.Tensor | None:
         """What a restore outside the fused step multiplies by: the deferred clip's factor,
