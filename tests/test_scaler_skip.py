@@ -417,3 +417,33 @@ def test_the_residuals_kept_to_undo_a_skip_are_counted_in_the_summary() -> None:
         optimizer.zero_grad()  # settles the step (taken): the replaced ones go
         assert manager.summary().residual_mb * 2**20 == current
     manager.remove_hooks()
+
+
+def test_a_forward_before_update_leaves_the_skip_to_be_learnt_after_it() -> None:
+    """The next batch's forward run ahead, between scaler.step() and scaler.update(): the
+    skip is not known yet there, so the forward must not settle the step (a verdict taken
+    then said "taken" for good, and the skipped step's trace stayed)."""
+
+    def run(with_bad_batch: bool) -> torch.nn.Module:
+        model = make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+        manager = gradient_cache.create_gradient_cache(
+            model, min_compress_numel=1, grad_scaler=scaler, **CODECS["topk"]
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = [b for i, b in enumerate(batches(5)) if with_bad_batch or i != BAD_BATCH]
+        loss = loss_of(model, *data[0])
+        for index in range(len(data)):
+            handle = poisoned(model) if with_bad_batch and index == BAD_BATCH else None
+            scaler.scale(loss).backward()
+            if handle is not None:
+                handle.remove()
+            manager.apply_gradients()
+            scaler.step(optimizer)
+            if index + 1 < len(data):
+                loss = loss_of(model, *data[index + 1])  # ahead of update()
+            scaler.update()
+            optimizer.zero_grad()
+        return model
+
+    assert_same_parameters(run(with_bad_batch=True), run(with_bad_batch=False))

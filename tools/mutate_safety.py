@@ -2473,6 +2473,13 @@ MUTANTS = [
         "tests/test_training.py -k no_gradient_returns",
     ),
     (
+        "scaler skip: a forward settles only a verdict update() made known",
+        "gradient_cache/engine/pipeline.py",
+        "        if known_only and not self.skips.decided():\n            return\n",
+        "",
+        "tests/test_scaler_skip.py -k before_update",
+    ),
+    (
         "Trainer: accelerate's GradScaler handed to the cache",
         "gradient_cache/integrations/transformers.py",
         '        options = {**options, "grad_scaler": scaler}  # its skipped steps leave no trace\n',

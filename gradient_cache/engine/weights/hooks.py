@@ -184,8 +184,8 @@ class BackwardEnd:
         """A backward of one node on the device: autograd's thread for it runs the node after
         the one it is running now, and skips what is left of a backward that raised. (A
         node of it reading a weight freed beside it crashed the emulated device.)"""
-        if self._device.type == "cpu" or in_backward():
-            return  # one thread, or on autograd's own (a finalizer): nothing to wait for
+        if self._device.type == "cpu":
+            return  # one thread: the backward that raised is over
         with torch.inference_mode(False), torch.enable_grad():
             torch.zeros((), device=self._device, requires_grad=True).backward()
 
