@@ -44,43 +44,41 @@ class GradientCacheHookManager:
 
     Args:
         model: the ``nn.Module`` whose trainable parameters are cached.
-        compression_ratio: 1 keeps gradients whole (lossless offload); r > 1 holds and
-            moves each gradient in at most ``1 / r`` of its lossless bytes (codes, scales
-            and indices counted), with the codec that trained best at that budget
-            (`EngineConfig.codec`; perf/RESULTS.md, "Codec frontier"). Tensors too small
-            for any codec to reach r take the most compact one; the summary reports the
-            ratio achieved. With ``config.codec`` set, that codec is used whatever r
-            (``codec="topk"`` or ``codec=gradient_cache.TopK(...)`` keeps ``numel / r``
-            entries).
-        exclude_layers: substrings of parameter names whose gradients stay on the
-            device exactly as plain PyTorch leaves them (e.g. ``["lm_head", "norm"]``).
+        compression_ratio: 1 keeps gradients whole (lossless offload); r > 1 holds and moves
+            each gradient in at most ``1 / r`` of its lossless bytes (codes, scales and indices
+            counted), with the codec that trained best at that budget (`EngineConfig.codec`;
+            perf/RESULTS.md, "Codec frontier"). Tensors too small for any codec to reach r take
+            the most compact one; the summary reports the ratio achieved. With ``config.codec``
+            set, that codec is used whatever r (``codec="topk"`` or
+            ``codec=gradient_cache.TopK(...)`` keeps ``numel / r`` entries).
+        exclude_layers: substrings of parameter names whose gradients stay on the device
+            exactly as plain PyTorch leaves them (e.g. ``["lm_head", "norm"]``).
         verbose: log a one-line summary at each restored step (logger ``gradient_cache``).
         config: an ``EngineConfig``; the defaults when None.
         grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any. With error
-            feedback the residual is then kept unscaled, so that the scaler's scale changes
-            do not re-weight what compression held back; and a step the scaler skips
-            (non-finite gradients) leaves no trace in the cache: at the next backward
-            (or ``state_dict()``) the cache sees that ``scaler.update()`` ran and no
-            optimizer stepped, and puts back the residuals, random draws and step count
-            of before that step (known on the host: no device read). Without it, a
-            scaled run with error feedback mixes gradients of different scales in the
-            residual, and a skipped step's residual restarts from zero.
-        backend_factory: what builds the engine's backend from the parameters, the config
-            and the ratio; the default picks by the parameters' device. Tests pass one that
-            runs the CUDA backend on stand-in streams.
-        device_memory: what a ``memory_budget`` reads of the device (`engine.budget.DeviceMemory`);
-            the default reads the CUDA allocator's statistics, and a CPU has none. Tests
-            pass their own.
+            feedback the residual is then kept unscaled, so the scale's changes do not
+            re-weight what compression held back; and a step the scaler skips (non-finite
+            gradients) leaves no trace: at the next backward (or ``state_dict()``) the cache
+            sees that ``scaler.update()`` ran and no optimizer stepped, and puts back the
+            residuals, random draws and step count of before that step (known on the host: no
+            device read). Without it, a scaled run with error feedback mixes gradients of
+            different scales in the residual, and a skipped step's residual restarts from zero.
+        backend_factory: builds the engine's backend from the parameters, the config and the
+            ratio; the default picks by the parameters' device. Tests pass one that runs the
+            CUDA backend on stand-in streams.
+        device_memory: what a ``memory_budget`` reads of the device
+            (`engine.budget.DeviceMemory`); the default reads the CUDA allocator's statistics,
+            and a CPU has none. Tests pass their own.
 
     Use ``compress_and_free_gradients()`` after backward and ``apply_gradients()`` before
-    ``optimizer.step()``, or ``step(optimizer)`` in place of both the restore and the
-    step. As a context manager it removes its hooks on exit; garbage-collected while
-    attached (never kept), it removes them too, with a warning where it did nothing.
+    ``optimizer.step()``, or ``step(optimizer)`` in place of both. As a context manager it removes
+    its hooks on exit; garbage-collected while attached (never kept), it removes them too, with a
+    warning where it did nothing.
 
-    While it is attached, ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grads_with_norm_``)
-    over parameters it caches, between backward and the restore, is answered from the
-    cache: plain PyTorch's norm, the clip applied at the restore; ``clip_grad_value_`` and
-    an enabled ``GradScaler.unscale_`` restore the gradients they read first
+    While attached, ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grads_with_norm_``) over
+    parameters it caches, between backward and the restore, is answered from the cache: plain
+    PyTorch's norm, the clip applied at the restore; ``clip_grad_value_`` and an enabled
+    ``GradScaler.unscale_`` restore the gradients they read first
     (`gradient_cache.gradient_readers`).
     """
 
@@ -127,8 +125,7 @@ class GradientCacheHookManager:
                 stacklevel=3,
             )
 
-        # torch.compile(model) holds the model as `_orig_mod`: name the parameters as the
-        # model itself does, so checkpoints and exclude_layers mean the same compiled or not.
+        # Names as the uncompiled model gives them: checkpoints and exclude_layers mean the same.
         named = model._orig_mod if isinstance(model, OptimizedModule) else model
         trainable = [(n, p) for n, p in named.named_parameters() if p.requires_grad]
         if not trainable:
@@ -189,8 +186,7 @@ class GradientCacheHookManager:
                 warmup_steps=config.warmup_steps,
                 weights=self._weights,
             )
-        # The step's owner; it holds the manager weakly (the log line), so that a manager no
-        # one keeps is still collected (`_detach_dropped`).
+        # The step holds the manager weakly, so an unkept manager is still collected.
         log_step = weakref.WeakMethod(self._log_step)
 
         def on_restored(steps_before: int) -> None:
@@ -200,15 +196,13 @@ class GradientCacheHookManager:
 
         self._step: OptimizerStep | None = OptimizerStep(
             self._pipeline,
-            # Each parameter's place in model.parameters(): the fused step sums norms in
-            # that order, as clip_grad_norm_ does. Weak keys: a replaced parameter is not
-            # kept alive.
+            # The fused step sums norms in model.parameters() order, as clip_grad_norm_ does;
+            # weak keys keep no replaced parameter alive.
             model_order=WeakIdKeyDictionary({p: i for i, (_, p) in enumerate(trainable)}),
             budget=budget,
             on_restored=on_restored,
         )
-        # The forward check stays on the module called (outside a compiled graph), under
-        # the names it gives.
+        # The forward check sits on the module called (outside a compiled graph).
         called_names = {p: n for n, p in model.named_parameters()}
         pipeline = self._pipeline  # the closure below holds it, not the manager
         self._watch = ParameterWatch(
@@ -223,13 +217,12 @@ class GradientCacheHookManager:
         self._attach(model)
 
     def _attach(self, model: torch.nn.Module) -> None:
-        """The last step of construction: the gradient readers answer from this manager, and
-        its hooks go when it is garbage-collected while attached (`_detach_dropped`)."""
+        """The last step of construction: the readers answer from this manager, and its hooks go if
+        it is collected while attached (`_detach_dropped`)."""
         _attached.add(self)
         gradient_readers.fall_back_to(_ATTACHED_READS)
-        # The finalizer holds the manager's attributes (the pipeline, its step, the watch), not the
-        # manager: nothing it holds refers back to the manager, so an unkept manager is
-        # collected, and with it go its hooks. Not at exit: the process ends anyway.
+        # The finalizer holds the manager's attributes, not the manager, so an unkept manager
+        # is collected and its hooks go. Not at exit: the process ends anyway.
         finalizer = weakref.finalize(self, _detach_dropped, vars(self), weakref.ref(model))
         finalizer.atexit = False
 
@@ -238,17 +231,17 @@ class GradientCacheHookManager:
     def compress_and_free_gradients(self) -> None:
         """Finish offloading this backward's gradients (call after ``loss.backward()``).
 
-        Backward already moved most of them; this encodes the last partial bucket and
-        waits until every gradient is in host memory. Calling it twice is harmless.
+        Backward already moved most of them; this encodes the last partial bucket and waits until
+        every gradient is in host memory. Calling it twice is harmless.
         """
         self._live().drain()
 
     def apply_gradients(self) -> None:
         """Put the cached gradients back into ``param.grad`` (call before the optimizer).
 
-        Drains first, so it also works without ``compress_and_free_gradients()``. A
-        gradient already present on the device (for instance, produced while the
-        manager was disabled) is added to, not overwritten.
+        Drains first, so it also works without ``compress_and_free_gradients()``. A gradient already
+        on the device (for instance, produced while the manager was disabled) is added to, not
+        overwritten.
         """
         pipeline = self._live()
         if pipeline.optimizer_state is not None:
@@ -270,46 +263,38 @@ class GradientCacheHookManager:
     ) -> torch.Tensor | None:
         """Restore and step bucket by bucket: at most two buckets of dense gradients on the device.
 
-        Equivalent to ``apply_gradients()`` then ``optimizer.step()`` for optimizers whose
-        update of a parameter reads only that parameter's gradient and state (SGD, Adam,
-        AdamW, ...): ``optimizer.step()`` is called once per bucket with only that
-        bucket's gradients set, then for gradients that were never offloaded (excluded
-        layers, those a ``memory_budget`` keeps) a bucket's worth at a time. The
-        optimizer's step hooks (``register_step_pre_hook``, ``register_step_post_hook``,
-        global ones too) fire once, as around a plain ``optimizer.step()``: the pre-hooks
-        before the first bucket steps (seeing no cached gradient in ``.grad``), the
-        post-hooks after every bucket stepped and, with
-        ``offload_optimizer_state=True``, after the state's copies back to the host are
-        complete, so a post-hook may read ``optimizer.state`` (an EMA, a logger). The
-        bucket steps run without them (an LR scheduler still sees the step). A step that
-        a GradScaler skips fires none, as ``scaler.step`` then calls no
-        ``optimizer.step()``. The restored
-        gradients are freed afterwards (``param.grad`` is None, as after
-        ``zero_grad()``); gradients of excluded layers are left as they were. Cached
-        gradients of parameters ``optimizer`` does not own stay cached, for another
-        optimizer's ``step()`` or for ``apply_gradients()``.
+        As ``apply_gradients()`` then ``optimizer.step()`` for optimizers whose update of a
+        parameter reads only that parameter's gradient and state (SGD, Adam, AdamW, ...):
+        ``optimizer.step()`` runs once per bucket with only that bucket's gradients set, then a
+        bucket's worth at a time for gradients never offloaded (excluded layers, those a
+        ``memory_budget`` keeps). The optimizer's step hooks (``register_step_pre_hook``,
+        ``register_step_post_hook``, global ones too) fire once, as around a plain
+        ``optimizer.step()``: the pre-hooks before the first bucket (no cached gradient in
+        ``.grad``), the post-hooks after the last and, with ``offload_optimizer_state=True``, after
+        the state's copies to the host complete, so a post-hook may read ``optimizer.state`` (an
+        EMA, a logger). The bucket steps run without them (an LR scheduler still sees the step); a
+        step a GradScaler skips fires none, as ``scaler.step`` then calls no ``optimizer.step()``.
+        The restored gradients are freed afterwards (``param.grad`` None, as after ``zero_grad()``);
+        excluded layers' are left as they were. Cached gradients of parameters ``optimizer`` does
+        not own stay cached, for another optimizer's ``step()`` or for ``apply_gradients()``.
 
-        ``max_grad_norm`` clips the global norm of the optimizer's gradients
-        (``norm_type``) before anything is restored, and returns it on the device, as
-        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` returns it over those
-        gradients: summed in the model's parameter order whatever the optimizer's, from
-        per-gradient norms the encodes computed on the device during backward (of what
-        each last encode received before compressing it: under gradient accumulation, the
-        earlier micro-batches' decoded sum plus the last one's gradient; the first clipped
-        step, which asks for them, reads them from the host copies instead). Under
-        FSDP2 the norm covers every rank's shards (an all-reduce: every rank must call
-        ``step``), as ``clip_grad_norm_`` does on the sharded model.
-        With an enabled GradScaler given to the cache (``grad_scaler=``), it does what
-        ``scaler.unscale_(optimizer)``, ``clip_grad_norm_`` and ``scaler.step(optimizer)``
-        do: gradients are unscaled as they are restored, the norm returned is the unscaled
-        one, and a step with any inf or NaN gradient steps nothing; call
-        ``scaler.update()`` after it, and neither ``unscale_`` nor ``scaler.step``.
+        ``max_grad_norm`` clips the global norm (``norm_type``) of the optimizer's gradients before
+        anything is restored, and returns it on the device as ``clip_grad_norm_(model.parameters(),
+        ...)`` returns it over them: summed in the model's parameter order whatever the optimizer's,
+        from per-gradient norms the encodes computed during backward (of what each last encode
+        received: under accumulation, the earlier micro-batches' decoded sum plus the last one's
+        gradient; the first clipped step reads them from the host copies instead). Under FSDP2 the
+        norm covers every rank's shards (an all-reduce: every rank must call ``step``), as
+        ``clip_grad_norm_`` does on the sharded model. With an enabled GradScaler given to the cache
+        (``grad_scaler=``) it does what ``scaler.unscale_(optimizer)``, ``clip_grad_norm_`` and
+        ``scaler.step(optimizer)`` do: gradients are unscaled as restored, the norm returned is the
+        unscaled one, and a step with any inf or NaN steps nothing; call ``scaler.update()`` after
+        it, neither ``unscale_`` nor ``scaler.step``.
 
-        If ``optimizer.step()`` raises (an out-of-memory error you catch, say), the
-        buckets not yet stepped stay cached and the device gradients stay in place:
-        calling ``step(optimizer)`` again completes the step as if nothing had failed,
-        with the first attempt's clip factor. This holds when the failing call raised
-        before it changed anything, as PyTorch's optimizers do on an allocation failure.
+        If ``optimizer.step()`` raises before it changed anything (as PyTorch's optimizers do on an
+        allocation failure you catch), the buckets not yet stepped stay cached and the device
+        gradients in place: ``step(optimizer)`` again completes the step as if nothing had failed,
+        with the first attempt's clip factor.
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -342,10 +327,8 @@ class GradientCacheHookManager:
         )
 
     def _refuse_a_clip_over_another_cache(self, optimizer: torch.optim.Optimizer) -> None:
-        """``max_grad_norm`` clips by the norm of the gradients this cache holds: where
-        another attached cache holds gradients of ``optimizer``'s parameters too (one
-        optimizer over two models), each would clip by its own share's norm, not the
-        optimizer's global one."""
+        """Where another attached cache holds gradients of ``optimizer``'s parameters too, each
+        would clip by its own share's norm, not the optimizer's global one."""
         params = {p for group in optimizer.param_groups for p in group["params"]}
         others = [
             manager
@@ -365,9 +348,9 @@ class GradientCacheHookManager:
             )
 
     def _warn_of_a_missing_grad_scaler(self) -> None:
-        """Once: the forward ran under float16 autocast and no GradScaler was given. The
-        fused step would step the scaled gradients as they are, and ``scaler.update()``
-        raise torch's "No inf checks were recorded" after it, with no word of the cache."""
+        """Once: fp16 autocast and no GradScaler. The fused step would step the scaled gradients,
+        and ``scaler.update()`` then raise "No inf checks were recorded" with no word of the
+        cache."""
         if self._live().grad_scaler is not None or not self._watch.saw_fp16_autocast:
             return
         self._watch.saw_fp16_autocast = False  # warned once per manager
@@ -385,17 +368,16 @@ class GradientCacheHookManager:
     def gradient_norm(
         self, parameters: torch.Tensor | Iterable[torch.Tensor], *, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """``torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type)``, with
-        the cached gradients counted where they are, none restored: the norm
-        ``clip_grad_norm_(parameters)`` returns, in its bits at ``compression_ratio=1``
-        (summed in the order of ``parameters``).
+        """``torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type)`` with cached
+        gradients counted where they are, none restored: what ``clip_grad_norm_(parameters)``
+        returns, in its bits at ``compression_ratio=1`` (summed in the order of ``parameters``).
 
         A cached gradient's norm is the one its last encode computed on the device (under
-        accumulation, of the earlier micro-batches' decoded sum plus the last one's
-        gradient; with a lossy codec, before compression), or, the first time a norm is
-        asked for, read from its host copy. Under FSDP2 the norm covers every rank's shards
-        (an all-reduce: every rank must call it). The integrations call this in place of
-        ``clip_grad_norm_``; a loop of your own can too, with `clip_grads_with_norm_`.
+        accumulation, of the earlier micro-batches' decoded sum plus the last one's gradient; with a
+        lossy codec, before compression), or, the first time a norm is asked for, read from its host
+        copy. Under FSDP2 it covers every rank's shards (an all-reduce: every rank must call it).
+        The integrations call this in place of ``clip_grad_norm_``; so can your loop, with
+        `clip_grads_with_norm_`.
         """
         return self._live_step().norm(_parameter_list(parameters), float(norm_type))
 
@@ -405,40 +387,38 @@ class GradientCacheHookManager:
         max_norm: float,
         total_norm: torch.Tensor,
     ) -> None:
-        """``torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)`` with
-        the cached gradients left cached: device gradients are clipped in place, and the
-        cached ones as they are restored (by ``step(optimizer)`` or ``apply_gradients()``),
-        by the same factor, so they come back with the bits the clip gives them in place.
+        """``torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)`` with cached
+        gradients left cached: device gradients are clipped in place, cached ones by the same factor
+        as they are restored (``step(optimizer)`` or ``apply_gradients()``), with the bits an
+        in-place clip gives them.
 
-        A clip that covers only some of the step's cached gradients restores the ones it
-        covers and clips them in place. A backward before the step first restores the
-        clipped gradients (plain PyTorch adds the next micro-batch to clipped gradients).
+        A clip covering only some of the step's cached gradients restores those and clips them in
+        place. A backward before the step first restores the clipped gradients (plain PyTorch adds
+        the next micro-batch to clipped gradients).
         """
         self._live_step().clip(_parameter_list(parameters), max_norm, total_norm)
 
     def offload_state_of(self, optimizer: torch.optim.Optimizer) -> None:
-        """With ``offload_optimizer_state=True``: ``optimizer``'s state now on the device
-        goes to host memory, and from now on ``optimizer.load_state_dict`` puts the state
-        it loads there, never on the device. ``step(optimizer)`` does both itself when it
-        begins; call it before loading when resuming, else the loaded state sits on the
-        device, whole, until then. The integrations call it when training starts."""
+        """With ``offload_optimizer_state=True``: ``optimizer``'s state on the device goes to host
+        memory, and ``optimizer.load_state_dict`` puts what it loads there from now on.
+        ``step(optimizer)`` does both when it begins; call this before loading when resuming, else
+        the loaded state sits on the device, whole, until then. The integrations call it at the
+        start."""
         self._live_step().offload_state_of(optimizer)
 
     def discard_gradients(self) -> None:
         """Drop every cached gradient, as ``optimizer.zero_grad()`` drops device ones.
 
-        A ``zero_grad()`` over every gradient the cache holds does this itself; call it
-        where a skipped step's ``zero_grad()`` reaches only some of them (an optimizer over
-        part of the model), or they are added into the next step. The discarded step
-        leaves no trace: error-feedback residuals go back to what they were before its
-        backward (what compression held back from earlier steps), and so do the engine's
-        random generators. The cost: a step's new residuals are kept beside the old ones
-        until its restore (on CUDA, a second host slot per residual); with
-        ``TopK(keep_previous_residual=False)`` there is no second one, and the residuals
-        keep the discarded step's held-back part.
+        A ``zero_grad()`` over every gradient the cache holds does this itself; call it where a
+        skipped step's ``zero_grad()`` reaches only some (an optimizer over part of the model), or
+        they are added into the next step. The discarded step leaves no trace: error-feedback
+        residuals and the engine's random generators go back to what they were before its backward.
+        The cost: a step's new residuals are kept beside the old ones until its restore (on CUDA, a
+        second host slot per residual); with ``TopK(keep_previous_residual=False)`` there is no
+        second one, and the residuals keep the discarded step's held-back part.
 
-        After a fused step that raised having stepped some buckets, this is refused: the
-        rest would be dropped and those updates kept. Call ``step(optimizer)`` again.
+        Refused after a fused step that raised having stepped some buckets (the rest would be
+        dropped and those updates kept): call ``step(optimizer)`` again.
         """
         engine = self._live()
         if _awaits_its_retry(engine):
@@ -451,10 +431,10 @@ class GradientCacheHookManager:
         engine.discard()
 
     def keep_gradients(self) -> None:
-        """Let the next backward add to the cached gradients a step left (another
-        optimizer's, whose step comes later), as plain PyTorch adds to ``.grad`` when no
-        ``zero_grad()`` clears it in between. Without this (or `discard_gradients`) that
-        backward is refused: the cache cannot see whether a ``zero_grad()`` ran."""
+        """Let the next backward add to the cached gradients a step left (another optimizer's,
+        stepping later), as plain PyTorch adds to ``.grad`` with no ``zero_grad()`` between. Without
+        this (or `discard_gradients`) that backward is refused: the cache cannot see whether one
+        ran."""
         pending = self._live().pending
         if pending is not None:
             pending.siblings_taken = False
@@ -462,17 +442,16 @@ class GradientCacheHookManager:
     def state_dict(self) -> dict[str, Any]:
         """The cache's state, to save with the model's and the optimizer's.
 
-        Holds error-feedback residuals, the step counter (warm-up), the engine's random
-        generators and any gradients cached but not yet restored (mid-accumulation, say),
-        with those a ``memory_budget`` kept on the device for the pending step, keyed by
-        parameter name, as CPU tensors: ``torch.save`` writes it and
-        ``torch.load(..., weights_only=True)`` reads it. Drains first, like
-        ``compress_and_free_gradients()``. Loading it into a manager built the same way
-        (``load_state_dict``) continues bit for bit as the run that saved it goes on (the
-        drain compresses a micro-batch's gradients still on the device, which with a lossy
-        codec a run that never saved would have summed with the next one exactly). Under
-        FSDP2 it holds this rank's shards: save one per rank, and load each into the same
-        rank of a run with the same world size (anything else is refused).
+        Error-feedback residuals, the step counter (warm-up), the engine's random generators and any
+        gradients cached but not yet restored (mid-accumulation, say), with those a
+        ``memory_budget`` kept on the device for the pending step, keyed by parameter name, as CPU
+        tensors (``torch.save`` writes it, ``torch.load(..., weights_only=True)`` reads it). Drains
+        first, like ``compress_and_free_gradients()``. Loaded into a manager built the same way
+        (``load_state_dict``) it continues bit for bit as the saving run goes on (the drain
+        compresses a micro-batch's gradients still on the device, which with a lossy codec a run
+        that never saved would have summed with the next one exactly). Under FSDP2 it holds this
+        rank's shards: save one per rank, and load each into the same rank at the same world size
+        (anything else is refused).
         """
         pipeline = self._live()
         if pipeline.deferred_clip is not None:
@@ -486,13 +465,12 @@ class GradientCacheHookManager:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from what ``state_dict()`` returned.
 
-        The manager must have nothing pending (load before the first backward) and the
-        checkpoint's settings: the same ``compression_ratio``, ``codec`` (with top-k, the
-        same ``error_feedback``, ``residual_dtype`` and ``value_dtype`` on its `TopK`),
-        ``min_compress_numel`` and ``warmup_steps``, and the same cached parameter names;
-        otherwise it raises, saying what differs. Other options (bucket size, top-k's
-        ``selection`` and ``residual_location``, the device) may change. The random
-        generators' states are loaded only onto the kind of device they were saved on;
+        The manager must have nothing pending (load before the first backward) and the checkpoint's
+        ``compression_ratio``, ``codec`` (with top-k, the same ``error_feedback``,
+        ``residual_dtype`` and ``value_dtype`` on its `TopK`), ``min_compress_numel``,
+        ``warmup_steps`` and cached parameter names; else it raises, saying what differs. Other
+        options (bucket size, top-k's ``selection`` and ``residual_location``, the device) may
+        change. The random generators' states load only onto the kind of device they were saved on;
         elsewhere the draws restart from the seed.
         """
         checkpoint.load(self._live(), state_dict)
@@ -500,9 +478,9 @@ class GradientCacheHookManager:
     def step_completed(self) -> None:
         """Mark the end of a training step.
 
-        Restoring (``apply_gradients()`` or ``step()``) already records the step's
-        figures; this checks that nothing is left behind. Gradients still cached are
-        kept, with a warning, and delivered by the next restore.
+        Restoring (``apply_gradients()`` or ``step()``) already records the step's figures; this
+        checks nothing is left behind. Gradients still cached are kept, with a warning, for the next
+        restore.
         """
         pipeline = self._live()
         pipeline.drain()
@@ -517,12 +495,11 @@ class GradientCacheHookManager:
     def get_compression_summary(self) -> dict[str, Any]:
         """`summary()` as the original API's dict (its fields, plus ``memory_saved_mb``).
 
-        While a step is pending (after backward or ``compress_and_free_gradients()``,
-        before the restore) the figures describe what is cached now, and
-        ``step_pending`` is True; otherwise they describe the last restored step. Right
-        after backward the last, partial bucket waits on the device, in no figure, until
-        ``compress_and_free_gradients()`` (or the restore) caches it. With several
-        optimizers, a step is pending while any of them has gradients cached.
+        While a step is pending (after backward, before the restore) the figures describe what is
+        cached now and ``step_pending`` is True; otherwise the last restored step. Right after
+        backward the last, partial bucket is in no figure until ``compress_and_free_gradients()``
+        (or the restore) caches it. With several optimizers, a step is pending while any of them has
+        gradients cached.
         """
         return self.summary().as_dict()
 
@@ -542,15 +519,12 @@ class GradientCacheHookManager:
         self._live().set_enabled(True)
 
     def disable(self) -> None:
-        """Leave later gradients on the device; what is already cached stays cached.
-        Refused with ``offload_parameters=True``: a gradient left in ``.grad`` would
-        outlive its weights on the device.
+        """Leave later gradients on the device; what is already cached stays cached. Refused with
+        ``offload_parameters=True``: a gradient left in ``.grad`` would outlive its weights there.
 
-        A step whose micro-batches are partly cached and partly left on the device (this
-        called between micro-batches) sums them in another order than plain PyTorch: the
-        cached part is added at the restore, ``(b + c) + a`` instead of ``(a + b) + c``,
-        equal up to float rounding but not bit for bit. Switch at step boundaries for
-        plain PyTorch's bits.
+        A step whose micro-batches are partly cached and partly left on the device (this called
+        between micro-batches) sums them in another order than plain PyTorch, ``(b + c) + a`` for
+        ``(a + b) + c``: equal up to float rounding, not bit for bit. Switch at step boundaries.
         """
         if self._weights is not None:
             raise RuntimeError(
@@ -564,10 +538,9 @@ class GradientCacheHookManager:
         """Put any cached gradients back into ``param.grad`` and detach from the model.
 
         The manager cannot be used afterwards; calling this twice is harmless. With
-        ``offload_parameters=True`` it raises, changing nothing, between a forward and
-        its backward (while the forward's graph lives: that backward would read weights
-        the close moves); ``abandon_an_awaited_backward=True`` closes anyway (the
-        integrations at their end, a with-block left on an exception).
+        ``offload_parameters=True`` it raises, changing nothing, between a forward and its backward
+        (that backward would read weights the close moves); ``abandon_an_awaited_backward=True``
+        closes anyway (the integrations at their end, a with-block left on an exception).
         """
         if self._pipeline is None:
             return
@@ -597,14 +570,14 @@ class GradientCacheHookManager:
         self.remove_hooks(abandon_an_awaited_backward=exc_type is not None)
 
     def cache_tensors(self) -> CacheTensors:
-        """The tensors the cache has now, host and device (`CacheTensors`), for memory
-        accounting; empty once closed, when everything went back to ``param.grad``."""
+        """The tensors the cache has now, host and device (`CacheTensors`), for memory accounting;
+        empty once closed, when everything went back to ``param.grad``."""
         return CacheTensors() if self._pipeline is None else cache_tensors(self._pipeline)
 
     @property
     def engine(self) -> Pipeline | None:
-        """The engine, for tests and benchmarks that look inside; None once closed.
-        Internal: its attributes may change between versions."""
+        """The engine, for tests and benchmarks that look inside; None once closed. Internal: its
+        attributes may change between versions."""
         return self._pipeline
 
     @property
@@ -671,10 +644,9 @@ def create_gradient_cache(
     """Attach a gradient cache to ``model`` and return its manager.
 
     ``options`` are `EngineConfig` fields (``bucket_size_mb=8``,
-    ``codec=gradient_cache.TopK(selection="exact")``, ...); pass either them or a whole
-    ``config``, not both. The top-k codec's options, once fields of their own
-    (``error_feedback=``, ``selection=``, ...), are still taken where they act
-    (`EngineConfig.from_options`).
+    ``codec=gradient_cache.TopK(selection="exact")``, ...); pass them or a whole ``config``, not
+    both. The top-k codec's options, once fields of their own (``error_feedback=``,
+    ``selection=``, ...), are still taken where they act (`EngineConfig.from_options`).
     """
     if config is not None and options:
         raise ValueError(
@@ -698,11 +670,11 @@ def create_gradient_cache(
 class ManagerReads:
     """The gradient readers answered from ``managers()`` (`gradient_readers.CacheReads`).
 
-    A norm or clip over parameters one attached manager caches, while it has a step
-    pending, is that manager's `gradient_norm` and `clip_grads_with_norm_`: nothing
-    restored, the clip applied at the restore. Other readers restore the cached gradients
-    of the parameters they read first; with the optimizer state on the host that would
-    bring the whole state to the device at the step, so they are refused, with ``fix``.
+    A norm or clip over parameters one attached manager caches, while it has a step pending, is that
+    manager's `gradient_norm` and `clip_grads_with_norm_`: nothing restored, the clip applied at the
+    restore. Other readers restore the cached gradients they read first; with the optimizer state on
+    the host that would bring the whole state to the device at the step, so they are refused, with
+    ``fix``.
     """
 
     def __init__(
@@ -712,8 +684,8 @@ class ManagerReads:
         self._fix = fix
 
     def restore(self, reader: str, parameters: list[torch.Tensor] | None) -> None:
-        """The cached gradients of every manager caching any of ``parameters`` (None:
-        every manager) back in ``param.grad``, before ``reader`` reads them."""
+        """Restore the gradients of every manager caching any of ``parameters`` (None: every one)
+        before ``reader`` reads them."""
         refusal = (
             f"{reader} needs every gradient on the device at once here, which with "
             "offload_optimizer_state=True would need the whole optimizer state there "
@@ -723,14 +695,11 @@ class ManagerReads:
             step.restore_all(refusal=refusal)
 
     def cache_for(self, parameters: list[torch.Tensor]) -> OptimizerStep | None:
-        """The one cache holding gradients of ``parameters`` with a step pending, which
-        answers a norm or clip over them without restoring (`OptimizerStep.norm`,
-        ``clip``); None where that is not so (no cache or several, nothing pending, a
-        GradScaler given to the cache)."""
-        # The parameters it caches and whether a step is pending, not the gradients it
-        # holds now: the same on every rank (under FSDP2 a rank may hold no part of a
-        # gradient while the others do, and all must take the same path: the norm is
-        # all-reduced).
+        """The one cache holding gradients of ``parameters`` with a step pending, which answers a
+        norm or clip over them without restoring; None otherwise (no cache or several, nothing
+        pending, a GradScaler given to the cache)."""
+        # By what it caches and whether a step is pending, not the gradients held now: under
+        # FSDP2 every rank must take the same path (the norm is all-reduced).
         holders = [step for step in self._caching(parameters) if step.pipeline.step_pending]
         if len(holders) != 1:
             return None
@@ -739,19 +708,18 @@ class ManagerReads:
         return None if scaler is not None and scaler.is_enabled() else holder
 
     def zeroed(self, parameters: Callable[[], list[torch.Tensor]]) -> None:
-        """``zero_grad()`` over ``parameters()``: a manager whose pending gradients are all
-        among them drops them (`discard_gradients`), as ``zero_grad()`` drops ``.grad`` (a
-        skipped batch, a GAN's discriminator after the generator's step), also where the
-        zero_grad() calls since the last backward reached them together (two optimizers');
-        one holding others' too keeps them all (it cannot drop a part of its step)."""
+        """``zero_grad()`` over ``parameters()``: a manager whose pending gradients are all among
+        them (also where the zero_grad() calls since the last backward reached them together: two
+        optimizers') drops them, as ``zero_grad()`` drops ``.grad``; one holding others' too keeps
+        them all (it cannot drop a part of its step)."""
         zeroed: set[torch.Tensor] | None = None  # built once, where a step is pending
         for manager in self._managers():
             pipeline = manager.engine
             if pipeline is None:
                 continue
             if not pipeline.step_pending:  # the common case: zero_grad() after the step
-                # A GradScaler's skip known now is settled here, outside a hook, where the
-                # forward's check does not see it (Lightning's training_step calls submodules).
+                # Settle a known GradScaler skip here, outside a hook: the forward's check misses
+                # it where Lightning's training_step calls submodules.
                 pipeline.settle_scaled_step(known_only=True)
                 continue
             if _awaits_its_retry(pipeline):
@@ -763,8 +731,7 @@ class ManagerReads:
                     pipeline.discard()
 
     def _caching(self, parameters: list[torch.Tensor] | None) -> list[OptimizerStep]:
-        """The steps of the attached managers caching any of ``parameters`` (None: every
-        one)."""
+        """The steps of the attached managers caching any of ``parameters`` (None: every one)."""
         steps = (manager.optimizer_step for manager in self._managers())
         return [
             step
@@ -789,11 +756,10 @@ def _refuse_plain_steps(
     optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """A global optimizer step pre-hook: the user's own ``optimizer.step()`` over parameters
-    whose gradients an attached manager holds once its closure ran (a closure may restore
-    them) is refused (`OptimizerStep.refuse_a_plain_step`): it would step without them. An
-    integration's routing turns that call into the fused step itself, so then it is let
-    through. Registered once, at import: a manager created or closed inside a step hook
-    must not change torch's table of global hooks while torch runs them."""
+    whose gradients an attached manager holds once its closure ran is refused (it would step
+    without them), unless an integration routes it to the fused step. Registered once, at import:
+    a manager created or closed inside a step hook must not change torch's global hooks while
+    torch runs them."""
     if gradient_readers.routed() or not any(m.engine is not None for m in _attached):
         return None  # the closure as it is: nothing to refuse
 
@@ -811,21 +777,18 @@ OWN_HOOKS.add(_refuse_plain_steps)  # not the user's: a fused step's hooks leave
 
 
 def _detached() -> None:
-    """A manager detached: the originals of the gradient readers come back once none is
-    attached (unless an integration runs)."""
+    """Once no manager is attached, the gradient readers' originals come back (unless an integration
+    runs)."""
     if not any(manager.engine is not None for manager in _attached):
         gradient_readers.fall_back_to(None)
 
 
 def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Module]) -> None:
-    """The finalizer of a manager garbage-collected while attached: its hooks would keep
-    taking every gradient for a cache no one can restore (``.grad`` None after backward,
-    ``optimizer.step()`` stepping nothing) and hold the parameters against a new cache. So
-    it detaches as ``remove_hooks()`` does (cached gradients back in ``.grad``), run on a
-    stand-in holding the manager's attributes. It warns where the model lives on and the
-    manager never completed a step or had gradients cached: the result of
-    ``create_gradient_cache`` was not kept. (A model collected with its manager, one that
-    held it as an attribute, needs no word; nor a manager dropped after training.)"""
+    """The finalizer of a manager collected while attached: its hooks would keep taking gradients no
+    one can restore and hold the parameters against a new cache, so it detaches as
+    ``remove_hooks()`` does, on a stand-in holding the manager's attributes. It warns where the
+    model lives on and the manager never completed a step or had gradients cached (the result of
+    ``create_gradient_cache`` was not kept)."""
     pipeline = attributes.get("_pipeline")
     if pipeline is None:
         return  # closed by remove_hooks() first
@@ -851,23 +814,22 @@ def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Modu
 def _parameter_list(
     parameters: torch.Tensor | Iterable[torch.Tensor],
 ) -> list[torch.nn.Parameter]:
-    """``parameters`` as clip_grad_norm_ takes them (one tensor, or an iterable), as a list.
-    Typed as parameters, which they are where the cache holds their gradients: a plain
+    """``parameters`` as clip_grad_norm_ takes them (a tensor or an iterable), as a list. A plain
     tensor is found in no store and counts by its ``.grad``, as clip_grad_norm_ counts it."""
     tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     return cast(list[torch.nn.Parameter], tensors)
 
 
 def _awaits_its_retry(pipeline: Pipeline) -> bool:
-    """Whether a fused step raised after stepping a bucket: it waits for its retry, and a
-    discard would keep those updates and drop the rest."""
+    """Whether a fused step raised after stepping a bucket: a discard would keep those updates and
+    drop the rest."""
     pending = pipeline.pending
     return pipeline.interrupted and pending is not None and pending.partly_stepped()
 
 
 def _as_clip_number(value: Any) -> Any:
-    """A one-element tensor or a string such as ``"inf"`` as the float torch's
-    ``clip_grad_norm_`` makes of it; anything else as it is, for the checks to judge."""
+    """A one-element tensor or a string such as ``"inf"`` as the float ``clip_grad_norm_`` makes of
+    it; anything else as it is, for the checks to judge."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
         return float(value)
     if isinstance(value, str):
@@ -888,8 +850,8 @@ def _is_positive_number(value: Any) -> bool:
 
 
 def _warn_of_the_ladders_last_rung(pipeline: Pipeline, ratio: float) -> None:
-    """Warn where the ratio leaves no dense codec for some tensor: the ladder then falls to
-    top-k without a residual, which trains far worse than the dense codecs."""
+    """Warn where the ratio leaves some tensor no dense codec: top-k without a residual trains far
+    worse."""
     routes = pipeline.plan.at(pipeline.config.warmup_steps)
     taken = [pipeline.records[p].name for p, route in routes.items() if route.codec.name == "topk"]
     if not taken:
