@@ -1,8 +1,4 @@
-"""Engine options: one validated dataclass, every option documented once.
-
-`create_gradient_cache(model, **options)` maps its keyword options onto `EngineConfig`;
-`GradientCacheHookManager(model, config=EngineConfig(...))` takes it whole.
-"""
+"""Engine options: one validated dataclass, every option documented once."""
 
 from __future__ import annotations
 
@@ -20,25 +16,17 @@ from ..codecs.registry import CodecChoice, check_codec, codec_name, codec_option
 from .budget import MemoryBudget
 from .units import MIB
 
-# create_gradient_cache's compression_ratio: gradients take at most a third of lossless
-# offload's bytes. fp32 gradients meet it with int8 codes (3.8x fewer), which trained
-# within 1% of plain PyTorch with both AdamW and SGD with a margin; bf16 gradients with the
-# 4-bit codec. perf/RESULTS.md ("Codec frontier") has the table and why not more yet.
+# A third of lossless bytes: int8 meets it for fp32 gradients (within 1% of plain PyTorch,
+# AdamW and SGD), q4 for bf16 (perf/RESULTS.md, "Codec frontier").
 DEFAULT_COMPRESSION_RATIO = 3.0
 BACKENDS = ("auto", "cpu", "cuda")
-# bucket_size_mb=None: AUTO_BUCKET_MAX_MB; with the optimizer state offloaded, a bucket
-# holds 1/AUTO_BUCKETS of the cached gradients' bytes, at least AUTO_BUCKET_MIN_BYTES (so
-# small tensors still travel together) and at most AUTO_BUCKET_MAX_MB. A small model then
-# steps in several buckets, the device holding a bucket or two of state at the step, not
-# all of it (one 4 MiB bucket held the whole state of nanoGPT's 0.4M-parameter model: a step
-# peak above plain's). Only there: without the state, small buckets of a small model launch
-# codec encodes while backward's first activations are alive (the demo's tiny activations
-# scenario, int8: a backward peak above plain's where one bucket is level with it; tested).
+# bucket_size_mb=None with the state offloaded: 1/AUTO_BUCKETS of the cached gradients, so a
+# small model steps in several buckets, not its whole state at once. Not without the state:
+# small buckets launch encodes while backward's first activations live (a higher peak).
 AUTO_BUCKETS = 8
 AUTO_BUCKET_MIN_BYTES = 64 * 1024
 AUTO_BUCKET_MAX_MB = 4.0
-#: Options that were `EngineConfig` fields and are now the top-k codec's (`TopK`):
-#: `EngineConfig.from_options` still takes them where they act (see `_codec_of_keywords`).
+#: Once `EngineConfig` fields, now the top-k codec's: `from_options` still takes them.
 TOPK_KEYWORDS = (
     "error_feedback",
     "residual_dtype",
@@ -53,112 +41,101 @@ TOPK_KEYWORDS = (
 class EngineConfig:
     """How the offload engine groups, encodes and stores gradients.
 
-    Every option here acts whatever the codec; a codec's own knobs are on its options
-    object (``codec=gradient_cache.TopK(error_feedback=False)``), documented there.
+    Every option here acts whatever the codec; a codec's own knobs are on its options object
+    (``codec=gradient_cache.TopK(error_feedback=False)``), documented there.
 
     Attributes:
-        codec: Which codec encodes the gradients. None (default): at
-            ``compression_ratio=r > 1``, per tensor the best-training codec of the ladder
-            (``codecs.registry.LADDER``: int8, q4, q3, q2, sign, top-k) whose payload fits
-            ``1 / r`` of the tensor's lossless bytes (``gradient_cache.Ladder`` sets how
-            its top-k selects); at ratio 1, lossless. A name picks one whatever the ratio:
-            ``"q4"``, ``"q3"``, ``"q2"``, ``"q1"`` (every entry as a 4, 3, 2 or 1-bit code
-            after a randomised 128-point Hadamard rotation, rounded stochastically, an
-            fp32 scale per 128 entries, no residual), ``"sign"`` (the rotated entries'
-            signs times each block's mean magnitude), ``"int8"`` (int8 codes, an fp32
-            scale per 64 entries), ``"topk"`` (keeps ``numel / compression_ratio``
-            entries, with error feedback: ``gradient_cache.TopK()``, whose docstring is
-            the tuning guide for its options) or ``"lossless"``. perf/RESULTS.md has what
-            each costs in validation loss.
+        codec: Which codec encodes the gradients. None (default): at ``compression_ratio=r > 1``,
+            per tensor the best-training codec of the ladder (``codecs.registry.LADDER``: int8,
+            q4, q3, q2, sign, top-k) whose payload fits ``1 / r`` of the tensor's lossless bytes
+            (``gradient_cache.Ladder`` sets how its top-k selects); at ratio 1, lossless. A name
+            picks one whatever the ratio: ``"q4"``, ``"q3"``, ``"q2"``, ``"q1"`` (every entry as
+            a 4, 3, 2 or 1-bit code after a randomised 128-point Hadamard rotation, rounded
+            stochastically, an fp32 scale per 128 entries, no residual), ``"sign"`` (the rotated
+            entries' signs times each block's mean magnitude), ``"int8"`` (int8 codes, an fp32
+            scale per 64 entries), ``"topk"`` (keeps ``numel / compression_ratio`` entries, with
+            error feedback: ``gradient_cache.TopK()``, whose docstring is the tuning guide for its
+            options) or ``"lossless"``. perf/RESULTS.md has what each costs in validation loss.
         bucket_size_mb: Dense gradient megabytes (2**20 bytes) gathered before a bucket is
-            encoded and sent off the device. Smaller buckets free memory sooner during
-            backward (the device holds about two buckets plus the largest gradient at
-            once) and at the fused step (a bucket or two of gradients, and of optimizer
-            state where it is offloaded), at the cost of more, smaller launches. None
-            (default): 4 MiB; with ``offload_optimizer_state=True``, sized from the
-            model, an eighth of the cached gradients' bytes, at least 64 KiB and at most
-            4 MiB (`bucket_bytes`).
-        warmup_steps: Optimizer steps sent uncompressed at the start of training, as
-            Deep Gradient Compression does, while gradients change fastest (what it gained
-            is in perf/RESULTS.md, "Compression recipes"). Default 0: a good length depends on the
-            run's, and while it lasts host memory and PCIe traffic are those of lossless
-            offload (on CUDA the pinned pool is sized for dense gradients until the
-            warm-up ends, then rebuilt smaller).
-        min_compress_numel: Tensors with fewer elements travel uncompressed. None
-            (default): 16384 for top-k (64 KiB of fp32: below it, keeping 1% saves little
-            while the selection's fixed cost stays, and biases and norm weights are both
-            small and sensitive to sparsification) and 128 (one block) for the block
-            codecs and int8.
-        host_memory_fraction: Largest share of the host's available RAM (psutil, or the
-            cgroup limit where lower) the host store may need; the engine refuses to
-            start if its estimate is larger. Default 0.5.
-        backend: ``"auto"`` (default) picks by the parameters' device; ``"cpu"`` or
-            ``"cuda"`` insist on one.
-        staging_depth: CUDA backend: how many buckets may be between encode and a
-            completed device-to-host copy at once. 2 (default) double-buffers: bucket
-            i+1 encodes while bucket i copies. Larger hides more latency and holds more
-            device memory; 1 serialises encode and copy.
-        pin_memory: CUDA backend: keep payloads in page-locked host memory, so copies run
-            without blocking. Default True; falls back to pageable memory, with one
-            warning, where pinning fails.
-        host_pool_mb: CUDA backend: the most the pinned pool may take. The pool holds one
-            slot per parameter, sized for its largest payload (and its host residual),
-            allocated once before training; construction fails, naming the size
-            needed, if that exceeds ``host_pool_mb``. None (default): no cap beyond
-            ``host_memory_fraction``.
+            encoded and sent off the device. Smaller buckets free memory sooner in backward (the
+            device holds about two buckets plus the largest gradient) and at the fused step (a
+            bucket or two of gradients, and of offloaded optimizer state), at the cost of more,
+            smaller launches. None (default): 4 MiB; with ``offload_optimizer_state=True``, an
+            eighth of the cached gradients' bytes within 64 KiB and 4 MiB (`bucket_bytes`).
+        warmup_steps: Optimizer steps sent uncompressed at the start of training, as Deep
+            Gradient Compression does, while gradients change fastest (perf/RESULTS.md,
+            "Compression recipes"). Default 0: a good length depends on the run's, and while it
+            lasts host memory and PCIe traffic are lossless offload's (on CUDA the pinned pool is
+            sized for dense gradients until the warm-up ends, then rebuilt smaller).
+        min_compress_numel: Tensors with fewer elements travel uncompressed. None (default):
+            16384 for top-k (64 KiB of fp32: below it, keeping 1% saves little while the
+            selection's fixed cost stays, and biases and norm weights are small and sensitive to
+            sparsification) and 128 (one block) for the block codecs and int8.
+        host_memory_fraction: Largest share of the host's available RAM (psutil, or the cgroup
+            limit where lower) the host store may need; the engine refuses to start if its
+            estimate is larger. Default 0.5.
+        backend: ``"auto"`` (default) picks by the parameters' device; ``"cpu"`` or ``"cuda"``
+            insist on one.
+        staging_depth: CUDA backend: how many buckets may be between encode and a completed
+            device-to-host copy at once. 2 (default) double-buffers: bucket i+1 encodes while
+            bucket i copies. Larger hides more latency and holds more device memory; 1
+            serialises encode and copy.
+        pin_memory: CUDA backend: keep payloads in page-locked host memory, so copies run without
+            blocking. Default True; falls back to pageable memory, with one warning, where
+            pinning fails.
+        host_pool_mb: CUDA backend: the most the pinned pool may take. The pool holds one slot
+            per parameter, sized for its largest payload (and its host residual), allocated once
+            before training; construction fails, naming the size needed, above this. None
+            (default): no cap beyond ``host_memory_fraction``.
         offload_optimizer_state: Keep the optimizer's per-parameter state tensors (Adam's
             moments, SGD's momentum buffer) in host memory between steps, pinned on CUDA;
-            ``hook_manager.step(optimizer)`` brings each bucket's state to the device with
-            its gradients, steps there, and copies it back. The device then holds the
-            weights and about two buckets of gradients and state at the step; every step
-            moves the state across the link both ways (8 bytes per parameter each way for
-            fp32 Adam). Needs the fused step: ``apply_gradients()`` is refused. Default
-            False.
-        offload_parameters: Keep the weights in host memory too (their fp32 masters,
-            pinned on CUDA), on the device only while in use: a block of the model at a
-            time in forward and backward (the one running and the next arriving, on a side
-            stream), and in ``hook_manager.step(optimizer)`` a bucket at a time, with its
-            gradients and state: the user's optimizer steps them on the device, then they
-            go back to their masters. Bit for bit with plain PyTorch. At rest,
-            ``model.parameters()`` and ``model.state_dict()`` are the host masters. The
-            blocks are the children of ``parameter_blocks``. Needs
-            ``offload_optimizer_state=True`` and the fused step; not with
-            ``exclude_layers``; a ``memory_budget`` keeps whole blocks on the device
-            (not with ``compute_dtype``, nor under FSDP2). Each forward and backward moves
-            the weights to the device (4 bytes per parameter each; 2 with a bf16
-            ``compute_dtype``), and the step moves the masters both ways. Default False.
-        compute_dtype: With ``offload_parameters``: the dtype forward and backward compute
-            in (``torch.bfloat16``): the blocks bring each weight's wire, its fp32 master
-            cast on the host (2 bytes a parameter over the link, 2 more on the host, cast
-            again where the master changed), the floating inputs of the model
-            and of each block are cast to it, the gradients are accumulated
-            and stepped in fp32 (a lossless one with nothing to join crosses in bf16 and is
-            widened at its restore), and the step steps the fp32 masters on the device: FSDP2's
-            ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)``
-            on one process, bit for bit. None (default): the weights' own dtype.
-        parameter_blocks: With ``offload_parameters``: the dotted name of the module list
-            whose children are the model's blocks (``"transformer.h"``); None (default):
-            the ``nn.ModuleList`` or ``nn.Sequential`` whose children hold the most
-            parameter bytes. Parameters outside the blocks, or used by more than one
-            (tied), stay on the device from the forward to the end of its backward.
+            ``hook_manager.step(optimizer)`` brings each bucket's state to the device with its
+            gradients, steps there, and copies it back. The device then holds the weights and
+            about two buckets of gradients and state at the step; every step moves the state
+            across the link both ways (8 bytes per parameter each way for fp32 Adam). Needs the
+            fused step: ``apply_gradients()`` is refused. Default False.
+        offload_parameters: Keep the weights in host memory too (their fp32 masters, pinned on
+            CUDA), on the device only while in use: a block of the model at a time in forward
+            and backward (the one running and the next arriving, on a side stream), and in
+            ``hook_manager.step(optimizer)`` a bucket at a time, with its gradients and state:
+            the user's optimizer steps them on the device, then they go back to their masters.
+            Bit for bit with plain PyTorch. At rest, ``model.parameters()`` and
+            ``model.state_dict()`` are the host masters. The blocks are the children of
+            ``parameter_blocks``. Needs ``offload_optimizer_state=True`` and the fused step; not
+            with ``exclude_layers``; a ``memory_budget`` keeps whole blocks on the device (not
+            with ``compute_dtype``, nor under FSDP2). Each forward and backward moves the weights
+            to the device (4 bytes per parameter each; 2 with a bf16 ``compute_dtype``), and the
+            step moves the masters both ways. Default False.
+        compute_dtype: With ``offload_parameters``: the dtype forward and backward compute in
+            (``torch.bfloat16``): the blocks bring each weight's wire, its fp32 master cast on
+            the host (2 bytes a parameter over the link, 2 more on the host, cast again where the
+            master changed); the floating inputs of the model and of each block are cast to it;
+            the gradients are accumulated and stepped in fp32 (a lossless one with nothing to
+            join crosses in bf16 and is widened at its restore), and the step steps the fp32
+            masters on the device: FSDP2's ``MixedPrecisionPolicy(param_dtype=compute_dtype,
+            reduce_dtype=torch.float32)`` on one process, bit for bit. None (default): the
+            weights' own dtype.
+        parameter_blocks: With ``offload_parameters``: the dotted name of the module list whose
+            children are the model's blocks (``"transformer.h"``); None (default): the
+            ``nn.ModuleList`` or ``nn.Sequential`` whose children hold the most parameter bytes.
+            Parameters outside the blocks, or used by more than one (tied), stay on the device
+            from the forward to the end of its backward.
         device: With ``offload_parameters``: the device to train on, for a model whose
-            parameters are on the host (built on the CPU, or loaded there): the cache sets
-            it up from the host, its weights never whole on the device (the buffers go to
-            the device; the batches are yours to put there). None (default): the device the
-            parameters are on.
-        memory_budget: a device-memory budget, a share of the device's memory (``"80%"``
-            or ``0.8``) or an amount (``"20GiB"``): the steps through the first after the
-            warm-up run with everything offloaded and their device peak is measured (the
-            allocator's reserved peak plus what lies outside it); from then on the cache
-            keeps on the device the most that fits the budget, parameter by parameter,
-            what frees the fewest device bytes per link byte first
-            (`gradient_cache.engine.budget`); with ``offload_parameters``, whole blocks of
-            weights (and the rest), on the device for good, the gradients and the state
-            still offloaded. On a device without memory statistics (a CPU) there
-            is nothing to budget. Not with FSDP2. Default None: everything offloaded.
-        checkpoint_frequency: how often, in steps, ``verbose=True`` logs the summary: every
-            step by default. (The seed's name: it set how often the compression statistics
-            were saved; they are in ``summary()`` at every step.)
+            parameters are on the host: the cache sets it up from the host, its weights never
+            whole on the device (the buffers go there; the batches are yours to put there).
+            None (default): the device the parameters are on.
+        memory_budget: a device-memory budget, a share of the device's memory (``"80%"`` or
+            ``0.8``) or an amount (``"20GiB"``): the steps through the first after the warm-up
+            run with everything offloaded and their device peak is measured (the allocator's
+            reserved peak plus what lies outside it); from then on the cache keeps on the device
+            the most that fits, parameter by parameter, what frees the fewest device bytes per
+            link byte first (`gradient_cache.engine.budget`); with ``offload_parameters``, whole
+            blocks of weights (and the rest), the gradients and the state still offloaded.
+            Nothing to budget on a device without memory statistics (a CPU). Not with FSDP2.
+            Default None: everything offloaded.
+        checkpoint_frequency: how often, in steps, ``verbose=True`` logs the summary: every step
+            by default. (The seed's name: it set how often the compression statistics were
+            saved; they are in ``summary()`` at every step.)
     """
 
     codec: CodecChoice = None
@@ -179,8 +156,7 @@ class EngineConfig:
     checkpoint_frequency: int = 1
 
     def __new__(cls, **fields: Any) -> EngineConfig:
-        # Before the dataclass's __init__, whose TypeError would only say "unexpected
-        # keyword": the top-k options that were fields here are named with their new place.
+        # Before __init__'s bare "unexpected keyword": name the moved option's new place.
         moved = [name for name in TOPK_KEYWORDS if name in fields]
         if moved:
             name = moved[0]
@@ -218,8 +194,7 @@ class EngineConfig:
         _check_int("checkpoint_frequency", self.checkpoint_frequency, 1)
 
     def _check_parameters_offload(self) -> None:
-        """``offload_parameters`` and ``parameter_blocks``: the weights travel with the
-        state in the fused step, and stream by blocks."""
+        """``offload_parameters`` and the options that act only with it."""
         check_bool("offload_parameters", self.offload_parameters)
         if self.parameter_blocks is not None and not isinstance(self.parameter_blocks, str):
             raise TypeError(
@@ -276,9 +251,7 @@ class EngineConfig:
                 "memory_budget (every block streams) or compute_dtype."
             )
 
-    # --- derived from the codec's options (read-only; not options of their own). The
-    # engine reads these: `residual_options` (route, backends, checkpoint's recipe), and
-    # `selection` / `residual_location` (the pipeline).
+    # --- derived from the codec's options (read-only; not options of their own)
 
     @property
     def codec_name(self) -> str | None:
@@ -306,14 +279,13 @@ class EngineConfig:
 
     @property
     def bucket_size_bytes(self) -> int:
-        """The set bucket size in bytes; with ``bucket_size_mb=None``, 4 MiB, the most a
-        bucket sized from the model holds (`bucket_bytes` gives one model's)."""
+        """The set bucket size in bytes; with ``bucket_size_mb=None``, 4 MiB, the most a bucket
+        sized from the model holds."""
         return self.bucket_bytes(None)
 
     def bucket_bytes(self, gradient_bytes: int | None) -> int:
-        """A bucket's capacity for a model whose cached gradients hold ``gradient_bytes``
-        (dense): ``bucket_size_mb`` where set, else 4 MiB, or with the optimizer state
-        offloaded an eighth of them within 64 KiB and 4 MiB (None: 4 MiB)."""
+        """A bucket's capacity for cached gradients of ``gradient_bytes`` dense bytes (None: the
+        largest, 4 MiB, unless ``bucket_size_mb`` is set)."""
         if self.bucket_size_mb is not None:
             return max(1, int(self.bucket_size_mb * MIB))
         largest = int(AUTO_BUCKET_MAX_MB * MIB)
@@ -330,12 +302,11 @@ class EngineConfig:
     ) -> EngineConfig:
         """Build a config from keyword options, naming any unknown one.
 
-        The top-k codec's options (`TOPK_KEYWORDS`), once fields here, are still taken
-        where they act, as the codec they mean: with ``codec="topk"`` they become its
-        `TopK`; ``selection`` with ``codec=None`` at ``compression_ratio > 1`` the
-        ladder's (`Ladder`); ``value_dtype="int8"`` with ``codec=None`` at
-        ``compression_ratio=1`` is ``codec="int8"``. Anywhere else they would do nothing,
-        and raise, naming the fix.
+        The top-k codec's options (`TOPK_KEYWORDS`), once fields here, are still taken where they
+        act: with ``codec="topk"`` they become its `TopK`; ``selection`` with ``codec=None`` at
+        ``compression_ratio > 1`` the ladder's (`Ladder`); ``value_dtype="int8"`` with
+        ``codec=None`` at ``compression_ratio=1`` is ``codec="int8"``. Anywhere else they would do
+        nothing, and raise, naming the fix.
         """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known - set(TOPK_KEYWORDS))
@@ -404,8 +375,7 @@ def validate_compression_ratio(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"compression_ratio must be a real number >= 1 (1 = lossless, r = at most 1/r of "
-            f"lossless bytes), "
-            f"got {type(value).__name__} {value!r}."
+            f"lossless bytes), got {type(value).__name__} {value!r}."
         )
     ratio = float(value)
     if not math.isfinite(ratio) or ratio < 1:
