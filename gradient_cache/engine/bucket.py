@@ -1,16 +1,7 @@
 """A bucket: gradients that leave the device together, from backward until their restore.
 
-Life of a bucket (docs/ARCHITECTURE.md draws it with the streams and events):
-
-1. assembling: the hooks collect ``(param, gradient)`` pairs until they hold
-   ``bucket_size_mb`` (`BucketAssembler`), or until an FSDP2 group's last gradient is in
-   (the pipeline flushes then); the gradients are still device tensors.
-2. ``LANDING``: launched. The backend has encoded the gradients and issued the copies of
-   the payloads into each parameter's host slot; the store holds the host payloads,
-   which only the encode of a later micro-batch may read (after the copy's event).
-3. ``CACHED``: the drain waited for every copy; the host payloads are complete.
-4. restored: `apply_gradients()` or the fused step takes payloads out of the store, all at
-   once or one optimizer's parameters at a time; an empty bucket is dropped.
+Assembled on the device (`BucketAssembler`), then ``LANDING`` (encoded, host copies issued),
+``CACHED`` (drained), restored out of the store (docs/ARCHITECTURE.md draws it).
 """
 
 from __future__ import annotations
@@ -41,11 +32,8 @@ class Bucket:
 
 
 class BucketAssembler:
-    """Collects (parameter, gradient) pairs until they hold ``capacity_bytes``.
-
-    Buckets follow each step's real backward order with no plan to keep in sync; a
-    parameter that gets no gradient in a step never arrives. The drain flushes the rest.
-    """
+    """Collects (parameter, gradient) pairs until they hold ``capacity_bytes``, in each
+    step's real backward order (no plan to keep in sync). The drain flushes the rest."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
@@ -55,13 +43,10 @@ class BucketAssembler:
     def add(
         self, param: torch.nn.Parameter, grad: torch.Tensor, dtype: torch.dtype
     ) -> list[Item] | None:
-        """Add one gradient, counted in ``dtype``, the one it is restored and stepped in (a
-        bf16 gradient that crosses as it came fills a bucket as its fp32 sum will: the
-        step holds two buckets' fp32 gradients, weights and state, twice as many with
-        bf16 counted at 2 bytes, a probe found); return the bucket's items if now full.
+        """Add one gradient, counted in ``dtype``, the one it is stepped in (a bf16 gradient
+        fills a bucket as its fp32 sum will at the step); return the items if now full.
 
-        A parameter already waiting here (a second backward before the bucket filled)
-        gets the new gradient added to its own: ``new + old`` has plain PyTorch's bits.
+        A parameter already waiting (a second backward) gets ``new + old``: plain's bits.
         """
         waiting = self._items.get(param)
         if waiting is not None:

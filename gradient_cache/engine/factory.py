@@ -1,9 +1,6 @@
 """Choosing and building the backend for a set of parameters, after the host budget check.
 
-`create_backend` is the default `BackendFactory`: the accelerator backend for parameters
-on the current accelerator (CUDA, XPU, a PrivateUse1 device), the CPU backend for CPU ones.
-Tests give the pipeline another factory (the accelerator backend on stand-in streams)
-instead of patching this module.
+Tests give the pipeline another `BackendFactory` (stand-in streams) instead of patching this.
 """
 
 from __future__ import annotations
@@ -96,11 +93,9 @@ def build_accelerator_backend(
     streams: StreamApi = TORCH_STREAMS,
     allocate: Callable[[int], torch.Tensor] = allocate_pinned,
 ) -> AcceleratorBackend:
-    """An `AcceleratorBackend` whose pinned pool has a slot for every parameter.
-
-    ``streams`` and ``allocate`` stand in for torch's streams and pinned allocation in tests.
-    """
-    residuals = config.residual_options  # the top-k codec's, or its defaults
+    """An `AcceleratorBackend` whose pinned pool has a slot for every parameter; tests pass
+    stand-ins for torch's ``streams`` and pinned ``allocate``."""
+    residuals = config.residual_options
     if config.selection == "threshold":  # top-k's, or the ladder's top-k rung's
         raise ValueError(
             f"selection='threshold' is not supported on {device.type}: counting the entries "
@@ -109,8 +104,7 @@ def build_accelerator_backend(
         )
     routes = plan(AcceleratorBackend.default_selection)
     layout = {param: route.slot for param, route in routes.items()}
-    # What the pool's power-of-two slabs reserve (a little above what its slots need).
-    needed = reserved_bytes(layout)
+    needed = reserved_bytes(layout)  # the power-of-two slabs: a little above the slots
     if config.host_pool_mb is not None and needed > config.host_pool_mb * MIB:
         raise ValueError(
             f"host_pool_mb={config.host_pool_mb} is below the {needed / MIB:.1f} MiB the "

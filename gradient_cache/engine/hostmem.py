@@ -1,9 +1,7 @@
 """Host memory: how much this process may still take, and the engine's budget check.
 
-psutil does not see container limits, so the available figure is the lower of psutil's
-and the smallest headroom of this process's own cgroup and every cgroup above it (a limit
-set on a parent caps its children). `check_host_budget` runs before the engine allocates,
-pins or starts anything, so a refused construction leaves nothing behind.
+psutil does not see container limits, so the cgroups' headroom caps its figure (a parent's
+limit caps its children). The check runs before anything is allocated: a refusal leaves nothing.
 """
 
 from __future__ import annotations
@@ -23,15 +21,10 @@ class HostMemoryError(MemoryError):
 
 
 def _read_int(path: Path) -> int | None:
+    """The number in ``path``; None where it is missing, ``max`` (v2) or unlimited (v1)."""
     try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
+        value = int(path.read_text().strip())
+    except (OSError, ValueError):
         return None
     return None if value >= _NO_LIMIT else value
 

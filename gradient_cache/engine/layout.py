@@ -1,11 +1,7 @@
-"""A gradient's memory layout: a restored gradient takes its parameter's strides.
+"""A gradient's memory layout: a restored gradient takes the strides plain PyTorch gives it.
 
-Plain PyTorch gives ``param.grad`` the parameter's strides where the parameter is dense and
-non-overlapping (a channels_last convolution weight, a transposed view), contiguous ones
-elsewhere. Fused and foreach optimizers walk gradients and parameters in memory order, so a
-gradient restored in another layout trains differently (fused AdamW) or slowly (foreach).
-The cache therefore moves a gradient as its entries in memory order, a flat view where the
-gradient has its parameter's layout, and restores it into the same strides.
+Fused and foreach optimizers walk gradients and parameters in memory order, so a gradient in
+another layout trains differently (fused AdamW) or slowly (foreach).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The cache's hooks on a user's modules, which a copy of the module does not carry live.
 
-A module keeps its hooks in its own dicts, so ``copy.deepcopy(model)`` (an EMA copy,
-``torch.optim.swa_utils.AveragedModel``) copies them, and with them, through the bound
-methods, the whole cache: the copy then ran the cache's checks and moves on parameters the
-cache never held, and refused to compute. Every hook the cache registers on a module is a
-`ModuleHook`, whose copy is `inert`: the copy computes as a plain module does. (Under FSDP2
-the cache also puts an ``unshard`` of its own on each ``fully_shard`` module, an instance
-attribute, not a hook: a deepcopy of such a model copies it; not tested.)
-``torch.save(model)`` pickles the hooks the same way (a reference to `inert`), or, where the
-module's weights live in the cache's host slabs, refuses and names what to save instead.
+A module's hooks are in its dicts: ``copy.deepcopy(model)`` (an EMA copy, ``AveragedModel``)
+would copy the whole cache through them. A `ModuleHook`'s deepcopy or pickle is `inert`
+(a pickle is refused where the weights live in host slabs). Not covered: under FSDP2 the
+``unshard`` the cache sets on each ``fully_shard`` module is an attribute a deepcopy copies.
 """
 
 from __future__ import annotations

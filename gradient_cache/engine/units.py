@@ -1,7 +1,3 @@
-"""Byte units: one mebibyte, ``MIB``, is 2**20 bytes.
-
-In the engine, the package's lowest layer after the codecs, so that the engine and the
-facade (stats, planner, cli, linkrate, the demo) share the one constant.
-"""
+"""Byte units, in the engine's lowest layer so that the engine and the facade share them."""
 
 MIB = 2**20
