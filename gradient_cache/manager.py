@@ -264,34 +264,29 @@ class GradientCacheHookManager:
         """Restore and step bucket by bucket: at most two buckets of dense gradients on the device.
 
         As ``apply_gradients()`` then ``optimizer.step()`` for optimizers whose update of a
-        parameter reads only that parameter's gradient and state (SGD, Adam, AdamW, ...):
-        ``optimizer.step()`` runs once per bucket with only that bucket's gradients set, then a
-        bucket's worth at a time for gradients never offloaded (excluded layers, those a
-        ``memory_budget`` keeps). The optimizer's step hooks (``register_step_pre_hook``,
-        ``register_step_post_hook``, global ones too) fire once, as around a plain
-        ``optimizer.step()``: the pre-hooks before the first bucket (no cached gradient in
-        ``.grad``), the post-hooks after the last and, with ``offload_optimizer_state=True``, after
-        the state's copies to the host complete, so a post-hook may read ``optimizer.state`` (an
-        EMA, a logger). The bucket steps run without them (an LR scheduler still sees the step); a
-        step a GradScaler skips fires none, as ``scaler.step`` then calls no ``optimizer.step()``.
-        The restored gradients are freed afterwards (``param.grad`` None, as after ``zero_grad()``);
-        excluded layers' are left as they were. Cached gradients of parameters ``optimizer`` does
-        not own stay cached, for another optimizer's ``step()`` or for ``apply_gradients()``.
+        parameter reads only its own gradient and state (SGD, Adam, AdamW, ...):
+        ``optimizer.step()`` runs per bucket with only its gradients set, then a bucket's worth at a
+        time for gradients never offloaded (excluded layers, those a ``memory_budget`` keeps). The
+        optimizer's step hooks (pre and post, global ones too) fire once, as around a plain
+        ``optimizer.step()``: pre-hooks before the first bucket (no cached gradient in ``.grad``),
+        post-hooks after the last and after the state's copies to the host
+        (``offload_optimizer_state``), so they may read ``optimizer.state``. The bucket steps run
+        without them (an LR scheduler still sees the step); a step a GradScaler skips fires none.
+        The restored gradients are freed afterwards (``param.grad`` None, as after ``zero_grad()``),
+        excluded layers' left as they were; cached gradients of parameters ``optimizer`` does not
+        own stay cached (another optimizer's ``step()``, ``apply_gradients()``).
 
         ``max_grad_norm`` clips the global norm (``norm_type``) of the optimizer's gradients before
-        anything is restored, and returns it on the device as ``clip_grad_norm_(model.parameters(),
-        ...)`` returns it over them: summed in the model's parameter order whatever the optimizer's,
-        from per-gradient norms the encodes computed during backward (of what each last encode
-        received: under accumulation, the earlier micro-batches' decoded sum plus the last one's
-        gradient; the first clipped step reads them from the host copies instead). Under FSDP2 the
-        norm covers every rank's shards (an all-reduce: every rank must call ``step``), as
-        ``clip_grad_norm_`` does on the sharded model. With an enabled GradScaler given to the cache
-        (``grad_scaler=``) it does what ``scaler.unscale_(optimizer)``, ``clip_grad_norm_`` and
-        ``scaler.step(optimizer)`` do: gradients are unscaled as restored, the norm returned is the
-        unscaled one, and a step with any inf or NaN steps nothing; call ``scaler.update()`` after
-        it, neither ``unscale_`` nor ``scaler.step``.
+        anything is restored and returns it on the device, as ``clip_grad_norm_(model.parameters(),
+        ...)`` does over them: in the model's parameter order whatever the optimizer's, from the
+        norms `gradient_norm` reads (under FSDP2 every rank must call ``step``). With an enabled
+        GradScaler given to the cache (``grad_scaler=``) it does what
+        ``scaler.unscale_(optimizer)``, ``clip_grad_norm_`` and ``scaler.step(optimizer)`` do:
+        gradients unscaled as restored, the norm returned unscaled, a step with any inf or NaN
+        stepping nothing; call ``scaler.update()`` after it, neither ``unscale_`` nor
+        ``scaler.step``.
 
-        If ``optimizer.step()`` raises before it changed anything (as PyTorch's optimizers do on an
+        If ``optimizer.step()`` raises before changing anything (as PyTorch's optimizers do on an
         allocation failure you catch), the buckets not yet stepped stay cached and the device
         gradients in place: ``step(optimizer)`` again completes the step as if nothing had failed,
         with the first attempt's clip factor.
@@ -369,14 +364,14 @@ class GradientCacheHookManager:
         self, parameters: torch.Tensor | Iterable[torch.Tensor], *, norm_type: float = 2.0
     ) -> torch.Tensor:
         """``torch.nn.utils.get_total_norm([p.grad for p in parameters], norm_type)`` with cached
-        gradients counted where they are, none restored: what ``clip_grad_norm_(parameters)``
-        returns, in its bits at ``compression_ratio=1`` (summed in the order of ``parameters``).
+        gradients counted where they are, none restored: ``clip_grad_norm_(parameters)``'s norm, in
+        its bits at ``compression_ratio=1`` (summed in the order of ``parameters``).
 
         A cached gradient's norm is the one its last encode computed on the device (under
         accumulation, of the earlier micro-batches' decoded sum plus the last one's gradient; with a
-        lossy codec, before compression), or, the first time a norm is asked for, read from its host
+        lossy codec, before compression), or, the first time one is asked for, read from its host
         copy. Under FSDP2 it covers every rank's shards (an all-reduce: every rank must call it).
-        The integrations call this in place of ``clip_grad_norm_``; so can your loop, with
+        The integrations call this for ``clip_grad_norm_``; so can your loop, with
         `clip_grads_with_norm_`.
         """
         return self._live_step().norm(_parameter_list(parameters), float(norm_type))
@@ -388,13 +383,10 @@ class GradientCacheHookManager:
         total_norm: torch.Tensor,
     ) -> None:
         """``torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)`` with cached
-        gradients left cached: device gradients are clipped in place, cached ones by the same factor
-        as they are restored (``step(optimizer)`` or ``apply_gradients()``), with the bits an
-        in-place clip gives them.
-
-        A clip covering only some of the step's cached gradients restores those and clips them in
-        place. A backward before the step first restores the clipped gradients (plain PyTorch adds
-        the next micro-batch to clipped gradients).
+        gradients left cached: device ones clipped in place, cached ones by the same factor as they
+        are restored, with an in-place clip's bits. A clip covering only some of the step's cached
+        gradients restores those and clips them in place. A backward before the step first restores
+        the clipped gradients (plain PyTorch adds the next micro-batch to clipped gradients).
         """
         self._live_step().clip(_parameter_list(parameters), max_norm, total_norm)
 
@@ -409,16 +401,14 @@ class GradientCacheHookManager:
     def discard_gradients(self) -> None:
         """Drop every cached gradient, as ``optimizer.zero_grad()`` drops device ones.
 
-        A ``zero_grad()`` over every gradient the cache holds does this itself; call it where a
-        skipped step's ``zero_grad()`` reaches only some (an optimizer over part of the model), or
-        they are added into the next step. The discarded step leaves no trace: error-feedback
-        residuals and the engine's random generators go back to what they were before its backward.
-        The cost: a step's new residuals are kept beside the old ones until its restore (on CUDA, a
-        second host slot per residual); with ``TopK(keep_previous_residual=False)`` there is no
-        second one, and the residuals keep the discarded step's held-back part.
-
-        Refused after a fused step that raised having stepped some buckets (the rest would be
-        dropped and those updates kept): call ``step(optimizer)`` again.
+        A ``zero_grad()`` over all of them does this itself; call it where a skipped step's
+        ``zero_grad()`` reaches only some (an optimizer over part of the model), or they are added
+        into the next step. No trace is left: error-feedback residuals and the random generators go
+        back to before its backward. The cost: new residuals are kept beside the old until the
+        restore (on CUDA, a second host slot each), except with
+        ``TopK(keep_previous_residual=False)``, whose residuals keep the discarded step's part.
+        Refused after a fused step that raised having stepped some buckets: call
+        ``step(optimizer)``.
         """
         engine = self._live()
         if _awaits_its_retry(engine):
@@ -442,16 +432,14 @@ class GradientCacheHookManager:
     def state_dict(self) -> dict[str, Any]:
         """The cache's state, to save with the model's and the optimizer's.
 
-        Error-feedback residuals, the step counter (warm-up), the engine's random generators and any
-        gradients cached but not yet restored (mid-accumulation, say), with those a
-        ``memory_budget`` kept on the device for the pending step, keyed by parameter name, as CPU
-        tensors (``torch.save`` writes it, ``torch.load(..., weights_only=True)`` reads it). Drains
-        first, like ``compress_and_free_gradients()``. Loaded into a manager built the same way
-        (``load_state_dict``) it continues bit for bit as the saving run goes on (the drain
-        compresses a micro-batch's gradients still on the device, which with a lossy codec a run
-        that never saved would have summed with the next one exactly). Under FSDP2 it holds this
-        rank's shards: save one per rank, and load each into the same rank at the same world size
-        (anything else is refused).
+        Error-feedback residuals, the step counter, the random generators and any gradients cached
+        but not yet restored (with those a ``memory_budget`` kept on the device for the pending
+        step), by parameter name, as CPU tensors (``torch.load(..., weights_only=True)`` reads it).
+        Drains first. Loaded into a manager built the same way it continues bit for bit as the
+        saving run goes on (the drain compresses a micro-batch's gradients still on the device,
+        which with a lossy codec a run that never saved would have summed with the next one
+        exactly). Under FSDP2 it holds this rank's shards: load each into the same rank at the same
+        world size.
         """
         pipeline = self._live()
         if pipeline.deferred_clip is not None:
@@ -465,13 +453,11 @@ class GradientCacheHookManager:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from what ``state_dict()`` returned.
 
-        The manager must have nothing pending (load before the first backward) and the checkpoint's
-        ``compression_ratio``, ``codec`` (with top-k, the same ``error_feedback``,
-        ``residual_dtype`` and ``value_dtype`` on its `TopK`), ``min_compress_numel``,
-        ``warmup_steps`` and cached parameter names; else it raises, saying what differs. Other
-        options (bucket size, top-k's ``selection`` and ``residual_location``, the device) may
-        change. The random generators' states load only onto the kind of device they were saved on;
-        elsewhere the draws restart from the seed.
+        Needs nothing pending (load before the first backward) and the checkpoint's
+        ``compression_ratio``, ``codec`` (top-k's ``error_feedback``, ``residual_dtype`` and
+        ``value_dtype`` too), ``min_compress_numel``, ``warmup_steps`` and parameter names, else it
+        raises saying what differs; other options may change. The random generators' states load
+        only onto the kind of device they were saved on; elsewhere the draws restart from the seed.
         """
         checkpoint.load(self._live(), state_dict)
 
@@ -495,11 +481,9 @@ class GradientCacheHookManager:
     def get_compression_summary(self) -> dict[str, Any]:
         """`summary()` as the original API's dict (its fields, plus ``memory_saved_mb``).
 
-        While a step is pending (after backward, before the restore) the figures describe what is
-        cached now and ``step_pending`` is True; otherwise the last restored step. Right after
-        backward the last, partial bucket is in no figure until ``compress_and_free_gradients()``
-        (or the restore) caches it. With several optimizers, a step is pending while any of them has
-        gradients cached.
+        While a step is pending (``step_pending``: after backward, before the restore, for any
+        optimizer) the figures are of what is cached now, else of the last restored step. Right
+        after backward the last, partial bucket is in none until ``compress_and_free_gradients()``.
         """
         return self.summary().as_dict()
 

@@ -41,101 +41,93 @@ TOPK_KEYWORDS = (
 class EngineConfig:
     """How the offload engine groups, encodes and stores gradients.
 
-    Every option here acts whatever the codec; a codec's own knobs are on its options object
+    Every option acts whatever the codec; a codec's own knobs are on its options object
     (``codec=gradient_cache.TopK(error_feedback=False)``), documented there.
 
     Attributes:
         codec: Which codec encodes the gradients. None (default): at ``compression_ratio=r > 1``,
             per tensor the best-training codec of the ladder (``codecs.registry.LADDER``: int8,
-            q4, q3, q2, sign, top-k) whose payload fits ``1 / r`` of the tensor's lossless bytes
+            q4, q3, q2, sign, top-k) whose payload fits ``1 / r`` of its lossless bytes
             (``gradient_cache.Ladder`` sets how its top-k selects); at ratio 1, lossless. A name
-            picks one whatever the ratio: ``"q4"``, ``"q3"``, ``"q2"``, ``"q1"`` (every entry as
-            a 4, 3, 2 or 1-bit code after a randomised 128-point Hadamard rotation, rounded
-            stochastically, an fp32 scale per 128 entries, no residual), ``"sign"`` (the rotated
-            entries' signs times each block's mean magnitude), ``"int8"`` (int8 codes, an fp32
-            scale per 64 entries), ``"topk"`` (keeps ``numel / compression_ratio`` entries, with
-            error feedback: ``gradient_cache.TopK()``, whose docstring is the tuning guide for its
-            options) or ``"lossless"``. perf/RESULTS.md has what each costs in validation loss.
-        bucket_size_mb: Dense gradient megabytes (2**20 bytes) gathered before a bucket is
-            encoded and sent off the device. Smaller buckets free memory sooner in backward (the
-            device holds about two buckets plus the largest gradient) and at the fused step (a
-            bucket or two of gradients, and of offloaded optimizer state), at the cost of more,
-            smaller launches. None (default): 4 MiB; with ``offload_optimizer_state=True``, an
-            eighth of the cached gradients' bytes within 64 KiB and 4 MiB (`bucket_bytes`).
-        warmup_steps: Optimizer steps sent uncompressed at the start of training, as Deep
-            Gradient Compression does, while gradients change fastest (perf/RESULTS.md,
-            "Compression recipes"). Default 0: a good length depends on the run's, and while it
-            lasts host memory and PCIe traffic are lossless offload's (on CUDA the pinned pool is
-            sized for dense gradients until the warm-up ends, then rebuilt smaller).
+            picks one whatever the ratio: ``"q4"``, ``"q3"``, ``"q2"``, ``"q1"`` (4, 3, 2 or 1-bit
+            codes after a randomised 128-point Hadamard rotation, rounded stochastically, an fp32
+            scale per 128 entries, no residual), ``"sign"`` (the rotated entries' signs times each
+            block's mean magnitude), ``"int8"`` (int8 codes, an fp32 scale per 64), ``"topk"``
+            (keeps ``numel / compression_ratio`` entries, with error feedback:
+            ``gradient_cache.TopK()``, whose docstring is its tuning guide) or ``"lossless"``.
+            Costs: perf/RESULTS.md.
+        bucket_size_mb: Dense gradient MiB gathered before a bucket is encoded and sent off the
+            device. Smaller buckets free memory sooner in backward (the device holds about two
+            buckets plus the largest gradient) and at the fused step (a bucket or two of
+            gradients, and of offloaded state), for more, smaller launches. None (default):
+            4 MiB; with ``offload_optimizer_state=True``, an eighth of the cached gradients'
+            bytes within 64 KiB and 4 MiB (`bucket_bytes`).
+        warmup_steps: Optimizer steps sent uncompressed at the start, as Deep Gradient
+            Compression does, while gradients change fastest (perf/RESULTS.md, "Compression
+            recipes"). Default 0: a good length depends on the run's, and meanwhile host memory
+            and PCIe traffic are lossless offload's (on CUDA the pinned pool is rebuilt smaller
+            at its end).
         min_compress_numel: Tensors with fewer elements travel uncompressed. None (default):
-            16384 for top-k (64 KiB of fp32: below it, keeping 1% saves little while the
-            selection's fixed cost stays, and biases and norm weights are small and sensitive to
-            sparsification) and 128 (one block) for the block codecs and int8.
+            16384 for top-k (below it keeping 1% saves little against the selection's fixed
+            cost, and biases and norm weights are small and sensitive) and 128 (one block) for
+            the other codecs.
         host_memory_fraction: Largest share of the host's available RAM (psutil, or the cgroup
-            limit where lower) the host store may need; the engine refuses to start if its
-            estimate is larger. Default 0.5.
+            limit where lower) the host store may need, else the engine refuses to start.
+            Default 0.5.
         backend: ``"auto"`` (default) picks by the parameters' device; ``"cpu"`` or ``"cuda"``
             insist on one.
-        staging_depth: CUDA backend: how many buckets may be between encode and a completed
-            device-to-host copy at once. 2 (default) double-buffers: bucket i+1 encodes while
-            bucket i copies. Larger hides more latency and holds more device memory; 1
-            serialises encode and copy.
-        pin_memory: CUDA backend: keep payloads in page-locked host memory, so copies run without
-            blocking. Default True; falls back to pageable memory, with one warning, where
-            pinning fails.
-        host_pool_mb: CUDA backend: the most the pinned pool may take. The pool holds one slot
-            per parameter, sized for its largest payload (and its host residual), allocated once
-            before training; construction fails, naming the size needed, above this. None
-            (default): no cap beyond ``host_memory_fraction``.
+        staging_depth: CUDA: how many buckets may be between encode and a completed copy to the
+            host. 2 (default) double-buffers (bucket i+1 encodes while bucket i copies); more
+            hides more latency for more device memory; 1 serialises encode and copy.
+        pin_memory: CUDA: payloads in page-locked host memory, so copies do not block. Default
+            True; falls back to pageable memory, with one warning, where pinning fails.
+        host_pool_mb: CUDA: a cap on the pinned pool (one slot per parameter, sized for its
+            largest payload and host residual, allocated before training); construction fails,
+            naming the size needed, above it. None (default): only ``host_memory_fraction``.
         offload_optimizer_state: Keep the optimizer's per-parameter state tensors (Adam's
-            moments, SGD's momentum buffer) in host memory between steps, pinned on CUDA;
-            ``hook_manager.step(optimizer)`` brings each bucket's state to the device with its
-            gradients, steps there, and copies it back. The device then holds the weights and
-            about two buckets of gradients and state at the step; every step moves the state
-            across the link both ways (8 bytes per parameter each way for fp32 Adam). Needs the
-            fused step: ``apply_gradients()`` is refused. Default False.
-        offload_parameters: Keep the weights in host memory too (their fp32 masters, pinned on
-            CUDA), on the device only while in use: a block of the model at a time in forward
-            and backward (the one running and the next arriving, on a side stream), and in
-            ``hook_manager.step(optimizer)`` a bucket at a time, with its gradients and state:
-            the user's optimizer steps them on the device, then they go back to their masters.
-            Bit for bit with plain PyTorch. At rest, ``model.parameters()`` and
-            ``model.state_dict()`` are the host masters. The blocks are the children of
-            ``parameter_blocks``. Needs ``offload_optimizer_state=True`` and the fused step; not
-            with ``exclude_layers``; a ``memory_budget`` keeps whole blocks on the device (not
-            with ``compute_dtype``, nor under FSDP2). Each forward and backward moves the weights
-            to the device (4 bytes per parameter each; 2 with a bf16 ``compute_dtype``), and the
-            step moves the masters both ways. Default False.
+            moments, SGD's momentum) in host memory between steps, pinned on CUDA;
+            ``hook_manager.step(optimizer)`` brings each bucket's state with its gradients,
+            steps, and copies it back: the device holds the weights and about two buckets of
+            gradients and state, and each step moves the state both ways (8 bytes per parameter
+            each way for fp32 Adam). Needs the fused step (``apply_gradients()`` is refused).
+            Default False.
+        offload_parameters: Keep the weights in host memory too (fp32 masters, pinned on CUDA),
+            on the device only while in use: a block at a time in forward and backward (the next
+            arriving on a side stream), and in ``hook_manager.step(optimizer)`` a bucket at a
+            time with its gradients and state, stepped there by the user's optimizer and copied
+            back to the masters. Bit for bit with plain PyTorch. At rest, ``model.parameters()``
+            and ``model.state_dict()`` are the host masters. Needs
+            ``offload_optimizer_state=True`` and the fused step; not with ``exclude_layers``; a
+            ``memory_budget`` keeps whole blocks on the device (not with ``compute_dtype``, nor
+            under FSDP2). Each forward and backward moves the weights over (4 bytes per
+            parameter; 2 with a bf16 ``compute_dtype``), the step the masters both ways. Default
+            False.
         compute_dtype: With ``offload_parameters``: the dtype forward and backward compute in
-            (``torch.bfloat16``): the blocks bring each weight's wire, its fp32 master cast on
-            the host (2 bytes a parameter over the link, 2 more on the host, cast again where the
-            master changed); the floating inputs of the model and of each block are cast to it;
-            the gradients are accumulated and stepped in fp32 (a lossless one with nothing to
-            join crosses in bf16 and is widened at its restore), and the step steps the fp32
-            masters on the device: FSDP2's ``MixedPrecisionPolicy(param_dtype=compute_dtype,
-            reduce_dtype=torch.float32)`` on one process, bit for bit. None (default): the
-            weights' own dtype.
+            (``torch.bfloat16``): each weight comes as its fp32 master cast on the host (2 bytes a
+            parameter over the link, 2 more on the host, cast again where the master changed);
+            the model's and each block's floating inputs are cast to it; gradients are
+            accumulated and stepped in fp32 (a lossless one with nothing to join crosses in bf16,
+            widened at its restore) on the fp32 masters: FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)`` on one
+            process, bit for bit. None (default): the weights' own dtype.
         parameter_blocks: With ``offload_parameters``: the dotted name of the module list whose
-            children are the model's blocks (``"transformer.h"``); None (default): the
-            ``nn.ModuleList`` or ``nn.Sequential`` whose children hold the most parameter bytes.
-            Parameters outside the blocks, or used by more than one (tied), stay on the device
-            from the forward to the end of its backward.
-        device: With ``offload_parameters``: the device to train on, for a model whose
-            parameters are on the host: the cache sets it up from the host, its weights never
-            whole on the device (the buffers go there; the batches are yours to put there).
-            None (default): the device the parameters are on.
-        memory_budget: a device-memory budget, a share of the device's memory (``"80%"`` or
-            ``0.8``) or an amount (``"20GiB"``): the steps through the first after the warm-up
-            run with everything offloaded and their device peak is measured (the allocator's
-            reserved peak plus what lies outside it); from then on the cache keeps on the device
-            the most that fits, parameter by parameter, what frees the fewest device bytes per
-            link byte first (`gradient_cache.engine.budget`); with ``offload_parameters``, whole
-            blocks of weights (and the rest), the gradients and the state still offloaded.
-            Nothing to budget on a device without memory statistics (a CPU). Not with FSDP2.
-            Default None: everything offloaded.
-        checkpoint_frequency: how often, in steps, ``verbose=True`` logs the summary: every step
-            by default. (The seed's name: it set how often the compression statistics were
-            saved; they are in ``summary()`` at every step.)
+            children are the blocks (``"transformer.h"``); None (default): the ``nn.ModuleList``
+            or ``nn.Sequential`` whose children hold the most parameter bytes. Parameters outside
+            the blocks, or tied across them, stay on the device from forward to backward's end.
+        device: With ``offload_parameters``: the device to train on, for a model on the host: the
+            cache sets it up from there, the weights never whole on the device (the buffers go
+            there; the batches are yours to put there). None (default): the parameters' device.
+        memory_budget: a device-memory budget, a share (``"80%"`` or ``0.8``) or an amount
+            (``"20GiB"``): the steps through the first after the warm-up offload everything and
+            their device peak is measured (the allocator's reserved peak plus what lies outside
+            it); then the cache keeps on the device the most that fits, what frees the fewest
+            device bytes per link byte first (`gradient_cache.engine.budget`); with
+            ``offload_parameters``, whole blocks of weights (and the rest), the gradients and
+            state still offloaded. Nothing to budget without memory statistics (a CPU). Not with
+            FSDP2. Default None: everything offloaded.
+        checkpoint_frequency: how often, in steps, ``verbose=True`` logs the summary (default:
+            every step). The seed's name: it set how often statistics were saved (``summary()``
+        has them at every step).
     """
 
     codec: CodecChoice = None
