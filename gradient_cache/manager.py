@@ -217,8 +217,8 @@ class GradientCacheHookManager:
         self._attach(model)
 
     def _attach(self, model: torch.nn.Module) -> None:
-        """The last step of construction: the readers answer from this manager, and its hooks go if
-        it is collected while attached (`_detach_dropped`)."""
+        """The last step of construction: the readers answer from this manager, and its hooks go
+        if it is collected while attached (`_detach_dropped`)."""
         _attached.add(self)
         gradient_readers.fall_back_to(_ATTACHED_READS)
         # The finalizer holds the manager's attributes, not the manager, so an unkept manager
@@ -322,8 +322,8 @@ class GradientCacheHookManager:
         )
 
     def _refuse_a_clip_over_another_cache(self, optimizer: torch.optim.Optimizer) -> None:
-        """Where another attached cache holds gradients of ``optimizer``'s parameters too, each
-        would clip by its own share's norm, not the optimizer's global one."""
+        """Where another cache holds gradients of ``optimizer``'s parameters too, each would clip
+        by its own share's norm, not the optimizer's global one."""
         params = {p for group in optimizer.param_groups for p in group["params"]}
         others = [
             manager
@@ -343,9 +343,8 @@ class GradientCacheHookManager:
             )
 
     def _warn_of_a_missing_grad_scaler(self) -> None:
-        """Once: fp16 autocast and no GradScaler. The fused step would step the scaled gradients,
-        and ``scaler.update()`` then raise "No inf checks were recorded" with no word of the
-        cache."""
+        """Once: fp16 autocast, no GradScaler. The fused step would step scaled gradients, and
+        ``scaler.update()`` then raise "No inf checks were recorded" without a word of the cache."""
         if self._live().grad_scaler is not None or not self._watch.saw_fp16_autocast:
             return
         self._watch.saw_fp16_autocast = False  # warned once per manager
@@ -391,11 +390,10 @@ class GradientCacheHookManager:
         self._live_step().clip(_parameter_list(parameters), max_norm, total_norm)
 
     def offload_state_of(self, optimizer: torch.optim.Optimizer) -> None:
-        """With ``offload_optimizer_state=True``: ``optimizer``'s state on the device goes to host
-        memory, and ``optimizer.load_state_dict`` puts what it loads there from now on.
-        ``step(optimizer)`` does both when it begins; call this before loading when resuming, else
-        the loaded state sits on the device, whole, until then. The integrations call it at the
-        start."""
+        """With ``offload_optimizer_state=True``: ``optimizer``'s state on the device goes to
+        the host, and from now on ``optimizer.load_state_dict`` loads there. ``step(optimizer)``
+        does both as it begins; when resuming call this before loading, else the loaded state
+        sits on the device, whole, until then. The integrations call it as training starts."""
         self._live_step().offload_state_of(optimizer)
 
     def discard_gradients(self) -> None:
@@ -422,9 +420,8 @@ class GradientCacheHookManager:
 
     def keep_gradients(self) -> None:
         """Let the next backward add to the cached gradients a step left (another optimizer's,
-        stepping later), as plain PyTorch adds to ``.grad`` with no ``zero_grad()`` between. Without
-        this (or `discard_gradients`) that backward is refused: the cache cannot see whether one
-        ran."""
+        stepping later), as plain PyTorch adds to ``.grad`` without a ``zero_grad()``. Without
+        this (or `discard_gradients`) that backward is refused: it cannot tell whether one ran."""
         pending = self._live().pending
         if pending is not None:
             pending.siblings_taken = False
@@ -739,11 +736,10 @@ _ATTACHED_READS = ManagerReads(
 def _refuse_plain_steps(
     optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """A global optimizer step pre-hook: the user's own ``optimizer.step()`` over parameters
-    whose gradients an attached manager holds once its closure ran is refused (it would step
-    without them), unless an integration routes it to the fused step. Registered once, at import:
-    a manager created or closed inside a step hook must not change torch's global hooks while
-    torch runs them."""
+    """A global step pre-hook: the user's ``optimizer.step()`` over parameters whose gradients an
+    attached manager holds once the closure ran is refused (it would step without them), unless
+    an integration routes it to the fused step. Registered once, at import: a manager made or
+    closed inside a step hook must not change torch's global hooks while torch runs them."""
     if gradient_readers.routed() or not any(m.engine is not None for m in _attached):
         return None  # the closure as it is: nothing to refuse
 
@@ -761,8 +757,7 @@ OWN_HOOKS.add(_refuse_plain_steps)  # not the user's: a fused step's hooks leave
 
 
 def _detached() -> None:
-    """Once no manager is attached, the gradient readers' originals come back (unless an integration
-    runs)."""
+    """Once no manager is attached, the readers' originals return (unless an integration runs)."""
     if not any(manager.engine is not None for manager in _attached):
         gradient_readers.fall_back_to(None)
 
@@ -805,8 +800,7 @@ def _parameter_list(
 
 
 def _awaits_its_retry(pipeline: Pipeline) -> bool:
-    """Whether a fused step raised after stepping a bucket: a discard would keep those updates and
-    drop the rest."""
+    """Whether a fused step raised after stepping a bucket (a discard would keep part of it)."""
     pending = pipeline.pending
     return pipeline.interrupted and pending is not None and pending.partly_stepped()
 
@@ -834,8 +828,7 @@ def _is_positive_number(value: Any) -> bool:
 
 
 def _warn_of_the_ladders_last_rung(pipeline: Pipeline, ratio: float) -> None:
-    """Warn where the ratio leaves some tensor no dense codec: top-k without a residual trains far
-    worse."""
+    """Warn where some tensor gets no dense codec: top-k without a residual trains far worse."""
     routes = pipeline.plan.at(pipeline.config.warmup_steps)
     taken = [pipeline.records[p].name for p, route in routes.items() if route.codec.name == "topk"]
     if not taken:

@@ -1,10 +1,5 @@
-"""The gradient store: the one owner of what is cached, bucket by bucket.
-
-Nothing else writes its containers. Launches `put` a bucket's host payloads; a restore
-asks for the `parts` it wants (by bucket, in arrival order) and `remove`s what it spent;
-a discarded step `remove`s everything (the pipeline's `_spend`, as a restore); a checkpoint
-reads `buckets` and puts them back; the step's `figures` are read from the payloads' sizes.
-"""
+"""The gradient store: the one owner of what is cached, bucket by bucket (its writers and
+readers: docs/ARCHITECTURE.md's ownership table)."""
 
 from __future__ import annotations
 
@@ -71,10 +66,8 @@ class GradientStore:
         return iter(list(self._where))
 
     def parts(self, params: Collection[Param]) -> list[BucketPayloads]:
-        """The payloads of those of ``params`` cached here, bucket by bucket in arrival order.
-
-        Raises if a bucket has not landed: host payloads are read only after the drain.
-        """
+        """The payloads of those of ``params`` cached here, bucket by bucket in arrival order;
+        a bucket not yet landed raises: host payloads are read only after the drain."""
         parts = []
         for bucket in self._buckets:
             part = [(p, payload) for p, payload in bucket.payloads.items() if p in params]
