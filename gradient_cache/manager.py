@@ -46,34 +46,29 @@ class GradientCacheHookManager:
         model: the ``nn.Module`` whose trainable parameters are cached.
         compression_ratio: 1 keeps gradients whole (lossless offload); r > 1 holds and moves
             each gradient in at most ``1 / r`` of its lossless bytes (codes, scales and indices
-            counted), with the codec that trained best at that budget (`EngineConfig.codec`;
-            perf/RESULTS.md, "Codec frontier"). Tensors too small for any codec to reach r take
-            the most compact one; the summary reports the ratio achieved. With ``config.codec``
-            set, that codec is used whatever r (``codec="topk"`` or
-            ``codec=gradient_cache.TopK(...)`` keeps ``numel / r`` entries).
+            counted), by the codec `EngineConfig.codec` picks (perf/RESULTS.md, "Codec
+            frontier"); a tensor too small for any codec to reach r takes the most compact one
+            (the summary reports the ratio achieved). A top-k codec keeps ``numel / r`` entries.
         exclude_layers: substrings of parameter names whose gradients stay on the device
             exactly as plain PyTorch leaves them (e.g. ``["lm_head", "norm"]``).
         verbose: log a one-line summary at each restored step (logger ``gradient_cache``).
         config: an ``EngineConfig``; the defaults when None.
-        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any. With error
-            feedback the residual is then kept unscaled, so the scale's changes do not
-            re-weight what compression held back; and a step the scaler skips (non-finite
-            gradients) leaves no trace: at the next backward (or ``state_dict()``) the cache
-            sees that ``scaler.update()`` ran and no optimizer stepped, and puts back the
-            residuals, random draws and step count of before that step (known on the host: no
-            device read). Without it, a scaled run with error feedback mixes gradients of
-            different scales in the residual, and a skipped step's residual restarts from zero.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any. Error-feedback
+            residuals are then kept unscaled (the scale's changes do not re-weight them), and a
+            step the scaler skips leaves no trace: at the next backward (or ``state_dict()``)
+            the cache sees, on the host, that ``scaler.update()`` ran and no optimizer stepped,
+            and puts back the residuals, random draws and step count of before it. Without it,
+            the residual mixes scales, and a skipped step's residual restarts from zero.
         backend_factory: builds the engine's backend from the parameters, the config and the
-            ratio; the default picks by the parameters' device. Tests pass one that runs the
-            CUDA backend on stand-in streams.
+            ratio; the default picks by the parameters' device. Tests pass stand-in streams.
         device_memory: what a ``memory_budget`` reads of the device
             (`engine.budget.DeviceMemory`); the default reads the CUDA allocator's statistics,
             and a CPU has none. Tests pass their own.
 
     Use ``compress_and_free_gradients()`` after backward and ``apply_gradients()`` before
-    ``optimizer.step()``, or ``step(optimizer)`` in place of both. As a context manager it removes
-    its hooks on exit; garbage-collected while attached (never kept), it removes them too, with a
-    warning where it did nothing.
+    ``optimizer.step()``, or ``step(optimizer)`` for both. As a context manager it removes its hooks
+    on exit; garbage-collected while attached (never kept), it removes them too, with a warning
+    where it did nothing.
 
     While attached, ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grads_with_norm_``) over
     parameters it caches, between backward and the restore, is answered from the cache: plain
@@ -229,19 +224,15 @@ class GradientCacheHookManager:
     # --- the training-loop calls --------------------------------------------------
 
     def compress_and_free_gradients(self) -> None:
-        """Finish offloading this backward's gradients (call after ``loss.backward()``).
-
-        Backward already moved most of them; this encodes the last partial bucket and waits until
-        every gradient is in host memory. Calling it twice is harmless.
-        """
+        """Finish offloading this backward's gradients (call after ``loss.backward()``): encode the
+        last partial bucket and wait until every gradient is in host memory. Harmless twice."""
         self._live().drain()
 
     def apply_gradients(self) -> None:
         """Put the cached gradients back into ``param.grad`` (call before the optimizer).
 
-        Drains first, so it also works without ``compress_and_free_gradients()``. A gradient already
-        on the device (for instance, produced while the manager was disabled) is added to, not
-        overwritten.
+        Drains first, so ``compress_and_free_gradients()`` is optional. A gradient already on the
+        device (say, produced while disabled) is added to, not overwritten.
         """
         pipeline = self._live()
         if pipeline.optimizer_state is not None:
@@ -461,9 +452,8 @@ class GradientCacheHookManager:
     def step_completed(self) -> None:
         """Mark the end of a training step.
 
-        Restoring (``apply_gradients()`` or ``step()``) already records the step's figures; this
-        checks nothing is left behind. Gradients still cached are kept, with a warning, for the next
-        restore.
+        Restoring already records the step's figures; this checks nothing is left behind: gradients
+        still cached are kept, with a warning, for the next restore.
         """
         pipeline = self._live()
         pipeline.drain()
@@ -503,9 +493,8 @@ class GradientCacheHookManager:
         """Leave later gradients on the device; what is already cached stays cached. Refused with
         ``offload_parameters=True``: a gradient left in ``.grad`` would outlive its weights there.
 
-        A step whose micro-batches are partly cached and partly left on the device (this called
-        between micro-batches) sums them in another order than plain PyTorch, ``(b + c) + a`` for
-        ``(a + b) + c``: equal up to float rounding, not bit for bit. Switch at step boundaries.
+        Switched between micro-batches, the step sums them in another order than plain PyTorch, ``(b
+        + c) + a`` for ``(a + b) + c``: equal up to rounding, not bit for bit.
         """
         if self._weights is not None:
             raise RuntimeError(
@@ -520,8 +509,8 @@ class GradientCacheHookManager:
 
         The manager cannot be used afterwards; calling this twice is harmless. With
         ``offload_parameters=True`` it raises, changing nothing, between a forward and its backward
-        (that backward would read weights the close moves); ``abandon_an_awaited_backward=True``
-        closes anyway (the integrations at their end, a with-block left on an exception).
+        (which would read weights the close moves); ``abandon_an_awaited_backward=True`` closes
+        anyway (the integrations at their end, a with-block left on an exception).
         """
         if self._pipeline is None:
             return
