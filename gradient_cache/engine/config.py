@@ -149,9 +149,8 @@ class EngineConfig:
 
     def __new__(cls, **fields: Any) -> EngineConfig:
         # Before __init__'s bare "unexpected keyword": name the moved option's new place.
-        moved = [name for name in TOPK_KEYWORDS if name in fields]
-        if moved:
-            name = moved[0]
+        name = next((name for name in TOPK_KEYWORDS if name in fields), None)
+        if name is not None:
             raise TypeError(
                 f"EngineConfig got {name}={fields[name]!r}: it is an option of the top-k "
                 "codec now, not of EngineConfig. Pass "

@@ -36,15 +36,11 @@ class StepFigures:
 class CacheTensors:
     """The tensors the cache has at one moment, for memory accounting.
 
-    ``host``: in host memory: the cached payloads, the error-feedback residuals kept on the
-    host (``residual_location="host"``), the random states kept to undo the pending step and
-    the optimizer state's host copies (``offload_optimizer_state``) and the weights'
-    masters (``offload_parameters``).
-    ``scratch``: on the device: the codecs' reusable buffers (kept within a backward) and
-    their fixed tables. ``waiting``: on the device: gradients waiting in the open bucket.
-    ``weights``: on the device (``offload_parameters``): the weights' device tensors, whose
-    storages are resized in place, so the bytes they hold now are their storages' sizes
-    now (0 while a weight is on the host), not those they had when first seen.
+    ``host``: the cached payloads, host residuals (``residual_location="host"``), the random
+    states kept to undo the pending step, the optimizer state's host copies and the weights'
+    masters. On the device: ``scratch``, the codecs' reusable buffers (kept within a backward)
+    and fixed tables; ``waiting``, the open bucket's gradients; ``weights``, the weights'
+    device tensors, resized in place: count their storages' sizes now (0 while on the host).
     """
 
     host: tuple[torch.Tensor, ...] = ()
