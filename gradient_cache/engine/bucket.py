@@ -57,7 +57,6 @@ class BucketAssembler:
         return self.flush() if self._bytes >= self.capacity_bytes else None
 
     def holds(self, param: torch.nn.Parameter) -> bool:
-        """Whether ``param``'s gradient waits here."""
         return param in self._items
 
     def __len__(self) -> int:

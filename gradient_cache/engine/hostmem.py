@@ -47,9 +47,8 @@ def cgroup_headroom_bytes(
 ) -> int | None:
     """Smallest headroom of this process's memory cgroup and its ancestors, or None.
 
-    ``/proc/self/cgroup`` names the process's cgroup: ``0::/path`` under cgroup v2
-    (``memory.max`` / ``memory.current``), ``N:...memory...:/path`` under v1
-    (``memory.limit_in_bytes`` / ``memory.usage_in_bytes`` below ``root/memory``).
+    ``proc_cgroup`` names the cgroup: ``0::/path`` under v2 (``memory.max`` / ``memory.current``),
+    ``N:...memory...:/path`` under v1 (``memory.limit_in_bytes`` / ``memory.usage_in_bytes``).
     """
     root = Path(root)
     try:

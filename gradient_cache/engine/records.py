@@ -1,9 +1,6 @@
-"""Each cached parameter's record: its facts, gathered once, and where its gradient is.
-
-Where a gradient is is a field of its record (`GradientAt`), set by the one phase that moves
-it; the containers that hold it (the open bucket, the store, ``param.grad``) follow the
-record. `tests/test_call_orders.py` checks after every call that they agree.
-"""
+"""Each cached parameter's record: its facts, gathered once, and where its gradient is
+(`GradientAt`, set by the phase that moves it; the containers follow the record, which
+`tests/test_call_orders.py` checks after every call)."""
 
 from __future__ import annotations
 

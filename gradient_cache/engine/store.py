@@ -52,7 +52,6 @@ class GradientStore:
         return None if bucket is None else bucket.state
 
     def __getitem__(self, param: Param) -> Payload:
-        """The payload of ``param``, which is cached (KeyError if not)."""
         return self._where[param].payloads[param]
 
     def __contains__(self, param: object) -> bool:
