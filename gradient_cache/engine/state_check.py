@@ -1,9 +1,7 @@
 """What a saved cache state must hold before the engine takes any of it.
 
-Checkpoints travel between machines and are edited, truncated and re-saved by other code.
-`check_contents` reads every part of a state that `checkpoint.load` will use and raises a
-ValueError naming the key and what was expected at the first one that is wrong, before
-the engine changes: a refused state leaves the manager exactly as it was.
+Checkpoints are edited and truncated by other code: `check_contents` raises a ValueError
+naming the first wrong key and what it expected, so a refused state changes nothing.
 """
 
 from __future__ import annotations
