@@ -48,9 +48,7 @@ class StepNorms:
 
     def write(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """``grad``'s norm in ``param``'s slot (replacing an earlier micro-batch's)."""
-        dtype, index = self._slots[param]
-        self._buffers[dtype][index].copy_(gradient_norm(grad, self.norm_type))
-        self._written.add(param)
+        self.put(param, gradient_norm(grad, self.norm_type))
 
     def put(self, param: torch.nn.Parameter, norm: torch.Tensor) -> None:
         """``norm`` in ``param``'s slot, as an encode wrote it (a checkpoint's)."""
@@ -62,7 +60,6 @@ class StepNorms:
         return {param: norm for param in self._written if (norm := self.get(param)) is not None}
 
     def get(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """``param``'s norm, None if no encode wrote it."""
         if param not in self._written:
             return None
         dtype, index = self._slots[param]
