@@ -176,7 +176,6 @@ def scale_in_place(
 
 
 def put_back(held: dict[Param, torch.Tensor]) -> None:
-    """The held gradients back in ``param.grad``."""
     for param, grad in held.items():
         param.grad = grad
 
@@ -214,8 +213,7 @@ def _hold(pipeline: Pipeline, held: dict[Param, torch.Tensor]) -> dict[Param, Gr
 
 
 def _chunks(params: list[Param], size_bytes: int) -> list[list[Param]]:
-    """``params`` in order, cut into runs of about ``size_bytes`` of gradient each (a
-    bucket's size; a larger gradient alone)."""
+    """``params`` in order, in runs of about ``size_bytes`` of gradient (a larger one alone)."""
     chunks: list[list[Param]] = []
     filled = size_bytes
     for param in params:

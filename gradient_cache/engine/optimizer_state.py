@@ -117,8 +117,6 @@ class HostOptimizerState:
             round_up=self.backend.host_slabs_round_up,
         )
 
-    # --- a step's journeys ----------------------------------------------------------------
-
     def send(self, state: OptimizerStateDict, owned: StateCopies, params: Iterable[Param]) -> None:
         """Each offloaded value of ``params`` in ``state`` that is not its host copy in
         ``owned`` copied to the host and replaced by it. New host copies are allocated
@@ -164,7 +162,6 @@ class HostOptimizerState:
         return copies
 
     def _has_copy_for(self, copies: Copies, param: Param, key: str, value: torch.Tensor) -> bool:
-        """Whether ``copies`` hold a host copy like ``value`` (shape, dtype, kind)."""
         host = copies.get(param, {}).get(key)
         if host is None or type(host) is not type(value):
             return False
@@ -173,13 +170,11 @@ class HostOptimizerState:
         ]
 
     def keep_on_device(self, params: Iterable[Param]) -> None:
-        """From the next step on, ``params``' state stays on the device (their host copies
-        stay allocated: they share slabs with the others')."""
+        """From the next step on, ``params``' state stays on the device (host copies kept)."""
         self.on_device.update(params)
 
     def bytes_by_param(self) -> dict[Param, int]:
-        """Each parameter's host copies, in bytes, every optimizer's together (what keeping
-        that parameter's state on the device costs there)."""
+        """Each parameter's host bytes, every optimizer's: what its state costs on the device."""
         total: dict[Param, int] = {}
         for owned in self.host.values():
             for param, copies in owned.copies.items():
@@ -233,8 +228,6 @@ class HostOptimizerState:
         if not isinstance(value, torch.Tensor) or not self._slabs.holds(leaves(value)[0]):
             return value
         return rebuilt(value, iter([leaf.clone() for leaf in leaves(value)]))
-
-    # --- optimizer.load_state_dict -------------------------------------------------------
 
     def begin_step(self, optimizer: torch.optim.Optimizer) -> StateJourney:
         """A fused step begins: moved bytes from zero, ``optimizer`` attached and its state
@@ -360,8 +353,7 @@ class StateJourney:
     owned: StateCopies
 
     def bring(self, params: Sequence[Param]) -> Arrival:
-        """Start copying ``params``' host state to the device (the backend's restore
-        stream on CUDA); a state not yet created comes from the step itself."""
+        """Start copying ``params``' host state to the device (a new state: the step makes it)."""
         keys: list[tuple[Param, str, torch.Tensor]] = []
         for param in params:
             if self.owned.at.get(param) is not StateAt.HOST:
@@ -381,7 +373,7 @@ class StateJourney:
             (param, key, value.clone() if isinstance(value, torch.Tensor) else value)
             for param in params
             for key, value in self.state.get(param, {}).items()
-            if not (isinstance(value, torch.Tensor) and value.dim())  # not offloaded
+            if not offloaded(value)
         ]
         return Arrival(list(params), had_state, keys, transfer, kept)
 

@@ -174,8 +174,7 @@ class SkipWatch:
             self.unsettled = ScaledStep(scale._version, random_state or {}, steps)
 
     def settle(self) -> ScaledStep | None:
-        """The last completed step if the scaler skipped it (then undo it), else None; it
-        is settled either way."""
+        """The last completed step if the scaler skipped it (to undo), else None; settled."""
         scaled, self.unsettled = self.unsettled, None
         if scaled is None or scaled.stepped:
             return None
@@ -193,7 +192,6 @@ class SkipWatch:
         return scaled.stepped or (scale is not None and scale._version != scaled.scale_version)
 
     def _note_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """After any optimizer's step: note a step of the cached parameters."""
         scaled = self.unsettled
         if scaled is None or scaled.stepped:
             return

@@ -68,8 +68,7 @@ class StateSlabs:
         self._total = 0
 
     def expect(self, params: Iterable[torch.Tensor]) -> None:
-        """The state will belong to ``params`` (among others): slabs from now on are sized
-        for the largest of what it was told."""
+        """The state will belong to ``params`` too: later slabs are sized for all it was told."""
         sizes = [p.numel() * p.element_size() for p in params]
         self._largest = max([self._largest, *sizes])
         self._total = max(self._total, sum(sizes))
@@ -80,7 +79,6 @@ class StateSlabs:
         return sum(slab.memory.numel() for slab in self._slabs)
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is a view of one of the slabs."""
         address = tensor.untyped_storage().data_ptr()
         return any(slab.memory.untyped_storage().data_ptr() == address for slab in self._slabs)
 

@@ -211,8 +211,7 @@ class OptimizerStep:
             )
 
     def show_held(self, optimizer: Optimizer) -> None:
-        """An integration's own ``optimizer.step()`` is over: the gradients the fused step
-        held and stepped back in ``param.grad``, as plain PyTorch leaves them."""
+        """An integration's ``optimizer.step()`` is over: the held gradients back in ``.grad``."""
         records = self.pipeline.records
         for param, grad in self._hidden.pop(optimizer, {}).items():
             param.grad = grad
@@ -358,8 +357,7 @@ class OptimizerStep:
             self.budget.before_restore(self.pipeline)
 
     def _after_restore(self, steps_before: int) -> None:
-        """After a restore (a restore may find nothing): a memory budget's sample, and the
-        manager's word where it completed a step."""
+        """After a restore (which may find nothing): a budget's sample, the manager's word."""
         if self.budget is not None:
             self.budget.sample()
         if self._on_restored is not None:
@@ -460,8 +458,7 @@ def _cached_norms(
 
 
 def _encoded_norms(pipeline: Pipeline, norm_type: float) -> StepNorms | None:
-    """The pending step's encoded norms if they are of ``norm_type``. A norm is read
-    from the cache: the later steps' encodes compute that type."""
+    """The pending step's encoded norms if of ``norm_type``, which later encodes compute."""
     pending = pipeline.pending
     if pending is not None:
         pending.norm_read = True
