@@ -195,7 +195,7 @@ def _check(pipeline: Pipeline, state: Any) -> None:
         )
     if any(record.sharded for record in pipeline.records.values()):
         # Under FSDP2 each rank saves its own shards, whose sizes follow the world size.
-        saved_shards = state.get("shards", (0, 1))
+        saved_shards = state["shards"]  # a pair of ints (`check_keys`)
         here_shards = sharding.rank_and_world_size()
         if tuple(saved_shards) != here_shards:
             raise ValueError(

@@ -1,9 +1,7 @@
 """The optimizer's state in host memory between steps, on the device one bucket at a time.
 
-With ``offload_optimizer_state=True`` each state tensor with a dimension lives in host
-copies cut from slabs (`state_slabs.StateSlabs`) and travels with its bucket's gradients.
-Each moment, its stream and what orders it: docs/ARCHITECTURE.md, "The life of an
-optimizer-state tensor".
+Each moment of a state tensor, its stream and what orders it: docs/ARCHITECTURE.md, "The
+life of an optimizer-state tensor".
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The step, from backward's end to the optimizer's update (`OptimizerStep`).
 
-It decides the step (the clip and its one factor, a GradScaler's skip, a retry's reuse of
-the first clip), fires the step hooks once around it, hides the held gradients from an
-integration's own ``optimizer.step()`` and drives a memory budget. Its phases, one module
-each: docs/ARCHITECTURE.md, "The step, phase by phase".
+Its phases, one module each: docs/ARCHITECTURE.md, "The step, phase by phase".
 """
 
 from __future__ import annotations
@@ -41,9 +38,8 @@ class Budget(Protocol):
 
 class OptimizerStep:
     """The step over what one pipeline caches. ``model_order``: each parameter's place in
-    ``model.parameters()``, the order ``clip_grad_norm_`` sums norms in. ``budget``: a
-    memory budget, measured and decided around the restores. ``on_restored``: called after
-    every restore with the step count before it (the manager's verbose log)."""
+    ``model.parameters()``, the clip's summing order. ``budget``: decided around the
+    restores. ``on_restored(steps_before)``: after every restore (the verbose log)."""
 
     def __init__(
         self,
@@ -61,8 +57,6 @@ class OptimizerStep:
         # that call ends (`show_held`). Weak keys: a call that raised keeps no optimizer.
         self._hidden: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._stepping = False  # inside `step` (`refuse_a_plain_step`)
-
-    # --- the public face ----------------------------------------------------------------
 
     def step(
         self,
@@ -243,8 +237,6 @@ class OptimizerStep:
         if self.budget is not None:
             self.budget.measure_from_now()  # before any forward: the steps are measured
 
-    # --- the fused step ---------------------------------------------------------------
-
     def _fused(
         self,
         optimizer: Optimizer,
@@ -330,8 +322,6 @@ class OptimizerStep:
         stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
         refuse_taken(self.pipeline, optimizer, stepped)
         return stepped, Journeys(travellers)
-
-    # --- around the restores ------------------------------------------------------------
 
     def _clip_ready(self, caller: str) -> Pipeline:
         """The pipeline, drained, with nothing cached that a device gradient also holds and
