@@ -24,8 +24,7 @@ Param = torch.nn.Parameter
 
 
 class Traveller(Protocol):
-    """What comes to the device with each bucket and goes back after its step (the
-    weights' `StepJourney`, the optimizer state's `StateJourney`)."""
+    """What travels to the device with each bucket and back after its step."""
 
     def bring(self, params: Sequence[Param]) -> Any:
         """Start copying ``params``' part; returns its arrival (nothing moved if it raises)."""

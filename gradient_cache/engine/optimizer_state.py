@@ -89,8 +89,7 @@ class Arrival:
 
 @dataclass
 class HostOptimizerState:
-    """The host copies of the optimizer's state and their journeys (see the module
-    docstring). ``fraction``: ``host_memory_fraction``, for the budget checks."""
+    """Every optimizer's host copies and their journeys (``fraction``: the host budget's)."""
 
     backend: Backend
     fraction: float
@@ -343,8 +342,7 @@ class HostOptimizerState:
 
 @dataclass(frozen=True)
 class StateJourney:
-    """One fused step's journeys of one optimizer's state (``optimizer.state``; ``owned``:
-    its `StateCopies`), a bucket at a time."""
+    """One fused step's journeys of one optimizer's state, a bucket at a time."""
 
     states: HostOptimizerState
     state: OptimizerStateDict

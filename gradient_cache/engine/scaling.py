@@ -36,9 +36,7 @@ def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
 def check_ready(
     scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *, sharded: bool
 ) -> None:
-    """Refuse an enabled ``scaler`` not ready to step ``optimizer`` (a loss it never
-    scaled; unscaled or stepped already), fp16 parameters, which ``unscale_`` refuses, or
-    a scaler given under FSDP2 (``sharded``)."""
+    """Refuse an enabled ``scaler`` the fused step cannot step ``optimizer`` with."""
     if sharded:
         # Each rank sees only its shards' inf: ranks would disagree on the skip.
         raise RuntimeError(
@@ -109,11 +107,10 @@ def found_inf(
 ) -> bool:
     """Whether any gradient of the step is not finite: the encodes' flag (a resumed step:
     the payloads') or the held gradients'. One host read, as ``scaler.step()`` makes."""
-    flags = []
     if encoded_flag is not None:
-        flags.append(encoded_flag)
-    elif parts:  # a resumed step: its encodes' flag was not saved
-        flags += [~torch.isfinite(p.kept_values()).all() for part in parts for _, p in part]
+        flags = [encoded_flag]
+    else:  # a resumed step: its encodes' flag was not saved
+        flags = [~torch.isfinite(p.kept_values()).all() for part in parts for _, p in part]
     flags += [~torch.isfinite(sharding.local(grad)).all() for grad in held.values()]
     if not flags:
         return False
@@ -122,8 +119,7 @@ def found_inf(
 
 
 def report_step(scaler: torch.amp.GradScaler, optimizer_id: int, *, found_inf: bool) -> None:
-    """Tell ``scaler`` what ``scaler.step(optimizer)`` would have, for its ``update()``
-    (``optimizer_id``: ``id(optimizer)``)."""
+    """Tell ``scaler`` what ``scaler.step(optimizer)`` would have, for its ``update()``."""
     state = scaler._per_optimizer_states[optimizer_id]
     scale = scaler._get_scale_async()
     assert scale is not None  # an enabled scaler that scaled a loss has one
