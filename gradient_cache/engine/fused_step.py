@@ -138,7 +138,8 @@ def _step_cached(pipeline: Pipeline, steps: BucketSteps, journeys: Journeys) -> 
             _step_with(steps.step_once, grads)
             if i == 0:
                 # Counted (its residuals current) once an optimizer step went through: a
-                # step that failed before is discarded without a trace. Idempotent.
+                # step that failed before is discarded without a trace. A retry's recount
+                # is idempotent.
                 pipeline.deliver([p for p in steps.delivered if p in pipeline.store])
 
 
@@ -164,7 +165,7 @@ def scale_in_place(
     held: dict[Param, torch.Tensor], factor: torch.Tensor | None, progress: HeldProgress
 ) -> None:
     """The held gradients times ``factor`` (unscale and clip) in place, as ``unscale_`` and
-    ``clip_grads_with_norm_`` do; each marked in ``progress``, so a retry scales it once."""
+    ``clip_grads_with_norm_`` do (no second copy); marked in ``progress``: a retry scales once."""
     if factor is None:
         return
     for param, grad in held.items():

@@ -129,9 +129,10 @@ class OptimizerStep:
             pipeline.pending.deferred_clip = factor.to(pipeline.backend.device)
 
     def restore_all(self, *, refusal: str | None = None) -> None:
-        """Every cached gradient back in ``param.grad``, wherever the state is. ``refusal``:
-        raised instead where the state is on the host and gradients are cached (a reader of
-        every gradient at once would need the whole state on the device at the step)."""
+        """Every cached gradient back in ``param.grad``, wherever the state is (the
+        integrations restore what other optimizers left). ``refusal``: raised instead where
+        the state is on the host and gradients are cached (a reader of every gradient at
+        once would need the whole state on the device at the step)."""
         pipeline = self.pipeline
         if refusal is not None:
             pipeline.drain()
