@@ -1,10 +1,8 @@
 """What a backend does for the pipeline, and the CPU backend.
 
-The pipeline decides what happens to a bucket; the backend decides where and when: it
-gives the encode a place to run (`encoding`), puts the encoded payloads in host memory
-(`store`, which returns the host payloads and hands new residuals to its residual store),
-waits for them (`drain`, the one host wait), and brings them back (`start_restore`, then
-`finish_restore` before anything reads the gradients).
+The pipeline decides what happens to a bucket; the backend, where and when: the encode's
+place (`encoding`), host memory (`store`), the one host wait (`drain`), and the way back
+(`start_restore`, then `finish_restore` before anything reads the gradients).
 """
 
 from __future__ import annotations
@@ -27,12 +25,8 @@ Grads = list[tuple[Param, torch.Tensor]]
 
 
 class Stream(Protocol):
-    """What the accelerator backend uses of `torch.Stream` (and the tests' stand-in): its
-    waits, and ``with stream:``, which makes it the current stream of its device.
-
-    Streams and events take only their own kind (torch's, or the stand-in's), so what they
-    take is typed ``Any``: a `Stream` or an `Event` of the same kind.
-    """
+    """What the accelerator backend uses of `torch.Stream` (or the tests' stand-in); what
+    the waits take is ``Any``: a stream or an event of the same kind only."""
 
     def wait_stream(self, stream: Any) -> None: ...
 
@@ -73,17 +67,15 @@ class Restore:
 
 @dataclass
 class Transfer:
-    """Tensors copied between host and device (an optimizer's state): the device ones,
-    kept until the copies are known to be done; ``done``: the copies are complete (None
-    where they ran at once)."""
+    """Tensors copied between host and device: the device ones, kept until ``done`` (None
+    where the copies ran at once)."""
 
     tensors: list[torch.Tensor]
     done: Event | None = None
 
 
 def clipped(grad: torch.Tensor, clip_factor: torch.Tensor | None) -> torch.Tensor:
-    """``grad * clip_factor``, out of place: a payload a retried step reads again stays as
-    it was."""
+    """``grad * clip_factor`` out of place: a retried step reads the payload again."""
     return grad if clip_factor is None else grad * clip_factor.to(grad.device)
 
 
@@ -151,10 +143,8 @@ class Backend(ABC):
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
-        """Start copying ``hosts`` to the device, into tensors of the same strides (new
-        device tensors, as on a GPU: the demo's accounting counts them as device memory,
-        where a clone of a host tensor would count as host), allocated for the compute stream,
-        which steps with them and frees them."""
+        """Start copying ``hosts`` into new device tensors of their strides (as on a GPU:
+        the accounting counts them as device memory), for the compute stream to free."""
         outs = [
             torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
             for h in hosts
@@ -172,11 +162,9 @@ class Backend(ABC):
         *,
         casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> Transfer:
-        """Start copying each (device, host) pair's host tensor into its device one, whose
-        memory the caller allocated on the current stream (a unit's buffer or a weight's
-        storage, refilled: `weights.masters`); then each (device, copied) cast's copied
-        tensor into its device one (another dtype: a shard widened from its wire). The
-        device tensors live as long as the `Transfer`."""
+        """Start copying each (device, host) pair into its device tensor (allocated by the
+        caller on the current stream), then each (device, copied) cast (another dtype: a
+        shard widened from its wire). The device tensors live as long as the `Transfer`."""
         for device, host in pairs:
             device.copy_(host)
         for device, copied in casts:
@@ -200,9 +188,8 @@ class Backend(ABC):
     def let_read(  # noqa: B027 - on the CPU work runs in order
         self, stream: Any, refills: Sequence[Transfer] = ()
     ) -> None:
-        """Order ``stream`` (FSDP2's all-gather copy-in) after ``refills`` (the copies of the
-        shards it reads), or, without them, after the compute stream's work so far, which
-        waited for the refills `finish_to_device` finished."""
+        """Order ``stream`` (FSDP2's all-gather copy-in) after ``refills``, or without them
+        after the compute stream, which waited for them (`finish_to_device`)."""
 
     def join(self, stream: Any) -> None:  # noqa: B027 - on the CPU work runs in order
         """Order the compute stream's work from now on (a block given back, then reused)
@@ -214,11 +201,8 @@ class Backend(ABC):
 
 
 class CpuBackend(Backend):
-    """Encodes in the backward hook itself; host memory is where the gradients already are.
-
-    A lossless payload is the gradient tensor itself, and so is the restored gradient:
-    nothing is copied.
-    """
+    """Encodes in the hook itself, where the gradients already are: a lossless payload,
+    and its restore, is the gradient tensor itself."""
 
     def __init__(self, device: torch.device, *, keep_previous_residual: bool) -> None:
         self.device = device
