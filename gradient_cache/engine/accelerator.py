@@ -134,10 +134,7 @@ class AcceleratorBackend(Backend):
             # Guarantees the encode reads a slot (an accumulated payload, a host residual)
             # only after the copy that wrote it, which the host has not waited for.
             self.encode_stream.wait_event(copied)
-        with (
-            torch.profiler.record_function("gradient_cache.encode"),
-            self.encode_stream,
-        ):
+        with torch.profiler.record_function("gradient_cache.encode"), self.encode_stream:
             yield
 
     def store(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> dict[Param, Payload]:
@@ -154,10 +151,7 @@ class AcceleratorBackend(Backend):
                 self.record_stream(grad, self.encode_stream)
                 self.record_stream(grad, self.copy_stream)
         payloads: dict[Param, Payload] = {}
-        with (
-            torch.profiler.record_function("gradient_cache.copy"),
-            self.copy_stream,
-        ):
+        with torch.profiler.record_function("gradient_cache.copy"), self.copy_stream:
             for item in encoded:
                 slot = self.pool.slots[item.param]
                 tensors = item.payload.tensors()
