@@ -234,9 +234,8 @@ class AcceleratorBackend(Backend):
         return self.pool.allocate_slab(nbytes)  # pinned where it can be, as the pool's slabs
 
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
-        # On the current (compute) stream: the allocator hands a freed block on in that
-        # stream's order, so work queued on it before the free is safe, and other streams'
-        # accesses must be ordered before (`HostWeights.free`, `store`).
+        # On the compute stream: the allocator reuses a freed block in its order, so other
+        # streams' accesses must be ordered before the free (`HostWeights.free`, `store`).
         self._resize_storage(tensor, nbytes)
 
     def start_refill(
@@ -246,10 +245,9 @@ class AcceleratorBackend(Backend):
         casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> Transfer:
         compute = self.streams.current_stream(self.device)
-        # Guarantees the copies write the device blocks (allocated on the compute stream)
-        # only after the compute-stream work queued so far, which may have used them
-        # before; and read the host copies only after the copies back that wrote them
-        # (the compute stream waited on each: `release`), though the host did not wait.
+        # Guarantees the copies write the device blocks only after the compute stream's
+        # earlier use of them, and read the host copies only after the copies back that
+        # wrote them (compute waited on each: `release`), though the host did not wait.
         self.restore_stream.wait_stream(compute)
         with self.restore_stream:
             for out, host in pairs:
@@ -268,9 +266,8 @@ class AcceleratorBackend(Backend):
         return transfer.tensors
 
     def start_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
-        # Guarantees the copies read the state only after the step (queued on the current
-        # stream) updated it, and overwrite the host copies only after this step's copies
-        # to the device read them (the current stream waited for those: `finish_to_device`).
+        # Guarantees the copies read the state only after the step updated it, and overwrite
+        # the host copies only after the copies to the device read them (`finish_to_device`).
         self.copy_stream.wait_stream(self.streams.current_stream(self.device))
         with self.copy_stream:
             for device, host in pairs:
@@ -298,9 +295,8 @@ class AcceleratorBackend(Backend):
             stream.wait_event(event)
 
     def join(self, stream: Any) -> None:
-        # Guarantees a block given back next (a shard, `resize_(0)` on the compute stream)
-        # is reused only after ``stream``'s work so far read it: FSDP2's copy-in of an
-        # all-gather it started and has not waited for.
+        # Guarantees a block given back next (a shard) is reused only after ``stream``'s work
+        # so far read it (FSDP2's copy-in of an all-gather it has not waited for).
         self.streams.current_stream(self.device).wait_stream(stream)
 
     def wait_for_state_copies(self) -> None:

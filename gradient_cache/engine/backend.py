@@ -67,8 +67,7 @@ class Restore:
 
 @dataclass
 class Transfer:
-    """Tensors copied between host and device: the device ones, kept until ``done`` (None
-    where the copies ran at once)."""
+    """Device tensors copied to or from the host, kept until ``done`` (None: copied at once)."""
 
     tensors: list[torch.Tensor]
     done: Event | None = None
@@ -110,8 +109,7 @@ class Backend(ABC):
         backend that reads them later keeps them alive."""
 
     def follow_routes(self, routes: Mapping[Param, Route]) -> None:
-        """The routes from now on (at the start, and where the warm-up ended); a backend
-        with host memory sized by them re-lays it."""
+        """The routes from now on; a backend with host memory sized by them re-lays it."""
         self.routes = routes
 
     def host_pool(self) -> HostPool[Param] | None:
@@ -138,8 +136,7 @@ class Backend(ABC):
     # --- an optimizer's state between host and device (`optimizer_state`) ---------------
 
     def host_slab(self, nbytes: int) -> torch.Tensor:
-        """A slab of ``nbytes`` of host memory (uint8) for host copies of optimizer state
-        (`state_slabs.StateSlabs` cuts them)."""
+        """``nbytes`` of host memory (uint8) for optimizer state (`StateSlabs` cuts them)."""
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
@@ -196,13 +193,11 @@ class Backend(ABC):
         after ``stream``'s work so far (FSDP2's copy-in reading a shard)."""
 
     def wait_for_state_copies(self) -> None:  # noqa: B027 - the CPU's copies are done at once
-        """Block the host until every copy started by `start_to_device` and
-        `start_to_host` is complete."""
+        """Block until every copy `start_to_device` and `start_to_host` started is complete."""
 
 
 class CpuBackend(Backend):
-    """Encodes in the hook itself, where the gradients already are: a lossless payload,
-    and its restore, is the gradient tensor itself."""
+    """Encodes in the hook, where the gradients are: a lossless payload is the gradient."""
 
     def __init__(self, device: torch.device, *, keep_previous_residual: bool) -> None:
         self.device = device

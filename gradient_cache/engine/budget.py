@@ -96,8 +96,7 @@ class MemoryBudget:
 
 
 class DeviceMemory(Protocol):
-    """What a budget reads of the device (an accelerator's: `AcceleratorMemory`; tests pass
-    their own)."""
+    """What a budget reads of the device: `AcceleratorMemory`, or a ``device_memory=``."""
 
     def reset_peak(self) -> None:
         """Start counting the peak from now."""

@@ -123,8 +123,7 @@ def check_fsdp_privates(module: Any, *, initialized: bool = False) -> None:
 
 @dataclass
 class ShardedModule:
-    """A ``fully_shard`` module: FSDP2's state for it, and the sharded parameters of its
-    parameter groups."""
+    """A ``fully_shard`` module, its FSDP2 state and its groups' sharded parameters."""
 
     module: torch.nn.Module
     state: Any  # FSDP2's FSDPState

@@ -148,8 +148,7 @@ class HostSlabs:
         return slab
 
     def is_pinned(self, view: torch.Tensor) -> bool:
-        """Whether ``view`` (of a slab from here) lies in pinned memory: a copy to or from
-        it may be non-blocking."""
+        """Whether ``view`` (of a slab from here) is pinned: its copies may be non-blocking."""
         if not self.pinning:
             return False
         storage = view.untyped_storage()

@@ -33,8 +33,7 @@ class ResidualStore(ABC):
 
     @abstractmethod
     def read(self, param: Param) -> torch.Tensor | None:
-        """The residual the next encode of ``param`` starts from (the pending step's, if
-        any), on the encode's device; None before the first."""
+        """``param``'s residual for its next encode (pending, else current) on its device."""
 
     @abstractmethod
     def write(self, param: Param, new: torch.Tensor, *, non_blocking: bool) -> None:

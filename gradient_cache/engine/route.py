@@ -58,8 +58,7 @@ class Route:
         return grad.permute(memory_order(self.stride)).reshape(-1)
 
     def shaped(self, flat: torch.Tensor) -> torch.Tensor:
-        """A flat gradient (`flatten`'s order) as the parameter's gradient: its shape and
-        strides, no copy."""
+        """A flat gradient (`flatten`'s order) in the parameter's shape and strides, no copy."""
         return flat.as_strided(self.shape, self.stride)
 
     @property
