@@ -78,9 +78,8 @@ class AcceleratorBackend(Backend):
         streams: StreamApi,
         record_gradients: bool = False,
     ) -> None:
-        """``host_residuals``: residuals in the pool's slots, else on the device.
-        ``record_gradients``: a gradient may come from another stream than the hook's
-        (FSDP2: see `store`)."""
+        """``host_residuals``: in the pool's slots, else on the device. ``record_gradients``:
+        a gradient may come from another stream than the hook's (FSDP2: see `store`)."""
         self.device = device
         self.pool = pool
         self.staging_depth = staging_depth

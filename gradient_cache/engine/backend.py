@@ -89,8 +89,7 @@ class Backend(ABC):
     restore_ahead: int = 0
     #: Top-k selection for ``selection="auto"``.
     default_selection: str = "threshold"
-    #: Whether `host_slab`'s memory comes rounded up to a power of two (pinned memory):
-    #: the optimizer state's slabs are then large powers of two (`state_slabs`).
+    #: Whether `host_slab` rounds up to a power of two (pinned memory: see `state_slabs`).
     host_slabs_round_up: bool = False
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -71,15 +71,13 @@ class Capture:
         cast("PendingStep", pipeline.pending).backwards.add(torch._C._current_graph_task_id())
         param.grad = None
         if pipeline.assembler.holds(param) and param in pipeline.store:
-            # A third micro-batch while the second waits here and the first is cached:
-            # the waiting bucket goes first, so the cached part joins the second gradient
-            # before the third does ((a + b) + c, plain PyTorch's order).
+            # A third micro-batch while the second waits here and the first is cached: the
+            # waiting bucket goes first ((a + b) + c, plain PyTorch's order).
             self.launch(pipeline.assembler.flush() or [])
         group_complete = _group_complete(record.group)
         self.add(param, self._carried(param, sharding.local(grad)))
         if group_complete:
-            # The group's shared buffer is freed once its last gradient is offloaded: send
-            # it now rather than when the next group's gradients fill the bucket.
+            # The group's shared buffer is freed once its last gradient leaves: send it now.
             self.launch(pipeline.assembler.flush() or [])
 
     def _carried(self, param: Param, grad: torch.Tensor) -> torch.Tensor:
@@ -176,8 +174,7 @@ class Capture:
         return Encoded(param, payload, new_residual, () if residual is None else (residual,))
 
     def store_encoded(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
-        """Send ``encoded`` to host memory (the backend keeps their residuals) and store it:
-        in flight until the drain."""
+        """Send ``encoded`` to host memory (residuals to the backend); in flight until a drain."""
         if encoded:
             pipeline = self.pipeline
             pipeline.store.put(pipeline.backend.store(encoded, grads))

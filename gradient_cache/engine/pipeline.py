@@ -134,8 +134,7 @@ class Pipeline:
     # --- capture (the hooks: `capture.Capture`) -------------------------------------
 
     def begin_capture(self) -> None:
-        """A gradient is handed over: the step begins at its first one (before any encode
-        draws from the generators), or goes on."""
+        """A gradient is handed over: the step begins at the first (before any encode draws)."""
         self._enter("capture", CAPTURING)
         if self.pending is None:
             self.settle_scaled_step()
