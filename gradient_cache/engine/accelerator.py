@@ -1,13 +1,10 @@
 """The accelerator backend: encode on a side stream, copy into pinned slots on another.
 
-One code path for whichever device is torch's current accelerator (CUDA, XPU, a
-PrivateUse1 device such as the emulated one): streams and events are `torch.Stream` and
-`torch.Event`, the current stream `torch.accelerator.current_stream`, and pinned host memory
-the accelerator's (`allocate_pinned`). At most ``staging_depth`` buckets are between launch
-and a known-finished copy, the only bound on the device memory the copies hold. Streams
-and events are made through ``streams`` (a `StreamApi`), so tests/test_stream_order.py runs
-this very code on CPU tensors with stand-in streams and checks every ordering. The streams,
-each wait and what it guarantees: docs/ARCHITECTURE.md, "Streams and events".
+One code path for torch's current accelerator (CUDA, XPU, a PrivateUse1 device) through
+`torch.Stream` and `torch.Event`. At most ``staging_depth`` buckets are between launch and
+a known-finished copy: the bound on the device memory the copies hold. Streams and events
+come from a `StreamApi`, so tests/test_stream_order.py runs this code with stand-ins. Each
+wait and what it guarantees: docs/ARCHITECTURE.md, "Streams and events".
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ from .route import Route
 
 
 class StreamApi(Protocol):
-    """What the backend makes streams and events with: `TorchStreams`, or
-    tests/stream_checker.py's stand-in. A stream is current inside ``with stream:``."""
+    """`TorchStreams`, or tests/stream_checker.py's stand-in."""
 
     def new_stream(self, device: torch.device) -> backend.Stream: ...
 
@@ -40,8 +36,7 @@ class StreamApi(Protocol):
 
 
 class TorchStreams:
-    """`StreamApi` on torch's device-generic streams: CUDA's, XPU's or a PrivateUse1
-    device's through the same calls (``device`` is of `torch.accelerator`'s type)."""
+    """`StreamApi` on torch's device-generic streams (``device``: the accelerator's)."""
 
     def new_stream(self, device: torch.device) -> torch.Stream:
         return torch.Stream(device=device)
@@ -69,9 +64,7 @@ class AcceleratorBackend(Backend):
     """Overlaps encoding and device-to-host copies with backward on one accelerator device."""
 
     restore_ahead = 1
-    # Pinned memory comes from the accelerator's caching host allocator (at::CachingHostAllocator,
-    # CUDA's and XPU's), which rounds each block up to a power of two.
-    host_slabs_round_up = True
+    host_slabs_round_up = True  # the caching host allocator rounds pinned blocks up
     default_selection = "exact"  # torch.topk needs no host sync; the threshold's count does
 
     def __init__(
@@ -85,16 +78,13 @@ class AcceleratorBackend(Backend):
         streams: StreamApi,
         record_gradients: bool = False,
     ) -> None:
-        """``host_residuals``: residuals live in the pool's slots, else on the device.
-        ``record_gradients``: the gradients may have been allocated on another stream
-        than the one current in the hook (FSDP2: see `store`)."""
+        """``host_residuals``: in the pool's slots, else on the device. ``record_gradients``:
+        a gradient may come from another stream than the hook's (FSDP2: see `store`)."""
         self.device = device
         self.pool = pool
         self.staging_depth = staging_depth
         self.streams = streams
-        # Persistent streams: creating streams per step would cost more than the work. Each
-        # is made current by `with stream:` (torch.Stream's context manager: the stream's
-        # device and the stream current inside, the previous ones back after).
+        # Persistent: streams made per step would cost more than the work.
         self.encode_stream = streams.new_stream(device)
         self.copy_stream = streams.new_stream(device)
         self.restore_stream = streams.new_stream(device)
@@ -103,8 +93,7 @@ class AcceleratorBackend(Backend):
         self.record_stream: Callable[[torch.Tensor, Any], None] = getattr(
             streams, "record_stream", torch.Tensor.record_stream
         )
-        # A storage's resize_ (the allocator's block taken or given back), or the
-        # stand-in's, which tells its checker.
+        # A storage's resize_, or the stand-in's (which tells its checker).
         self._resize_storage: Callable[[torch.Tensor, int], None] = getattr(
             streams, "resize_storage", _resize_storage
         )
@@ -144,10 +133,7 @@ class AcceleratorBackend(Backend):
             # Guarantees the encode reads a slot (an accumulated payload, a host residual)
             # only after the copy that wrote it, which the host has not waited for.
             self.encode_stream.wait_event(copied)
-        with (
-            torch.profiler.record_function("gradient_cache.encode"),
-            self.encode_stream,
-        ):
+        with torch.profiler.record_function("gradient_cache.encode"), self.encode_stream:
             yield
 
     def store(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> dict[Param, Payload]:
@@ -157,19 +143,14 @@ class AcceleratorBackend(Backend):
         self.copy_stream.wait_event(encoded_event)
         kept: list[torch.Tensor] = list(grads)
         if self.record_gradients:
-            # FSDP2 runs the hooks on its post-reduce stream; under HSDP that is the
-            # all-reduce stream, while the gradient was allocated on the reduce-scatter
-            # stream, which the retirement wait in `encoding` (on the current stream) does
-            # not order. Guarantees the allocator hands a gradient's block to its stream
-            # again only after the encode and the copy that read it.
+            # Under HSDP the hook's stream is not the one that allocated the gradient, so
+            # the retirement wait does not order it. Guarantees the allocator hands its
+            # block back only after the encode and the copy that read it.
             for grad in grads:
                 self.record_stream(grad, self.encode_stream)
                 self.record_stream(grad, self.copy_stream)
         payloads: dict[Param, Payload] = {}
-        with (
-            torch.profiler.record_function("gradient_cache.copy"),
-            self.copy_stream,
-        ):
+        with torch.profiler.record_function("gradient_cache.copy"), self.copy_stream:
             for item in encoded:
                 slot = self.pool.slots[item.param]
                 tensors = item.payload.tensors()
@@ -181,9 +162,8 @@ class AcceleratorBackend(Backend):
                     hosts.append(host if there else self._to_host(host, tensor))
                 payloads[item.param] = item.payload.with_tensors(hosts)
                 kept += tensors
-                # A residual loaded from a checkpoint was allocated on the compute stream,
-                # and with one residual a parameter `write` drops it: kept until the
-                # retirement wait orders the compute stream after the encode that read it.
+                # A residual `write` drops (allocated on compute): kept until the
+                # retirement wait orders compute after the encode that read it.
                 kept += item.reads
                 if item.residual is not None:
                     self.residuals.write(item.param, item.residual, non_blocking=True)
@@ -199,9 +179,7 @@ class AcceleratorBackend(Backend):
         return self.pool
 
     def _to_host(self, host: torch.Tensor, device: torch.Tensor) -> torch.Tensor:
-        """``device`` copied into ``host`` (of the pool's slabs), on the current stream:
-        non-blocking where ``host`` is pinned; into a pageable slab (whose pinning failed)
-        the copy blocks the host."""
+        """``device`` into ``host`` on the current stream; blocking into a pageable slab."""
         return host.copy_(device, non_blocking=self.pool.is_pinned(host))
 
     def drain(self) -> None:
@@ -212,14 +190,9 @@ class AcceleratorBackend(Backend):
         self._unwaited.clear()
 
     def follow_routes(self, routes: Mapping[Param, Route]) -> None:
-        """Cut the steady slots from the pool's slabs once warm-up steps (dense payloads)
-        are over: no new pinned memory (`HostPool.relaid`).
-
-        Each parameter keeps its bytes (its slot shrinks in place), so restores still
-        reading a payload region are ordered before the next copy into it as at any step:
-        `finish_restore` makes the compute stream wait on the restore, the next encode on
-        the compute stream, and the copy on the encode.
-        """
+        """Cut the steady slots from the pool's slabs at the warm-up's end (`HostPool.relaid`).
+        Slots shrink in place, so the next copy into one follows its restores as at any step
+        (copy <- encode <- compute <- restore)."""
         super().follow_routes(routes)
         layout = {param: route.slot for param, route in routes.items()}
         if layout != self.pool.layout:
@@ -232,8 +205,7 @@ class AcceleratorBackend(Backend):
         self, items: list[tuple[Param, Payload]], *, clip_factor: torch.Tensor | None
     ) -> Restore:
         compute = self.streams.current_stream(self.device)
-        # Allocated for the compute stream, which reads and frees them: the allocator then
-        # reuses their blocks in compute-stream order, as for any gradient.
+        # Allocated for the compute stream, which reads and frees them, as any gradient.
         routes = [self.routes[p] for p, _ in items]
         outs = [torch.empty(r.numel, dtype=r.dtype, device=self.device) for r in routes]
         # Guarantees the restore writes these blocks (and reads ``clip_factor``) only after the
@@ -261,9 +233,8 @@ class AcceleratorBackend(Backend):
         return self.pool.allocate_slab(nbytes)  # pinned where it can be, as the pool's slabs
 
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
-        # On the current (compute) stream: the allocator hands a freed block on in that
-        # stream's order, so work queued on it before the free is safe, and other streams'
-        # accesses must be ordered before (`HostWeights.free`, `store`).
+        # On the compute stream: the allocator reuses a freed block in its order, so other
+        # streams' accesses must be ordered before the free (`HostWeights.free`, `store`).
         self._resize_storage(tensor, nbytes)
 
     def start_refill(
@@ -273,10 +244,9 @@ class AcceleratorBackend(Backend):
         casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> Transfer:
         compute = self.streams.current_stream(self.device)
-        # Guarantees the copies write the device blocks (allocated on the compute stream)
-        # only after the compute-stream work queued so far, which may have used them
-        # before; and read the host copies only after the copies back that wrote them
-        # (the compute stream waited on each: `release`), though the host did not wait.
+        # Guarantees the copies write the device blocks only after the compute stream's
+        # earlier use of them, and read the host copies only after the copies back that
+        # wrote them (compute waited on each: `release`), though the host did not wait.
         self.restore_stream.wait_stream(compute)
         with self.restore_stream:
             for out, host in pairs:
@@ -295,9 +265,8 @@ class AcceleratorBackend(Backend):
         return transfer.tensors
 
     def start_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
-        # Guarantees the copies read the state only after the step (queued on the current
-        # stream) updated it, and overwrite the host copies only after this step's copies
-        # to the device read them (the current stream waited for those: `finish_to_device`).
+        # Guarantees the copies read the state only after the step updated it, and overwrite
+        # the host copies only after the copies to the device read them (`finish_to_device`).
         self.copy_stream.wait_stream(self.streams.current_stream(self.device))
         with self.copy_stream:
             for device, host in pairs:
@@ -314,12 +283,10 @@ class AcceleratorBackend(Backend):
         transfer.tensors.clear()
 
     def let_read(self, stream: Any, refills: Sequence[Transfer] = ()) -> None:
-        # Guarantees work queued on ``stream`` from now on (FSDP2's all-gather copy-in)
-        # reads the refilled shards only after their copies: ``stream`` waits for each
-        # refill's event, and not for the compute stream's forward so far, so an all-gather
-        # overlaps the module running before it. Without the refills (shards that arrived
-        # earlier, their event spent), it waits for the compute stream, which waited for
-        # them (`finish_to_device`).
+        # Guarantees work queued on ``stream`` (FSDP2's all-gather copy-in) reads the
+        # refilled shards only after their copies; on their events alone, so the all-gather
+        # overlaps the forward before it. Without refills, on the compute stream, which
+        # waited for them (`finish_to_device`).
         events = [refill.done for refill in refills if refill.done is not None]
         if not events:
             stream.wait_stream(self.streams.current_stream(self.device))
@@ -327,9 +294,8 @@ class AcceleratorBackend(Backend):
             stream.wait_event(event)
 
     def join(self, stream: Any) -> None:
-        # Guarantees a block given back next (a shard, `resize_(0)` on the compute stream)
-        # is reused only after ``stream``'s work so far read it: FSDP2's copy-in of an
-        # all-gather it started and has not waited for.
+        # Guarantees a block given back next (a shard) is reused only after ``stream``'s work
+        # so far read it (FSDP2's copy-in of an all-gather it has not waited for).
         self.streams.current_stream(self.device).wait_stream(stream)
 
     def wait_for_state_copies(self) -> None:
@@ -346,7 +312,6 @@ def _resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:
-    """A host slab pinned for the current accelerator (torch 2.13 pins for CUDA where CUDA
-    is present, else for `torch.accelerator.current_accelerator()`); the caller falls back
-    to pageable memory if this raises."""
+    """A pinned host slab (for CUDA where present, else the current accelerator); the
+    caller falls back to pageable memory if this raises."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

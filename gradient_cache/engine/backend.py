@@ -1,10 +1,8 @@
 """What a backend does for the pipeline, and the CPU backend.
 
-The pipeline decides what happens to a bucket; the backend decides where and when: it
-gives the encode a place to run (`encoding`), puts the encoded payloads in host memory
-(`store`, which returns the host payloads and hands new residuals to its residual store),
-waits for them (`drain`, the one host wait), and brings them back (`start_restore`, then
-`finish_restore` before anything reads the gradients).
+The pipeline decides what happens to a bucket; the backend, where and when: the encode's
+place (`encoding`), host memory (`store`), the one host wait (`drain`), and the way back
+(`start_restore`, then `finish_restore` before anything reads the gradients).
 """
 
 from __future__ import annotations
@@ -27,12 +25,8 @@ Grads = list[tuple[Param, torch.Tensor]]
 
 
 class Stream(Protocol):
-    """What the accelerator backend uses of `torch.Stream` (and the tests' stand-in): its
-    waits, and ``with stream:``, which makes it the current stream of its device.
-
-    Streams and events take only their own kind (torch's, or the stand-in's), so what they
-    take is typed ``Any``: a `Stream` or an `Event` of the same kind.
-    """
+    """What the accelerator backend uses of `torch.Stream` (or the tests' stand-in); what
+    the waits take is ``Any``: a stream or an event of the same kind only."""
 
     def wait_stream(self, stream: Any) -> None: ...
 
@@ -73,17 +67,14 @@ class Restore:
 
 @dataclass
 class Transfer:
-    """Tensors copied between host and device (an optimizer's state): the device ones,
-    kept until the copies are known to be done; ``done``: the copies are complete (None
-    where they ran at once)."""
+    """Device tensors copied to or from the host, kept until ``done`` (None: copied at once)."""
 
     tensors: list[torch.Tensor]
     done: Event | None = None
 
 
 def clipped(grad: torch.Tensor, clip_factor: torch.Tensor | None) -> torch.Tensor:
-    """``grad * clip_factor``, out of place: a payload a retried step reads again stays as
-    it was."""
+    """``grad * clip_factor`` out of place: a retried step reads the payload again."""
     return grad if clip_factor is None else grad * clip_factor.to(grad.device)
 
 
@@ -98,8 +89,7 @@ class Backend(ABC):
     restore_ahead: int = 0
     #: Top-k selection for ``selection="auto"``.
     default_selection: str = "threshold"
-    #: Whether `host_slab`'s memory comes rounded up to a power of two (pinned memory):
-    #: the optimizer state's slabs are then large powers of two (`state_slabs`).
+    #: Whether `host_slab` rounds up to a power of two (pinned memory: see `state_slabs`).
     host_slabs_round_up: bool = False
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -118,8 +108,7 @@ class Backend(ABC):
         backend that reads them later keeps them alive."""
 
     def follow_routes(self, routes: Mapping[Param, Route]) -> None:
-        """The routes from now on (at the start, and where the warm-up ended); a backend
-        with host memory sized by them re-lays it."""
+        """The routes from now on; a backend with host memory sized by them re-lays it."""
         self.routes = routes
 
     def host_pool(self) -> HostPool[Param] | None:
@@ -146,15 +135,12 @@ class Backend(ABC):
     # --- an optimizer's state between host and device (`optimizer_state`) ---------------
 
     def host_slab(self, nbytes: int) -> torch.Tensor:
-        """A slab of ``nbytes`` of host memory (uint8) for host copies of optimizer state
-        (`state_slabs.StateSlabs` cuts them)."""
+        """``nbytes`` of host memory (uint8) for optimizer state (`StateSlabs` cuts them)."""
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def start_to_device(self, hosts: list[torch.Tensor]) -> Transfer:
-        """Start copying ``hosts`` to the device, into tensors of the same strides (new
-        device tensors, as on a GPU: the demo's accounting counts them as device memory,
-        where a clone of a host tensor would count as host), allocated for the compute stream,
-        which steps with them and frees them."""
+        """Start copying ``hosts`` into new device tensors of their strides (as on a GPU:
+        the accounting counts them as device memory), for the compute stream to free."""
         outs = [
             torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
             for h in hosts
@@ -172,11 +158,9 @@ class Backend(ABC):
         *,
         casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> Transfer:
-        """Start copying each (device, host) pair's host tensor into its device one, whose
-        memory the caller allocated on the current stream (a unit's buffer or a weight's
-        storage, refilled: `weights.masters`); then each (device, copied) cast's copied
-        tensor into its device one (another dtype: a shard widened from its wire). The
-        device tensors live as long as the `Transfer`."""
+        """Start copying each (device, host) pair into its device tensor (allocated by the
+        caller on the current stream), then each (device, copied) cast (another dtype: a
+        shard widened from its wire). The device tensors live as long as the `Transfer`."""
         for device, host in pairs:
             device.copy_(host)
         for device, copied in casts:
@@ -200,25 +184,19 @@ class Backend(ABC):
     def let_read(  # noqa: B027 - on the CPU work runs in order
         self, stream: Any, refills: Sequence[Transfer] = ()
     ) -> None:
-        """Order ``stream`` (FSDP2's all-gather copy-in) after ``refills`` (the copies of the
-        shards it reads), or, without them, after the compute stream's work so far, which
-        waited for the refills `finish_to_device` finished."""
+        """Order ``stream`` (FSDP2's all-gather copy-in) after ``refills``, or without them
+        after the compute stream, which waited for them (`finish_to_device`)."""
 
     def join(self, stream: Any) -> None:  # noqa: B027 - on the CPU work runs in order
         """Order the compute stream's work from now on (a block given back, then reused)
         after ``stream``'s work so far (FSDP2's copy-in reading a shard)."""
 
     def wait_for_state_copies(self) -> None:  # noqa: B027 - the CPU's copies are done at once
-        """Block the host until every copy started by `start_to_device` and
-        `start_to_host` is complete."""
+        """Block until every copy `start_to_device` and `start_to_host` started is complete."""
 
 
 class CpuBackend(Backend):
-    """Encodes in the backward hook itself; host memory is where the gradients already are.
-
-    A lossless payload is the gradient tensor itself, and so is the restored gradient:
-    nothing is copied.
-    """
+    """Encodes in the hook, where the gradients are: a lossless payload is the gradient."""
 
     def __init__(self, device: torch.device, *, keep_previous_residual: bool) -> None:
         self.device = device

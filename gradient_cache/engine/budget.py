@@ -1,10 +1,8 @@
 """``memory_budget``: offload only what must leave the device, decided from a measurement.
 
-The cache offloads everything through the second step after the warm-up, measures what the
-device held (`DeviceMemory`), then keeps on the device the most it can within the budget,
-what frees the fewest device bytes per link byte first (with the weights on the host: whole
-units). The measure, the order and why the bound is conservative: docs/ARCHITECTURE.md,
-"The memory budget".
+Everything is offloaded through the second step after the warm-up, then what fits the
+budget stays on the device, fewest device bytes freed per link byte first. Why, and why the
+bound is conservative: docs/ARCHITECTURE.md, "The memory budget".
 """
 
 from __future__ import annotations
@@ -59,7 +57,6 @@ class MemoryBudget:
         )
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             raise TypeError(f"memory_budget must be a string or a number, got {value!r}; {advice}.")
-        # A number, or a string of one without a unit ("80", "0.8"), is a share, never bytes.
         given = value if isinstance(value, str) else f"{value:g}"
         text = given.strip().lower()
         share = None if isinstance(value, str) else float(value)
@@ -91,17 +88,15 @@ class MemoryBudget:
         return cls(text=given, nbytes=nbytes)
 
     def bytes_of(self, total: int | None) -> int:
-        """The budget in bytes on a device of ``total`` usable bytes (an amount above them
-        is cut to them); ``total`` None (unknown: the planner without a device size) only
-        for an amount."""
+        """The budget in bytes on a device of ``total`` usable bytes (an amount is cut to
+        them); ``total`` None (the planner without a device size) only for an amount."""
         if self.nbytes is not None:
             return self.nbytes if total is None else min(self.nbytes, total)
         return int((total or 0) * (self.fraction or 0))
 
 
 class DeviceMemory(Protocol):
-    """What a budget reads of the device (an accelerator's: `AcceleratorMemory`; tests pass
-    their own)."""
+    """What a budget reads of the device: `AcceleratorMemory`, or a ``device_memory=``."""
 
     def reset_peak(self) -> None:
         """Start counting the peak from now."""
@@ -124,9 +119,8 @@ class DeviceMemory(Protocol):
 
 @dataclass(frozen=True)
 class AcceleratorMemory:
-    """The caching allocator's statistics of ``device`` and the driver's view of it,
-    through `torch.accelerator` (CUDA, XPU, a PrivateUse1 device whose allocator derives
-    `c10::DeviceAllocator`)."""
+    """``device``'s allocator statistics and the driver's view, through `torch.accelerator`
+    (CUDA, XPU, a PrivateUse1 device whose allocator derives `c10::DeviceAllocator`)."""
 
     device: torch.device
 
@@ -144,9 +138,8 @@ class AcceleratorMemory:
         return torch.accelerator.get_memory_info(self.device)[1]
 
     def process_fraction(self) -> float:
-        # The cap is a device module's (torch.cuda's and torch.xpu's
-        # get_per_process_memory_fraction); torch.accelerator reads none. A device module
-        # without one: the whole device is taken as usable.
+        # torch.accelerator reads no cap: the device module's (torch.cuda, torch.xpu), else
+        # the whole device is usable.
         module = getattr(torch, self.device.type, None)
         read = getattr(module, "get_per_process_memory_fraction", None)
         return 1.0 if read is None else float(read(self.device))
@@ -159,9 +152,7 @@ def device_memory_of(device: torch.device) -> DeviceMemory | None:
         return None
     try:
         torch.accelerator.get_memory_info(device)
-    except RuntimeError:  # an allocator that is no c10::DeviceAllocator, or lacks the query
-        return None
-    except AttributeError:  # torch 2.6: torch.accelerator has no memory queries yet
+    except (RuntimeError, AttributeError):  # no such query (torch 2.6: no memory queries)
         return None
     return AcceleratorMemory(device)
 
@@ -241,9 +232,8 @@ def decide(
     def value(c: Candidate) -> tuple[float, bool]:
         return c.device_bytes / max(c.link_bytes, 1), c.kind == "gradient"
 
-    # A kept gradient steps on the device with its parameter's state, which comes to the
-    # device for that step where it is offloaded: its cost counts that state too. (Every
-    # state candidate is decided before any gradient: see `value`.)
+    # A kept gradient steps with its parameter's state on the device: its cost counts an
+    # offloaded state too (every state is decided before any gradient: `value`).
     state_bytes = {c.name: c.device_bytes for c in candidates if c.kind == "optimizer state"}
     kept, offloaded, kept_states = [], [], set()
     for candidate in sorted(candidates, key=value):
@@ -280,10 +270,9 @@ class BudgetWatch:
         self.memory = memory
         self.weights = weights
         self.decision: BudgetDecision | None = None
-        # Steps measured before deciding: through the second after the warm-up, whose lossy
-        # codecs (warm-up steps are lossless) are the steady state's. Not the first: it
-        # creates the optimizer's state where it steps, where a later step brings the next
-        # bucket's state ahead of it too (a higher peak: deciding on the first ran out).
+        # Through the second step after the (lossless) warm-up: the first creates the
+        # optimizer's state in place, while later steps bring the next bucket's state
+        # ahead too (a higher peak: deciding on the first ran out of memory).
         self.measured_steps = warmup_steps + 2
         self.peak = 0  # the running maximum of the samples
         if memory is None:
@@ -299,10 +288,8 @@ class BudgetWatch:
             memory.reset_peak()
 
     def measure_from_now(self) -> None:
-        """Training starts (the integrations, once a resume's loaded optimizer state went
-        from the device to the host): an undecided budget's peak counts from here, not from
-        the manager's creation, so that the loaded state's stay on the device, no part of
-        any step, is not measured as one."""
+        """Training starts: an undecided budget's peak counts from here, so a resume's
+        loaded state, on the device until offloaded, is not measured as part of a step."""
         if self.memory is not None and self.decision is None:
             self.memory.reset_peak()
             self.peak = 0
@@ -313,14 +300,10 @@ class BudgetWatch:
             self.peak = max(self.peak, checked_peak(self.memory) + self.memory.outside_bytes())
 
     def before_restore(self, pipeline: Pipeline) -> None:
-        """Before the restore of the step after the measured ones (those steps and their
-        optimizer steps are over, so the state exists and the peak holds them): decide,
-        and keep what fits on the device. Raises before anything of the step is restored
-        if nothing can fit."""
+        """After the measured steps (their state exists, the peak holds them): decide and
+        keep what fits; raises before the step's restore if nothing can fit."""
         self.sample()
-        if self.memory is None or self.decision is not None:
-            return
-        if pipeline.steps < self.measured_steps:
+        if self.memory is None or self.decision is not None or pipeline.steps < self.measured_steps:
             return
         usable = int(self.memory.total_bytes() * self.memory.process_fraction())
         decision = decide(
@@ -357,10 +340,8 @@ def checked_peak(memory: DeviceMemory) -> int:
 
 
 def candidates_of(pipeline: Pipeline) -> list[Candidate]:
-    """Each cached gradient (its route after the warm-up: the link bytes of its payload and
-    residual, both ways) and, with the state offloaded, each parameter's state host copies.
-    A gradient encoded with error feedback stays offloaded: left on the device, it would
-    never get back what compression held back of it."""
+    """Each cached gradient (its steady route's payload and residual, both ways) and, with
+    the state offloaded, each parameter's state host copies."""
     routes = pipeline.plan.at(pipeline.config.warmup_steps)
     candidates = []
     for param, record in pipeline.records.items():
@@ -397,12 +378,9 @@ def units_of(weights: Weights) -> list[Candidate]:
 def unit_candidates(
     rest: tuple[str, int] | None, blocks: Sequence[tuple[str, int]]
 ) -> list[Candidate]:
-    """The weights' units, ``(name, bytes)`` each (the ``rest``, the ``blocks`` in forward
-    order): each one's bytes on the device while kept, and the link bytes a step with one
-    micro-batch moves while it streams: four copies (forward's, backward's, and the step's
-    to the device and back), three for the rest and the last block, which stay from
-    forward to the end of backward (forward's and backward's again with each further
-    micro-batch)."""
+    """The weights' units, ``(name, bytes)`` each (``blocks`` in forward order). A streamed
+    unit costs four copies a one-micro-batch step (forward, backward, the step's two); the
+    rest and the last block three: they stay from forward to the end of backward."""
     units = [] if rest is None else [(*rest, 3)]
     last = len(blocks) - 1
     units += [(name, nbytes, 3 if i == last else 4) for i, (name, nbytes) in enumerate(blocks)]

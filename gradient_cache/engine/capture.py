@@ -1,10 +1,8 @@
 """Capture: backward's hooks hand each gradient over, buckets launch while backward goes on.
 
-The post-accumulate-grad hook (`Capture.on_grad_ready`) takes each gradient as soon as it
-is complete, frees it from the parameter and adds it to the open bucket; a full bucket is
-encoded by each parameter's route and sent to host memory (`launch`). The pipeline owns
-the step's state (`Pipeline.begin_capture`, `Pipeline.launching`); capture moves gradients
-and their records' locations, nothing else.
+The post-accumulate-grad hook takes each complete gradient off its parameter into the open
+bucket; a full bucket is encoded and sent to host memory (`launch`). Capture moves gradients
+and their records' locations; the step's state is the pipeline's.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ class Capture:
     """The pipeline's capture: its hook, its launches (see the module docstring)."""
 
     def __init__(self, pipeline: Pipeline) -> None:
-        # Weakly: the pipeline holds its capture, and a cycle would keep the model's
-        # parameters alive until a full garbage collection.
+        # Weakly: a cycle would keep the model alive until a full garbage collection.
         self.pipeline = cast("Pipeline", weakref.proxy(pipeline))
         self._gradient_checked = False
         # Held by the hook, and by a zero_grad()'s discard on the main thread: after a
@@ -74,26 +71,20 @@ class Capture:
         cast("PendingStep", pipeline.pending).backwards.add(torch._C._current_graph_task_id())
         param.grad = None
         if pipeline.assembler.holds(param) and param in pipeline.store:
-            # A third micro-batch while the second waits here and the first is cached:
-            # the waiting bucket goes first, so the cached part joins the second gradient
-            # before the third does ((a + b) + c, plain PyTorch's order).
+            # A third micro-batch while the second waits here and the first is cached: the
+            # waiting bucket goes first ((a + b) + c, plain PyTorch's order).
             self.launch(pipeline.assembler.flush() or [])
         group_complete = _group_complete(record.group)
         self.add(param, self._carried(param, sharding.local(grad)))
         if group_complete:
-            # The group's shared buffer is freed once its last gradient is offloaded: send
-            # it now rather than when the next group's gradients fill the bucket.
+            # The group's shared buffer is freed once its last gradient leaves: send it now.
             self.launch(pipeline.assembler.flush() or [])
 
     def _carried(self, param: Param, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` as its bucket carries it. A compute dtype's gradient (offload_parameters)
-        is accumulated and stepped in the master's dtype, as FSDP2's reduce_dtype=float32
-        does: widened here, except on a lossless route where its own bits cross, half the
-        bytes of bf16, and widen exactly where they are added to or restored
-        (`DensePayload`): with nothing to join (no earlier micro-batch's part cached or
-        waiting), or beside the first micro-batch's part, which fills half of its slot
-        (`_encode`). A GradScaler's inf check reads what crosses, so with one the second
-        joins in fp32 (the sum of two finite parts can overflow)."""
+        """``grad`` as its bucket carries it: in the master's dtype (as FSDP2's reduce_dtype),
+        but a bf16 gradient on a lossless route crosses as it is (half the bytes; widened
+        exactly where added or restored) where nothing joins it, or beside the first
+        micro-batch's part unless a GradScaler's inf check reads the sum (it can overflow)."""
         pipeline = self.pipeline
         route = pipeline.records[param].route
         if grad.dtype not in NARROW_FLOATS or route.dtype != torch.float32 or route.codec.lossy:
@@ -108,9 +99,8 @@ class Capture:
         return grad if cached.followed_by(grad) and not inf_checked else grad.to(route.dtype)
 
     def _restore_clipped(self) -> None:
-        """Every cached gradient back in ``param.grad``, times the deferred clip, which is
-        then spent; the step goes on (not delivered, not counted: its gradients return to
-        the cache as this backward hands them over, as under accumulation)."""
+        """Every cached gradient back in ``param.grad`` times the deferred clip, then spent;
+        the step goes on, undelivered (this backward hands them back, as accumulation)."""
         pipeline = self.pipeline
         if pipeline.weights is not None:
             raise RuntimeError(
@@ -134,12 +124,8 @@ class Capture:
             self.launch(items)
 
     def launch(self, items: list[Item]) -> None:
-        """Encode ``items`` and send them to host memory, one parameter at a time.
-
-        If encoding fails (out of memory, say), the parameters not yet encoded get their
-        gradients back in ``param.grad`` and the error propagates: nothing is lost or
-        counted twice, and the next restore adds the cached part to them.
-        """
+        """Encode ``items`` and send them to host memory. If an encode fails, the rest get
+        their gradients back in ``param.grad`` (the next restore adds the cached part)."""
         if not items:
             return
         pipeline = self.pipeline
@@ -152,8 +138,7 @@ class Capture:
                     encoded.append(self._encode(param, grad, scale))
         except BaseException:
             for param, grad in items[len(encoded) :]:
-                # In the parameter's dtype now: a carried bf16 one's after backward, whose
-                # master is fp32 again (widened), or in backward (its bf16 copy).
+                # In the parameter's dtype now (a carried bf16 one's master may be fp32 again).
                 param.grad = sharding.as_grad_of(param, grad.to(param.dtype))
                 pipeline.records[param].gradient = self._cached_part_at(param)
             raise
@@ -176,9 +161,8 @@ class Capture:
             # The fused step skips on it, as scaler.step() would.
             torch.logical_or(pending.found_inf, ~torch.isfinite(flat).all(), out=pending.found_inf)
         if pending is not None and pending.norms is not None:
-            # The norm of what this encode compresses (under accumulation, the decoded
-            # earlier micro-batches plus this one), read by the fused step's clip with no
-            # pass over the payloads.
+            # The norm of what this encode compresses (earlier micro-batches' parts joined),
+            # so the fused step's clip needs no pass over the payloads.
             whole = flat.to(route.dtype)  # a carried bf16's, widened
             if joined is not None and cached is not None:
                 # The sum's norm: the first micro-batch's part is brought for it.
@@ -190,8 +174,7 @@ class Capture:
         return Encoded(param, payload, new_residual, () if residual is None else (residual,))
 
     def store_encoded(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
-        """Send ``encoded`` to host memory (the backend keeps their residuals) and store it:
-        in flight until the drain."""
+        """Send ``encoded`` to host memory (residuals to the backend); in flight until a drain."""
         if encoded:
             pipeline = self.pipeline
             pipeline.store.put(pipeline.backend.store(encoded, grads))
@@ -218,11 +201,9 @@ def _group_complete(arrivals: GroupArrivals | None) -> bool:
 
 
 def _refuse_adding_to_left_gradients(pipeline: Pipeline, pending: PendingStep) -> None:
-    """A backward would add to gradients a step left cached beside those it took from the
-    same backward (`PendingStep.siblings_taken`). Plain PyTorch leaves them in ``.grad``,
-    where a ``zero_grad()`` the cache cannot see may have cleared them: refused before the
-    cache takes any of this backward's gradients (autograd's own accumulation into
-    ``.grad`` before the hook stays, as a backward that raises leaves it)."""
+    """Refuse a backward adding to gradients a step left cached beside those it took
+    (`PendingStep.siblings_taken`): plain PyTorch leaves them in ``.grad``, where a
+    ``zero_grad()`` the cache cannot see may have cleared them."""
     records = pipeline.records.values()
     names = [record.name for record in records if record.gradient in HELD_BY_THE_CACHE]
     if not names:

@@ -1,14 +1,7 @@
 """The engine's state as plain tensors and numbers, and back: what a resumed run needs.
 
-Saved: the recipe (to refuse a checkpoint made with another one), the step counter (warm-up
-schedule), the engine's random generators, error-feedback residuals (current and those of
-a pending step), gradients cached but not yet restored, bucket by bucket in arrival
-order (the fused step restores in that order), the pending step's gradients a memory budget
-kept on the device (whole: they are cached on load, since the loading manager's budget
-has not decided yet), and, for FSDP2, the rank and world size (each
-rank saves its own shards). Every tensor is a CPU copy (a view of the pinned pool would
-save the whole slab), keyed by parameter name, so `torch.save` and
-``torch.load(weights_only=True)`` carry it.
+Every tensor is a CPU copy (a view of the pinned pool would save the whole slab), keyed
+by parameter name, so ``torch.load(weights_only=True)`` reads it; each entry: `save`.
 """
 
 from __future__ import annotations
@@ -28,11 +21,9 @@ from .step_state import ADVICE, INTERRUPTED
 # 2: generators named by codec ("topk.selection"); the codec among the recipe fields.
 # 3: int8 values draw their rounding noise from a dither (a draw counter, not a generator).
 FORMAT_VERSION = 3
-# The options that change what a step computes, and so what a saved residual, counter or
-# payload means. Others (bucket size, selection method, where the residual lives, pinning)
-# may differ between the saving and the loading manager. The top-k ones are read from the
-# top-k codec's options (`TopK`), or are its defaults where the codec is not top-k: the
-# values `EngineConfig` held when they were its fields, so old checkpoints still load.
+# The options that change what a step computes, so what a saved residual or payload means
+# (others, such as the bucket size, may differ). The top-k ones are the top-k codec's, or
+# its defaults: what `EngineConfig` held when they were its fields, so old checkpoints load.
 RECIPE_FIELDS = (
     "codec",
     "error_feedback",
@@ -63,12 +54,9 @@ def recipe(pipeline: Pipeline) -> dict[str, Any]:
 
 
 def _as_today(saved: dict[str, Any]) -> dict[str, Any]:
-    """A recipe saved before the codec options moved onto the codec, as it is said today.
-
-    Then ``codec=None`` recorded the top-k options whether or not they acted; with
-    ``codec=None`` they never did, but at ratio 1 ``value_dtype="int8"`` chose the int8
-    codec, which is ``codec="int8"`` now. The same run has the same recipe either way.
-    """
+    """A recipe saved before the codec options moved onto the codec, as said today: its
+    top-k options never acted with ``codec=None``, but at ratio 1 ``value_dtype="int8"``
+    chose the int8 codec, ``codec="int8"`` now."""
     if saved.get("codec") is not None:
         return saved
     defaults = TopK()
@@ -98,12 +86,10 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
         "parameters": list(names.values()),
         "shards": sharding.rank_and_world_size(),
         "steps": pipeline.steps,
-        # The norm type the encodes compute (a clipped fused step's or clip_grad_norm_'s):
-        # a resumed step clips by the norms the uninterrupted one would, not the host
-        # copies' (with a lossy codec they differ).
+        # The norm type the encodes compute: a resumed step clips by the norms the
+        # uninterrupted one would, not the payloads' (with a lossy codec they differ).
         "clip_norm_type": pipeline.clip_norm_type,
-        # The pending step's norms its encodes took (of that type): a resumed clipped step
-        # reads these, not its payloads' (with a lossy codec they differ).
+        # The pending step's norms its encodes took (of that type), for the same reason.
         "pending_norms": {names[p]: _cpu(n) for p, n in norms.items()},
         "random_device": pipeline.backend.device.type,
         "random_state": pipeline.codecs.random_state(pipeline.backend.device),
@@ -209,7 +195,7 @@ def _check(pipeline: Pipeline, state: Any) -> None:
         )
     if any(record.sharded for record in pipeline.records.values()):
         # Under FSDP2 each rank saves its own shards, whose sizes follow the world size.
-        saved_shards = state.get("shards", (0, 1))
+        saved_shards = state["shards"]  # a pair of ints (`check_keys`)
         here_shards = sharding.rank_and_world_size()
         if tuple(saved_shards) != here_shards:
             raise ValueError(

@@ -1,13 +1,7 @@
-"""Every private name of FSDP2 (and of `DTensor`) the cache reads, in one place.
-
-FSDP2 has no public API for what the cache must follow: its parameter groups (the
-gradients' reduce-scatters, the shards), each parameter's padded shard (what its
-all-gather reads), its forward order and prefetch lists, its copy-in stream, and a
-`DTensor`'s local tensor object (and the registry of module states, for the modules around
-the one given). `FSDP_PRIVATES` lists the names, each present in the
-sources of torch 2.6.0, 2.10.0, 2.13.0, 2.14.1 and 2.15.0 (the parameter groups under one of two
-names, `param_groups`); `check_fsdp_privates` runs when the cache is created and refuses,
-naming torch's version, a torch without one, so the reads below have no silent default.
+"""Every private name of FSDP2 (and of `DTensor`) the cache reads, in one place: FSDP2 has
+no public API for its parameter groups, shards, forward order, prefetch lists or copy-in
+stream. `check_fsdp_privates` refuses at creation a torch without one of `FSDP_PRIVATES`,
+so the reads below have no silent default (docs/ARCHITECTURE.md, "Under FSDP2").
 """
 
 from __future__ import annotations
@@ -49,10 +43,8 @@ class FSDPParamGroup(Protocol):
 
 
 def fsdp_param_groups(model: torch.nn.Module) -> list[FSDPParamGroup]:
-    """FSDP2's parameter groups (one per ``fully_shard`` call) under ``model``.
-
-    FSDP2 has no public getter for them: this reads its module state, as its own hooks do.
-    """
+    """FSDP2's parameter groups (one per ``fully_shard`` call) under ``model``, read from
+    its module state as its own hooks do (there is no public getter)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch before 2.6, or without distributed: no FSDP2
@@ -67,11 +59,9 @@ def fsdp_param_groups(model: torch.nn.Module) -> list[FSDPParamGroup]:
 
 
 def param_groups(state: Any) -> list[FSDPParamGroup]:
-    """The parameter groups of FSDP2's state ``state`` (its ``FSDPState``): the list
-    ``_fsdp_param_groups`` where torch has it (2.13 and 2.14: one group per mesh where
-    ``shard_placement_fn`` gives several), else ``_fsdp_param_group`` (one or None: torch
-    2.6 and 2.10; 2.13 keeps it as a property that raises for several groups). No groups
-    where the state has neither (`check_fsdp_privates` refuses that)."""
+    """The parameter groups of FSDP2's ``FSDPState``: ``_fsdp_param_groups`` (torch 2.13
+    on: several where ``shard_placement_fn`` gives several meshes, and the singular is a
+    property that raises then), else ``_fsdp_param_group`` (one or None: 2.6 and 2.10)."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
@@ -99,10 +89,9 @@ FSDP_PRIVATES = {
 
 
 def check_fsdp_privates(module: Any, *, initialized: bool = False) -> None:
-    """Raises, naming torch's version, where FSDP2's objects for ``module`` (a
-    ``fully_shard`` module) lack one of `FSDP_PRIVATES`, which the stream would otherwise
-    read as a silent default; the communication context's only once ``initialized`` (after
-    the root's lazy init, which sets them)."""
+    """Raises, naming torch's version, where FSDP2's objects for ``fully_shard`` ``module``
+    lack one of `FSDP_PRIVATES`; the communication context's once ``initialized`` (the
+    root's lazy init sets it)."""
 
     def require(kind: str, holder: Any) -> None:
         for names in FSDP_PRIVATES[kind]:
@@ -134,8 +123,7 @@ def check_fsdp_privates(module: Any, *, initialized: bool = False) -> None:
 
 @dataclass
 class ShardedModule:
-    """A ``fully_shard`` module: FSDP2's state for it, and the sharded parameters of its
-    parameter groups."""
+    """A ``fully_shard`` module, its FSDP2 state and its groups' sharded parameters."""
 
     module: torch.nn.Module
     state: Any  # FSDP2's FSDPState
@@ -176,12 +164,10 @@ def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
 
 
 def _refuse_a_root_outside(model: torch.nn.Module, topmost: list[torch.nn.Module]) -> None:
-    """Refuse a cache on a module inside a ``fully_shard`` model (its blocks, say): its
-    topmost shards' root is outside it, and the cache's lazy init would make them roots of
-    their own, which FSDP2's root then refuses (or, once FSDP2 ran, its prefetch reads
-    shards the cache gave up: a probe's segmentation fault). FSDP2's registry of module
-    states (``_module_state_mapping``, torch 2.6 to 2.15) is the only way to the modules
-    around ``model``."""
+    """Refuse a cache on a module inside a ``fully_shard`` model: the cache's lazy init
+    would make its shards roots of their own, which FSDP2's root refuses (or, once it ran,
+    its prefetch reads shards the cache gave up: a segmentation fault). FSDP2's registry
+    ``_module_state_mapping`` is the only way to the modules around ``model``."""
     from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.fsdp import FSDPModule
 
@@ -202,9 +188,8 @@ def _refuse_a_root_outside(model: torch.nn.Module, topmost: list[torch.nn.Module
 
 
 def initialize_roots(modules: list[ShardedModule]) -> None:
-    """FSDP2's lazy init of each topmost module's tree, as its first forward would run it
-    (a no-op where one ran): it re-reads every shard (``reset_sharded_param``), which must
-    happen while they are all on the device, before the cache gives any up."""
+    """FSDP2's lazy init of each topmost tree, as its first forward would run it: it re-reads
+    every shard (``reset_sharded_param``), so before the cache gives any up."""
     for sharded in modules:
         if sharded.topmost:
             sharded.state._lazy_init()
@@ -213,8 +198,8 @@ def initialize_roots(modules: list[ShardedModule]) -> None:
 
 
 def flat_shards(modules: list[ShardedModule]) -> dict[Param, Callable[[], torch.Tensor]]:
-    """Each sharded parameter's flat padded shard as FSDP2 holds it at the call (FSDP2's
-    ``_sharded_param_data``, which its all-gather reads and it may replace)."""
+    """Each sharded parameter's flat padded shard as FSDP2 holds it at the call
+    (``_sharded_param_data``: its all-gather reads it, and FSDP2 may replace it)."""
     return {
         fsdp_param.sharded_param: functools.partial(getattr, fsdp_param, "_sharded_param_data")
         for sharded in modules

@@ -1,12 +1,8 @@
 """The fused step's buckets: restore and step one bucket at a time, safe to retry.
 
-Only one bucket's dense gradients (plus the one restoring ahead, on CUDA) are on the
-device at once, and with the state offloaded only that bucket's optimizer state. A
-bucket's payloads leave the cache only after its ``optimizer.step()`` returned, so if a
-step raises before changing anything (an injected failure, an OOM the user catches),
-calling the step again finishes the job with plain PyTorch's result: the buckets already
-stepped are not stepped twice, and the clip factor of the first attempt is reused
-(`engine/step.py` decides the clip; this module runs the buckets).
+A bucket's payloads leave the cache only after its ``optimizer.step()`` returned, so a
+step that raised (an OOM the user catches) is finished by calling it again, with plain
+PyTorch's result: stepped buckets are not stepped twice, the first clip is reused.
 """
 
 from __future__ import annotations
@@ -28,13 +24,10 @@ Param = torch.nn.Parameter
 
 
 class Traveller(Protocol):
-    """What comes to the device with each bucket and goes back after its step: the
-    weights (`weights.masters.StepJourney`), the optimizer state
-    (`optimizer_state.StateJourney`)."""
+    """What travels to the device with each bucket and back after its step."""
 
     def bring(self, params: Sequence[Param]) -> Any:
-        """Start the copies of ``params``' part; returns its arrival. If it raises, nothing
-        of it moved."""
+        """Start copying ``params``' part; returns its arrival (nothing moved if it raises)."""
 
     def install(self, arrival: Any) -> None:
         """The arrival ready for the step (work queued from now on sees it)."""
@@ -51,10 +44,9 @@ class Traveller(Protocol):
 
 @dataclass
 class Journeys:
-    """The travellers of one fused step, in order (the weights first: their copies back
-    start before a new state's host copies are allocated, which may raise; a stepped weight
-    left behind would go home dirty at its next free anyway), and each bucket's arrivals.
-    A traveller whose bring raises has the ones brought before it abandoned."""
+    """One fused step's travellers and each bucket's arrivals. The weights first: their
+    copies back start before a new state's host copies are allocated, which may raise. A
+    bring that raises abandons the arrivals brought before it."""
 
     travellers: list[Traveller]
     arrivals: deque[list[Any]] = field(default_factory=deque)
@@ -92,11 +84,9 @@ class Journeys:
 
 @dataclass
 class BucketSteps:
-    """What the step decided before its buckets step: ``buckets`` (the cached gradients,
-    bucket by bucket), restored times ``restore_factor``; ``held`` (the device gradients,
-    stepped last, a bucket's worth at a time), multiplied in place by ``held_factor``;
-    ``delivered`` (the cached gradients the step delivers); ``clip`` and ``progress``,
-    kept for a retry if a step raises."""
+    """What the step decided before its buckets step: the cached ``buckets``, restored
+    times ``restore_factor``; the device gradients ``held``, stepped last, times
+    ``held_factor``; ``clip`` and ``progress``, kept for a retry if a step raises."""
 
     buckets: list[list[Param]]
     held: dict[Param, torch.Tensor]
@@ -111,10 +101,9 @@ class BucketSteps:
 
 
 def run(pipeline: Pipeline, steps: BucketSteps) -> dict[Param, torch.Tensor]:
-    """Step every bucket, then the held gradients; returns those left (`settle_held`).
-    If a step raises, the state of each bucket on its way goes back to the host as it
-    was, the held gradients back in ``param.grad``, and the pipeline keeps the clip and
-    the progress for the retry."""
+    """Step every bucket, then the held gradients; returns those left (`settle_held`). If
+    a step raises, the travellers go back, the held gradients to ``param.grad``, and the
+    pipeline keeps the clip and the progress for the retry."""
     journeys = steps.journeys
     before = _hold(pipeline, steps.held)  # out of .grad: the buckets step without them
     try:
@@ -148,9 +137,9 @@ def _step_cached(pipeline: Pipeline, steps: BucketSteps, journeys: Journeys) -> 
             journeys.install()
             _step_with(steps.step_once, grads)
             if i == 0:
-                # The step counts, and its residuals become current, once an optimizer
-                # step went through: a step that failed before can still be discarded
-                # without a trace. (A retry completes again: counting is idempotent.)
+                # Counted (its residuals current) once an optimizer step went through: a
+                # step that failed before is discarded without a trace. A retry's recount
+                # is idempotent.
                 pipeline.deliver([p for p in steps.delivered if p in pipeline.store])
 
 
@@ -175,10 +164,8 @@ def _step_held(pipeline: Pipeline, steps: BucketSteps, journeys: Journeys) -> No
 def scale_in_place(
     held: dict[Param, torch.Tensor], factor: torch.Tensor | None, progress: HeldProgress
 ) -> None:
-    """The held gradients times ``factor`` (unscale and clip), in place, as
-    ``scaler.unscale_`` and ``clip_grads_with_norm_`` multiply them: no second copy lives
-    through the step. Each is marked in ``progress`` as it is scaled, so that a retry
-    after a failed step does not scale it twice."""
+    """The held gradients times ``factor`` (unscale and clip) in place, as ``unscale_`` and
+    ``clip_grads_with_norm_`` do (no second copy); marked in ``progress``: a retry scales once."""
     if factor is None:
         return
     for param, grad in held.items():
@@ -189,7 +176,6 @@ def scale_in_place(
 
 
 def put_back(held: dict[Param, torch.Tensor]) -> None:
-    """The held gradients back in ``param.grad``."""
     for param, grad in held.items():
         param.grad = grad
 
@@ -197,13 +183,10 @@ def put_back(held: dict[Param, torch.Tensor]) -> None:
 def settle_held(
     pipeline: Pipeline, held: dict[Param, torch.Tensor], *, hidden: bool
 ) -> dict[Param, torch.Tensor]:
-    """The held gradients after their step (or a skipped one): no longer part of the
-    pending step. Those a memory budget keeps are freed, as cached ones are after their
-    step (a loop written for the fused step, without zero_grad, must not add them into the
-    next, and no checkpoint carries them any more). The others go back in ``param.grad``
-    (clipped), as plain PyTorch leaves them, or, ``hidden`` (inside an integration's own
-    ``optimizer.step()``, which runs next and must not step them again), stay out of it
-    until `OptimizerStep.show_held`. Returns those others."""
+    """The held gradients after their step (or a skipped one), out of the pending step.
+    Those a budget keeps are freed, as cached ones (a loop without zero_grad must not add
+    them into the next); the others go back in ``param.grad``, or, ``hidden`` (an
+    integration's own step runs next), stay out until `show_held`. Returns the others."""
     left = {}
     for param, grad in held.items():
         record = pipeline.records.get(param)
@@ -230,8 +213,7 @@ def _hold(pipeline: Pipeline, held: dict[Param, torch.Tensor]) -> dict[Param, Gr
 
 
 def _chunks(params: list[Param], size_bytes: int) -> list[list[Param]]:
-    """``params`` in order, cut into runs of about ``size_bytes`` of gradient each (a
-    bucket's size; a larger gradient alone)."""
+    """``params`` in order, in runs of about ``size_bytes`` of gradient (a larger one alone)."""
     chunks: list[list[Param]] = []
     filled = size_bytes
     for param in params:

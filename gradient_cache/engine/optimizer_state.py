@@ -1,11 +1,7 @@
 """The optimizer's state in host memory between steps, on the device one bucket at a time.
 
-With ``offload_optimizer_state=True`` every per-parameter state tensor with a dimension
-lives in host copies cut from slabs (`state_slabs.StateSlabs`) between steps, where
-``optimizer.state`` and ``optimizer.state_dict()`` show it; a bucket's state travels with
-its gradients (brought, installed, stepped, sent back) so the whole state is never on the
-device at once, and the close hands it back to the device. Each moment, its stream and
-what orders it: docs/ARCHITECTURE.md, "The life of an optimizer-state tensor".
+Each moment of a state tensor, its stream and what orders it: docs/ARCHITECTURE.md, "The
+life of an optimizer-state tensor".
 """
 
 from __future__ import annotations
@@ -36,11 +32,9 @@ OptimizerStateDict = MutableMapping[torch.Tensor, Any]
 
 @dataclass
 class StateCopies:
-    """One optimizer's offloaded state: the host copies (per parameter, per key) and where
-    each parameter's offloaded values are (`StateAt`), a field each phase sets. The
-    optimizer's ``state`` dict is also written by others (a framework moves it to the
-    device on resume), so `HostOptimizerState.send`, at each step's begin, compares the
-    values with their host copies: the one place identity decides, and it sets the field."""
+    """One optimizer's offloaded state: its host copies and where each parameter's values
+    are (`StateAt`). Others write ``optimizer.state`` too (a framework on resume), so
+    `HostOptimizerState.send` compares values with their host copies: identity decides."""
 
     copies: Copies = field(default_factory=dict)
     at: dict[Param, StateAt] = field(default_factory=dict)
@@ -95,22 +89,17 @@ class Arrival:
 
 @dataclass
 class HostOptimizerState:
-    """The host copies of the optimizer's state and their journeys (see the module
-    docstring). ``fraction``: ``host_memory_fraction``, for the budget checks."""
+    """Every optimizer's host copies and their journeys (``fraction``: the host budget's)."""
 
     backend: Backend
     fraction: float
-    # Per optimizer (weakly: a dropped optimizer takes its copies along), the host copy of
-    # each (parameter, key): a value in optimizer.state that *is* one of these is on the
-    # host; any other offloaded value is on the device. Per optimizer, since two optimizers
-    # over one parameter each have their own state.
+    # Per optimizer (weakly; two optimizers over one parameter have two states), its
+    # `StateCopies`: a value in optimizer.state that *is* its host copy is on the host.
     host: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     host_bytes: int = 0
     # The state bytes the last step moved, to the device and back (counted as it goes).
     moved_bytes: int = 0
-    # The optimizers whose load_state_dict puts their state on the host (`attach`), and
-    # their hooks' handles, removed by `close`. Weak keys: the cache does not keep an
-    # optimizer alive, and the hooks hold the cache weakly (`_OptimizerHooks`).
+    # The attached optimizers (weakly) and their hooks' handles, removed by `close`.
     _attached: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     _loading: list[dict[Param, dict[str, torch.Tensor]]] = field(default_factory=list)
     # Parameters whose state stays on the device (a memory budget's decision): brought
@@ -125,14 +114,10 @@ class HostOptimizerState:
             round_up=self.backend.host_slabs_round_up,
         )
 
-    # --- a step's journeys ----------------------------------------------------------------
-
     def send(self, state: OptimizerStateDict, owned: StateCopies, params: Iterable[Param]) -> None:
-        """Each offloaded value of ``params`` in ``state`` (an optimizer's) that is not its
-        host copy in ``owned`` (that optimizer's) copied to the host, the host copies put
-        in ``state``, and the device copies let go once the copy has read them. New host
-        copies are allocated first: if that raises, the state stays on the device, whole,
-        and moves at its next step."""
+        """Each offloaded value of ``params`` in ``state`` that is not its host copy in
+        ``owned`` copied to the host and replaced by it. New host copies are allocated
+        first: if that raises, the state stays on the device, whole, and moves next step."""
         pairs = []
         for param in params:
             if param in self.on_device:
@@ -157,13 +142,10 @@ class HostOptimizerState:
         self.backend.release(transfer)
 
     def send_to_host(self, optimizer: Optimizer) -> None:
-        """Every offloaded state value of ``optimizer`` that sits on the device (a state
-        loaded before `attach`, one a framework moved there on resume, one a step without
-        the cache made) to its host copy, the device copies let go once copied; the
-        parameters whose state a memory budget keeps on the device excepted. As
-        `send_back`: a bring of these copies is ordered after the copy (`Backend.release`
-        makes the compute stream wait for it, the restore stream waits for compute); the
-        host reads them only after `wait_on_host`."""
+        """``optimizer``'s offloaded values on the device (loaded before `attach`, moved by a
+        framework, made by a plain step) to their host copies, but a budget's kept ones. A
+        bring is ordered after the copy (`Backend.release` makes compute wait for it, the
+        restore stream waits for compute); the host reads them after `wait_on_host`."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.send(optimizer.state, self.state_copies(optimizer), params)
 
@@ -177,8 +159,6 @@ class HostOptimizerState:
         return copies
 
     def _has_copy_for(self, copies: Copies, param: Param, key: str, value: torch.Tensor) -> bool:
-        """Whether ``copies`` hold a host copy like ``value`` (shape, dtype, kind) for
-        (param, key)."""
         host = copies.get(param, {}).get(key)
         if host is None or type(host) is not type(value):
             return False
@@ -187,13 +167,11 @@ class HostOptimizerState:
         ]
 
     def keep_on_device(self, params: Iterable[Param]) -> None:
-        """From the next step on, ``params``' state stays on the device (their host copies
-        stay allocated: they share slabs with the others')."""
+        """From the next step on, ``params``' state stays on the device (host copies kept)."""
         self.on_device.update(params)
 
     def bytes_by_param(self) -> dict[Param, int]:
-        """Each parameter's host copies, in bytes, every optimizer's together (what keeping
-        that parameter's state on the device costs there)."""
+        """Each parameter's host bytes, every optimizer's: what its state costs on the device."""
         total: dict[Param, int] = {}
         for owned in self.host.values():
             for param, copies in owned.copies.items():
@@ -212,15 +190,13 @@ class HostOptimizerState:
         return tuple(leaf for host in hosts for leaf in leaves(host))
 
     def wait_on_host(self) -> None:
-        """Block the host until every copy of the state started so far is complete: call
-        it before the host reads a host copy (a step post-hook, a checkpoint) or writes one
-        (a load). The step itself ends without it (see the module docstring)."""
+        """Block the host until every state copy started so far is complete: before the
+        host reads a host copy (a post-hook, a checkpoint) or writes one (a load)."""
         self.backend.wait_for_state_copies()
 
     def _allocate(self, items: list[tuple[Param, str, torch.Tensor]], copies: Copies) -> None:
-        """Host copies like ``items``' values (each plain tensor inside with its shape,
-        strides and dtype) in ``copies`` (one optimizer's), cut from the state's slabs
-        (`StateSlabs.take`, which checks the host budget before a new slab)."""
+        """Host copies like ``items``' values (each leaf's shape, strides, dtype) in
+        ``copies``, cut from the slabs (`StateSlabs.take` checks the host budget)."""
         flat = [leaf for _, _, value in items for leaf in leaves(value)]
         regions = self._slabs.take([leaf.numel() * leaf.element_size() for leaf in flat])
         taken = (
@@ -234,10 +210,9 @@ class HostOptimizerState:
     def _compact_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> dict[str, Any]:
-        """``optimizer.state_dict()``'s post-hook: each host copy (a view of a slab, which
-        ``torch.save`` would write whole) replaced by a compact copy of its own, read once
-        the copies back are complete. The per-parameter dicts are new: the optimizer's
-        own keep the host copies."""
+        """``state_dict()``'s post-hook: each host copy (a slab view, which ``torch.save``
+        would write whole) as a compact copy, read once the copies back are complete; in
+        new per-parameter dicts, as the optimizer's own keep the host copies."""
         self.wait_on_host()
         state_dict["state"] = {
             index: {key: self._compact(value) for key, value in values.items()}
@@ -251,13 +226,9 @@ class HostOptimizerState:
             return value
         return rebuilt(value, iter([leaf.clone() for leaf in leaves(value)]))
 
-    # --- optimizer.load_state_dict -------------------------------------------------------
-
     def begin_step(self, optimizer: torch.optim.Optimizer) -> StateJourney:
-        """A fused step begins: its moved bytes count from zero, ``optimizer``'s loads put
-        their state on the host (`attach`), and any of its state on the device goes there
-        now (`send_to_host`: a loop that loaded it before `attach`). Returns the step's
-        journeys of ``optimizer``'s state, bucket by bucket."""
+        """A fused step begins: moved bytes from zero, ``optimizer`` attached and its state
+        on the device sent home. Returns the step's journeys of its state."""
         self.moved_bytes = 0
         self._slabs.expect(p for group in optimizer.param_groups for p in group["params"])
         self.attach(optimizer)
@@ -265,9 +236,8 @@ class HostOptimizerState:
         return StateJourney(self, optimizer.state, self.state_copies(optimizer))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """From now on ``optimizer.load_state_dict`` puts the offloaded state in host
-        memory, never on the device (the loaded values, cast as the optimizer casts them);
-        once per optimizer, until `close`."""
+        """From now on ``optimizer.load_state_dict`` puts the offloaded state on the host
+        (cast as the optimizer casts it), never on the device; once, until `close`."""
         if optimizer in self._attached:
             return
         hooks = _OptimizerHooks(weakref.ref(self))
@@ -279,11 +249,9 @@ class HostOptimizerState:
         ]
 
     def close(self) -> None:
-        """The cache closes: each optimizer's load hooks removed, and its state put back
-        where plain PyTorch keeps it, each host copy copied to the device as a new tensor
-        (the host copies then dropped), so that it steps on without the cache and a later
-        cache takes it up again. A state the device has no room for stays in host memory,
-        with a warning (the end of a run whose state fits only there must not fail)."""
+        """Remove the load hooks and hand each state back to the device as new tensors (the
+        host copies dropped), so it steps on without the cache. A state with no room on the
+        device stays on the host, with a warning: a run's end must not fail for it."""
         self.wait_on_host()  # the last copies back complete before they are read
         for handles in list(self._attached.values()):
             for handle in handles:
@@ -322,10 +290,9 @@ class HostOptimizerState:
             optimizer.state[param][key] = rebuilt(host, device)
 
     def _take_tensors(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> Any:
-        """Take the tensors the cache offloads out of the loaded state, before the
-        optimizer moves them to the parameters' device. A state whose groups do not match
-        the optimizer's is refused as ``load_state_dict`` refuses it, before anything
-        changes (this hook runs before torch's own check)."""
+        """Take the offloaded tensors out of the loaded state before the optimizer moves
+        them to the device. Unmatched groups are refused as ``load_state_dict`` refuses
+        them, before anything changes (this hook runs before torch's check)."""
         saved_sizes = [len(g["params"]) for g in state_dict["param_groups"]]
         sizes = [len(g["params"]) for g in optimizer.param_groups]
         if len(saved_sizes) != len(sizes):
@@ -350,9 +317,8 @@ class HostOptimizerState:
         return {**state_dict, "state": kept}
 
     def _place_on_host(self, optimizer: torch.optim.Optimizer) -> None:
-        """The taken tensors into ``optimizer``'s host copies (an existing one of the same
-        shape and dtype is reused), cast as the optimizer casts a loaded state: floating
-        values to a floating parameter's dtype."""
+        """The taken tensors into ``optimizer``'s host copies (reused where alike), floating
+        values cast to a floating parameter's dtype, as the optimizer casts a load."""
         self.wait_on_host()  # before the host overwrites host copies a copy may still use
         taken = self._loading.pop()
         owned = self.state_copies(optimizer)
@@ -376,18 +342,14 @@ class HostOptimizerState:
 
 @dataclass(frozen=True)
 class StateJourney:
-    """One fused step's journeys of one optimizer's state, a bucket at a time: ``state``
-    is the optimizer's (``optimizer.state``), ``owned`` its host copies and where each
-    parameter's state is (`StateCopies`). With the weights on the host, each bucket's
-    travel beside it (`weights.masters.StepJourney`)."""
+    """One fused step's journeys of one optimizer's state, a bucket at a time."""
 
     states: HostOptimizerState
     state: OptimizerStateDict
     owned: StateCopies
 
     def bring(self, params: Sequence[Param]) -> Arrival:
-        """Start copying ``params``' host state to the device (the backend's restore
-        stream on CUDA); a state not yet created comes from the step itself."""
+        """Start copying ``params``' host state to the device (a new state: the step makes it)."""
         keys: list[tuple[Param, str, torch.Tensor]] = []
         for param in params:
             if self.owned.at.get(param) is not StateAt.HOST:
@@ -407,7 +369,7 @@ class StateJourney:
             (param, key, value.clone() if isinstance(value, torch.Tensor) else value)
             for param in params
             for key, value in self.state.get(param, {}).items()
-            if not (isinstance(value, torch.Tensor) and value.dim())  # not offloaded
+            if not offloaded(value)
         ]
         return Arrival(list(params), had_state, keys, transfer, kept)
 
@@ -420,14 +382,12 @@ class StateJourney:
         arrival.installed = True
 
     def send_back(self, arrival: Arrival) -> None:
-        """After the bucket's step: its state (updated or new) to the host
-        (`HostOptimizerState.send`)."""
+        """After the bucket's step: its state (updated or new) to the host (`send`)."""
         self.states.send(self.state, self.owned, arrival.params)
 
     def abandon(self, arrivals: Iterable[Arrival]) -> None:
-        """A step raised: put each bucket's state back as it was before its journey (the
-        host copies, unchanged; a state its step had begun to create, dropped), so that a
-        retry steps from it."""
+        """A step raised: each bucket's state as before its journey (host copies unchanged,
+        a state its step began to create dropped), so that a retry steps from it."""
         for arrival in arrivals:
             if not arrival.installed:
                 # Before its blocks are freed.
@@ -443,15 +403,13 @@ class StateJourney:
                     self.owned.at.pop(param, None)
 
     def step_ended(self, steps: int) -> None:
-        """Step ``steps`` completed: nothing left to finish (each bucket's state went back
-        as its step ended)."""
+        """Nothing to finish: each bucket's state went back as its step ended."""
 
 
 @dataclass(frozen=True)
 class _OptimizerHooks:
-    """An optimizer's load_state_dict and state_dict hooks for a `HostOptimizerState`,
-    which they hold weakly: an optimizer that outlives its cache does not keep the cache
-    alive (`close` removes them; a cache dropped unclosed leaves them doing nothing)."""
+    """An optimizer's state-dict hooks for a `HostOptimizerState`, held weakly: an optimizer
+    outliving its cache does not keep it alive (those of a cache dropped unclosed do nothing)."""
 
     states: weakref.ref[HostOptimizerState]
 

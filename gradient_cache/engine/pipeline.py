@@ -1,11 +1,8 @@
 """The pipeline: hooks → buckets → encode → host memory → restore.
 
-Backward's post-accumulate-grad hook takes each gradient as soon as it is complete,
-frees it from the parameter and adds it to the open bucket; a full bucket is encoded by
-each parameter's route and sent to host memory while backward goes on. `drain()` flushes
-the partial bucket and waits; `restoring` is the one path that takes payloads out of the
-store. The pipeline owns the step's state machine (`step_state`); what a step does with
-the restored gradients is the step's (`engine/step.py`).
+The hooks hand gradients over (`capture.py`); `drain()` flushes the partial bucket and
+waits; `restoring` is the one path that takes payloads out of the store. The pipeline owns
+the step's state machine (`step_state`); what a step does with the gradients is `step.py`'s.
 """
 
 from __future__ import annotations
@@ -82,12 +79,12 @@ class Pipeline:
         sharding.check_placements(named_params)
         _refuse_cached_twice(named_params)
         shapes = {p: (tuple(sharding.local_shape(p)), p.dtype) for p in params}
-        planner = _Planner(
+        plan_for = _plan_once(
             shapes, {p: gradient_strides(sharding.local(p)) for p in params}, config, ratio
         )
         # Checks the host budget before it allocates anything; no hook exists yet either.
-        self.backend = backend_factory(params, config, plan=planner)
-        self.plan = planner.plan_for(self.backend.default_selection)
+        self.backend = backend_factory(params, config, plan=lambda s: plan_for(s).at(0))
+        self.plan = plan_for(self.backend.default_selection)
         self.codecs = self.plan.codecs
         # The optimizer's state in host memory between fused steps (offload_optimizer_state).
         self.optimizer_state = (
@@ -137,8 +134,7 @@ class Pipeline:
     # --- capture (the hooks: `capture.Capture`) -------------------------------------
 
     def begin_capture(self) -> None:
-        """A gradient is handed over: the step begins at its first one (before any encode
-        draws from the generators), or goes on."""
+        """A gradient is handed over: the step begins at the first (before any encode draws)."""
         self._enter("capture", CAPTURING)
         if self.pending is None:
             self.settle_scaled_step()
@@ -203,9 +199,8 @@ class Pipeline:
         depth: int = 0,
     ) -> Generator[list[tuple[Param, torch.Tensor]], None, None]:
         """The one restore path: each bucket's gradients on the device (times ``clip_factor``,
-        ``depth`` more restoring ahead), leaving the store when the next is asked for (the
-        fused step: once it stepped); ``alongside`` and ``spent`` bracket its state's trip.
-        Closed early, restores ahead complete before their blocks go; the rest stays."""
+        ``depth`` more restoring ahead), leaving the store when the next is asked for;
+        ``alongside`` and ``spent`` bracket its state's trip. Closed early, the rest stays."""
         ahead: deque[Restore] = deque()
         try:
             for i, params in enumerate(buckets):
@@ -224,9 +219,8 @@ class Pipeline:
                 self.backend.finish_restore(restore)  # before its blocks are freed
 
     def restore(self, params: Iterable[Param]) -> None:
-        """The cached gradients of ``params`` into ``param.grad`` (added to any there), times
-        the pending step's clip factor (`PendingStep.restore_factor`); a bucket at a time
-        (they stay: none restores ahead)."""
+        """The cached gradients of ``params`` added into ``param.grad``, times the pending
+        step's clip factor; a bucket at a time (none restores ahead: the device's peak)."""
         buckets = [[param for param, _ in part] for part in self.store.parts(set(params))]
         factor = None if self.pending is None else self.pending.restore_factor()
         with contextlib.closing(self.restoring(buckets, clip_factor=factor)) as each:
@@ -270,9 +264,8 @@ class Pipeline:
     # --- the step's phases ------------------------------------------------------------
 
     def deliver(self, params: Iterable[Param]) -> None:
-        """The pending step delivers its gradients of ``params`` (before their restore):
-        their figures become the last step's, the step is counted (once, however many
-        restores deliver it), and their new residuals become the current ones."""
+        """Before their restore: the figures of ``params`` become the last step's, the step
+        is counted (once), and their new residuals become the current ones."""
         params = list(params)
         if not params:
             return
@@ -338,9 +331,8 @@ class Pipeline:
 
     def settle_scaled_step(self, *, known_only: bool = False) -> None:
         """If the GradScaler skipped the last completed step (`SkipWatch`), undo its residuals,
-        random draws and count, before anything builds on it (a forward, once that is
-        ``known_only``; a launch, a discard, a checkpoint). Back in the warm-up, its routes
-        again outside a hook (the CUDA pool is re-laid): so the forward settles first."""
+        draws and count before anything builds on it (a forward: only a ``known_only``
+        verdict). Back in the warm-up, its routes again only outside a hook (pool re-laid)."""
         if self.skips is None or self.skips.unsettled is None:
             return
         if known_only and not self.skips.decided():
@@ -369,11 +361,10 @@ class Pipeline:
     # --- checkpoints and a memory budget ------------------------------------------------
 
     def resume(self, random_state: dict[str, torch.Tensor] | None) -> None:
-        """Take up a pending step a checkpoint saved, with the generators' states at its
-        start; its payloads follow (`checkpoint.load`: stored as launched), then `drain`."""
+        """Take up a pending step a checkpoint saved (its payloads follow, then `drain`)."""
         self._enter("resume", CAPTURING)
-        # As a step begun here: the later micro-batches' encodes write their norms and
-        # raise the non-finite flag (a clip read from the payloads would have other bits).
+        # As a step begun here: later encodes write their norms and non-finite flag (a clip
+        # read from the payloads would have other bits).
         self.pending = _new_pending(self, random_state)
 
     def restart_at(self, steps: int) -> None:
@@ -408,37 +399,26 @@ class Pipeline:
             self.backend.close()
 
 
-class _Planner:
-    """The routes, planned on the first call (the backend factory's, for its budget check;
-    else the pipeline's, with the backend's default selection)."""
+def _plan_once(
+    shapes: dict[Param, tuple[tuple[int, ...], torch.dtype]],
+    strides: dict[Param, tuple[int, ...]],
+    config: EngineConfig,
+    ratio: float,
+) -> Callable[[str], RoutePlan[Param]]:
+    """The routes, planned on the first call and kept (the backend factory's, for its budget
+    check; else the pipeline's, with the backend's default selection)."""
+    plans: list[RoutePlan[Param]] = []
 
-    def __init__(
-        self,
-        shapes: dict[Param, tuple[tuple[int, ...], torch.dtype]],
-        strides: dict[Param, tuple[int, ...]],
-        config: EngineConfig,
-        ratio: float,
-    ) -> None:
-        self._shapes, self._strides, self._config, self._ratio = shapes, strides, config, ratio
-        self._plan: RoutePlan[Param] | None = None
-
-    def __call__(self, selection: str) -> dict[Param, Route]:
-        return self.plan_for(selection).at(0)
-
-    def plan_for(self, selection: str) -> RoutePlan[Param]:
-        if self._plan is None:
-            config = self._config
-            if config.selection != "auto":
-                selection = config.selection
-            codecs = Codecs.for_options(config, ratio=self._ratio, selection=selection)
-            self._plan = RoutePlan(
-                self._shapes,
-                codecs=codecs,
-                config=config,
-                selection=selection,
-                strides=self._strides,
+    def plan_for(selection: str) -> RoutePlan[Param]:
+        if not plans:
+            chosen = selection if config.selection == "auto" else config.selection
+            codecs = Codecs.for_options(config, ratio=ratio, selection=chosen)
+            plans.append(
+                RoutePlan(shapes, codecs=codecs, config=config, selection=chosen, strides=strides)
             )
-        return self._plan
+        return plans[0]
+
+    return plan_for
 
 
 def _attach(
@@ -470,11 +450,9 @@ def _refuse_cached_twice(named_params: Sequence[tuple[str, Param]]) -> None:
 def refuse_taken(
     pipeline: Pipeline, optimizer: torch.optim.Optimizer, params: Iterable[Param]
 ) -> None:
-    """Refuse a fused step of ``optimizer`` over a parameter whose cached gradient
-    another optimizer's fused step took in this step, and that has none now: plain
-    PyTorch would step it again with that gradient, left in ``.grad``, unless a
-    ``zero_grad()`` ran in between, which the cache cannot see. Raises before
-    anything changes."""
+    """Refuse a fused step of ``optimizer`` over a parameter whose gradient another
+    optimizer's fused step took in this step (plain PyTorch steps it again unless a
+    ``zero_grad()`` the cache cannot see ran between). Raises before anything changes."""
     records = pipeline.records
     taken = [
         records[param].name

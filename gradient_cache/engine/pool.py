@@ -1,21 +1,10 @@
 """The host pool: a few pinned slabs, cut once into a fixed slot per parameter.
 
-Every parameter's payload has a largest size known before training starts (its route:
-the dense gradient, or ``keep_count`` values and indices, since the CUDA backend selects
-exactly), so the slabs are laid out at construction and never grow: a backward hook never
-allocates host memory, and a full pool cannot happen. The warm-up's end cuts the smaller
-steady slots from the same slabs (`HostPool.relaid`). A slot is rewritten by the next
-device-to-host copy of its parameter; see docs/ARCHITECTURE.md for what orders that copy
-after the slot's last restore.
-
-PyTorch's caching host allocator rounds each pinned request up to a power of two, and a
-library cannot change that for its user: one slab of exactly the bytes needed would pin
-up to twice them (5 GiB pins 8). So the regions are packed (`pack_slabs`) into slabs
-whose sizes are powers of two already, and the reserve is what the slots need plus the
-slabs' unfilled ends (within 2% on the models tested).
-
-Pinning is decided slab by slab (`HostSlabs`): where the OS refuses to pin one slab, that
-slab is pageable and its copies block, while every other slab stays pinned.
+Each payload's largest size is known from its route before training, so the slabs are laid
+out at construction and never grow: a hook never allocates host memory. The warm-up's end
+cuts the smaller steady slots from the same slabs (`HostPool.relaid`). PyTorch's caching
+host allocator rounds each pinned request up to a power of two (5 GiB pins 8), so the slabs
+are powers of two already (`pack_slabs`). A slab the OS refuses to pin is pageable alone.
 """
 
 from __future__ import annotations
@@ -46,18 +35,11 @@ def _power_of_two_at_least(nbytes: int) -> int:
 
 
 def pack_slabs(sizes: Sequence[int]) -> list[tuple[int, list[tuple[int, int]]]]:
-    """Place regions of ``sizes`` (bytes, multiples of `ALIGN`) in power-of-two slabs.
-
-    Returns each slab's size and its (region index, byte offset) pairs. Two ways to go on
-    at each slab, and the one that reserves fewer bytes in the end is taken: one slab for
-    everything left (the smallest power of two that holds it), or the largest power of two
-    within the bytes left (at least the largest region left), filled first fit from the
-    largest region down, then the rest the same way. It never reserves more than one slab
-    of the whole would; on real models (tests/test_engine.py: the demo's GPTs and the
-    planner's 1.3B GPT) it reserves at most 2% (or `SMALL_SLAB`) more than they need. A
-    few regions each just above a power of two can still leave up to about the largest
-    region unused: regions are not split across slabs.
-    """
+    """Place regions of ``sizes`` (bytes, multiples of `ALIGN`) in power-of-two slabs:
+    each slab's size and its (region index, byte offset) pairs. At each slab, whichever
+    reserves less in the end: one slab for all that is left, or the largest power of two
+    within it, filled first fit from the largest region down. Never more than one slab of
+    the whole; regions are not split, so the largest region's size can go unused."""
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     return _pack(order, sizes)
 
@@ -95,13 +77,9 @@ def _region_sizes(layout: Mapping[Any, SlotSpec]) -> list[int]:
 
 @dataclass(frozen=True)
 class SlotSpec:
-    """What one parameter's slot holds: a region per payload tensor, and its residual.
-
-    ``regions``: bytes of each region, in `Payload.tensors` order, sized for the largest
-    payload the parameter's route can make. ``residual``: the host residual's stored
-    (numel, dtype), None where the residual is not kept on the host; with
-    ``spare_residual`` it has a second slot for a pending step's new residual.
-    """
+    """One parameter's slot: ``regions``, bytes per payload tensor (`Payload.tensors`
+    order, for the route's largest payload); ``residual``, the host residual's stored
+    (numel, dtype) or None; ``spare_residual``, a second one for a pending step's."""
 
     regions: tuple[int, ...]
     residual: tuple[int, torch.dtype] | None = None
@@ -123,47 +101,31 @@ class SlotSpec:
 
 @dataclass
 class Slot:
-    """One parameter's host memory: byte regions for its payload, and its residual.
-
-    With ``keep_previous_residual`` the residual has two slots: the current one, and a
-    spare that receives a pending step's new residual; they swap when that step
-    completes (`residuals.HostSlotResiduals`).
-    """
+    """One parameter's host memory: its payload's byte regions, its residual and a spare
+    for a pending step's new one (they swap when it completes: `HostSlotResiduals`)."""
 
     regions: list[torch.Tensor]  # uint8
     residual: torch.Tensor | None  # stored form, when kept on the host
     spare_residual: torch.Tensor | None
 
     def region_for(self, index: int, tensor: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Region ``index`` from byte ``offset`` on, viewed as a tensor of ``tensor``'s
-        dtype and numel."""
+        """Region ``index`` from byte ``offset``, viewed as ``tensor``'s dtype and numel."""
         nbytes = tensor.numel() * tensor.element_size()
         return self.regions[index][offset : offset + nbytes].view(tensor.dtype)
 
 
 def _fits(spec: SlotSpec, room: Slot) -> bool:
     """Whether ``spec``'s slot fits in ``room`` (uint8 views), part by part."""
-    if len(spec.regions) != len(room.regions):
-        return False
-    if any(nbytes > view.numel() for nbytes, view in zip(spec.regions, room.regions, strict=True)):
-        return False
-    if spec.residual is None:
-        return True
-    numel, dtype = spec.residual
-    nbytes = numel * dtype.itemsize
-    if room.residual is None or room.residual.numel() < nbytes:
-        return False
-    spare = room.spare_residual
-    return not spec.spare_residual or (spare is not None and spare.numel() >= nbytes)
+    views = [*room.regions, room.residual, room.spare_residual]  # as `SlotSpec.parts` orders
+    return len(spec.regions) == len(room.regions) and all(
+        view is not None and nbytes <= view.numel()
+        for nbytes, view in zip(spec.parts(), views, strict=False)
+    )
 
 
 class HostSlabs:
-    """Host slabs, pinned where the OS lets it: a slab whose pinning fails is pageable (one
-    warning), and only its copies block; later slabs are pinned again where they can be.
-
-    ``allocate_pinned(nbytes)`` gives a pinned slab (None: pinning is off, every slab is
-    pageable). `is_pinned` answers for any view of a slab it gave.
-    """
+    """Host slabs from ``allocate_pinned(nbytes)`` (None: pinning off). A slab whose
+    pinning fails is pageable (one warning) and only its copies block."""
 
     def __init__(self, allocate_pinned: Callable[[int], torch.Tensor] | None) -> None:
         self.pinning = allocate_pinned is not None
@@ -186,8 +148,7 @@ class HostSlabs:
         return slab
 
     def is_pinned(self, view: torch.Tensor) -> bool:
-        """Whether ``view`` (of a slab from here) lies in pinned memory: a copy to or from
-        it may be non-blocking."""
+        """Whether ``view`` (of a slab from here) is pinned: its copies may be non-blocking."""
         if not self.pinning:
             return False
         storage = view.untyped_storage()
@@ -212,13 +173,8 @@ class HostSlabs:
 
 class HostPool(Generic[K]):
     """The slabs and their per-parameter slots, laid out by ``layout`` (`pack_slabs`).
-
-    ``allocate_pinned(nbytes)`` gives a pinned slab; where it raises (a CPU-only torch,
-    or an OS that refuses to lock pages) that slab is pageable, with one warning
-    (`HostSlabs`), and copies into it block. ``slabs``: allocate from these instead (a
-    relaid pool keeps its predecessor's, which know every slab given so far). Host
-    residual slots start at zero, as a new residual does.
-    """
+    ``allocate_pinned``: as `HostSlabs`'; ``slabs``: allocate from these instead (a relaid
+    pool keeps its predecessor's). Host residual slots start at zero, as a new residual."""
 
     def __init__(
         self,
@@ -236,9 +192,7 @@ class HostPool(Generic[K]):
             self._slabs.append(slab)
             for index, offset in placed:
                 views[index] = slab[offset : offset + sizes[index]]
-        # Each parameter's bytes in the slabs (uint8, aligned sizes), as ``layout`` cut
-        # them: `relaid` cuts a later layout's slots from these, so the slabs are never
-        # allocated twice.
+        # Each parameter's bytes as ``layout`` cut them: `relaid` cuts later slots from these.
         self._rooms: dict[K, Slot] = {}
         taken = iter(views)
         for key, spec in layout.items():
@@ -285,20 +239,11 @@ class HostPool(Generic[K]):
         return self.host_slabs.is_pinned(view)
 
     def relaid(self, layout: Mapping[K, SlotSpec]) -> HostPool[K]:
-        """A pool for ``layout`` (the warm-up's room dropped), in this pool's slabs.
-
-        Where every slot of ``layout`` fits in the room its parameter had when the slabs
-        were cut (the pool is built for the first step's layout, which holds every later
-        one), the new pool cuts its slots from the same bytes, at the same offsets, and
-        allocates nothing. New slabs would pin more than the host check approved:
-        PyTorch's caching host allocator keeps a freed pinned block for later requests of
-        its size rather than giving it back, and smaller slabs cannot reuse it. Otherwise
-        it allocates a new pool.
-
-        The caller orders the reuse: nothing in flight may still write these bytes, nor
-        read the residual slots (zeroed here, by the host), and a later copy into a
-        payload region must follow any restore still reading it.
-        """
+        """A pool for ``layout`` cut from this pool's bytes where each slot fits its room
+        (else a new pool): new slabs would pin more than the host check approved, since the
+        caching host allocator keeps a freed pinned block for requests of its size only.
+        The caller orders the reuse: nothing in flight writes these bytes or reads the
+        residual slots (zeroed here), and later copies follow any restore reading them."""
         rooms = self._rooms
         if all(key in rooms and _fits(spec, rooms[key]) for key, spec in layout.items()):
             pool = copy.copy(self)  # the same slabs, rooms and allocator

@@ -1,14 +1,10 @@
 """Error-feedback residuals: the one owner of each parameter's residual, current and pending.
 
-A residual is what compression held back, carried into the next step's encode. A step is
-pending until its gradients are restored: its new residuals are kept beside the current
-ones (``keep_previous_residual``), so a discarded step leaves the current ones as they
-were. With a GradScaler, the residuals a completed step replaced are kept until the next
-step starts and the engine learns whether the scaler skipped that step
-(`Pipeline.settle_scaled_step`): if it did, they come back. Two stores, one interface:
-`DeviceResiduals` holds tensors where the encode runs (the CPU backend, or
-``residual_location="device"``); `HostSlotResiduals` keeps them in the CUDA backend's
-pinned slots, swapping a slot and its spare when a step completes.
+A pending step's new residuals stay beside the current ones (``keep_previous_residual``),
+so a discard leaves those as they were; with a GradScaler, those a completed step replaced
+stay until the skip is known (`Pipeline.settle_scaled_step`). `DeviceResiduals` holds
+tensors where the encode runs; `HostSlotResiduals`, the pool's slots and their spares.
+See docs/ARCHITECTURE.md, "The life of a residual".
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ class ResidualStore(ABC):
 
     @abstractmethod
     def read(self, param: Param) -> torch.Tensor | None:
-        """The residual the next encode of ``param`` starts from (the pending step's, if
-        any), on the encode's device; None before the first."""
+        """``param``'s residual for its next encode (pending, else current) on its device."""
 
     @abstractmethod
     def write(self, param: Param, new: torch.Tensor, *, non_blocking: bool) -> None:
@@ -143,10 +138,7 @@ class DeviceResiduals(ResidualStore):
 
 class HostSlotResiduals(ResidualStore):
     """Residuals in the pinned pool's slots: the current one, and a spare for a pending step.
-
-    ``pool`` is read at each call (the backend replaces it when the warm-up ends, while
-    every residual is still zero); ``to_device`` moves a slot to the encode's device.
-    """
+    ``pool`` is read at each call (the backend re-lays it at the warm-up's end)."""
 
     def __init__(
         self,
@@ -183,9 +175,8 @@ class HostSlotResiduals(ResidualStore):
             self._pending.add(param)
 
     def promote(self, params: Iterable[Param], *, keep_replaced: bool) -> None:
-        # Runs after the restore of ``params``, so after the drain: no copy is writing
-        # either slot, and the old one is rewritten only by a later step's copy (which
-        # comes after the engine has settled whether to bring it back).
+        # After the drain: no copy writes either slot, and the old one is rewritten only by
+        # a later step's copy, after the engine settled whether to bring it back.
         for param in params:
             if param in self._pending:
                 self._pending.discard(param)

@@ -1,11 +1,9 @@
 """A parameter's route: which codec encodes its gradient, whether it keeps a residual and
 where, and what its payload and host slot take in bytes.
 
-Planned once per parameter from its shape, dtype and the options (`RoutePlan`): the codec
-it takes once the warm-up is over is chosen then, and the route of any step count derives
-from that (`Route.warming_up`). The pipeline encodes by it, the backends restore by it and
-the CUDA backend sizes its pinned slots by it, the host budget check counts it, and
-`gradient-cache plan` prints it: one derivation, so their bytes agree.
+Planned once per parameter (`RoutePlan`); any step's route derives from that. The encode,
+the restores, the pinned slots, the host check and `gradient-cache plan` all read it: one
+derivation, so their bytes agree.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from .sharding import local, local_shape
 
 Key = TypeVar("Key")
 
-# `Codecs` (the engine's codec instances and the choice among them) is the codec registry's
-# (gradient_cache/codecs/registry.py); it is named here for the engine's readers.
+# `Codecs` is the codec registry's (codecs/registry.py), named here for the engine's readers.
 __all__ = [
     "Codecs",
     "Route",
@@ -61,8 +58,7 @@ class Route:
         return grad.permute(memory_order(self.stride)).reshape(-1)
 
     def shaped(self, flat: torch.Tensor) -> torch.Tensor:
-        """A flat gradient (`flatten`'s order) as the parameter's gradient: its shape and
-        strides, no copy."""
+        """A flat gradient (`flatten`'s order) in the parameter's shape and strides, no copy."""
         return flat.as_strided(self.shape, self.stride)
 
     @property
@@ -175,8 +171,7 @@ class RoutePlan(Generic[Key]):
         return {key: route.warming_up(lossless) for key, route in self._steady.items()}
 
 
-# What a backend factory calls to learn the routes: given the top-k selection that its
-# backend resolves ``"auto"`` to, the routes of the first step (planned on the first call).
+# A backend factory's way to the first step's routes, given what it resolves "auto" to.
 RoutePlanner = Callable[[str], Mapping[torch.nn.Parameter, Route]]
 
 

@@ -1,18 +1,11 @@
 """The fused step under an enabled GradScaler: unscaled as restored, skipped on inf or NaN.
 
-Plain AMP is ``scaler.unscale_(optimizer)``, clipping, ``scaler.step(optimizer)`` (which
-skips ``optimizer.step()`` if a gradient was not finite) and ``scaler.update()``. The fused
-step does the same in one call: the restore multiplies by 1/scale (a power of two, so the
-unscaled gradients have plain's bits), the encodes flag non-finite gradients on the device
-as backward goes (`PendingStep.found_inf`), and a flagged step steps nothing.
-
-``update()`` reads what ``step()`` reported for each optimizer; no public API lets another
-step report it, so `report_step` writes the two fields ``unscale_`` and ``step`` write
-(``_per_optimizer_states[id(optimizer)]``: ``"stage"``, ``"found_inf_per_device"``), the
-same private state since torch 1.6; tests/test_scaler_skip.py fails if torch changes it.
-
-`SkipWatch` learns afterwards, on the host, whether the scaler skipped a completed step, so
-that the pipeline can undo what that step did to the engine (`Pipeline.settle_scaled_step`).
+The restore multiplies by 1/scale (a power of two: plain's bits), the encodes flag
+non-finite gradients as backward goes (`PendingStep.found_inf`), a flagged step steps
+nothing. No public API lets another step report to ``update()``, so `report_step` writes
+the private fields ``unscale_`` and ``step`` write (``_per_optimizer_states``), the same
+since torch 1.6: tests/test_scaler_skip.py fails if torch changes them. `SkipWatch` learns
+later whether the scaler skipped a completed step (`Pipeline.settle_scaled_step`).
 """
 
 from __future__ import annotations
@@ -43,9 +36,7 @@ def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
 def check_ready(
     scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *, sharded: bool
 ) -> None:
-    """Refuse an enabled ``scaler`` not ready to step ``optimizer`` (a loss it never
-    scaled; unscaled or stepped already), fp16 parameters, which ``unscale_`` refuses, or
-    a scaler given under FSDP2 (``sharded``)."""
+    """Refuse an enabled ``scaler`` the fused step cannot step ``optimizer`` with."""
     if sharded:
         # Each rank sees only its shards' inf: ranks would disagree on the skip.
         raise RuntimeError(
@@ -79,9 +70,8 @@ def check_ready(
 
 
 def warn_unless_powers_of_two(scaler: torch.amp.GradScaler) -> None:
-    """The fused step unscales and clips a gradient with one multiply (by the clip factor
-    over the scale), which gives ``unscale_()`` then the clip's two roundings only while
-    the scale is a power of two, as GradScaler's defaults keep it."""
+    """Warn unless the scale and its factors are powers of two: only then does the fused
+    step's one multiply (clip factor over scale) round as ``unscale_()`` then the clip."""
     if not scaler.is_enabled():
         return
     factors = {
@@ -115,14 +105,12 @@ def found_inf(
     held: dict[torch.nn.Parameter, torch.Tensor],
     device: torch.device,
 ) -> bool:
-    """Whether any gradient of the step is not finite: the encodes' flag (or, for a step
-    resumed from a checkpoint, the payloads') and the held gradients'. One host read,
-    outside backward, as ``scaler.step()`` makes."""
-    flags = []
+    """Whether any gradient of the step is not finite: the encodes' flag (a resumed step:
+    the payloads') or the held gradients'. One host read, as ``scaler.step()`` makes."""
     if encoded_flag is not None:
-        flags.append(encoded_flag)
-    elif parts:  # a resumed step: its encodes' flag was not saved
-        flags += [~torch.isfinite(p.kept_values()).all() for part in parts for _, p in part]
+        flags = [encoded_flag]
+    else:  # a resumed step: its encodes' flag was not saved
+        flags = [~torch.isfinite(p.kept_values()).all() for part in parts for _, p in part]
     flags += [~torch.isfinite(sharding.local(grad)).all() for grad in held.values()]
     if not flags:
         return False
@@ -131,9 +119,7 @@ def found_inf(
 
 
 def report_step(scaler: torch.amp.GradScaler, optimizer_id: int, *, found_inf: bool) -> None:
-    """Tell ``scaler`` what ``scaler.step(optimizer)`` would have (``optimizer_id``:
-    ``id(optimizer)``): ``update()`` then backs off after a skip and grows the scale as
-    usual otherwise."""
+    """Tell ``scaler`` what ``scaler.step(optimizer)`` would have, for its ``update()``."""
     state = scaler._per_optimizer_states[optimizer_id]
     scale = scaler._get_scale_async()
     assert scale is not None  # an enabled scaler that scaled a loss has one
@@ -154,14 +140,10 @@ class ScaledStep:
 
 
 class SkipWatch:
-    """Whether the GradScaler skipped the last completed step, learnt on the host.
-
-    The scaler's ``step(optimizer)`` calls ``optimizer.step()`` only if it found no inf or
-    NaN, and its ``update()`` changes its scale tensor in place (its version counter
-    moves). So the step was skipped if ``update()`` ran since its delivery and no optimizer
-    stepping a cached parameter stepped. No update yet (micro-batches each restored with
-    ``apply_gradients()``): not skipped. With several optimizers, one that stepped makes the
-    step taken for all."""
+    """Whether the GradScaler skipped the last completed step, learnt on the host: yes if
+    ``update()`` ran since (it bumps the scale's version) and no optimizer over a cached
+    parameter stepped (``scaler.step`` skips ``optimizer.step()`` on inf). No update yet
+    (micro-batches restored one by one): not skipped. One optimizer stepping: taken."""
 
     def __init__(
         self, scaler: torch.amp.GradScaler, cached: Collection[torch.nn.Parameter]
@@ -188,8 +170,7 @@ class SkipWatch:
             self.unsettled = ScaledStep(scale._version, random_state or {}, steps)
 
     def settle(self) -> ScaledStep | None:
-        """The last completed step if the scaler skipped it (then undo it), else None; it
-        is settled either way."""
+        """The last completed step if the scaler skipped it (to undo), else None; settled."""
         scaled, self.unsettled = self.unsettled, None
         if scaled is None or scaled.stepped:
             return None
@@ -207,7 +188,6 @@ class SkipWatch:
         return scaled.stepped or (scale is not None and scale._version != scaled.scale_version)
 
     def _note_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """After any optimizer's step: note a step of the cached parameters."""
         scaled = self.unsettled
         if scaled is None or scaled.stepped:
             return

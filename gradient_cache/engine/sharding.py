@@ -1,10 +1,8 @@
 """FSDP2's sharded parameters: the engine caches each rank's own shard.
 
-Under ``fully_shard`` a parameter is a `DTensor` and so is its gradient, which FSDP2 sets
-after the reduce-scatter and then hands to the post-accumulate-grad hooks. The engine
-works on the local tensor (``to_local()``: this rank's shard, uneven shards included),
-and restores into a `DTensor` with the parameter's mesh and placements. Every other
-tensor passes through unchanged.
+Under ``fully_shard`` a parameter and its reduce-scattered gradient are `DTensor`s: the
+engine works on the local tensor (this rank's shard, uneven ones included) and restores
+into a `DTensor` of the parameter's mesh and placements. Other tensors pass unchanged.
 """
 
 from __future__ import annotations
@@ -126,13 +124,9 @@ def global_norm(
     norms: Iterable[tuple[torch.Tensor, torch.Tensor]], norm_type: float
 ) -> torch.Tensor:
     """The norm over every rank of ``(parameter, local norm)`` pairs, on the first norm's
-    device, as ``clip_grad_norm_`` returns it (no host read).
-
-    A sharded parameter's norm is combined over the mesh's shard dimensions first (one
-    all-reduce for all of them), then the parameters' norms are combined in the given
-    order: the steps ``clip_grad_norm_`` takes for `DTensor` gradients, and its bits
-    (checked on gloo). Replicated and plain parameters count once.
-    """
+    device, as ``clip_grad_norm_`` returns it (no host read): sharded norms combined over
+    the shard dimensions first (one all-reduce), then all in the given order, as
+    ``clip_grad_norm_`` does for `DTensor`s, to its bits. Replicated ones count once."""
     pairs = list(norms)
     if not pairs:
         return torch.zeros(())
@@ -159,11 +153,9 @@ def _shard_dims(param: torch.Tensor) -> list[int]:
 
 
 def collective_device(param_device: torch.device, mesh_device_type: str) -> torch.device:
-    """Where the norms' all-reduce runs: on the parameters' own device when the mesh's
-    backend runs there (nccl on ``cuda:1``, say), else on the mesh's device type (gloo on
-    a CPU mesh). Not ``mesh.device_type`` alone: ``"cuda"`` is the current device, which
-    a process that never called ``torch.cuda.set_device`` leaves at ``cuda:0``, and nccl
-    then fails or hangs on every rank but the first."""
+    """Where the norms' all-reduce runs: the parameters' device where the mesh's backend
+    runs there, else the mesh's device type (gloo on a CPU mesh). Not ``"cuda"`` alone: it
+    is ``cuda:0`` without ``torch.cuda.set_device``, where nccl hangs on the other ranks."""
     if param_device.type == mesh_device_type:
         return param_device
     return torch.device(mesh_device_type)
@@ -174,24 +166,17 @@ def _all_reduce(
 ) -> torch.Tensor:
     """Each entry of ``local`` (this rank's norms, on the collective's device) combined
     with every shard's: max for inf, else the p-th root of a sum of p-th powers."""
-    value = local
-    if norm_type == float("inf"):
-        op = dist.ReduceOp.MAX
-    else:
-        op = dist.ReduceOp.SUM
-        value = value.pow(norm_type)
+    inf = norm_type == float("inf")
+    value = local if inf else local.pow(norm_type)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     for dim in dims:
         dist.all_reduce(value, op=op, group=mesh.get_group(dim))
-    if norm_type != float("inf"):
-        value = value.pow(1.0 / norm_type)
-    return value
+    return value if inf else value.pow(1.0 / norm_type)
 
 
 def check_gradient_is_reduced(name: str, grad: torch.Tensor) -> None:
-    """At the first hook: across processes, a plain gradient was reduced by nobody yet.
-
-    Catches a model whose DDP wrapper the cache never saw (created on ``ddp.module``, say).
-    """
+    """At the first hook, refuse a plain gradient across processes: nobody reduced it yet
+    (a DDP wrapper the cache never saw: created on ``ddp.module``, say)."""
     if is_dtensor(grad) or not dist.is_available() or not dist.is_initialized():
         return
     if dist.get_world_size() > 1:

@@ -1,9 +1,7 @@
 """What a saved cache state must hold before the engine takes any of it.
 
-Checkpoints travel between machines and are edited, truncated and re-saved by other code.
-`check_contents` reads every part of a state that `checkpoint.load` will use and raises a
-ValueError naming the key and what was expected at the first one that is wrong, before
-the engine changes: a refused state leaves the manager exactly as it was.
+Checkpoints are edited and truncated by other code: `check_contents` raises a ValueError
+naming the first wrong key and what it expected, so a refused state changes nothing.
 """
 
 from __future__ import annotations
@@ -103,7 +101,7 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
                     "(its codec has no error feedback); expected no entry for it."
                 )
             numel, dtype = route.residual.stored_shape(route.numel)
-            _check_tensor(stored, f"state[{key!r}][{name!r}]", numel=numel, dtype=dtype)
+            _check_tensor(stored, f"state[{key!r}][{name!r}]", shape=(numel,), dtype=dtype)
             if not torch.isfinite(route.residual.decode(stored, route.numel)).all():
                 raise ValueError(
                     f"state[{key!r}][{name!r}] holds non-finite values; a residual is always "
@@ -139,16 +137,7 @@ def _check_kept_gradients(state: dict[str, Any], by_name: dict[str, Any]) -> Non
         where = f"state['kept_gradients'][{name!r}]"
         if name in cached:
             raise ValueError(f"{where}: {name} is in state['buckets'] too; expected one of them.")
-        if (
-            not isinstance(grad, torch.Tensor)
-            or grad.device.type != "cpu"
-            or grad.dtype != param.dtype
-            or grad.shape != param.shape
-        ):
-            raise ValueError(
-                f"{where} is {_describe(grad)}; expected a CPU {param.dtype} tensor of shape "
-                f"{tuple(param.shape)}."
-            )
+        _check_tensor(grad, where, shape=tuple(param.shape), dtype=param.dtype)
 
 
 def _check_layouts(
@@ -210,15 +199,15 @@ def _named_tensors(entries: Any, key: str, by_name: dict[str, Any]) -> Iterator[
         yield name, tensor
 
 
-def _check_tensor(tensor: Any, where: str, *, numel: int, dtype: torch.dtype) -> None:
+def _check_tensor(tensor: Any, where: str, *, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if (
         not isinstance(tensor, torch.Tensor)
         or tensor.device.type != "cpu"
         or tensor.dtype != dtype
-        or tuple(tensor.shape) != (numel,)
+        or tuple(tensor.shape) != shape
     ):
         raise ValueError(
-            f"{where} is {_describe(tensor)}; expected a CPU {dtype} tensor of shape ({numel},)."
+            f"{where} is {_describe(tensor)}; expected a CPU {dtype} tensor of shape {shape}."
         )
 
 

@@ -1,17 +1,11 @@
 """Host memory for the optimizer state's host copies: one layout for the whole state.
 
-The state is created a bucket at a time (and all at once by a load), so its size is known
-only as it grows. Each request's regions are cut one after another from slabs (a bump
-allocator): at the end of the first slab with room, in a new slab only when none has room.
-A region is never split across slabs.
-
-Where the allocator rounds each slab up to a power of two (PyTorch's caching host allocator
-for pinned memory: docs/ARCHITECTURE.md, the pool), slabs per request would waste up to half
-of each (GPT-2 124M's 0.93 GiB of AdamW state took 1.54 GiB); the slabs are then powers of
-two already, and large: sized from the parameters the state belongs to (`slab_bytes`), so
-their unused ends are a few percent of a large state, and a small state takes a few pages.
-Elsewhere (``round_up=False``: the CPU backend's ordinary memory) a new slab is exactly what
-the request's regions need beyond the room left.
+The state grows a bucket at a time, so each request's regions are cut one after another
+from slabs (a bump allocator): at the end of the first slab with room, in a new slab only
+when none has room; a region is never split. Where the allocator rounds a slab up to a
+power of two (CUDA's pinned host allocator), slabs per request would waste up to half of
+each: slabs are then powers of two, sized from the parameters (`slab_bytes`). Elsewhere a
+new slab is exactly what the request needs beyond the room left.
 """
 
 from __future__ import annotations
@@ -35,14 +29,10 @@ def _power_of_two_at_least(nbytes: int) -> int:
 
 
 def slab_bytes(*, largest: int, total: int) -> int:
-    """The size of a new slab for a state whose parameters' largest tensor takes
-    ``largest`` bytes and all of them ``total``.
-
-    Twice the largest region, so that a slab holds the largest state tensor (a region is
-    never split) with room to spare, and a slab given up because a large region does not
-    fit at its end is mostly full; at least 1/16 of the parameters' bytes (Adam's state is
-    twice them: about 32 slabs); at most `MAX_SLAB`, at least `MIN_SLAB`; a power of two.
-    """
+    """A new slab's size for a state whose parameters' largest tensor takes ``largest``
+    bytes and all ``total``: twice the largest (it fits, and a slab given up for it is
+    mostly full), at least ``total`` / 16 (Adam's state: about 32 slabs), within
+    `MIN_SLAB` and `MAX_SLAB`, a power of two."""
     wanted = max(2 * largest, total // 16)
     return _power_of_two_at_least(min(MAX_SLAB, max(MIN_SLAB, wanted)))
 
@@ -57,14 +47,9 @@ class _Slab:
 
 
 class StateSlabs:
-    """Regions for host copies, cut from slabs that ``allocate(nbytes)`` gives (the
-    backend's `Backend.host_slab`: pinned on CUDA) after the host budget check.
-
-    ``fraction``: ``host_memory_fraction``, for the check. ``round_up``: ``allocate``
-    rounds a slab up to a power of two (see the module docstring); `expect` then tells
-    it the parameters whose state it will hold, which sizes its slabs. ``what``: what the
-    slabs hold, named by the budget check's error.
-    """
+    """Regions for host copies, cut from slabs ``allocate(nbytes)`` gives (pinned on CUDA)
+    after the host budget check (``fraction``, ``what`` it names). ``round_up``: the
+    allocator rounds slabs up to a power of two; `expect` then sizes them."""
 
     def __init__(
         self,
@@ -83,8 +68,7 @@ class StateSlabs:
         self._total = 0
 
     def expect(self, params: Iterable[torch.Tensor]) -> None:
-        """The state will belong to ``params`` (among others): slabs from now on are sized
-        for the largest of what it was told."""
+        """The state will belong to ``params`` too: later slabs are sized for all it was told."""
         sizes = [p.numel() * p.element_size() for p in params]
         self._largest = max([self._largest, *sizes])
         self._total = max(self._total, sum(sizes))
@@ -95,16 +79,12 @@ class StateSlabs:
         return sum(slab.memory.numel() for slab in self._slabs)
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is a view of one of the slabs."""
         address = tensor.untyped_storage().data_ptr()
         return any(slab.memory.untyped_storage().data_ptr() == address for slab in self._slabs)
 
     def take(self, sizes: list[int]) -> list[torch.Tensor]:
-        """A region (uint8) of each of ``sizes`` bytes, starting on an `aligned` boundary.
-
-        The new slabs the regions need are checked against the host budget, together,
-        before any is allocated: if that raises, nothing changed.
-        """
+        """A region (uint8) of each of ``sizes`` bytes, `aligned`; new slabs are checked
+        against the host budget together first: if that raises, nothing changed."""
         where, new = self._place(sizes)
         if new:
             check_host_budget(sum(new), fraction=self._fraction, what=self._what)
@@ -120,10 +100,9 @@ class StateSlabs:
         return regions
 
     def _place(self, sizes: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
-        """Where each region goes, without allocating: its (slab index, byte offset), and
-        the sizes of the new slabs (indices from ``len(self._slabs)`` on). Largest regions
-        first, each at the end of the first slab with room; without ``round_up``, what
-        fits nowhere goes into one new slab of exactly their bytes."""
+        """Where each region goes, without allocating: (slab index, offset), and the new
+        slabs' sizes. Largest first, each at the end of the first slab with room; without
+        ``round_up``, what fits nowhere goes into one new slab of exactly their bytes."""
         rooms = [[slab.used, slab.memory.numel()] for slab in self._slabs]
         existing = len(rooms)
         where = [(0, 0)] * len(sizes)

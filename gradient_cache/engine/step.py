@@ -1,14 +1,6 @@
-"""The step: one owner for everything from backward's end to the optimizer's update.
+"""The step, from backward's end to the optimizer's update (`OptimizerStep`).
 
-`OptimizerStep` is what the manager and the integrations call. Its public face: `step`,
-`norm`, `clip`, `restore_all`, `takes`, `caches`, `step_in_call`, `show_held`,
-`offload_state_of`, `offload_loaded_state`. It decides the step (the clip and its one
-factor, a GradScaler's unscale and skip, a retry's reuse of the first attempt's clip),
-fires the optimizer's step hooks once around it (`step_hooks`), hides the held gradients
-from an integration's own ``optimizer.step()``, and runs a memory budget's measurement
-and decision. The phases it runs each live in one module: the restore path and the
-step's state in `pipeline`, the buckets in `fused_step`, the scaler in `scaling`, the
-norms in `norms`, the journeys of the weights and the state in `fused_step` (`Journeys`).
+Its phases, one module each: docs/ARCHITECTURE.md, "The step, phase by phase".
 """
 
 from __future__ import annotations
@@ -45,12 +37,9 @@ class Budget(Protocol):
 
 
 class OptimizerStep:
-    """The step over what one pipeline caches (see the module docstring).
-
-    ``model_order``: each parameter's place in ``model.parameters()``, the order the fused
-    step sums norms in, as ``clip_grad_norm_`` does. ``budget``: a memory budget, measured
-    and decided around the restores. ``on_restored``: called after every restore with the
-    step count before it (the manager's verbose log)."""
+    """The step over what one pipeline caches. ``model_order``: each parameter's place in
+    ``model.parameters()``, the clip's summing order. ``budget``: decided around the
+    restores. ``on_restored(steps_before)``: after every restore (the verbose log)."""
 
     def __init__(
         self,
@@ -64,13 +53,10 @@ class OptimizerStep:
         self.budget = budget
         self._model_order = model_order
         self._on_restored = on_restored
-        # The held gradients a fused step stepped inside an integration's own
-        # optimizer.step(), out of .grad until that call's step is over (`show_held`).
-        # Weak keys: an optimizer whose call never ended (its step raised) is not kept.
+        # Held gradients stepped inside an integration's optimizer.step(), out of .grad until
+        # that call ends (`show_held`). Weak keys: a call that raised keeps no optimizer.
         self._hidden: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._stepping = False  # inside `step` (`refuse_a_plain_step`)
-
-    # --- the public face ----------------------------------------------------------------
 
     def step(
         self,
@@ -80,11 +66,9 @@ class OptimizerStep:
         norm_type: float = 2.0,
         hooks: bool = True,
     ) -> torch.Tensor | None:
-        """The fused step (`GradientCacheHookManager.step` says what it does). ``hooks``:
-        fire the optimizer's step hooks once around it, as around a plain
-        ``optimizer.step()``; False inside an integration's own ``optimizer.step()``, which
-        fires them itself: the gradients it held and stepped are then hidden from that
-        call's step until `show_held`."""
+        """The fused step (`GradientCacheHookManager.step`). ``hooks``: fire the step hooks
+        once around it; False inside an integration's own ``optimizer.step()``, which fires
+        them itself and whose own step must not see the held gradients (`show_held`)."""
         pipeline = self.pipeline
         if pipeline.optimizer_state is not None:
             _refuse_sparse_momentum(pipeline, optimizer)
@@ -99,8 +83,7 @@ class OptimizerStep:
                 norm_type,
                 hidden=not hooks,
                 step_once=step_hooks.unhooked_step,
-                # Not on a step a GradScaler skips, as scaler.step() then calls no
-                # optimizer.step(): the pre-hooks fire once it is known to step.
+                # Not on a skipped step: scaler.step() then calls no optimizer.step().
                 before_steps=step_hooks.fire_pre_hooks if hooks else None,
             )
         finally:
@@ -109,16 +92,14 @@ class OptimizerStep:
         states = pipeline.optimizer_state
         step_hooks.fire_post_hooks(wait_for_state=None if states is None else states.wait_on_host)
         if not hooks:
-            # Until the integration's call is over. Added to, not replaced: a subclass's
-            # super().step() fires the routing's pre-hook again, inside the call, and that
-            # second fused step finds nothing left to hold.
+            # Added to, not replaced: a subclass's super().step() runs a second fused step
+            # inside the call, which finds nothing left to hold.
             self._hidden.setdefault(optimizer, {}).update(left)
         return total_norm
 
     def norm(self, params: Iterable[Param], norm_type: float) -> torch.Tensor:
-        """``get_total_norm`` of ``params``' gradients, the cached ones counted where they
-        are, none restored, summed in the order of ``params`` (see
-        `GradientCacheHookManager.gradient_norm`)."""
+        """``get_total_norm`` of ``params``' gradients, cached ones read where they are,
+        summed in ``params``' order (`GradientCacheHookManager.gradient_norm`)."""
         params = list(params)
         pipeline = self._clip_ready("gradient_norm")
         norms = _cached_norms(pipeline, pipeline.store.parts(set(params)), norm_type)
@@ -129,9 +110,8 @@ class OptimizerStep:
         return sharding.global_norm(clip_grad_norm_order(norms, order), norm_type)
 
     def clip(self, params: Iterable[Param], max_norm: float, total: torch.Tensor) -> None:
-        """``clip_grads_with_norm_``: device gradients clipped in place, the cached ones as
-        they are restored, by the same factor (see
-        `GradientCacheHookManager.clip_grads_with_norm_`)."""
+        """``clip_grads_with_norm_``: device gradients clipped in place, cached ones by the
+        same factor as restored (`GradientCacheHookManager.clip_grads_with_norm_`)."""
         params = list(params)
         pipeline = self._clip_ready("clip_grads_with_norm_")
         cached = [param for param in params if param in pipeline.store]
@@ -149,11 +129,10 @@ class OptimizerStep:
             pipeline.pending.deferred_clip = factor.to(pipeline.backend.device)
 
     def restore_all(self, *, refusal: str | None = None) -> None:
-        """Every cached gradient back in ``param.grad`` (whatever the state's place: the
-        integrations restore what other optimizers left). ``refusal``: raised instead
-        where the state is on the host and gradients are cached (a reader that needs every
-        gradient on the device at once, which would need the whole state there at the
-        step)."""
+        """Every cached gradient back in ``param.grad``, wherever the state is (the
+        integrations restore what other optimizers left). ``refusal``: raised instead where
+        the state is on the host and gradients are cached (a reader of every gradient at
+        once would need the whole state on the device at the step)."""
         pipeline = self.pipeline
         if refusal is not None:
             pipeline.drain()
@@ -179,12 +158,10 @@ class OptimizerStep:
         return any(param in records for param in params)
 
     def takes(self, optimizer: Optimizer) -> bool:
-        """Whether this cache's fused step steps ``optimizer`` (an integration routes its
-        ``optimizer.step()`` here): it caches gradients of its parameters, or a fused step
-        took some of them in this step (the fused step refuses what plain PyTorch would
-        step again), or the state of any it caches is on the host (a plain step would find
-        it off the device). LBFGS, which steps every parameter at once, is never taken, and
-        refused where the state is on the host."""
+        """Whether the fused step takes ``optimizer``'s step (an integration's routing): it
+        has cached gradients, or gradients a fused step took this step (plain would step
+        them again), or its state on the host. Never LBFGS (it steps every parameter at
+        once), refused with the state on the host."""
         owned = [p for group in optimizer.param_groups for p in group["params"]]
         if not self.caches(owned):
             return False
@@ -200,17 +177,14 @@ class OptimizerStep:
         return any(r.gradient is GradientAt.STORED or r.taken_by is not None for r in records)
 
     def step_in_call(self, optimizer: Optimizer) -> None:
-        """An integration's own ``optimizer.step()``: the fused step where this cache takes
-        it (`takes`), each bucket stepped without the step hooks (the call fires them once,
-        as without the cache); what it held and stepped is hidden from the call's own step
-        until `show_held`."""
+        """An integration's own ``optimizer.step()``: the fused step where this cache
+        `takes` it, the step hooks left to the call."""
         if self.takes(optimizer):
             self.step(optimizer, hooks=False)
 
     def refuse_a_plain_step(self, optimizer: Optimizer) -> None:
-        """The user's own ``optimizer.step()``, no integration routing it: refused where
-        this cache holds gradients of its parameters, which are not in ``.grad``, so it
-        would step without them (silently, for most optimizers: the weights stay put)."""
+        """The user's own ``optimizer.step()``: refused where this cache holds gradients of
+        its parameters, not in ``.grad`` (most optimizers would silently skip them)."""
         if self._stepping:
             return
         records = self.pipeline.records
@@ -232,8 +206,7 @@ class OptimizerStep:
             )
 
     def show_held(self, optimizer: Optimizer) -> None:
-        """An integration's own ``optimizer.step()`` is over: the gradients the fused step
-        held and stepped back in ``param.grad``, as plain PyTorch leaves them."""
+        """An integration's ``optimizer.step()`` is over: the held gradients back in ``.grad``."""
         records = self.pipeline.records
         for param, grad in self._hidden.pop(optimizer, {}).items():
             param.grad = grad
@@ -254,10 +227,9 @@ class OptimizerStep:
         states.wait_on_host()  # the host may read them next (a checkpoint)
 
     def offload_loaded_state(self, optimizers: Iterable[Optimizer]) -> None:
-        """When an integration's training starts (before any forward): the state a
-        framework loaded on resume (and moved to the device) to host memory, for each of
-        ``optimizers`` stepping a parameter this cache holds; a memory budget then measures
-        from here. Nothing without ``offload_optimizer_state``."""
+        """At an integration's training start: the state a framework loaded onto the device
+        on resume goes to the host, for each optimizer stepping a parameter this cache
+        holds; a memory budget measures from here. Nothing without the state offload."""
         if self.pipeline.optimizer_state is None:
             return
         for optimizer in optimizers:
@@ -265,8 +237,6 @@ class OptimizerStep:
                 self.offload_state_of(optimizer)
         if self.budget is not None:
             self.budget.measure_from_now()  # before any forward: the steps are measured
-
-    # --- the fused step ---------------------------------------------------------------
 
     def _fused(
         self,
@@ -279,10 +249,8 @@ class OptimizerStep:
         before_steps: Callable[[], object] | None,
     ) -> tuple[torch.Tensor | None, dict[Param, torch.Tensor]]:
         """Decide the step (delivered gradients, the clip, a GradScaler's skip), then run
-        its buckets (`fused_step.run`). ``before_steps``: called once the step is known
-        not to be skipped, before the first bucket steps (the pre-hooks). ``hidden``: the
-        held gradients stay out of ``.grad`` afterwards (`fused_step.settle_held`); returns
-        the global norm (clipping) and those gradients."""
+        its buckets. ``before_steps``: called once the step is known not skipped (the
+        pre-hooks). Returns the global norm and the held gradients (`settle_held`)."""
         pipeline = self.pipeline
         stepped, journeys = self._begin(optimizer)
         deferred = pipeline.deferred_clip
@@ -298,8 +266,7 @@ class OptimizerStep:
         taker = weakref.ref(optimizer)  # they leave the cache once stepped, as by zero_grad()
         for param in delivered:
             pipeline.records[param].taken_by = taker
-        # A cached gradient that also has a device part is restored whole first: it then
-        # behaves like any device gradient. Parameters of other optimizers stay cached.
+        # A cached gradient with a device part too is restored whole first, then held.
         pipeline.deliver_and_restore(p for p in delivered if p.grad is not None)
         held = {p: p.grad for p in stepped if p.grad is not None}
         parts = pipeline.store.parts(set(stepped))
@@ -344,10 +311,8 @@ class OptimizerStep:
         return total_norm, left
 
     def _begin(self, optimizer: Optimizer) -> tuple[dict[Param, None], Journeys]:
-        """The step begins: every gradient in host memory, ``optimizer``'s state there
-        too (offloaded), and a parameter another optimizer's step took refused. Returns
-        ``optimizer``'s parameters (a dict: ordered, fast to test) and the journeys of its
-        buckets' weights and state (offloaded)."""
+        """Drain, send ``optimizer``'s state home, refuse a parameter another optimizer's
+        step took. Returns its parameters (ordered) and its buckets' journeys."""
         pipeline = self.pipeline
         pipeline.drain()
         travellers: list[Traveller] = []
@@ -358,8 +323,6 @@ class OptimizerStep:
         stepped = dict.fromkeys(p for group in optimizer.param_groups for p in group["params"])
         refuse_taken(self.pipeline, optimizer, stepped)
         return stepped, Journeys(travellers)
-
-    # --- around the restores ------------------------------------------------------------
 
     def _clip_ready(self, caller: str) -> Pipeline:
         """The pipeline, drained, with nothing cached that a device gradient also holds and
@@ -379,15 +342,13 @@ class OptimizerStep:
         return pipeline
 
     def _before_restore(self) -> None:
-        """A memory budget decides before the restore of the step after the first one past
-        the warm-up: its measurement then holds whole steps, the optimizer's (which
-        creates the state) included."""
+        """A memory budget decides before a restore, so its measurement holds whole steps
+        (the optimizer's, which creates the state, included)."""
         if self.budget is not None:
             self.budget.before_restore(self.pipeline)
 
     def _after_restore(self, steps_before: int) -> None:
-        """After a restore (a restore may find nothing): a memory budget's sample, and the
-        manager's word where it completed a step."""
+        """After a restore (which may find nothing): a budget's sample, the manager's word."""
         if self.budget is not None:
             self.budget.sample()
         if self._on_restored is not None:
@@ -423,11 +384,9 @@ def _clip(
     inv_scale: torch.Tensor | None,
     skip: bool = False,
 ) -> Clip:
-    """The global norm of the step's gradients and the factor the restores apply: the
-    clip factor, times ``inv_scale`` where given; (None, inv_scale) without clipping.
-    Cached gradients' norms are the encodes' (or the payloads'), the held ones' are
-    computed here, reduced on the device in the model's order and, under FSDP2,
-    across ranks (`sharding.global_norm`)."""
+    """The global norm and the factor the restores apply: the clip factor, times
+    ``inv_scale`` where given; (None, inv_scale) without clipping. Summed on the device in
+    the model's order, across ranks under FSDP2 (`sharding.global_norm`)."""
     if max_norm is None:
         if pipeline.pending is None or not pipeline.pending.norm_read:
             pipeline.compute_norms(None)  # no one asks for norms: the encodes stop
@@ -455,11 +414,9 @@ def _unscaled_norm(
     norm_type: float,
     inv_scale: torch.Tensor,
 ) -> torch.Tensor:
-    """The norm of the unscaled gradients, each times ``inv_scale`` on the device as
-    ``scaler.unscale_()`` makes them: for a step whose gradients are finite but whose
-    scaled norm overflows fp32 (a GradScaler under bf16 or fp32 compute, which never
-    overflows in backward, lets its scale grow past about 2**64). A gradient at a time,
-    from its payload: the factor from the overflowed norm would have zeroed the step."""
+    """The norm of the gradients unscaled one by one, as ``unscale_()`` makes them: finite
+    gradients whose scaled norm overflows fp32 (a scaler under bf16 compute never sees an
+    inf in backward, so its scale grows past 2**64), which would have zeroed the step."""
     device = pipeline.backend.device
     local = {}
     for part in parts:
@@ -475,10 +432,8 @@ def _unscaled_norm(
 def _cached_norms(
     pipeline: Pipeline, parts: list[BucketPayloads], norm_type: float
 ) -> dict[Param, torch.Tensor]:
-    """The norms of the cached gradients in ``parts``, on the device, none restored:
-    each its last encode computed (of what it received before compressing it), or
-    else read from its host payload (a sparse payload's: its values'). Later steps'
-    encodes compute norms of ``norm_type``."""
+    """The norms of the cached gradients in ``parts``, on the device, none restored: their
+    last encode's (of the gradient before compression), else their host payload's."""
     encoded = _encoded_norms(pipeline, norm_type)
     device = pipeline.backend.device
     norms = {}
@@ -486,8 +441,7 @@ def _cached_norms(
         for param, payload in part:
             norm = None if encoded is None else encoded.get(param)
             if norm is None:
-                # No encode computed it (the first step that asks, a resumed step):
-                # from the host payload, to the device, where clip_grad_norm_ returns it.
+                # No encode computed it (the first step that asks, a resumed one).
                 values = payload.kept_values().to(pipeline.records[param].route.dtype)
                 norm = gradient_norm(values, norm_type).to(device)
             norms[param] = norm
@@ -495,8 +449,7 @@ def _cached_norms(
 
 
 def _encoded_norms(pipeline: Pipeline, norm_type: float) -> StepNorms | None:
-    """The pending step's encoded norms if they are of ``norm_type``. A norm is read
-    from the cache: the later steps' encodes compute that type."""
+    """The pending step's encoded norms if of ``norm_type``, which later encodes compute."""
     pending = pipeline.pending
     if pending is not None:
         pending.norm_read = True
@@ -515,11 +468,9 @@ def _skip(
     *,
     hidden: bool,
 ) -> dict[Param, torch.Tensor]:
-    """A gradient was not finite: step nothing, as scaler.step() skips. The step is
-    delivered (counted, its residuals current), its payloads spent, and the scaler
-    told, so its update() backs off and the pipeline undoes the step at the next
-    backward (`settle_scaled_step`); held gradients are left unscaled and clipped, as
-    plain AMP leaves them (`fused_step.settle_held`, which returns them)."""
+    """A gradient was not finite: step nothing, as scaler.step() skips. The step is still
+    delivered, its payloads spent and the scaler told (update() backs off; the pipeline
+    undoes the step at the next backward); held gradients left unscaled, as plain AMP's."""
     pipeline.skip(delivered)
     fused_step.scale_in_place(held, factor, HeldProgress())
     left = fused_step.settle_held(pipeline, held, hidden=hidden)
@@ -529,10 +480,9 @@ def _skip(
 
 
 def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: Optimizer) -> None:
-    """Raise, before anything steps, where SGD with momentum meets a sparse gradient: its
-    momentum buffer is then a sparse tensor, which the state offload's dense host copies
-    cannot hold (torch's "copy_() between dense and sparse" after the step, on every retry).
-    SparseAdam's and Adagrad's states are dense: they step as usual."""
+    """Raise before anything steps where SGD with momentum meets a sparse gradient: its
+    sparse momentum buffer cannot go to the dense host copies (torch's "copy_() between
+    dense and sparse" after the step, on every retry)."""
     if not isinstance(optimizer, torch.optim.SGD):
         return
     for group in optimizer.param_groups:

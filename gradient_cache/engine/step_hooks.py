@@ -1,10 +1,7 @@
 """The optimizer's step hooks around a fused step: fired once, as around ``optimizer.step()``.
 
-The fused step steps a bucket at a time; the user's step hooks (``register_step_pre_hook``,
-``register_step_post_hook``, global ones too) must still fire once per step. Each bucket
-steps through `StepHooks.unhooked_step`, and the hooks fire around the whole step
-(`StepHooks.fire_pre_hooks`, ``fire_post_hooks``), or, for the integrations, around the
-user's own ``optimizer.step()``. One `StepHooks` per fused step, bound to its optimizer.
+Each bucket steps with none firing (`StepHooks.unhooked_step`); under the integrations the
+user's own ``optimizer.step()`` fires them.
 """
 
 from __future__ import annotations
@@ -22,12 +19,10 @@ OWN_HOOKS: set[Callable[..., Any]] = set()
 
 
 class StepHooks:
-    """One fused step's view of ``optimizer``'s step hooks. ``through_instance``: the
-    buckets step through ``optimizer.step`` itself, so that an instance wrapper (an LR
-    scheduler's, which notes that the optimizer stepped) runs, as around a plain step;
-    else through the class's ``step`` as it was before ``Optimizer.__init__`` wrapped it in
-    ``profile_hook_step`` (marked ``hooked``): the integrations' user calls
-    ``optimizer.step()`` itself."""
+    """One fused step's view of ``optimizer``'s step hooks. ``through_instance``: buckets
+    step through ``optimizer.step`` itself, so an instance wrapper (an LR scheduler's) runs
+    as around a plain step; else (the integrations) through the class's ``step`` unwrapped
+    from ``profile_hook_step``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, through_instance: bool) -> None:
         self._optimizer = optimizer
@@ -69,12 +64,9 @@ class StepHooks:
         self._fired = args, kwargs
 
     def fire_post_hooks(self, *, wait_for_state: Callable[[], None] | None) -> None:
-        """The step post-hooks, once, with what the pre-hooks returned; nothing where the
-        pre-hooks did not fire (a step a GradScaler skipped). ``wait_for_state`` (the state
-        offloaded): the host waits for the state's copies back before a post-hook reads
-        ``optimizer.state`` (an EMA, a logger); without such a hook (each marked
-        ``reads_no_state``) the step ends with no host wait, the next forward queued at
-        once."""
+        """The step post-hooks, once, with what the pre-hooks returned; none if those did not
+        fire (a skipped step). ``wait_for_state`` runs first unless every hook is marked
+        ``reads_no_state``: the host waits for the state only where a hook may read it."""
         if self._fired is None:
             return
         args, kwargs = self._fired
@@ -87,10 +79,9 @@ class StepHooks:
             hook(self._optimizer, args, kwargs)
 
     def unhooked_step(self) -> object:
-        """``optimizer.step()`` with no step hook firing: while it runs, the global and the
-        optimizer's hook tables are emptied (a subclass's ``super().step()`` reaches its
-        parent's hooked wrapper, which would fire them, and the integrations' own
-        pre-hook, again)."""
+        """``optimizer.step()`` with the hook tables emptied while it runs: a subclass's
+        ``super().step()`` reaches its parent's hooked wrapper, which would fire them (and
+        the integrations' own pre-hook) again."""
         optimizer = self._optimizer
         tables: list[dict[int, Any]] = [
             _global_optimizer_pre_hooks,

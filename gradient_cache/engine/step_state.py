@@ -1,8 +1,4 @@
-"""The pending step's life: its states, the phases that move it, and what it carries.
-
-`Pipeline` moves `StepState` phase by phase (`Pipeline._enter`); each phase may start only
-from the states `PHASES_FROM` lists for it.
-"""
+"""The pending step's life: its states, the phases that move it, and what it carries."""
 
 from __future__ import annotations
 
@@ -56,9 +52,8 @@ class StepStateError(RuntimeError):
 
 @dataclass
 class HeldProgress:
-    """A fused step's progress on the gradients held for it (`GradientAt.HELD_FOR_STEP`),
-    kept for the retry when it raises: those already multiplied in place by the step's
-    factor (unscale and clip: not twice), and those already stepped (not twice either)."""
+    """A fused step's progress on its held gradients, kept for the retry if it raises:
+    those already scaled in place and those already stepped (neither twice)."""
 
     scaled: set[torch.nn.Parameter] = field(default_factory=set)
     stepped: set[torch.nn.Parameter] = field(default_factory=set)
@@ -80,15 +75,13 @@ class PendingStep:
     counted: bool = False  # delivered at least once, so counted in `Pipeline.steps`
     clip: Clip | None = None  # INTERRUPTED: what the fused step's retry reuses
     held: HeldProgress | None = None  # INTERRUPTED: and how far it got with held gradients
-    # A clip_grad_norm_ answered from the cache (`OptimizerStep.clip`): the factor every gradient
-    # of the step still cached is multiplied by as it is restored, as plain PyTorch
-    # multiplied it in place at the clip. None: no such clip.
+    # A clip_grad_norm_ answered from the cache (`OptimizerStep.clip`): the factor each
+    # gradient still cached is multiplied by as restored, as plain clipped it in place.
     deferred_clip: torch.Tensor | None = None
     norm_read: bool = False  # a norm was read from the cache in this step
-    # The backwards (autograd's graph task ids) whose gradients it took, and whether a step
-    # took gradients of one of them while it still holds others (`Pipeline.deliver`): a
-    # GAN's generator step leaves its discriminator's, which plain PyTorch's zero_grad()
-    # may clear unseen, so a backward adding to them is refused (`Capture`).
+    # The backwards (autograd graph task ids) it took gradients from, and whether a step
+    # took some of one's while it holds others (a GAN's generator step leaves the critic's,
+    # which plain's zero_grad() may clear unseen): a backward adding to them is refused.
     backwards: set[int] = field(default_factory=set)
     siblings_taken: bool = False
     # The parameters zero_grad() calls reached since its last backward (`zeroed_since`),
@@ -107,10 +100,8 @@ class PendingStep:
                 pending.siblings_taken = True
 
     def zeroed_since(self, params: set[torch.Tensor]) -> set[torch.Tensor]:
-        """Every parameter the zero_grad() calls since this step's last backward reached,
-        ``params`` (this call's) included: two optimizers' zero_grad() over the two halves
-        of a model skip a batch as one over the whole does. A backward in between starts
-        over (its gradients are new)."""
+        """Every parameter zero_grad() reached since the last backward, ``params`` included:
+        two optimizers' zero_grad() over a model's halves act as one over the whole."""
         if self.zeroed_after != self.backwards:
             self.zeroed, self.zeroed_after = set(), frozenset(self.backwards)
         self.zeroed |= params
@@ -118,8 +109,7 @@ class PendingStep:
 
     def restore_factor(self) -> torch.Tensor | None:
         """What a restore outside the fused step multiplies by: the deferred clip's factor,
-        or a fused step's that raised (a close then puts back what plain's ``.grad`` holds
-        after its unscale and clip: that step's buckets stepped so)."""
+        or that of a fused step that raised (its stepped buckets had it applied)."""
         return self.deferred_clip if self.clip is None else self.clip[1]
 
     def partly_stepped(self) -> bool:
