@@ -1,13 +1,7 @@
 """Forward and backward under FSDP2 with each rank's shards on the host: their placement
-(`FsdpShards`) and the hooks that move them (`ShardStream`).
-
-The master is FSDP2's padded shard ``S`` in host slabs; ``S`` keeps its storage object and
-only its memory moves, while ``P``'s local tensor is repointed (a view of the master at
-rest, of ``S`` in use). The cache's hooks run around FSDP2's own all-gathers: one before
-FSDP2's forward pre-hook brings a module (and the one that ran next last time), one after
-it gives the module up, and a hook on the module's outputs does the same in backward,
-following FSDP2's own forward order. Each moment, its hook and its streams: docs/
-ARCHITECTURE.md, "Under FSDP2". FSDP2's private state is read through `fsdp_privates`.
+(`FsdpShards`: the padded shard ``S`` keeps its storage, its memory moves, ``P``'s local
+tensor is repointed) and the hooks around FSDP2's all-gathers that move them
+(`ShardStream`). Each moment, its hook and its streams: docs/ARCHITECTURE.md, "Under FSDP2".
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ Param = torch.nn.Parameter
 
 
 class ShardStream:
-    """The hooks that bring and give up each rank's shards (see the module docstring)."""
+    """The hooks that bring and give up each rank's shards."""
 
     def __init__(
         self, model: torch.nn.Module, weights: HostWeights, modules: list[ShardedModule]
@@ -78,8 +72,7 @@ class ShardStream:
             ]
 
     def end_a_failed_backward(self) -> None:
-        """A backward that raised ends now, as at the next forward: the cache closes. Waits
-        for a hook of it that autograd's device thread may still be running."""
+        """A backward that raised ends now (the cache closes), as at the next forward."""
         self._end.after_a_failed_backward()
 
     def remove(self) -> None:
@@ -98,8 +91,7 @@ class ShardStream:
 
     @outside_graphs
     def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """Without gradients (an eval) no backward comes: a module brought ahead that the
-        forward did not run goes now."""
+        """After an eval, a module brought ahead but not run goes."""
         if in_backward():
             return
         self._in_model = False
@@ -128,8 +120,8 @@ class ShardStream:
         self.weights.free(self._modules[index].params)
 
     def _unshard(self, index: int, unshard: Any, async_op: bool = False) -> Any:
-        """FSDP2's ``unshard()`` after the module's shards came (and, where it waited for
-        the all-gather, with them gone again)."""
+        """FSDP2's ``unshard()`` with the module's shards brought first (given up after
+        where it waited for the all-gather)."""
         self._ensure([index])
         handle = unshard(async_op=async_op)
         if not async_op:
@@ -148,7 +140,7 @@ class ShardStream:
     @of_this_backward
     def _backward_reaches(self, index: int, grad: torch.Tensor) -> None:
         """The module's outputs have their gradient: FSDP2's hook, next, all-gathers it
-        and starts the all-gather of the module it prefetches."""
+        and the module it prefetches."""
         self._end.queue()
         wanted = [index, *self._backward_prefetch(index)]
         done = [
@@ -187,7 +179,7 @@ class ShardStream:
 
     def _copy_in_streams(self, indices: Iterable[int]) -> list[Any]:
         """FSDP2's all-gather copy-in streams of ``indices`` (one per root; none before its
-        lazy init, whose root pre-hook waits for the compute stream)."""
+        lazy init, whose pre-hook waits for the compute stream)."""
         streams = {}
         for i in indices:
             stream = fsdp_privates.copy_in_stream(self._modules[i].state)
@@ -210,8 +202,8 @@ class ShardStream:
             self.weights.backend.let_read(stream, refills or ())
 
     def _give_up(self, params: list[Param]) -> None:
-        """``params``' shards given up, though FSDP2 may not have waited for an all-gather
-        it started from them (a prefetch)."""
+        """``params``' shards given up, where FSDP2 may not have waited for an all-gather of
+        them (a prefetch)."""
         if params:
             for stream in self._copy_in_streams(range(len(self._modules))):
                 self.weights.backend.join(stream)
@@ -223,9 +215,8 @@ class ShardStream:
 
 
 class FsdpShards:
-    """FSDP2's shards (see the module docstring). ``flat_shards``: each parameter's flat
-    padded shard as FSDP2 holds it now (what its all-gather reads), read each time: FSDP2
-    may replace it."""
+    """FSDP2's shards. ``flat_shards``: each parameter's flat padded shard as FSDP2 holds it
+    now, read each time: FSDP2 may replace it."""
 
     loads_on_device = True  # FSDP2 checks the loaded shards in its own load hook
 
@@ -240,8 +231,8 @@ class FsdpShards:
         self._locals: dict[Param, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
-        """Every parameter one of FSDP2's shards (each has a padded storage of its own):
-        the cache's own check refuses unsharded trainable ones, this the frozen ones."""
+        """Every parameter one of FSDP2's shards (the cache's own check refuses unsharded
+        trainable ones, this the frozen ones)."""
         for name, param in named_params:
             if not sharding.is_dtensor(param):
                 raise ValueError(
@@ -268,14 +259,13 @@ class FsdpShards:
         return None, sources, sources
 
     def wire_dtype(self, param: Param) -> torch.dtype | None:
-        """Under a ``MixedPrecisionPolicy`` its ``param_dtype``: FSDP2's all-gather casts
-        the shard to it, so a shard filled from the master's cast (widened on the device)
-        all-gathers the same bits, and forward and backward move half the bytes."""
+        """Under a ``MixedPrecisionPolicy`` its ``param_dtype``: FSDP2's all-gather casts to
+        it, so a shard filled from the master's cast gathers the same bits for half the bytes."""
         return self._cast_to.get(param)
 
     def rest(self, param: Param, weight: Weight) -> None:
-        """The master filled; S stays on the device, in use, until the first time it may
-        go (FSDP2's pre-hook of a forward running now may already be under way)."""
+        """S stays on the device, in use, until it first may go (FSDP2's pre-hook of a
+        forward running now may already be under way)."""
         on_device = fsdp_privates.local_object(param)  # FSDP2's narrow view of S
         at_rest = weight.master[: on_device.numel()].view(on_device.shape)
         self._locals[param] = (on_device, at_rest)
@@ -288,16 +278,14 @@ class FsdpShards:
         fsdp_privates.set_local(param, on_device if weight.place() is weight.full else at_rest)
 
     def in_place(self, param: Param, weight: Weight) -> bool:
-        """Whether FSDP2 still all-gathers ``param`` from S (its ``reset_sharded_param``,
-        run while S is given up, would take other memory for the shard)."""
+        """Whether FSDP2 still all-gathers ``param`` from S (not other memory, after its
+        ``reset_sharded_param``)."""
         flat = self._flat_shards.get(param)
         return flat is not None and flat().is_set_to(weight.full)
 
     def close(self, weights: HostWeights) -> None:
-        """Every shard back on the device for good, as plain FSDP2 keeps it (one on the
-        device stays: it is the newest). Raises, with nothing changed but some shards
-        brought, where the device has no room: unlike a parameter on one process, a shard
-        left on the host would be read freed by FSDP2's next all-gather."""
+        """Every shard back on the device for good (one there stays: the newest). Raises
+        without room: a shard left on the host would be read freed by FSDP2's next gather."""
         try:
             weights.ensure(weights.params(), step=True)  # the masters, not their casts
         except torch.OutOfMemoryError as error:
