@@ -53,9 +53,7 @@ def outside_graphs(method: Callable[..., Any]) -> Callable[..., Any]:
 
 def tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
     return [
-        leaf
-        for leaf in pytree.tree_leaves(output)
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
     ]
 
 
@@ -208,11 +206,8 @@ class OwnerHooks:
             (m, {n: p for n, p in m.named_parameters(recurse=False) if p in held})
             for m in model.modules()
         ]
-        seen: set[Param] = set()
-        self._tied: set[Param] = set()  # owned by two modules or more (a tied head)
-        for _, own in owners:
-            self._tied |= seen.intersection(own.values())
-            seen.update(own.values())
+        owned = collections.Counter(p for _, own in owners for p in own.values())
+        self._tied = {p for p, count in owned.items() if count > 1}  # a tied head
         self._saved: dict[Param, weakref.ref[torch.Tensor]] = {}  # a tied weight's copy
         self.handles = []
         for owner, own in owners:

@@ -143,11 +143,8 @@ class ShardStream:
         and the module it prefetches."""
         self._end.queue()
         wanted = [index, *self._backward_prefetch(index)]
-        done = [
-            p
-            for i in self._reached - set(wanted)
-            for p in self._modules[i].params  # their all-gathers were waited for
-        ]
+        # Those whose backward began earlier: their all-gathers were waited for.
+        done = [p for i in self._reached - set(wanted) for p in self._modules[i].params]
         self.weights.free(done)
         self._reached.add(index)
         self._ensure(i for i in wanted if self._gathers(i))
@@ -155,8 +152,7 @@ class ShardStream:
     def _backward_prefetch(self, index: int) -> list[int]:
         """The modules FSDP2's backward hook of module ``index`` prefetches: those named
         (``set_modules_to_backward_prefetch``), else the one before it in forward order."""
-        state = self._modules[index].state
-        named = fsdp_privates.named_backward_prefetch(state)
+        named = fsdp_privates.named_backward_prefetch(self._modules[index].state)
         if named:
             return self._indices_of(named)
         found = []
@@ -180,12 +176,8 @@ class ShardStream:
     def _copy_in_streams(self, indices: Iterable[int]) -> list[Any]:
         """FSDP2's all-gather copy-in streams of ``indices`` (one per root; none before its
         lazy init, whose pre-hook waits for the compute stream)."""
-        streams = {}
-        for i in indices:
-            stream = fsdp_privates.copy_in_stream(self._modules[i].state)
-            if stream is not None:
-                streams[id(stream)] = stream
-        return list(streams.values())
+        found = (fsdp_privates.copy_in_stream(self._modules[i].state) for i in indices)
+        return list({id(stream): stream for stream in found if stream is not None}.values())
 
     def _ensure(self, indices: Iterable[int]) -> None:
         """The shards of ``indices`` on the device, for FSDP2's all-gathers queued next."""

@@ -365,9 +365,8 @@ class WeightStream:
         self._consumers = {}
 
     def _block(self, index: int | None) -> list[Param]:
-        if index is not None and 0 <= index < len(self.units.blocks):
-            return self.units.block_params[index]
-        return []
+        """Block ``index``'s parameters (the schedule's None: none)."""
+        return [] if index is None else self.units.block_params[index]
 
 
 @dataclass
@@ -488,8 +487,7 @@ class OwnTensors:
         return self.compute_dtype if param.is_floating_point() else None
 
     def rest(self, param: Param, weight: Weight) -> None:
-        param.data = weight.master
-        self._dress(param, weight)
+        self.show(param, weight)  # at home: its master
 
     def show(self, param: Param, weight: Weight) -> None:
         param.data = weight.place()
