@@ -8,6 +8,7 @@ docs/ARCHITECTURE.md, "The life of a weight".
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,19 +35,14 @@ Param = torch.nn.Parameter
 __all__ = ["StepJourney", "Weights", "attach", "plan"]
 
 
+@dataclass(eq=False)
 class Weights:
     """``masters``, ``stream`` and, on one process, the ``units`` a memory budget may keep
     on the device, by name (a block's module name; the rest's, ``"(the rest)"``)."""
 
-    def __init__(
-        self,
-        masters: HostWeights,
-        stream: WeightStream | ShardStream,
-        units: dict[str, list[Param]] | None = None,
-    ) -> None:
-        self.masters = masters
-        self.stream = stream
-        self.units = units or {}
+    masters: HostWeights
+    stream: WeightStream | ShardStream
+    units: dict[str, list[Param]] = field(default_factory=dict)
 
     def keep_on_device(self, names: Iterable[str]) -> None:
         """The units ``names`` on the device for good, as plain parameters (a memory

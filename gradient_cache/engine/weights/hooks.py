@@ -1,12 +1,6 @@
 """What both placements' streams share: the save and load hooks on every module that owns
-a parameter (a save or load of a submodule runs only its own), the end of backward, and the
-small rules every weight hook follows.
-
-Before ``state_dict`` reads or ``load_state_dict`` writes a module's parameters their
-device copies go home (a load must not leave a stale one) and no copy still reads or writes
-a master; under FSDP2, whose own load hook checks the shards, a load writes the shards on
-the device and they go to their masters after. A saved master is a copy of its own; a tied
-weight is one copy under each of its names.
+a parameter (a submodule's save or load runs only its own: docs/ARCHITECTURE.md, "Traps"),
+the end of backward, and the small rules every weight hook follows.
 """
 
 from __future__ import annotations
@@ -34,20 +28,17 @@ UNPICKLABLE = (
 
 
 def module_hook(method: Callable[..., Any], *bound: Any) -> ModuleHook:
-    """``method`` with ``bound`` first, as a module hook: inert in a copy of the module,
-    refused in a pickle of it."""
+    """``method`` with ``bound`` first, as a module hook: inert in a copy, refused in a pickle."""
     return ModuleHook(functools.partial(method, *bound), unpicklable=UNPICKLABLE)
 
 
 def in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (a checkpointed
-    block's forward reruns there)."""
+    """Whether autograd runs a backward on this thread (a checkpointed forward reruns there)."""
     return torch._C._current_graph_task_id() != -1
 
 
 def outside_graphs(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method``, run eagerly where a compiled model calls it (a graph break): storage
-    resizing cannot be traced."""
+    """``method`` run eagerly under ``torch.compile`` (a graph break): resizing cannot be traced."""
     return torch._dynamo.disable(method, recursive=True)
 
 

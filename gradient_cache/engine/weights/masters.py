@@ -35,9 +35,8 @@ class WeightAt(enum.Enum):
 
 @dataclass(eq=False)
 class Unit:
-    """Weights that come to the device together (a block, the rest): one ``buffer`` filled
-    by one copy from each host run (masters' or wires'; several only over `RUN_BYTES`), each
-    member's compute tensor a view of it."""
+    """Weights that come to the device together (a block, the rest): one ``buffer``, a view
+    of it each, filled by one copy a host run (masters' or wires'; several over `RUN_BYTES`)."""
 
     buffer: torch.Tensor  # flat, on the device: memory only while a member is in use
     hosts: list[tuple[int, torch.Tensor]]  # (offset, flat host run) the buffer is filled from
@@ -324,8 +323,7 @@ class HostWeights:
             weight.dirty |= step
 
     def free(self, params: Iterable[Param]) -> None:
-        """``params``' device memory given up, ``P.data`` the master again; only a dirty one
-        is copied back first."""
+        """``params``' device memory given up, ``P.data`` the master (a dirty one copied back)."""
         held = self._held(params)
         refused = self._written(held)
         dirty = [param for param, weight in held if weight.dirty]
@@ -364,7 +362,6 @@ class HostWeights:
         return refused
 
     def part_to_come(self, param: Param) -> bool:
-        """Whether another use of ``param`` is still to accumulate in this backward."""
         return self.placement.part_to_come(param)
 
     def name(self, param: Param) -> str:
@@ -410,9 +407,8 @@ class HostWeights:
         self.free(present)
 
     def step_ended(self, steps: int) -> None:
-        """A step of ``steps`` completed: any dirty weight copied back, and the host waits
-        for the copies (the masters are the parameters at rest); the moved bytes counted
-        (several optimizers' steps as one)."""
+        """A step of ``steps`` completed: dirty weights copied back and the host waits (the
+        masters are the parameters at rest); several optimizers' steps count as one."""
         dirty = [param for param, weight in self._weights.items() if weight.dirty]
         if dirty:  # a bucket whose copy back raised, stepped by a retry's end: home now
             self.store(dirty)
@@ -442,7 +438,6 @@ class HostWeights:
         return tuple(tensors.values())
 
     def params(self) -> list[Param]:
-        """Every parameter whose weights these are."""
         return list(self._weights)
 
     def drop(self, params: Iterable[Param]) -> None:
@@ -520,8 +515,7 @@ RUN_BYTES = 2**30  # the largest host run of a unit: `state_slabs.MAX_SLAB`'s sl
 
 
 def _runs(offsets: list[int], numel: int, itemsize: int) -> list[list[int]]:
-    """The indices of a unit's weights in runs of consecutive ones of at most `RUN_BYTES`
-    (a larger weight alone)."""
+    """A unit's weights' indices in runs of at most `RUN_BYTES` (a larger weight alone)."""
     runs: list[list[int]] = []
     start = 0
     for i in range(len(offsets)):

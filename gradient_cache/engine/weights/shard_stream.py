@@ -120,8 +120,7 @@ class ShardStream:
         self.weights.free(self._modules[index].params)
 
     def _unshard(self, index: int, unshard: Any, async_op: bool = False) -> Any:
-        """FSDP2's ``unshard()`` with the module's shards brought first (given up after
-        where it waited for the all-gather)."""
+        """FSDP2's ``unshard()``, the shards brought first (and given up after where it waited)."""
         self._ensure([index])
         handle = unshard(async_op=async_op)
         if not async_op:
@@ -194,8 +193,7 @@ class ShardStream:
             self.weights.backend.let_read(stream, refills or ())
 
     def _give_up(self, params: list[Param]) -> None:
-        """``params``' shards given up, where FSDP2 may not have waited for an all-gather of
-        them (a prefetch)."""
+        """``params``' shards given up, where FSDP2 may not have waited for their all-gather."""
         if params:
             for stream in self._copy_in_streams(range(len(self._modules))):
                 self.weights.backend.join(stream)
@@ -265,13 +263,11 @@ class FsdpShards:
         weight.version = param._version  # a write from now on is a write to copy back
 
     def show(self, param: Param, weight: Weight) -> None:
-        """``P``'s local tensor: its view of S once arrived, else of its master."""
         on_device, at_rest = self._locals[param]
         fsdp_privates.set_local(param, on_device if weight.place() is weight.full else at_rest)
 
     def in_place(self, param: Param, weight: Weight) -> bool:
-        """Whether FSDP2 still all-gathers ``param`` from S (not other memory, after its
-        ``reset_sharded_param``)."""
+        """Whether FSDP2 still all-gathers ``param`` from S (``reset_sharded_param`` may not)."""
         flat = self._flat_shards.get(param)
         return flat is not None and flat().is_set_to(weight.full)
 

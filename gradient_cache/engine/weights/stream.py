@@ -90,9 +90,8 @@ class WeightStream:
             for param in model.parameters()
             if param.requires_grad
         ]
-        # A block weight used at rest: refused where a backward reaches the use (`at_rest`),
-        # wherever P.data moves between uses (which restarts P's accumulation), and a host
-        # gradient refused before it accumulates.
+        # A block weight used at rest: refused as a backward reaches the use (`at_rest`) where
+        # P.data moves between uses (restarting P's accumulation); a host gradient, at once.
         on_device = weights.backend.device.type != "cpu"
         trainable = [param for param in self._in_blocks if param.requires_grad]
         if on_device:
@@ -115,8 +114,7 @@ class WeightStream:
         self._end.after_a_failed_backward()
 
     def awaited(self) -> bool:
-        """Whether the graph of a forward since the last backward lives: its backward may
-        still come and read the weights where the stream put them."""
+        """Whether a forward's graph since the last backward lives: its backward may come."""
         return any(ref() is not None for ref in self._awaiting)
 
     def remove(self) -> None:
@@ -182,8 +180,7 @@ class WeightStream:
                 metadata = cast("dict[str, Any]", tensor.grad_fn.metadata)  # a dict, typed
                 metadata[_AWAITED] = awaited = _Awaited()  # as a method
                 self._awaiting.append(weakref.ref(awaited))
-        # Backward starts with the last block run: kept from its forward (brought again
-        # where a later forward freed it).
+        # Backward starts with the last block run: kept, or brought again where freed.
         self.weights.bring(self._block(self.schedule.last()))
         self._placement.guarding(True)  # what the loss adds to the graph until backward
 
@@ -232,8 +229,7 @@ class WeightStream:
             )
 
     def _cast(self, args: Any, kwargs: Any) -> Any:
-        """The floating inputs in the compute dtype, as FSDP2's ``cast_forward_inputs``, or
-        None without one."""
+        """The floating inputs in the compute dtype (FSDP2's ``cast_forward_inputs``), or None."""
         dtype = self.weights.compute_dtype
         if dtype is None:
             return None
@@ -459,7 +455,6 @@ class OwnTensors:
         check_own_storage(named_params)
 
     def source(self, param: Param) -> torch.Tensor:
-        """What a parameter's master copies: its data."""
         return param.detach()
 
     def device_tensors(
@@ -483,7 +478,6 @@ class OwnTensors:
         return buffer, computes, [self._device_like(m, m.dtype) for m in masters]
 
     def wire_dtype(self, param: Param) -> torch.dtype | None:
-        """The compute dtype, for a floating weight: its unit's buffer's."""
         return self.compute_dtype if param.is_floating_point() else None
 
     def rest(self, param: Param, weight: Weight) -> None:
@@ -494,7 +488,6 @@ class OwnTensors:
         self._dress(param, weight)
 
     def in_place(self, param: Param, weight: Weight) -> bool:
-        """Whether ``param.data`` is still its master or its device tensor in use."""
         place = weight.place()
         return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
 
