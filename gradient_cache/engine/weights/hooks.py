@@ -140,7 +140,8 @@ class BackwardEnd:
 
     def after_a_failed_backward(self) -> None:
         """Outside any backward: a callback still queued means its backward raised (autograd
-        dropped it), so ``ended`` runs now (`raised` True meanwhile)."""
+        dropped it), so ``ended`` runs now (`raised` True meanwhile), or no later backward
+        would queue its own."""
         with self.lock:
             if not self._queued:
                 return

@@ -91,7 +91,8 @@ class WeightStream:
             if param.requires_grad
         ]
         # A block weight used at rest: refused as a backward reaches the use (`at_rest`) where
-        # P.data moves between uses (restarting P's accumulation); a host gradient, at once.
+        # P.data moves between uses, which restarts P's accumulation (to a device, or on a
+        # CPU to a compute dtype); a host gradient, at once.
         on_device = weights.backend.device.type != "cpu"
         trainable = [param for param in self._in_blocks if param.requires_grad]
         if on_device:
@@ -187,7 +188,7 @@ class WeightStream:
     @outside_graphs
     @of_this_backward
     def _backward_begins(self, grad: torch.Tensor) -> None:
-        """The model's output has its gradient: the rest is read next."""
+        """The model's output has its gradient: the rest is read next (again, if retained)."""
         self._awaiting = []  # it came (if refused, too): a close no longer leaves one to come
         refuse_create_graph()
         self._placement.guarding(False)  # the uses before it are recorded, their refusals set
