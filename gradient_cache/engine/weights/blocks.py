@@ -97,8 +97,7 @@ def _holding(container: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _wraps(container: torch.nn.Module, lists: set[int]) -> bool:
-    """Whether one of ``container``'s children is itself a container of blocks (its id in
-    ``lists``) holding more than half of its bytes."""
+    """Whether a child of ``container`` in ``lists`` (of blocks) holds over half its bytes."""
     children = _holding(container)
     total = sum(map(_bytes, children))
     return any(id(child) in lists and 2 * _bytes(child) > total for child in children)

@@ -68,8 +68,7 @@ class Weight:
 
 
 class Placement(Protocol):
-    """Where a weight's device tensor lives and what ``P`` shows of it (`stream.OwnTensors`,
-    `shard_stream.FsdpShards`)."""
+    """Where a weight's device tensor lives and what ``P`` shows of it."""
 
     loads_on_device: bool  # a load writes the weights on the device, not the masters
 
@@ -390,8 +389,7 @@ class HostWeights:
         self.free(params)
 
     def store(self, params: Iterable[Param]) -> None:
-        """``params`` stepped or written on the device: copied into their masters, their
-        device memory given up once the copies have read it."""
+        """``params`` stepped or written on the device: copied into their masters, then freed."""
         present = [p for p, w in self._held(params) if w.at is WeightAt.DEVICE and _exact(w)]
         if not present:
             return
@@ -469,8 +467,7 @@ class HostWeights:
 
 @dataclass(frozen=True)
 class StepJourney:
-    """The fused step's journey of each bucket's weights, beside the optimizer state's
-    (`optimizer_state.StateJourney`)."""
+    """The fused step's journey of each bucket's weights (`optimizer_state.StateJourney`'s)."""
 
     weights: HostWeights
 

@@ -138,8 +138,7 @@ class ShardStream:
     @outside_graphs
     @of_this_backward
     def _backward_reaches(self, index: int, grad: torch.Tensor) -> None:
-        """The module's outputs have their gradient: FSDP2's hook, next, all-gathers it
-        and the module it prefetches."""
+        """Its outputs have their gradient: FSDP2's hook, next, all-gathers it and a prefetch."""
         self._end.queue()
         wanted = [index, *self._backward_prefetch(index)]
         # Those whose backward began earlier: their all-gathers were waited for.

@@ -286,8 +286,7 @@ class WeightStream:
     @outside_graphs
     @of_this_backward
     def _side_begins(self, index: int, grad: torch.Tensor) -> None:
-        """A tensor block ``index`` left on a module has its gradient, maybe before the
-        block's outputs: its backward reads the block's weights."""
+        """A tensor block ``index`` left on a module has its gradient, maybe before its outputs'."""
         refuse_create_graph()
         self._end.queue()
         self.weights.ensure(self._block(index))
