@@ -1,19 +1,14 @@
-"""The weights on the host (``offload_parameters=True``): their life, with one owner.
-
-`Weights` is that owner, which the manager builds with one call (`attach`, after `plan`
-refused what cannot be combined): the masters and each weight's record of where it is
-(`masters.HostWeights`), placed by a small placement object it composes (a device tensor
-of its own on one process, `stream.OwnTensors`; FSDP2's shard storage under
-``fully_shard``, `shard_stream.FsdpShards`); the hooks that bring and give them up by the
-model's units (`stream.WeightStream` by `blocks`, `shard_stream.ShardStream` by FSDP2's
-modules), which share one set of save and load hooks (`hooks`); and the fused step's
-journey of each bucket's weights (`masters.StepJourney`), a traveller beside the optimizer
-state's. FSDP2's private names are read in `engine.fsdp_privates` only.
+"""The weights on the host (``offload_parameters=True``), with one owner, `Weights`: the
+masters (`masters.HostWeights`) with their placement (`stream.OwnTensors` on one process,
+`shard_stream.FsdpShards` under FSDP2), the hooks that move them (`stream.WeightStream`,
+`shard_stream.ShardStream`, sharing `hooks`) and the fused step's `masters.StepJourney`.
+docs/ARCHITECTURE.md, "The life of a weight".
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,26 +35,18 @@ Param = torch.nn.Parameter
 __all__ = ["StepJourney", "Weights", "attach", "plan"]
 
 
+@dataclass(eq=False)
 class Weights:
-    """The weights' owner: ``masters`` (where each weight is), ``stream`` (the hooks that
-    move them) and, on one process, the ``units`` a memory budget may keep on the device
-    for good, by name (a block's module name; the rest's, ``"(the rest)"``)."""
+    """``masters``, ``stream`` and, on one process, the ``units`` a memory budget may keep
+    on the device, by name (a block's module name; the rest's, ``"(the rest)"``)."""
 
-    def __init__(
-        self,
-        masters: HostWeights,
-        stream: WeightStream | ShardStream,
-        units: dict[str, list[Param]] | None = None,
-    ) -> None:
-        self.masters = masters
-        self.stream = stream
-        self.units = units or {}
+    masters: HostWeights
+    stream: WeightStream | ShardStream
+    units: dict[str, list[Param]] = field(default_factory=dict)
 
     def keep_on_device(self, names: Iterable[str]) -> None:
-        """The units ``names`` names on the device for good, plain parameters there, as
-        plain PyTorch keeps them (a memory budget's choice): the link carries them no
-        more. Raises torch.OutOfMemoryError, with them all on the host still, where the
-        device has no room."""
+        """The units ``names`` on the device for good, as plain parameters (a memory
+        budget's choice). Raises torch.OutOfMemoryError, all still on the host, without room."""
         params = [param for name in names for param in self.units.pop(name)]
         assert isinstance(self.stream, WeightStream)  # a budget is refused under FSDP2
         assert isinstance(self.masters.placement, OwnTensors)
@@ -67,10 +54,9 @@ class Weights:
         self.stream.settled(params)
 
     def close(self, *, refuse_an_awaited_backward: bool) -> None:
-        """Every weight back on the device for good (if they cannot be, this raises or
-        warns as the placement says, before any hook goes), then the hooks removed.
-        ``refuse_an_awaited_backward``: raise first, closing nothing, where a forward's
-        output still waits for its backward, which would read what the close moves."""
+        """Every weight back on the device for good (else the placement raises or warns,
+        before any hook goes), then the hooks removed. ``refuse_an_awaited_backward``:
+        raise first where a forward's backward is still to come (it would read what moves)."""
         if (
             refuse_an_awaited_backward
             and isinstance(self.stream, WeightStream)
@@ -93,9 +79,8 @@ def plan(
     patterns: Sequence[str],
     groups: Sequence[Sequence[Param]],
 ) -> WeightUnits | list[ShardedModule] | None:
-    """With ``offload_parameters``: ``model``'s blocks (raises naming how to name them),
-    or under FSDP2 its ``fully_shard`` modules, after refusing what it cannot be combined
-    with. Before anything is attached."""
+    """With ``offload_parameters``: ``model``'s blocks, or under FSDP2 its ``fully_shard``
+    modules, after refusing what it cannot be combined with."""
     if not config.offload_parameters:
         return None
     if patterns:
@@ -157,9 +142,9 @@ def _sharded_modules_or_refusal(
 def attach(
     model: torch.nn.Module, pipeline: Pipeline, units: WeightUnits | list[ShardedModule]
 ) -> Weights:
-    """The weights to host memory, their hooks on ``model``, the step's journeys through
-    ``pipeline`` (`Pipeline.carry_weights`); if that raises (the host budget, a parameter
-    FSDP2 does not shard), the pipeline is closed and nothing stays attached."""
+    """The weights to host memory, their hooks on ``model``, their step journeys through
+    ``pipeline``; if the masters raise (host budget, an unsharded parameter) the pipeline
+    is closed and nothing stays attached."""
     backend, config = pipeline.backend, pipeline.config
     named = list(model.named_parameters())
     try:
@@ -199,8 +184,7 @@ def _named_units(model: torch.nn.Module, units: WeightUnits) -> dict[str, list[P
 
 
 def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
-    """``model``'s buffers on ``device``, where a model set up from the host (``device=``)
-    computes; they stay there, as plain PyTorch's would."""
+    """``model``'s buffers on ``device``, where a model set up from the host computes."""
     for module in model.modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             if buffer.device != device:

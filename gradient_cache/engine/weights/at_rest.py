@@ -1,13 +1,8 @@
-"""A block weight at rest on the host, guarded: a use that a backward would reach is refused
-there, by name, before anything runs.
-
-From the model's forward end to its backward's begin a block weight at rest (``P.data`` the
-host master) is a `GuardedAtRest` (its class swapped, data and identity the same): a use
-autograd records gets a pre-hook on its node that raises naming the weights, on whichever
-thread reaches it first; elsewhere every weight is a plain ``Parameter``. Where
-``backward(inputs=)`` or ``autograd.grad`` name a guarded weight they are given the
-accumulation nodes its uses recorded (`record_uses`), since moving ``P.data`` made autograd
-start a new one. Why, and what it costs: docs/ARCHITECTURE.md, "Traps".
+"""A block weight at rest on the host, guarded (`GuardedAtRest`, its class swapped from a
+forward's end to its backward's begin): a use autograd records gets a pre-hook on its node
+that raises by name, on whichever thread reaches it first. ``backward(inputs=)`` and
+``autograd.grad`` naming a guarded weight get the nodes its uses recorded (`record_uses`):
+moving ``P.data`` made autograd start a new one. Why: docs/ARCHITECTURE.md, "Traps".
 """
 
 from __future__ import annotations
@@ -22,11 +17,9 @@ from torch.utils import _pytree as pytree
 
 Param = torch.nn.Parameter
 
-#: Each guarded weight's name, by ``id`` (a tensor's ``==`` is elementwise), for the
-#: refusal; `dress` keeps it.
+#: Each guarded weight's name, by ``id`` (a tensor's ``==`` is elementwise), for the refusal.
 NAMES: dict[int, str] = {}
-#: The accumulation nodes of each guarded weight's uses since the last backward, by ``id``
-#: (`record_uses`).
+#: Each guarded weight's uses' accumulation nodes since the last backward (`record_uses`).
 USES: dict[int, list[GradientEdge]] = {}
 
 
@@ -82,9 +75,8 @@ def dress(param: Param, name: str | None) -> None:
 
 
 def record_uses(params: Iterable[Param]) -> None:
-    """The accumulation node each of ``params`` has now, where a forward used it on the
-    device, kept for ``autograd.backward`` and ``autograd.grad`` (once each: a block run
-    twice without moving has one)."""
+    """Each of ``params``' accumulation node now, as a forward used it on the device, kept
+    (once: a block run twice without moving has one) for ``backward`` and ``grad``."""
     for param in params:
         edge = get_gradient_edge(param)
         known = USES.setdefault(id(param), [])
@@ -101,9 +93,8 @@ def forget_uses(params: Iterable[Param]) -> None:
 def _through_recorded_uses(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``autograd.backward`` or ``autograd.grad`` with each weight among its inputs that
-    `record_uses` kept replaced by its nodes; ``grad`` answers one gradient per input as
-    given (the sum of a weight's nodes' where a weight has more than one)."""
+    """``autograd.backward`` or ``grad`` with each input `record_uses` kept replaced by its
+    nodes; ``grad`` answers one gradient per input given (the sum over a weight's nodes)."""
     grad = func is torch.autograd.grad
     inputs = args[1] if grad else kwargs.get("inputs")
     if inputs is None:  # a whole backward: it reaches the nodes the forward used

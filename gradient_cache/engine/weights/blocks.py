@@ -1,15 +1,7 @@
-"""Which modules are a model's blocks, and which parameters travel with each.
-
-With ``offload_parameters=True`` the weights come to the device a block at a time (the one
-running, the next arriving). The blocks are the children of one container of repeated
-layers: the one ``parameter_blocks`` names (a dotted module name, ``"transformer.h"``), or
-else the ``nn.ModuleList`` / ``nn.Sequential`` whose children hold the most parameter
-bytes (a transformer's layers; not one that wraps such a list, most of its bytes in it),
-with every other container outside it whose layers repeat as its do (an encoder's beside a
-decoder's; not a short list of small shared modules). A parameter used by one block only
-travels with it; every other one (embeddings, the final norm and head, a weight tied
-across blocks or between a block and the rest) is in the *rest*, on the device from the
-model's forward to the end of its backward.
+"""Which modules are a model's blocks (how they are found: docs/options.md,
+``parameter_blocks``), and which parameters travel with each. A parameter used by one block
+only travels with it; every other one (embeddings, the final norm and head, a weight tied
+across units) is in the *rest*, on the device from the model's forward to its backward's end.
 """
 
 from __future__ import annotations
@@ -33,18 +25,12 @@ class WeightUnits:
 
 
 def find_blocks(model: torch.nn.Module, *, name: str | None = None) -> list[torch.nn.Module]:
-    """The blocks of ``model``: the children of the container ``name`` names; or else those
-    of the `CONTAINERS` one whose children hold the most parameter bytes, then of every other
-    container of layers repeated as its are (`_peer`) outside it: an encoder's and a
-    decoder's. In the model's module order, which is forward
-    order for an encoder-decoder. Raises ValueError, naming how to name them, where there is
-    none."""
+    """The blocks of ``model``: the children of the container ``name`` names, or else of the
+    `CONTAINERS` one holding the most bytes and of its peers (`_peer`) outside it, in module
+    order (forward order for an encoder-decoder). Raises ValueError naming the fix."""
     if name is not None:
         return _named_blocks(model, name)
-    candidates: list[torch.nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, CONTAINERS) and len(_holding(module)) >= 2:
-            candidates.append(module)
+    candidates = [m for m in model.modules() if isinstance(m, CONTAINERS) and len(_holding(m)) >= 2]
     if not candidates:
         raise ValueError(
             f"offload_parameters=True found no blocks in {type(model).__name__}: the weights "
@@ -111,8 +97,7 @@ def _holding(container: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _wraps(container: torch.nn.Module, lists: set[int]) -> bool:
-    """Whether one of ``container``'s children is itself a container of blocks (its id in
-    ``lists``) holding more than half of its bytes."""
+    """Whether a child of ``container`` in ``lists`` (of blocks) holds over half its bytes."""
     children = _holding(container)
     total = sum(map(_bytes, children))
     return any(id(child) in lists and 2 * _bytes(child) > total for child in children)
@@ -120,9 +105,8 @@ def _wraps(container: torch.nn.Module, lists: set[int]) -> bool:
 
 def _peer(container: torch.nn.Module, largest: torch.nn.Module) -> bool:
     """Whether ``container`` holds layers repeated as ``largest``'s are (an encoder's beside
-    a decoder's): children of one class, at least half as many, a quarter of the bytes. A
-    short list of small modules shared across the layers (adapters called in every layer)
-    is not: run several times a forward, it would hold every block until backward ends."""
+    a decoder's). Not a short list of small shared modules (adapters called in every
+    layer): run several times a forward, it would hold every block until backward ends."""
     children, theirs = _holding(container), _holding(largest)
     return (
         len({type(child) for child in children}) == 1
@@ -137,13 +121,12 @@ def _nested(inner: torch.nn.Module, outer: torch.nn.Module) -> bool:
 
 
 def weight_units(model: torch.nn.Module, *, name: str | None = None) -> WeightUnits:
-    """``model``'s parameters cut into its blocks' and the rest (see the module docstring)."""
+    """``model``'s parameters cut into its blocks' and the rest."""
     blocks = find_blocks(model, name=name)
     users: dict[Param, set[int]] = {}
     for index, block in enumerate(blocks):
         for param in block.parameters():
             users.setdefault(param, set()).add(index)
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
     outside = {
         id(p) for module in _outside(model, blocks) for p in module.parameters(recurse=False)
     }
@@ -151,7 +134,7 @@ def weight_units(model: torch.nn.Module, *, name: str | None = None) -> WeightUn
     rest = []
     for param in model.parameters():
         owners = users.get(param, set())
-        if id(param) in in_blocks and len(owners) == 1 and id(param) not in outside:
+        if len(owners) == 1 and id(param) not in outside:
             block_params[next(iter(owners))].append(param)
         else:
             rest.append(param)

@@ -1,17 +1,6 @@
 """What both placements' streams share: the save and load hooks on every module that owns
-a parameter, the end of backward, and the small rules every weight hook follows.
-
-A save or load reaches a parameter through the module that owns it, whichever module it is
-called on (the model, a block's ``state_dict()``, a load into the head), so the hooks are
-on every owning module. Before ``state_dict`` reads or ``load_state_dict`` writes a module's
-parameters their device copies go home (none may outlive a load: the next use would read
-the old weights; a backward still to come brings them again) and no copy still reads or
-writes a master; FSDP2 checks the loaded shards in its own load hook, so under FSDP2 a load
-writes the shards on the device and they go to their masters after
-(`shard_stream.FsdpShards.loads_on_device`). A saved master is a copy of its own, not a view
-of the masters' slab (which ``torch.save`` would write whole and safetensors refuses as
-shared memory); a weight tied across modules is one copy under each of its names (saved
-once, still tied).
+a parameter (a submodule's save or load runs only its own: docs/ARCHITECTURE.md, "Traps"),
+the end of backward, and the small rules every weight hook follows.
 """
 
 from __future__ import annotations
@@ -39,43 +28,35 @@ UNPICKLABLE = (
 
 
 def module_hook(method: Callable[..., Any], *bound: Any) -> ModuleHook:
-    """``method`` with ``bound`` first, as a module hook: inert in a copy of the module,
-    refused in a pickle of it (its weights are in the host slabs)."""
+    """``method`` with ``bound`` first, as a module hook: inert in a copy, refused in a pickle."""
     return ModuleHook(functools.partial(method, *bound), unpicklable=UNPICKLABLE)
 
 
 def in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (a checkpointed
-    block's forward reruns there)."""
+    """Whether autograd runs a backward on this thread (a checkpointed forward reruns there)."""
     return torch._C._current_graph_task_id() != -1
 
 
 def outside_graphs(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method``, run eagerly where a compiled model calls it (a graph break): storage
-    resizing cannot be traced."""
+    """``method`` run eagerly under ``torch.compile`` (a graph break): resizing cannot be traced."""
     return torch._dynamo.disable(method, recursive=True)
 
 
 def tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
     return [
-        leaf
-        for leaf in pytree.tree_leaves(output)
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
     ]
 
 
 def outputs_needing_gradients(output: Any, *, passed: Set[int] = frozenset()) -> list[torch.Tensor]:
-    """A forward's output tensors that need gradients, those inside objects pytree cannot see
-    into included (`tensors_in`) but for the objects ``passed`` in (by id: a cache the
-    blocks share holds the earlier blocks' tensors): the hooks that bring a block's
-    backward are on them, and a missed one reads weights that went."""
+    """A forward's output tensors that need gradients (`tensors_in`), but for those in the
+    objects ``passed`` in (by id: a cache the blocks share holds earlier blocks' tensors)."""
     return [tensor for tensor in tensors_in(output, skip=passed) if tensor.requires_grad]
 
 
 def tensors_in(value: Any, depth: int = 3, *, skip: Set[int] = frozenset()) -> list[torch.Tensor]:
-    """The tensors in ``value``: in pytree's containers (a deque is one), and ``depth`` levels
-    down the objects it cannot see into (a plain class, an unregistered dataclass), but for
-    those in ``skip`` (by id)."""
+    """The tensors in ``value``'s pytree containers and ``depth`` levels down the objects it
+    cannot see into (a plain class, an unregistered dataclass), but for those in ``skip``."""
     found: list[torch.Tensor] = []
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
@@ -93,11 +74,9 @@ _MODULE_OWN = frozenset(vars(torch.nn.Module()))  # a module's own bookkeeping a
 
 
 def left_on_modules(block: torch.nn.Module) -> list[torch.Tensor]:
-    """Tensors of a graph that a block's forward left on its modules (an auxiliary loss kept
-    as ``self.aux_loss``, an MoE router's, also where that name is a buffer's): their
-    backward reads the block's weights too, and may run before the block's outputs have
-    their gradient. Searched: tensors, lists, tuples, dicts, deques and dataclasses, not
-    objects of other classes (a config: too many to read at every forward)."""
+    """Tensors of a graph a block's forward left on its modules (``self.aux_loss``, also in a
+    buffer's name), whose backward may run before the block's outputs'. Searched: tensors,
+    lists, tuples, dicts, deques and dataclasses (other objects, a config: too many)."""
     return [
         tensor
         for module in block.modules()
@@ -121,9 +100,8 @@ def _may_hold(name: str, value: Any) -> bool:
 
 
 def refuse_create_graph() -> None:
-    """A backward that records a graph of its own (``create_graph=True``: a gradient
-    penalty) would save the device copies of the weights in it, which go when this backward
-    ends, and the second backward would read freed memory."""
+    """A backward with ``create_graph=True`` would save the weights' device copies, which go
+    when it ends, for a second backward to read freed."""
     if torch.is_grad_enabled():
         raise RuntimeError(
             "A backward with create_graph=True (torch.autograd.grad(..., create_graph=True), "
@@ -136,14 +114,10 @@ def refuse_create_graph() -> None:
 
 class BackwardEnd:
     """``ended``, called once at the end of the backward running now: `queue` it from any
-    hook of that backward (autograd runs queued callbacks when the backward is done).
-
-    A backward that raised ends at the next forward (`after_a_failed_backward`). Autograd's
-    other thread (``device``'s) may still be finishing a node of it then, and its hooks
-    run after ``backward()`` raised: a stream's backward hooks run under ``lock`` and not at
-    all for that failed backward (`of_this_backward`), so none of them frees or counts a
-    weight while the next forward uses it, and the end waits for that thread's node first
-    (`_wait_for_the_device_thread`): it frees the weights the node may be reading."""
+    hook of that backward. A backward that raised ends at the next forward
+    (`after_a_failed_backward`); autograd's device thread may still run its hooks then,
+    so they run under ``lock`` and skip that backward (`of_this_backward`), and the end
+    first waits for that thread's node, which may read the weights it frees."""
 
     def __init__(self, ended: Callable[[], None], device: torch.device) -> None:
         self._ended = ended
@@ -165,9 +139,9 @@ class BackwardEnd:
         self._ended()
 
     def after_a_failed_backward(self) -> None:
-        """Called outside any backward (a forward begins): a callback still queued means its
-        backward raised before its end (autograd drops the callbacks then), so ``ended``
-        runs now (`raised` True meanwhile), or no later backward would queue its own."""
+        """Outside any backward: a callback still queued means its backward raised (autograd
+        dropped it), so ``ended`` runs now (`raised` True meanwhile), or no later backward
+        would queue its own."""
         with self.lock:
             if not self._queued:
                 return
@@ -181,9 +155,8 @@ class BackwardEnd:
                 self.raised = False
 
     def _wait_for_the_device_thread(self) -> None:
-        """A backward of one node on the device: autograd's thread for it runs the node after
-        the one it is running now, and skips what is left of a backward that raised. (A
-        node of it reading a weight freed beside it crashed the emulated device.)"""
+        """A one-node backward on the device: its thread runs it after its node running now,
+        and skips the rest of a backward that raised."""
         if self._device.type == "cpu":
             return  # one thread: the backward that raised is over
         with torch.inference_mode(False), torch.enable_grad():
@@ -195,8 +168,7 @@ class BackwardEnd:
 
 
 def of_this_backward(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A stream's backward hook ``method`` (its stream's ``_end`` a `BackwardEnd`), run under
-    that end's lock, and skipped in a backward that already raised."""
+    """A stream's backward hook, run under its ``_end``'s lock, skipped in a failed backward."""
 
     @functools.wraps(method)
     def hook(self: Any, *args: Any) -> Any:
@@ -209,9 +181,8 @@ def of_this_backward(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class OwnerHooks:
-    """The save and load hooks on every module of ``model`` that owns one of ``weights``'
-    parameters (see the module docstring). ``give_up``: the stream's way to send some of
-    them home."""
+    """The save and load hooks on every module of ``model`` owning one of ``weights``'
+    parameters. ``give_up``: the stream's way to send some home."""
 
     def __init__(
         self,
@@ -227,11 +198,8 @@ class OwnerHooks:
             (m, {n: p for n, p in m.named_parameters(recurse=False) if p in held})
             for m in model.modules()
         ]
-        seen: set[Param] = set()
-        self._tied: set[Param] = set()  # owned by two modules or more (a tied head)
-        for _, own in owners:
-            self._tied |= seen.intersection(own.values())
-            seen.update(own.values())
+        owned = collections.Counter(p for _, own in owners for p in own.values())
+        self._tied = {p for p, count in owned.items() if count > 1}  # a tied head
         self._saved: dict[Param, weakref.ref[torch.Tensor]] = {}  # a tied weight's copy
         self.handles = []
         for owner, own in owners:
@@ -244,8 +212,7 @@ class OwnerHooks:
                 ]
 
     def _home(self, own: dict[str, Param], *args: Any) -> None:
-        """``own`` (one module's parameters) home, no copy still reading or writing a
-        master."""
+        """``own`` (one module's parameters) home, no copy still using a master."""
         present = set(self.weights.present())
         self._give_up([p for p in own.values() if p in present])
         self.weights.wait_on_host()
@@ -269,8 +236,7 @@ class OwnerHooks:
             state[prefix + name] = copy
 
     def _load_begins(self, own: dict[str, Param], *args: Any) -> None:
-        """A load writes ``own``: into the masters at rest, or (FSDP2) into the shards on
-        the device, filled from their masters first."""
+        """A load writes ``own``: the masters at rest, or (FSDP2) the shards filled first."""
         if self.weights.placement.loads_on_device:  # the masters themselves, not casts
             self.weights.ensure(own.values(), step=True)
         else:

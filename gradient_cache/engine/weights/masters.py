@@ -1,12 +1,9 @@
 """The weights in host memory, on the device only while in use (``offload_parameters``).
 
-Each parameter ``P`` keeps its fp32 *master* in host slabs, and at rest ``P.data`` is that
-master. In use it holds a device tensor ``D``, the same one every time (a view of its
-unit's buffer for forward and backward, ``full`` for the step), whose memory is allocated
-and filled, then given up while the storage object, which autograd's saved tensors share,
-stays. A weight the step updated is *dirty* until `store` starts its copy back; a compute
-dtype's *wire* is the master's host cast, cast again where a version counter moved.
-Each moment, its stream and what orders it: docs/ARCHITECTURE.md, "The life of a weight".
+At rest ``P.data`` is its fp32 *master* in host slabs; in use, the same device tensor every
+time, its memory allocated, filled and given up while its storage object (which autograd's
+saved tensors share) stays. Each moment, its stream and what orders it, *dirty* and the
+*wire*: docs/ARCHITECTURE.md, "The life of a weight".
 """
 
 from __future__ import annotations
@@ -38,11 +35,8 @@ class WeightAt(enum.Enum):
 
 @dataclass(eq=False)
 class Unit:
-    """Weights that come to the device together (a block, the rest): one device allocation
-    (``buffer``) filled by one copy from each host run (``hosts``: their masters', or with a
-    compute dtype their wires'; one run unless the unit is over `RUN_BYTES`), each member's
-    compute tensor a view of the buffer. The buffer's memory goes when no member is in use
-    any more."""
+    """Weights that come to the device together (a block, the rest): one ``buffer``, a view
+    of it each, filled by one copy a host run (masters' or wires'; several over `RUN_BYTES`)."""
 
     buffer: torch.Tensor  # flat, on the device: memory only while a member is in use
     hosts: list[tuple[int, torch.Tensor]]  # (offset, flat host run) the buffer is filled from
@@ -74,9 +68,7 @@ class Weight:
 
 
 class Placement(Protocol):
-    """Where a weight's device tensor lives and what ``P`` shows of it: the one-process
-    placement (`stream.OwnTensors`: a device tensor of its own, ``P.data``) or FSDP2's
-    (`shard_stream.FsdpShards`: its shard's storage, the `DTensor`'s local tensor)."""
+    """Where a weight's device tensor lives and what ``P`` shows of it."""
 
     loads_on_device: bool  # a load writes the weights on the device, not the masters
 
@@ -87,8 +79,7 @@ class Placement(Protocol):
         """What ``param``'s master copies."""
 
     def part_to_come(self, param: Param) -> bool:
-        """Whether another use of ``param`` is still to accumulate its gradient in this
-        backward (`Capture.on_grad_ready` takes the uses' sum at the last)."""
+        """Whether another use of ``param`` is still to accumulate in this backward."""
 
     def device_tensors(
         self,
@@ -97,21 +88,17 @@ class Placement(Protocol):
         offsets: list[int],
         numel: int,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
-        """For one unit whose ``masters`` (copied from ``sources``) lie at ``offsets``
-        (elements) in a flat region of ``numel``: its device buffer (None: each compute
-        tensor has memory of its own), each one's compute tensor and full one (the
-        step's), their memory given up."""
+        """One unit's device buffer (None: none) and each weight's compute and full (the
+        step's) tensor, their memory given up; ``masters`` lie at ``offsets`` in ``numel``."""
 
     def wire_dtype(self, param: Param) -> torch.dtype | None:
-        """The dtype forward and backward read ``param`` in, where it is not the master's:
-        its master's cast to it (its wire) crosses the link instead of the master."""
+        """The dtype forward and backward read ``param`` in (its wire's), or None."""
 
     def rest(self, param: Param, weight: Weight) -> None:
         """``param`` at rest once its master is filled."""
 
     def show(self, param: Param, weight: Weight) -> None:
-        """``param`` where ``weight`` is now (its device tensor once arrived, else its
-        master)."""
+        """``param`` where ``weight`` is now (`Weight.place`)."""
 
     def in_place(self, param: Param, weight: Weight) -> bool:
         """Whether ``param`` still reads where ``weight`` put it."""
@@ -121,10 +108,8 @@ class Placement(Protocol):
 
 
 class HostWeights:
-    """The masters and device tensors of ``named_params`` (see the module docstring), one
-    record (`Weight`) each, placed by ``placement``. Construction copies each parameter's
-    data into its master and frees the device copy: the host budget (``fraction``) is
-    checked first, and nothing changes if it refuses."""
+    """The masters and device tensors of ``named_params``, a `Weight` record each, placed by
+    ``placement``. The host budget (``fraction``) is checked first: a refusal changes nothing."""
 
     def __init__(
         self,
@@ -162,17 +147,14 @@ class HostWeights:
             for same_dtype in _by_dtype(unit, sources):
                 self._lay_out(same_dtype, sources)
         self._names = {param: name for name, param in named_params}
-        # Host-to-device and back, counted as they start, since the last step ended; and
-        # the last step's (its forward and backward passes, and the step).
+        # Bytes moved either way since the last step ended, and in the last step.
         self.moved_bytes = 0
         self.moved_last_step = 0
         self._counted_step = -1  # the step moved_last_step counts
 
     def _lay_out(self, params: list[Param], sources: dict[Param, torch.Tensor]) -> None:
-        """One unit's masters (and wires) in host regions laid out as its device buffer,
-        its device tensors; each master filled and its parameter at rest there, one after
-        another: a model on the host gives each parameter's memory back as it goes (never
-        two whole copies)."""
+        """One unit's masters (and wires), laid out as its device buffer, and device tensors;
+        each filled and its parameter at rest there in turn (never two whole copies)."""
         offsets, numel = unit_offsets([sources[p] for p in params])
         dtype = sources[params[0]].dtype
         masters = self._regions(params, sources, offsets, numel, dtype)
@@ -203,9 +185,8 @@ class HostWeights:
         numel: int,
         dtype: torch.dtype,
     ) -> list[torch.Tensor]:
-        """A host tensor in ``dtype`` like each of ``params``' sources, at its offset in
-        runs of at most `RUN_BYTES` (a larger weight alone): pinned slabs are powers of two,
-        so a unit of several GiB in one would waste up to half of it."""
+        """A host tensor in ``dtype`` like each of ``params``' sources, in runs of at most
+        `RUN_BYTES`: pinned slabs are powers of two, so one of several GiB wastes up to half."""
         views = []
         for run in _runs(offsets, numel, dtype.itemsize):
             start, end = offsets[run[0]], _end(offsets, numel, run[-1])
@@ -219,22 +200,19 @@ class HostWeights:
         return self._slabs.reserved_bytes
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is a view of the masters' slabs (a detached master, or a
-        `DTensor` around one), not a Parameter."""
+        """Whether ``tensor`` (not a Parameter; maybe a `DTensor`) views the masters' slabs."""
         return not isinstance(tensor, Param) and self._slabs.holds(sharding.local(tensor))
 
     def compact(self, value: torch.Tensor) -> torch.Tensor:
-        """A master that ``model.state_dict()`` holds (a view of a slab, which ``torch.save``
-        would write whole and safetensors refuses as shared memory) as a copy of its own
-        (a `DTensor`'s clone copies its local part)."""
+        """A master in a ``state_dict`` as a copy of its own: ``torch.save`` would write a
+        slab view's whole slab, and safetensors refuses it as shared memory."""
         return value.clone()
 
     def where(self, param: Param) -> WeightAt:
         return self._weights[param].at
 
     def in_place(self, param: Param) -> bool:
-        """Whether ``param`` reads where these weights put it, not moved since
-        (``model.to(...)``, FSDP2's ``reset_sharded_param``)."""
+        """Whether ``param`` reads where these weights put it (not moved by ``model.to``)."""
         weight = self._weights.get(param)
         if weight is None:  # on the device for good (`drop`): a plain parameter there
             return param.device == self.backend.device
@@ -245,17 +223,13 @@ class HostWeights:
         return sum(t.untyped_storage().nbytes() for t in self.device_tensors())
 
     def _held(self, params: Iterable[Param]) -> list[tuple[Param, Weight]]:
-        """``params`` these weights hold, with their weights (an optimizer may also step
-        a parameter of no module: a temperature in the loss)."""
+        """``params`` these weights hold, with their weights (an optimizer may step others)."""
         return [(p, self._weights[p]) for p in params if p in self._weights]
 
     def bring(self, params: Iterable[Param], *, step: bool = False) -> None:
-        """Start filling the device tensors of those of ``params`` at home (a block
-        ahead: the copies run while the device computes); ``step``: in the master's dtype,
-        for the optimizer, each its own, else in the compute dtype, a unit at a time: the
-        whole unit's buffer allocated and filled by one copy (from the wires with a
-        compute dtype), where none of it is on the device yet. If this raises, they stay
-        home."""
+        """Start filling the device tensors of those of ``params`` at home: ``step``, each
+        its own in the master's dtype, else a whole unit's buffer by one copy where none of
+        it is on the device yet. If this raises, they stay home."""
         held = self._held(params)
         for param, weight in held:
             wanted = weight.full if step else weight.compute
@@ -308,16 +282,14 @@ class HostWeights:
             weight.at, weight.arrival = WeightAt.ARRIVING, arrival
 
     def _loaded(self, param: Param, weight: Weight) -> torch.Tensor:
-        """What fills ``param``'s compute tensor now: its wire (refreshed where its master
-        changed since it was cast) or its master; the versions it had recorded."""
+        """What fills ``param``'s compute tensor now (its fresh wire, or its master)."""
         self._fresh_wire(param, weight)
         weight.sent = _versions(param, weight)
         return weight.master if weight.wire is None else weight.wire
 
     def _fresh_wire(self, param: Param, weight: Weight) -> None:
-        """``weight``'s wire cast again from its master where either changed since (a step's
-        copy back, a load or an EMA written into the parameter at rest): the host's cast,
-        round to nearest even, the bits the device's cast gives."""
+        """``weight``'s wire cast again where ``P`` or its master changed since; the host's
+        cast rounds to nearest even, as the device's does."""
         if weight.wire is None or weight.wired == _versions(param, weight):
             return
         if self._copies_back:  # a step that raised: its copies back may still be writing
@@ -326,9 +298,8 @@ class HostWeights:
         weight.wired = _versions(param, weight)
 
     def refills(self, params: Iterable[Param]) -> list[Transfer] | None:
-        """The copies on their way for ``params`` (each once), for a reader on another
-        stream to wait for; None where one of them is on the device already (its copy's
-        event spent: such a reader waits for the compute stream instead)."""
+        """The copies on their way for ``params``, for a reader on another stream; None where
+        one is on the device already (its event spent: wait for the compute stream)."""
         refills: dict[int, Transfer] = {}
         for _, weight in self._held(params):
             if weight.at is WeightAt.DEVICE:
@@ -338,9 +309,8 @@ class HostWeights:
         return list(refills.values())
 
     def ensure(self, params: Iterable[Param], *, step: bool = False) -> None:
-        """``params`` on the device, safe for work queued from now on: each one's
-        ``P.data`` is its filled device tensor (``step``: the master's dtype, which the
-        optimizer is about to update: dirty until `store`)."""
+        """``params``' filled device tensors ``P.data``, safe for work queued from now on
+        (``step``: the master's dtype, dirty until `store`)."""
         params = list(params)
         self.bring(params, step=step)
         for param, weight in self._held(params):
@@ -352,9 +322,7 @@ class HostWeights:
             weight.dirty |= step
 
     def free(self, params: Iterable[Param]) -> None:
-        """``params``' device memory given up, ``P.data`` the master again: without a
-        copy back (forward and backward do not change the weights), except for a dirty
-        one, which is copied back first (`store`)."""
+        """``params``' device memory given up, ``P.data`` the master (a dirty one copied back)."""
         held = self._held(params)
         refused = self._written(held)
         dirty = [param for param, weight in held if weight.dirty]
@@ -379,11 +347,8 @@ class HostWeights:
             self._refuse(refused)
 
     def _written(self, held: list[tuple[Param, Weight]]) -> list[Param]:
-        """Those of ``held`` written in place while their device tensor was ``P.data`` (a
-        write in forward: ``nn.Embedding(max_norm=)``'s renorm, a counter or codebook a
-        block updates under ``no_grad``; a load between forward and backward) made dirty,
-        so the write reaches the master as a step's does; those in the compute dtype,
-        whose fp32 master cannot take a bf16 write exactly, returned to be refused."""
+        """Those of ``held`` written in place on the device (a renorm, a counter, a load)
+        made dirty, as stepped; those in the compute dtype (no exact copy back) returned."""
         refused = []
         for param, weight in held:
             if weight.at is not WeightAt.DEVICE or param._version == weight.version:
@@ -396,7 +361,6 @@ class HostWeights:
         return refused
 
     def part_to_come(self, param: Param) -> bool:
-        """Whether another use of ``param`` is still to accumulate in this backward."""
         return self.placement.part_to_come(param)
 
     def name(self, param: Param) -> str:
@@ -419,16 +383,13 @@ class HostWeights:
         )
 
     def forget(self, params: Iterable[Param]) -> None:
-        """A failed step's bucket: its device copies given up unchanged in the masters
-        (the step raised before changing anything), nothing copied back."""
+        """A failed step's bucket given up, nothing copied back (the masters are unchanged)."""
         for param, weight in self._held(params):
             weight.dirty, weight.version = False, param._version
         self.free(params)
 
     def store(self, params: Iterable[Param]) -> None:
-        """After ``params`` stepped on the device (or were written there in the master's
-        dtype): their weights copied into their masters, then their device memory given
-        up once the copies have read it."""
+        """``params`` stepped or written on the device: copied into their masters, then freed."""
         present = [p for p, w in self._held(params) if w.at is WeightAt.DEVICE and _exact(w)]
         if not present:
             return
@@ -444,10 +405,8 @@ class HostWeights:
         self.free(present)
 
     def step_ended(self, steps: int) -> None:
-        """A step of ``steps`` completed (each optimizer's fused step calls this): any dirty
-        weight is copied back, and the host waits for the copies back, since the masters
-        are the parameters at rest; what moved since the last step is counted for it
-        (several optimizers' steps in one)."""
+        """A step of ``steps`` completed: dirty weights copied back and the host waits (the
+        masters are the parameters at rest); several optimizers' steps count as one."""
         dirty = [param for param, weight in self._weights.items() if weight.dirty]
         if dirty:  # a bucket whose copy back raised, stepped by a retry's end: home now
             self.store(dirty)
@@ -469,8 +428,7 @@ class HostWeights:
         return self.masters() + wires
 
     def device_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The device tensors, whose memory is allocated and given up by resizing their
-        storages in place (memory accounting: a storage's size now is what it holds)."""
+        """The device tensors (memory accounting: a storage's size now is what it holds)."""
         tensors = {}
         for w in self._weights.values():
             for t in (w.compute if w.unit is None else w.unit.buffer, w.full):
@@ -478,14 +436,11 @@ class HostWeights:
         return tuple(tensors.values())
 
     def params(self) -> list[Param]:
-        """Every parameter whose weights these are."""
         return list(self._weights)
 
     def drop(self, params: Iterable[Param]) -> None:
-        """``params``, whole units at home, are these weights' no more: their placement put
-        them on the device for good (`stream.OwnTensors.settle`), and bring, ensure, free,
-        the step and the save and load hooks pass them by from now on. Their masters' slab
-        space stays reserved (a slab is given back whole)."""
+        """``params`` (whole units, at home) settled on the device are these weights' no more;
+        their slab space stays reserved (a slab is given back whole)."""
         for param, weight in self._held(params):
             assert weight.at is WeightAt.HOST  # home first: nothing of them is in flight
             del self._weights[param]
@@ -495,14 +450,12 @@ class HostWeights:
         return [p for p, w in self._weights.items() if w.at is not WeightAt.HOST]
 
     def wait_on_host(self) -> None:
-        """Block the host until every copy to or from a master is complete: before the
-        host reads one (``model.state_dict()``) or writes one (``load_state_dict``)."""
+        """Block the host until every copy to or from a master is complete."""
         self.backend.wait_for_state_copies()
         self._copies_back = False
 
     def close(self) -> None:
-        """Every weight back on the device for good, as plain PyTorch keeps it (the
-        placement's), the masters let go."""
+        """Every weight back on the device for good (the placement's), the masters let go."""
         self.placement.close(self)
         self._weights = {}
 
@@ -514,10 +467,7 @@ class HostWeights:
 
 @dataclass(frozen=True)
 class StepJourney:
-    """The fused step's journey of each bucket's weights, a traveller beside the optimizer
-    state's (`optimizer_state.StateJourney`): brought in the master's dtype with the bucket
-    (`bring`), on the device for its step (`install`), copied back to their masters once it
-    stepped (`send_back`), or given up unchanged if the step raised (`abandon`)."""
+    """The fused step's journey of each bucket's weights (`optimizer_state.StateJourney`'s)."""
 
     weights: HostWeights
 
@@ -549,8 +499,8 @@ UNIT_ALIGN = 16  # elements: each weight's place in a unit's regions and buffer 
 
 
 def unit_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Each of ``tensors``' element offset in one flat region, in order, each a multiple of
-    `UNIT_ALIGN` (aligned for any dtype's fast copies and kernels), and the region's size."""
+    """Each of ``tensors``' offset in one flat region, a multiple of `UNIT_ALIGN` (aligned
+    for any dtype's fast copies and kernels), and the region's size."""
     offsets, end = [], 0
     for tensor in tensors:
         offsets.append(end)
@@ -562,8 +512,7 @@ RUN_BYTES = 2**30  # the largest host run of a unit: `state_slabs.MAX_SLAB`'s sl
 
 
 def _runs(offsets: list[int], numel: int, itemsize: int) -> list[list[int]]:
-    """The indices of a unit's weights in runs of consecutive ones of at most `RUN_BYTES`
-    (a larger weight alone)."""
+    """A unit's weights' indices in runs of at most `RUN_BYTES` (a larger weight alone)."""
     runs: list[list[int]] = []
     start = 0
     for i in range(len(offsets)):
@@ -593,11 +542,9 @@ def _flat_runs(
 
 
 def _view(region: torch.Tensor, like: torch.Tensor, at: int) -> torch.Tensor:
-    """``like``'s shape and dense strides at element ``at`` of flat ``region``: the same
-    memory, but not a view, so that its version counter is its own. A view shares its
-    slab's, and `_versions` would then take a write into any master or wire of the slab
-    (a wire cast, a neighbour's copy back) for a write into this one: wires cast again at
-    every micro-batch, on the host, while the last one's copies may still read them."""
+    """``like``'s shape and dense strides at element ``at`` of ``region``, not a view: a
+    view shares its slab's version counter, so any write into the slab would look like a
+    write into this one (docs/ARCHITECTURE.md, "Traps")."""
     tensor = torch.empty(0, dtype=region.dtype, device=region.device)
     offset = region.storage_offset() + at
     return tensor.set_(region.untyped_storage(), offset, like.shape, gradient_strides(like))
@@ -612,12 +559,10 @@ def _by_dtype(params: Sequence[Param], sources: dict[Param, torch.Tensor]) -> li
 
 
 def _versions(param: Param, weight: Weight) -> tuple[int, int]:
-    """The version counters a write into ``param`` at rest, or into its master by a copy
-    back, moves."""
+    """The version counters a write into ``param`` at rest or into its master moves."""
     return param._version, weight.master._version
 
 
 def _exact(weight: Weight) -> bool:
-    """Whether ``weight``'s device tensor in use holds its master itself (not a cast: a
-    write there can be copied back exactly)."""
+    """Whether ``weight``'s device tensor in use holds its master itself (not a cast)."""
     return weight.in_use is not None and weight.exact

@@ -1,14 +1,8 @@
-"""The order a model's forward runs its blocks in, learned from its forwards: what the
-one-process stream brings ahead (`stream.WeightStream`).
-
-Until a forward has taught it, the blocks' module order stands in. A forward with gradients
-that runs each of its blocks once teaches the order from then on (a block run twice keeps
-its weights to the end of backward anyway, and teaches nothing): forward brings the block
-after the running one, backward, which runs them the other way, the one before, and the
-last one run stays from its forward to its backward. A block that forward did not run (a
-skipped layer) has no neighbours in the order: nothing is brought on its account. A model
-that runs its blocks out of module order (in reverse, interleaved) would otherwise have the
-wrong block brought at every step, and the one it runs next fetched while it waits.
+"""The order a model's forward runs its blocks in, which the one-process stream brings
+ahead by (docs/ARCHITECTURE.md, "The life of a weight"). Module order until a forward with
+gradients that runs each block once teaches it (a block run twice keeps its weights to the
+end of backward anyway); a block the forward skipped has no neighbours: nothing is brought
+on its account.
 """
 
 from __future__ import annotations

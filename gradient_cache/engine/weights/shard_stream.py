@@ -1,13 +1,7 @@
 """Forward and backward under FSDP2 with each rank's shards on the host: their placement
-(`FsdpShards`) and the hooks that move them (`ShardStream`).
-
-The master is FSDP2's padded shard ``S`` in host slabs; ``S`` keeps its storage object and
-only its memory moves, while ``P``'s local tensor is repointed (a view of the master at
-rest, of ``S`` in use). The cache's hooks run around FSDP2's own all-gathers: one before
-FSDP2's forward pre-hook brings a module (and the one that ran next last time), one after
-it gives the module up, and a hook on the module's outputs does the same in backward,
-following FSDP2's own forward order. Each moment, its hook and its streams: docs/
-ARCHITECTURE.md, "Under FSDP2". FSDP2's private state is read through `fsdp_privates`.
+(`FsdpShards`: the padded shard ``S`` keeps its storage, its memory moves, ``P``'s local
+tensor is repointed) and the hooks around FSDP2's all-gathers that move them
+(`ShardStream`). Each moment, its hook and its streams: docs/ARCHITECTURE.md, "Under FSDP2".
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ Param = torch.nn.Parameter
 
 
 class ShardStream:
-    """The hooks that bring and give up each rank's shards (see the module docstring)."""
+    """The hooks that bring and give up each rank's shards."""
 
     def __init__(
         self, model: torch.nn.Module, weights: HostWeights, modules: list[ShardedModule]
@@ -78,8 +72,7 @@ class ShardStream:
             ]
 
     def end_a_failed_backward(self) -> None:
-        """A backward that raised ends now, as at the next forward: the cache closes. Waits
-        for a hook of it that autograd's device thread may still be running."""
+        """A backward that raised ends now (the cache closes), as at the next forward."""
         self._end.after_a_failed_backward()
 
     def remove(self) -> None:
@@ -98,8 +91,7 @@ class ShardStream:
 
     @outside_graphs
     def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """Without gradients (an eval) no backward comes: a module brought ahead that the
-        forward did not run goes now."""
+        """After an eval, a module brought ahead but not run goes."""
         if in_backward():
             return
         self._in_model = False
@@ -128,8 +120,7 @@ class ShardStream:
         self.weights.free(self._modules[index].params)
 
     def _unshard(self, index: int, unshard: Any, async_op: bool = False) -> Any:
-        """FSDP2's ``unshard()`` after the module's shards came (and, where it waited for
-        the all-gather, with them gone again)."""
+        """FSDP2's ``unshard()``, the shards brought first (and given up after where it waited)."""
         self._ensure([index])
         handle = unshard(async_op=async_op)
         if not async_op:
@@ -147,15 +138,11 @@ class ShardStream:
     @outside_graphs
     @of_this_backward
     def _backward_reaches(self, index: int, grad: torch.Tensor) -> None:
-        """The module's outputs have their gradient: FSDP2's hook, next, all-gathers it
-        and starts the all-gather of the module it prefetches."""
+        """Its outputs have their gradient: FSDP2's hook, next, all-gathers it and a prefetch."""
         self._end.queue()
         wanted = [index, *self._backward_prefetch(index)]
-        done = [
-            p
-            for i in self._reached - set(wanted)
-            for p in self._modules[i].params  # their all-gathers were waited for
-        ]
+        # Those whose backward began earlier: their all-gathers were waited for.
+        done = [p for i in self._reached - set(wanted) for p in self._modules[i].params]
         self.weights.free(done)
         self._reached.add(index)
         self._ensure(i for i in wanted if self._gathers(i))
@@ -163,8 +150,7 @@ class ShardStream:
     def _backward_prefetch(self, index: int) -> list[int]:
         """The modules FSDP2's backward hook of module ``index`` prefetches: those named
         (``set_modules_to_backward_prefetch``), else the one before it in forward order."""
-        state = self._modules[index].state
-        named = fsdp_privates.named_backward_prefetch(state)
+        named = fsdp_privates.named_backward_prefetch(self._modules[index].state)
         if named:
             return self._indices_of(named)
         found = []
@@ -187,13 +173,9 @@ class ShardStream:
 
     def _copy_in_streams(self, indices: Iterable[int]) -> list[Any]:
         """FSDP2's all-gather copy-in streams of ``indices`` (one per root; none before its
-        lazy init, whose root pre-hook waits for the compute stream)."""
-        streams = {}
-        for i in indices:
-            stream = fsdp_privates.copy_in_stream(self._modules[i].state)
-            if stream is not None:
-                streams[id(stream)] = stream
-        return list(streams.values())
+        lazy init, whose pre-hook waits for the compute stream)."""
+        found = (fsdp_privates.copy_in_stream(self._modules[i].state) for i in indices)
+        return list({id(stream): stream for stream in found if stream is not None}.values())
 
     def _ensure(self, indices: Iterable[int]) -> None:
         """The shards of ``indices`` on the device, for FSDP2's all-gathers queued next."""
@@ -210,8 +192,7 @@ class ShardStream:
             self.weights.backend.let_read(stream, refills or ())
 
     def _give_up(self, params: list[Param]) -> None:
-        """``params``' shards given up, though FSDP2 may not have waited for an all-gather
-        it started from them (a prefetch)."""
+        """``params``' shards given up, where FSDP2 may not have waited for their all-gather."""
         if params:
             for stream in self._copy_in_streams(range(len(self._modules))):
                 self.weights.backend.join(stream)
@@ -223,9 +204,8 @@ class ShardStream:
 
 
 class FsdpShards:
-    """FSDP2's shards (see the module docstring). ``flat_shards``: each parameter's flat
-    padded shard as FSDP2 holds it now (what its all-gather reads), read each time: FSDP2
-    may replace it."""
+    """FSDP2's shards. ``flat_shards``: each parameter's flat padded shard as FSDP2 holds it
+    now, read each time: FSDP2 may replace it."""
 
     loads_on_device = True  # FSDP2 checks the loaded shards in its own load hook
 
@@ -240,8 +220,8 @@ class FsdpShards:
         self._locals: dict[Param, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
-        """Every parameter one of FSDP2's shards (each has a padded storage of its own):
-        the cache's own check refuses unsharded trainable ones, this the frozen ones."""
+        """Every parameter one of FSDP2's shards (the cache's own check refuses unsharded
+        trainable ones, this the frozen ones)."""
         for name, param in named_params:
             if not sharding.is_dtensor(param):
                 raise ValueError(
@@ -268,14 +248,13 @@ class FsdpShards:
         return None, sources, sources
 
     def wire_dtype(self, param: Param) -> torch.dtype | None:
-        """Under a ``MixedPrecisionPolicy`` its ``param_dtype``: FSDP2's all-gather casts
-        the shard to it, so a shard filled from the master's cast (widened on the device)
-        all-gathers the same bits, and forward and backward move half the bytes."""
+        """Under a ``MixedPrecisionPolicy`` its ``param_dtype``: FSDP2's all-gather casts to
+        it, so a shard filled from the master's cast gathers the same bits for half the bytes."""
         return self._cast_to.get(param)
 
     def rest(self, param: Param, weight: Weight) -> None:
-        """The master filled; S stays on the device, in use, until the first time it may
-        go (FSDP2's pre-hook of a forward running now may already be under way)."""
+        """S stays on the device, in use, until it first may go (FSDP2's pre-hook of a
+        forward running now may already be under way)."""
         on_device = fsdp_privates.local_object(param)  # FSDP2's narrow view of S
         at_rest = weight.master[: on_device.numel()].view(on_device.shape)
         self._locals[param] = (on_device, at_rest)
@@ -283,21 +262,17 @@ class FsdpShards:
         weight.version = param._version  # a write from now on is a write to copy back
 
     def show(self, param: Param, weight: Weight) -> None:
-        """``P``'s local tensor: its view of S once arrived, else of its master."""
         on_device, at_rest = self._locals[param]
         fsdp_privates.set_local(param, on_device if weight.place() is weight.full else at_rest)
 
     def in_place(self, param: Param, weight: Weight) -> bool:
-        """Whether FSDP2 still all-gathers ``param`` from S (its ``reset_sharded_param``,
-        run while S is given up, would take other memory for the shard)."""
+        """Whether FSDP2 still all-gathers ``param`` from S (``reset_sharded_param`` may not)."""
         flat = self._flat_shards.get(param)
         return flat is not None and flat().is_set_to(weight.full)
 
     def close(self, weights: HostWeights) -> None:
-        """Every shard back on the device for good, as plain FSDP2 keeps it (one on the
-        device stays: it is the newest). Raises, with nothing changed but some shards
-        brought, where the device has no room: unlike a parameter on one process, a shard
-        left on the host would be read freed by FSDP2's next all-gather."""
+        """Every shard back on the device for good (one there stays: the newest). Raises
+        without room: a shard left on the host would be read freed by FSDP2's next gather."""
         try:
             weights.ensure(weights.params(), step=True)  # the masters, not their casts
         except torch.OutOfMemoryError as error:

@@ -1,12 +1,7 @@
 """Forward and backward with the weights on the host, on one process: their placement
-(`OwnTensors`: each parameter's device tensor of its own, ``P.data`` while in use, the host
-master at rest) and the hooks that bring and free them a block at a time (`WeightStream`).
-
-The rest comes at the model's forward; a block comes before its forward with the next one
-arriving meanwhile, and goes after it (the last stays for backward); backward brings them
-again last first, from a hook on each block's outputs, and a weight goes at its gradient's
-accumulation. Each moment and what orders it: docs/ARCHITECTURE.md, "The life of a
-weight"; why weights used twice stay to the end of backward: its "Traps".
+(`OwnTensors`: ``P.data`` a device tensor of its own in use, the host master at rest) and
+the hooks that bring and free them a block at a time (`WeightStream`). Each moment and what
+orders it: docs/ARCHITECTURE.md, "The life of a weight"; weights used twice: its "Traps".
 """
 
 from __future__ import annotations
@@ -43,26 +38,22 @@ Param = torch.nn.Parameter
 
 
 class WeightStream:
-    """The model's hooks that bring and free its weights (see the module docstring)."""
+    """The model's hooks that bring and free its weights."""
 
     def __init__(self, model: torch.nn.Module, weights: HostWeights, units: WeightUnits) -> None:
         self.weights = weights
         self.units = units
         self.schedule = Schedule(len(units.blocks))  # the order forward runs the blocks in
-        # Forwards with gradients since the last backward ended (a graph each, which a
-        # backward may come for: an output dropped without one still counts until then).
+        # Forwards with gradients since the last backward ended (a dropped output counts).
         self._forwards = 0
-        # A token in each model output's node since the last backward ended, weakly: a
-        # close while its graph lives would leave that backward reading weights the
-        # close moved (`awaited`).
+        # A token in each model output's node since then, weakly (`awaited`).
         self._awaiting: list[weakref.ref[_Awaited]] = []
         self._called: set[int] = set()  # the blocks this forward ran
         self._reused = False  # a block ran twice since the last backward ended
         self._running: dict[int, _Entered] = {}  # a running block's inputs
         self._in_model = False  # inside the model's own forward
         # Each block output of this forward (weakly, by id) and the blocks that took it as
-        # an input: when its gradient is complete their backward is done, and their frozen
-        # weights go before the block that made it arrives.
+        # an input: its gradient ends their backward (`_free_frozen`).
         self._consumers: dict[int, tuple[weakref.ref[torch.Tensor], list[int]]] = {}
         # The tensors `left_on_modules` hooked, by id: hooked once, if one stays there.
         self._sides: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
@@ -99,10 +90,9 @@ class WeightStream:
             for param in model.parameters()
             if param.requires_grad
         ]
-        # A block weight used at rest, outside its window: refused where a backward reaches
-        # the use (`at_rest`), and a gradient computed on the host, before it accumulates.
-        # The guard wherever P.data moves between uses, which restarts autograd's
-        # accumulation of P: to a device, or on a CPU to a compute dtype.
+        # A block weight used at rest: refused as a backward reaches the use (`at_rest`) where
+        # P.data moves between uses, which restarts P's accumulation (to a device, or on a
+        # CPU to a compute dtype); a host gradient, at once.
         on_device = weights.backend.device.type != "cpu"
         trainable = [param for param in self._in_blocks if param.requires_grad]
         if on_device:
@@ -117,19 +107,15 @@ class WeightStream:
             placement.guard({param: weights.name(param) for param in trainable})
 
     def settled(self, params: Sequence[Param]) -> None:
-        """``params`` are on the device for good (`OwnTensors.settle`): plain parameters,
-        whose gradients are computed where they are."""
+        """``params`` are on the device for good (`OwnTensors.settle`): plain parameters."""
         self._in_blocks.difference_update(params)
 
     def end_a_failed_backward(self) -> None:
-        """A backward that raised ends now, as at the next forward: the cache closes. Waits
-        for a hook of it that autograd's device thread may still be running."""
+        """A backward that raised ends now (the cache closes), as at the next forward."""
         self._end.after_a_failed_backward()
 
     def awaited(self) -> bool:
-        """Whether the graph of a forward since the last backward lives (a loss computed
-        from its outputs, say): its backward may still come, and read the weights its
-        forward saved where the stream put them."""
+        """Whether a forward's graph since the last backward lives: its backward may come."""
         return any(ref() is not None for ref in self._awaiting)
 
     def remove(self) -> None:
@@ -156,10 +142,8 @@ class WeightStream:
         return self._cast(*inputs) or inputs
 
     def _on_the_device(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """The model's host tensor inputs on the device. At rest its parameters are host
-        tensors, so code that places tensors by the model's device (Hugging Face's
-        ``generate()``: its position tensors) makes them on the host; they go where a
-        model on the device would have had them made."""
+        """The model's host tensor inputs on the device: at rest its parameters are host
+        tensors, so code placing tensors by them (HF ``generate()``) made them there."""
         device = self.weights.backend.device
         if device.type == "cpu":
             return args, kwargs
@@ -175,8 +159,7 @@ class WeightStream:
     def _rest_module_ends(
         self, params: list[Param], module: torch.nn.Module, args: Any, output: Any
     ) -> None:
-        """Called outside the model's forward without gradients (an eval through a
-        submodule): nothing comes back for its weights, which go as the model's would."""
+        """An eval through a submodule alone: nothing comes back for its weights."""
         if not self._in_model and not in_backward() and not torch.is_grad_enabled():
             self.weights.free(params)
 
@@ -198,16 +181,14 @@ class WeightStream:
                 metadata = cast("dict[str, Any]", tensor.grad_fn.metadata)  # a dict, typed
                 metadata[_AWAITED] = awaited = _Awaited()  # as a method
                 self._awaiting.append(weakref.ref(awaited))
-        # Backward starts with the last block run: kept from its forward (brought again
-        # where a later forward freed it).
+        # Backward starts with the last block run: kept, or brought again where freed.
         self.weights.bring(self._block(self.schedule.last()))
         self._placement.guarding(True)  # what the loss adds to the graph until backward
 
     @outside_graphs
     @of_this_backward
     def _backward_begins(self, grad: torch.Tensor) -> None:
-        """The model's output has its gradient: the rest is read next (again, in a second
-        backward through a retained graph)."""
+        """The model's output has its gradient: the rest is read next (again, if retained)."""
         self._awaiting = []  # it came (if refused, too): a close no longer leaves one to come
         refuse_create_graph()
         self._placement.guarding(False)  # the uses before it are recorded, their refusals set
@@ -232,8 +213,7 @@ class WeightStream:
         return self._cast(args, kwargs)
 
     def _refuse_autocast(self) -> None:
-        """Autocast keeps a cast copy of each weight it meets until the forward ends (its
-        weight cache): the device would hold the whole model's weights again."""
+        """Autocast's weight cache would hold the whole model's weights on the device."""
         kind = self.weights.backend.device.type
         if (
             torch.amp.is_autocast_available(kind)
@@ -250,8 +230,7 @@ class WeightStream:
             )
 
     def _cast(self, args: Any, kwargs: Any) -> Any:
-        """The floating inputs in the compute dtype (FSDP2's ``cast_forward_inputs``, at
-        the model and each block), or None (unchanged) without one."""
+        """The floating inputs in the compute dtype (FSDP2's ``cast_forward_inputs``), or None."""
         dtype = self.weights.compute_dtype
         if dtype is None:
             return None
@@ -274,9 +253,8 @@ class WeightStream:
     def _hook_its_backward(
         self, index: int, module: torch.nn.Module, entered: _Entered, output: Any
     ) -> None:
-        """Hooks on what block ``index`` made, whose gradient brings its backward: what it
-        returns, and what it wrote into its inputs (a list it was given, an input updated
-        in place), and left on its modules; and on its inputs, whose gradient ends it."""
+        """Hooks on what block ``index`` made (returned, wrote into its inputs, left on its
+        modules), whose gradient brings its backward, and on its inputs, which end it."""
         handed = entered.handed()  # (T5's position bias): not this block's
         hook = functools.partial(self._block_backward_ended, index)
         for tensor in handed.values():
@@ -308,8 +286,7 @@ class WeightStream:
     @outside_graphs
     @of_this_backward
     def _side_begins(self, index: int, grad: torch.Tensor) -> None:
-        """A tensor block ``index`` left on a module has its gradient: its backward reads
-        the block's weights, and may run before the block's outputs have theirs."""
+        """A tensor block ``index`` left on a module has its gradient, maybe before its outputs'."""
         refuse_create_graph()
         self._end.queue()
         self.weights.ensure(self._block(index))
@@ -321,8 +298,7 @@ class WeightStream:
         self._free_frozen(index)
 
     def _free_frozen(self, index: int) -> None:
-        """Block ``index``'s backward is done: its frozen weights go (no accumulation frees
-        them; the others go at theirs, which may run after this)."""
+        """Block ``index``'s backward is done: its frozen weights go (no accumulation will)."""
         if self._forwards <= 1 and not self._reused:
             self.weights.free(param for param in self._block(index) if not param.requires_grad)
 
@@ -336,10 +312,8 @@ class WeightStream:
             self.weights.free([param])
 
     def _refuse_host_gradient(self, param: Param, grad: torch.Tensor) -> None:
-        """A gradient for a block weight computed away from the device: a use of the weight
-        outside its block's window (a regularizer over ``model.parameters()``) read the host
-        master at rest. Autograd would accumulate it on its CPU thread beside the device's
-        accumulation of the block's own use, a race: refused before either accumulates."""
+        """A block weight's gradient computed on the host master (a use outside its window):
+        autograd would accumulate it on its CPU thread beside the device's, a race."""
         if grad.device.type == self.weights.backend.device.type:
             return
         name = self.weights.name(param)
@@ -354,8 +328,7 @@ class WeightStream:
         )
 
     def _warn_unstreamed(self) -> None:
-        """Blocks' weights got their gradients without their block on the device: the
-        blocks ran, and backward computed, on the host masters. Once, at a backward's end."""
+        """Once, at a backward's end: block weights got gradients computed on the host."""
         if not self._unstreamed or self._warned:
             return
         self._warned = True
@@ -388,15 +361,14 @@ class WeightStream:
         self._consumers = {}
 
     def _block(self, index: int | None) -> list[Param]:
-        if index is not None and 0 <= index < len(self.units.blocks):
-            return self.units.block_params[index]
-        return []
+        """Block ``index``'s parameters (the schedule's None: none)."""
+        return [] if index is None else self.units.block_params[index]
 
 
 @dataclass
 class _Entered:
-    """A running block's inputs (before a compute dtype's cast: where a cast copy was taken
-    for its output, its gradient brought the block back after its backward)."""
+    """A running block's inputs, before a compute dtype's cast (a cast copy taken for its
+    output brought the block back after its backward)."""
 
     args: Any
     kwargs: Any
@@ -417,13 +389,12 @@ _AWAITED = "gradient_cache.awaited"  # the key of `WeightStream`'s token in a no
 
 
 class _Awaited:
-    """A token a model output's autograd node holds in its metadata: alive while the graph
-    is (`WeightStream.awaited`)."""
+    """A token in a model output's node's metadata: alive while the graph is."""
 
 
 class OwnTensors:
     """One process: a device tensor of its own for each parameter, ``P.data`` at rest the
-    master. ``compute_dtype``: forward and backward use a second device tensor in it."""
+    master. ``compute_dtype``: forward and backward's device tensors' dtype."""
 
     loads_on_device = False  # a load writes the masters at rest
 
@@ -436,15 +407,12 @@ class OwnTensors:
         self._accumulated: dict[Param, int] = {}  # nodes of a weight's uses run (`part_to_come`)
 
     def guard(self, names: dict[Param, str]) -> None:
-        """``names``' weights refuse, by name, a use at rest that a backward would reach
-        (`at_rest.GuardedAtRest`), while `guarding`."""
+        """``names``' weights refuse, by name, a use at rest while `guarding`."""
         self._guarded.update(names)
 
     def guarding(self, on: bool) -> None:
-        """The guarded weights at rest guarded (``on``: from a forward's end, where a use
-        outside the blocks, a regularizer, is computed) or plain ``Parameter``s (from its
-        backward's begin, through the step, to the next forward's end: the loops of the
-        step, the optimizer and the hooks read their fields with no Python call each)."""
+        """The guarded weights at rest guarded (``on``: from a forward's end to its backward's
+        begin) or plain, so the step's loops read their fields with no Python call each."""
         if not on and not self._guarding:
             return  # plain already: `_dress` guards only while guarding
         self._guarding = on
@@ -453,8 +421,7 @@ class OwnTensors:
             at_rest.dress(param, name if on and param.device.type == "cpu" else None)
 
     def record_uses(self, params: Sequence[Param]) -> None:
-        """A forward used ``params``: their accumulation nodes, before they may leave the
-        device, for a ``backward(inputs=...)`` naming them (`at_rest.record_uses`)."""
+        """A forward used ``params``: their accumulation nodes kept (`at_rest.record_uses`)."""
         at_rest.record_uses(p for p in params if p.requires_grad and p in self._guarded)
 
     def forget_uses(self) -> None:
@@ -463,11 +430,9 @@ class OwnTensors:
         self._accumulated.clear()
 
     def part_to_come(self, param: Param) -> bool:
-        """Whether another of ``param``'s recorded nodes is still to accumulate in this
-        backward (a block used twice, its weight moved between the uses). Autograd adds that
-        part into ``.grad``, so the cache takes the uses' sum whole, as plain PyTorch's one
-        node gives it: ``M + (b + a)`` under accumulation, not ``(M + b) + a``. Only the
-        nodes this backward runs count (not a dropped forward's)."""
+        """Whether another of ``param``'s recorded nodes this backward runs (a block used
+        twice, moved between) is still to accumulate: autograd adds it into ``.grad``, so
+        the sum is plain PyTorch's ``M + (b + a)``, not ``(M + b) + a``."""
         nodes = [edge.node for edge in at_rest.USES.get(id(param), ())]
         if len(nodes) < 2:
             return False
@@ -490,7 +455,6 @@ class OwnTensors:
         check_own_storage(named_params)
 
     def source(self, param: Param) -> torch.Tensor:
-        """What a parameter's master copies: its data."""
         return param.detach()
 
     def device_tensors(
@@ -500,9 +464,8 @@ class OwnTensors:
         offsets: list[int],
         numel: int,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """One buffer for the unit in the compute dtype (floating weights), each compute
-        tensor a view of it at its master's offset (one allocation and one copy a unit);
-        each full tensor (the step's, a bucket at a time) of its own."""
+        """One buffer for the unit (in the compute dtype for floating weights), each compute
+        tensor a view of it; each full tensor (the step's) of its own."""
         dtype = masters[0].dtype
         if self.compute_dtype is not None and dtype.is_floating_point:
             dtype = self.compute_dtype
@@ -515,28 +478,22 @@ class OwnTensors:
         return buffer, computes, [self._device_like(m, m.dtype) for m in masters]
 
     def wire_dtype(self, param: Param) -> torch.dtype | None:
-        """The compute dtype, for a floating weight: its unit's buffer's."""
         return self.compute_dtype if param.is_floating_point() else None
 
     def rest(self, param: Param, weight: Weight) -> None:
-        param.data = weight.master
-        self._dress(param, weight)
+        self.show(param, weight)  # at home: its master
 
     def show(self, param: Param, weight: Weight) -> None:
         param.data = weight.place()
         self._dress(param, weight)
 
     def in_place(self, param: Param, weight: Weight) -> bool:
-        """Whether ``param.data`` is its master or its device tensor in use, not moved
-        since (``model.to(...)``)."""
         place = weight.place()
         return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
 
     def settle(self, weights: HostWeights, params: Sequence[Param]) -> None:
-        """Those of ``params`` (whole units) on the device for good, as plain PyTorch keeps
-        them: ``P.data`` a new device tensor each, filled from its master, and ``weights``
-        holds them no more (`HostWeights.drop`). Raises torch.OutOfMemoryError where the
-        device has no room, with them all at home still."""
+        """Those of ``params`` (whole units) on the device for good, as plain parameters
+        filled from their masters. Raises torch.OutOfMemoryError, all still home, without room."""
         held = set(weights.params())
         params = [param for param in params if param in held]
         # A P.data the user rebound (p.data = t, model.to(dtype): refused at the next forward
@@ -555,14 +512,13 @@ class OwnTensors:
         self._settled.extend(params)
 
     def close(self, weights: HostWeights) -> None:
-        """Every weight settled (`settle`). Weights the device has no room for stay on the
-        host, with a warning: the end of a run must not fail."""
+        """Every weight settled; without room they stay on the host, with a warning: the
+        end of a run must not fail."""
         try:
             self.settle(weights, weights.params())
         except torch.OutOfMemoryError:
-            # The model in one place, as the warning says, that a new cache can take: units
-            # a memory budget settled on the device earlier join the rest on the host, and
-            # each master leaves its slab for memory of its own (briefly twice the bytes).
+            # The model in one place that a new cache can take: the settled units join the
+            # rest on the host, each master in memory of its own (briefly twice the bytes).
             kept = [p for p in self._settled if p.device == self.backend.device]
             for param in kept:
                 param.data = param.data.cpu()
@@ -594,8 +550,8 @@ class OwnTensors:
 
 
 def check_own_storage(named_params: Sequence[tuple[str, Param]]) -> None:
-    """Each parameter must own its memory, all of it: its device copy is freed and
-    refilled whole, which would take a view's base (or a parameter sharing it) along."""
+    """Each parameter must own all its memory: freed and refilled whole, it would take a
+    view's base (or a parameter sharing it) along."""
     seen: dict[int, str] = {}
     for name, param in named_params:
         if not param.numel():
