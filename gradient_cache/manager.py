@@ -295,14 +295,12 @@ class GradientCacheHookManager:
                 "optimizer.step(closure) instead."
             )
         max_grad_norm, norm_type = _as_clip_number(max_grad_norm), _as_clip_number(norm_type)
-        if max_grad_norm is not None and not (
-            _is_positive_number(max_grad_norm) or max_grad_norm == math.inf
-        ):
+        if max_grad_norm is not None and not _is_positive_or_inf(max_grad_norm):
             raise ValueError(
                 f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0 (inf: the "
                 "norm, returned, without clipping, as clip_grad_norm_ gives it)."
             )
-        if not (_is_positive_number(norm_type) or norm_type == math.inf):
+        if not _is_positive_or_inf(norm_type):
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         self._warn_of_a_missing_grad_scaler()
         self._watch.check_before_step()
@@ -807,11 +805,12 @@ def _as_clip_number(value: Any) -> Any:
     return value
 
 
-def _is_positive_number(value: Any) -> bool:
+def _is_positive_or_inf(value: Any) -> bool:
+    """A real number > 0 (inf too): a tensor of several elements or a bool is not."""
     return (
         isinstance(value, numbers.Real)
         and not isinstance(value, bool)
-        and math.isfinite(value)
+        and not math.isnan(value)
         and not value <= 0  # as value > 0: numbers.Real promises < and <=, not >
     )
 

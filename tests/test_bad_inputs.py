@@ -157,6 +157,10 @@ CASES = [
      "Invalid max_grad_norm: -1"),
     ("norm type zero", "cache.step(sgd, norm_type=0)", ValueError,
      "Invalid norm_type: 0; expected a number > 0 or inf"),
+    ("clip norm a tensor of two elements", "cache.step(sgd, max_grad_norm=torch.ones(2))",
+     ValueError, "Invalid max_grad_norm: tensor"),
+    ("norm type -inf", "cache.step(sgd, norm_type=-math.inf)", ValueError,
+     "Invalid norm_type: -inf"),
     ("clipping twice: clip_grads_with_norm_, then step(max_grad_norm=)",
      "cache.clip_grads_with_norm_(cached_model.parameters(), 1.0, "
      "cache.gradient_norm(cached_model.parameters())); cache.step(sgd, max_grad_norm=1.0)",
