@@ -434,13 +434,6 @@ MUTANTS = [
         "tests/test_api.py::test_a_plain_optimizer_step_over_cached_gradients_is_refused_before_it_steps",
     ),
     (
-        "a plain optimizer.step(): the fused step's own bucket steps let through",
-        "gradient_cache/engine/step.py",
-        "        if self._stepping:\n            return\n",
-        "",
-        "tests/test_api.py::test_a_plain_optimizer_step_over_cached_gradients_is_refused_before_it_steps tests/test_fused_routing.py",
-    ),
-    (
         "a plain optimizer.step(): an integration's routed step let through",
         "gradient_cache/manager.py",
         "    if gradient_readers.routed() or not any(m.engine is not None for m in _attached):\n",

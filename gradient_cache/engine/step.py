@@ -56,7 +56,6 @@ class OptimizerStep:
         # Held gradients stepped inside an integration's optimizer.step(), out of .grad until
         # that call ends (`show_held`). Weak keys: a call that raised keeps no optimizer.
         self._hidden: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._stepping = False  # inside `step` (`refuse_a_plain_step`)
 
     def step(
         self,
@@ -75,19 +74,17 @@ class OptimizerStep:
         steps_before = pipeline.steps
         self._before_restore()
         step_hooks = StepHooks(optimizer, through_instance=hooks)
-        self._stepping = True  # its buckets' optimizer.step() calls are this step's own
-        try:
-            total_norm, left = self._fused(
-                optimizer,
-                max_norm,
-                norm_type,
-                hidden=not hooks,
-                step_once=step_hooks.unhooked_step,
-                # Not on a skipped step: scaler.step() then calls no optimizer.step().
-                before_steps=step_hooks.fire_pre_hooks if hooks else None,
-            )
-        finally:
-            self._stepping = False
+        # The buckets step with the hook tables emptied (`unhooked_step`): the global refusal
+        # of a plain step (`refuse_a_plain_step`) cannot fire inside this step.
+        total_norm, left = self._fused(
+            optimizer,
+            max_norm,
+            norm_type,
+            hidden=not hooks,
+            step_once=step_hooks.unhooked_step,
+            # Not on a skipped step: scaler.step() then calls no optimizer.step().
+            before_steps=step_hooks.fire_pre_hooks if hooks else None,
+        )
         self._after_restore(steps_before)
         states = pipeline.optimizer_state
         step_hooks.fire_post_hooks(wait_for_state=None if states is None else states.wait_on_host)
@@ -185,8 +182,6 @@ class OptimizerStep:
     def refuse_a_plain_step(self, optimizer: Optimizer) -> None:
         """The user's own ``optimizer.step()``: refused where this cache holds gradients of
         its parameters, not in ``.grad`` (most optimizers would silently skip them)."""
-        if self._stepping:
-            return
         records = self.pipeline.records
         held = [
             records[param].name
