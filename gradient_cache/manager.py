@@ -48,7 +48,8 @@ class GradientCacheHookManager:
             each gradient in at most ``1 / r`` of its lossless bytes (codes, scales and indices
             counted), by the codec `EngineConfig.codec` picks (perf/RESULTS.md, "Codec
             frontier"); a tensor too small for any codec to reach r takes the most compact one
-            (the summary reports the ratio achieved). A top-k codec keeps ``numel / r`` entries.
+            (the summary reports the ratio achieved). ``codec="topk"`` (or ``TopK(...)``) keeps
+            ``numel / r`` entries; the ladder's top-k keeps what fits in 1/r of the bytes.
         exclude_layers: substrings of parameter names whose gradients stay on the device
             exactly as plain PyTorch leaves them (e.g. ``["lm_head", "norm"]``).
         verbose: log a one-line summary at each restored step (logger ``gradient_cache``).
@@ -60,7 +61,8 @@ class GradientCacheHookManager:
             and puts back the residuals, random draws and step count of before it. Without it,
             the residual mixes scales, and a skipped step's residual restarts from zero.
         backend_factory: builds the engine's backend from the parameters, the config and the
-            ratio; the default picks by the parameters' device. Tests pass stand-in streams.
+            ratio; the default picks by the parameters' device. Tests pass one that runs the
+            accelerator backend on stand-in streams.
         device_memory: what a ``memory_budget`` reads of the device
             (`engine.budget.DeviceMemory`); the default reads the CUDA allocator's statistics,
             and a CPU has none. Tests pass their own.
@@ -260,7 +262,7 @@ class GradientCacheHookManager:
         time for gradients never offloaded (excluded layers, those a ``memory_budget`` keeps). The
         optimizer's step hooks (pre and post, global ones too) fire once, as around a plain
         ``optimizer.step()``: pre-hooks before the first bucket (no cached gradient in ``.grad``),
-        post-hooks after the last and after the state's copies to the host
+        post-hooks after the last and after the state's copies to the host are complete
         (``offload_optimizer_state``), so they may read ``optimizer.state``. The bucket steps run
         without them (an LR scheduler still sees the step); a step a GradScaler skips fires none.
         The restored gradients are freed afterwards (``param.grad`` None, as after ``zero_grad()``),

@@ -340,7 +340,7 @@ def checked_peak(memory: DeviceMemory) -> int:
 
 
 def candidates_of(pipeline: Pipeline) -> list[Candidate]:
-    """Each cached gradient (its steady route's payload and residual, both ways) and, with
+    """Each cached gradient without a residual (its steady route's payload, both ways) and, with
     the state offloaded, each parameter's state host copies."""
     routes = pipeline.plan.at(pipeline.config.warmup_steps)
     candidates = []

@@ -118,7 +118,7 @@ class EngineConfig:
             cache sets it up from there, the weights never whole on the device (the buffers go
             there; the batches are yours to put there). None (default): the parameters' device.
         memory_budget: a device-memory budget, a share (``"80%"`` or ``0.8``) or an amount
-            (``"20GiB"``): the steps through the first after the warm-up offload everything and
+            (``"20GiB"``): the steps through the second after the warm-up offload everything and
             their device peak is measured (the allocator's reserved peak plus what lies outside
             it); then the cache keeps on the device the most that fits, what frees the fewest
             device bytes per link byte first (`gradient_cache.engine.budget`); with
@@ -126,8 +126,8 @@ class EngineConfig:
             state still offloaded. Nothing to budget without memory statistics (a CPU). Not with
             FSDP2. Default None: everything offloaded.
         checkpoint_frequency: how often, in steps, ``verbose=True`` logs the summary (default:
-            every step). The seed's name: it set how often statistics were saved (``summary()``
-        has them at every step).
+            every step). The seed's name: it set how often statistics were saved;
+            ``summary()`` has them at every step.
     """
 
     codec: CodecChoice = None
@@ -275,8 +275,9 @@ class EngineConfig:
         return self.bucket_bytes(None)
 
     def bucket_bytes(self, gradient_bytes: int | None) -> int:
-        """A bucket's capacity for cached gradients of ``gradient_bytes`` dense bytes (None: the
-        largest, 4 MiB, unless ``bucket_size_mb`` is set)."""
+        """A bucket's capacity for cached gradients of ``gradient_bytes`` dense bytes:
+        ``bucket_size_mb`` where set, else 4 MiB, or with the state offloaded an eighth of
+        ``gradient_bytes`` within 64 KiB and 4 MiB (None: 4 MiB)."""
         if self.bucket_size_mb is not None:
             return max(1, int(self.bucket_size_mb * MIB))
         largest = int(AUTO_BUCKET_MAX_MB * MIB)

@@ -1,8 +1,9 @@
 """The fused step's buckets: restore and step one bucket at a time, safe to retry.
 
 A bucket's payloads leave the cache only after its ``optimizer.step()`` returned, so a
-step that raised (an OOM the user catches) is finished by calling it again, with plain
-PyTorch's result: stepped buckets are not stepped twice, the first clip is reused.
+step whose ``optimizer.step()`` raised before changing anything (an OOM the user catches)
+is finished by calling it again, with plain PyTorch's result: stepped buckets are not
+stepped twice, the first clip is reused.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Traveller(Protocol):
 class Journeys:
     """One fused step's travellers and each bucket's arrivals. The weights first: their
     copies back start before a new state's host copies are allocated, which may raise. A
-    bring that raises abandons the arrivals brought before it."""
+    traveller whose bring raises has this bucket's earlier travellers' arrivals abandoned."""
 
     travellers: list[Traveller]
     arrivals: deque[list[Any]] = field(default_factory=deque)
@@ -138,7 +139,7 @@ def _step_cached(pipeline: Pipeline, steps: BucketSteps, journeys: Journeys) -> 
             _step_with(steps.step_once, grads)
             if i == 0:
                 # Counted (its residuals current) once an optimizer step went through: a
-                # step that failed before is discarded without a trace. A retry's recount
+                # step that failed before can still be discarded without a trace. A retry's recount
                 # is idempotent.
                 pipeline.deliver([p for p in steps.delivered if p in pipeline.store])
 

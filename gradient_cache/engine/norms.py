@@ -1,7 +1,8 @@
 """Gradient norms as ``torch.nn.utils.clip_grad_norm_`` computes them, on the device.
 
-The encodes compute per-parameter norms while backward goes on (`Capture._encode`), so
-the step reduces a few device scalars instead of reading every payload on the host.
+Once a clip has named a norm type, the encodes compute per-parameter norms while backward
+goes on (`Capture._encode`), so the step reduces a few device scalars instead of reading
+every payload on the host.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ class StepNorms:
     """One step's per-gradient norms of ``norm_type`` in device buffers (one per dtype, a
     slot per parameter), allocated in the step's first hook on the stream current there
     (compute, or FSDP2's post-reduce). The encode stream writes a slot after waiting on
-    that stream; the step reads them after the drain's host wait. The allocating stream
-    reuses the blocks only in the next backward, after the step's reads queued on it."""
+    that stream; the step reads them on the compute stream after the drain's host wait
+    (which the writes precede). The allocating stream next uses the blocks in the next
+    backward, after that backward's compute work (FSDP2 orders post-reduce after it), so
+    after the step's reads."""
 
     def __init__(
         self,

@@ -382,7 +382,8 @@ class StateJourney:
         arrival.installed = True
 
     def send_back(self, arrival: Arrival) -> None:
-        """After the bucket's step: its state (updated or new) to the host (`send`)."""
+        """After the bucket's step: its state (updated or new) to the host
+        (`HostOptimizerState.send`)."""
         self.states.send(self.state, self.owned, arrival.params)
 
     def abandon(self, arrivals: Iterable[Arrival]) -> None:

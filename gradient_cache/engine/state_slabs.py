@@ -68,7 +68,8 @@ class StateSlabs:
         self._total = 0
 
     def expect(self, params: Iterable[torch.Tensor]) -> None:
-        """The state will belong to ``params`` too: later slabs are sized for all it was told."""
+        """The state will belong to ``params`` too: later slabs are sized for the largest tensor,
+        and the largest set, it was told of."""
         sizes = [p.numel() * p.element_size() for p in params]
         self._largest = max([self._largest, *sizes])
         self._total = max(self._total, sum(sizes))

@@ -245,7 +245,7 @@ class OptimizerStep:
     ) -> tuple[torch.Tensor | None, dict[Param, torch.Tensor]]:
         """Decide the step (delivered gradients, the clip, a GradScaler's skip), then run
         its buckets. ``before_steps``: called once the step is known not skipped (the
-        pre-hooks). Returns the global norm and the held gradients (`settle_held`)."""
+        pre-hooks). Returns the global norm and the held gradients (`fused_step.settle_held`)."""
         pipeline = self.pipeline
         stepped, journeys = self._begin(optimizer)
         deferred = pipeline.deferred_clip
@@ -337,8 +337,8 @@ class OptimizerStep:
         return pipeline
 
     def _before_restore(self) -> None:
-        """A memory budget decides before a restore, so its measurement holds whole steps
-        (the optimizer's, which creates the state, included)."""
+        """A memory budget decides once, before the first restore after its measured steps,
+        so its measurement holds whole steps (the optimizer's, which creates the state)."""
         if self.budget is not None:
             self.budget.before_restore(self.pipeline)
 
