@@ -59,6 +59,8 @@ class Capture:
             return  # autograd adds the next use's part into .grad: taken whole, as plain's
         pending = pipeline.pending
         if pending is not None and pending.siblings_taken and not pipeline.interrupted:
+            # Before the cache takes anything: a refusal leaves autograd's accumulation in
+            # .grad, as a raising backward does.
             _refuse_adding_to_left_gradients(pipeline, pending)
         if pipeline.deferred_clip is not None:
             # A backward after a clip answered from the cache: plain PyTorch adds to the

@@ -451,8 +451,9 @@ def refuse_taken(
     pipeline: Pipeline, optimizer: torch.optim.Optimizer, params: Iterable[Param]
 ) -> None:
     """Refuse a fused step of ``optimizer`` over a parameter whose gradient another
-    optimizer's fused step took in this step (plain PyTorch steps it again unless a
-    ``zero_grad()`` the cache cannot see ran between). Raises before anything changes."""
+    optimizer's fused step took in this step and that has none now (none in ``.grad``, none
+    cached): plain PyTorch would step it again with the one left in ``.grad``, unless a
+    ``zero_grad()`` the cache cannot see ran between. Raises before anything changes."""
     records = pipeline.records
     taken = [
         records[param].name

@@ -101,8 +101,9 @@ class SlotSpec:
 
 @dataclass
 class Slot:
-    """One parameter's host memory: its payload's byte regions, its residual and a spare
-    for a pending step's new one (they swap when it completes: `HostSlotResiduals`)."""
+    """One parameter's host memory: its payload's byte regions, its residual where kept on
+    the host, and with ``spare_residual`` a spare for a pending step's new one (they swap
+    when it completes: `HostSlotResiduals`)."""
 
     regions: list[torch.Tensor]  # uint8
     residual: torch.Tensor | None  # stored form, when kept on the host

@@ -1,5 +1,6 @@
 """What both placements' streams share: the save and load hooks on every module that owns
-a parameter (a submodule's save or load runs only its own: docs/ARCHITECTURE.md, "Traps"),
+a parameter (a save or load of a submodule runs only its own subtree's hooks:
+docs/ARCHITECTURE.md, "Traps"),
 the end of backward, and the small rules every weight hook follows.
 """
 

@@ -1,9 +1,10 @@
 """The weights in host memory, on the device only while in use (``offload_parameters``).
 
-At rest ``P.data`` is its fp32 *master* in host slabs; in use, the same device tensor every
-time, its memory allocated, filled and given up while its storage object (which autograd's
-saved tensors share) stays. Each moment, its stream and what orders it, *dirty* and the
-*wire*: docs/ARCHITECTURE.md, "The life of a weight".
+At rest ``P.data`` is its fp32 *master* in host slabs; in use, a device tensor kept across
+uses (a view of its unit's buffer for forward and backward, ``full`` for the step), its
+memory allocated, filled and given up while its storage object (which autograd's saved
+tensors share) stays. Each moment, its stream and what orders it, *dirty* and the *wire*:
+docs/ARCHITECTURE.md, "The life of a weight".
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ class HostWeights:
         return self._weights[param].at
 
     def in_place(self, param: Param) -> bool:
-        """Whether ``param`` reads where these weights put it (not moved by ``model.to``)."""
+        """Whether ``param`` reads where these weights put it (not moved since: ``model.to``,
+        ``p.data = t``, FSDP2's ``reset_sharded_param``)."""
         weight = self._weights.get(param)
         if weight is None:  # on the device for good (`drop`): a plain parameter there
             return param.device == self.backend.device
@@ -467,7 +469,8 @@ class HostWeights:
 
 @dataclass(frozen=True)
 class StepJourney:
-    """The fused step's journey of each bucket's weights (`optimizer_state.StateJourney`'s)."""
+    """The fused step's journey of each bucket's weights, beside the optimizer state's
+    (`optimizer_state.StateJourney`)."""
 
     weights: HostWeights
 

@@ -72,7 +72,8 @@ class ShardStream:
             ]
 
     def end_a_failed_backward(self) -> None:
-        """A backward that raised ends now (the cache closes), as at the next forward."""
+        """A backward that raised ends now, as at the next forward (the cache closes); waits
+        first for the node autograd's device thread may still be running for it."""
         self._end.after_a_failed_backward()
 
     def remove(self) -> None:

@@ -111,7 +111,8 @@ class WeightStream:
         self._in_blocks.difference_update(params)
 
     def end_a_failed_backward(self) -> None:
-        """A backward that raised ends now (the cache closes), as at the next forward."""
+        """A backward that raised ends now, as at the next forward (the cache closes); waits
+        first for the node autograd's device thread may still be running for it."""
         self._end.after_a_failed_backward()
 
     def awaited(self) -> bool:
