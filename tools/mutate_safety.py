@@ -434,6 +434,20 @@ MUTANTS = [
         "tests/test_api.py::test_a_plain_optimizer_step_over_cached_gradients_is_refused_before_it_steps",
     ),
     (
+        "weights: a host gradient reaching the cache is refused by name (a penalty before the forward)",
+        "gradient_cache/engine/capture.py",
+        "            weights.refuse_a_host_gradient(param, grad, in_grad=True)\n",
+        "            pass\n",
+        "tests/emulated/test_device_defects.py::test_a_penalty_computed_before_the_forward_is_refused_by_name_and_training_goes_on",
+    ),
+    (
+        "weights: a refused host gradient is taken out of .grad",
+        "gradient_cache/engine/weights/masters.py",
+        "        if in_grad:\n            param.grad = None\n",
+        "",
+        "tests/emulated/test_device_defects.py::test_a_penalty_computed_before_the_forward_is_refused_by_name_and_training_goes_on",
+    ),
+    (
         "a plain optimizer.step(): an integration's routed step let through",
         "gradient_cache/manager.py",
         "    if gradient_readers.routed() or not any(m.engine is not None for m in _attached):\n",
@@ -1936,9 +1950,9 @@ MUTANTS = [
     (
         "weights: a block weight's gradient computed on the host is refused before it accumulates",
         "gradient_cache/engine/weights/stream.py",
-        "        if grad.device.type == self.weights.backend.device.type:\n            return\n",
-        "        return\n",
-        "tests/emulated/test_weights_on_device.py::test_a_regularizer_over_every_parameter_raises_never_trains",
+        "        self.weights.refuse_a_host_gradient(param, grad)  # before autograd accumulates it\n",
+        "        pass\n",
+        "tests/emulated/test_device_defects.py::test_a_block_weights_host_gradient_is_refused_before_autograd_accumulates_it",
     ),
     (
         "weights: a wire is cast from its master only after a failed step's copies back landed",

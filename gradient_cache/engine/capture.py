@@ -55,6 +55,8 @@ class Capture:
             record.gradient = GradientAt.KEPT_ON_DEVICE  # left in .grad, part of the step
             return
         weights = pipeline.weights
+        if weights is not None:  # a use before the forward: its accumulator had no hook
+            weights.refuse_a_host_gradient(param, grad, in_grad=True)
         if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):
             return  # autograd adds the next use's part into .grad: taken whole, as plain's
         pending = pipeline.pending

@@ -316,3 +316,56 @@ def test_inputs_a_block_got_cast_or_shared_do_not_bring_blocks_back(device, how)
     block's backward is done) and the earlier blocks' tensors in a cache object it returns
     brought blocks back after their backward, which stayed: all 8 at once."""
     assert most_blocks_in_backward(device, how) == most_blocks_in_backward(device, "plain")
+
+
+def test_a_penalty_computed_before_the_forward_is_refused_by_name_and_training_goes_on(
+    device,
+) -> None:
+    """A regularizer over model.parameters() computed before the model's forward uses the
+    host masters through an accumulator no hook of the cache's is on: its host gradients
+    reach the cache among the device's. Refused by name (it was a bare device-mismatch
+    error from the cache's own bucket, or from the close), with no host tensor left in
+    .grad: the next batches train as plain PyTorch that never saw the refused one."""
+    data = on(device)
+
+    def run(model, manager=None):
+        optimizer = adamw_two_groups(model)
+        for index, (tokens, targets) in enumerate(data):
+            if manager is not None and index == 1:
+                penalty = sum(p.square().sum() for p in model.parameters()).to(device)
+                with pytest.raises(RuntimeError, match=r"received a gradient computed on the cpu"):
+                    (model(tokens, targets)[1] + 1e-3 * penalty).backward()
+                assert all(p.grad is None or p.grad.device == device for p in model.parameters())
+                manager.discard_gradients()
+            model(tokens, targets)[1].backward()
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+        if manager is not None:
+            manager.remove_hooks()
+
+    plain = gpt().to(device)
+    run(plain)
+    cached = gpt()
+    run(cached, gradient_cache.create_gradient_cache(cached, **STREAMED, device=device))
+    same(plain, cached)
+
+
+def test_a_block_weights_host_gradient_is_refused_before_autograd_accumulates_it(device) -> None:
+    """A block weight's host term (a penalty computed before the forward) is refused by the
+    weight's own tensor hook, before autograd's CPU thread accumulates it beside the device
+    thread's part: a post-accumulate-grad hook of the user's never sees a host gradient."""
+    model = gpt()
+    weight = model.blocks[0].mlp.fc.weight
+    seen = []
+    weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.device.type))
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
+    tokens, targets = on(device, 1)[0]
+    penalty = weight.square().sum().to(device)
+    with pytest.raises(RuntimeError, match=r"'blocks\.0\.mlp\.fc\.weight' received a gradient"):
+        (model(tokens, targets)[1] + 1e-3 * penalty).backward()
+    assert "cpu" not in seen
+    manager.discard_gradients()
+    manager.remove_hooks()

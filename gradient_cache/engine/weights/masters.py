@@ -365,6 +365,28 @@ class HostWeights:
     def part_to_come(self, param: Param) -> bool:
         return self.placement.part_to_come(param)
 
+    def refuse_a_host_gradient(
+        self, param: Param, grad: torch.Tensor, *, in_grad: bool = False
+    ) -> None:
+        """A gradient of a weight held here computed on the host master (a use outside its
+        window): autograd would accumulate it apart from the device's, on another thread.
+        ``in_grad``: autograd put it in ``.grad`` already, where it goes (a host tensor
+        there would meet the device's gradients at the next restore)."""
+        if grad.device.type == self.backend.device.type or param not in self._weights:
+            return
+        if in_grad:
+            param.grad = None
+        raise RuntimeError(
+            f"Parameter {self.name(param)!r} received a gradient computed on the {grad.device} "
+            "(its host master, with offload_parameters=True): it was used outside the model's "
+            "or its block's forward, where its weights are on the host (a regularizer over "
+            "model.parameters() computed before the forward or after it, block.forward(x) "
+            "instead of block(x), a forward hook registered on the block after the cache). "
+            "Put a regularizer into the optimizer (weight_decay) or compute it inside the "
+            "forward, call the blocks as modules, and register such a hook before the cache "
+            "or with prepend=True."
+        )
+
     def name(self, param: Param) -> str:
         """``param``'s name in the model (one these weights hold)."""
         return self._names[param]

@@ -313,20 +313,7 @@ class WeightStream:
             self.weights.free([param])
 
     def _refuse_host_gradient(self, param: Param, grad: torch.Tensor) -> None:
-        """A block weight's gradient computed on the host master (a use outside its window):
-        autograd would accumulate it on its CPU thread beside the device's, a race."""
-        if grad.device.type == self.weights.backend.device.type:
-            return
-        name = self.weights.name(param)
-        raise RuntimeError(
-            f"Block parameter {name!r} received a gradient computed on the {grad.device} "
-            "(its host master, with offload_parameters=True): it was used outside its "
-            "block's forward, where its weights are on the host (a regularizer over "
-            "model.parameters(), block.forward(x) instead of block(x), a forward hook "
-            "registered on the block after the cache). Put a regularizer into the optimizer "
-            "(weight_decay) or compute it inside the block's forward, call the blocks as "
-            "modules, and register such a hook before the cache or with prepend=True."
-        )
+        self.weights.refuse_a_host_gradient(param, grad)  # before autograd accumulates it
 
     def _warn_unstreamed(self) -> None:
         """Once, at a backward's end: block weights got gradients computed on the host."""
