@@ -290,11 +290,19 @@ class GradientCacheHookManager:
                 "object with a step(), call hook_manager.apply_gradients() and then its step()."
             )
         if isinstance(optimizer, torch.optim.LBFGS):
+            # The closure's own backwards are cached again: the restore belongs inside it.
+            how = (
+                "With offload_optimizer_state=True it cannot run: drop that option (the "
+                "gradients are still offloaded)."
+                if self.config.offload_optimizer_state
+                else "Call optimizer.step(closure) yourself with hook_manager.apply_gradients() "
+                "inside the closure, after its loss.backward(), or run the loop under "
+                "@gradient_cache.optimize(), which hands LBFGS the closure's gradients."
+            )
             raise TypeError(
                 "step(optimizer) cannot step LBFGS: it steps one bucket at a time, while LBFGS "
                 "updates all its parameters along one direction with a line search that "
-                "re-evaluates the loss (closure). Use apply_gradients() and "
-                "optimizer.step(closure) instead."
+                f"re-evaluates the loss (closure). {how}"
             )
         max_grad_norm, norm_type = _as_clip_number(max_grad_norm), _as_clip_number(norm_type)
         if max_grad_norm is not None and not _is_positive_or_inf(max_grad_norm):

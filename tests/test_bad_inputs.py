@@ -151,6 +151,10 @@ CASES = [
      RuntimeError, "another optimizer's step already stepped in this step and freed"),
     ("LBFGS in the fused step", "cache.step(torch.optim.LBFGS(cached_model.parameters()))",
      TypeError, "cannot step LBFGS"),
+    ("LBFGS in the fused step with the state on the host",
+     "m = model(); c = create_gradient_cache(m, offload_optimizer_state=True); "
+     "c.step(torch.optim.LBFGS(m.parameters()))",
+     TypeError, "With offload_optimizer_state=True it cannot run"),
     ("clip norm NaN", "cache.step(sgd, max_grad_norm=math.nan)", ValueError,
      "Invalid max_grad_norm: nan; expected a number > 0"),
     ("clip norm negative", "cache.step(sgd, max_grad_norm=-1)", ValueError,

@@ -271,6 +271,31 @@ def test_closure_optimizers_see_the_closure_gradients() -> None:
     assert_same_parameters(plain, cached)
 
 
+def test_lbfgs_by_the_route_its_refusal_names_trains_as_plain() -> None:
+    """step(LBFGS) is refused, naming the route that works by hand: optimizer.step(closure)
+    with apply_gradients() inside the closure, after its backward (each of the closure's
+    backwards is cached again, so a restore before the step would be undone)."""
+    plain, cached = make_model(), make_model()
+    lbfgs_steps(plain, 2)
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS)
+    optimizer = torch.optim.LBFGS(cached.parameters(), lr=0.5, max_iter=4)
+    with pytest.raises(TypeError, match=r"apply_gradients\(\) inside the closure"):
+        manager.step(optimizer)
+    tokens, targets = batches(1)[0]
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = loss_of(cached, tokens, targets)
+        loss.backward()
+        manager.apply_gradients()
+        return loss
+
+    for _ in range(2):
+        optimizer.step(closure)
+    manager.remove_hooks()
+    assert_same_parameters(plain, cached)
+
+
 def test_lbfgs_with_the_state_offloaded_is_refused_and_loses_nothing() -> None:
     """LBFGS needs its whole state and every gradient at once: refused at its step, before
     it changes a parameter (it ran on the device without a word before); the closure's
