@@ -24,6 +24,16 @@ def same(plain: torch.nn.Module, cached: torch.nn.Module) -> None:
         assert torch.equal(a.cpu(), b.cpu()), name
 
 
+def run_as_plain(run, device: torch.device) -> None:
+    """``run(model)`` on plain PyTorch on ``device`` and ``run(model, manager)`` with the
+    weights on the host set up from the CPU: the same parameters, bit for bit."""
+    plain = gpt().to(device)
+    run(plain)
+    cached = gpt()
+    run(cached, gradient_cache.create_gradient_cache(cached, **STREAMED, device=device))
+    same(plain, cached)
+
+
 def test_a_step_that_fails_midway_and_is_retried_trains_as_plain(device) -> None:
     """The second bucket's update raises (out of memory, injected): its weights go home
     unchanged, no gradient is assigned across devices, and the retried step gives plain's
@@ -45,11 +55,7 @@ def test_a_step_that_fails_midway_and_is_retried_trains_as_plain(device) -> None
                 manager.step(optimizer)
             optimizer.zero_grad()
 
-    plain = gpt().to(device)
-    run(plain)
-    cached = gpt()
-    run(cached, gradient_cache.create_gradient_cache(cached, **STREAMED, device=device))
-    same(plain, cached)
+    run_as_plain(run, device)
 
 
 def clip_between_backwards(model: torch.nn.Module, data) -> None:
@@ -346,11 +352,7 @@ def test_a_penalty_computed_before_the_forward_is_refused_by_name_and_training_g
         if manager is not None:
             manager.remove_hooks()
 
-    plain = gpt().to(device)
-    run(plain)
-    cached = gpt()
-    run(cached, gradient_cache.create_gradient_cache(cached, **STREAMED, device=device))
-    same(plain, cached)
+    run_as_plain(run, device)
 
 
 def test_a_block_weights_host_gradient_is_refused_before_autograd_accumulates_it(device) -> None:
