@@ -259,7 +259,7 @@ MUTANTS = [
     (
         "checkpoint: generators loaded",
         "gradient_cache/engine/checkpoint.py",
-        '    pipeline.codecs.set_random_state(\n        pipeline.backend.device, state["random_state"] if same_kind else {}\n    )',
+        '    pipeline.codecs.set_random_state(device, state["random_state"] if same_kind else {})',
         "    pass",
         "tests/test_checkpoint.py",
     ),

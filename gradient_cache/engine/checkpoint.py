@@ -21,17 +21,6 @@ from .step_state import ADVICE, INTERRUPTED
 # 2: generators named by codec ("topk.selection"); the codec among the recipe fields.
 # 3: int8 values draw their rounding noise from a dither (a draw counter, not a generator).
 FORMAT_VERSION = 3
-# The options that change what a step computes, so what a saved residual or payload means
-# (others, such as the bucket size, may differ). The top-k ones are the top-k codec's, or
-# its defaults: what `EngineConfig` held when they were its fields, so old checkpoints load.
-RECIPE_FIELDS = (
-    "codec",
-    "error_feedback",
-    "residual_dtype",
-    "value_dtype",
-    "min_compress_numel",
-    "warmup_steps",
-)
 
 
 def _cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,10 +28,14 @@ def _cpu(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def recipe(pipeline: Pipeline) -> dict[str, Any]:
-    """What must match between the saving and the loading manager."""
+    """What must match between the saving and the loading manager: the options that change
+    what a step computes, so what a saved residual or payload means (others, such as the
+    bucket size, may differ). The top-k ones are the top-k codec's, or its defaults: what
+    `EngineConfig` held when they were its fields, so old checkpoints load."""
     config = pipeline.config
     topk = config.residual_options
-    values = {
+    return {
+        "compression_ratio": pipeline.ratio,
         "codec": config.codec_name,
         "error_feedback": topk.error_feedback,
         "residual_dtype": topk.residual_dtype,
@@ -50,7 +43,6 @@ def recipe(pipeline: Pipeline) -> dict[str, Any]:
         "min_compress_numel": config.min_compress_numel,
         "warmup_steps": config.warmup_steps,
     }
-    return {"compression_ratio": pipeline.ratio} | {name: values[name] for name in RECIPE_FIELDS}
 
 
 def _as_today(saved: dict[str, Any]) -> dict[str, Any]:
@@ -120,18 +112,16 @@ def load(pipeline: Pipeline, state: Any) -> None:
     """Make ``pipeline`` continue from ``state``, or raise naming what does not match."""
     _check(pipeline, state)
     by_name = pipeline.params_by_name()
+    device = pipeline.backend.device
     pipeline.restart_at(state["steps"])  # the routes (and pool) the saved step had
     pipeline.compute_norms(state.get("clip_norm_type"))  # absent: saved before it was kept
     # Generator states are device-specific (a CPU and a CUDA generator's differ in kind).
-    same_kind = state["random_device"] == pipeline.backend.device.type
-    pipeline.codecs.set_random_state(
-        pipeline.backend.device, state["random_state"] if same_kind else {}
-    )
+    same_kind = state["random_device"] == device.type
+    pipeline.codecs.set_random_state(device, state["random_state"] if same_kind else {})
     pipeline.backend.residuals.load(
         {by_name[name]: saved for name, saved in state["residuals"].items()},
         {by_name[name]: saved for name, saved in state["pending_residuals"].items()},
     )
-    device = pipeline.backend.device
 
     def to_device(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device)
