@@ -59,33 +59,27 @@ class MemoryBudget:
             raise TypeError(f"memory_budget must be a string or a number, got {value!r}; {advice}.")
         given = value if isinstance(value, str) else f"{value:g}"
         text = given.strip().lower()
-        share = None if isinstance(value, str) else float(value)
-        if share is None:
-            with contextlib.suppress(ValueError):  # else a percentage or an amount, below
-                share = float(text)
+        try:
+            share: float | None = float(value)  # float() ignores a string's spaces and case
+        except ValueError:  # a percentage or an amount, below
+            share = None
         if share is not None:
-            if not (math.isfinite(share) and 0 < share <= 1):
+            if not 0 < share <= 1:  # NaN and the infinities too
                 fix = f": '{share:g}%' or '{share:g}GiB'" if 1 < share < math.inf else ""
                 raise ValueError(
                     f"Invalid memory_budget: {value!r}; {advice} (a number is a share, so "
                     f"at most 1: write bytes with a unit, or a percentage{fix})."
                 )
             return cls(text=given, fraction=share)
-        if text.endswith("%"):
-            try:
-                percent = float(text[:-1])
-            except ValueError:
-                percent = math.nan
-            if not (math.isfinite(percent) and 0 < percent <= 100):
-                raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
-            return cls(text=given, fraction=percent / 100)
+        with contextlib.suppress(ValueError):  # not a number before the '%'
+            if text.endswith("%") and 0 < float(text[:-1]) <= 100:
+                return cls(text=given, fraction=float(text[:-1]) / 100)
         match = _AMOUNT.match(text)
-        if match is None or match.group(2) not in _UNITS:
-            raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
-        nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
-        if nbytes <= 0:
-            raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
-        return cls(text=given, nbytes=nbytes)
+        if match is not None and match.group(2) in _UNITS:
+            nbytes = int(float(match.group(1)) * _UNITS[match.group(2)])
+            if nbytes > 0:
+                return cls(text=given, nbytes=nbytes)
+        raise ValueError(f"Invalid memory_budget: {value!r}; {advice}.")
 
     def bytes_of(self, total: int | None) -> int:
         """The budget in bytes on a device of ``total`` usable bytes (an amount is cut to
@@ -181,29 +175,24 @@ class BudgetDecision:
     def kept_bytes(self) -> int:
         return sum(c.device_bytes for c in self.kept)
 
-    @property
-    def link_bytes(self) -> int:
-        """Link bytes a step moves for what stays offloaded."""
-        return sum(c.link_bytes for c in self.offloaded)
-
     def kept_names(self, kind: str) -> set[str]:
         return {c.name for c in self.kept if c.kind == kind}
 
     def describe(self) -> str:
-        counts = {
-            kind: (len(self.kept_names(kind)), sum(c.kind == kind for c in self.offloaded))
-            for kind in ("gradient", "optimizer state", "weights")
-        }
+        kinds = [c.kind for c in (*self.kept, *self.offloaded)]
         plural = {"gradient": "gradients", "optimizer state": "optimizer states"}
         plural["weights"] = "units of weights"
-        parts = [f"{k} of {k + o} {plural[kind]}" for kind, (k, o) in counts.items() if k + o]
-        weights = any(c.kind == "weights" for c in (*self.kept, *self.offloaded))
-        of = " of the weights (the gradients and the state as before)" if weights else ""
+        parts = [
+            f"{len(self.kept_names(k))} of {kinds.count(k)} {v}"
+            for k, v in plural.items()
+            if k in kinds
+        ]
+        of = " of the weights (the gradients and the state as before)" if "weights" in kinds else ""
         return (
             f"measured peak {self.measured_peak / MIB:.1f} MiB with everything offloaded, "
             f"budget {self.budget_bytes / MIB:.1f} MiB: kept on the device "
             f"{' and '.join(parts)} ({self.kept_bytes / MIB:.1f} MiB); "
-            f"{self.link_bytes / MIB:.1f} MiB{of} cross the link a step"
+            f"{sum(c.link_bytes for c in self.offloaded) / MIB:.1f} MiB{of} cross the link a step"
         )
 
 
@@ -316,13 +305,13 @@ class BudgetWatch:
             self.weights.keep_on_device(decision.kept_names("weights"))
         self.decision = decision
         by_name = pipeline.params_by_name()
-        for name in self.decision.kept_names("gradient"):
+        for name in decision.kept_names("gradient"):
             # Later backward passes leave its gradient on the device, as exclude_layers would.
             pipeline.records[by_name[name]].keep_on_device = True
         states = pipeline.optimizer_state
         if states is not None:
-            states.keep_on_device([by_name[n] for n in self.decision.kept_names("optimizer state")])
-        self.note = f"memory_budget={self.budget.text!r}: {self.decision.describe()}"
+            states.keep_on_device([by_name[n] for n in decision.kept_names("optimizer state")])
+        self.note = f"memory_budget={self.budget.text!r}: {decision.describe()}"
         logger.info("gradient-cache: %s", self.note)
 
 
@@ -343,25 +332,24 @@ def candidates_of(pipeline: Pipeline) -> list[Candidate]:
     """Each cached gradient without a residual (its steady route's payload, both ways) and, with
     the state offloaded, each parameter's state host copies."""
     routes = pipeline.plan.at(pipeline.config.warmup_steps)
-    candidates = []
-    for param, record in pipeline.records.items():
-        route = routes[param]
-        if route.residual is not None:
-            continue  # kept on the device, its residual (what compression held back) is lost
-        candidates.append(
-            Candidate(
-                record.name,
-                "gradient",
-                device_bytes=route.numel * param.element_size(),
-                link_bytes=2 * (route.payload_bytes + route.residual_bytes),
-            )
+    candidates = [
+        Candidate(
+            record.name,
+            "gradient",
+            device_bytes=route.numel * param.element_size(),
+            link_bytes=2 * (route.payload_bytes + route.residual_bytes),
         )
+        for param, record in pipeline.records.items()
+        # One with a residual (what compression held back) would lose it, kept on the device.
+        if (route := routes[param]).residual is None
+    ]
     states = pipeline.optimizer_state
-    if states is not None:
-        for param, nbytes in states.bytes_by_param().items():
-            name = pipeline.records[param].name if param in pipeline.records else None
-            if name is not None and nbytes:
-                candidates.append(Candidate(name, "optimizer state", nbytes, 2 * nbytes))
+    by_param = {} if states is None else states.bytes_by_param()
+    candidates += [
+        Candidate(pipeline.records[param].name, "optimizer state", nbytes, 2 * nbytes)
+        for param, nbytes in by_param.items()
+        if param in pipeline.records and nbytes
+    ]
     return candidates
 
 
