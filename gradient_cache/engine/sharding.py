@@ -8,20 +8,16 @@ into a `DTensor` of the parameter's mesh and placements. Other tensors pass unch
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
 
 from .fsdp_privates import fsdp_param_groups
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-HAS_DTENSOR: bool
-try:  # public since torch 2.5; FSDP2 (fully_shard) since 2.6
+try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # an older torch, or a build without distributed: no DTensor to meet
+except ImportError:  # a torch built without distributed: no DTensor to meet
     HAS_DTENSOR = False
 else:
     HAS_DTENSOR = True
@@ -34,12 +30,6 @@ INSTEAD = (
     "then create the cache on the sharded model. Under DDP itself, "
     "gradient_as_bucket_view=True already removes DDP's second copy of the gradients."
 )
-
-
-def supported_placements() -> tuple[tuple[object, ...], ...]:
-    """What the cache is tested with: FSDP2 (1-D, dim 0), replicate_with_fsdp (1-D
-    Replicate) and HSDP (replicas x shards). Tensor parallelism adds others."""
-    return ((Shard(0),), (Replicate(),), (Replicate(), Shard(0)))
 
 
 def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
@@ -91,8 +81,10 @@ def check_placements(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> 
     sharded = [(n, p) for n, p in named_params if is_dtensor(p)]
     if not sharded:
         return
+    # What the cache is tested with: FSDP2, replicate_with_fsdp and HSDP (replicas x shards).
+    supported = ((Shard(0),), (Replicate(),), (Replicate(), Shard(0)))
     for name, param in sharded:
-        if tuple(param.placements) not in supported_placements():
+        if tuple(param.placements) not in supported:
             raise ValueError(
                 f"Parameter {name!r} is a DTensor with placements {list(param.placements)}; the "
                 "gradient cache supports FSDP2's fully_shard (Shard(dim=0)), "
@@ -137,12 +129,16 @@ def global_norm(
         first = pairs[sharded[0]][0]
         assert is_dtensor(first)  # only a DTensor has shard dimensions
         mesh = first.device_mesh
-        dims = _shard_dims(first)
         collective = collective_device(local(first).device, mesh.device_type)
+        # Combined with every shard's: max for inf, else the p-th root of a sum of p-th powers.
+        inf = norm_type == float("inf")
         stacked = torch.stack([values[i].to(collective) for i in sharded])
-        reduced = _all_reduce(stacked, norm_type, mesh, dims)
-        for i, value in zip(sharded, reduced, strict=True):
-            values[i] = value
+        value = stacked if inf else stacked.pow(norm_type)
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        for dim in _shard_dims(first):
+            dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        for i, reduced in zip(sharded, value if inf else value.pow(1.0 / norm_type), strict=True):
+            values[i] = reduced
     return torch.linalg.vector_norm(torch.stack([v.to(device) for v in values]), norm_type)
 
 
@@ -161,28 +157,14 @@ def collective_device(param_device: torch.device, mesh_device_type: str) -> torc
     return torch.device(mesh_device_type)
 
 
-def _all_reduce(
-    local: torch.Tensor, norm_type: float, mesh: DeviceMesh, dims: list[int]
-) -> torch.Tensor:
-    """Each entry of ``local`` (this rank's norms, on the collective's device) combined
-    with every shard's: max for inf, else the p-th root of a sum of p-th powers."""
-    inf = norm_type == float("inf")
-    value = local if inf else local.pow(norm_type)
-    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    for dim in dims:
-        dist.all_reduce(value, op=op, group=mesh.get_group(dim))
-    return value if inf else value.pow(1.0 / norm_type)
-
-
 def check_gradient_is_reduced(name: str, grad: torch.Tensor) -> None:
     """At the first hook, refuse a plain gradient across processes: nobody reduced it yet
     (a DDP wrapper the cache never saw: created on ``ddp.module``, say)."""
-    if is_dtensor(grad) or not dist.is_available() or not dist.is_initialized():
-        return
-    if dist.get_world_size() > 1:
+    world_size = rank_and_world_size()[1]
+    if world_size > 1 and not is_dtensor(grad):
         raise RuntimeError(
             f"Parameter {name!r} got a plain (not DTensor) gradient while "
-            f"torch.distributed runs {dist.get_world_size()} processes: under DDP the cache "
+            f"torch.distributed runs {world_size} processes: under DDP the cache "
             "would take it before DDP averages it, and the ranks would drift apart. If the "
             f"model is inside DistributedDataParallel, remove the cache. {INSTEAD}"
         )
