@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -30,24 +30,12 @@ def set_local(param: torch.Tensor, tensor: torch.Tensor) -> None:
     cast("DTensor", param)._local_tensor = tensor
 
 
-class FSDPParam(Protocol):
-    """What the engine reads of FSDP2's (private) ``FSDPParam``."""
-
-    sharded_param: torch.nn.Parameter
-
-
-class FSDPParamGroup(Protocol):
-    """What the engine reads of FSDP2's (private) ``FSDPParamGroup``."""
-
-    fsdp_params: list[FSDPParam]
-
-
-def fsdp_param_groups(model: torch.nn.Module) -> list[FSDPParamGroup]:
+def fsdp_param_groups(model: torch.nn.Module) -> list[Any]:
     """FSDP2's parameter groups (one per ``fully_shard`` call) under ``model``, read from
     its module state as its own hooks do (there is no public getter)."""
     try:
         from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch before 2.6, or without distributed: no FSDP2
+    except ImportError:  # a torch built without distributed: no FSDP2
         return []
 
     return [
@@ -58,7 +46,7 @@ def fsdp_param_groups(model: torch.nn.Module) -> list[FSDPParamGroup]:
     ]
 
 
-def param_groups(state: Any) -> list[FSDPParamGroup]:
+def param_groups(state: Any) -> list[Any]:
     """The parameter groups of FSDP2's ``FSDPState``: ``_fsdp_param_groups`` (torch 2.13
     on: several where ``shard_placement_fn`` gives several meshes, and the singular is a
     property that raises then), else ``_fsdp_param_group`` (one or None: 2.6 and 2.10)."""
@@ -107,8 +95,7 @@ def check_fsdp_privates(module: Any, *, initialized: bool = False) -> None:
     require("FSDPModule", module)
     state = module._get_fsdp_state()
     require("FSDPState", state)
-    groups: list[Any] = param_groups(state)
-    for group in groups:
+    for group in param_groups(state):
         require("FSDPParamGroup", group)
         for fsdp_param in group.fsdp_params:
             require("FSDPParam", fsdp_param)
