@@ -132,8 +132,7 @@ class AcceleratorMemory:
         return torch.accelerator.get_memory_info(self.device)[1]
 
     def process_fraction(self) -> float:
-        # torch.accelerator reads no cap: the device module's (torch.cuda, torch.xpu), else
-        # the whole device is usable.
+        # torch.accelerator reads no cap: the device module's (torch.cuda, torch.xpu), if any.
         module = getattr(torch, self.device.type, None)
         read = getattr(module, "get_per_process_memory_fraction", None)
         return 1.0 if read is None else float(read(self.device))

@@ -21,6 +21,8 @@ from .step_state import ADVICE, INTERRUPTED
 # 2: generators named by codec ("topk.selection"); the codec among the recipe fields.
 # 3: int8 values draw their rounding noise from a dither (a draw counter, not a generator).
 FORMAT_VERSION = 3
+# The recipe's top-k options: the top-k codec's, or its defaults (`recipe`).
+TOPK_FIELDS = ("error_feedback", "residual_dtype", "value_dtype")
 
 
 def _cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -33,13 +35,10 @@ def recipe(pipeline: Pipeline) -> dict[str, Any]:
     bucket size, may differ). The top-k ones are the top-k codec's, or its defaults: what
     `EngineConfig` held when they were its fields, so old checkpoints load."""
     config = pipeline.config
-    topk = config.residual_options
     return {
         "compression_ratio": pipeline.ratio,
         "codec": config.codec_name,
-        "error_feedback": topk.error_feedback,
-        "residual_dtype": topk.residual_dtype,
-        "value_dtype": topk.value_dtype,
+        **{name: getattr(config.residual_options, name) for name in TOPK_FIELDS},
         "min_compress_numel": config.min_compress_numel,
         "warmup_steps": config.warmup_steps,
     }
@@ -51,12 +50,7 @@ def _as_today(saved: dict[str, Any]) -> dict[str, Any]:
     chose the int8 codec, ``codec="int8"`` now."""
     if saved.get("codec") is not None:
         return saved
-    defaults = TopK()
-    today = saved | {
-        "error_feedback": defaults.error_feedback,
-        "residual_dtype": defaults.residual_dtype,
-        "value_dtype": defaults.value_dtype,
-    }
+    today = saved | {name: getattr(TopK(), name) for name in TOPK_FIELDS}
     if saved.get("compression_ratio") == 1 and saved.get("value_dtype") == "int8":
         today["codec"] = "int8"
     return today
@@ -196,8 +190,7 @@ def _check(pipeline: Pipeline, state: Any) -> None:
             )
     saved_names, here_names = set(state["parameters"]), set(pipeline.params_by_name())
     if saved_names != here_names:
-        missing = sorted(saved_names - here_names)
-        extra = sorted(here_names - saved_names)
+        missing, extra = sorted(saved_names - here_names), sorted(here_names - saved_names)
         compiled = ""
         if any("_orig_mod" in name.split(".") for name in (*missing, *extra)):
             # A whole compiled model is named as the model; a compiled submodule is not.

@@ -110,15 +110,17 @@ def check_fsdp_privates(module: Any, *, initialized: bool = False) -> None:
 
 @dataclass
 class ShardedModule:
-    """A ``fully_shard`` module, its FSDP2 state and its groups' sharded parameters."""
+    """A ``fully_shard`` module, its FSDP2 state and its groups' parameters (FSDP2's, sharded)."""
 
     module: torch.nn.Module
     state: Any  # FSDP2's FSDPState
     topmost: bool  # under no other fully_shard module: a root, or one when called alone
+    fsdp_params: list[Any] = field(init=False)
     params: list[Param] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.params = [fp.sharded_param for group in self.groups for fp in group.fsdp_params]
+        self.fsdp_params = [fp for group in self.groups for fp in group.fsdp_params]
+        self.params = [fp.sharded_param for fp in self.fsdp_params]
 
     @property
     def groups(self) -> list[Any]:
@@ -188,22 +190,16 @@ def flat_shards(modules: list[ShardedModule]) -> dict[Param, Callable[[], torch.
     """Each sharded parameter's flat padded shard as FSDP2 holds it at the call
     (``_sharded_param_data``: its all-gather reads it, and FSDP2 may replace it)."""
     return {
-        fsdp_param.sharded_param: functools.partial(getattr, fsdp_param, "_sharded_param_data")
+        fp.sharded_param: functools.partial(getattr, fp, "_sharded_param_data")
         for sharded in modules
-        for group in sharded.groups
-        for fsdp_param in group.fsdp_params
+        for fp in sharded.fsdp_params
     }
 
 
 def param_dtypes(modules: list[ShardedModule]) -> dict[Param, torch.dtype | None]:
     """The dtype each sharded parameter's all-gather casts its shard to (its
     ``MixedPrecisionPolicy``'s ``param_dtype``), or None where it does not cast."""
-    return {
-        fsdp_param.sharded_param: fsdp_param.param_dtype
-        for sharded in modules
-        for group in sharded.groups
-        for fsdp_param in group.fsdp_params
-    }
+    return {fp.sharded_param: fp.param_dtype for sharded in modules for fp in sharded.fsdp_params}
 
 
 def forward_prefetch(state: Any) -> list[Any]:
