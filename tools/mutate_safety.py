@@ -266,8 +266,8 @@ MUTANTS = [
     (
         "fsdp: the clip norm is all-reduced over the shards",
         "gradient_cache/engine/sharding.py",
-        "        dist.all_reduce(value, op=op, group=mesh.get_group(dim))",
-        "        pass",
+        "            dist.all_reduce(value, op=op, group=mesh.get_group(dim))",
+        "            pass",
         "tests/test_distributed.py::test_fused_clipping_matches_clip_grad_norm",
     ),
     (

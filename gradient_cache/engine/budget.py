@@ -182,9 +182,9 @@ class BudgetDecision:
         plural = {"gradient": "gradients", "optimizer state": "optimizer states"}
         plural["weights"] = "units of weights"
         parts = [
-            f"{len(self.kept_names(k))} of {kinds.count(k)} {v}"
-            for k, v in plural.items()
-            if k in kinds
+            f"{len(self.kept_names(kind))} of {kinds.count(kind)} {name}"
+            for kind, name in plural.items()
+            if kind in kinds
         ]
         of = " of the weights (the gradients and the state as before)" if "weights" in kinds else ""
         return (

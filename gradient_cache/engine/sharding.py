@@ -81,8 +81,7 @@ def check_placements(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> 
     sharded = [(n, p) for n, p in named_params if is_dtensor(p)]
     if not sharded:
         return
-    # What the cache is tested with: FSDP2, replicate_with_fsdp and HSDP (replicas x shards).
-    supported = ((Shard(0),), (Replicate(),), (Replicate(), Shard(0)))
+    supported = ((Shard(0),), (Replicate(),), (Replicate(), Shard(0)))  # as the refusal names
     for name, param in sharded:
         if tuple(param.placements) not in supported:
             raise ValueError(
