@@ -477,6 +477,16 @@ def tensor_parallel_placement_refused() -> str:
     return _error_of(lambda: gradient_cache.create_gradient_cache(layer))
 
 
+def two_meshes_refused() -> str:
+    """The blocks on one mesh, the root on another: one clip norm is reduced over one mesh."""
+    model = plain_net()
+    blocks_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("blocks",))
+    for block in model.blocks:
+        fully_shard(block, mesh=blocks_mesh)
+    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,), mesh_dim_names=("root",)))
+    return _error_of(lambda: gradient_cache.create_gradient_cache(model))
+
+
 def hsdp_matches_plain() -> dict[str, Any]:
     """2 replicas of 1 shard each: placements (Replicate(), Shard(0)); replicas end equal."""
     mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
@@ -1053,6 +1063,7 @@ PAIRS = {
         cpu_offload_refused,
         tensor_parallel_placement_refused,
         partly_sharded_refused,
+        two_meshes_refused,
         created_after_an_eval,
     ],
 }

@@ -165,6 +165,7 @@ def test_replicate_with_fsdp_matches_plain_and_replicas_agree(replica_results):
         ("cpu_offload_refused", "ValueError: "),
         ("tensor_parallel_placement_refused", "ValueError: Parameter 'weight' is a DTensor"),
         ("partly_sharded_refused", "ValueError: 4 cached parameters (embed.weight"),
+        ("two_meshes_refused", "ValueError: The cached parameters live on 2 device meshes"),
     ],
 )
 def test_refused_on_every_rank_with_the_reason(replica_results, scenario, expected):

@@ -2584,6 +2584,13 @@ MUTANTS = [
         "        self.measured_steps = warmup_steps + 1\n",
         "tests/emulated/test_budget_on_device.py -k blocks_room",
     ),
+    (
+        "fsdp: the meshes refusal counts meshes, not parameters",
+        "gradient_cache/engine/sharding.py",
+        "        if param.device_mesh not in meshes:\n            meshes.append(param.device_mesh)\n",
+        "        meshes.append(param.device_mesh)\n",
+        "tests/test_distributed.py::test_refused_on_every_rank_with_the_reason",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -8,7 +8,7 @@ into a `DTensor` of the parameter's mesh and placements. Other tensors pass unch
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -91,14 +91,16 @@ def check_placements(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> 
                 "Tensor-parallel and other placements are untested: list these layers in "
                 "exclude_layers, or train without the cache."
             )
-    meshes = [p.device_mesh for _, p in sharded]
-    others = [m for m in meshes if m != meshes[0]]  # equal meshes: the same ranks and shape
-    if others:
+    meshes: list[Any] = []
+    for _, param in sharded:  # equal meshes: the same ranks and shape
+        if param.device_mesh not in meshes:
+            meshes.append(param.device_mesh)
+    if len(meshes) > 1:
         raise ValueError(
-            f"The cached parameters live on {1 + len(others)} device meshes ({meshes[0]}, "
-            f"{others[0]}, ...); one manager serves "
-            "one mesh (the clip norm is reduced over it). Shard the model on one mesh, or "
-            "exclude the other mesh's layers."
+            f"The cached parameters live on {len(meshes)} device meshes ({meshes[0]}, "
+            f"{meshes[1]}, ...); one manager serves "
+            "one mesh (the clip norm is reduced over it). Pass one mesh to every fully_shard, "
+            "or list the other mesh's layers in exclude_layers."
         )
     if len(sharded) != len(named_params) and dist.get_world_size() > 1:
         plain = [n for n, p in named_params if not is_dtensor(p)]
