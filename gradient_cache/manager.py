@@ -230,8 +230,7 @@ class GradientCacheHookManager:
         Drains first, so ``compress_and_free_gradients()`` is optional. A gradient already on the
         device (say, produced while disabled) is added to, not overwritten.
         """
-        pipeline = self._live()
-        if pipeline.optimizer_state is not None:
+        if self._live().optimizer_state is not None:
             raise RuntimeError(
                 "apply_gradients() cannot run with offload_optimizer_state=True: the "
                 "optimizer's state is in host memory between steps, and optimizer.step() "
@@ -298,21 +297,20 @@ class GradientCacheHookManager:
                 "updates all its parameters along one direction with a line search that "
                 f"re-evaluates the loss (closure). {how}"
             )
-        max_grad_norm, norm_type = _as_clip_number(max_grad_norm), _as_clip_number(norm_type)
-        if max_grad_norm is not None and not _is_positive_or_inf(max_grad_norm):
+        max_norm = None if max_grad_norm is None else _positive_or_inf(max_grad_norm)
+        if max_norm is None and max_grad_norm is not None:
             raise ValueError(
                 f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0 (inf: the "
                 "norm, returned, without clipping, as clip_grad_norm_ gives it)."
             )
-        if not _is_positive_or_inf(norm_type):
+        norm = _positive_or_inf(norm_type)
+        if norm is None:
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         self._warn_of_a_missing_grad_scaler()
         self._watch.check_before_step()
-        if max_grad_norm is not None:
+        if max_norm is not None:
             self._refuse_a_clip_over_another_cache(optimizer)
-        return self._live_step().step(
-            optimizer, max_norm=max_grad_norm, norm_type=float(norm_type), hooks=True
-        )
+        return self._live_step().step(optimizer, max_norm=max_norm, norm_type=norm, hooks=True)
 
     def _refuse_a_clip_over_another_cache(self, optimizer: torch.optim.Optimizer) -> None:
         """Where another cache holds gradients of ``optimizer``'s parameters too, each would clip
@@ -782,25 +780,17 @@ def _awaits_its_retry(pipeline: Pipeline) -> bool:
     return pipeline.interrupted and pending is not None and pending.partly_stepped()
 
 
-def _as_clip_number(value: Any) -> Any:
-    """A one-element tensor or a string such as ``"inf"`` as the float ``clip_grad_norm_`` makes of
-    it; anything else as it is, for the checks to judge."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
-        return float(value)
-    if isinstance(value, str):
+def _positive_or_inf(value: Any) -> float | None:
+    """``value`` as the float ``clip_grad_norm_`` makes of it (of a one-element tensor, or a string
+    such as ``"inf"`` too) where that is > 0 or inf; None otherwise (a bool, a larger tensor)."""
+    if isinstance(value, str) or (
+        isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool
+    ):
         with contextlib.suppress(ValueError):
-            return float(value)
-    return value
-
-
-def _is_positive_or_inf(value: Any) -> bool:
-    """A real number > 0 (inf too): a tensor of several elements or a bool is not."""
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and not math.isnan(value)
-        and not value <= 0  # as value > 0: numbers.Real promises < and <=, not >
-    )
+            value = float(value)
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    # not value <= 0 as value > 0: numbers.Real promises < and <=, not >
+    return float(value) if real and not math.isnan(value) and not value <= 0 else None
 
 
 def _warn_of_the_ladders_last_rung(pipeline: Pipeline, ratio: float) -> None:
