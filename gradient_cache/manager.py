@@ -176,10 +176,9 @@ class GradientCacheHookManager:
         budget = None
         if config.memory_budget is not None:
             device = pipeline.backend.device
-            memory = device_memory if device_memory is not None else device_memory_of(device)
             budget = BudgetWatch(
                 MemoryBudget.parse(config.memory_budget),
-                memory,
+                device_memory if device_memory is not None else device_memory_of(device),
                 device.type,
                 warmup_steps=config.warmup_steps,
                 weights=self._weights,
