@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -160,7 +161,7 @@ class GradientCacheHookManager:
             )
         _warn_of_split_groups(groups, trainable, included)
         units = weights.plan(named, config, patterns, groups)
-        self._pipeline: Pipeline | None = Pipeline(
+        pipeline = Pipeline(
             included,
             ratio=ratio,
             config=config,
@@ -169,16 +170,15 @@ class GradientCacheHookManager:
             backend_factory=backend_factory,
         )
         # With offload_parameters: the weights' owner (None without).
-        self._weights = None if units is None else weights.attach(named, self._pipeline, units)
+        self._weights = None if units is None else weights.attach(named, pipeline, units)
         if config.codec is None:
-            _warn_of_the_ladders_last_rung(self._pipeline, ratio)
+            _warn_of_the_ladders_last_rung(pipeline, ratio)
         budget = None
         if config.memory_budget is not None:
-            device = self._pipeline.backend.device
-            memory = device_memory if device_memory is not None else device_memory_of(device)
+            device = pipeline.backend.device
             budget = BudgetWatch(
                 MemoryBudget.parse(config.memory_budget),
-                memory,
+                device_memory if device_memory is not None else device_memory_of(device),
                 device.type,
                 warmup_steps=config.warmup_steps,
                 weights=self._weights,
@@ -192,7 +192,7 @@ class GradientCacheHookManager:
                 method(steps_before)
 
         self._step: OptimizerStep | None = OptimizerStep(
-            self._pipeline,
+            pipeline,
             # The fused step sums norms in model.parameters() order, as clip_grad_norm_ does;
             # weak keys keep no replaced parameter alive.
             model_order=WeakIdKeyDictionary({p: i for i, (_, p) in enumerate(trainable)}),
@@ -201,27 +201,20 @@ class GradientCacheHookManager:
         )
         # The forward check sits on the module called (outside a compiled graph).
         called_names = {p: n for n, p in model.named_parameters()}
-        pipeline = self._pipeline  # the closure below holds it, not the manager
         self._watch = ParameterWatch(
             model,
             [(called_names[p], p) for _, p in included],
             excluded=patterns,
-            device=self._pipeline.backend.device,
+            device=pipeline.backend.device,
             in_place=None if self._weights is None else self._weights.masters.in_place,
             retry_pending=lambda: pipeline.interrupted,
             at_forward=functools.partial(pipeline.settle_scaled_step, known_only=True),
         )
-        self._attach(model)
-
-    def _attach(self, model: torch.nn.Module) -> None:
-        """The last step of construction: the readers answer from this manager, and its hooks go
-        if it is collected while attached (`_detach_dropped`)."""
-        _attached.add(self)
+        _attached.add(self)  # the readers answer from it
         gradient_readers.fall_back_to(_ATTACHED_READS)
         # The finalizer holds the manager's attributes, not the manager, so an unkept manager
         # is collected and its hooks go. Not at exit: the process ends anyway.
-        finalizer = weakref.finalize(self, _detach_dropped, vars(self), weakref.ref(model))
-        finalizer.atexit = False
+        weakref.finalize(self, _detach_dropped, vars(self), weakref.ref(model)).atexit = False
 
     # --- the training-loop calls --------------------------------------------------
 
@@ -236,8 +229,7 @@ class GradientCacheHookManager:
         Drains first, so ``compress_and_free_gradients()`` is optional. A gradient already on the
         device (say, produced while disabled) is added to, not overwritten.
         """
-        pipeline = self._live()
-        if pipeline.optimizer_state is not None:
+        if self._live().optimizer_state is not None:
             raise RuntimeError(
                 "apply_gradients() cannot run with offload_optimizer_state=True: the "
                 "optimizer's state is in host memory between steps, and optimizer.step() "
@@ -304,32 +296,29 @@ class GradientCacheHookManager:
                 "updates all its parameters along one direction with a line search that "
                 f"re-evaluates the loss (closure). {how}"
             )
-        max_grad_norm, norm_type = _as_clip_number(max_grad_norm), _as_clip_number(norm_type)
-        if max_grad_norm is not None and not _is_positive_or_inf(max_grad_norm):
+        max_norm = None if max_grad_norm is None else _positive_or_inf(max_grad_norm)
+        if max_norm is None and max_grad_norm is not None:
             raise ValueError(
                 f"Invalid max_grad_norm: {max_grad_norm!r}; expected a number > 0 (inf: the "
                 "norm, returned, without clipping, as clip_grad_norm_ gives it)."
             )
-        if not _is_positive_or_inf(norm_type):
+        norm = _positive_or_inf(norm_type)
+        if norm is None:
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         self._warn_of_a_missing_grad_scaler()
         self._watch.check_before_step()
-        if max_grad_norm is not None:
+        if max_norm is not None:
             self._refuse_a_clip_over_another_cache(optimizer)
-        return self._live_step().step(
-            optimizer, max_norm=max_grad_norm, norm_type=float(norm_type), hooks=True
-        )
+        return self._live_step().step(optimizer, max_norm=max_norm, norm_type=norm, hooks=True)
 
     def _refuse_a_clip_over_another_cache(self, optimizer: torch.optim.Optimizer) -> None:
         """Where another cache holds gradients of ``optimizer``'s parameters too, each would clip
         by its own share's norm, not the optimizer's global one."""
         params = {p for group in optimizer.param_groups for p in group["params"]}
         others = [
-            manager
-            for manager in _attached
-            if manager is not self
-            and manager.engine is not None
-            and not params.isdisjoint(manager.engine.records)
+            step
+            for step in _steps_of(_attached)
+            if step is not self._step and not params.isdisjoint(step.pipeline.records)
         ]
         if others:
             raise RuntimeError(
@@ -485,10 +474,10 @@ class GradientCacheHookManager:
     def summary(self) -> CompressionSummary:
         """Figures of the gradients cached now, or of the last restored step (typed; every
         field is documented on `gradient_cache.stats.CompressionSummary`)."""
+        step = self._live_step()
+        note = step.budget.note if isinstance(step.budget, BudgetWatch) else ""
         return compression_summary(
-            self._live(),
-            num_excluded=self._num_excluded,
-            memory_budget=self._budget_note(),
+            step.pipeline, num_excluded=self._num_excluded, memory_budget=note
         )
 
     # --- switches and lifetime ----------------------------------------------------
@@ -520,15 +509,16 @@ class GradientCacheHookManager:
         (which would read weights the close moves); ``abandon_an_awaited_backward=True`` closes
         anyway (the integrations at their end, a with-block left on an exception).
         """
-        if self._pipeline is None:
+        if self._step is None:
             return
         if self._weights is not None:  # the weights back on the device first, where .grad goes
             # If they cannot be, nothing is detached yet.
             self._weights.close(refuse_an_awaited_backward=not abandon_an_awaited_backward)
             self._weights = None
-        pipeline, self._pipeline, self._step = self._pipeline, None, None
+        pipeline, self._step = self._step.pipeline, None
         self._watch.remove()
-        _detached()
+        if not _steps_of(_attached):  # the readers' originals return (unless an integration runs)
+            gradient_readers.fall_back_to(None)
         try:
             pipeline.drain()
             pipeline.restore(list(pipeline.store))
@@ -550,13 +540,13 @@ class GradientCacheHookManager:
     def cache_tensors(self) -> CacheTensors:
         """The tensors the cache has now, host and device (`CacheTensors`), for memory accounting;
         empty once closed, when everything went back to ``param.grad``."""
-        return CacheTensors() if self._pipeline is None else cache_tensors(self._pipeline)
+        return CacheTensors() if self._step is None else cache_tensors(self._step.pipeline)
 
     @property
     def engine(self) -> Pipeline | None:
         """The engine, for tests and benchmarks that look inside; None once closed. Internal: its
         attributes may change between versions."""
-        return self._pipeline
+        return None if self._step is None else self._step.pipeline
 
     @property
     def optimizer_step(self) -> OptimizerStep | None:
@@ -566,22 +556,16 @@ class GradientCacheHookManager:
 
     # --- helpers ------------------------------------------------------------------
 
-    def _live(self) -> Pipeline:
-        if self._pipeline is None:
+    def _live_step(self) -> OptimizerStep:
+        if self._step is None:
             raise RuntimeError(
                 "This GradientCacheHookManager was closed by remove_hooks() (or by leaving "
                 "its with-block); create a new one with gradient_cache.create_gradient_cache."
             )
-        return self._pipeline
-
-    def _live_step(self) -> OptimizerStep:
-        self._live()  # raises once closed
-        assert self._step is not None  # set and cleared with the pipeline
         return self._step
 
-    def _budget_note(self) -> str:
-        budget = None if self._step is None else self._step.budget
-        return budget.note if isinstance(budget, BudgetWatch) else ""
+    def _live(self) -> Pipeline:
+        return self._live_step().pipeline
 
     def _log_step(self, steps_before: int) -> None:
         """After a restore: the verbose log line, where it completed a step."""
@@ -691,10 +675,7 @@ class ManagerReads:
         optimizers') drops them, as ``zero_grad()`` drops ``.grad``; one holding others' too keeps
         them all (it cannot drop a part of its step)."""
         zeroed: set[torch.Tensor] | None = None  # built once, where a step is pending
-        for manager in self._managers():
-            pipeline = manager.engine
-            if pipeline is None:
-                continue
+        for pipeline in (step.pipeline for step in _steps_of(self._managers())):
             if not pipeline.step_pending:  # the common case: zero_grad() after the step
                 # Settle a known GradScaler skip here, outside a hook: the forward's check misses
                 # it where Lightning's training_step calls submodules.
@@ -709,12 +690,9 @@ class ManagerReads:
                     pipeline.discard()
 
     def _caching(self, parameters: list[torch.Tensor] | None) -> list[OptimizerStep]:
-        """The steps of the attached managers caching any of ``parameters`` (None: every one)."""
-        steps = (manager.optimizer_step for manager in self._managers())
+        """The steps caching any of ``parameters`` (None: every one)."""
         return [
-            step
-            for step in steps
-            if step is not None and (parameters is None or step.caches(parameters))
+            s for s in _steps_of(self._managers()) if parameters is None or s.caches(parameters)
         ]
 
 
@@ -722,7 +700,7 @@ class ManagerReads:
 # where no integration routes them (`gradient_readers.fall_back_to`).
 _attached: weakref.WeakSet[GradientCacheHookManager] = weakref.WeakSet()
 _ATTACHED_READS = ManagerReads(
-    lambda: [manager for manager in _attached if manager.engine is not None],
+    lambda: _attached,
     fix="Clip with hook_manager.step(optimizer, max_grad_norm=...) (or clip_grad_norm_ over "
     "one model's parameters, answered from the cache), and give the GradScaler to the cache "
     "(create_gradient_cache(..., grad_scaler=scaler)): step(optimizer) then unscales as it "
@@ -737,14 +715,12 @@ def _refuse_plain_steps(
     attached manager holds once the closure ran is refused (it would step without them), unless
     an integration routes it to the fused step. Registered once, at import: a manager made or
     closed inside a step hook must not change torch's global hooks while torch runs them."""
-    if gradient_readers.routed() or not any(m.engine is not None for m in _attached):
+    if gradient_readers.routed() or not _steps_of(_attached):
         return None  # the closure as it is: nothing to refuse
 
     def refuse() -> None:
-        for manager in list(_attached):
-            step = manager.optimizer_step
-            if manager.engine is not None and step is not None:
-                step.refuse_a_plain_step(optimizer)
+        for step in _steps_of(_attached):
+            step.refuse_a_plain_step(optimizer)
 
     return after_the_closure(args, kwargs, refuse)
 
@@ -753,21 +729,21 @@ register_optimizer_step_pre_hook(_refuse_plain_steps)
 OWN_HOOKS.add(_refuse_plain_steps)  # not the user's: a fused step's hooks leave it out
 
 
-def _detached() -> None:
-    """Once no manager is attached, the readers' originals return (unless an integration runs)."""
-    if not any(manager.engine is not None for manager in _attached):
-        gradient_readers.fall_back_to(None)
+def _steps_of(managers: Iterable[GradientCacheHookManager]) -> list[OptimizerStep]:
+    """The steps of ``managers`` not closed (a closed one stays in `_attached` while kept)."""
+    steps = (manager.optimizer_step for manager in managers)
+    return [step for step in steps if step is not None]
 
 
 def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Module]) -> None:
     """The finalizer of a manager collected while attached: its hooks would keep taking gradients no
     one can restore and hold the parameters against a new cache, so it detaches as
-    ``remove_hooks()`` does, on a stand-in holding the manager's attributes. It warns where the
-    model lives on and the manager never completed a step or had gradients cached (the result of
-    ``create_gradient_cache`` was not kept)."""
-    pipeline = attributes.get("_pipeline")
-    if pipeline is None:
+    ``remove_hooks()`` does, on a stand-in holding the manager's attributes (the warning says
+    why where the model lives on: the result of ``create_gradient_cache`` was not kept)."""
+    step = attributes.get("_step")
+    if step is None:
         return  # closed by remove_hooks() first
+    pipeline = step.pipeline
     unused = model() is not None and (pipeline.steps == 0 or pipeline.step_pending)
     stand_in = GradientCacheHookManager.__new__(GradientCacheHookManager)
     vars(stand_in).update(attributes)
@@ -802,27 +778,17 @@ def _awaits_its_retry(pipeline: Pipeline) -> bool:
     return pipeline.interrupted and pending is not None and pending.partly_stepped()
 
 
-def _as_clip_number(value: Any) -> Any:
-    """A one-element tensor or a string such as ``"inf"`` as the float ``clip_grad_norm_`` makes of
-    it; anything else as it is, for the checks to judge."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-def _is_positive_or_inf(value: Any) -> bool:
-    """A real number > 0 (inf too): a tensor of several elements or a bool is not."""
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and not math.isnan(value)
-        and not value <= 0  # as value > 0: numbers.Real promises < and <=, not >
-    )
+def _positive_or_inf(value: Any) -> float | None:
+    """``value`` as the float ``clip_grad_norm_`` makes of it (of a one-element tensor, or a string
+    such as ``"inf"`` too) where that is > 0 or inf; None otherwise (a bool, a larger tensor)."""
+    if isinstance(value, str) or (
+        isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool
+    ):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    # not value <= 0 as value > 0: numbers.Real promises < and <=, not >
+    return float(value) if real and not math.isnan(value) and not value <= 0 else None
 
 
 def _warn_of_the_ladders_last_rung(pipeline: Pipeline, ratio: float) -> None:

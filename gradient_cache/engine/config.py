@@ -320,9 +320,9 @@ def _codec_of_keywords(codec: Any, keywords: dict[str, Any], ratio: float) -> Co
     """The codec that ``codec`` and the old top-k keywords mean together, or an error
     naming the keyword that would do nothing and the spelling that acts."""
     check_codec(codec)
-    TopK(**keywords)  # a bad value is named first, whatever the codec
+    topk = TopK(**keywords)  # a bad value is named first, whatever the codec
     if codec == "topk":
-        return TopK(**keywords)
+        return topk
     if isinstance(codec, (TopK, Ladder)):
         name, value = next(iter(keywords.items()))
         raise TypeError(
@@ -340,21 +340,16 @@ def _codec_of_keywords(codec: Any, keywords: dict[str, Any], ratio: float) -> Co
     name, value = next(iter(rest.items()))
     if codec_name(codec) is None:
         where = f"codec=None at compression_ratio={ratio:g}"
-        if name == "selection":
-            why = "every gradient travels whole at ratio 1, nothing is selected"
-        elif name == "value_dtype":
-            why = (
-                "the codecs it chooses store their own values (int8 codes where they fit); "
-                "value_dtype='int8' means codec='int8' at compression_ratio=1 only"
-            )
-        else:
-            why = "the codecs it chooses keep no residual"
+        why = {
+            "selection": "every gradient travels whole at ratio 1, nothing is selected",
+            "value_dtype": "the codecs it chooses store their own values (int8 codes where they "
+            "fit); value_dtype='int8' means codec='int8' at compression_ratio=1 only",
+        }.get(name, "the codecs it chooses keep no residual")
     else:
-        where = f"codec={codec_name(codec)!r}"
-        why = "that codec is not top-k"
-    alternative = ""
-    if name == "value_dtype":
-        alternative = ", or codec='int8' for int8 codes on every tensor"
+        where, why = f"codec={codec_name(codec)!r}", "that codec is not top-k"
+    alternative = (
+        ", or codec='int8' for int8 codes on every tensor" if name == "value_dtype" else ""
+    )
     raise ValueError(
         f"{name}={value!r} does nothing with {where}: {why}. It is an option of the top-k "
         f"codec: pass codec=gradient_cache.TopK({name}={value!r}) for top-k (which keeps "

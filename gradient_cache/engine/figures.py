@@ -64,12 +64,11 @@ def host_tensors(pipeline: Pipeline) -> tuple[torch.Tensor, ...]:
     """`CacheTensors.host` alone: the demo's CPU tracker reads it before every operator,
     where gathering the device-side tensors too took a fifth of a tracked step's time."""
     states, weights = pipeline.optimizer_state, pipeline.weights
-    residuals = pipeline.backend.residuals
     on_host = pipeline.config.residual_options.residual_location == "host"
     return (
         *pipeline.store.tensors(),
         *((pipeline.pending and pipeline.pending.random_state) or {}).values(),
-        *(residuals.held() if on_host else ()),
+        *(pipeline.backend.residuals.held() if on_host else ()),
         *(() if states is None else states.host_tensors()),
         *(() if weights is None else weights.host_tensors()),
     )

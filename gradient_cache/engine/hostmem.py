@@ -68,7 +68,7 @@ def cgroup_headroom_bytes(
         else:
             continue
         found += _headrooms(base / path.lstrip("/"), base, *files)
-    return min(found) if found else None
+    return min(found, default=None)
 
 
 def available_host_bytes() -> int:
