@@ -337,7 +337,7 @@ class HostWeights:
             if weight.at is not WeightAt.DEVICE or param._version == weight.version:
                 continue
             weight.version = param._version
-            if _exact(weight):
+            if weight.exact:
                 weight.dirty = True
             else:
                 refused.append(param)
@@ -395,7 +395,7 @@ class HostWeights:
 
     def store(self, params: Iterable[Param]) -> None:
         """``params`` stepped or written on the device: copied into their masters, then freed."""
-        present = [(p, w) for p, w in self._held(params) if w.at is WeightAt.DEVICE and _exact(w)]
+        present = [(p, w) for p, w in self._held(params) if w.at is WeightAt.DEVICE and w.exact]
         if not present:
             return
         pairs = [(weight.place(), weight.master) for _, weight in present]
@@ -538,8 +538,3 @@ def _view(region: torch.Tensor, like: torch.Tensor, at: int) -> torch.Tensor:
 def _versions(param: Param, weight: Weight) -> tuple[int, int]:
     """The version counters a write into ``param`` at rest or into its master moves."""
     return param._version, weight.master._version
-
-
-def _exact(weight: Weight) -> bool:
-    """Whether ``weight``'s device tensor in use holds its master itself (not a cast)."""
-    return weight.in_use is not None and weight.exact
