@@ -124,10 +124,7 @@ class HostWeights:
         self.compute_dtype = compute_dtype
         placement.check(named_params)
         self._slabs = StateSlabs(
-            backend.host_slab,
-            fraction=fraction,
-            round_up=backend.host_slabs_round_up,
-            what=WHAT,
+            backend.host_slab, fraction=fraction, round_up=backend.host_slabs_round_up, what=WHAT
         )
         self._weights: dict[Param, Weight] = {}
         self._copies_back = False  # a copy into a master may be in flight

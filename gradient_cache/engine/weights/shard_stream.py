@@ -44,7 +44,6 @@ class ShardStream:
         self._reached: set[int] = set()  # the modules whose backward began
         self.end = BackwardEnd(self._backward_ended, weights.backend.device)  # a close's too
         self._handles: list[Any] = []
-        self._unshards: list[torch.nn.Module] = []
         for index, sharded in enumerate(modules):
             module = sharded.module
             self._handles += [
@@ -59,7 +58,6 @@ class ShardStream:
             # The user's unshard() all-gathers too: an instance attribute over FSDP2's.
             unshard = functools.partial(self._unshard, index, module.unshard)
             object.__setattr__(module, "unshard", unshard)
-            self._unshards.append(module)
         self._handles += OwnerHooks(model, weights, give_up=self._give_up).handles
         # The model's forward, and a root's where a framework calls it, not the model
         # (Lightning's training_step): prepend, registered last, before the hooks above.
@@ -75,9 +73,9 @@ class ShardStream:
         """The hooks removed; the shards stay where they are."""
         for handle in self._handles:
             handle.remove()
-        for module in self._unshards:
-            del module.unshard  # FSDP2's own again
-        self._handles, self._unshards = [], []
+        for sharded in self._modules:
+            vars(sharded.module).pop("unshard", None)  # FSDP2's own again
+        self._handles = []
 
     @outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any) -> None:
