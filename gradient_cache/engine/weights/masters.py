@@ -144,8 +144,7 @@ class HostWeights:
                 self._lay_out(same_dtype, sources)
         self._names = {param: name for name, param in named_params}
         # Bytes moved either way since the last step ended, and in the last step.
-        self.moved_bytes = 0
-        self.moved_last_step = 0
+        self.moved_bytes = self.moved_last_step = 0
         self._counted_step = -1  # the step moved_last_step counts
 
     def _lay_out(self, params: list[Param], sources: dict[Param, torch.Tensor]) -> None:
