@@ -392,7 +392,7 @@ def test_hooks_of_a_backward_ended_as_failed_do_not_run() -> None:
 
     class Stream:
         def __init__(self) -> None:
-            self._end = BackwardEnd(lambda: None, torch.device("cpu"))
+            self.end = BackwardEnd(lambda: None, torch.device("cpu"))
             self.ran: list[str] = []
 
         @of_this_backward
@@ -405,10 +405,10 @@ def test_hooks_of_a_backward_ended_as_failed_do_not_run() -> None:
     first = leaf * 2  # made later: autograd runs its node first
 
     def late(grad: torch.Tensor) -> None:
-        stream._end.after_a_failed_backward()  # as the next forward would
+        stream.end.after_a_failed_backward()  # as the next forward would
         stream.hook("late")
 
-    first.register_hook(lambda grad: (stream._end.queue(), stream.hook("early"))[0])
+    first.register_hook(lambda grad: (stream.end.queue(), stream.hook("early"))[0])
     second.register_hook(late)
     (first.sum() + second.sum()).backward()
     other = leaf * 4

@@ -68,7 +68,7 @@ class Weights:
                 "moves and fail. Run the backward first, or drop the forward's outputs "
                 "(del loss, logits) if no backward will come."
             )
-        self.stream.end_a_failed_backward()  # else its last hook may bring one meanwhile
+        self.stream.end.after_a_failed_backward()  # else its last hook may bring one meanwhile
         self.masters.close()
         self.stream.remove()
 
@@ -159,7 +159,7 @@ def attach(
             named,
             backend,
             placement,
-            units=[unit for unit in together if unit],
+            units=together,
             fraction=config.host_memory_fraction,
             compute_dtype=config.compute_dtype,
         )

@@ -1,25 +1,25 @@
 """A block weight at rest on the host, guarded (`GuardedAtRest`, its class swapped from a
 forward's end to its backward's begin): a use autograd records gets a pre-hook on its node
 that raises by name, on whichever thread reaches it first. ``backward(inputs=)`` and
-``autograd.grad`` naming a guarded weight get the nodes its uses recorded (`record_uses`):
+``autograd.grad`` naming a guarded weight get the nodes its uses recorded (`USES`):
 moving ``P.data`` made autograd start a new one. Why: docs/ARCHITECTURE.md, "Traps".
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 
 Param = torch.nn.Parameter
 
 #: Each guarded weight's name, by ``id`` (a tensor's ``==`` is elementwise), for the refusal.
 NAMES: dict[int, str] = {}
-#: Each guarded weight's uses' accumulation nodes since the last backward (`record_uses`).
+#: Each guarded weight's uses' nodes since the last backward (`OwnTensors.record_uses`).
 USES: dict[int, list[GradientEdge]] = {}
 
 
@@ -74,26 +74,10 @@ def dress(param: Param, name: str | None) -> None:
         NAMES[id(param)] = name
 
 
-def record_uses(params: Iterable[Param]) -> None:
-    """Each of ``params``' accumulation node now, as a forward used it on the device, kept
-    (once: a block run twice without moving has one) for ``backward`` and ``grad``."""
-    for param in params:
-        edge = get_gradient_edge(param)
-        known = USES.setdefault(id(param), [])
-        if all(seen.node is not edge.node for seen in known):
-            known.append(edge)
-
-
-def forget_uses(params: Iterable[Param]) -> None:
-    """The backward came: the nodes `record_uses` kept of ``params`` go."""
-    for param in params:
-        USES.pop(id(param), None)
-
-
 def _through_recorded_uses(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``autograd.backward`` or ``grad`` with each input `record_uses` kept replaced by its
+    """``autograd.backward`` or ``grad`` with each input `USES` keeps replaced by its
     nodes; ``grad`` answers one gradient per input given (the sum over a weight's nodes)."""
     grad = func is torch.autograd.grad
     inputs = args[1] if grad else kwargs.get("inputs")

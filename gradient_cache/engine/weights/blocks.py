@@ -127,24 +127,18 @@ def weight_units(model: torch.nn.Module, *, name: str | None = None) -> WeightUn
     for index, block in enumerate(blocks):
         for param in block.parameters():
             users.setdefault(param, set()).add(index)
-    outside = {
-        id(p) for module in _outside(model, blocks) for p in module.parameters(recurse=False)
-    }
+    inside = {id(m) for block in blocks for m in block.modules()}
+    outside = [module for module in model.modules() if id(module) not in inside]
+    owned_outside = {id(p) for module in outside for p in module.parameters(recurse=False)}
     block_params: list[list[Param]] = [[] for _ in blocks]
     rest = []
     for param in model.parameters():
         owners = users.get(param, set())
-        if len(owners) == 1 and id(param) not in outside:
+        if len(owners) == 1 and id(param) not in owned_outside:
             block_params[next(iter(owners))].append(param)
         else:
             rest.append(param)
     return WeightUnits(blocks, block_params, rest)
-
-
-def _outside(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The modules of ``model`` that are not inside one of ``blocks``."""
-    inside = {id(m) for block in blocks for m in block.modules()}
-    return [module for module in model.modules() if id(module) not in inside]
 
 
 def _bytes(module: torch.nn.Module) -> int:

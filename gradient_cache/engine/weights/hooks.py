@@ -169,12 +169,12 @@ class BackwardEnd:
 
 
 def of_this_backward(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A stream's backward hook, run under its ``_end``'s lock, skipped in a failed backward."""
+    """A stream's backward hook, run under its ``end``'s lock, skipped in a failed backward."""
 
     @functools.wraps(method)
     def hook(self: Any, *args: Any) -> Any:
-        with self._end.lock:
-            if self._end.in_a_failed_backward():
+        with self.end.lock:
+            if self.end.in_a_failed_backward():
                 return None
             return method(self, *args)
 
@@ -221,18 +221,19 @@ class OwnerHooks:
     def _compact(
         self, own: dict[str, Param], module: Any, state: dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        """Each of ``own`` in ``state`` as a copy of its own; a tied one as one copy."""
+        """Each of ``own`` in ``state`` as a copy of its own (``torch.save`` would write a
+        master's whole slab, safetensors refuses it as shared); a tied one as one copy."""
         for name, param in own.items():
             value = state.get(prefix + name)
             if not isinstance(value, torch.Tensor) or not self.weights.holds(value):
                 continue
             if param not in self._tied:
-                state[prefix + name] = self.weights.compact(value)
+                state[prefix + name] = value.clone()
                 continue
             earlier = self._saved.get(param)
             copy = earlier() if earlier is not None else None
             if copy is None or not any(v is copy for v in state.values()):
-                copy = self.weights.compact(value)
+                copy = value.clone()
                 self._saved[param] = weakref.ref(copy)
             state[prefix + name] = copy
 

@@ -83,14 +83,10 @@ class Placement(Protocol):
         """Whether another use of ``param`` is still to accumulate in this backward."""
 
     def device_tensors(
-        self,
-        sources: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        offsets: list[int],
-        numel: int,
+        self, sources: list[torch.Tensor], masters: list[torch.Tensor]
     ) -> tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
-        """One unit's device buffer (None: none) and each weight's compute and full (the
-        step's) tensor, their memory given up; ``masters`` lie at ``offsets`` in ``numel``."""
+        """One unit's device buffer (None: none), laid out as its ``masters`` (`unit_offsets`),
+        and each weight's compute and full (the step's) tensor, their memory given up."""
 
     def wire_dtype(self, param: Param) -> torch.dtype | None:
         """The dtype forward and backward read ``param`` in (its wire's), or None."""
@@ -110,7 +106,8 @@ class Placement(Protocol):
 
 class HostWeights:
     """The masters and device tensors of ``named_params``, a `Weight` record each, placed by
-    ``placement``. The host budget (``fraction``) is checked first: a refusal changes nothing."""
+    ``placement`` and laid out by the ``units`` that cover them. The host budget
+    (``fraction``) is checked first: a refusal changes nothing."""
 
     def __init__(
         self,
@@ -127,10 +124,7 @@ class HostWeights:
         self.compute_dtype = compute_dtype
         placement.check(named_params)
         self._slabs = StateSlabs(
-            backend.host_slab,
-            fraction=fraction,
-            round_up=backend.host_slabs_round_up,
-            what=WHAT,
+            backend.host_slab, fraction=fraction, round_up=backend.host_slabs_round_up, what=WHAT
         )
         self._weights: dict[Param, Weight] = {}
         self._copies_back = False  # a copy into a master may be in flight
@@ -142,32 +136,28 @@ class HostWeights:
         needed = sum(s.numel() * (s.element_size() + wires) for s in sources.values())
         on_host = sum(nbytes(s) for s in sources.values() if s.device.type == "cpu")
         check_host_budget(needed, fraction=fraction, what=WHAT, released=on_host)
-        covered = {param for unit in units for param in unit}
-        alone = [[param] for param in sources if param not in covered]
-        for unit in [*units, *alone]:
-            for same_dtype in _by_dtype(unit, sources):
+        for unit in units:
+            by_dtype: dict[torch.dtype, list[Param]] = {}  # a unit's buffer has one
+            for param in unit:
+                by_dtype.setdefault(sources[param].dtype, []).append(param)
+            for same_dtype in by_dtype.values():
                 self._lay_out(same_dtype, sources)
         self._names = {param: name for name, param in named_params}
         # Bytes moved either way since the last step ended, and in the last step.
-        self.moved_bytes = 0
-        self.moved_last_step = 0
+        self.moved_bytes = self.moved_last_step = 0
         self._counted_step = -1  # the step moved_last_step counts
 
     def _lay_out(self, params: list[Param], sources: dict[Param, torch.Tensor]) -> None:
         """One unit's masters (and wires), laid out as its device buffer, and device tensors;
         each filled and its parameter at rest there in turn (never two whole copies)."""
-        offsets, numel = unit_offsets([sources[p] for p in params])
-        dtype = sources[params[0]].dtype
-        masters = self._regions(params, sources, offsets, numel, dtype)
-        buffer, computes, fulls = self.placement.device_tensors(
-            [sources[p] for p in params], masters, offsets, numel
-        )
+        likes = [sources[p] for p in params]
+        masters, hosts = self._regions(likes, likes[0].dtype)
+        buffer, computes, fulls = self.placement.device_tensors(likes, masters)
         wires: list[torch.Tensor | None] = [None] * len(params)
-        hosts = _flat_runs(masters, offsets, numel)
         wire = self.placement.wire_dtype(params[0])
-        if wire is not None and wire != dtype:  # the masters' casts, which forward reads
-            casts = self._regions(params, sources, offsets, numel, wire)
-            wires, hosts = list(casts), _flat_runs(casts, offsets, numel)
+        if wire is not None and wire != likes[0].dtype:  # the masters' casts, forward reads
+            casts, hosts = self._regions(likes, wire)
+            wires = list(casts)
         unit = None if buffer is None else Unit(buffer, hosts, list(params))
         for i, param in enumerate(params):
             weight = Weight(masters[i], computes[i], fulls[i], unit, wires[i])
@@ -179,21 +169,18 @@ class HostWeights:
             weight.wired = _versions(param, weight)
 
     def _regions(
-        self,
-        params: list[Param],
-        sources: dict[Param, torch.Tensor],
-        offsets: list[int],
-        numel: int,
-        dtype: torch.dtype,
-    ) -> list[torch.Tensor]:
-        """A host tensor in ``dtype`` like each of ``params``' sources, in runs of at most
-        `RUN_BYTES`: pinned slabs are powers of two, so one of several GiB wastes up to half."""
-        views = []
-        for run in _runs(offsets, numel, dtype.itemsize):
-            start, end = offsets[run[0]], _end(offsets, numel, run[-1])
+        self, likes: list[torch.Tensor], dtype: torch.dtype
+    ) -> tuple[list[torch.Tensor], list[tuple[int, torch.Tensor]]]:
+        """A host tensor in ``dtype`` like each of ``likes`` at its `unit_offsets`, and each
+        run's (offset in the unit, flat region). Runs of at most `RUN_BYTES`: pinned slabs are
+        powers of two, so one of several GiB wastes up to half."""
+        offsets, numel = unit_offsets(likes)
+        views, runs = [], []
+        for run, start, end in _runs(offsets, numel, dtype.itemsize):
             region = self._slabs.take([(end - start) * dtype.itemsize])[0].view(dtype)
-            views += [_view(region, sources[params[i]], offsets[i] - start) for i in run]
-        return views
+            views += [_view(region, likes[i], offsets[i] - start) for i in run]
+            runs.append((start, region))
+        return views, runs
 
     @property
     def host_bytes(self) -> int:
@@ -203,11 +190,6 @@ class HostWeights:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (not a Parameter; maybe a `DTensor`) views the masters' slabs."""
         return not isinstance(tensor, Param) and self._slabs.holds(sharding.local(tensor))
-
-    def compact(self, value: torch.Tensor) -> torch.Tensor:
-        """A master in a ``state_dict`` as a copy of its own: ``torch.save`` would write a
-        slab view's whole slab, and safetensors refuses it as shared memory."""
-        return value.clone()
 
     def where(self, param: Param) -> WeightAt:
         return self._weights[param].at
@@ -284,20 +266,15 @@ class HostWeights:
             weight.at, weight.arrival = WeightAt.ARRIVING, arrival
 
     def _loaded(self, param: Param, weight: Weight) -> torch.Tensor:
-        """What fills ``param``'s compute tensor now (its fresh wire, or its master)."""
-        self._fresh_wire(param, weight)
+        """What fills ``param``'s compute tensor now: its master, or its wire, cast again where
+        ``P`` or its master changed since (the host rounds to nearest even, as the device)."""
+        if weight.wire is not None and weight.wired != _versions(param, weight):
+            if self._copies_back:  # a step that raised: its copies back may still be writing
+                self.wait_on_host()  # the master complete before the host reads it
+            weight.wire.copy_(weight.master)
+            weight.wired = _versions(param, weight)
         weight.sent = _versions(param, weight)
         return weight.master if weight.wire is None else weight.wire
-
-    def _fresh_wire(self, param: Param, weight: Weight) -> None:
-        """``weight``'s wire cast again where ``P`` or its master changed since; the host's
-        cast rounds to nearest even, as the device's does."""
-        if weight.wire is None or weight.wired == _versions(param, weight):
-            return
-        if self._copies_back:  # a step that raised: its copies back may still be writing
-            self.wait_on_host()  # the master complete before the host reads it
-        weight.wire.copy_(weight.master)
-        weight.wired = _versions(param, weight)
 
     def refills(self, params: Iterable[Param]) -> list[Transfer] | None:
         """The copies on their way for ``params``, for a reader on another stream; None where
@@ -356,7 +333,7 @@ class HostWeights:
             if weight.at is not WeightAt.DEVICE or param._version == weight.version:
                 continue
             weight.version = param._version
-            if _exact(weight):
+            if weight.exact:
                 weight.dirty = True
             else:
                 refused.append(param)
@@ -414,19 +391,18 @@ class HostWeights:
 
     def store(self, params: Iterable[Param]) -> None:
         """``params`` stepped or written on the device: copied into their masters, then freed."""
-        present = [p for p, w in self._held(params) if w.at is WeightAt.DEVICE and _exact(w)]
+        present = [(p, w) for p, w in self._held(params) if w.at is WeightAt.DEVICE and w.exact]
         if not present:
             return
-        pairs = [(self._weights[p].place(), self._weights[p].master) for p in present]
+        pairs = [(weight.place(), weight.master) for _, weight in present]
         transfer = self.backend.start_to_host(pairs)
         self._copies_back = True
-        for param in present:  # the copies back started: the masters will be the newer
-            self._weights[param].dirty = False
-            self._weights[param].version = param._version
+        for param, weight in present:  # the copies back started: the masters will be the newer
+            weight.dirty, weight.version = False, param._version
         self.moved_bytes += sum(nbytes(device) for device, _ in pairs)
         # The compute stream waits for the copies back before the memory goes.
         self.backend.release(transfer)
-        self.free(present)
+        self.free(param for param, _ in present)
 
     def step_ended(self, steps: int) -> None:
         """A step of ``steps`` completed: dirty weights copied back and the host waits (the
@@ -442,9 +418,7 @@ class HostWeights:
 
     def masters(self, params: Iterable[Param] | None = None) -> tuple[torch.Tensor, ...]:
         """The masters (of ``params``: every one these weights hold), in host memory."""
-        if params is None:
-            return tuple(w.master for w in self._weights.values())
-        return tuple(w.master for _, w in self._held(params))
+        return tuple(w.master for _, w in self._held(self._weights if params is None else params))
 
     def host_tensors(self) -> tuple[torch.Tensor, ...]:
         """The masters and the wires, in host memory (memory accounting)."""
@@ -536,33 +510,15 @@ def unit_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
 RUN_BYTES = 2**30  # the largest host run of a unit: `state_slabs.MAX_SLAB`'s slabs
 
 
-def _runs(offsets: list[int], numel: int, itemsize: int) -> list[list[int]]:
-    """A unit's weights' indices in runs of at most `RUN_BYTES` (a larger weight alone)."""
-    runs: list[list[int]] = []
-    start = 0
-    for i in range(len(offsets)):
-        if not runs or (_end(offsets, numel, i) - start) * itemsize > RUN_BYTES:
-            runs.append([])
-            start = offsets[i]
-        runs[-1].append(i)
-    return runs
-
-
-def _end(offsets: list[int], numel: int, i: int) -> int:
-    """Where weight ``i``'s place in its unit ends (the next one's offset)."""
-    return offsets[i + 1] if i + 1 < len(offsets) else numel
-
-
-def _flat_runs(
-    views: list[torch.Tensor], offsets: list[int], numel: int
-) -> list[tuple[int, torch.Tensor]]:
-    """Each host run's (offset in the unit, flat tensor over it), from the weights' views."""
-    runs = []
-    for run in _runs(offsets, numel, views[0].element_size()):
-        start, end = offsets[run[0]], _end(offsets, numel, run[-1])
-        first = views[run[0]]
-        flat = first.as_strided((end - start,), (1,), first.storage_offset())
-        runs.append((start, flat))
+def _runs(offsets: list[int], numel: int, itemsize: int) -> list[tuple[list[int], int, int]]:
+    """A unit's weights' indices in runs of at most `RUN_BYTES` (a larger weight alone), each
+    with where it starts and ends in the unit."""
+    runs: list[tuple[list[int], int, int]] = []
+    for i, end in enumerate([*offsets[1:], numel]):
+        if runs and (end - runs[-1][1]) * itemsize <= RUN_BYTES:
+            runs[-1] = (runs[-1][0] + [i], runs[-1][1], end)
+        else:
+            runs.append(([i], offsets[i], end))
     return runs
 
 
@@ -575,19 +531,6 @@ def _view(region: torch.Tensor, like: torch.Tensor, at: int) -> torch.Tensor:
     return tensor.set_(region.untyped_storage(), offset, like.shape, gradient_strides(like))
 
 
-def _by_dtype(params: Sequence[Param], sources: dict[Param, torch.Tensor]) -> list[list[Param]]:
-    """``params`` in groups of one dtype each (a unit's buffer has one), in order."""
-    groups: dict[torch.dtype, list[Param]] = {}
-    for param in params:
-        groups.setdefault(sources[param].dtype, []).append(param)
-    return list(groups.values())
-
-
 def _versions(param: Param, weight: Weight) -> tuple[int, int]:
     """The version counters a write into ``param`` at rest or into its master moves."""
     return param._version, weight.master._version
-
-
-def _exact(weight: Weight) -> bool:
-    """Whether ``weight``'s device tensor in use holds its master itself (not a cast)."""
-    return weight.in_use is not None and weight.exact

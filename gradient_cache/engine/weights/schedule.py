@@ -13,7 +13,6 @@ class Schedule:
 
     def __init__(self, count: int) -> None:
         self._order = list(range(count))
-        self._at = {index: index for index in range(count)}  # a block's place in the order
         self._running: list[int] = []  # the blocks this forward ran, in order
 
     def ran(self, index: int) -> None:
@@ -24,9 +23,8 @@ class Schedule:
         """A forward ended (or a backward, for a framework that never calls the model's
         own forward): what ran since, each block once, is the order from now on."""
         ran, self._running = self._running, []
-        if ran and len(set(ran)) == len(ran) and ran != self._order:
+        if ran and len(set(ran)) == len(ran):
             self._order = ran
-            self._at = {index: place for place, index in enumerate(ran)}
 
     def first(self) -> int | None:
         return self._order[0] if self._order else None
@@ -43,7 +41,7 @@ class Schedule:
         return self._neighbour(index, -1)
 
     def _neighbour(self, index: int, step: int) -> int | None:
-        place = self._at.get(index)
-        if place is None or not 0 <= place + step < len(self._order):
+        if index not in self._order:
             return None
-        return self._order[place + step]
+        place = self._order.index(index) + step
+        return self._order[place] if 0 <= place < len(self._order) else None

@@ -42,9 +42,8 @@ class ShardStream:
         self._next: dict[int, int] = {}  # the module that ran after each, last forward
         self._previous: int | None = None  # the module that ran last in this forward
         self._reached: set[int] = set()  # the modules whose backward began
-        self._end = BackwardEnd(self._backward_ended, weights.backend.device)
+        self.end = BackwardEnd(self._backward_ended, weights.backend.device)  # a close's too
         self._handles: list[Any] = []
-        self._unshards: list[torch.nn.Module] = []
         for index, sharded in enumerate(modules):
             module = sharded.module
             self._handles += [
@@ -59,7 +58,6 @@ class ShardStream:
             # The user's unshard() all-gathers too: an instance attribute over FSDP2's.
             unshard = functools.partial(self._unshard, index, module.unshard)
             object.__setattr__(module, "unshard", unshard)
-            self._unshards.append(module)
         self._handles += OwnerHooks(model, weights, give_up=self._give_up).handles
         # The model's forward, and a root's where a framework calls it, not the model
         # (Lightning's training_step): prepend, registered last, before the hooks above.
@@ -71,23 +69,18 @@ class ShardStream:
                 module.register_forward_hook(module_hook(self._model_ends), always_call=True),
             ]
 
-    def end_a_failed_backward(self) -> None:
-        """A backward that raised ends now, as at the next forward (the cache closes); waits
-        first for the node autograd's device thread may still be running for it."""
-        self._end.after_a_failed_backward()
-
     def remove(self) -> None:
         """The hooks removed; the shards stay where they are."""
         for handle in self._handles:
             handle.remove()
-        for module in self._unshards:
-            del module.unshard  # FSDP2's own again
-        self._handles, self._unshards = [], []
+        for sharded in self._modules:
+            vars(sharded.module).pop("unshard", None)  # FSDP2's own again
+        self._handles = []
 
     @outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any) -> None:
         if not in_backward():
-            self._end.after_a_failed_backward()
+            self.end.after_a_failed_backward()
             self._in_model, self._previous = True, None
 
     @outside_graphs
@@ -140,7 +133,7 @@ class ShardStream:
     @of_this_backward
     def _backward_reaches(self, index: int, grad: torch.Tensor) -> None:
         """Its outputs have their gradient: FSDP2's hook, next, all-gathers it and a prefetch."""
-        self._end.queue()
+        self.end.queue()
         wanted = [index, *self._backward_prefetch(index)]
         # Those whose backward began earlier: their all-gathers were waited for.
         done = [p for i in self._reached - set(wanted) for p in self._modules[i].params]
@@ -232,18 +225,18 @@ class FsdpShards:
                 )
 
     def source(self, param: Param) -> torch.Tensor:
-        """The whole padded shard, which FSDP2's all-gather reads."""
-        return _flat(sharding.local(param))
+        """The whole padded shard, which FSDP2's all-gather reads: 1-D over all its storage."""
+        local = sharding.local(param)
+        storage = local.untyped_storage()
+        return torch.empty(0, dtype=local.dtype, device=local.device).set_(
+            storage, 0, (storage.nbytes() // local.element_size(),), (1,)
+        )
 
     def part_to_come(self, param: Param) -> bool:
         return False  # FSDP2 reduce-scatters a shard's gradient once per backward
 
     def device_tensors(
-        self,
-        sources: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        offsets: list[int],
-        numel: int,
+        self, sources: list[torch.Tensor], masters: list[torch.Tensor]
     ) -> tuple[None, list[torch.Tensor], list[torch.Tensor]]:
         """No buffer: each shard's own storage, in its dtype, for forward and the step."""
         return None, sources, sources
@@ -285,11 +278,3 @@ class FsdpShards:
                 "or save the model (model.state_dict()) and train on with the cache."
             ) from error
         self._locals = {}
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D tensor over the whole of ``tensor``'s storage (the padded shard)."""
-    storage = tensor.untyped_storage()
-    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-        storage, 0, (storage.nbytes() // tensor.element_size(),), (1,)
-    )

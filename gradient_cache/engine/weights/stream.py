@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
+from torch.autograd.graph import get_gradient_edge
 
 from ..backend import Backend
 from . import at_rest
@@ -31,7 +32,7 @@ from .hooks import (
     refuse_create_graph,
     tensors_needing_gradients,
 )
-from .masters import HostWeights, Weight, WeightAt
+from .masters import HostWeights, Weight, WeightAt, unit_offsets
 from .schedule import Schedule
 
 Param = torch.nn.Parameter
@@ -57,7 +58,7 @@ class WeightStream:
         self._consumers: dict[int, tuple[weakref.ref[torch.Tensor], list[int]]] = {}
         # The tensors `left_on_modules` hooked, by id: hooked once, if one stays there.
         self._sides: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        self._end = BackwardEnd(self._backward_ended, weights.backend.device)
+        self.end = BackwardEnd(self._backward_ended, weights.backend.device)  # a close's too
         self._in_blocks = {p for params in units.block_params for p in params}
         self._unstreamed: set[Param] = set()  # block weights whose gradient met the host
         self._warned = False
@@ -96,8 +97,8 @@ class WeightStream:
         on_device = weights.backend.device.type != "cpu"
         trainable = [param for param in self._in_blocks if param.requires_grad]
         if on_device:
-            self._handles += [
-                param.register_hook(functools.partial(self._refuse_host_gradient, param))
+            self._handles += [  # before autograd accumulates it
+                param.register_hook(functools.partial(weights.refuse_a_host_gradient, param))
                 for param in trainable
             ]
         placement = weights.placement
@@ -109,11 +110,6 @@ class WeightStream:
     def settled(self, params: Sequence[Param]) -> None:
         """``params`` are on the device for good (`OwnTensors.settle`): plain parameters."""
         self._in_blocks.difference_update(params)
-
-    def end_a_failed_backward(self) -> None:
-        """A backward that raised ends now, as at the next forward (the cache closes); waits
-        first for the node autograd's device thread may still be running for it."""
-        self._end.after_a_failed_backward()
 
     def awaited(self) -> bool:
         """Whether a forward's graph since the last backward lives: its backward may come."""
@@ -130,7 +126,7 @@ class WeightStream:
         self._in_model = True
         self._placement.guarding(False)  # a forward with no backward since the last one ended
         if not in_backward():
-            self._end.after_a_failed_backward()
+            self.end.after_a_failed_backward()
         if not in_backward() and torch.is_grad_enabled():
             self._forwards += 1
             self._called = set()
@@ -193,7 +189,7 @@ class WeightStream:
         self._awaiting = []  # it came (if refused, too): a close no longer leaves one to come
         refuse_create_graph()
         self._placement.guarding(False)  # the uses before it are recorded, their refusals set
-        self._end.queue()
+        self.end.queue()
         self.weights.ensure(self.units.rest)
 
     @outside_graphs
@@ -278,7 +274,7 @@ class WeightStream:
     @of_this_backward
     def _block_backward_begins(self, index: int, consumers: list[int], grad: torch.Tensor) -> None:
         refuse_create_graph()
-        self._end.queue()
+        self.end.queue()
         for consumer in consumers:  # their backward is done: this output's gradient is whole
             self._free_frozen(consumer)
         self.weights.ensure(self._block(index))
@@ -289,7 +285,7 @@ class WeightStream:
     def _side_begins(self, index: int, grad: torch.Tensor) -> None:
         """A tensor block ``index`` left on a module has its gradient, maybe before its outputs'."""
         refuse_create_graph()
-        self._end.queue()
+        self.end.queue()
         self.weights.ensure(self._block(index))
 
     @outside_graphs
@@ -306,14 +302,11 @@ class WeightStream:
     @outside_graphs
     @of_this_backward
     def _gradient_accumulated(self, param: Param) -> None:
-        self._end.queue()
+        self.end.queue()
         if param in self._in_blocks and self.weights.where(param) is WeightAt.HOST:
             self._unstreamed.add(param)
         if self._forwards <= 1 and not self._reused:
             self.weights.free([param])
-
-    def _refuse_host_gradient(self, param: Param, grad: torch.Tensor) -> None:
-        self.weights.refuse_a_host_gradient(param, grad)  # before autograd accumulates it
 
     def _warn_unstreamed(self) -> None:
         """Once, at a backward's end: block weights got gradients computed on the host."""
@@ -336,7 +329,7 @@ class WeightStream:
         )
 
     def _backward_ended(self) -> None:
-        if self._end.raised:  # that backward's error said it: no warning beside it
+        if self.end.raised:  # that backward's error said it: no warning beside it
             self._unstreamed.clear()
         self._warn_unstreamed()
         self._placement.forget_uses()
@@ -409,12 +402,19 @@ class OwnTensors:
             at_rest.dress(param, name if on and param.device.type == "cpu" else None)
 
     def record_uses(self, params: Sequence[Param]) -> None:
-        """A forward used ``params``: their accumulation nodes kept (`at_rest.record_uses`)."""
-        at_rest.record_uses(p for p in params if p.requires_grad and p in self._guarded)
+        """A forward used ``params``: each guarded one's accumulation node now kept in
+        `at_rest.USES` (once: a block run twice without moving has one)."""
+        for param in params:
+            if param.requires_grad and param in self._guarded:
+                edge = get_gradient_edge(param)
+                known = at_rest.USES.setdefault(id(param), [])
+                if all(seen.node is not edge.node for seen in known):
+                    known.append(edge)
 
     def forget_uses(self) -> None:
         """A backward ended: the nodes `record_uses` kept go."""
-        at_rest.forget_uses(self._guarded)
+        for param in self._guarded:
+            at_rest.USES.pop(id(param), None)
         self._accumulated.clear()
 
     def part_to_come(self, param: Param) -> bool:
@@ -440,40 +440,60 @@ class OwnTensors:
         at_rest.dress(param, name if self._guarding and home else None)
 
     def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
-        check_own_storage(named_params)
+        """Each parameter must own all its memory: freed and refilled whole, it would take a
+        view's base (or a parameter sharing it) along."""
+        seen: dict[int, str] = {}
+        for name, param in named_params:
+            if not param.numel():
+                continue  # no memory to share
+            storage = param.untyped_storage()
+            whole = storage.nbytes() == param.numel() * param.element_size()
+            other = seen.get(storage.data_ptr())
+            if not whole or param.storage_offset() or other is not None:
+                shared = (
+                    f"shares its memory with {other!r}" if other else "is a view of a larger tensor"
+                )
+                raise ValueError(
+                    f"offload_parameters=True cannot move parameter {name!r}: it {shared}, and "
+                    "its weights leave the device whole. Give it memory of its own before "
+                    "creating the cache (module.weight = nn.Parameter(module.weight.detach()"
+                    ".clone())), or tie parameters by sharing the Parameter object itself."
+                )
+            seen[storage.data_ptr()] = name
 
     def source(self, param: Param) -> torch.Tensor:
         return param.detach()
 
     def device_tensors(
-        self,
-        sources: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        offsets: list[int],
-        numel: int,
+        self, sources: list[torch.Tensor], masters: list[torch.Tensor]
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """One buffer for the unit (in the compute dtype for floating weights), each compute
         tensor a view of it; each full tensor (the step's) of its own."""
+        offsets, numel = unit_offsets(masters)
         dtype = masters[0].dtype
         if self.compute_dtype is not None and dtype.is_floating_point:
             dtype = self.compute_dtype
-        buffer = torch.empty(numel, dtype=dtype, device=self.backend.device)
+        device = self.backend.device
+        buffer = torch.empty(numel, dtype=dtype, device=device)
         computes = [
             buffer.as_strided(m.shape, m.stride(), at)
             for m, at in zip(masters, offsets, strict=True)
         ]
-        self.backend.resize_storage(buffer, 0)
-        return buffer, computes, [self._device_like(m, m.dtype) for m in masters]
+        fulls = [
+            torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device) for m in masters
+        ]
+        for tensor in [buffer, *fulls]:
+            self.backend.resize_storage(tensor, 0)
+        return buffer, computes, fulls
 
     def wire_dtype(self, param: Param) -> torch.dtype | None:
         return self.compute_dtype if param.is_floating_point() else None
 
-    def rest(self, param: Param, weight: Weight) -> None:
-        self.show(param, weight)  # at home: its master
-
     def show(self, param: Param, weight: Weight) -> None:
         param.data = weight.place()
         self._dress(param, weight)
+
+    rest = show  # at rest: ``P.data`` its master
 
     def in_place(self, param: Param, weight: Weight) -> bool:
         place = weight.place()
@@ -527,34 +547,3 @@ class OwnTensors:
             for param in self._guarded:  # a closed cache leaves plain parameters
                 at_rest.dress(param, None)
             self._guarded.clear()
-
-    def _device_like(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A device tensor like ``host`` (shape, strides) in ``dtype``, its memory given up."""
-        device = torch.empty_strided(
-            host.shape, host.stride(), dtype=dtype, device=self.backend.device
-        )
-        self.backend.resize_storage(device, 0)
-        return device
-
-
-def check_own_storage(named_params: Sequence[tuple[str, Param]]) -> None:
-    """Each parameter must own all its memory: freed and refilled whole, it would take a
-    view's base (or a parameter sharing it) along."""
-    seen: dict[int, str] = {}
-    for name, param in named_params:
-        if not param.numel():
-            continue  # no memory to share
-        storage = param.untyped_storage()
-        whole = storage.nbytes() == param.numel() * param.element_size()
-        other = seen.get(storage.data_ptr())
-        if not whole or param.storage_offset() or other is not None:
-            shared = (
-                f"shares its memory with {other!r}" if other else "is a view of a larger tensor"
-            )
-            raise ValueError(
-                f"offload_parameters=True cannot move parameter {name!r}: it {shared}, and "
-                "its weights leave the device whole. Give it memory of its own before "
-                "creating the cache (module.weight = nn.Parameter(module.weight.detach()"
-                ".clone())), or tie parameters by sharing the Parameter object itself."
-            )
-        seen[storage.data_ptr()] = name
