@@ -99,12 +99,9 @@ class OptimizerStep:
         summed in ``params``' order (`GradientCacheHookManager.gradient_norm`)."""
         params = list(params)
         pipeline = self._clip_ready("gradient_norm")
-        norms = _cached_norms(pipeline, pipeline.store.parts(set(params)), norm_type)
-        for param in params:
-            if param.grad is not None:
-                norms[param] = gradient_norm(sharding.local(param.grad), norm_type)
+        grads = {param: param.grad for param in params if param.grad is not None}
         order = {param: i for i, param in enumerate(params)}
-        return sharding.global_norm(clip_grad_norm_order(norms, order), norm_type)
+        return _total_norm(pipeline, pipeline.store.parts(set(params)), grads, order, norm_type)
 
     def clip(self, params: Iterable[Param], max_norm: float, total: torch.Tensor) -> None:
         """``clip_grads_with_norm_``: device gradients clipped in place, cached ones by the
@@ -267,15 +264,9 @@ class OptimizerStep:
         parts = pipeline.store.parts(set(stepped))
         scaler, inv_scale, skip = _scaler_verdict(pipeline, optimizer, parts, held)
         if clip is None:
+            order = clip_order(self._model_order, stepped)
             clip = _clip(
-                pipeline,
-                clip_order(self._model_order, stepped),
-                parts,
-                held,
-                max_norm,
-                norm_type,
-                inv_scale=inv_scale,
-                skip=skip,
+                pipeline, order, parts, held, max_norm, norm_type, inv_scale=inv_scale, skip=skip
             )
         total_norm, factor = clip
         held_factor = None if deferred is not None else factor  # a deferred clip clipped them
@@ -377,7 +368,7 @@ def _clip(
     norm_type: float,
     *,
     inv_scale: torch.Tensor | None,
-    skip: bool = False,
+    skip: bool,
 ) -> Clip:
     """The global norm and the factor the restores apply: the clip factor, times
     ``inv_scale`` where given; (None, inv_scale) without clipping. Summed on the device in
@@ -386,61 +377,51 @@ def _clip(
         if pipeline.pending is None or not pipeline.pending.norm_read:
             pipeline.compute_norms(None)  # no one asks for norms: the encodes stop
         return None, inv_scale
-    local = _cached_norms(pipeline, parts, norm_type)
-    for param, grad in held.items():
-        local[param] = gradient_norm(sharding.local(grad), norm_type)
-    total = sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
+    total = _total_norm(pipeline, parts, held, model_order, norm_type)
     if inv_scale is not None:
         # The norms of the scaled gradients times 1/scale, a power of two: exactly the
         # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
         total = total * inv_scale.to(total.device)
         if not skip and not bool(torch.isfinite(total)):  # a host sync, as the verdict's
-            total = _unscaled_norm(pipeline, model_order, parts, held, norm_type, inv_scale)
+            total = _total_norm(pipeline, parts, held, model_order, norm_type, inv_scale=inv_scale)
     device = pipeline.backend.device
     factor = clip_factor(max_norm, total).to(device)
     return total, factor if inv_scale is None else factor * inv_scale.to(device)
 
 
-def _unscaled_norm(
+def _total_norm(
     pipeline: Pipeline,
-    model_order: Mapping[Param, int],
     parts: list[BucketPayloads],
-    held: dict[Param, torch.Tensor],
+    grads: dict[Param, torch.Tensor],
+    order: Mapping[Param, int],
     norm_type: float,
-    inv_scale: torch.Tensor,
+    *,
+    inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The norm of the gradients unscaled one by one, as ``unscale_()`` makes them: finite
-    gradients whose scaled norm overflows fp32 (a scaler under bf16 compute never sees an
-    inf in backward, so its scale grows past 2**64), which would have zeroed the step."""
+    """The norm of the cached gradients in ``parts`` (none restored) and the device ``grads``,
+    summed on the device in ``order``. A cached one's is its last encode's (of the gradient
+    before compression), else its host payload's. ``inv_scale``: of the gradients unscaled
+    one by one, as ``unscale_()`` makes them, from the payloads: finite gradients whose
+    scaled norm overflows fp32 (a scaler under bf16 compute never sees an inf in backward,
+    so its scale grows past 2**64), which would have zeroed the step."""
+    encoded = _encoded_norms(pipeline, norm_type) if inv_scale is None else None
     device = pipeline.backend.device
     local = {}
     for part in parts:
         for param, payload in part:
-            values = payload.kept_values().to(pipeline.records[param].route.dtype)
-            local[param] = gradient_norm(values.to(device) * inv_scale.to(device), norm_type)
-    for param, grad in held.items():
-        grad = sharding.local(grad)
-        local[param] = gradient_norm(grad * inv_scale.to(grad.device), norm_type)
-    return sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
-
-
-def _cached_norms(
-    pipeline: Pipeline, parts: list[BucketPayloads], norm_type: float
-) -> dict[Param, torch.Tensor]:
-    """The norms of the cached gradients in ``parts``, on the device, none restored: their
-    last encode's (of the gradient before compression), else their host payload's."""
-    encoded = _encoded_norms(pipeline, norm_type)
-    device = pipeline.backend.device
-    norms = {}
-    for part in parts:
-        for param, payload in part:
             norm = None if encoded is None else encoded.get(param)
-            if norm is None:
-                # No encode computed it (the first step that asks, a resumed one).
+            if norm is None:  # no encode computed it (the first step that asks, a resumed one)
                 values = payload.kept_values().to(pipeline.records[param].route.dtype)
-                norm = gradient_norm(values, norm_type).to(device)
-            norms[param] = norm
-    return norms
+                if inv_scale is None:
+                    norm = gradient_norm(values, norm_type).to(device)
+                else:
+                    norm = gradient_norm(values.to(device) * inv_scale.to(device), norm_type)
+            local[param] = norm
+    for param, grad in grads.items():
+        grad = sharding.local(grad)
+        scaled = grad if inv_scale is None else grad * inv_scale.to(grad.device)
+        local[param] = gradient_norm(scaled, norm_type)
+    return sharding.global_norm(clip_grad_norm_order(local, order), norm_type)
 
 
 def _encoded_norms(pipeline: Pipeline, norm_type: float) -> StepNorms | None:
@@ -485,9 +466,7 @@ def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: Optimizer) -> None:
         if group["momentum"] == 0 or not sparse:
             continue
         record = pipeline.records.get(sparse[0])
-        name = (
-            record.name if record is not None else f"a parameter of shape {tuple(sparse[0].shape)}"
-        )
+        name = f"a parameter of shape {tuple(sparse[0].shape)}" if record is None else record.name
         raise RuntimeError(
             f"{name} has a sparse gradient (nn.Embedding(sparse=True), say), and SGD with "
             f"momentum={group['momentum']} keeps a sparse momentum buffer for it, which "
