@@ -56,10 +56,7 @@ def rebuilt(value: torch.Tensor, tensors: Iterator[torch.Tensor]) -> torch.Tenso
         return next(tensors)
     names, context = value.__tensor_flatten__()
     inner = {name: getattr(value, name) for name in names}
-    inner = {
-        name: rebuilt(each, tensors) if isinstance(each, torch.Tensor) else each
-        for name, each in inner.items()
-    }
+    inner = {k: rebuilt(v, tensors) if isinstance(v, torch.Tensor) else v for k, v in inner.items()}
     return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())
 
 

@@ -6,7 +6,7 @@ naming the first wrong key and what it expected, so a refused state changes noth
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -91,7 +91,7 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
     # The routes the saved step had (the warm-up may have ended since): what its parts hold.
     routes = pipeline.plan.at(steps)
     for key in ("residuals", "pending_residuals"):
-        for name, stored in _named(state[key], key, by_name):
+        for name, stored in _named_tensors(state[key], key, by_name):
             route = routes[by_name[name]]
             if route.residual is None:
                 raise ValueError(
@@ -113,7 +113,7 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
 
 def _check_pending_norms(state: dict[str, Any], by_name: dict[str, Any]) -> None:
     """Each saved norm a finite real number >= 0 on the CPU, of a parameter cached."""
-    for name, norm in _named(state.get("pending_norms", {}), "pending_norms", by_name):
+    for name, norm in _named_tensors(state.get("pending_norms", {}), "pending_norms", by_name):
         if (
             not isinstance(norm, torch.Tensor)
             or norm.device.type != "cpu"
@@ -129,7 +129,7 @@ def _check_pending_norms(state: dict[str, Any], by_name: dict[str, Any]) -> None
 
 def _check_kept_gradients(state: dict[str, Any], by_name: dict[str, Any], cached: set[str]) -> None:
     """Each kept gradient whole, in its parameter's shape and dtype, in no bucket too."""
-    for name, grad in _named(state.get("kept_gradients", {}), "kept_gradients", by_name):
+    for name, grad in _named_tensors(state.get("kept_gradients", {}), "kept_gradients", by_name):
         param = by_name[name]
         where = f"state['kept_gradients'][{name!r}]"
         if name in cached:
@@ -165,8 +165,15 @@ def _check_layouts(
 
 def _check_random_state(pipeline: Pipeline, state: dict[str, Any], key: str) -> None:
     sources = pipeline.codecs.random_sources()
-    expected = f"some of {sorted(sources)}"
-    for name, saved in _named(state[key], key, sources, names="has a generator", expected=expected):
+    states = state[key]
+    if not isinstance(states, dict):
+        raise ValueError(f"state[{key!r}] is a {type(states).__name__}; expected a dict.")
+    for name, saved in states.items():
+        if name not in sources:
+            raise ValueError(
+                f"state[{key!r}] has a generator {name!r} this manager does not have; "
+                f"expected some of {sorted(sources)}."
+            )
         if not isinstance(saved, torch.Tensor) or saved.device.type != "cpu":
             raise ValueError(
                 f"state[{key!r}][{name!r}] is {_describe(saved)}; expected a CPU tensor."
@@ -176,25 +183,16 @@ def _check_random_state(pipeline: Pipeline, state: dict[str, Any], key: str) -> 
             raise ValueError(f"state[{key!r}][{name!r}]: {problem}.")
 
 
-def _named(
-    entries: Any,
-    key: str,
-    known: Collection[str],
-    *,
-    names: str = "names",
-    expected: str = "names from state['parameters']",
-) -> Iterator[tuple[str, Any]]:
-    """``state[key]``'s (name, value) pairs, every name one of ``known`` (``names``,
-    ``expected``: the refusal's words for another)."""
+def _named_tensors(entries: Any, key: str, by_name: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     if not isinstance(entries, dict):
         raise ValueError(f"state[{key!r}] is a {type(entries).__name__}; expected a dict.")
-    for name, value in entries.items():
-        if name not in known:
+    for name, tensor in entries.items():
+        if name not in by_name:
             raise ValueError(
-                f"state[{key!r}] {names} {name!r}, which this manager does not have; "
-                f"expected {expected}."
+                f"state[{key!r}] names {name!r}, which this manager does not cache; expected "
+                "names from state['parameters']."
             )
-        yield name, value
+        yield name, tensor
 
 
 def _check_tensor(tensor: Any, where: str, *, shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -42,9 +42,6 @@ class _Slab:
     memory: torch.Tensor  # uint8
     used: int = 0  # bytes from the start, aligned
 
-    def room(self) -> int:
-        return self.memory.numel() - self.used
-
 
 class StateSlabs:
     """Regions for host copies, cut from slabs ``allocate(nbytes)`` gives (pinned on CUDA)
@@ -116,11 +113,11 @@ class StateSlabs:
                 if self._round_up:
                     size = slab_bytes(largest=self._largest, total=self._total)
                     rooms.append([0, max(size, _power_of_two_at_least(need))])
-                elif len(rooms) == existing:
-                    rooms.append([0, 0])
+                else:  # the one exact new slab, grown by this region
+                    if len(rooms) == existing:
+                        rooms.append([0, 0])
+                    rooms[-1][1] += need
                 index = len(rooms) - 1
-                if not self._round_up:
-                    rooms[index][1] += need  # the exact slab grows by this region
             where[i] = (index, rooms[index][0])
             rooms[index][0] += need
         return where, [end for _, end in rooms[existing:]]

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import fused_step, scaling, sharding
+from .budget import BudgetWatch
 from .fused_step import BucketSteps, Journeys, Traveller
 from .norms import StepNorms, clip_factor, clip_grad_norm_order, clip_order, gradient_norm
 from .pipeline import Pipeline, refuse_taken
@@ -26,16 +26,6 @@ Param = torch.nn.Parameter
 Optimizer = torch.optim.Optimizer
 
 
-class Budget(Protocol):
-    """What the step asks of a memory budget (`budget.BudgetWatch`)."""
-
-    def before_restore(self, pipeline: Pipeline) -> None: ...
-
-    def sample(self) -> None: ...
-
-    def measure_from_now(self) -> None: ...
-
-
 class OptimizerStep:
     """The step over what one pipeline caches. ``model_order``: each parameter's place in
     ``model.parameters()``, the clip's summing order. ``budget``: decided around the
@@ -46,7 +36,7 @@ class OptimizerStep:
         pipeline: Pipeline,
         *,
         model_order: Mapping[Param, int],
-        budget: Budget | None = None,
+        budget: BudgetWatch | None = None,
         on_restored: Callable[[int], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
@@ -72,19 +62,10 @@ class OptimizerStep:
         if pipeline.optimizer_state is not None:
             _refuse_sparse_momentum(pipeline, optimizer)
         steps_before = pipeline.steps
-        self._before_restore()
+        if self.budget is not None:
+            self.budget.before_restore(pipeline)
         step_hooks = StepHooks(optimizer, through_instance=hooks)
-        # The buckets step with the hook tables emptied (`unhooked_step`): the global refusal
-        # of a plain step (`refuse_a_plain_step`) cannot fire inside this step.
-        total_norm, left = self._fused(
-            optimizer,
-            max_norm,
-            norm_type,
-            hidden=not hooks,
-            step_once=step_hooks.unhooked_step,
-            # Not on a skipped step: scaler.step() then calls no optimizer.step().
-            before_steps=step_hooks.fire_pre_hooks if hooks else None,
-        )
+        total_norm, left = self._fused(optimizer, max_norm, norm_type, step_hooks, hooks=hooks)
         self._after_restore(steps_before)
         states = pipeline.optimizer_state
         step_hooks.fire_post_hooks(wait_for_state=None if states is None else states.wait_on_host)
@@ -133,8 +114,8 @@ class OptimizerStep:
             if pipeline.optimizer_state is not None and pipeline.store:
                 raise RuntimeError(refusal)
         steps_before = pipeline.steps
-        if pipeline.step_pending:
-            self._before_restore()
+        if pipeline.step_pending and self.budget is not None:
+            self.budget.before_restore(pipeline)
         failed = pipeline.pending if pipeline.interrupted else None
         if failed is not None and (failed.partly_stepped() or (failed.held and failed.held.scaled)):
             raise RuntimeError(
@@ -235,14 +216,13 @@ class OptimizerStep:
         optimizer: Optimizer,
         max_norm: float | None,
         norm_type: float,
+        step_hooks: StepHooks,
         *,
-        hidden: bool,
-        step_once: Callable[[], object],
-        before_steps: Callable[[], object] | None,
+        hooks: bool,
     ) -> tuple[torch.Tensor | None, dict[Param, torch.Tensor]]:
         """Decide the step (delivered gradients, the clip, a GradScaler's skip), then run
-        its buckets. ``before_steps``: called once the step is known not skipped (the
-        pre-hooks). Returns the global norm and the held gradients (`fused_step.settle_held`)."""
+        its buckets (``hooks``: the pre-hooks fired first, the held gradients left in .grad).
+        Returns the global norm and the held gradients (`fused_step.settle_held`)."""
         pipeline = self.pipeline
         stepped, journeys = self._begin(optimizer)
         deferred = pipeline.deferred_clip
@@ -271,28 +251,33 @@ class OptimizerStep:
         total_norm, factor = clip
         held_factor = None if deferred is not None else factor  # a deferred clip clipped them
         if skip:
-            assert scaler is not None
-            left = _skip(pipeline, scaler, optimizer, held, delivered, held_factor, hidden=hidden)
-            return total_norm, left
-        if before_steps is not None:
-            before_steps()
-        buckets = [[param for param, _ in part] for part in parts]
-        del parts  # parameters only from here: a payload goes as soon as its bucket stepped
-        steps = BucketSteps(
-            buckets,
-            held,
-            delivered,
-            factor,
-            held_factor,
-            clip,
-            progress,
-            step_once,
-            journeys,
-            hidden,
-        )
-        left = fused_step.run(pipeline, steps)
-        if scaler is not None:
-            scaling.report_step(scaler, id(optimizer), found_inf=False)
+            # Step nothing, as scaler.step() skips: the step is still delivered, its payloads
+            # spent (undone at the next backward), the held gradients unscaled as AMP's are.
+            pipeline.skip(delivered)
+            fused_step.scale_in_place(held, held_factor, HeldProgress())
+            left = fused_step.settle_held(pipeline, held, hidden=not hooks)
+        else:
+            if hooks:  # not on a skipped step: scaler.step() then calls no optimizer.step()
+                step_hooks.fire_pre_hooks()
+            buckets = [[param for param, _ in part] for part in parts]
+            del parts  # parameters only from here: a payload goes as soon as its bucket stepped
+            steps = BucketSteps(
+                buckets,
+                held,
+                delivered,
+                factor,
+                held_factor,
+                clip,
+                progress,
+                # The hook tables emptied: the global refusal of a plain step
+                # (`refuse_a_plain_step`) cannot fire inside this step.
+                step_hooks.unhooked_step,
+                journeys,
+                not hooks,
+            )
+            left = fused_step.run(pipeline, steps)
+        if scaler is not None:  # told, so that update() backs off on a skip
+            scaling.report_step(scaler, id(optimizer), found_inf=skip)
         pipeline.finish_step()
         return total_norm, left
 
@@ -326,12 +311,6 @@ class OptimizerStep:
             self.restore_all()  # clipped again: from the clipped gradients, on the device
         pipeline.deliver_and_restore(p for p in pipeline.store if p.grad is not None)
         return pipeline
-
-    def _before_restore(self) -> None:
-        """A memory budget decides once, before the first restore after its measured steps,
-        so its measurement holds whole steps (the optimizer's, which creates the state)."""
-        if self.budget is not None:
-            self.budget.before_restore(self.pipeline)
 
     def _after_restore(self, steps_before: int) -> None:
         """After a restore (which may find nothing): a budget's sample, the manager's word."""
@@ -398,12 +377,9 @@ def _total_norm(
     *,
     inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The norm of the cached gradients in ``parts`` (none restored) and the device ``grads``,
-    summed on the device in ``order``. A cached one's is its last encode's (of the gradient
-    before compression), else its host payload's. ``inv_scale``: of the gradients unscaled
-    one by one, as ``unscale_()`` makes them, from the payloads: finite gradients whose
-    scaled norm overflows fp32 (a scaler under bf16 compute never sees an inf in backward,
-    so its scale grows past 2**64), which would have zeroed the step."""
+    """The norm of the cached gradients in ``parts`` (their last encode's norms, else their
+    payloads') and the device ``grads``, summed on the device in ``order``. ``inv_scale``: of
+    each unscaled alone, as ``unscale_()`` makes them (the scaled norm overflowed fp32)."""
     encoded = _encoded_norms(pipeline, norm_type) if inv_scale is None else None
     device = pipeline.backend.device
     local = {}
@@ -432,27 +408,6 @@ def _encoded_norms(pipeline: Pipeline, norm_type: float) -> StepNorms | None:
     pipeline.compute_norms(norm_type)
     norms = None if pending is None else pending.norms
     return norms if norms is not None and norms.norm_type == norm_type else None
-
-
-def _skip(
-    pipeline: Pipeline,
-    scaler: torch.amp.GradScaler,
-    optimizer: Optimizer,
-    held: dict[Param, torch.Tensor],
-    delivered: list[Param],
-    factor: torch.Tensor | None,
-    *,
-    hidden: bool,
-) -> dict[Param, torch.Tensor]:
-    """A gradient was not finite: step nothing, as scaler.step() skips. The step is still
-    delivered, its payloads spent and the scaler told (update() backs off; the pipeline
-    undoes the step at the next backward); held gradients left unscaled, as plain AMP's."""
-    pipeline.skip(delivered)
-    fused_step.scale_in_place(held, factor, HeldProgress())
-    left = fused_step.settle_held(pipeline, held, hidden=hidden)
-    scaling.report_step(scaler, id(optimizer), found_inf=True)
-    pipeline.finish_step()
-    return left
 
 
 def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: Optimizer) -> None:
