@@ -779,8 +779,8 @@ MUTANTS = [
     (
         "optimizer state: a half-made state dropped when its step raised",
         "gradient_cache/engine/optimizer_state.py",
-        "                    self.state.pop(param, None)",
-        "                    pass",
+        "                self.state.pop(param, None)",
+        "                pass",
         "tests/test_optimizer_state.py::test_an_allocation_failing_while_the_state_is_created_is_retried_as_plain",
     ),
     (
@@ -863,8 +863,8 @@ MUTANTS = [
     (
         "optimizer state: a fused step begins by sending device state to the host",
         "gradient_cache/engine/optimizer_state.py",
-        "        self.attach(optimizer)\n        self.send_to_host(optimizer)\n",
-        "        self.attach(optimizer)\n",
+        "        self.send_to_host(optimizer)\n        return StateJourney",
+        "        self.attach(optimizer)\n        return StateJourney",
         "tests/test_state_ownership.py::test_a_state_loaded_before_offload_state_of_goes_to_the_host_when_the_step_begins",
     ),
     (

@@ -46,8 +46,7 @@ class Traveller(Protocol):
 @dataclass
 class Journeys:
     """One fused step's travellers and each bucket's arrivals. The weights first: their
-    copies back start before a new state's host copies are allocated, which may raise. A
-    traveller whose bring raises has this bucket's earlier travellers' arrivals abandoned."""
+    copies back start before a new state's host copies are allocated, which may raise."""
 
     travellers: list[Traveller]
     arrivals: deque[list[Any]] = field(default_factory=deque)
@@ -86,13 +85,12 @@ class Journeys:
 @dataclass
 class BucketSteps:
     """What the step decided before its buckets step: the cached ``buckets``, restored
-    times ``restore_factor``; the device gradients ``held``, stepped last, times
+    times ``clip``'s factor; the device gradients ``held``, stepped last, times
     ``held_factor``; ``clip`` and ``progress``, kept for a retry if a step raises."""
 
     buckets: list[list[Param]]
     held: dict[Param, torch.Tensor]
     delivered: list[Param]
-    restore_factor: torch.Tensor | None
     held_factor: torch.Tensor | None
     clip: Clip
     progress: HeldProgress
@@ -102,9 +100,8 @@ class BucketSteps:
 
 
 def run(pipeline: Pipeline, steps: BucketSteps) -> dict[Param, torch.Tensor]:
-    """Step every bucket, then the held gradients; returns those left (`settle_held`). If
-    a step raises, the travellers go back, the held gradients to ``param.grad``, and the
-    pipeline keeps the clip and the progress for the retry."""
+    """Step every bucket, then the held gradients; returns those left (`settle_held`). A
+    step that raises leaves the clip and the progress to the pipeline, for the retry."""
     before = _hold(pipeline, steps.held)  # out of .grad: the buckets step without them
     try:
         _step_cached(pipeline, steps)
@@ -128,7 +125,7 @@ def _step_cached(pipeline: Pipeline, steps: BucketSteps) -> None:
     # (allocating new host copies), the retry does not step the bucket again.
     restoring = pipeline.restoring(
         steps.buckets,
-        clip_factor=steps.restore_factor,
+        clip_factor=steps.clip[1],
         alongside=steps.journeys.bring,
         spent=steps.journeys.send_back,
         depth=pipeline.backend.restore_ahead,  # a bucket ahead (CUDA): it steps, then goes
@@ -164,7 +161,7 @@ def _step_held(pipeline: Pipeline, steps: BucketSteps) -> None:
 def scale_in_place(
     held: dict[Param, torch.Tensor], factor: torch.Tensor | None, progress: HeldProgress
 ) -> None:
-    """The held gradients times ``factor`` (unscale and clip) in place, as ``unscale_`` and
+    """The gradients ``held`` times ``factor`` (unscale and clip) in place, as ``unscale_`` and
     ``clip_grads_with_norm_`` do (no second copy); marked in ``progress``: a retry scales once."""
     if factor is None:
         return

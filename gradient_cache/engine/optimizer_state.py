@@ -72,12 +72,12 @@ def offloaded(value: object) -> bool:
 
 @dataclass
 class Arrival:
-    """A bucket's state on its way to the device: ``params`` (each one's state as it was:
-    empty or not), per brought tensor its parameter, key and host copy, and a copy of
-    each entry that stays where the optimizer keeps it (Adam's ``step``)."""
+    """A bucket's state on its way to the device: ``params`` (``fresh``: those with none
+    yet), per brought tensor its parameter, key and host copy, and a copy of each entry
+    that stays where the optimizer keeps it (Adam's ``step``)."""
 
     params: list[Param]
-    had_state: list[bool]
+    fresh: list[Param]
     keys: list[tuple[Param, str, torch.Tensor]]
     transfer: Transfer
     kept: list[tuple[Param, str, Any]]
@@ -137,10 +137,11 @@ class HostOptimizerState:
         self.backend.release(transfer)
 
     def send_to_host(self, optimizer: Optimizer) -> None:
-        """``optimizer``'s offloaded values on the device (loaded before `attach`, moved by a
-        framework, made by a plain step) to their host copies, but a budget's kept ones. A
+        """``optimizer`` attached, its offloaded values on the device (loaded before, moved by
+        a framework, made by a plain step) to their host copies, but a budget's kept ones. A
         bring is ordered after the copy (`Backend.release` makes compute wait for it, the
         restore stream waits for compute); the host reads them after `wait_on_host`."""
+        self.attach(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.send(optimizer.state, self.state_copies(optimizer), params)
 
@@ -223,11 +224,10 @@ class HostOptimizerState:
         return rebuilt(value, iter([leaf.clone() for leaf in leaves(value)]))
 
     def begin_step(self, optimizer: Optimizer) -> StateJourney:
-        """A fused step begins: moved bytes from zero, ``optimizer`` attached and its state
-        on the device sent home. Returns the step's journeys of its state."""
+        """A fused step begins: moved bytes from zero, ``optimizer``'s state on the device sent
+        home (`send_to_host`). Returns the step's journeys of its state."""
         self.moved_bytes = 0
         self._slabs.expect(p for group in optimizer.param_groups for p in group["params"])
-        self.attach(optimizer)
         self.send_to_host(optimizer)
         return StateJourney(self, optimizer.state, self.state_copies(optimizer))
 
@@ -355,7 +355,7 @@ class StateJourney:
         self.states.moved_bytes += nbytes(hosts)
         for param, _, _ in keys:  # only once started: a failed start leaves them home
             self.owned.at[param] = StateAt.IN_TRANSIT
-        had_state = [bool(self.state.get(param)) for param in params]
+        fresh = [param for param in params if not self.state.get(param)]
         # An optimizer may count its step before it raises (Adam's ``step += 1``, then an
         # out-of-memory error): a retry must find the count as it was.
         kept = [
@@ -364,7 +364,7 @@ class StateJourney:
             for key, value in self.state.get(param, {}).items()
             if not offloaded(value)
         ]
-        return Arrival(list(params), had_state, keys, transfer, kept)
+        return Arrival(list(params), fresh, keys, transfer, kept)
 
     def install(self, arrival: Arrival) -> None:
         """Put the brought tensors in the optimizer's state, safe for its step to use."""
@@ -375,8 +375,7 @@ class StateJourney:
         arrival.installed = True
 
     def send_back(self, arrival: Arrival) -> None:
-        """After the bucket's step: its state (updated or new) to the host
-        (`HostOptimizerState.send`)."""
+        """After the bucket's step: its state, updated or new, to the host (`send`)."""
         self.states.send(self.state, self.owned, arrival.params)
 
     def abandon(self, arrivals: Iterable[Arrival]) -> None:
@@ -391,10 +390,9 @@ class StateJourney:
                 self.owned.at[param] = StateAt.HOST
             for param, key, value in arrival.kept:
                 self.state[param][key] = value
-            for param, had in zip(arrival.params, arrival.had_state, strict=True):
-                if not had:
-                    self.state.pop(param, None)
-                    self.owned.at.pop(param, None)
+            for param in arrival.fresh:
+                self.state.pop(param, None)
+                self.owned.at.pop(param, None)
 
     def step_ended(self, steps: int) -> None:
         """Nothing to finish: each bucket's state went back as its step ended."""

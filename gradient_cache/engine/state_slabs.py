@@ -98,9 +98,8 @@ class StateSlabs:
         return regions
 
     def _place(self, sizes: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
-        """Where each region goes, without allocating: (slab index, offset), and the new
-        slabs' sizes. Largest first, each at the end of the first slab with room; without
-        ``round_up``, what fits nowhere goes into one new slab of exactly their bytes."""
+        """Where each region goes, largest first, without allocating: (slab index, offset),
+        and the new slabs' sizes."""
         rooms = [[slab.used, slab.memory.numel()] for slab in self._slabs]
         existing = len(rooms)
         where = [(0, 0)] * len(sizes)

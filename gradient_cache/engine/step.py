@@ -94,10 +94,8 @@ class OptimizerStep:
             pipeline.deliver_and_restore(cached)
             cached = []
         factor = clip_factor(float(max_norm), total)
-        for param in params:
-            if param.grad is not None:
-                grad = sharding.local(param.grad)
-                grad.mul_(factor.to(grad.device))
+        grads = {param: param.grad for param in params if param.grad is not None}
+        fused_step.scale_in_place(grads, factor, HeldProgress())
         if cached:
             # Applied as each cached gradient is restored (the clip covers all of them).
             assert pipeline.pending is not None and pipeline.pending.deferred_clip is None
@@ -129,8 +127,7 @@ class OptimizerStep:
 
     def caches(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether this cache takes the gradients of any of ``params``."""
-        records = self.pipeline.records
-        return any(param in records for param in params)
+        return any(param in self.pipeline.records for param in params)
 
     def takes(self, optimizer: Optimizer) -> bool:
         """Whether the fused step takes ``optimizer``'s step (an integration's routing): it
@@ -195,7 +192,6 @@ class OptimizerStep:
                 "offload_state_of() needs offload_optimizer_state=True in "
                 "create_gradient_cache(...): without it the state stays on the device."
             )
-        states.attach(optimizer)
         states.send_to_host(optimizer)
         states.wait_on_host()  # the host may read them next (a checkpoint)
 
@@ -265,7 +261,6 @@ class OptimizerStep:
                 buckets,
                 held,
                 delivered,
-                factor,
                 held_factor,
                 clip,
                 progress,
@@ -350,8 +345,7 @@ def _clip(
     skip: bool,
 ) -> Clip:
     """The global norm and the factor the restores apply: the clip factor, times
-    ``inv_scale`` where given; (None, inv_scale) without clipping. Summed on the device in
-    the model's order, across ranks under FSDP2 (`sharding.global_norm`)."""
+    ``inv_scale`` where given; (None, inv_scale) without clipping."""
     if max_norm is None:
         if pipeline.pending is None or not pipeline.pending.norm_read:
             pipeline.compute_norms(None)  # no one asks for norms: the encodes stop
@@ -362,6 +356,8 @@ def _clip(
         # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
         total = total * inv_scale.to(total.device)
         if not skip and not bool(torch.isfinite(total)):  # a host sync, as the verdict's
+            # Finite gradients whose scaled norm overflowed fp32: a scale past 2**64 (under
+            # bf16 compute backward never overflows, so the scale grows), which would zero it.
             total = _total_norm(pipeline, parts, held, model_order, norm_type, inv_scale=inv_scale)
     device = pipeline.backend.device
     factor = clip_factor(max_norm, total).to(device)
@@ -378,8 +374,8 @@ def _total_norm(
     inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The norm of the cached gradients in ``parts`` (their last encode's norms, else their
-    payloads') and the device ``grads``, summed on the device in ``order``. ``inv_scale``: of
-    each unscaled alone, as ``unscale_()`` makes them (the scaled norm overflowed fp32)."""
+    payloads') and the device ``grads``, in ``order`` on the device, across ranks under FSDP2.
+    ``inv_scale``: of each gradient unscaled alone, as ``unscale_()`` makes them."""
     encoded = _encoded_norms(pipeline, norm_type) if inv_scale is None else None
     device = pipeline.backend.device
     local = {}
