@@ -356,8 +356,8 @@ def _clip(
         # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
         total = total * inv_scale.to(total.device)
         if not skip and not bool(torch.isfinite(total)):  # a host sync, as the verdict's
-            # Finite gradients whose scaled norm overflowed fp32: a scale past 2**64 (under
-            # bf16 compute backward never overflows, so the scale grows), which would zero it.
+            # Finite gradients whose scaled norm overflowed fp32, at a scale past 2**64 (bf16
+            # compute never overflows in backward, so it grows): its factor 0 would zero them.
             total = _total_norm(pipeline, parts, held, model_order, norm_type, inv_scale=inv_scale)
     device = pipeline.backend.device
     factor = clip_factor(max_norm, total).to(device)
