@@ -46,8 +46,7 @@ class Traveller(Protocol):
 @dataclass
 class Journeys:
     """One fused step's travellers and each bucket's arrivals. The weights first: their
-    copies back start before a new state's host copies are allocated, which may raise. A
-    traveller whose bring raises has this bucket's earlier travellers' arrivals abandoned."""
+    copies back start before a new state's host copies are allocated, which may raise."""
 
     travellers: list[Traveller]
     arrivals: deque[list[Any]] = field(default_factory=deque)
@@ -86,13 +85,12 @@ class Journeys:
 @dataclass
 class BucketSteps:
     """What the step decided before its buckets step: the cached ``buckets``, restored
-    times ``restore_factor``; the device gradients ``held``, stepped last, times
+    times ``clip``'s factor; the device gradients ``held``, stepped last, times
     ``held_factor``; ``clip`` and ``progress``, kept for a retry if a step raises."""
 
     buckets: list[list[Param]]
     held: dict[Param, torch.Tensor]
     delivered: list[Param]
-    restore_factor: torch.Tensor | None
     held_factor: torch.Tensor | None
     clip: Clip
     progress: HeldProgress
@@ -102,52 +100,50 @@ class BucketSteps:
 
 
 def run(pipeline: Pipeline, steps: BucketSteps) -> dict[Param, torch.Tensor]:
-    """Step every bucket, then the held gradients; returns those left (`settle_held`). If
-    a step raises, the travellers go back, the held gradients to ``param.grad``, and the
-    pipeline keeps the clip and the progress for the retry."""
-    journeys = steps.journeys
+    """Step every bucket, then the held gradients; returns those left (`settle_held`). A
+    step that raises leaves the clip and the progress to the pipeline, for the retry."""
     before = _hold(pipeline, steps.held)  # out of .grad: the buckets step without them
     try:
-        _step_cached(pipeline, steps, journeys)
+        _step_cached(pipeline, steps)
         if steps.held:
-            _step_held(pipeline, steps, journeys)
+            _step_held(pipeline, steps)
     except BaseException:
-        journeys.abandon()
-        put_back(steps.held)  # as the retry finds them: `progress` says what was done to them
+        steps.journeys.abandon()
+        for param, grad in steps.held.items():
+            param.grad = grad  # as the retry finds them: `progress` says what was done to them
         for param, at in before.items():  # where they were before the step
             pipeline.records[param].gradient = at
         pipeline.interrupt(steps.clip, steps.progress)
         raise
-    journeys.step_ended(pipeline.steps)
+    steps.journeys.step_ended(pipeline.steps)
     return settle_held(pipeline, steps.held, hidden=steps.hidden)
 
 
-def _step_cached(pipeline: Pipeline, steps: BucketSteps, journeys: Journeys) -> None:
+def _step_cached(pipeline: Pipeline, steps: BucketSteps) -> None:
     """Each bucket of cached gradients restored and stepped, its travellers brought along."""
     # Each bucket's travellers go back once its payloads left the store: if that raises
     # (allocating new host copies), the retry does not step the bucket again.
     restoring = pipeline.restoring(
         steps.buckets,
-        clip_factor=steps.restore_factor,
-        alongside=journeys.bring,
-        spent=journeys.send_back,
+        clip_factor=steps.clip[1],
+        alongside=steps.journeys.bring,
+        spent=steps.journeys.send_back,
         depth=pipeline.backend.restore_ahead,  # a bucket ahead (CUDA): it steps, then goes
     )
     with contextlib.closing(restoring) as buckets:
         for i, grads in enumerate(buckets):
-            journeys.install()
+            steps.journeys.install()
             _step_with(steps.step_once, grads)
             if i == 0:
-                # Counted (its residuals current) once an optimizer step went through: a
-                # step that failed before can still be discarded without a trace. A retry's recount
-                # is idempotent.
+                # Counted (its residuals current) once an optimizer step went through, idempotent
+                # (a retry's): a step that failed before can still be discarded without a trace.
                 pipeline.deliver([p for p in steps.delivered if p in pipeline.store])
 
 
-def _step_held(pipeline: Pipeline, steps: BucketSteps, journeys: Journeys) -> None:
+def _step_held(pipeline: Pipeline, steps: BucketSteps) -> None:
     """The held gradients scaled in place, then stepped a bucket's worth at a time: each
     chunk's state (offloaded) is on the device only for its own step, as a bucket's is."""
-    held, progress = steps.held, steps.progress
+    held, progress, journeys = steps.held, steps.progress, steps.journeys
     scale_in_place(held, steps.held_factor, progress)
     chunks = _chunks(
         [p for p in held if p not in progress.stepped], pipeline.assembler.capacity_bytes
@@ -165,7 +161,7 @@ def _step_held(pipeline: Pipeline, steps: BucketSteps, journeys: Journeys) -> No
 def scale_in_place(
     held: dict[Param, torch.Tensor], factor: torch.Tensor | None, progress: HeldProgress
 ) -> None:
-    """The held gradients times ``factor`` (unscale and clip) in place, as ``unscale_`` and
+    """The gradients ``held`` times ``factor`` (unscale and clip) in place, as ``unscale_`` and
     ``clip_grads_with_norm_`` do (no second copy); marked in ``progress``: a retry scales once."""
     if factor is None:
         return
@@ -174,11 +170,6 @@ def scale_in_place(
             local = sharding.local(grad)
             local.mul_(factor.to(local.device))
             progress.scaled.add(param)
-
-
-def put_back(held: dict[Param, torch.Tensor]) -> None:
-    for param, grad in held.items():
-        param.grad = grad
 
 
 def settle_held(

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import TypeVar
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+
+Param = torch.nn.Parameter
 
 
 def gradient_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -35,7 +36,7 @@ class StepNorms:
 
     def __init__(
         self,
-        slots: Mapping[torch.nn.Parameter, tuple[torch.dtype, int]],
+        slots: Mapping[Param, tuple[torch.dtype, int]],
         norm_type: float,
         device: torch.device,
     ) -> None:
@@ -47,31 +48,29 @@ class StepNorms:
             dtype: torch.empty(size, dtype=dtype.to_real(), device=device)
             for dtype, size in sizes.items()
         }
-        self._written: set[torch.nn.Parameter] = set()
+        self._written: set[Param] = set()
 
-    def write(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    def write(self, param: Param, grad: torch.Tensor) -> None:
         """``grad``'s norm in ``param``'s slot (replacing an earlier micro-batch's)."""
         self.put(param, gradient_norm(grad, self.norm_type))
 
-    def put(self, param: torch.nn.Parameter, norm: torch.Tensor) -> None:
+    def put(self, param: Param, norm: torch.Tensor) -> None:
         """``norm`` in ``param``'s slot, as an encode wrote it (a checkpoint's)."""
         dtype, index = self._slots[param]
         self._buffers[dtype][index].copy_(norm)
         self._written.add(param)
 
-    def written(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+    def written(self) -> dict[Param, torch.Tensor]:
         return {param: norm for param in self._written if (norm := self.get(param)) is not None}
 
-    def get(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+    def get(self, param: Param) -> torch.Tensor | None:
         if param not in self._written:
             return None
         dtype, index = self._slots[param]
         return self._buffers[dtype][index]
 
 
-def norm_slots(
-    params: Iterable[torch.nn.Parameter],
-) -> dict[torch.nn.Parameter, tuple[torch.dtype, int]]:
+def norm_slots(params: Iterable[Param]) -> dict[Param, tuple[torch.dtype, int]]:
     """Each parameter's (buffer dtype, index) in a `StepNorms`: its gradient's dtype."""
     counts: Counter[torch.dtype] = Counter()
     slots = {}
@@ -87,12 +86,7 @@ def clip_factor(max_norm: float, total: torch.Tensor) -> torch.Tensor:
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
-Norm = TypeVar("Norm", bound=torch.Tensor)
-
-
-def clip_order(
-    model_order: Mapping[torch.nn.Parameter, int], stepped: Iterable[torch.nn.Parameter]
-) -> Mapping[torch.nn.Parameter, int]:
+def clip_order(model_order: Mapping[Param, int], stepped: Iterable[Param]) -> Mapping[Param, int]:
     """The order the clip sums norms in: the cached model's; where the optimizer also steps
     parameters the cache does not hold (a cache over a submodule), the optimizer's, which
     is ``clip_grad_norm_(model.parameters())``'s where it was built from them."""
@@ -103,8 +97,8 @@ def clip_order(
 
 
 def clip_grad_norm_order(
-    norms: dict[torch.nn.Parameter, Norm], model_order: Mapping[torch.nn.Parameter, int]
-) -> list[tuple[torch.nn.Parameter, Norm]]:
+    norms: dict[Param, torch.Tensor], model_order: Mapping[Param, int]
+) -> list[tuple[Param, torch.Tensor]]:
     """``norms`` in the order ``clip_grad_norm_(model.parameters())`` sums them (any other
     changes the last bit): grouped by the gradient's device and dtype (not the parameter's:
     a weight at rest may be on the host) as torch groups them, [fp32, bf16] giving bf16

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -56,10 +56,7 @@ def rebuilt(value: torch.Tensor, tensors: Iterator[torch.Tensor]) -> torch.Tenso
         return next(tensors)
     names, context = value.__tensor_flatten__()
     inner = {name: getattr(value, name) for name in names}
-    inner = {
-        name: rebuilt(each, tensors) if isinstance(each, torch.Tensor) else each
-        for name, each in inner.items()
-    }
+    inner = {k: rebuilt(v, tensors) if isinstance(v, torch.Tensor) else v for k, v in inner.items()}
     return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())
 
 
@@ -75,12 +72,12 @@ def offloaded(value: object) -> bool:
 
 @dataclass
 class Arrival:
-    """A bucket's state on its way to the device: ``params`` (each one's state as it was:
-    empty or not), per brought tensor its parameter, key and host copy, and a copy of
-    each entry that stays where the optimizer keeps it (Adam's ``step``)."""
+    """A bucket's state on its way to the device: ``params`` (``fresh``: those with none
+    yet), per brought tensor its parameter, key and host copy, and a copy of each entry
+    that stays where the optimizer keeps it (Adam's ``step``)."""
 
     params: list[Param]
-    had_state: list[bool]
+    fresh: list[Param]
     keys: list[tuple[Param, str, torch.Tensor]]
     transfer: Transfer
     kept: list[tuple[Param, str, Any]]
@@ -118,16 +115,14 @@ class HostOptimizerState:
         """Each offloaded value of ``params`` in ``state`` that is not its host copy in
         ``owned`` copied to the host and replaced by it. New host copies are allocated
         first: if that raises, the state stays on the device, whole, and moves next step."""
-        pairs = []
-        for param in params:
-            if param in self.on_device:
-                continue
-            for key, value in state.get(param, {}).items():
-                if offloaded(value) and owned.copies.get(param, {}).get(key) is not value:
-                    pairs.append((param, key, value))
-        new = [item for item in pairs if not self._has_copy_for(owned.copies, *item)]
-        if new:
-            self._allocate(new, owned.copies)
+        pairs = [
+            (param, key, value)
+            for param in params
+            if param not in self.on_device
+            for key, value in state.get(param, {}).items()
+            if offloaded(value) and owned.copies.get(param, {}).get(key) is not value
+        ]
+        self._allocate(pairs, owned.copies)
         copies = [
             (device, host)
             for param, key, value in pairs
@@ -142,10 +137,11 @@ class HostOptimizerState:
         self.backend.release(transfer)
 
     def send_to_host(self, optimizer: Optimizer) -> None:
-        """``optimizer``'s offloaded values on the device (loaded before `attach`, moved by a
-        framework, made by a plain step) to their host copies, but a budget's kept ones. A
+        """``optimizer`` attached, its offloaded values on the device (loaded before, moved by
+        a framework, made by a plain step) to their host copies, but a budget's kept ones. A
         bring is ordered after the copy (`Backend.release` makes compute wait for it, the
         restore stream waits for compute); the host reads them after `wait_on_host`."""
+        self.attach(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.send(optimizer.state, self.state_copies(optimizer), params)
 
@@ -155,8 +151,7 @@ class HostOptimizerState:
 
     def state_copies(self, optimizer: Optimizer) -> StateCopies:
         """``optimizer``'s `StateCopies` (made empty the first time)."""
-        copies: StateCopies = self.host.setdefault(optimizer, StateCopies())
-        return copies
+        return self.host.setdefault(optimizer, StateCopies())
 
     def _has_copy_for(self, copies: Copies, param: Param, key: str, value: torch.Tensor) -> bool:
         host = copies.get(param, {}).get(key)
@@ -181,13 +176,13 @@ class HostOptimizerState:
 
     def host_tensors(self) -> tuple[torch.Tensor, ...]:
         """The plain tensors of every host copy, every optimizer's (memory accounting)."""
-        hosts = [
-            host
+        return tuple(
+            leaf
             for owned in self.host.values()
             for copies in owned.copies.values()
             for host in copies.values()
-        ]
-        return tuple(leaf for host in hosts for leaf in leaves(host))
+            for leaf in leaves(host)
+        )
 
     def wait_on_host(self) -> None:
         """Block the host until every state copy started so far is complete: before the
@@ -196,7 +191,9 @@ class HostOptimizerState:
 
     def _allocate(self, items: list[tuple[Param, str, torch.Tensor]], copies: Copies) -> None:
         """Host copies like ``items``' values (each leaf's shape, strides, dtype) in
-        ``copies``, cut from the slabs (`StateSlabs.take` checks the host budget)."""
+        ``copies`` where it has none alike, cut from the slabs (`StateSlabs.take` checks the
+        host budget)."""
+        items = [item for item in items if not self._has_copy_for(copies, *item)]
         flat = [leaf for _, _, value in items for leaf in leaves(value)]
         regions = self._slabs.take([leaf.numel() * leaf.element_size() for leaf in flat])
         taken = (
@@ -208,7 +205,7 @@ class HostOptimizerState:
         self.host_bytes = self._slabs.reserved_bytes
 
     def _compact_state_dict(
-        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+        self, optimizer: Optimizer, state_dict: dict[str, Any]
     ) -> dict[str, Any]:
         """``state_dict()``'s post-hook: each host copy (a slab view, which ``torch.save``
         would write whole) as a compact copy, read once the copies back are complete; in
@@ -226,26 +223,24 @@ class HostOptimizerState:
             return value
         return rebuilt(value, iter([leaf.clone() for leaf in leaves(value)]))
 
-    def begin_step(self, optimizer: torch.optim.Optimizer) -> StateJourney:
-        """A fused step begins: moved bytes from zero, ``optimizer`` attached and its state
-        on the device sent home. Returns the step's journeys of its state."""
+    def begin_step(self, optimizer: Optimizer) -> StateJourney:
+        """A fused step begins: moved bytes from zero, ``optimizer``'s state on the device sent
+        home (`send_to_host`). Returns the step's journeys of its state."""
         self.moved_bytes = 0
         self._slabs.expect(p for group in optimizer.param_groups for p in group["params"])
-        self.attach(optimizer)
         self.send_to_host(optimizer)
         return StateJourney(self, optimizer.state, self.state_copies(optimizer))
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, optimizer: Optimizer) -> None:
         """From now on ``optimizer.load_state_dict`` puts the offloaded state on the host
         (cast as the optimizer casts it), never on the device; once, until `close`."""
         if optimizer in self._attached:
             return
-        hooks = _OptimizerHooks(weakref.ref(self))
         self._attached[optimizer] = [
-            optimizer.register_load_state_dict_pre_hook(hooks.take_tensors),
-            optimizer.register_load_state_dict_post_hook(hooks.place_on_host),
+            optimizer.register_load_state_dict_pre_hook(_held_weakly(self._take_tensors)),
+            optimizer.register_load_state_dict_post_hook(_held_weakly(self._place_on_host)),
             # A checkpoint holds the state's bytes, not its slabs' (`_compact_state_dict`).
-            optimizer.register_state_dict_post_hook(hooks.compact_state_dict),
+            optimizer.register_state_dict_post_hook(_held_weakly(self._compact_state_dict)),
         ]
 
     def close(self) -> None:
@@ -289,7 +284,7 @@ class HostOptimizerState:
         for param, key, host in places:
             optimizer.state[param][key] = rebuilt(host, device)
 
-    def _take_tensors(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> Any:
+    def _take_tensors(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> Any:
         """Take the offloaded tensors out of the loaded state before the optimizer moves
         them to the device. Unmatched groups are refused as ``load_state_dict`` refuses
         them, before anything changes (this hook runs before torch's check)."""
@@ -316,28 +311,26 @@ class HostOptimizerState:
         self._loading.append({by_index[index]: values for index, values in taken.items()})
         return {**state_dict, "state": kept}
 
-    def _place_on_host(self, optimizer: torch.optim.Optimizer) -> None:
+    def _place_on_host(self, optimizer: Optimizer) -> None:
         """The taken tensors into ``optimizer``'s host copies (reused where alike), floating
         values cast to a floating parameter's dtype, as the optimizer casts a load."""
         self.wait_on_host()  # before the host overwrites host copies a copy may still use
         taken = self._loading.pop()
         owned = self.state_copies(optimizer)
-        new = []
-        for param, values in taken.items():
-            for key, value in values.items():
-                if param.is_floating_point() and value.is_floating_point():
-                    values[key] = value = value.to(dtype=param.dtype)
-                if not self._has_copy_for(owned.copies, param, key, value):
-                    new.append((param, key, value))
-        if new:
-            self._allocate(new, owned.copies)
-        for param, values in taken.items():
-            owned.at[param] = StateAt.HOST
-            for key, value in values.items():
-                host = owned.copies[param][key]
-                for host_leaf, leaf in zip(leaves(host), leaves(value), strict=True):
-                    host_leaf.copy_(leaf)
-                optimizer.state[param][key] = host
+        items = [
+            (param, key, value.to(dtype=param.dtype))
+            if param.is_floating_point() and value.is_floating_point()
+            else (param, key, value)
+            for param, values in taken.items()
+            for key, value in values.items()
+        ]
+        self._allocate(items, owned.copies)
+        owned.at.update(dict.fromkeys(taken, StateAt.HOST))
+        for param, key, value in items:
+            host = owned.copies[param][key]
+            for host_leaf, leaf in zip(leaves(host), leaves(value), strict=True):
+                host_leaf.copy_(leaf)
+            optimizer.state[param][key] = host
 
 
 @dataclass(frozen=True)
@@ -362,7 +355,7 @@ class StateJourney:
         self.states.moved_bytes += nbytes(hosts)
         for param, _, _ in keys:  # only once started: a failed start leaves them home
             self.owned.at[param] = StateAt.IN_TRANSIT
-        had_state = [bool(self.state.get(param)) for param in params]
+        fresh = [param for param in params if not self.state.get(param)]
         # An optimizer may count its step before it raises (Adam's ``step += 1``, then an
         # out-of-memory error): a retry must find the count as it was.
         kept = [
@@ -371,7 +364,7 @@ class StateJourney:
             for key, value in self.state.get(param, {}).items()
             if not offloaded(value)
         ]
-        return Arrival(list(params), had_state, keys, transfer, kept)
+        return Arrival(list(params), fresh, keys, transfer, kept)
 
     def install(self, arrival: Arrival) -> None:
         """Put the brought tensors in the optimizer's state, safe for its step to use."""
@@ -382,8 +375,7 @@ class StateJourney:
         arrival.installed = True
 
     def send_back(self, arrival: Arrival) -> None:
-        """After the bucket's step: its state (updated or new) to the host
-        (`HostOptimizerState.send`)."""
+        """After the bucket's step: its state, updated or new, to the host (`send`)."""
         self.states.send(self.state, self.owned, arrival.params)
 
     def abandon(self, arrivals: Iterable[Arrival]) -> None:
@@ -398,31 +390,22 @@ class StateJourney:
                 self.owned.at[param] = StateAt.HOST
             for param, key, value in arrival.kept:
                 self.state[param][key] = value
-            for param, had in zip(arrival.params, arrival.had_state, strict=True):
-                if not had:
-                    self.state.pop(param, None)
-                    self.owned.at.pop(param, None)
+            for param in arrival.fresh:
+                self.state.pop(param, None)
+                self.owned.at.pop(param, None)
 
     def step_ended(self, steps: int) -> None:
         """Nothing to finish: each bucket's state went back as its step ended."""
 
 
-@dataclass(frozen=True)
-class _OptimizerHooks:
-    """An optimizer's state-dict hooks for a `HostOptimizerState`, held weakly: an optimizer
-    outliving its cache does not keep it alive (those of a cache dropped unclosed do nothing)."""
+def _held_weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A `HostOptimizerState`'s bound ``method`` as an optimizer's hook holding it weakly: an
+    optimizer outliving its cache does not keep it alive (those of a cache dropped unclosed
+    do nothing)."""
+    held = weakref.WeakMethod(method)
 
-    states: weakref.ref[HostOptimizerState]
+    def hook(*args: Any) -> Any:
+        bound = held()
+        return None if bound is None else bound(*args)
 
-    def take_tensors(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> Any:
-        states = self.states()
-        return None if states is None else states._take_tensors(optimizer, state_dict)
-
-    def place_on_host(self, optimizer: Optimizer) -> None:
-        states = self.states()
-        if states is not None:
-            states._place_on_host(optimizer)
-
-    def compact_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> Any:
-        states = self.states()
-        return None if states is None else states._compact_state_dict(optimizer, state_dict)
+    return hook

@@ -174,18 +174,18 @@ class SkipWatch:
         scaled, self.unsettled = self.unsettled, None
         if scaled is None or scaled.stepped:
             return None
-        scale = loss_scale(self.scaler)
-        updated = scale is not None and scale._version != scaled.scale_version
-        return scaled if updated else None
+        return scaled if self._updated(scaled) else None
 
     def decided(self) -> bool:
         """Whether the last completed step is known taken or skipped: an optimizer stepped
         a cached parameter, or the scaler's ``update()`` ran."""
         scaled = self.unsettled
-        if scaled is None:
-            return False
+        return scaled is not None and (scaled.stepped or self._updated(scaled))
+
+    def _updated(self, scaled: ScaledStep) -> bool:
+        """Whether ``update()`` ran since ``scaled`` was delivered."""
         scale = loss_scale(self.scaler)
-        return scaled.stepped or (scale is not None and scale._version != scaled.scale_version)
+        return scale is not None and scale._version != scaled.scale_version
 
     def _note_step(self, optimizer: torch.optim.Optimizer) -> None:
         scaled = self.unsettled

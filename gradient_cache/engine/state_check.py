@@ -85,11 +85,9 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
         )
     by_name = pipeline.params_by_name()
     if state["random_device"] == pipeline.backend.device.type:  # else they are not used
-        _check_random_state(pipeline, state["random_state"], "random_state")
+        _check_random_state(pipeline, state, "random_state")
         if state["random_state_at_step_start"] is not None:
-            _check_random_state(
-                pipeline, state["random_state_at_step_start"], "random_state_at_step_start"
-            )
+            _check_random_state(pipeline, state, "random_state_at_step_start")
     # The routes the saved step had (the warm-up may have ended since): what its parts hold.
     routes = pipeline.plan.at(steps)
     for key in ("residuals", "pending_residuals"):
@@ -107,10 +105,10 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
                     f"state[{key!r}][{name!r}] holds non-finite values; a residual is always "
                     "finite (a step with inf or NaN restarts it from zero): the file is damaged."
                 )
-    _check_buckets(state["buckets"], by_name, routes)
-    _check_kept_gradients(state, by_name)
+    cached = _check_buckets(state["buckets"], by_name, routes)
+    _check_kept_gradients(state, by_name, cached)
     _check_pending_norms(state, by_name)
-    _check_layouts(state, by_name, routes)
+    _check_layouts(state, by_name, routes, cached)
 
 
 def _check_pending_norms(state: dict[str, Any], by_name: dict[str, Any]) -> None:
@@ -129,9 +127,8 @@ def _check_pending_norms(state: dict[str, Any], by_name: dict[str, Any]) -> None
             )
 
 
-def _check_kept_gradients(state: dict[str, Any], by_name: dict[str, Any]) -> None:
+def _check_kept_gradients(state: dict[str, Any], by_name: dict[str, Any], cached: set[str]) -> None:
     """Each kept gradient whole, in its parameter's shape and dtype, in no bucket too."""
-    cached = {item["name"] for bucket in state["buckets"] for item in bucket}
     for name, grad in _named_tensors(state.get("kept_gradients", {}), "kept_gradients", by_name):
         param = by_name[name]
         where = f"state['kept_gradients'][{name!r}]"
@@ -141,7 +138,7 @@ def _check_kept_gradients(state: dict[str, Any], by_name: dict[str, Any]) -> Non
 
 
 def _check_layouts(
-    state: dict[str, Any], by_name: dict[str, Any], routes: dict[Any, Route]
+    state: dict[str, Any], by_name: dict[str, Any], routes: dict[Any, Route], cached: set[str]
 ) -> None:
     """Saved gradients and residuals are in their parameter's memory order (`layout`): they
     mean the same here only where the parameter has the layout it had when saved."""
@@ -153,9 +150,7 @@ def _check_layouts(
             f"state['layouts'] is {layouts!r:.80}; expected a dict of cached parameter names "
             "to strides."
         )
-    saved = {*state["residuals"], *state["pending_residuals"]}
-    saved |= {item["name"] for bucket in state["buckets"] for item in bucket}
-    for name in sorted(saved):
+    for name in sorted({*state["residuals"], *state["pending_residuals"], *cached}):
         route = routes[by_name[name]]
         stride = tuple(layouts.get(name, contiguous_strides(route.shape)))
         if stride != route.stride:
@@ -168,8 +163,9 @@ def _check_layouts(
             )
 
 
-def _check_random_state(pipeline: Pipeline, states: Any, key: str) -> None:
+def _check_random_state(pipeline: Pipeline, state: dict[str, Any], key: str) -> None:
     sources = pipeline.codecs.random_sources()
+    states = state[key]
     if not isinstance(states, dict):
         raise ValueError(f"state[{key!r}] is a {type(states).__name__}; expected a dict.")
     for name, saved in states.items():
@@ -213,7 +209,8 @@ def _check_tensor(tensor: Any, where: str, *, shape: tuple[int, ...], dtype: tor
 
 def _check_buckets(
     buckets: Any, by_name: dict[str, Any], routes: dict[torch.nn.Parameter, Route]
-) -> None:
+) -> set[str]:
+    """Each bucket's payloads readable, each a cached parameter's; returns their names."""
     if not isinstance(buckets, list):
         raise ValueError(f"state['buckets'] is a {type(buckets).__name__}; expected a list.")
     seen: set[str] = set()
@@ -232,6 +229,7 @@ def _check_buckets(
                 )
             seen.add(name)
             _check_payload(item["payload"], f"{where} ({name})", routes[by_name[name]])
+    return seen
 
 
 def _check_payload(saved: Any, where: str, route: Any) -> None:

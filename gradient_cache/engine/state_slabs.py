@@ -42,9 +42,6 @@ class _Slab:
     memory: torch.Tensor  # uint8
     used: int = 0  # bytes from the start, aligned
 
-    def room(self) -> int:
-        return self.memory.numel() - self.used
-
 
 class StateSlabs:
     """Regions for host copies, cut from slabs ``allocate(nbytes)`` gives (pinned on CUDA)
@@ -101,9 +98,8 @@ class StateSlabs:
         return regions
 
     def _place(self, sizes: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
-        """Where each region goes, without allocating: (slab index, offset), and the new
-        slabs' sizes. Largest first, each at the end of the first slab with room; without
-        ``round_up``, what fits nowhere goes into one new slab of exactly their bytes."""
+        """Where each region goes, largest first, without allocating: (slab index, offset),
+        and the new slabs' sizes."""
         rooms = [[slab.used, slab.memory.numel()] for slab in self._slabs]
         existing = len(rooms)
         where = [(0, 0)] * len(sizes)
@@ -116,11 +112,11 @@ class StateSlabs:
                 if self._round_up:
                     size = slab_bytes(largest=self._largest, total=self._total)
                     rooms.append([0, max(size, _power_of_two_at_least(need))])
-                elif len(rooms) == existing:
-                    rooms.append([0, 0])
+                else:  # the one exact new slab, grown by this region
+                    if len(rooms) == existing:
+                        rooms.append([0, 0])
+                    rooms[-1][1] += need
                 index = len(rooms) - 1
-                if not self._round_up:
-                    rooms[index][1] += need  # the exact slab grows by this region
             where[i] = (index, rooms[index][0])
             rooms[index][0] += need
         return where, [end for _, end in rooms[existing:]]

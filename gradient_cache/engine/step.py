@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import fused_step, scaling, sharding
+from .budget import BudgetWatch
 from .fused_step import BucketSteps, Journeys, Traveller
 from .norms import StepNorms, clip_factor, clip_grad_norm_order, clip_order, gradient_norm
 from .pipeline import Pipeline, refuse_taken
@@ -26,16 +26,6 @@ Param = torch.nn.Parameter
 Optimizer = torch.optim.Optimizer
 
 
-class Budget(Protocol):
-    """What the step asks of a memory budget (`budget.BudgetWatch`)."""
-
-    def before_restore(self, pipeline: Pipeline) -> None: ...
-
-    def sample(self) -> None: ...
-
-    def measure_from_now(self) -> None: ...
-
-
 class OptimizerStep:
     """The step over what one pipeline caches. ``model_order``: each parameter's place in
     ``model.parameters()``, the clip's summing order. ``budget``: decided around the
@@ -46,7 +36,7 @@ class OptimizerStep:
         pipeline: Pipeline,
         *,
         model_order: Mapping[Param, int],
-        budget: Budget | None = None,
+        budget: BudgetWatch | None = None,
         on_restored: Callable[[int], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
@@ -72,19 +62,10 @@ class OptimizerStep:
         if pipeline.optimizer_state is not None:
             _refuse_sparse_momentum(pipeline, optimizer)
         steps_before = pipeline.steps
-        self._before_restore()
+        if self.budget is not None:
+            self.budget.before_restore(pipeline)
         step_hooks = StepHooks(optimizer, through_instance=hooks)
-        # The buckets step with the hook tables emptied (`unhooked_step`): the global refusal
-        # of a plain step (`refuse_a_plain_step`) cannot fire inside this step.
-        total_norm, left = self._fused(
-            optimizer,
-            max_norm,
-            norm_type,
-            hidden=not hooks,
-            step_once=step_hooks.unhooked_step,
-            # Not on a skipped step: scaler.step() then calls no optimizer.step().
-            before_steps=step_hooks.fire_pre_hooks if hooks else None,
-        )
+        total_norm, left = self._fused(optimizer, max_norm, norm_type, step_hooks, hooks=hooks)
         self._after_restore(steps_before)
         states = pipeline.optimizer_state
         step_hooks.fire_post_hooks(wait_for_state=None if states is None else states.wait_on_host)
@@ -99,12 +80,9 @@ class OptimizerStep:
         summed in ``params``' order (`GradientCacheHookManager.gradient_norm`)."""
         params = list(params)
         pipeline = self._clip_ready("gradient_norm")
-        norms = _cached_norms(pipeline, pipeline.store.parts(set(params)), norm_type)
-        for param in params:
-            if param.grad is not None:
-                norms[param] = gradient_norm(sharding.local(param.grad), norm_type)
+        grads = {param: param.grad for param in params if param.grad is not None}
         order = {param: i for i, param in enumerate(params)}
-        return sharding.global_norm(clip_grad_norm_order(norms, order), norm_type)
+        return _total_norm(pipeline, pipeline.store.parts(set(params)), grads, order, norm_type)
 
     def clip(self, params: Iterable[Param], max_norm: float, total: torch.Tensor) -> None:
         """``clip_grads_with_norm_``: device gradients clipped in place, cached ones by the
@@ -116,10 +94,8 @@ class OptimizerStep:
             pipeline.deliver_and_restore(cached)
             cached = []
         factor = clip_factor(float(max_norm), total)
-        for param in params:
-            if param.grad is not None:
-                grad = sharding.local(param.grad)
-                grad.mul_(factor.to(grad.device))
+        grads = {param: param.grad for param in params if param.grad is not None}
+        fused_step.scale_in_place(grads, factor, HeldProgress())
         if cached:
             # Applied as each cached gradient is restored (the clip covers all of them).
             assert pipeline.pending is not None and pipeline.pending.deferred_clip is None
@@ -136,8 +112,8 @@ class OptimizerStep:
             if pipeline.optimizer_state is not None and pipeline.store:
                 raise RuntimeError(refusal)
         steps_before = pipeline.steps
-        if pipeline.step_pending:
-            self._before_restore()
+        if pipeline.step_pending and self.budget is not None:
+            self.budget.before_restore(pipeline)
         failed = pipeline.pending if pipeline.interrupted else None
         if failed is not None and (failed.partly_stepped() or (failed.held and failed.held.scaled)):
             raise RuntimeError(
@@ -151,8 +127,7 @@ class OptimizerStep:
 
     def caches(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether this cache takes the gradients of any of ``params``."""
-        records = self.pipeline.records
-        return any(param in records for param in params)
+        return any(param in self.pipeline.records for param in params)
 
     def takes(self, optimizer: Optimizer) -> bool:
         """Whether the fused step takes ``optimizer``'s step (an integration's routing): it
@@ -217,7 +192,6 @@ class OptimizerStep:
                 "offload_state_of() needs offload_optimizer_state=True in "
                 "create_gradient_cache(...): without it the state stays on the device."
             )
-        states.attach(optimizer)
         states.send_to_host(optimizer)
         states.wait_on_host()  # the host may read them next (a checkpoint)
 
@@ -238,14 +212,13 @@ class OptimizerStep:
         optimizer: Optimizer,
         max_norm: float | None,
         norm_type: float,
+        step_hooks: StepHooks,
         *,
-        hidden: bool,
-        step_once: Callable[[], object],
-        before_steps: Callable[[], object] | None,
+        hooks: bool,
     ) -> tuple[torch.Tensor | None, dict[Param, torch.Tensor]]:
         """Decide the step (delivered gradients, the clip, a GradScaler's skip), then run
-        its buckets. ``before_steps``: called once the step is known not skipped (the
-        pre-hooks). Returns the global norm and the held gradients (`fused_step.settle_held`)."""
+        its buckets (``hooks``: the pre-hooks fired first, the held gradients left in .grad).
+        Returns the global norm and the held gradients (`fused_step.settle_held`)."""
         pipeline = self.pipeline
         stepped, journeys = self._begin(optimizer)
         deferred = pipeline.deferred_clip
@@ -267,41 +240,39 @@ class OptimizerStep:
         parts = pipeline.store.parts(set(stepped))
         scaler, inv_scale, skip = _scaler_verdict(pipeline, optimizer, parts, held)
         if clip is None:
+            order = clip_order(self._model_order, stepped)
             clip = _clip(
-                pipeline,
-                clip_order(self._model_order, stepped),
-                parts,
-                held,
-                max_norm,
-                norm_type,
-                inv_scale=inv_scale,
-                skip=skip,
+                pipeline, order, parts, held, max_norm, norm_type, inv_scale=inv_scale, skip=skip
             )
         total_norm, factor = clip
         held_factor = None if deferred is not None else factor  # a deferred clip clipped them
         if skip:
-            assert scaler is not None
-            left = _skip(pipeline, scaler, optimizer, held, delivered, held_factor, hidden=hidden)
-            return total_norm, left
-        if before_steps is not None:
-            before_steps()
-        buckets = [[param for param, _ in part] for part in parts]
-        del parts  # parameters only from here: a payload goes as soon as its bucket stepped
-        steps = BucketSteps(
-            buckets,
-            held,
-            delivered,
-            factor,
-            held_factor,
-            clip,
-            progress,
-            step_once,
-            journeys,
-            hidden,
-        )
-        left = fused_step.run(pipeline, steps)
-        if scaler is not None:
-            scaling.report_step(scaler, id(optimizer), found_inf=False)
+            # Step nothing, as scaler.step() skips: the step is still delivered, its payloads
+            # spent (undone at the next backward), the held gradients unscaled as AMP's are.
+            pipeline.skip(delivered)
+            fused_step.scale_in_place(held, held_factor, HeldProgress())
+            left = fused_step.settle_held(pipeline, held, hidden=not hooks)
+        else:
+            if hooks:  # not on a skipped step: scaler.step() then calls no optimizer.step()
+                step_hooks.fire_pre_hooks()
+            buckets = [[param for param, _ in part] for part in parts]
+            del parts  # parameters only from here: a payload goes as soon as its bucket stepped
+            steps = BucketSteps(
+                buckets,
+                held,
+                delivered,
+                held_factor,
+                clip,
+                progress,
+                # The hook tables emptied: the global refusal of a plain step
+                # (`refuse_a_plain_step`) cannot fire inside this step.
+                step_hooks.unhooked_step,
+                journeys,
+                not hooks,
+            )
+            left = fused_step.run(pipeline, steps)
+        if scaler is not None:  # told, so that update() backs off on a skip
+            scaling.report_step(scaler, id(optimizer), found_inf=skip)
         pipeline.finish_step()
         return total_norm, left
 
@@ -335,12 +306,6 @@ class OptimizerStep:
             self.restore_all()  # clipped again: from the clipped gradients, on the device
         pipeline.deliver_and_restore(p for p in pipeline.store if p.grad is not None)
         return pipeline
-
-    def _before_restore(self) -> None:
-        """A memory budget decides once, before the first restore after its measured steps,
-        so its measurement holds whole steps (the optimizer's, which creates the state)."""
-        if self.budget is not None:
-            self.budget.before_restore(self.pipeline)
 
     def _after_restore(self, steps_before: int) -> None:
         """After a restore (which may find nothing): a budget's sample, the manager's word."""
@@ -377,70 +342,58 @@ def _clip(
     norm_type: float,
     *,
     inv_scale: torch.Tensor | None,
-    skip: bool = False,
+    skip: bool,
 ) -> Clip:
     """The global norm and the factor the restores apply: the clip factor, times
-    ``inv_scale`` where given; (None, inv_scale) without clipping. Summed on the device in
-    the model's order, across ranks under FSDP2 (`sharding.global_norm`)."""
+    ``inv_scale`` where given; (None, inv_scale) without clipping."""
     if max_norm is None:
         if pipeline.pending is None or not pipeline.pending.norm_read:
             pipeline.compute_norms(None)  # no one asks for norms: the encodes stop
         return None, inv_scale
-    local = _cached_norms(pipeline, parts, norm_type)
-    for param, grad in held.items():
-        local[param] = gradient_norm(sharding.local(grad), norm_type)
-    total = sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
+    total = _total_norm(pipeline, parts, held, model_order, norm_type)
     if inv_scale is not None:
         # The norms of the scaled gradients times 1/scale, a power of two: exactly the
         # norm of the unscaled ones that clip_grad_norm_ after scaler.unscale_() computes.
         total = total * inv_scale.to(total.device)
         if not skip and not bool(torch.isfinite(total)):  # a host sync, as the verdict's
-            total = _unscaled_norm(pipeline, model_order, parts, held, norm_type, inv_scale)
+            # Finite gradients whose scaled norm overflowed fp32, at a scale past 2**64 (bf16
+            # compute never overflows in backward, so it grows): its factor 0 would zero them.
+            total = _total_norm(pipeline, parts, held, model_order, norm_type, inv_scale=inv_scale)
     device = pipeline.backend.device
     factor = clip_factor(max_norm, total).to(device)
     return total, factor if inv_scale is None else factor * inv_scale.to(device)
 
 
-def _unscaled_norm(
+def _total_norm(
     pipeline: Pipeline,
-    model_order: Mapping[Param, int],
     parts: list[BucketPayloads],
-    held: dict[Param, torch.Tensor],
+    grads: dict[Param, torch.Tensor],
+    order: Mapping[Param, int],
     norm_type: float,
-    inv_scale: torch.Tensor,
+    *,
+    inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The norm of the gradients unscaled one by one, as ``unscale_()`` makes them: finite
-    gradients whose scaled norm overflows fp32 (a scaler under bf16 compute never sees an
-    inf in backward, so its scale grows past 2**64), which would have zeroed the step."""
+    """The norm of the cached gradients in ``parts`` (their last encode's norms, else their
+    payloads') and the device ``grads``, in ``order`` on the device, across ranks under FSDP2.
+    ``inv_scale``: of each gradient unscaled alone, as ``unscale_()`` makes them."""
+    encoded = _encoded_norms(pipeline, norm_type) if inv_scale is None else None
     device = pipeline.backend.device
     local = {}
     for part in parts:
         for param, payload in part:
-            values = payload.kept_values().to(pipeline.records[param].route.dtype)
-            local[param] = gradient_norm(values.to(device) * inv_scale.to(device), norm_type)
-    for param, grad in held.items():
-        grad = sharding.local(grad)
-        local[param] = gradient_norm(grad * inv_scale.to(grad.device), norm_type)
-    return sharding.global_norm(clip_grad_norm_order(local, model_order), norm_type)
-
-
-def _cached_norms(
-    pipeline: Pipeline, parts: list[BucketPayloads], norm_type: float
-) -> dict[Param, torch.Tensor]:
-    """The norms of the cached gradients in ``parts``, on the device, none restored: their
-    last encode's (of the gradient before compression), else their host payload's."""
-    encoded = _encoded_norms(pipeline, norm_type)
-    device = pipeline.backend.device
-    norms = {}
-    for part in parts:
-        for param, payload in part:
             norm = None if encoded is None else encoded.get(param)
-            if norm is None:
-                # No encode computed it (the first step that asks, a resumed one).
+            if norm is None:  # no encode computed it (the first step that asks, a resumed one)
                 values = payload.kept_values().to(pipeline.records[param].route.dtype)
-                norm = gradient_norm(values, norm_type).to(device)
-            norms[param] = norm
-    return norms
+                if inv_scale is None:
+                    norm = gradient_norm(values, norm_type).to(device)
+                else:
+                    norm = gradient_norm(values.to(device) * inv_scale.to(device), norm_type)
+            local[param] = norm
+    for param, grad in grads.items():
+        grad = sharding.local(grad)
+        scaled = grad if inv_scale is None else grad * inv_scale.to(grad.device)
+        local[param] = gradient_norm(scaled, norm_type)
+    return sharding.global_norm(clip_grad_norm_order(local, order), norm_type)
 
 
 def _encoded_norms(pipeline: Pipeline, norm_type: float) -> StepNorms | None:
@@ -451,27 +404,6 @@ def _encoded_norms(pipeline: Pipeline, norm_type: float) -> StepNorms | None:
     pipeline.compute_norms(norm_type)
     norms = None if pending is None else pending.norms
     return norms if norms is not None and norms.norm_type == norm_type else None
-
-
-def _skip(
-    pipeline: Pipeline,
-    scaler: torch.amp.GradScaler,
-    optimizer: Optimizer,
-    held: dict[Param, torch.Tensor],
-    delivered: list[Param],
-    factor: torch.Tensor | None,
-    *,
-    hidden: bool,
-) -> dict[Param, torch.Tensor]:
-    """A gradient was not finite: step nothing, as scaler.step() skips. The step is still
-    delivered, its payloads spent and the scaler told (update() backs off; the pipeline
-    undoes the step at the next backward); held gradients left unscaled, as plain AMP's."""
-    pipeline.skip(delivered)
-    fused_step.scale_in_place(held, factor, HeldProgress())
-    left = fused_step.settle_held(pipeline, held, hidden=hidden)
-    scaling.report_step(scaler, id(optimizer), found_inf=True)
-    pipeline.finish_step()
-    return left
 
 
 def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: Optimizer) -> None:
@@ -485,9 +417,7 @@ def _refuse_sparse_momentum(pipeline: Pipeline, optimizer: Optimizer) -> None:
         if group["momentum"] == 0 or not sparse:
             continue
         record = pipeline.records.get(sparse[0])
-        name = (
-            record.name if record is not None else f"a parameter of shape {tuple(sparse[0].shape)}"
-        )
+        name = f"a parameter of shape {tuple(sparse[0].shape)}" if record is None else record.name
         raise RuntimeError(
             f"{name} has a sparse gradient (nn.Embedding(sparse=True), say), and SGD with "
             f"momentum={group['momentum']} keeps a sparse momentum buffer for it, which "
