@@ -738,3 +738,45 @@ def test_a_failed_bring_leaves_the_state_home_and_the_retry_brings_it() -> None:
     manager.step(optimizer)  # the retry brings every bucket's state
     assert sum(brought) == sum(len(v) for v in places.copies.values())
     assert_same_parameters(plain, cached)
+
+
+class CountingSGD(torch.optim.Optimizer):
+    """SGD whose per-parameter state is a Python count alone: nothing to offload."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    state = self.state[param]
+                    state["n"] = state.get("n", 0) + 1
+                    param.add_(param.grad, alpha=-group["lr"] / state["n"])
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_loaded_state_with_no_tensor_to_offload_resumes_as_plain(attached: bool) -> None:
+    """A loaded state whose values are all scalars has nothing on the host: the next fused
+    step finds it where the optimizer keeps it (it raised a KeyError when attached)."""
+    steps = data(4)
+    plain = make_model()
+    plain_opt = CountingSGD(plain.parameters(), lr=0.1)
+    for micro_batches in steps:
+        plain_step(plain, plain_opt, micro_batches)
+
+    first = make_model()
+    first_opt = CountingSGD(first.parameters(), lr=0.1)
+    manager = gradient_cache.create_gradient_cache(first, **OPTIONS)
+    for micro_batches in steps[:2]:
+        cached_step(first, manager, first_opt, micro_batches)
+    saved = copy.deepcopy(first_opt.state_dict())
+    resumed_opt = CountingSGD(first.parameters(), lr=0.1)
+    if attached:
+        manager.offload_state_of(resumed_opt)
+    resumed_opt.load_state_dict(saved)
+    for micro_batches in steps[2:]:
+        cached_step(first, manager, resumed_opt, micro_batches)
+    assert_same_parameters(plain, first)
+    assert [s["n"] for s in resumed_opt.state.values()] == [4] * len(resumed_opt.state)

@@ -2591,6 +2591,13 @@ MUTANTS = [
         "        meshes.append(param.device_mesh)\n",
         "tests/test_distributed.py::test_refused_on_every_rank_with_the_reason",
     ),
+    (
+        "optimizer state: a loaded state of scalars alone is not marked as on the host",
+        "gradient_cache/engine/optimizer_state.py",
+        "            if moved := {k: v for k, v in values.items() if offloaded(v)}:\n                taken[index] = moved  # a state of scalars alone has nothing on the host\n",
+        "            taken[index] = {k: v for k, v in values.items() if offloaded(v)}\n",
+        "tests/test_optimizer_state.py -k no_tensor_to_offload",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

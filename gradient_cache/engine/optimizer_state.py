@@ -304,7 +304,8 @@ class HostOptimizerState:
         kept, taken = {}, {}
         for index, values in state_dict["state"].items():
             kept[index] = {k: v for k, v in values.items() if not offloaded(v)}
-            taken[index] = {k: v for k, v in values.items() if offloaded(v)}
+            if moved := {k: v for k, v in values.items() if offloaded(v)}:
+                taken[index] = moved  # a state of scalars alone has nothing on the host
         saved = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in optimizer.param_groups)
         by_index: dict[int, Param] = dict(zip(saved, params, strict=True))
