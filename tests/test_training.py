@@ -424,7 +424,8 @@ def test_a_clip_over_a_model_whose_submodule_alone_is_cached_sums_as_plain() -> 
         manager = gradient_cache.create_gradient_cache(model.mlp, **LOSSLESS) if cached else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         norms = []
-        for tokens, targets in batches(6):
+        # Data on which the other order is 1 ulp off within a few steps (seed 1's is not).
+        for tokens, targets in batches(12, seed=2):
             loss_of(model, tokens, targets).backward()
             if manager is None:
                 norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
