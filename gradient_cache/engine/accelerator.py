@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from ..codecs import Payload
-from . import backend
-from .backend import Backend, Encoded, Event, Grads, Param, Restore, Transfer
+from .backend import Backend, Encoded, Grads, Param, Restore, Transfer
 from .pool import HostPool
 from .residuals import DeviceResiduals, HostSlotResiduals
 from .route import Route
@@ -28,11 +27,11 @@ from .route import Route
 class StreamApi(Protocol):
     """`TorchStreams`, or tests/stream_checker.py's stand-in."""
 
-    def new_stream(self, device: torch.device) -> backend.Stream: ...
+    def new_stream(self, device: torch.device) -> torch.Stream: ...
 
-    def new_event(self, device: torch.device) -> backend.Event: ...
+    def new_event(self, device: torch.device) -> torch.Event: ...
 
-    def current_stream(self, device: torch.device) -> backend.Stream: ...
+    def current_stream(self, device: torch.device) -> torch.Stream: ...
 
 
 class TorchStreams:
@@ -56,8 +55,8 @@ TORCH_STREAMS = TorchStreams()
 class Landing:
     """A bucket's copies in flight: their event, and the device tensors they read."""
 
-    copied: Event  # recorded on the copy stream after the bucket's copies
-    tensors: list[torch.Tensor] = field(default_factory=list)  # kept alive until it is known safe
+    copied: torch.Event  # recorded on the copy stream after the bucket's copies
+    tensors: list[torch.Tensor]  # kept alive until it is known safe
 
 
 class AcceleratorBackend(Backend):
@@ -95,7 +94,7 @@ class AcceleratorBackend(Backend):
         )
         # A storage's resize_, or the stand-in's (which tells its checker).
         self._resize_storage: Callable[[torch.Tensor, int], None] = getattr(
-            streams, "resize_storage", _resize_storage
+            streams, "resize_storage", super().resize_storage
         )
         self.residuals = (
             HostSlotResiduals(
@@ -106,9 +105,9 @@ class AcceleratorBackend(Backend):
         )
         self._in_flight: deque[Landing] = deque()
         # The `copied` event of the last copy into each slot not yet waited for by the host.
-        self._unwaited: dict[Param, Event] = {}
+        self._unwaited: dict[Param, torch.Event] = {}
         # The last copy of optimizer state each way not yet waited for by the host.
-        self._unwaited_state: dict[str, Event] = {}
+        self._unwaited_state: dict[str, torch.Event] = {}
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         # An explicit H2D copy on the current stream, into a block allocated for it.
@@ -224,6 +223,7 @@ class AcceleratorBackend(Backend):
     def finish_restore(self, restore: Restore) -> Grads:
         # Guarantees work queued next on the current stream (the optimizer; or the free of
         # an abandoned restore's blocks) starts after the restore stream wrote them.
+        assert restore.done is not None  # every restore and copy here records one
         self.streams.current_stream(self.device).wait_event(restore.done)
         return restore.grads
 
@@ -261,6 +261,7 @@ class AcceleratorBackend(Backend):
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         # Guarantees the step, queued next on the current stream, reads and updates the
         # state only after the restore stream wrote it.
+        assert transfer.done is not None  # every restore and copy here records one
         self.streams.current_stream(self.device).wait_event(transfer.done)
         return transfer.tensors
 
@@ -279,6 +280,7 @@ class AcceleratorBackend(Backend):
     def release(self, transfer: Transfer) -> None:
         # Guarantees compute-stream work queued from now on (which may reuse the device
         # copies' freed blocks) starts after the copies back have read them.
+        assert transfer.done is not None  # every restore and copy here records one
         self.streams.current_stream(self.device).wait_event(transfer.done)
         transfer.tensors.clear()
 
@@ -305,10 +307,6 @@ class AcceleratorBackend(Backend):
             # copy is rewritten by the host only after the H2D copies reading it.
             done.synchronize()
         self._unwaited_state.clear()
-
-
-def _resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
-    tensor.untyped_storage().resize_(nbytes)
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -22,27 +22,6 @@ from .route import Route
 
 Param = torch.nn.Parameter
 Grads = list[tuple[Param, torch.Tensor]]
-
-
-class Stream(Protocol):
-    """What the accelerator backend uses of `torch.Stream` (or the tests' stand-in); what
-    the waits take is ``Any``: a stream or an event of the same kind only."""
-
-    def wait_stream(self, stream: Any) -> None: ...
-
-    def wait_event(self, event: Any) -> None: ...
-
-    def __enter__(self) -> object: ...
-
-    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any, /) -> None: ...
-
-
-class Event(Protocol):
-    """What the accelerator backend uses of `torch.Event` (and the tests' stand-in)."""
-
-    def record(self, stream: Any = None) -> None: ...
-
-    def synchronize(self) -> None: ...
 
 
 @dataclass
@@ -62,7 +41,7 @@ class Restore:
     """Gradients on their way back; `Backend.finish_restore` makes them safe to read."""
 
     grads: Grads
-    done: Event | None = None  # the gradients are written
+    done: torch.Event | None = None  # the gradients are written
 
 
 @dataclass
@@ -70,12 +49,7 @@ class Transfer:
     """Device tensors copied to or from the host, kept until ``done`` (None: copied at once)."""
 
     tensors: list[torch.Tensor]
-    done: Event | None = None
-
-
-def clipped(grad: torch.Tensor, clip_factor: torch.Tensor | None) -> torch.Tensor:
-    """``grad * clip_factor`` out of place: a retried step reads the payload again."""
-    return grad if clip_factor is None else grad * clip_factor.to(grad.device)
+    done: torch.Event | None = None
 
 
 class Backend(ABC):
@@ -127,10 +101,6 @@ class Backend(ABC):
     def finish_restore(self, restore: Restore) -> Grads:
         """The gradients, safe for work queued from now on to read."""
         return restore.grads
-
-    def close(self) -> None:
-        """Wait for work in flight; the backend is not used afterwards."""
-        self.drain()
 
     # --- an optimizer's state between host and device (`optimizer_state`) ---------------
 
@@ -213,15 +183,16 @@ class CpuBackend(Backend):
     ) -> Restore:
         grads = []
         for param, payload in items:
+            route = self.routes[param]
             whole = payload.as_gradient()
             if whole is not None:  # lossless: the gradient itself, no copy (but a widening)
-                grad = clipped(whole.to(self.routes[param].dtype), clip_factor)
+                grad = whole.to(route.dtype)
             else:
-                route = self.routes[param]
                 grad = payload.decode_into(
                     torch.empty(route.numel, dtype=route.dtype, device=self.device)
                 )
-                if clip_factor is not None:
-                    grad.mul_(clip_factor)  # a fresh tensor: scaling in place costs no copy
-            grads.append((param, self.routes[param].shaped(grad)))
+            if clip_factor is not None:
+                # In place on a decoded tensor only: a retried step reads the payload again.
+                grad = grad * clip_factor if whole is not None else grad.mul_(clip_factor)
+            grads.append((param, route.shaped(grad)))
         return Restore(grads)

@@ -7,6 +7,7 @@ Assembled on the device (`BucketAssembler`), then ``LANDING`` (encoded, host cop
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 
@@ -20,15 +21,12 @@ class BucketState(enum.Enum):
     CACHED = "cached"  # host payloads complete
 
 
+@dataclass(eq=False)  # by identity, as the store's lists and maps hold it
 class Bucket:
     """Host payloads offloaded together, in arrival order; `store.GradientStore` owns it."""
 
-    def __init__(self, payloads: dict[torch.nn.Parameter, Payload]) -> None:
-        self.payloads = payloads
-        self.state = BucketState.LANDING
-
-    def __len__(self) -> int:
-        return len(self.payloads)
+    payloads: dict[torch.nn.Parameter, Payload]
+    state: BucketState = BucketState.LANDING
 
 
 class BucketAssembler:

@@ -17,7 +17,7 @@ from ..codecs.payloads import NARROW_FLOATS
 from . import sharding
 from .backend import Encoded
 from .bucket import BucketState, Item
-from .records import HELD_BY_THE_CACHE, GradientAt, GroupArrivals
+from .records import HELD_BY_THE_CACHE, GradientAt
 from .scaling import loss_scale
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class Capture:
             # A third micro-batch while the second waits here and the first is cached: the
             # waiting bucket goes first ((a + b) + c, plain PyTorch's order).
             self.launch(pipeline.assembler.flush() or [])
-        group_complete = _group_complete(record.group)
+        group_complete = record.group is not None and record.group.arrive()
         self.add(param, self._carried(param, sharding.local(grad)))
         if group_complete:
             # The group's shared buffer is freed once its last gradient leaves: send it now.
@@ -98,8 +98,7 @@ class Capture:
         cached = pipeline.store.payload(param)
         if cached is None:
             return grad
-        pending = pipeline.pending
-        inf_checked = pending is not None and pending.found_inf is not None
+        inf_checked = pipeline.pending is not None and pipeline.pending.found_inf is not None
         return grad if cached.followed_by(grad) and not inf_checked else grad.to(route.dtype)
 
     def _restore_clipped(self) -> None:
@@ -191,17 +190,6 @@ class Capture:
         if state is None:
             return GradientAt.NONE
         return GradientAt.IN_FLIGHT if state is BucketState.LANDING else GradientAt.STORED
-
-
-def _group_complete(arrivals: GroupArrivals | None) -> bool:
-    """Count an arrival in ``arrivals``; whether it completes the group."""
-    if arrivals is None:
-        return False
-    arrivals.count += 1
-    if arrivals.count < arrivals.size:
-        return False
-    arrivals.count = 0
-    return True
 
 
 def _refuse_adding_to_left_gradients(pipeline: Pipeline, pending: PendingStep) -> None:

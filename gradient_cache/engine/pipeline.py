@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -143,13 +143,16 @@ class Pipeline:
                 record.taken_by = None
 
     def _enter(self, phase: str, state: StepState) -> None:
-        """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
+        """Move to ``state`` by ``phase`` (IDLE: no step pending), or raise if ``phase``
+        cannot start from here."""
         if self.state not in PHASES_FROM[phase]:
             advice = ADVICE.get(self.state, "this is a gradient-cache bug; please report it")
             raise StepStateError(
                 f"The gradient cache cannot {phase} while its step is {self.state.value}: {advice}."
             )
         self.state = state
+        if state is IDLE:
+            self.pending = None
 
     def launching(self) -> None:
         """A bucket launches (`Capture.launch`): only while capturing."""
@@ -185,7 +188,6 @@ class Pipeline:
             if pending.random_state is not None:
                 self.codecs.set_random_state(self.backend.device, pending.random_state)
         self._enter("discard", IDLE)
-        self.pending = None
         for record in self.records.values():
             record.taken_by = None
 
@@ -254,19 +256,17 @@ class Pipeline:
         self.deliver(params)
         self._spend(params)
 
-    def _spend(self, params: Iterable[Param]) -> None:
+    def _spend(self, params: Collection[Param]) -> None:
         """The payloads of ``params`` leave the store: restored, skipped or discarded."""
-        params = list(params)
         self.store.remove(params)
         for param in params:
             self.records[param].gradient = NONE
 
     # --- the step's phases ------------------------------------------------------------
 
-    def deliver(self, params: Iterable[Param]) -> None:
+    def deliver(self, params: Collection[Param]) -> None:
         """Before their restore: the figures of ``params`` become the last step's, the step
         is counted (once), and their new residuals become the current ones."""
-        params = list(params)
         if not params:
             return
         self._enter("deliver", STEPPING)
@@ -299,16 +299,12 @@ class Pipeline:
         clip, self.pending.clip = self.pending.clip, None
         held, self.pending.held = self.pending.held or HeldProgress(), None
         self._enter("retry", self._after_restores())
-        if self.state is IDLE:
-            self.pending = None
         return clip, held
 
     def finish_step(self) -> None:
         """After a restore: close the step once nothing of it is cached; at the warm-up's
         end the routes move on (never in a hook: the CUDA pool is re-laid)."""
         self._enter("finish", self._after_restores())
-        if self.state is IDLE:
-            self.pending = None
         if self._planned_at < self.config.warmup_steps <= self.steps:
             self._follow_plan()
 
@@ -396,7 +392,7 @@ class Pipeline:
             if self.optimizer_state is not None:
                 self.optimizer_state.close()
         finally:
-            self.backend.close()
+            self.backend.drain()  # work in flight done: the backend is not used afterwards
 
 
 def _plan_once(
@@ -454,15 +450,14 @@ def refuse_taken(
     optimizer's fused step took in this step and that has none now (none in ``.grad``, none
     cached): plain PyTorch would step it again with the one left in ``.grad``, unless a
     ``zero_grad()`` the cache cannot see ran between. Raises before anything changes."""
-    records = pipeline.records
     taken = [
-        records[param].name
-        for param in params
-        if param in records
-        and param.grad is None
-        and records[param].gradient is GradientAt.NONE
-        and records[param].taken_by is not None
-        and records[param].taken_by() is not optimizer  # type: ignore[misc]
+        record.name
+        for record in map(pipeline.records.get, params)
+        if record is not None
+        and record.param.grad is None
+        and record.gradient is GradientAt.NONE
+        and record.taken_by is not None
+        and record.taken_by() is not optimizer
     ]
     if taken:
         raise RuntimeError(
@@ -481,11 +476,8 @@ def refuse_taken(
 def _new_pending(pipeline: Pipeline, random_state: dict[str, torch.Tensor] | None) -> PendingStep:
     """A step's pending state: with a GradScaler, the flag its encodes raise on a
     non-finite gradient; with a clip, the norms they write."""
-    device = pipeline.backend.device
-    found_inf = None
-    if loss_scale(pipeline.grad_scaler) is not None:
-        found_inf = torch.zeros((), dtype=torch.bool, device=device)
-    norms = None
-    if pipeline.clip_norm_type is not None:
-        norms = StepNorms(pipeline._norm_slots, pipeline.clip_norm_type, device)
+    device, norm_type = pipeline.backend.device, pipeline.clip_norm_type
+    scaled = loss_scale(pipeline.grad_scaler) is not None
+    found_inf = torch.zeros((), dtype=torch.bool, device=device) if scaled else None
+    norms = None if norm_type is None else StepNorms(pipeline._norm_slots, norm_type, device)
     return PendingStep(random_state, found_inf, norms)

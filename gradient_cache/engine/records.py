@@ -50,6 +50,11 @@ class GroupArrivals:
     size: int
     count: int = 0
 
+    def arrive(self) -> bool:
+        """Count one arrival; whether it completes the group (the count starts again)."""
+        self.count = (self.count + 1) % self.size
+        return self.count == 0
+
 
 @dataclass
 class CachedParam:
