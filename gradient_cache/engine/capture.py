@@ -77,12 +77,12 @@ class Capture:
         if pipeline.assembler.holds(param) and param in pipeline.store:
             # A third micro-batch while the second waits here and the first is cached: the
             # waiting bucket goes first ((a + b) + c, plain PyTorch's order).
-            self.launch(pipeline.assembler.flush() or [])
+            self.launch(pipeline.assembler.flush())
         group_complete = record.group is not None and record.group.arrive()
         self.add(param, self._carried(param, sharding.local(grad)))
         if group_complete:
             # The group's shared buffer is freed once its last gradient leaves: send it now.
-            self.launch(pipeline.assembler.flush() or [])
+            self.launch(pipeline.assembler.flush())
 
     def _carried(self, param: Param, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` as its bucket carries it: in the master's dtype (as FSDP2's reduce_dtype),
@@ -123,10 +123,9 @@ class Capture:
         """``grad`` into the open bucket, which launches once full."""
         items = self.pipeline.assembler.add(param, grad, self.pipeline.records[param].route.dtype)
         self.pipeline.records[param].gradient = GradientAt.OPEN_BUCKET
-        if items is not None:
-            self.launch(items)
+        self.launch(items)
 
-    def launch(self, items: list[Item]) -> None:
+    def launch(self, items: list[Item] | None) -> None:
         """Encode ``items`` and send them to host memory. If an encode fails, the rest get
         their gradients back in ``param.grad`` (the next restore adds the cached part)."""
         if not items:

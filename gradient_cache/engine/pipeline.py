@@ -95,7 +95,6 @@ class Pipeline:
         self.weights: HostWeights | None = None  # offload_parameters: `carry_weights`
         self.steps = 0
         self.records = make_records(named_params, self.plan.at(0), groups)
-        self._planned_at = -1
         self._follow_plan()
         self.store = GradientStore()
         dense_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
@@ -162,12 +161,10 @@ class Pipeline:
 
     def drain(self) -> None:
         """Encode the partial bucket and wait until host memory holds every gradient."""
-        items = self.assembler.flush()
         for record in self.records.values():
             if record.group is not None:  # a backward that stopped midway leaves partial counts
                 record.group.count = 0
-        if items is not None:
-            self.capture.launch(items)
+        self.capture.launch(self.assembler.flush())
         self.backend.drain()
         self.store.landed()
         for param in self.store:

@@ -34,7 +34,6 @@ __all__ = [
     "plan_params",
     "plan_routes",
     "planner",
-    "route",
 ]
 
 
@@ -50,7 +49,7 @@ class Route:
     steady: Codec  # encodes it once the warm-up is over
     residual_on_host: bool  # CUDA backend: its residual lives in its pinned slot
     spare_residual: bool  # a second residual for a pending step (keep_previous_residual)
-    dense_room: bool  # warm-up steps are ahead: its slot must hold a dense payload
+    dense_room: bool = False  # warm-up steps are ahead: its slot must hold a dense payload
 
     def flatten(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad``'s entries in its parameter's memory order, as one flat tensor (a view
@@ -99,34 +98,6 @@ class Route:
         return dataclasses.replace(self, codec=lossless, dense_room=self.steady.lossy)
 
 
-def route(
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    *,
-    codecs: Codecs,
-    config: EngineConfig,
-    steps: int,
-    stride: tuple[int, ...] | None = None,
-) -> Route:
-    """The route of a gradient of ``shape`` and ``dtype`` (laid out with ``stride``,
-    contiguous if None) after ``steps`` steps."""
-    numel = math.prod(shape)
-    steady = codecs.choose(numel, dtype, min_numel=config.min_compress_numel)
-    residuals = config.residual_options
-    planned = Route(
-        shape=tuple(shape),
-        stride=contiguous_strides(tuple(shape)) if stride is None else tuple(stride),
-        numel=numel,
-        dtype=dtype,
-        codec=steady,
-        steady=steady,
-        residual_on_host=residuals.residual_location == "host",
-        spare_residual=residuals.keep_previous_residual,
-        dense_room=False,
-    )
-    return planned.warming_up(codecs.lossless) if steps < config.warmup_steps else planned
-
-
 def plan_routes(
     shapes: Mapping[Key, tuple[tuple[int, ...], torch.dtype]],
     *,
@@ -135,13 +106,27 @@ def plan_routes(
     steps: int,
     strides: Mapping[Key, tuple[int, ...]] | None = None,
 ) -> dict[Key, Route]:
-    """`route` for each of ``shapes``' (shape, dtype), keyed as they are; ``strides``: the
-    gradients' layouts where not contiguous."""
-    strides = strides or {}
-    return {
-        key: route(shape, dtype, codecs=codecs, config=config, steps=steps, stride=strides.get(key))
-        for key, (shape, dtype) in shapes.items()
-    }
+    """The route of each of ``shapes``' (shape, dtype) after ``steps`` steps, keyed as they
+    are; ``strides``: the gradients' layouts where not contiguous."""
+    residuals = config.residual_options
+    routes = {}
+    for key, (shape, dtype) in shapes.items():
+        numel = math.prod(shape)
+        steady = codecs.choose(numel, dtype, min_numel=config.min_compress_numel)
+        stride = (strides or {}).get(key, contiguous_strides(tuple(shape)))
+        routes[key] = Route(
+            shape=tuple(shape),
+            stride=tuple(stride),
+            numel=numel,
+            dtype=dtype,
+            codec=steady,
+            steady=steady,
+            residual_on_host=residuals.residual_location == "host",
+            spare_residual=residuals.keep_previous_residual,
+        )
+    if steps < config.warmup_steps:
+        return {key: route.warming_up(codecs.lossless) for key, route in routes.items()}
+    return routes
 
 
 class RoutePlan(Generic[Key]):
