@@ -42,10 +42,8 @@ class BucketAssembler:
         self, param: torch.nn.Parameter, grad: torch.Tensor, dtype: torch.dtype
     ) -> list[Item] | None:
         """Add one gradient, counted in ``dtype``, the one it is stepped in (a bf16 gradient
-        fills a bucket as its fp32 sum will at the step); return the items if now full.
-
-        A parameter already waiting (a second backward) gets ``new + old``: plain's bits.
-        """
+        fills a bucket as its fp32 sum will at the step); return the items if now full. A
+        parameter already waiting (a second backward) gets ``new + old``: plain's bits."""
         waiting = self._items.get(param)
         if waiting is not None:
             self._items[param] = grad.add_(waiting)

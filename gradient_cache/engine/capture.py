@@ -1,8 +1,6 @@
 """Capture: backward's hooks hand each gradient over, buckets launch while backward goes on.
 
-The post-accumulate-grad hook takes each complete gradient off its parameter into the open
-bucket; a full bucket is encoded and sent to host memory (`launch`). Capture moves gradients
-and their records' locations; the step's state is the pipeline's.
+Capture moves gradients and their records' locations; the step's state is the pipeline's.
 """
 
 from __future__ import annotations

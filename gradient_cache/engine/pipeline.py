@@ -8,7 +8,6 @@ the step's state machine (`step_state`); what a step does with the gradients is 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import deque
 from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 
@@ -23,11 +22,10 @@ from .capture import Capture
 from .config import EngineConfig
 from .factory import BackendFactory, create_backend
 from .figures import StepFigures
-from .layout import gradient_strides
 from .norms import StepNorms, norm_slots
 from .optimizer_state import HostOptimizerState
 from .records import GradientAt, make_records
-from .route import Codecs, Route, RoutePlan
+from .route import Route, RoutePlan, plan_of_params
 from .scaling import SkipWatch, loss_scale
 from .step_state import (
     ADVICE,
@@ -78,10 +76,7 @@ class Pipeline:
         params = [param for _, param in named_params]
         sharding.check_placements(named_params)
         _refuse_cached_twice(named_params)
-        shapes = {p: (tuple(sharding.local_shape(p)), p.dtype) for p in params}
-        plan_for = _plan_once(
-            shapes, {p: gradient_strides(sharding.local(p)) for p in params}, config, ratio
-        )
+        plan_for = _plan_once(params, config, ratio)
         # Checks the host budget before it allocates anything; no hook exists yet either.
         self.backend = backend_factory(params, config, plan=lambda s: plan_for(s).at(0))
         self.plan = plan_for(self.backend.default_selection)
@@ -97,7 +92,7 @@ class Pipeline:
         self.records = make_records(named_params, self.plan.at(0), groups)
         self._follow_plan()
         self.store = GradientStore()
-        dense_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
+        dense_bytes = sum(route.numel * route.dtype.itemsize for route in self.routes.values())
         self.assembler = BucketAssembler(config.bucket_bytes(dense_bytes))
         self.enabled = True  # `set_enabled`
         self.grad_scaler = grad_scaler  # error feedback keeps its residual unscaled by it
@@ -393,10 +388,7 @@ class Pipeline:
 
 
 def _plan_once(
-    shapes: dict[Param, tuple[tuple[int, ...], torch.dtype]],
-    strides: dict[Param, tuple[int, ...]],
-    config: EngineConfig,
-    ratio: float,
+    params: list[Param], config: EngineConfig, ratio: float
 ) -> Callable[[str], RoutePlan[Param]]:
     """The routes, planned on the first call and kept (the backend factory's, for its budget
     check; else the pipeline's, with the backend's default selection)."""
@@ -405,10 +397,7 @@ def _plan_once(
     def plan_for(selection: str) -> RoutePlan[Param]:
         if not plans:
             chosen = selection if config.selection == "auto" else config.selection
-            codecs = Codecs.for_options(config, ratio=ratio, selection=chosen)
-            plans.append(
-                RoutePlan(shapes, codecs=codecs, config=config, selection=chosen, strides=strides)
-            )
+            plans.append(plan_of_params(params, config, ratio=ratio, selection=chosen))
         return plans[0]
 
     return plan_for
@@ -422,8 +411,7 @@ def _attach(
     handles = [p.register_post_accumulate_grad_hook(capture.on_grad_ready) for p in params]
     if skips is not None:
         handles.append(skips.handle)
-    for param in params:
-        _cached_params[param] = True
+    _cached_params.update(dict.fromkeys(params, True))
     return handles
 
 

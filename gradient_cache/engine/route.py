@@ -31,6 +31,7 @@ __all__ = [
     "Route",
     "RoutePlan",
     "RoutePlanner",
+    "plan_of_params",
     "plan_params",
     "plan_routes",
     "planner",
@@ -152,8 +153,7 @@ class RoutePlan(Generic[Key]):
         """The routes after ``steps`` steps: lossless while the warm-up lasts."""
         if steps >= self._warmup_steps:
             return dict(self._steady)
-        lossless = self.codecs.lossless
-        return {key: route.warming_up(lossless) for key, route in self._steady.items()}
+        return {key: route.warming_up(self.codecs.lossless) for key, route in self._steady.items()}
 
 
 # A backend factory's way to the first step's routes, given what it resolves "auto" to.
@@ -176,8 +176,15 @@ def plan_params(
     selection: str,
     steps: int = 0,
 ) -> dict[torch.nn.Parameter, Route]:
-    """Each parameter's route, by its shape on this rank (its shard's under FSDP2)."""
+    """Each parameter's route after ``steps`` steps (`plan_of_params`')."""
+    return plan_of_params(params, config, ratio=ratio, selection=selection).at(steps)
+
+
+def plan_of_params(
+    params: Iterable[torch.nn.Parameter], config: EngineConfig, *, ratio: float, selection: str
+) -> RoutePlan[torch.nn.Parameter]:
+    """The `RoutePlan` of ``params``, by their shapes on this rank (shards' under FSDP2)."""
     codecs = Codecs.for_options(config, ratio=ratio, selection=selection)
     shapes = {p: (tuple(local_shape(p)), p.dtype) for p in params}
     strides = {p: gradient_strides(local(p)) for p in params}
-    return plan_routes(shapes, codecs=codecs, config=config, steps=steps, strides=strides)
+    return RoutePlan(shapes, codecs=codecs, config=config, selection=selection, strides=strides)
