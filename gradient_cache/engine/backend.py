@@ -131,11 +131,10 @@ class Backend(ABC):
         """Start copying each (device, host) pair into its device tensor (allocated by the
         caller on the current stream), then each (device, copied) cast (another dtype: a
         shard widened from its wire). The device tensors live as long as the `Transfer`."""
-        for device, host in pairs:
-            device.copy_(host)
-        for device, copied in casts:
-            device.copy_(copied)
-        return Transfer([device for device, _ in pairs] + [device for device, _ in casts])
+        copies = [*pairs, *casts]  # the casts after the copies they read
+        for device, source in copies:
+            device.copy_(source)
+        return Transfer([device for device, _ in copies])
 
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         """The device tensors, safe for work queued from now on to read and write."""

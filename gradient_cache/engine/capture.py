@@ -193,8 +193,7 @@ def _refuse_adding_to_left_gradients(pipeline: Pipeline, pending: PendingStep) -
     """Refuse a backward adding to gradients a step left cached beside those it took
     (`PendingStep.siblings_taken`): plain PyTorch leaves them in ``.grad``, where a
     ``zero_grad()`` the cache cannot see may have cleared them."""
-    records = pipeline.records.values()
-    names = [record.name for record in records if record.gradient in HELD_BY_THE_CACHE]
+    names = [r.name for r in pipeline.records.values() if r.gradient in HELD_BY_THE_CACHE]
     if not names:
         pending.siblings_taken = False  # nothing was left
         return

@@ -431,10 +431,8 @@ def _refuse_cached_twice(named_params: Sequence[tuple[str, Param]]) -> None:
 def refuse_taken(
     pipeline: Pipeline, optimizer: torch.optim.Optimizer, params: Iterable[Param]
 ) -> None:
-    """Refuse a fused step of ``optimizer`` over a parameter whose gradient another
-    optimizer's fused step took in this step and that has none now (none in ``.grad``, none
-    cached): plain PyTorch would step it again with the one left in ``.grad``, unless a
-    ``zero_grad()`` the cache cannot see ran between. Raises before anything changes."""
+    """Refuse a fused step of ``optimizer`` over a parameter another optimizer's fused step
+    took in this step, with no gradient now (the message says why), before anything changes."""
     taken = [
         record.name
         for record in map(pipeline.records.get, params)
