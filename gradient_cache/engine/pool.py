@@ -163,8 +163,7 @@ class HostSlabs:
         """Whether ``view`` (of a slab from here) is pinned: its copies may be non-blocking."""
         if not self.pinning:
             return False
-        storage = view.untyped_storage()
-        ref = self._pageable.get(storage.data_ptr())
+        ref = self._pageable.get(view.untyped_storage().data_ptr())
         return ref is None or ref.expired()
 
 

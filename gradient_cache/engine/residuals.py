@@ -204,7 +204,6 @@ class HostSlotResiduals(ResidualStore):
         self._replaced = set()
         for param, saved in current.items():
             self._current(param).copy_(saved)  # nothing in flight: plain host copies
-        self._pending = set()
         for param, saved in pending.items():
             self._target(param).copy_(saved)
-            self._pending.add(param)
+        self._pending = set(pending)

@@ -25,18 +25,6 @@ from .sharding import local, local_shape
 
 Key = TypeVar("Key")
 
-# `Codecs` is the codec registry's (codecs/registry.py), named here for the engine's readers.
-__all__ = [
-    "Codecs",
-    "Route",
-    "RoutePlan",
-    "RoutePlanner",
-    "plan_of_params",
-    "plan_params",
-    "plan_routes",
-    "planner",
-]
-
 
 @dataclass(frozen=True)
 class Route:
