@@ -760,8 +760,8 @@ MUTANTS = [
     (
         "clip norm: encode-time norms are of the gradient before encoding",
         "gradient_cache/engine/capture.py",
-        "        payload, new_residual = codec.encode(flat, residual, loss_scale=scale)\n",
-        "        payload, new_residual = codec.encode(flat, residual, loss_scale=scale)\n        if pending is not None and pending.norms is not None:\n            pending.norms.write(param, payload.kept_values())\n",
+        "        payload, new_residual = route.codec.encode(flat, residual, loss_scale=scale)\n",
+        "        payload, new_residual = route.codec.encode(flat, residual, loss_scale=scale)\n        if pending is not None and pending.norms is not None:\n            pending.norms.write(param, payload.kept_values())\n",
         "tests/test_training.py::test_fused_step_clipping_matches_clip_grad_norm",
     ),
     (

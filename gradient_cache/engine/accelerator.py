@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from ..codecs import Payload
-from .backend import Backend, Encoded, Grads, Param, Restore, Transfer
+from .backend import Backend, Copies, Encoded, Grads, Param, Restore, Transfer
 from .pool import HostPool
 from .residuals import DeviceResiduals, HostSlotResiduals
 from .route import Route
@@ -96,12 +96,11 @@ class AcceleratorBackend(Backend):
         self._resize_storage: Callable[[torch.Tensor, int], None] = getattr(
             streams, "resize_storage", super().resize_storage
         )
+        keep = keep_previous_residual
         self.residuals = (
-            HostSlotResiduals(
-                lambda: self.pool, self.to_device, keep_previous=keep_previous_residual
-            )
+            HostSlotResiduals(lambda: self.pool, self.to_device, keep_previous=keep)
             if host_residuals
-            else DeviceResiduals(device, keep_previous=keep_previous_residual)
+            else DeviceResiduals(device, keep_previous=keep)
         )
         self._in_flight: deque[Landing] = deque()
         # The `copied` event of the last copy into each slot not yet waited for by the host.
@@ -160,10 +159,9 @@ class AcceleratorBackend(Backend):
                     there = tensor.data_ptr() == host.data_ptr()
                     hosts.append(host if there else self._to_host(host, tensor))
                 payloads[item.param] = item.payload.with_tensors(hosts)
-                kept += tensors
-                # A residual `write` drops (allocated on compute): kept until the
-                # retirement wait orders compute after the encode that read it.
-                kept += item.reads
+                # Its device tensors, and the residual a `write` drops (allocated on compute):
+                # kept until the retirement wait orders compute after the encode that read them.
+                kept += [*tensors, *item.reads]
                 if item.residual is not None:
                     self.residuals.write(item.param, item.residual, non_blocking=True)
                     kept.append(item.residual)
@@ -237,12 +235,7 @@ class AcceleratorBackend(Backend):
         # streams' accesses must be ordered before the free (`HostWeights.free`, `store`).
         self._resize_storage(tensor, nbytes)
 
-    def start_refill(
-        self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    ) -> Transfer:
+    def start_refill(self, pairs: Copies, *, casts: Copies = ()) -> Transfer:
         compute = self.streams.current_stream(self.device)
         # Guarantees the copies write the device blocks only after the compute stream's
         # earlier use of them, and read the host copies only after the copies back that
@@ -265,7 +258,7 @@ class AcceleratorBackend(Backend):
         self.streams.current_stream(self.device).wait_event(transfer.done)
         return transfer.tensors
 
-    def start_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
+    def start_to_host(self, pairs: Copies) -> Transfer:
         # Guarantees the copies read the state only after the step updated it, and overwrite
         # the host copies only after the copies to the device read them (`finish_to_device`).
         self.copy_stream.wait_stream(self.streams.current_stream(self.device))

@@ -22,6 +22,7 @@ from .route import Route
 
 Param = torch.nn.Parameter
 Grads = list[tuple[Param, torch.Tensor]]
+Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (device tensor, host or source) pairs
 
 
 @dataclass
@@ -122,12 +123,7 @@ class Backend(ABC):
         stream; the storage object, which autograd's saved views share, stays."""
         tensor.untyped_storage().resize_(nbytes)
 
-    def start_refill(
-        self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    ) -> Transfer:
+    def start_refill(self, pairs: Copies, *, casts: Copies = ()) -> Transfer:
         """Start copying each (device, host) pair into its device tensor (allocated by the
         caller on the current stream), then each (device, copied) cast (another dtype: a
         shard widened from its wire). The device tensors live as long as the `Transfer`."""
@@ -140,7 +136,7 @@ class Backend(ABC):
         """The device tensors, safe for work queued from now on to read and write."""
         return transfer.tensors
 
-    def start_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
+    def start_to_host(self, pairs: Copies) -> Transfer:
         """Start copying each (device, host) pair's device tensor into its host one."""
         for device, host in pairs:
             host.copy_(device)

@@ -149,13 +149,12 @@ class Capture:
         """Runs where the backend's `encoding` puts it; reads but never changes cached state."""
         pipeline = self.pipeline
         route = pipeline.records[param].route
-        codec = route.codec
         flat = route.flatten(grad.detach())
         cached = pipeline.store.payload(param)
         joined = None if cached is None or flat.dtype == route.dtype else cached.followed_by(flat)
         if cached is not None and joined is None:  # accumulation: the cached part joins
             flat = cached.moved(pipeline.backend.to_device).add_to(flat.to(route.dtype))
-        residual = None if codec.residual is None else pipeline.backend.residuals.read(param)
+        residual = None if route.codec.residual is None else pipeline.backend.residuals.read(param)
         pending = pipeline.pending
         if pending is not None and pending.found_inf is not None:
             # The fused step skips on it, as scaler.step() would.
@@ -170,7 +169,7 @@ class Capture:
             pending.norms.write(param, whole)
         if joined is not None:  # lossless: no codec, no residual
             return Encoded(param, joined, None)
-        payload, new_residual = codec.encode(flat, residual, loss_scale=scale)
+        payload, new_residual = route.codec.encode(flat, residual, loss_scale=scale)
         return Encoded(param, payload, new_residual, () if residual is None else (residual,))
 
     def store_encoded(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:

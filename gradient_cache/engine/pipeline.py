@@ -82,11 +82,9 @@ class Pipeline:
         self.plan = plan_for(self.backend.default_selection)
         self.codecs = self.plan.codecs
         # The optimizer's state in host memory between fused steps (offload_optimizer_state).
-        self.optimizer_state = (
-            HostOptimizerState(self.backend, config.host_memory_fraction)
-            if config.offload_optimizer_state
-            else None
-        )
+        self.optimizer_state: HostOptimizerState | None = None
+        if config.offload_optimizer_state:
+            self.optimizer_state = HostOptimizerState(self.backend, config.host_memory_fraction)
         self.weights: HostWeights | None = None  # offload_parameters: `carry_weights`
         self.steps = 0
         self.records = make_records(named_params, self.plan.at(0), groups)
@@ -137,8 +135,7 @@ class Pipeline:
                 record.taken_by = None
 
     def _enter(self, phase: str, state: StepState) -> None:
-        """Move to ``state`` by ``phase`` (IDLE: no step pending), or raise if ``phase``
-        cannot start from here."""
+        """Move to ``state`` by ``phase`` (IDLE: no step pending), or raise if it cannot."""
         if self.state not in PHASES_FROM[phase]:
             advice = ADVICE.get(self.state, "this is a gradient-cache bug; please report it")
             raise StepStateError(

@@ -2,9 +2,8 @@
 
 A pending step's new residuals stay beside the current ones (``keep_previous_residual``),
 so a discard leaves those as they were; with a GradScaler, those a completed step replaced
-stay until the skip is known (`Pipeline.settle_scaled_step`). `DeviceResiduals` holds
-tensors where the encode runs; `HostSlotResiduals`, the pool's slots and their spares.
-See docs/ARCHITECTURE.md, "The life of a residual".
+stay until the skip is known (`Pipeline.settle_scaled_step`). See docs/ARCHITECTURE.md,
+"The life of a residual".
 """
 
 from __future__ import annotations

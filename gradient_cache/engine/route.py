@@ -24,6 +24,7 @@ from .pool import SlotSpec
 from .sharding import local, local_shape
 
 Key = TypeVar("Key")
+Param = torch.nn.Parameter
 
 
 @dataclass(frozen=True)
@@ -145,32 +146,25 @@ class RoutePlan(Generic[Key]):
 
 
 # A backend factory's way to the first step's routes, given what it resolves "auto" to.
-RoutePlanner = Callable[[str], Mapping[torch.nn.Parameter, Route]]
+RoutePlanner = Callable[[str], Mapping[Param, Route]]
 
 
-def planner(
-    params: Iterable[torch.nn.Parameter], config: EngineConfig, *, ratio: float
-) -> RoutePlanner:
+def planner(params: Iterable[Param], config: EngineConfig, *, ratio: float) -> RoutePlanner:
     """A `RoutePlanner` for ``params`` outside a pipeline (tests, tools): plans per call."""
     params = list(params)
     return lambda selection: plan_params(params, config, ratio=ratio, selection=selection)
 
 
 def plan_params(
-    params: Iterable[torch.nn.Parameter],
-    config: EngineConfig,
-    *,
-    ratio: float,
-    selection: str,
-    steps: int = 0,
-) -> dict[torch.nn.Parameter, Route]:
+    params: Iterable[Param], config: EngineConfig, *, ratio: float, selection: str, steps: int = 0
+) -> dict[Param, Route]:
     """Each parameter's route after ``steps`` steps (`plan_of_params`')."""
     return plan_of_params(params, config, ratio=ratio, selection=selection).at(steps)
 
 
 def plan_of_params(
-    params: Iterable[torch.nn.Parameter], config: EngineConfig, *, ratio: float, selection: str
-) -> RoutePlan[torch.nn.Parameter]:
+    params: Iterable[Param], config: EngineConfig, *, ratio: float, selection: str
+) -> RoutePlan[Param]:
     """The `RoutePlan` of ``params``, by their shapes on this rank (shards' under FSDP2)."""
     codecs = Codecs.for_options(config, ratio=ratio, selection=selection)
     shapes = {p: (tuple(local_shape(p)), p.dtype) for p in params}

@@ -26,8 +26,6 @@ class GradientStore:
     def put(self, payloads: dict[Param, Payload]) -> None:
         """Keep ``payloads`` as a new bucket. A parameter cached already (accumulation: its
         old payload was added into the new one) leaves its old bucket."""
-        if not payloads:
-            return
         bucket = Bucket(payloads)
         for param in payloads:
             if (previous := self._where.get(param)) is not None:
