@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from ..codecs import Payload
-from . import backend
-from .backend import Backend, Encoded, Event, Grads, Param, Restore, Transfer
+from .backend import Backend, Copies, Encoded, Grads, Param, Restore, Transfer
 from .pool import HostPool
 from .residuals import DeviceResiduals, HostSlotResiduals
 from .route import Route
@@ -28,11 +27,11 @@ from .route import Route
 class StreamApi(Protocol):
     """`TorchStreams`, or tests/stream_checker.py's stand-in."""
 
-    def new_stream(self, device: torch.device) -> backend.Stream: ...
+    def new_stream(self, device: torch.device) -> torch.Stream: ...
 
-    def new_event(self, device: torch.device) -> backend.Event: ...
+    def new_event(self, device: torch.device) -> torch.Event: ...
 
-    def current_stream(self, device: torch.device) -> backend.Stream: ...
+    def current_stream(self, device: torch.device) -> torch.Stream: ...
 
 
 class TorchStreams:
@@ -56,8 +55,8 @@ TORCH_STREAMS = TorchStreams()
 class Landing:
     """A bucket's copies in flight: their event, and the device tensors they read."""
 
-    copied: Event  # recorded on the copy stream after the bucket's copies
-    tensors: list[torch.Tensor] = field(default_factory=list)  # kept alive until it is known safe
+    copied: torch.Event  # recorded on the copy stream after the bucket's copies
+    tensors: list[torch.Tensor]  # kept alive until it is known safe
 
 
 class AcceleratorBackend(Backend):
@@ -95,20 +94,19 @@ class AcceleratorBackend(Backend):
         )
         # A storage's resize_, or the stand-in's (which tells its checker).
         self._resize_storage: Callable[[torch.Tensor, int], None] = getattr(
-            streams, "resize_storage", _resize_storage
+            streams, "resize_storage", super().resize_storage
         )
+        keep = keep_previous_residual
         self.residuals = (
-            HostSlotResiduals(
-                lambda: self.pool, self.to_device, keep_previous=keep_previous_residual
-            )
+            HostSlotResiduals(lambda: self.pool, self.to_device, keep_previous=keep)
             if host_residuals
-            else DeviceResiduals(device, keep_previous=keep_previous_residual)
+            else DeviceResiduals(device, keep_previous=keep)
         )
         self._in_flight: deque[Landing] = deque()
         # The `copied` event of the last copy into each slot not yet waited for by the host.
-        self._unwaited: dict[Param, Event] = {}
+        self._unwaited: dict[Param, torch.Event] = {}
         # The last copy of optimizer state each way not yet waited for by the host.
-        self._unwaited_state: dict[str, Event] = {}
+        self._unwaited_state: dict[str, torch.Event] = {}
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         # An explicit H2D copy on the current stream, into a block allocated for it.
@@ -161,10 +159,9 @@ class AcceleratorBackend(Backend):
                     there = tensor.data_ptr() == host.data_ptr()
                     hosts.append(host if there else self._to_host(host, tensor))
                 payloads[item.param] = item.payload.with_tensors(hosts)
-                kept += tensors
-                # A residual `write` drops (allocated on compute): kept until the
-                # retirement wait orders compute after the encode that read it.
-                kept += item.reads
+                # Its device tensors, and the residual a `write` drops (allocated on compute):
+                # kept until the retirement wait orders compute after the encode that read them.
+                kept += [*tensors, *item.reads]
                 if item.residual is not None:
                     self.residuals.write(item.param, item.residual, non_blocking=True)
                     kept.append(item.residual)
@@ -224,6 +221,7 @@ class AcceleratorBackend(Backend):
     def finish_restore(self, restore: Restore) -> Grads:
         # Guarantees work queued next on the current stream (the optimizer; or the free of
         # an abandoned restore's blocks) starts after the restore stream wrote them.
+        assert restore.done is not None  # every restore and copy here records one
         self.streams.current_stream(self.device).wait_event(restore.done)
         return restore.grads
 
@@ -237,12 +235,7 @@ class AcceleratorBackend(Backend):
         # streams' accesses must be ordered before the free (`HostWeights.free`, `store`).
         self._resize_storage(tensor, nbytes)
 
-    def start_refill(
-        self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    ) -> Transfer:
+    def start_refill(self, pairs: Copies, *, casts: Copies = ()) -> Transfer:
         compute = self.streams.current_stream(self.device)
         # Guarantees the copies write the device blocks only after the compute stream's
         # earlier use of them, and read the host copies only after the copies back that
@@ -261,10 +254,11 @@ class AcceleratorBackend(Backend):
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         # Guarantees the step, queued next on the current stream, reads and updates the
         # state only after the restore stream wrote it.
+        assert transfer.done is not None  # every restore and copy here records one
         self.streams.current_stream(self.device).wait_event(transfer.done)
         return transfer.tensors
 
-    def start_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
+    def start_to_host(self, pairs: Copies) -> Transfer:
         # Guarantees the copies read the state only after the step updated it, and overwrite
         # the host copies only after the copies to the device read them (`finish_to_device`).
         self.copy_stream.wait_stream(self.streams.current_stream(self.device))
@@ -279,6 +273,7 @@ class AcceleratorBackend(Backend):
     def release(self, transfer: Transfer) -> None:
         # Guarantees compute-stream work queued from now on (which may reuse the device
         # copies' freed blocks) starts after the copies back have read them.
+        assert transfer.done is not None  # every restore and copy here records one
         self.streams.current_stream(self.device).wait_event(transfer.done)
         transfer.tensors.clear()
 
@@ -305,10 +300,6 @@ class AcceleratorBackend(Backend):
             # copy is rewritten by the host only after the H2D copies reading it.
             done.synchronize()
         self._unwaited_state.clear()
-
-
-def _resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
-    tensor.untyped_storage().resize_(nbytes)
 
 
 def allocate_pinned(nbytes: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -22,27 +22,7 @@ from .route import Route
 
 Param = torch.nn.Parameter
 Grads = list[tuple[Param, torch.Tensor]]
-
-
-class Stream(Protocol):
-    """What the accelerator backend uses of `torch.Stream` (or the tests' stand-in); what
-    the waits take is ``Any``: a stream or an event of the same kind only."""
-
-    def wait_stream(self, stream: Any) -> None: ...
-
-    def wait_event(self, event: Any) -> None: ...
-
-    def __enter__(self) -> object: ...
-
-    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any, /) -> None: ...
-
-
-class Event(Protocol):
-    """What the accelerator backend uses of `torch.Event` (and the tests' stand-in)."""
-
-    def record(self, stream: Any = None) -> None: ...
-
-    def synchronize(self) -> None: ...
+Copies = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (device tensor, host or source) pairs
 
 
 @dataclass
@@ -62,7 +42,7 @@ class Restore:
     """Gradients on their way back; `Backend.finish_restore` makes them safe to read."""
 
     grads: Grads
-    done: Event | None = None  # the gradients are written
+    done: torch.Event | None = None  # the gradients are written
 
 
 @dataclass
@@ -70,12 +50,7 @@ class Transfer:
     """Device tensors copied to or from the host, kept until ``done`` (None: copied at once)."""
 
     tensors: list[torch.Tensor]
-    done: Event | None = None
-
-
-def clipped(grad: torch.Tensor, clip_factor: torch.Tensor | None) -> torch.Tensor:
-    """``grad * clip_factor`` out of place: a retried step reads the payload again."""
-    return grad if clip_factor is None else grad * clip_factor.to(grad.device)
+    done: torch.Event | None = None
 
 
 class Backend(ABC):
@@ -128,10 +103,6 @@ class Backend(ABC):
         """The gradients, safe for work queued from now on to read."""
         return restore.grads
 
-    def close(self) -> None:
-        """Wait for work in flight; the backend is not used afterwards."""
-        self.drain()
-
     # --- an optimizer's state between host and device (`optimizer_state`) ---------------
 
     def host_slab(self, nbytes: int) -> torch.Tensor:
@@ -152,26 +123,20 @@ class Backend(ABC):
         stream; the storage object, which autograd's saved views share, stays."""
         tensor.untyped_storage().resize_(nbytes)
 
-    def start_refill(
-        self,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        casts: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-    ) -> Transfer:
+    def start_refill(self, pairs: Copies, *, casts: Copies = ()) -> Transfer:
         """Start copying each (device, host) pair into its device tensor (allocated by the
         caller on the current stream), then each (device, copied) cast (another dtype: a
         shard widened from its wire). The device tensors live as long as the `Transfer`."""
-        for device, host in pairs:
-            device.copy_(host)
-        for device, copied in casts:
-            device.copy_(copied)
-        return Transfer([device for device, _ in pairs] + [device for device, _ in casts])
+        copies = [*pairs, *casts]  # the casts after the copies they read
+        for device, source in copies:
+            device.copy_(source)
+        return Transfer([device for device, _ in copies])
 
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         """The device tensors, safe for work queued from now on to read and write."""
         return transfer.tensors
 
-    def start_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
+    def start_to_host(self, pairs: Copies) -> Transfer:
         """Start copying each (device, host) pair's device tensor into its host one."""
         for device, host in pairs:
             host.copy_(device)
@@ -213,15 +178,16 @@ class CpuBackend(Backend):
     ) -> Restore:
         grads = []
         for param, payload in items:
+            route = self.routes[param]
             whole = payload.as_gradient()
             if whole is not None:  # lossless: the gradient itself, no copy (but a widening)
-                grad = clipped(whole.to(self.routes[param].dtype), clip_factor)
+                grad = whole.to(route.dtype)
             else:
-                route = self.routes[param]
                 grad = payload.decode_into(
                     torch.empty(route.numel, dtype=route.dtype, device=self.device)
                 )
-                if clip_factor is not None:
-                    grad.mul_(clip_factor)  # a fresh tensor: scaling in place costs no copy
-            grads.append((param, self.routes[param].shaped(grad)))
+            if clip_factor is not None:
+                # In place on a decoded tensor only: a retried step reads the payload again.
+                grad = grad * clip_factor if whole is not None else grad.mul_(clip_factor)
+            grads.append((param, route.shaped(grad)))
         return Restore(grads)

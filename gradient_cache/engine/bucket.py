@@ -7,12 +7,14 @@ Assembled on the device (`BucketAssembler`), then ``LANDING`` (encoded, host cop
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 
 from ..codecs import Payload
 
-Item = tuple[torch.nn.Parameter, torch.Tensor]
+Param = torch.nn.Parameter
+Item = tuple[Param, torch.Tensor]
 
 
 class BucketState(enum.Enum):
@@ -20,15 +22,12 @@ class BucketState(enum.Enum):
     CACHED = "cached"  # host payloads complete
 
 
+@dataclass(eq=False)  # by identity, as the store's lists and maps hold it
 class Bucket:
     """Host payloads offloaded together, in arrival order; `store.GradientStore` owns it."""
 
-    def __init__(self, payloads: dict[torch.nn.Parameter, Payload]) -> None:
-        self.payloads = payloads
-        self.state = BucketState.LANDING
-
-    def __len__(self) -> int:
-        return len(self.payloads)
+    payloads: dict[Param, Payload]
+    state: BucketState = BucketState.LANDING
 
 
 class BucketAssembler:
@@ -37,17 +36,13 @@ class BucketAssembler:
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._items: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._items: dict[Param, torch.Tensor] = {}
         self._bytes = 0
 
-    def add(
-        self, param: torch.nn.Parameter, grad: torch.Tensor, dtype: torch.dtype
-    ) -> list[Item] | None:
+    def add(self, param: Param, grad: torch.Tensor, dtype: torch.dtype) -> list[Item] | None:
         """Add one gradient, counted in ``dtype``, the one it is stepped in (a bf16 gradient
-        fills a bucket as its fp32 sum will at the step); return the items if now full.
-
-        A parameter already waiting (a second backward) gets ``new + old``: plain's bits.
-        """
+        fills a bucket as its fp32 sum will at the step); return the items if now full. A
+        parameter already waiting (a second backward) gets ``new + old``: plain's bits."""
         waiting = self._items.get(param)
         if waiting is not None:
             self._items[param] = grad.add_(waiting)
@@ -56,14 +51,14 @@ class BucketAssembler:
         self._bytes += grad.numel() * dtype.itemsize
         return self.flush() if self._bytes >= self.capacity_bytes else None
 
-    def holds(self, param: torch.nn.Parameter) -> bool:
+    def holds(self, param: Param) -> bool:
         return param in self._items
 
     def __len__(self) -> int:
         """Gradients waiting here for their bucket to fill."""
         return len(self._items)
 
-    def params(self) -> list[torch.nn.Parameter]:
+    def params(self) -> list[Param]:
         """The parameters whose gradients wait here, in arrival order."""
         return list(self._items)
 

@@ -1,8 +1,6 @@
 """Capture: backward's hooks hand each gradient over, buckets launch while backward goes on.
 
-The post-accumulate-grad hook takes each complete gradient off its parameter into the open
-bucket; a full bucket is encoded and sent to host memory (`launch`). Capture moves gradients
-and their records' locations; the step's state is the pipeline's.
+Capture moves gradients and their records' locations; the step's state is the pipeline's.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from ..codecs.payloads import NARROW_FLOATS
 from . import sharding
 from .backend import Encoded
 from .bucket import BucketState, Item
-from .records import HELD_BY_THE_CACHE, GradientAt, GroupArrivals
+from .records import HELD_BY_THE_CACHE, GradientAt
 from .scaling import loss_scale
 
 if TYPE_CHECKING:
@@ -77,12 +75,12 @@ class Capture:
         if pipeline.assembler.holds(param) and param in pipeline.store:
             # A third micro-batch while the second waits here and the first is cached: the
             # waiting bucket goes first ((a + b) + c, plain PyTorch's order).
-            self.launch(pipeline.assembler.flush() or [])
-        group_complete = _group_complete(record.group)
+            self.launch(pipeline.assembler.flush())
+        group_complete = record.group is not None and record.group.arrive()
         self.add(param, self._carried(param, sharding.local(grad)))
         if group_complete:
             # The group's shared buffer is freed once its last gradient leaves: send it now.
-            self.launch(pipeline.assembler.flush() or [])
+            self.launch(pipeline.assembler.flush())
 
     def _carried(self, param: Param, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` as its bucket carries it: in the master's dtype (as FSDP2's reduce_dtype),
@@ -98,8 +96,7 @@ class Capture:
         cached = pipeline.store.payload(param)
         if cached is None:
             return grad
-        pending = pipeline.pending
-        inf_checked = pending is not None and pending.found_inf is not None
+        inf_checked = pipeline.pending is not None and pipeline.pending.found_inf is not None
         return grad if cached.followed_by(grad) and not inf_checked else grad.to(route.dtype)
 
     def _restore_clipped(self) -> None:
@@ -124,10 +121,9 @@ class Capture:
         """``grad`` into the open bucket, which launches once full."""
         items = self.pipeline.assembler.add(param, grad, self.pipeline.records[param].route.dtype)
         self.pipeline.records[param].gradient = GradientAt.OPEN_BUCKET
-        if items is not None:
-            self.launch(items)
+        self.launch(items)
 
-    def launch(self, items: list[Item]) -> None:
+    def launch(self, items: list[Item] | None) -> None:
         """Encode ``items`` and send them to host memory. If an encode fails, the rest get
         their gradients back in ``param.grad`` (the next restore adds the cached part)."""
         if not items:
@@ -153,13 +149,12 @@ class Capture:
         """Runs where the backend's `encoding` puts it; reads but never changes cached state."""
         pipeline = self.pipeline
         route = pipeline.records[param].route
-        codec = route.codec
         flat = route.flatten(grad.detach())
         cached = pipeline.store.payload(param)
         joined = None if cached is None or flat.dtype == route.dtype else cached.followed_by(flat)
         if cached is not None and joined is None:  # accumulation: the cached part joins
             flat = cached.moved(pipeline.backend.to_device).add_to(flat.to(route.dtype))
-        residual = None if codec.residual is None else pipeline.backend.residuals.read(param)
+        residual = None if route.codec.residual is None else pipeline.backend.residuals.read(param)
         pending = pipeline.pending
         if pending is not None and pending.found_inf is not None:
             # The fused step skips on it, as scaler.step() would.
@@ -174,7 +169,7 @@ class Capture:
             pending.norms.write(param, whole)
         if joined is not None:  # lossless: no codec, no residual
             return Encoded(param, joined, None)
-        payload, new_residual = codec.encode(flat, residual, loss_scale=scale)
+        payload, new_residual = route.codec.encode(flat, residual, loss_scale=scale)
         return Encoded(param, payload, new_residual, () if residual is None else (residual,))
 
     def store_encoded(self, encoded: list[Encoded], grads: list[torch.Tensor]) -> None:
@@ -193,23 +188,11 @@ class Capture:
         return GradientAt.IN_FLIGHT if state is BucketState.LANDING else GradientAt.STORED
 
 
-def _group_complete(arrivals: GroupArrivals | None) -> bool:
-    """Count an arrival in ``arrivals``; whether it completes the group."""
-    if arrivals is None:
-        return False
-    arrivals.count += 1
-    if arrivals.count < arrivals.size:
-        return False
-    arrivals.count = 0
-    return True
-
-
 def _refuse_adding_to_left_gradients(pipeline: Pipeline, pending: PendingStep) -> None:
     """Refuse a backward adding to gradients a step left cached beside those it took
     (`PendingStep.siblings_taken`): plain PyTorch leaves them in ``.grad``, where a
     ``zero_grad()`` the cache cannot see may have cleared them."""
-    records = pipeline.records.values()
-    names = [record.name for record in records if record.gradient in HELD_BY_THE_CACHE]
+    names = [r.name for r in pipeline.records.values() if r.gradient in HELD_BY_THE_CACHE]
     if not names:
         pending.siblings_taken = False  # nothing was left
         return

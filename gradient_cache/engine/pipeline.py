@@ -8,9 +8,8 @@ the step's state machine (`step_state`); what a step does with the gradients is 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -23,11 +22,10 @@ from .capture import Capture
 from .config import EngineConfig
 from .factory import BackendFactory, create_backend
 from .figures import StepFigures
-from .layout import gradient_strides
 from .norms import StepNorms, norm_slots
 from .optimizer_state import HostOptimizerState
 from .records import GradientAt, make_records
-from .route import Codecs, Route, RoutePlan
+from .route import Route, RoutePlan, plan_of_params
 from .scaling import SkipWatch, loss_scale
 from .step_state import (
     ADVICE,
@@ -78,27 +76,21 @@ class Pipeline:
         params = [param for _, param in named_params]
         sharding.check_placements(named_params)
         _refuse_cached_twice(named_params)
-        shapes = {p: (tuple(sharding.local_shape(p)), p.dtype) for p in params}
-        plan_for = _plan_once(
-            shapes, {p: gradient_strides(sharding.local(p)) for p in params}, config, ratio
-        )
+        plan_for = _plan_once(params, config, ratio)
         # Checks the host budget before it allocates anything; no hook exists yet either.
         self.backend = backend_factory(params, config, plan=lambda s: plan_for(s).at(0))
         self.plan = plan_for(self.backend.default_selection)
         self.codecs = self.plan.codecs
         # The optimizer's state in host memory between fused steps (offload_optimizer_state).
-        self.optimizer_state = (
-            HostOptimizerState(self.backend, config.host_memory_fraction)
-            if config.offload_optimizer_state
-            else None
-        )
+        self.optimizer_state: HostOptimizerState | None = None
+        if config.offload_optimizer_state:
+            self.optimizer_state = HostOptimizerState(self.backend, config.host_memory_fraction)
         self.weights: HostWeights | None = None  # offload_parameters: `carry_weights`
         self.steps = 0
         self.records = make_records(named_params, self.plan.at(0), groups)
-        self._planned_at = -1
         self._follow_plan()
         self.store = GradientStore()
-        dense_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
+        dense_bytes = sum(route.numel * route.dtype.itemsize for route in self.routes.values())
         self.assembler = BucketAssembler(config.bucket_bytes(dense_bytes))
         self.enabled = True  # `set_enabled`
         self.grad_scaler = grad_scaler  # error feedback keeps its residual unscaled by it
@@ -143,13 +135,15 @@ class Pipeline:
                 record.taken_by = None
 
     def _enter(self, phase: str, state: StepState) -> None:
-        """Move to ``state`` by ``phase``, or raise if ``phase`` cannot start from here."""
+        """Move to ``state`` by ``phase`` (IDLE: no step pending), or raise if it cannot."""
         if self.state not in PHASES_FROM[phase]:
             advice = ADVICE.get(self.state, "this is a gradient-cache bug; please report it")
             raise StepStateError(
                 f"The gradient cache cannot {phase} while its step is {self.state.value}: {advice}."
             )
         self.state = state
+        if state is IDLE:
+            self.pending = None
 
     def launching(self) -> None:
         """A bucket launches (`Capture.launch`): only while capturing."""
@@ -159,12 +153,10 @@ class Pipeline:
 
     def drain(self) -> None:
         """Encode the partial bucket and wait until host memory holds every gradient."""
-        items = self.assembler.flush()
         for record in self.records.values():
             if record.group is not None:  # a backward that stopped midway leaves partial counts
                 record.group.count = 0
-        if items is not None:
-            self.capture.launch(items)
+        self.capture.launch(self.assembler.flush())
         self.backend.drain()
         self.store.landed()
         for param in self.store:
@@ -185,7 +177,6 @@ class Pipeline:
             if pending.random_state is not None:
                 self.codecs.set_random_state(self.backend.device, pending.random_state)
         self._enter("discard", IDLE)
-        self.pending = None
         for record in self.records.values():
             record.taken_by = None
 
@@ -254,19 +245,17 @@ class Pipeline:
         self.deliver(params)
         self._spend(params)
 
-    def _spend(self, params: Iterable[Param]) -> None:
+    def _spend(self, params: Collection[Param]) -> None:
         """The payloads of ``params`` leave the store: restored, skipped or discarded."""
-        params = list(params)
         self.store.remove(params)
         for param in params:
             self.records[param].gradient = NONE
 
     # --- the step's phases ------------------------------------------------------------
 
-    def deliver(self, params: Iterable[Param]) -> None:
+    def deliver(self, params: Collection[Param]) -> None:
         """Before their restore: the figures of ``params`` become the last step's, the step
         is counted (once), and their new residuals become the current ones."""
-        params = list(params)
         if not params:
             return
         self._enter("deliver", STEPPING)
@@ -299,16 +288,12 @@ class Pipeline:
         clip, self.pending.clip = self.pending.clip, None
         held, self.pending.held = self.pending.held or HeldProgress(), None
         self._enter("retry", self._after_restores())
-        if self.state is IDLE:
-            self.pending = None
         return clip, held
 
     def finish_step(self) -> None:
         """After a restore: close the step once nothing of it is cached; at the warm-up's
         end the routes move on (never in a hook: the CUDA pool is re-laid)."""
         self._enter("finish", self._after_restores())
-        if self.state is IDLE:
-            self.pending = None
         if self._planned_at < self.config.warmup_steps <= self.steps:
             self._follow_plan()
 
@@ -396,14 +381,11 @@ class Pipeline:
             if self.optimizer_state is not None:
                 self.optimizer_state.close()
         finally:
-            self.backend.close()
+            self.backend.drain()  # work in flight done: the backend is not used afterwards
 
 
 def _plan_once(
-    shapes: dict[Param, tuple[tuple[int, ...], torch.dtype]],
-    strides: dict[Param, tuple[int, ...]],
-    config: EngineConfig,
-    ratio: float,
+    params: list[Param], config: EngineConfig, ratio: float
 ) -> Callable[[str], RoutePlan[Param]]:
     """The routes, planned on the first call and kept (the backend factory's, for its budget
     check; else the pipeline's, with the backend's default selection)."""
@@ -412,10 +394,7 @@ def _plan_once(
     def plan_for(selection: str) -> RoutePlan[Param]:
         if not plans:
             chosen = selection if config.selection == "auto" else config.selection
-            codecs = Codecs.for_options(config, ratio=ratio, selection=chosen)
-            plans.append(
-                RoutePlan(shapes, codecs=codecs, config=config, selection=chosen, strides=strides)
-            )
+            plans.append(plan_of_params(params, config, ratio=ratio, selection=chosen))
         return plans[0]
 
     return plan_for
@@ -429,8 +408,7 @@ def _attach(
     handles = [p.register_post_accumulate_grad_hook(capture.on_grad_ready) for p in params]
     if skips is not None:
         handles.append(skips.handle)
-    for param in params:
-        _cached_params[param] = True
+    _cached_params.update(dict.fromkeys(params, True))
     return handles
 
 
@@ -450,19 +428,16 @@ def _refuse_cached_twice(named_params: Sequence[tuple[str, Param]]) -> None:
 def refuse_taken(
     pipeline: Pipeline, optimizer: torch.optim.Optimizer, params: Iterable[Param]
 ) -> None:
-    """Refuse a fused step of ``optimizer`` over a parameter whose gradient another
-    optimizer's fused step took in this step and that has none now (none in ``.grad``, none
-    cached): plain PyTorch would step it again with the one left in ``.grad``, unless a
-    ``zero_grad()`` the cache cannot see ran between. Raises before anything changes."""
-    records = pipeline.records
+    """Refuse a fused step of ``optimizer`` over a parameter another optimizer's fused step
+    took in this step, with no gradient now (the message says why), before anything changes."""
     taken = [
-        records[param].name
-        for param in params
-        if param in records
-        and param.grad is None
-        and records[param].gradient is GradientAt.NONE
-        and records[param].taken_by is not None
-        and records[param].taken_by() is not optimizer  # type: ignore[misc]
+        record.name
+        for record in map(pipeline.records.get, params)
+        if record is not None
+        and record.param.grad is None
+        and record.gradient is GradientAt.NONE
+        and record.taken_by is not None
+        and record.taken_by() is not optimizer
     ]
     if taken:
         raise RuntimeError(
@@ -481,11 +456,8 @@ def refuse_taken(
 def _new_pending(pipeline: Pipeline, random_state: dict[str, torch.Tensor] | None) -> PendingStep:
     """A step's pending state: with a GradScaler, the flag its encodes raise on a
     non-finite gradient; with a clip, the norms they write."""
-    device = pipeline.backend.device
-    found_inf = None
-    if loss_scale(pipeline.grad_scaler) is not None:
-        found_inf = torch.zeros((), dtype=torch.bool, device=device)
-    norms = None
-    if pipeline.clip_norm_type is not None:
-        norms = StepNorms(pipeline._norm_slots, pipeline.clip_norm_type, device)
+    device, norm_type = pipeline.backend.device, pipeline.clip_norm_type
+    scaled = loss_scale(pipeline.grad_scaler) is not None
+    found_inf = torch.zeros((), dtype=torch.bool, device=device) if scaled else None
+    norms = None if norm_type is None else StepNorms(pipeline._norm_slots, norm_type, device)
     return PendingStep(random_state, found_inf, norms)

@@ -142,7 +142,18 @@ class HostSlabs:
             try:
                 return self._allocate_pinned(nbytes)
             except RuntimeError as error:
-                self._warn_once(error)
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        f"gradient-cache could not pin host memory ({error}); using pageable "
+                        "memory for what could not be pinned, so every copy between the device "
+                        "and it blocks the host: the gradients' and the optimizer state's, and "
+                        "with offload_parameters=True each block's weights, twice a "
+                        "micro-batch. Free pinned memory (other processes' pinned buffers, a "
+                        "DataLoader's pin_memory=True), or set pin_memory=False to silence this.",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
         slab = torch.empty(nbytes, dtype=torch.uint8)
         storage = slab.untyped_storage()
         self._pageable[storage.data_ptr()] = StorageWeakRef(storage)
@@ -152,24 +163,8 @@ class HostSlabs:
         """Whether ``view`` (of a slab from here) is pinned: its copies may be non-blocking."""
         if not self.pinning:
             return False
-        storage = view.untyped_storage()
-        ref = self._pageable.get(storage.data_ptr())
+        ref = self._pageable.get(view.untyped_storage().data_ptr())
         return ref is None or ref.expired()
-
-    def _warn_once(self, error: RuntimeError) -> None:
-        if self._warned:
-            return
-        self._warned = True
-        warnings.warn(
-            f"gradient-cache could not pin host memory ({error}); using pageable memory for "
-            "what could not be pinned, so every copy between the device and it blocks the "
-            "host: the gradients' and the optimizer state's, and with offload_parameters=True "
-            "each block's weights, twice a micro-batch. Free pinned memory (other processes' "
-            "pinned buffers, a DataLoader's pin_memory=True), or set pin_memory=False to "
-            "silence this.",
-            RuntimeWarning,
-            stacklevel=5,
-        )
 
 
 class HostPool(Generic[K]):
@@ -198,11 +193,8 @@ class HostPool(Generic[K]):
         taken = iter(views)
         for key, spec in layout.items():
             regions = [next(taken) for _ in spec.regions]
-            residual = spare = None
-            if spec.residual is not None:
-                residual = next(taken)
-                if spec.spare_residual:
-                    spare = next(taken)
+            residual = None if spec.residual is None else next(taken)
+            spare = next(taken) if residual is not None and spec.spare_residual else None
             self._rooms[key] = Slot(regions, residual, spare)
         self._lay(layout)
 

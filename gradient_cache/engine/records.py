@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import sharding
 from .route import Route
+from .sharding import is_dtensor
 
 Param = torch.nn.Parameter
 
@@ -50,6 +50,11 @@ class GroupArrivals:
     size: int
     count: int = 0
 
+    def arrive(self) -> bool:
+        """Count one arrival; whether it completes the group (the count starts again)."""
+        self.count = (self.count + 1) % self.size
+        return self.count == 0
+
 
 @dataclass
 class CachedParam:
@@ -81,12 +86,6 @@ def make_records(
         members = [p for p in group if p in cached]
         group_of.update(dict.fromkeys(members, GroupArrivals(len(members))))
     return {
-        param: CachedParam(
-            name=name,
-            param=param,
-            route=routes[param],
-            group=group_of.get(param),
-            sharded=sharding.is_dtensor(param),
-        )
+        param: CachedParam(name, param, routes[param], group_of.get(param), is_dtensor(param))
         for name, param in named_params
     }

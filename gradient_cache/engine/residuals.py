@@ -2,15 +2,14 @@
 
 A pending step's new residuals stay beside the current ones (``keep_previous_residual``),
 so a discard leaves those as they were; with a GradScaler, those a completed step replaced
-stay until the skip is known (`Pipeline.settle_scaled_step`). `DeviceResiduals` holds
-tensors where the encode runs; `HostSlotResiduals`, the pool's slots and their spares.
-See docs/ARCHITECTURE.md, "The life of a residual".
+stay until the skip is known (`Pipeline.settle_scaled_step`). See docs/ARCHITECTURE.md,
+"The life of a residual".
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -22,7 +21,9 @@ Param = torch.nn.Parameter
 class ResidualStore(ABC):
     """Current residuals (as of the last completed step) and a pending step's new ones."""
 
-    _pending: Collection[Param]  # the parameters a pending step wrote a residual of
+    # The parameters a pending step wrote a residual of; those whose replaced one is kept.
+    _pending: dict[Param, torch.Tensor] | set[Param]
+    _replaced: dict[Param, torch.Tensor | None] | set[Param]
 
     def __init__(self, *, keep_previous: bool) -> None:
         self.keep_previous = keep_previous
@@ -49,13 +50,13 @@ class ResidualStore(ABC):
     def bring_back_replaced(self) -> None:
         """The residuals promotions kept make current again (their step was skipped)."""
 
-    @abstractmethod
     def forget_replaced(self) -> None:
         """Drop the residuals promotions kept (their step stands)."""
+        self._replaced.clear()
 
-    @abstractmethod
     def drop_pending(self) -> None:
         """Forget every pending residual (the step was discarded)."""
+        self._pending.clear()
 
     @abstractmethod
     def current(self) -> dict[Param, torch.Tensor]:
@@ -112,13 +113,7 @@ class DeviceResiduals(ResidualStore):
                 self._current.pop(param, None)
             else:
                 self._current[param] = replaced
-        self._replaced = {}
-
-    def forget_replaced(self) -> None:
-        self._replaced = {}
-
-    def drop_pending(self) -> None:
-        self._pending = {}
+        self.forget_replaced()
 
     def current(self) -> dict[Param, torch.Tensor]:
         return dict(self._current)
@@ -191,13 +186,7 @@ class HostSlotResiduals(ResidualStore):
     def bring_back_replaced(self) -> None:
         for param in self._replaced:
             self._swap(param)
-        self._replaced = set()
-
-    def forget_replaced(self) -> None:
-        self._replaced = set()
-
-    def drop_pending(self) -> None:
-        self._pending = set()
+        self.forget_replaced()
 
     def current(self) -> dict[Param, torch.Tensor]:
         slots = self._pool().slots.items()
@@ -214,7 +203,6 @@ class HostSlotResiduals(ResidualStore):
         self._replaced = set()
         for param, saved in current.items():
             self._current(param).copy_(saved)  # nothing in flight: plain host copies
-        self._pending = set()
         for param, saved in pending.items():
             self._target(param).copy_(saved)
-            self._pending.add(param)
+        self._pending = set(pending)

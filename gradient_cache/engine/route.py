@@ -24,18 +24,7 @@ from .pool import SlotSpec
 from .sharding import local, local_shape
 
 Key = TypeVar("Key")
-
-# `Codecs` is the codec registry's (codecs/registry.py), named here for the engine's readers.
-__all__ = [
-    "Codecs",
-    "Route",
-    "RoutePlan",
-    "RoutePlanner",
-    "plan_params",
-    "plan_routes",
-    "planner",
-    "route",
-]
+Param = torch.nn.Parameter
 
 
 @dataclass(frozen=True)
@@ -50,7 +39,7 @@ class Route:
     steady: Codec  # encodes it once the warm-up is over
     residual_on_host: bool  # CUDA backend: its residual lives in its pinned slot
     spare_residual: bool  # a second residual for a pending step (keep_previous_residual)
-    dense_room: bool  # warm-up steps are ahead: its slot must hold a dense payload
+    dense_room: bool = False  # warm-up steps are ahead: its slot must hold a dense payload
 
     def flatten(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad``'s entries in its parameter's memory order, as one flat tensor (a view
@@ -99,34 +88,6 @@ class Route:
         return dataclasses.replace(self, codec=lossless, dense_room=self.steady.lossy)
 
 
-def route(
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    *,
-    codecs: Codecs,
-    config: EngineConfig,
-    steps: int,
-    stride: tuple[int, ...] | None = None,
-) -> Route:
-    """The route of a gradient of ``shape`` and ``dtype`` (laid out with ``stride``,
-    contiguous if None) after ``steps`` steps."""
-    numel = math.prod(shape)
-    steady = codecs.choose(numel, dtype, min_numel=config.min_compress_numel)
-    residuals = config.residual_options
-    planned = Route(
-        shape=tuple(shape),
-        stride=contiguous_strides(tuple(shape)) if stride is None else tuple(stride),
-        numel=numel,
-        dtype=dtype,
-        codec=steady,
-        steady=steady,
-        residual_on_host=residuals.residual_location == "host",
-        spare_residual=residuals.keep_previous_residual,
-        dense_room=False,
-    )
-    return planned.warming_up(codecs.lossless) if steps < config.warmup_steps else planned
-
-
 def plan_routes(
     shapes: Mapping[Key, tuple[tuple[int, ...], torch.dtype]],
     *,
@@ -135,13 +96,27 @@ def plan_routes(
     steps: int,
     strides: Mapping[Key, tuple[int, ...]] | None = None,
 ) -> dict[Key, Route]:
-    """`route` for each of ``shapes``' (shape, dtype), keyed as they are; ``strides``: the
-    gradients' layouts where not contiguous."""
-    strides = strides or {}
-    return {
-        key: route(shape, dtype, codecs=codecs, config=config, steps=steps, stride=strides.get(key))
-        for key, (shape, dtype) in shapes.items()
-    }
+    """The route of each of ``shapes``' (shape, dtype) after ``steps`` steps, keyed as they
+    are; ``strides``: the gradients' layouts where not contiguous."""
+    residuals = config.residual_options
+    routes = {}
+    for key, (shape, dtype) in shapes.items():
+        numel = math.prod(shape)
+        steady = codecs.choose(numel, dtype, min_numel=config.min_compress_numel)
+        stride = (strides or {}).get(key, contiguous_strides(tuple(shape)))
+        routes[key] = Route(
+            shape=tuple(shape),
+            stride=tuple(stride),
+            numel=numel,
+            dtype=dtype,
+            codec=steady,
+            steady=steady,
+            residual_on_host=residuals.residual_location == "host",
+            spare_residual=residuals.keep_previous_residual,
+        )
+    if steps < config.warmup_steps:
+        return {key: route.warming_up(codecs.lossless) for key, route in routes.items()}
+    return routes
 
 
 class RoutePlan(Generic[Key]):
@@ -167,32 +142,31 @@ class RoutePlan(Generic[Key]):
         """The routes after ``steps`` steps: lossless while the warm-up lasts."""
         if steps >= self._warmup_steps:
             return dict(self._steady)
-        lossless = self.codecs.lossless
-        return {key: route.warming_up(lossless) for key, route in self._steady.items()}
+        return {key: route.warming_up(self.codecs.lossless) for key, route in self._steady.items()}
 
 
 # A backend factory's way to the first step's routes, given what it resolves "auto" to.
-RoutePlanner = Callable[[str], Mapping[torch.nn.Parameter, Route]]
+RoutePlanner = Callable[[str], Mapping[Param, Route]]
 
 
-def planner(
-    params: Iterable[torch.nn.Parameter], config: EngineConfig, *, ratio: float
-) -> RoutePlanner:
+def planner(params: Iterable[Param], config: EngineConfig, *, ratio: float) -> RoutePlanner:
     """A `RoutePlanner` for ``params`` outside a pipeline (tests, tools): plans per call."""
     params = list(params)
     return lambda selection: plan_params(params, config, ratio=ratio, selection=selection)
 
 
 def plan_params(
-    params: Iterable[torch.nn.Parameter],
-    config: EngineConfig,
-    *,
-    ratio: float,
-    selection: str,
-    steps: int = 0,
-) -> dict[torch.nn.Parameter, Route]:
-    """Each parameter's route, by its shape on this rank (its shard's under FSDP2)."""
+    params: Iterable[Param], config: EngineConfig, *, ratio: float, selection: str, steps: int = 0
+) -> dict[Param, Route]:
+    """Each parameter's route after ``steps`` steps (`plan_of_params`')."""
+    return plan_of_params(params, config, ratio=ratio, selection=selection).at(steps)
+
+
+def plan_of_params(
+    params: Iterable[Param], config: EngineConfig, *, ratio: float, selection: str
+) -> RoutePlan[Param]:
+    """The `RoutePlan` of ``params``, by their shapes on this rank (shards' under FSDP2)."""
     codecs = Codecs.for_options(config, ratio=ratio, selection=selection)
     shapes = {p: (tuple(local_shape(p)), p.dtype) for p in params}
     strides = {p: gradient_strides(local(p)) for p in params}
-    return plan_routes(shapes, codecs=codecs, config=config, steps=steps, strides=strides)
+    return RoutePlan(shapes, codecs=codecs, config=config, selection=selection, strides=strides)

@@ -26,15 +26,12 @@ class GradientStore:
     def put(self, payloads: dict[Param, Payload]) -> None:
         """Keep ``payloads`` as a new bucket. A parameter cached already (accumulation: its
         old payload was added into the new one) leaves its old bucket."""
-        if not payloads:
-            return
         bucket = Bucket(payloads)
         for param in payloads:
-            previous = self._where.get(param)
-            if previous is not None:
+            if (previous := self._where.get(param)) is not None:
                 del previous.payloads[param]
             self._where[param] = bucket
-        self._buckets = [b for b in self._buckets if len(b)]
+        self._buckets = [b for b in self._buckets if b.payloads]
         self._buckets.append(bucket)
 
     def landed(self) -> None:
@@ -81,7 +78,7 @@ class GradientStore:
         """Forget the payloads of ``params`` (restored, or stepped); empty buckets go."""
         for param in params:
             del self._where.pop(param).payloads[param]
-        self._buckets = [b for b in self._buckets if len(b)]
+        self._buckets = [b for b in self._buckets if b.payloads]
 
     def buckets(self) -> list[BucketPayloads]:
         """Every bucket's (parameter, payload) pairs, in arrival order (checkpoints)."""
