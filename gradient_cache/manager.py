@@ -738,8 +738,9 @@ def _steps_of(managers: Iterable[GradientCacheHookManager]) -> list[OptimizerSte
 def _detach_dropped(attributes: dict[str, Any], model: weakref.ref[torch.nn.Module]) -> None:
     """The finalizer of a manager collected while attached: its hooks would keep taking gradients no
     one can restore and hold the parameters against a new cache, so it detaches as
-    ``remove_hooks()`` does, on a stand-in holding the manager's attributes (the warning says
-    why where the model lives on: the result of ``create_gradient_cache`` was not kept)."""
+    ``remove_hooks()`` does, on a stand-in holding the manager's attributes. Where the model
+    lives on and the manager never completed a step or holds cached gradients, it warns that
+    the result of ``create_gradient_cache`` was not kept."""
     step = attributes.get("_step")
     if step is None:
         return  # closed by remove_hooks() first

@@ -283,6 +283,19 @@ def test_the_managers_norm_and_clip_in_a_loop_of_your_own() -> None:
     assert_same_parameters(plain, cached)
 
 
+def test_the_managers_clip_scales_a_gradient_listed_twice_twice_as_torchs_does() -> None:
+    """A tied weight passed in through two module lists: torch's clip_grads_with_norm_
+    scales its gradient once per entry, and so does the manager's."""
+    manager = gradient_cache.create_gradient_cache(make_model(), **LOSSLESS)
+    plain, cached = (torch.ones(3, requires_grad=True) for _ in range(2))
+    for tensor in (plain, cached):
+        tensor.grad = torch.full((3,), 2.0)
+    torch.nn.utils.clip_grads_with_norm_([plain, plain], 1.0, torch.tensor(4.0))
+    manager.clip_grads_with_norm_([cached, cached], 1.0, torch.tensor(4.0))
+    assert torch.equal(cached.grad, plain.grad)
+    manager.remove_hooks()
+
+
 def test_a_resumed_run_clips_by_the_norms_the_uninterrupted_one_would() -> None:
     """The checkpoint carries the norm type the encodes compute: the first step after a
     resume clips by the encodes' norms (of the gradients before compression), as the

@@ -2600,6 +2600,21 @@ MUTANTS = [
         "            taken[index] = {k: v for k, v in values.items() if offloaded(v)}\n",
         "tests/test_optimizer_state.py -k no_tensor_to_offload",
     ),
+    (
+        # The unit's buffer given up only once the full tensors are made (the cut's slip).
+        "weights: the set-up gives each new device tensor's memory up as it is made",
+        "gradient_cache/engine/weights/stream.py",
+        "        self.backend.resize_storage(buffer, 0)\n        fulls = []\n",
+        "        fulls = []\n",
+        "tests/emulated/test_larger_than_device.py -k already",
+    ),
+    (
+        "clip_grads_with_norm_: a gradient listed twice scaled twice, as torch's",
+        "gradient_cache/engine/step.py",
+        "        for param in params:  # as torch's: a parameter listed twice is scaled twice\n",
+        "        for param in dict.fromkeys(params):\n",
+        "tests/test_fused_routing.py -k listed_twice",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -94,8 +94,10 @@ class OptimizerStep:
             pipeline.deliver_and_restore(cached)
             cached = []
         factor = clip_factor(float(max_norm), total)
-        grads = {param: param.grad for param in params if param.grad is not None}
-        fused_step.scale_in_place(grads, factor, HeldProgress())
+        for param in params:  # as torch's: a parameter listed twice is scaled twice
+            if param.grad is not None:
+                grad = sharding.local(param.grad)
+                grad.mul_(factor.to(grad.device))
         if cached:
             # Applied as each cached gradient is restored (the clip covers all of them).
             assert pipeline.pending is not None and pipeline.pending.deferred_clip is None
@@ -217,7 +219,8 @@ class OptimizerStep:
         hooks: bool,
     ) -> tuple[torch.Tensor | None, dict[Param, torch.Tensor]]:
         """Decide the step (delivered gradients, the clip, a GradScaler's skip), then run
-        its buckets (``hooks``: the pre-hooks fired first, the held gradients left in .grad).
+        its buckets (``hooks``: the pre-hooks fired first, unless the step is skipped, and
+        the held gradients left in .grad).
         Returns the global norm and the held gradients (`fused_step.settle_held`)."""
         pipeline = self.pipeline
         stepped, journeys = self._begin(optimizer)
@@ -375,7 +378,8 @@ def _total_norm(
 ) -> torch.Tensor:
     """The norm of the cached gradients in ``parts`` (their last encode's norms, else their
     payloads') and the device ``grads``, in ``order`` on the device, across ranks under FSDP2.
-    ``inv_scale``: of each gradient unscaled alone, as ``unscale_()`` makes them."""
+    ``inv_scale``: of each gradient unscaled alone, as ``unscale_()`` makes them, every
+    payload's norm computed again (the encode's are of the scaled gradients)."""
     encoded = _encoded_norms(pipeline, norm_type) if inv_scale is None else None
     device = pipeline.backend.device
     local = {}

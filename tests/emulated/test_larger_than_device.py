@@ -95,8 +95,14 @@ def test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit(device: torch.de
 
 def test_a_model_already_on_the_device_is_set_up_as_before(device: torch.device) -> None:
     net = model().to(device)
+    blocks = [weights_bytes(block) for block in net.blocks]
+    unit = max(*blocks, weights_bytes(net) - sum(blocks))  # a block, or the rest
+    torch.accelerator.reset_peak_memory_stats()
+    base = torch.accelerator.memory_allocated()
     manager = gradient_cache.create_gradient_cache(net, **OPTIONS, device=device)
     assert all(p.device.type == "cpu" for p in net.parameters())
+    # Beside the whole model, the set-up holds one unit's new device tensor at a time.
+    assert torch.accelerator.max_memory_allocated() - base <= unit
     train(net, batches(device), manager)
     manager.remove_hooks()
     assert all(p.device == device for p in net.parameters())

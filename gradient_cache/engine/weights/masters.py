@@ -106,7 +106,8 @@ class Placement(Protocol):
 
 class HostWeights:
     """The masters and device tensors of ``named_params``, a `Weight` record each, placed by
-    ``placement`` and laid out by the ``units`` that cover them. The host budget
+    ``placement`` and laid out by the ``units``, which must cover every one of them (a
+    parameter in no unit gets no record). The host budget
     (``fraction``) is checked first: a refusal changes nothing."""
 
     def __init__(

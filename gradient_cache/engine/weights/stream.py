@@ -479,11 +479,13 @@ class OwnTensors:
             buffer.as_strided(m.shape, m.stride(), at)
             for m, at in zip(masters, offsets, strict=True)
         ]
-        fulls = [
-            torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device) for m in masters
-        ]
-        for tensor in [buffer, *fulls]:
-            self.backend.resize_storage(tensor, 0)
+        # Each tensor's memory given up as it is made: beside a model still on the device,
+        # the set-up holds one new tensor at a time, not the unit twice.
+        self.backend.resize_storage(buffer, 0)
+        fulls = []
+        for m in masters:
+            fulls.append(torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device))
+            self.backend.resize_storage(fulls[-1], 0)
         return buffer, computes, fulls
 
     def wire_dtype(self, param: Param) -> torch.dtype | None:
