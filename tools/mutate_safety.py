@@ -2615,6 +2615,20 @@ MUTANTS = [
         "        for param in dict.fromkeys(params):\n",
         "tests/test_fused_routing.py -k listed_twice",
     ),
+    (
+        "accelerator: the storage resize default holds no backend (no cycle)",
+        "gradient_cache/engine/accelerator.py",
+        "            streams, \"resize_storage\", _resize_storage\n",
+        "            streams, \"resize_storage\", super().resize_storage\n",
+        "tests/emulated/test_gradients_on_device.py -k gc_pass",
+    ),
+    (
+        "accelerator: the host residuals reach the backend weakly (no cycle)",
+        "gradient_cache/engine/accelerator.py",
+        "                lambda: backend.pool, lambda host: backend.to_device(host), keep_previous=keep\n",
+        "                lambda: self.pool, self.to_device, keep_previous=keep\n",
+        "tests/emulated/test_gradients_on_device.py -k gc_pass",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

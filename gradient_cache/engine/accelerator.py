@@ -10,6 +10,7 @@ wait and what it guarantees: docs/ARCHITECTURE.md, "Streams and events".
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from .route import Route
 
 
 class StreamApi(Protocol):
-    """`TorchStreams`, or tests/stream_checker.py's stand-in."""
+    """`TorchStreams`, or tests/stream_checker.py's stand-in (typed as the torch classes it
+    imitates)."""
 
     def new_stream(self, device: torch.device) -> torch.Stream: ...
 
@@ -92,13 +94,17 @@ class AcceleratorBackend(Backend):
         self.record_stream: Callable[[torch.Tensor, Any], None] = getattr(
             streams, "record_stream", torch.Tensor.record_stream
         )
-        # A storage's resize_, or the stand-in's (which tells its checker).
+        # A storage's resize_, or the stand-in's (which tells its checker). Neither holds
+        # the backend, nor does the residual store below: no cycle keeps the model alive.
         self._resize_storage: Callable[[torch.Tensor, int], None] = getattr(
-            streams, "resize_storage", super().resize_storage
+            streams, "resize_storage", _resize_storage
         )
         keep = keep_previous_residual
+        backend = weakref.proxy(self)
         self.residuals = (
-            HostSlotResiduals(lambda: self.pool, self.to_device, keep_previous=keep)
+            HostSlotResiduals(
+                lambda: backend.pool, lambda host: backend.to_device(host), keep_previous=keep
+            )
             if host_residuals
             else DeviceResiduals(device, keep_previous=keep)
         )
@@ -306,3 +312,7 @@ def allocate_pinned(nbytes: int) -> torch.Tensor:
     """A pinned host slab (for CUDA where present, else the current accelerator); the
     caller falls back to pageable memory if this raises."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    tensor.untyped_storage().resize_(nbytes)

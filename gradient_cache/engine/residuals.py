@@ -203,6 +203,7 @@ class HostSlotResiduals(ResidualStore):
         self._replaced = set()
         for param, saved in current.items():
             self._current(param).copy_(saved)  # nothing in flight: plain host copies
+        self._pending = set()  # a copy that raises leaves only the loaded ones pending
         for param, saved in pending.items():
             self._target(param).copy_(saved)
-        self._pending = set(pending)
+            self._pending.add(param)

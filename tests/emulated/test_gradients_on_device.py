@@ -164,3 +164,30 @@ def test_the_int8_payloads_land_in_the_pinned_pool(device: torch.device) -> None
             quantized += 1
             assert payload.nbytes < param.numel() * param.element_size() / 3
     assert quantized >= 3  # the embedding and the MLP's weights (the smallest go whole)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(compression_ratio=1),
+        dict(compression_ratio=100),
+        dict(codec=gradient_cache.TopK(residual_location="device"), compression_ratio=100),
+    ],
+    ids=["lossless", "host residuals", "device residuals"],
+)
+def test_a_closed_manager_lets_the_model_go_without_a_gc_pass(device, options) -> None:
+    """No reference cycle through the accelerator backend: on a GPU a model kept alive until
+    the next full gc holds its weights and the pinned pool."""
+    import gc
+    import weakref
+
+    model, manager, _ = run(device, options, path="apply")
+    weight = weakref.ref(next(model.parameters()))
+    gc.collect()
+    gc.disable()
+    try:
+        manager.remove_hooks()
+        del model, manager
+        assert weight() is None
+    finally:
+        gc.enable()
