@@ -4,7 +4,9 @@ setting puts tests/ on the path in every import mode."""
 
 from __future__ import annotations
 
+import gc
 import io
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -343,3 +345,21 @@ def stepping_and_off_the_host(
         if any(v.dim() > 0 and v is not host.get(p, {}).get(k) for k, v in state.items())
     }
     return stepping, off_host
+
+
+def assert_a_closed_manager_lets_the_model_go_without_a_gc_pass(
+    build: Callable[[], tuple[nn.Module, object]],
+) -> None:
+    """``build()``'s model freed by reference counting alone once its manager is closed and
+    both are dropped: no reference cycle (on a GPU, one holds the weights until a full gc).
+    Built here, so that this frame holds the only references."""
+    model, manager = build()
+    weight = weakref.ref(next(model.parameters()))
+    gc.collect()
+    gc.disable()
+    try:
+        manager.remove_hooks()
+        del model, manager
+        assert weight() is None
+    finally:
+        gc.enable()
