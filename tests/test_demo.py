@@ -336,7 +336,7 @@ def test_a_second_plain_run_is_made_only_when_the_lossless_run_differs(
             weights={"w": torch.full((2,), final.get(variant.name, 2.0))},
         )  # fmt: skip
 
-    monkeypatch.setattr(demo_run, "_in_fresh_process", in_process)
+    monkeypatch.setattr(demo_run, "fresh_processes", lambda: contextlib.nullcontext(in_process))
     settings = demo_run.DemoSettings(
         steps=1, ratio=3.0, model_size="tiny", device=torch.device("cpu"), seed=0
     )

@@ -8,6 +8,7 @@ Its own file so pytest-xdist (one file per worker) runs it beside the other demo
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +142,7 @@ def test_the_runs_of_the_scenario_and_a_cache_out_of_memory_is_an_error(
             return run_result(variant, out_of_memory="step 2, backward: over")
         return run_result(variant, out_of_memory="placement: over" if variant.capped else None)
 
-    monkeypatch.setattr(demo_run, "_in_fresh_process", in_process)
+    monkeypatch.setattr(demo_run, "fresh_processes", lambda: contextlib.nullcontext(in_process))
     settings = demo_run.DemoSettings(
         steps=2, ratio=3.0, model_size="bytes", device=torch.device("cpu"), seed=0,
         scenario="larger-than-device",

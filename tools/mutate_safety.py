@@ -2629,6 +2629,27 @@ MUTANTS = [
         "                lambda: self.pool, self.to_device, keep_previous=keep\n",
         "tests/emulated/test_gradients_on_device.py -k gc_pass",
     ),
+    (
+        "demo processes: each run forked, not run in the forker itself",
+        "gradient_cache/demo/processes.py",
+        "            pid = os.fork()\n",
+        "            pid = 0\n",
+        "tests/test_demo_processes.py",
+    ),
+    (
+        "demo processes: a child's death reported by its exit code",
+        "gradient_cache/demo/processes.py",
+        "                reply = pickle.dumps((None, _Ended(os.waitstatus_to_exitcode(status))))\n",
+        "                raise\n",
+        "tests/test_demo_processes.py",
+    ),
+    (
+        "demo processes: on Linux forked from a process that only imported",
+        "gradient_cache/demo/processes.py",
+        '    if not sys.platform.startswith("linux"):\n',
+        "    if True:\n",
+        "tests/test_demo_processes.py",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

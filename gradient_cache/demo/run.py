@@ -25,16 +25,12 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import pickle
 import platform
 import statistics
 import sys
 import time
-import traceback
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any, TextIO
 
 import psutil
@@ -45,6 +41,7 @@ from ..engine.config import EngineConfig
 from ..manager import create_gradient_cache
 from ..stats import MIB, process_rss_mb
 from .models import GPT_SIZES, TinyGPT, byte_corpus, make_batches
+from .processes import fresh_processes
 from .training import (
     PHASES,
     PhaseMemory,
@@ -333,22 +330,25 @@ def run_demo(settings: DemoSettings) -> DemoResult:
     config = GPT_SIZES[settings.model_size]
     scenario = SCENARIOS[settings.scenario]
     compared, under_cap = variants(settings)
-    # Under the cap first: what plain PyTorch does there is the question the scenario asks.
-    plain_under_cap = None if under_cap is None else _in_fresh_process(_train, under_cap, settings)
-    runs = [_in_fresh_process(_train, variant, settings) for variant in compared]
-    for run in runs:
-        if run.out_of_memory is not None:
-            raise DeviceCapExceeded(
-                f"{run.name!r} ran out of memory under the device cap of "
-                f"{device_cap_bytes(settings) or 0:_} bytes at {run.out_of_memory}; it "
-                "should train under it. Please report this, with the command line."
-            )
-    # Plain PyTorch itself has ended a run on other bits than its other runs on this CPU
-    # (perf/RESULTS.md, "Determinism"): when the lossless run differs from plain, a second
-    # plain run says whether the cache or that first plain run left the common path.
-    plain_again = None
-    if weights_differ(runs[0], runs[1]):
-        plain_again = _in_fresh_process(_train, Variant(name="plain, again"), settings)
+    with fresh_processes() as in_fresh_process:
+        # Under the cap first: what plain PyTorch does there is the question the scenario asks.
+        plain_under_cap = (
+            None if under_cap is None else in_fresh_process(_train, under_cap, settings)
+        )
+        runs = [in_fresh_process(_train, variant, settings) for variant in compared]
+        for run in runs:
+            if run.out_of_memory is not None:
+                raise DeviceCapExceeded(
+                    f"{run.name!r} ran out of memory under the device cap of "
+                    f"{device_cap_bytes(settings) or 0:_} bytes at {run.out_of_memory}; it "
+                    "should train under it. Please report this, with the command line."
+                )
+        # Plain PyTorch itself has ended a run on other bits than its other runs on this CPU
+        # (perf/RESULTS.md, "Determinism"): when the lossless run differs from plain, a second
+        # plain run says whether the cache or that first plain run left the common path.
+        plain_again = None
+        if weights_differ(runs[0], runs[1]):
+            plain_again = in_fresh_process(_train, Variant(name="plain, again"), settings)
     train_tokens, val_tokens = byte_corpus()
     with torch.device("meta"):  # shapes only: count what each run trained
         params = list(TinyGPT(config).parameters())
@@ -401,56 +401,6 @@ def _memory_method(settings: DemoSettings) -> str:
 
 def weights_differ(a: RunResult, b: RunResult) -> bool:
     return any(not torch.equal(w, b.weights[k]) for k, w in a.weights.items())
-
-
-def _in_fresh_process(function: Callable[..., RunResult], *args: Any) -> RunResult:
-    """``function(*args)`` in a new process, which exits when it returns; its error is
-    raised here, with the traceback from that process as the cause."""
-    # spawn, not fork: CUDA and OpenMP thread pools do not survive a fork.
-    context = multiprocessing.get_context("spawn")
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_reply, args=(sender, function, *args))
-    process.start()
-    sender.close()  # the child holds its own end: if it dies, recv() sees the end of file
-    try:
-        error, value = pickle.loads(receiver.recv_bytes())
-    except EOFError:
-        process.join()
-        raise RuntimeError(
-            f"A demo run's process ended with exit code {process.exitcode} before reporting "
-            "(a negative code is the signal that stopped it: -9 is often the out-of-memory "
-            "killer)."
-        ) from None
-    process.join()
-    if error is not None:
-        raise value from _RemoteTraceback(error)
-    return value
-
-
-class _RemoteTraceback(Exception):
-    """The traceback text of an error raised in a run's process."""
-
-
-def _reply(sender: Connection, function: Callable[..., RunResult], *args: Any) -> None:
-    reply: tuple[str | None, RunResult | Exception]
-    try:
-        reply = (None, function(*args))
-    except KeyboardInterrupt:
-        return  # Ctrl-C reached the main process as well, which reports it
-    except Exception as error:
-        reply = (traceback.format_exc(), error)
-    # Plain pickle copies the tensors into the message: multiprocessing's own pickler would
-    # share them through file descriptors that vanish when this process exits. Protocol 5
-    # (Python 3.8): the "medium" model's weights there and back in 0.19 s, not 0.33 s.
-    sender.send_bytes(pickle.dumps(reply, protocol=5))
-    # Replied: this process ends now, its output flushed, without the interpreter's
-    # teardown (0.6 to 0.8 s with torch loaded, each run, which the parent waited for);
-    # multiprocessing ends a forked child so too (os._exit). Nothing of a run needs it: the
-    # operating system takes back its memory, files and devices.
-    sender.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def measured_steps(steps: int, device: torch.device) -> list[int]:
