@@ -2618,8 +2618,8 @@ MUTANTS = [
     (
         "accelerator: the storage resize default holds no backend (no cycle)",
         "gradient_cache/engine/accelerator.py",
-        "            streams, \"resize_storage\", _resize_storage\n",
-        "            streams, \"resize_storage\", super().resize_storage\n",
+        '            streams, "resize_storage", _resize_storage\n',
+        '            streams, "resize_storage", super().resize_storage\n',
         "tests/emulated/test_gradients_on_device.py -k gc_pass",
     ),
     (
