@@ -34,6 +34,7 @@ from .engine.pipeline import Pipeline
 from .engine.records import HELD_BY_THE_CACHE
 from .engine.step import OptimizerStep
 from .engine.step_hooks import OWN_HOOKS, after_the_closure
+from .engine.users_line import outside_the_package
 from .model_watch import ParameterWatch
 from .stats import CompressionSummary, compression_summary
 
@@ -120,7 +121,7 @@ class GradientCacheHookManager:
                 "that scaler (create_gradient_cache(..., grad_scaler=scaler)), whose unscale "
                 "and skip the fused step then does; or compute in torch.bfloat16.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=outside_the_package(),
             )
 
         # Names as the uncompiled model gives them: checkpoints and exclude_layers mean the same.
@@ -138,7 +139,7 @@ class GradientCacheHookManager:
                     f"exclude_layers entry {pattern!r} matches no trainable parameter name "
                     f"of {type(model).__name__}; check model.named_parameters() for the names.",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=outside_the_package(),
                 )
         if not included:
             raise ValueError(
@@ -810,7 +811,7 @@ def _warn_of_the_ladders_last_rung(pipeline: Pipeline, ratio: float) -> None:
         "keep this) and this warning goes; summary().layers says which codec each tensor "
         "took.",
         UserWarning,
-        stacklevel=4,
+        stacklevel=outside_the_package(),
     )
 
 
@@ -833,5 +834,5 @@ def _warn_of_split_groups(
                 "saves no device memory for this group. Exclude the whole group (all of its "
                 "module's parameters) or none of it.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=outside_the_package(),
             )

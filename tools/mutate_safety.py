@@ -2650,6 +2650,13 @@ MUTANTS = [
         "    if True:\n",
         "tests/test_demo_processes.py",
     ),
+    (
+        "users_line: a set-up warning names the user's line, past the package's frames",
+        "gradient_cache/engine/users_line.py",
+        "    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):\n",
+        "    while False:\n",
+        "tests/test_warning_lines.py",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import sharding
 from .store import BucketPayloads
+from .users_line import outside_the_package
 
 
 def loss_scale(scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
@@ -90,7 +91,7 @@ def warn_unless_powers_of_two(scaler: torch.amp.GradScaler) -> None:
             "GradScaler's defaults (init_scale=2.0**16, growth_factor=2.0, "
             "backoff_factor=0.5) keep the scale a power of two.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=outside_the_package(),
         )
 
 

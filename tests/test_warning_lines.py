@@ -1,0 +1,65 @@
+"""The warnings about what the user passed at set-up name the user's line, however the
+cache is made: `create_gradient_cache`, the manager itself, or the `optimize` decorator."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_parameters_offload import STREAMED, gpt
+
+import gradient_cache
+from gradient_cache.engine.config import EngineConfig
+from gradient_cache.manager import DEFAULT_COMPRESSION_RATIO, GradientCacheHookManager
+
+WARNED_OF = {
+    "exclude_layers": ({"exclude_layers": ["no_such_layer"]}, "matches no trainable parameter"),
+    "scale": (
+        {"grad_scaler": torch.amp.GradScaler("cpu", init_scale=10000.0)},
+        "not a power of two",
+    ),
+    "fp16": ({**STREAMED, "compute_dtype": torch.float16}, "float16 and no GradScaler"),
+    # Top-k takes only tensors of 16,384 entries or more, which gpt() has none of.
+    "ladder": ({"compression_ratio": 1000.0}, "the ladder's last rung"),
+}
+
+
+def made_by_the_function(model: torch.nn.Module, **options: Any) -> Any:
+    return gradient_cache.create_gradient_cache(model, **options)
+
+
+def made_by_the_manager(
+    model: torch.nn.Module,
+    *,
+    compression_ratio: float = DEFAULT_COMPRESSION_RATIO,
+    exclude_layers: list[str] | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    **fields: Any,
+) -> Any:
+    return GradientCacheHookManager(
+        model,
+        compression_ratio=compression_ratio,
+        exclude_layers=exclude_layers,
+        grad_scaler=grad_scaler,
+        config=EngineConfig(**fields),
+    )
+
+
+@pytest.mark.parametrize("case", sorted(WARNED_OF))
+@pytest.mark.parametrize("make", [made_by_the_function, made_by_the_manager])
+def test_a_set_up_warning_names_the_users_line(case: str, make: Callable[..., Any]) -> None:
+    options, message = WARNED_OF[case]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = torch.nn.Linear(256, 256) if case == "ladder" else gpt()
+        make(model, **options).remove_hooks()
+    ours = [w for w in caught if message in str(w.message)]
+    assert len(ours) == 1, [str(w.message)[:80] for w in caught]
+    # The line in ``make`` that called the package, not the line that called ``make``.
+    lines, first = inspect.getsourcelines(make)
+    where = (ours[0].filename, ours[0].lineno)
+    assert where[0] == __file__ and first <= where[1] < first + len(lines), where
