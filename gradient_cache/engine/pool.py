@@ -30,7 +30,7 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _power_of_two_at_least(nbytes: int) -> int:
+def power_of_two_at_least(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length()
 
 
@@ -48,10 +48,10 @@ def _pack(left: list[int], sizes: Sequence[int]) -> list[tuple[int, list[tuple[i
     if not left:
         return []
     remaining = sum(sizes[i] for i in left)
-    whole = _power_of_two_at_least(max(remaining, ALIGN))
+    whole = power_of_two_at_least(max(remaining, ALIGN))
     offsets = itertools.accumulate((sizes[i] for i in left), initial=0)
     in_one = [(whole, list(zip(left, offsets, strict=False)))]
-    part = max(whole // 2, _power_of_two_at_least(sizes[left[0]]))
+    part = max(whole // 2, power_of_two_at_least(sizes[left[0]]))
     if remaining <= SMALL_SLAB or part >= whole:
         return in_one
     placed, rest, offset = [], [], 0

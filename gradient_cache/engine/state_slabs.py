@@ -16,16 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from .hostmem import check_host_budget
-from .pool import aligned
+from .pool import aligned, power_of_two_at_least
 
 # The smallest slab (a page): a tiny model's state takes a few.
 MIN_SLAB = 2**12
 # The largest slab a request needs no more for: about 1/50 of a state of 50 GiB.
 MAX_SLAB = 2**30
-
-
-def _power_of_two_at_least(nbytes: int) -> int:
-    return 1 << max(0, nbytes - 1).bit_length()
 
 
 def slab_bytes(*, largest: int, total: int) -> int:
@@ -34,7 +30,7 @@ def slab_bytes(*, largest: int, total: int) -> int:
     mostly full), at least ``total`` / 16 (Adam's state: about 32 slabs), within
     `MIN_SLAB` and `MAX_SLAB`, a power of two."""
     wanted = max(2 * largest, total // 16)
-    return _power_of_two_at_least(min(MAX_SLAB, max(MIN_SLAB, wanted)))
+    return power_of_two_at_least(min(MAX_SLAB, max(MIN_SLAB, wanted)))
 
 
 @dataclass
@@ -111,7 +107,7 @@ class StateSlabs:
             if index is None:
                 if self._round_up:
                     size = slab_bytes(largest=self._largest, total=self._total)
-                    rooms.append([0, max(size, _power_of_two_at_least(need))])
+                    rooms.append([0, max(size, power_of_two_at_least(need))])
                 else:  # the one exact new slab, grown by this region
                     if len(rooms) == existing:
                         rooms.append([0, 0])

@@ -386,9 +386,10 @@ class HostWeights:
 
     def forget(self, params: Iterable[Param]) -> None:
         """A failed step's bucket given up, nothing copied back (the masters are unchanged)."""
-        for param, weight in self._held(params):
+        held = self._held(params)  # once: ``params`` may be a generator
+        for param, weight in held:
             weight.dirty, weight.version = False, param._version
-        self.free(params)
+        self.free(param for param, _ in held)
 
     def store(self, params: Iterable[Param]) -> None:
         """``params`` stepped or written on the device: copied into their masters, then freed."""
