@@ -1069,8 +1069,8 @@ PAIRS = {
 }
 
 
-def run_pair(rank: int, pair: str, port: int, out_dir: str) -> None:
-    """One process of the pair: every scenario of ``pair``, results to ``out_dir``."""
+def run_pair(rank: int, pairs: list[str], port: int, out_dir: str) -> None:
+    """One process of the pair: every scenario of ``pairs``, results to ``out_dir``."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # two processes on the machine's cores; and one bit pattern
@@ -1078,7 +1078,7 @@ def run_pair(rank: int, pair: str, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     results: dict[str, Any] = {}
     try:
-        for scenario in PAIRS[pair]:
+        for scenario in (scenario for pair in pairs for scenario in PAIRS[pair]):
             try:
                 results[scenario.__name__] = scenario()
             except Exception:  # recorded: the test of this scenario fails with it

@@ -1,7 +1,7 @@
 """FSDP2 with the cache, and classic DDP refused: real 2-process gloo runs on the CPU.
 
-Each module-scoped fixture starts one pair of processes (tests/distributed_runs.py) that
-runs many scenarios; each test here checks one scenario's result on both ranks.
+One module-scoped fixture starts one pair of processes (tests/distributed_runs.py) that
+runs every scenario; each test here checks one scenario's result on both ranks.
 Bit-for-bit means weights equal to plain FSDP2's on the same seed and data.
 """
 
@@ -25,11 +25,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_pair(pair: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp(pair)
+def _run_pairs(pairs: list[str], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("pairs")
     mp.spawn(
         distributed_runs.run_pair,
-        args=(pair, _free_port(), str(out_dir)),
+        args=(pairs, _free_port(), str(out_dir)),
         nprocs=distributed_runs.WORLD,
     )
     return [
@@ -39,18 +39,25 @@ def _run_pair(pair: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]
 
 
 @pytest.fixture(scope="module")
-def fsdp_results(tmp_path_factory):
-    return _run_pair("fsdp", tmp_path_factory)
+def all_results(tmp_path_factory):
+    """Every scenario in one pair of processes: two processes that start, import torch
+    and join a process group once, not once for each group of scenarios."""
+    return _run_pairs(list(distributed_runs.PAIRS), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def weights_results(tmp_path_factory):
-    return _run_pair("weights", tmp_path_factory)
+def fsdp_results(all_results):
+    return all_results
 
 
 @pytest.fixture(scope="module")
-def replica_results(tmp_path_factory):
-    return _run_pair("replicas_and_refusals", tmp_path_factory)
+def weights_results(all_results):
+    return all_results
+
+
+@pytest.fixture(scope="module")
+def replica_results(all_results):
+    return all_results
 
 
 def each_rank(results: list[dict], scenario: str) -> list:
