@@ -51,8 +51,9 @@ def run_in_process(out: Path, *args: str) -> tuple[dict[str, Any], Path, str, st
     """As `run_console_script`, by ``cli.main`` in this process (each run in a process of
     its own as ever): the 3 s a new interpreter takes to import torch and the package are
     saved. What this process writes and what the runs' processes write to the file
-    descriptors they inherit are both captured: each run's process is spawned anew, with
-    this call's descriptors 1 and 2, so several demos may run in one process."""
+    descriptors they inherit are both captured: each demo spawns its own forker, with this
+    call's descriptors 1 and 2, which its runs inherit, so several demos may run in one
+    process."""
     with tempfile.TemporaryFile() as out_fd, tempfile.TemporaryFile() as err_fd:
         here_out, here_err = io.StringIO(), io.StringIO()
         with (

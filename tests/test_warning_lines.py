@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import batches, make_model
 from test_parameters_offload import STREAMED, gpt
 
 import gradient_cache
@@ -63,3 +64,24 @@ def test_a_set_up_warning_names_the_users_line(case: str, make: Callable[..., An
     lines, first = inspect.getsourcelines(make)
     where = (ours[0].filename, ours[0].lineno)
     assert where[0] == __file__ and first <= where[1] < first + len(lines), where
+
+
+def test_through_the_decorator_the_warning_names_the_users_call_of_the_model() -> None:
+    """The decorator makes the cache in a hook torch calls at the model's first forward:
+    the warning names the user's line that called the model, not torch's module code."""
+    model = make_model()
+    ((tokens, _),) = batches(1)
+
+    @gradient_cache.optimize(grad_scaler=torch.amp.GradScaler("cpu", init_scale=10000.0))
+    def forward(model: torch.nn.Module) -> None:
+        model(tokens)  # the user's line
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forward(model)
+    (ours,) = [w for w in caught if "not a power of two" in str(w.message)]
+    lines, first = inspect.getsourcelines(forward.__wrapped__)
+    assert ours.filename == __file__ and first <= ours.lineno < first + len(lines), (
+        ours.filename,
+        ours.lineno,
+    )

@@ -2639,8 +2639,8 @@ MUTANTS = [
     (
         "demo processes: a child's death reported by its exit code",
         "gradient_cache/demo/processes.py",
-        "                reply = pickle.dumps((None, _Ended(os.waitstatus_to_exitcode(status))))\n",
-        "                raise\n",
+        "            requests.send_bytes(_ENDED + str(code).encode())\n",
+        "            requests.send_bytes(_ENDED + b'0')\n",
         "tests/test_demo_processes.py",
     ),
     (
@@ -2653,9 +2653,44 @@ MUTANTS = [
     (
         "users_line: a set-up warning names the user's line, past the package's frames",
         "gradient_cache/engine/users_line.py",
-        "    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):\n",
+        '    while frame is not None and _library(frame.f_globals.get("__name__", "")):\n',
         "    while False:\n",
         "tests/test_warning_lines.py",
+    ),
+    (
+        "demo processes: the forker passes a reply on a piece at a time, holding none",
+        "gradient_cache/demo/processes.py",
+        "            del function, args\n",
+        "            held = pickle.loads(pickle.dumps(args)) + (bytearray(200 << 20),)\n",
+        "tests/test_demo_processes.py -k peak",
+    ),
+    (
+        "demo processes: the demo's own error stops the forker and its run",
+        "gradient_cache/demo/processes.py",
+        "        forker.terminate()  # and with it the run in flight (`_run_forked`)\n",
+        "        pass\n",
+        "tests/test_demo_processes.py -k in_flight",
+    ),
+    (
+        "demo processes: a run dies with its forker",
+        "gradient_cache/demo/processes.py",
+        "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n",
+        "    pass\n",
+        "tests/test_demo_processes.py -k dies",
+    ),
+    (
+        "demo processes: a run's own exit said, not swallowed",
+        "gradient_cache/demo/processes.py",
+        "        traceback.print_exc()\n",
+        "        pass\n",
+        "tests/test_demo_processes.py -k forked",
+    ),
+    (
+        "users_line: torch's frames (a hook under model(x)) are not the user's line",
+        "gradient_cache/engine/users_line.py",
+        '_LIBRARIES = ("gradient_cache", "torch")\n',
+        '_LIBRARIES = ("gradient_cache",)\n',
+        "tests/test_warning_lines.py -k decorator",
     ),
 ]
 

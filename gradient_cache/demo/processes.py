@@ -2,33 +2,41 @@
 
 A run's figures (its peak RSS, its allocator's peaks) must be its own, so every run gets a new
 process. Spawning one per run imports torch and the package each time (3 to 4 s on a 2-core
-machine: more than a small run trains). The demo's own process cannot fork: torch has run
-kernels there, and OpenMP's and CUDA's thread pools do not survive a fork. So on Linux one
-spawned process, the forker, imports the runs' code, runs none of it, and forks a child for
-each run, as a DataLoader forks its workers after ``import torch``. Elsewhere (no fork on
-Windows; macOS's system libraries are not safe to fork) each run is spawned.
+machine: more than a small run trains) and, on Linux, starts as a fork of the demo's process,
+whose peak RSS the run then keeps through the exec. The demo's own process cannot fork: torch
+has run kernels there, and OpenMP's and CUDA's thread pools do not survive a fork. So on Linux
+one spawned process, the forker, imports the runs' code, runs none of it, and forks a child for
+each run, as a DataLoader forks its workers after ``import torch``. The forker holds nothing a
+run made: a run's reply passes through it a chunk at a time. Elsewhere (no fork on Windows;
+macOS's system libraries are not safe to fork) each run is spawned.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 InFreshProcess = Callable[..., Any]
+
+CHUNK = 1 << 20  # a run's reply crosses the forker in pieces of this many bytes
+_PIECE, _ENDED = b"p", b"e"  # the forker's messages: a piece of the reply, the exit code
 
 
 @contextlib.contextmanager
 def fresh_processes() -> Iterator[InFreshProcess]:
     """Yields ``run(function, *args)``: ``function(*args)`` in a fresh process, its result
-    returned, its error raised here with the traceback from that process as the cause."""
+    returned, its error raised here with the traceback from that process as the cause. If
+    the demo's process raises while a run is in flight, the run is stopped, not waited for."""
     if not sys.platform.startswith("linux"):
         yield _spawned
         return
@@ -40,10 +48,23 @@ def fresh_processes() -> Iterator[InFreshProcess]:
 
     def forked(function: Callable[..., Any], *args: Any) -> Any:
         requests.send_bytes(pickle.dumps((function, args), protocol=5))
-        return _result(requests, lambda: _exit_code(forker))
+        pieces = []
+        try:
+            while (message := requests.recv_bytes())[:1] == _PIECE:
+                pieces.append(message[1:])
+        except (EOFError, ConnectionResetError):  # the forker has gone (not any OSError:
+            # a TimeoutError raised here by a signal handler is the demo's own, raised on)
+            raise RuntimeError(
+                f"The demo's forker process ended with exit code {_exit_code(forker)} while "
+                "a run was in flight; its runs stop with it."
+            ) from None
+        return _result(b"".join(pieces), int(message[1:]))
 
     try:
         yield forked
+    except BaseException:
+        forker.terminate()  # and with it the run in flight (`_run_forked`)
+        raise
     finally:
         requests.close()  # the forker reads the end of its pipe and returns
         forker.join()
@@ -56,34 +77,25 @@ def _spawned(function: Callable[..., Any], *args: Any) -> Any:
     process.start()
     sender.close()  # the child holds its own end: if it dies, recv() sees the end of file
     try:
-        return _result(receiver, lambda: _exit_code(process))
-    finally:
-        process.join()
-
-
-def _exit_code(process: multiprocessing.process.BaseProcess) -> int | None:
-    process.join()
-    return process.exitcode
-
-
-@dataclass(frozen=True)
-class _Ended:
-    """A forked child that ended before it replied, and its exit code."""
-
-    exit_code: int
-
-
-def _result(receiver: Connection, exit_code: Callable[[], int | None]) -> Any:
-    try:
-        error, value = pickle.loads(receiver.recv_bytes())
+        reply = receiver.recv_bytes()
     except EOFError:
-        error, value = None, _Ended(exit_code() or 0)
-    if isinstance(value, _Ended):
+        reply = b""
+    return _result(reply, _exit_code(process))
+
+
+def _exit_code(process: BaseProcess) -> int:
+    process.join()
+    return process.exitcode or 0
+
+
+def _result(reply: bytes, exit_code: int) -> Any:
+    if exit_code != 0 or not reply:
         raise RuntimeError(
-            f"A demo run's process ended with exit code {value.exit_code} before reporting "
-            "(a negative code is the signal that stopped it: -9 is often the out-of-memory "
-            "killer)."
-        ) from None
+            f"A demo run's process ended with exit code {exit_code} before reporting (a "
+            "negative code is the signal that stopped it: -9 is often the out-of-memory "
+            "killer; its own error, if any, is above)."
+        )
+    error, value = pickle.loads(reply)
     if error is not None:
         raise value from _RemoteTraceback(error)
     return value
@@ -94,49 +106,68 @@ class _RemoteTraceback(Exception):
 
 
 def _fork_each(requests: Connection) -> None:
-    """The forker: each request's function and arguments unpickled here (which imports
-    their modules once, for every later child too), then run in a forked child; the
-    child's reply, or how it ended, sent back."""
-    try:
+    """The forker: each request unpickled here (which imports its modules once, for every
+    later child too), then run in a forked child whose reply is passed on a piece at a
+    time, then its exit code."""
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError, EOFError):
+        # Ctrl-C reached the demo's process too, which reports it; the demo's process has
+        # gone when its end of the pipe has.
         while True:
-            try:
-                function, args = pickle.loads(requests.recv_bytes())
-            except EOFError:
-                return  # the demo is over
-            receiver, sender = multiprocessing.Pipe(duplex=False)
+            function, args = pickle.loads(requests.recv_bytes())
+            readable, writable = os.pipe()
             pid = os.fork()
             if pid == 0:
-                try:
-                    requests.close()
-                    receiver.close()
-                    _reply(sender, function, *args)
-                finally:
-                    os._exit(1)  # a Ctrl-C, which the demo's process reports
-            sender.close()
-            try:
-                reply = receiver.recv_bytes()
-                os.waitpid(pid, 0)
-            except EOFError:
-                status = os.waitpid(pid, 0)[1]
-                reply = pickle.dumps((None, _Ended(os.waitstatus_to_exitcode(status))))
-            receiver.close()
-            requests.send_bytes(reply)
+                requests.close()
+                os.close(readable)
+                _run_forked(writable, function, args)
+            os.close(writable)
+            del function, args
+            with open(readable, "rb") as reply:
+                while piece := reply.read(CHUNK):
+                    requests.send_bytes(_PIECE + piece)
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            requests.send_bytes(_ENDED + str(code).encode())
+
+
+def _run_forked(writable: int, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """A forked child: the run, its reply written to ``writable``; never returns."""
+    # Killed when the forker goes (it died, or the demo's process stopped it), never left
+    # training.
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    code = 1
+    try:
+        with open(writable, "wb") as out:
+            out.write(_reply_bytes(function, args))
+        code = 0
     except KeyboardInterrupt:
-        return  # Ctrl-C reached the demo's process as well, which reports it
+        pass  # Ctrl-C reached the demo's process as well, which reports it
+    except BaseException:  # an unpicklable reply, the run's own SystemExit: said, not lost
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # no interpreter teardown: see `_reply`
 
 
-def _reply(sender: Connection, function: Callable[..., Any], *args: Any) -> None:
+def _reply_bytes(function: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
     reply: tuple[str | None, Any]
     try:
         reply = (None, function(*args))
-    except KeyboardInterrupt:
-        return  # Ctrl-C reached the main process as well, which reports it
     except Exception as error:
         reply = (traceback.format_exc(), error)
     # Plain pickle copies the tensors into the message: multiprocessing's own pickler would
     # share them through file descriptors that vanish when this process exits. Protocol 5
     # (Python 3.8): the "medium" model's weights there and back in 0.19 s, not 0.33 s.
-    sender.send_bytes(pickle.dumps(reply, protocol=5))
+    return pickle.dumps(reply, protocol=5)
+
+
+def _reply(sender: Connection, function: Callable[..., Any], *args: Any) -> None:
+    """A spawned run: its reply sent on ``sender``."""
+    try:
+        reply = _reply_bytes(function, args)
+    except KeyboardInterrupt:
+        return  # Ctrl-C reached the main process as well, which reports it
+    sender.send_bytes(reply)
     # Replied: this process ends now, its output flushed, without the interpreter's
     # teardown (0.6 to 0.8 s with torch loaded, each run, which the parent waited for);
     # multiprocessing ends a forked child so too (os._exit). Nothing of a run needs it: the
