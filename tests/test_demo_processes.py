@@ -78,7 +78,9 @@ def gone(pid: int, *, within: float = 10.0) -> bool:
 
 
 def pids_when_written(path: Path) -> tuple[int, int]:
+    deadline = time.monotonic() + 60  # a run that never starts fails the test, not the suite
     while not path.exists() or len(path.read_text().split()) < 2:
+        assert time.monotonic() < deadline, "the run never wrote its pids"
         time.sleep(0.05)
     run, forker = map(int, path.read_text().split())
     return run, forker

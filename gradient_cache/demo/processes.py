@@ -144,9 +144,7 @@ def _run_forked(writable: int, function: Callable[..., Any], args: tuple[Any, ..
     except BaseException:  # an unpicklable reply, the run's own SystemExit: said, not lost
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # no interpreter teardown: see `_reply`
+        _end_now(code)
 
 
 def _reply_bytes(function: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
@@ -168,11 +166,15 @@ def _reply(sender: Connection, function: Callable[..., Any], *args: Any) -> None
     except KeyboardInterrupt:
         return  # Ctrl-C reached the main process as well, which reports it
     sender.send_bytes(reply)
-    # Replied: this process ends now, its output flushed, without the interpreter's
-    # teardown (0.6 to 0.8 s with torch loaded, each run, which the parent waited for);
-    # multiprocessing ends a forked child so too (os._exit). Nothing of a run needs it: the
-    # operating system takes back its memory, files and devices.
     sender.close()
+    _end_now(0)
+
+
+def _end_now(code: int) -> None:
+    """A run's process ends, its output flushed, without the interpreter's teardown (0.6 to
+    0.8 s with torch loaded, each run, which the parent waited for); multiprocessing ends a
+    forked child so too (os._exit). Nothing of a run needs it: the operating system takes
+    back its memory, files and devices."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
