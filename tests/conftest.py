@@ -38,3 +38,40 @@ def fixed_thread_count():
 def twin_models() -> tuple[TiedLM, TiedLM]:
     model = make_model()
     return model, copy.deepcopy(model)
+
+
+# pytest-xdist's loadfile hands out the files with the most tests first, which leaves for
+# last the files whose one demo run or pair of processes takes 15 to 40 s, alone on one
+# worker while the other stands idle. The costliest files go first instead, longest first
+# (each 10 to 41 s of one worker's time: `--junitxml` on the 2-core AMD VM, 2026-12-07),
+# the rest behind them in collection order; perf/RESULTS.md, "The suite's order".
+COSTLIEST_FIRST = (
+    "test_demo_default_scenario.py",
+    "test_scripts.py",
+    "test_gpu_check.py",
+    "test_scripts_quality.py",
+    "test_demo_processes.py",
+    "test_parameters_offload.py",
+    "test_stream_order.py",
+    "test_distributed.py",
+    "test_codecs.py",
+    "test_lightning.py",
+    "test_demo_larger_than_device.py",
+    "test_metaflow.py",
+    "test_compile.py",
+    "test_weight_streamers.py",
+    "test_transformers.py",
+    "test_demo.py",
+    "test_call_orders.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's own order (most tests first) would undo this one; absent without xdist.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: place for place, name in enumerate(COSTLIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

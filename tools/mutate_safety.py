@@ -2692,6 +2692,20 @@ MUTANTS = [
         '_LIBRARIES = ("gradient_cache",)\n',
         "tests/test_warning_lines.py -k decorator",
     ),
+    (
+        "suite order: the costliest files first",
+        "tests/conftest.py",
+        "    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))\n",
+        "    rank.clear()\n",
+        "tests/test_suite_order.py",
+    ),
+    (
+        "suite order: xdist's reordering by test count turned off",
+        "tests/conftest.py",
+        "        config.option.loadscopereorder = False\n",
+        "        pass\n",
+        "tests/test_suite_order.py",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
