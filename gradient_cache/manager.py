@@ -345,7 +345,7 @@ class GradientCacheHookManager:
             "(without it the scaled gradients are stepped as they are, and scaler.update() "
             "raises 'No inf checks were recorded'). Without a GradScaler, ignore this.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=outside_the_package(),
         )
 
     def gradient_norm(

@@ -844,13 +844,14 @@ def test_a_slab_that_could_not_be_pinned_blocks_only_its_own_copies(
 
     fake_accelerator.allocate_pinned = second_refused  # what the fixture's factory pins with
     model = layers(n=2, width=512)  # two 1 MiB weights: two slabs
-    with pytest.warns(RuntimeWarning, match="could not pin host memory"):
+    with pytest.warns(RuntimeWarning, match="could not pin host memory") as record:
         manager = gradient_cache.create_gradient_cache(
             model,
             backend_factory=fake_accelerator.factory,
             compression_ratio=1,
             bucket_size_mb=SMALL,
         )
+    assert record[0].filename == __file__  # the user's line, not the pool's
     pool = manager.engine.backend.pool
     slabs = {
         view.untyped_storage().data_ptr(): pool.is_pinned(view)

@@ -3,7 +3,9 @@ cache is made: `create_gradient_cache`, the manager itself, or the `optimize` de
 
 from __future__ import annotations
 
+import _thread
 import inspect
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -85,3 +87,45 @@ def test_through_the_decorator_the_warning_names_the_users_call_of_the_model() -
         ours.filename,
         ours.lineno,
     )
+
+
+def test_the_steps_warning_of_fp16_autocast_without_a_scaler_names_the_users_step() -> None:
+    model = make_model()
+    ((tokens, _),) = batches(1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    manager = gradient_cache.create_gradient_cache(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(tokens).float().sum()
+    loss.backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        users_line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        manager.step(optimizer)
+    (ours,) = [w for w in caught if "no GradScaler" in str(w.message)]
+    assert (ours.filename, ours.lineno) == (__file__, users_line)
+    manager.remove_hooks()
+
+
+def test_with_no_frame_outside_the_package_the_warning_names_its_own_line() -> None:
+    """A hook on a thread with no Python frame below it (autograd's thread for a device)
+    gets the warning's own line, not a level past the stack's end ("sys", line 1)."""
+    where: dict[str, object] = {"__name__": "gradient_cache.engine.somewhere"}
+    exec(
+        "import warnings\n"
+        "from gradient_cache.engine.users_line import outside_the_package\n"
+        "def hook(done):\n"
+        "    try:\n"
+        "        with warnings.catch_warnings(record=True) as caught:\n"
+        "            warnings.simplefilter('always')\n"
+        "            warnings.warn('from a hook', stacklevel=outside_the_package())\n"
+        "        done.append(caught[0])\n"
+        "    finally:\n"
+        "        done.append(None)\n",
+        where,
+    )
+    done: list[Any] = []
+    _thread.start_new_thread(where["hook"], (done,))
+    deadline = time.monotonic() + 30
+    while len(done) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done and done[0] is not None and done[0].lineno == 7, done

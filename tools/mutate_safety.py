@@ -2706,6 +2706,34 @@ MUTANTS = [
         "        pass\n",
         "tests/test_suite_order.py",
     ),
+    (
+        "users_line: with no frame outside the package, the warning's own line",
+        "gradient_cache/engine/users_line.py",
+        "    return 1 if frame is None else level\n",
+        "    return level\n",
+        "tests/test_warning_lines.py -k no_frame",
+    ),
+    (
+        "users_line: the weights' close warning names the user's line",
+        "gradient_cache/engine/weights/stream.py",
+        "                stacklevel=outside_the_package(),\n",
+        "                stacklevel=5,\n",
+        "tests/emulated/test_larger_than_device.py -k close_warnings",
+    ),
+    (
+        "users_line: the unstreamed blocks' warning names the user's backward",
+        "gradient_cache/engine/weights/stream.py",
+        "            stacklevel=outside_the_package(),\n",
+        "            stacklevel=2,\n",
+        "tests/test_parameters_nothing_lost.py::test_blocks_run_through_forward_are_warned_of_by_name",
+    ),
+    (
+        "users_line: the pinning warning names the user's line",
+        "gradient_cache/engine/pool.py",
+        "                        stacklevel=outside_the_package(),\n",
+        "                        stacklevel=4,\n",
+        "tests/test_stream_order.py -k could_not_be_pinned",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

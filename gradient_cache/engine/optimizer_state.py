@@ -21,6 +21,7 @@ from .backend import Backend, Transfer
 from .layout import gradient_strides
 from .records import StateAt
 from .state_slabs import StateSlabs
+from .users_line import outside_the_package
 
 Param = torch.nn.Parameter
 Optimizer = torch.optim.Optimizer
@@ -266,7 +267,7 @@ class HostOptimizerState:
                     "hand it to a new cache with offload_optimizer_state=True; a plain "
                     "optimizer.step() needs it on the device.",
                     UserWarning,
-                    stacklevel=4,
+                    stacklevel=outside_the_package(),
                 )
         self.host = WeakIdKeyDictionary()
         self.host_bytes = 0

@@ -19,6 +19,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .users_line import outside_the_package
+
 ALIGN = 64  # bytes: every region starts on a 64-byte boundary, fast copies for any dtype
 # Below this many bytes left to place, one power-of-two slab takes them all.
 SMALL_SLAB = 2**20
@@ -152,7 +154,7 @@ class HostSlabs:
                         "micro-batch. Free pinned memory (other processes' pinned buffers, a "
                         "DataLoader's pin_memory=True), or set pin_memory=False to silence this.",
                         RuntimeWarning,
-                        stacklevel=4,
+                        stacklevel=outside_the_package(),
                     )
         slab = torch.empty(nbytes, dtype=torch.uint8)
         storage = slab.untyped_storage()

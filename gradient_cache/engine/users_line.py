@@ -20,10 +20,11 @@ def outside_the_package() -> int:
     frame outside gradient_cache and torch, read by module name (a frame's file name can
     be where a wheel was built), so the warning names the user's line whatever lies between
     (`create_gradient_cache`, the manager, the decorator's hook under ``model(x)``). A
-    framework's own frames (Lightning's trainer) are where it stops there."""
+    framework's own frames (Lightning's trainer) are where it stops there. With no such
+    frame (a hook on autograd's thread for a device), the warning's own line."""
     frame: FrameType | None = sys._getframe(1)
     level = 1
     while frame is not None and _library(frame.f_globals.get("__name__", "")):
         frame = frame.f_back
         level += 1
-    return level
+    return 1 if frame is None else level

@@ -166,3 +166,26 @@ def test_the_gpu_checks_larger_than_device_part_refuses_plain_at_placement(devic
     assert report["cache_alloc_retries"] == 0 and report["cache_ooms"] == 0
     assert report["cache_setup_bytes"] < cap // 8  # buffers only: no weights brought
     assert report["planned_window_bytes"] < cap
+
+
+def test_the_close_warnings_name_the_users_line(device: torch.device) -> None:
+    """The weights (and AdamW's state) that do not fit back on the device at the close are
+    warned of at the user's line, whether it calls ``remove_hooks()`` or leaves a ``with``
+    (a fixed stacklevel named the manager's ``__exit__`` there)."""
+    gc.collect()
+    emulated_device(capacity_bytes=weights_bytes(model()) // 2)
+    cached = model()
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS, device=device)
+    train(cached, batches(device), manager)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager.remove_hooks()
+    closing = [w for w in caught if "did not fit on the device" in str(w.message)]
+    assert closing and all(w.filename == __file__ for w in closing), closing
+    cached = model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradient_cache.create_gradient_cache(cached, **OPTIONS, device=device) as manager:
+            train(cached, batches(device), manager)
+    closing = [w for w in caught if "did not fit on the device" in str(w.message)]
+    assert closing and all(w.filename == __file__ for w in closing), closing

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import get_gradient_edge
 
 from ..backend import Backend
+from ..users_line import outside_the_package
 from . import at_rest
 from .blocks import WeightUnits
 from .hooks import (
@@ -325,7 +326,7 @@ class WeightStream:
             "rather than the whole model, and put a regularizer into the optimizer "
             "(weight_decay) or compute it inside the blocks.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=outside_the_package(),
         )
 
     def _backward_ended(self) -> None:
@@ -543,7 +544,7 @@ class OwnTensors:
                 "(model.state_dict()) or hand the model to a new cache with "
                 "offload_parameters=True.",
                 UserWarning,
-                stacklevel=5,
+                stacklevel=outside_the_package(),
             )
         finally:
             for param in self._guarded:  # a closed cache leaves plain parameters
