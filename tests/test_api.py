@@ -394,6 +394,37 @@ def test_two_optimizers_zero_grad_skips_a_batch_as_one_over_the_whole_model() ->
     manager.discard_gradients()
 
 
+def test_grad_cleared_by_hand_is_accumulation_to_the_cache_and_discard_gradients_skips() -> None:
+    """A batch skipped by ``p.grad = None`` by hand (docs/training-loop.md, "Skipping a
+    step"): the cache holds its gradients and ``.grad`` is already None, so they join the
+    next step, as plain PyTorch keeping them (accumulation); ``discard_gradients()`` in its
+    place skips the batch as plain PyTorch's ``p.grad = None`` does."""
+
+    def run(skip: str, cached: bool) -> torch.nn.Module:
+        model = make_model()
+        manager = None
+        if cached:
+            manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for index, (tokens, targets) in enumerate(batches(3)):
+            loss_of(model, tokens, targets).backward()
+            if index == 1:  # the batch skipped
+                if skip == "discard" and manager is not None:
+                    manager.discard_gradients()
+                for param in model.parameters() if skip != "keep" else ():
+                    param.grad = None
+                continue
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+        return model
+
+    assert_same_parameters(run("keep", cached=False), run("by hand", cached=True))
+    assert_same_parameters(run("by hand", cached=False), run("discard", cached=True))
+
+
 def test_step_completed_warns_about_gradients_still_cached() -> None:
     model = make_model()
     manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)

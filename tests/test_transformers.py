@@ -113,6 +113,90 @@ def test_fp16_with_the_state_offloaded_is_refused_before_any_step(tmp_path) -> N
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_with_the_weights_on_the_host_is_refused_before_any_step(
+    tmp_path, precision: str
+) -> None:
+    """accelerate's autocast keeps a cast copy of every weight until the forward ends: with
+    the weights on the host it is refused when train() begins (the first forward refused
+    it before, naming a fix a Trainer user cannot take), naming compute_dtype."""
+    model = tiny_gpt2()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = trainer_for(model, tmp_path, **{precision: True})
+    with pytest.raises(ValueError, match=rf"\({precision}=True\).*compute_dtype=torch.bfloat16"):
+        hf.train(
+            trainer, compression_ratio=1, offload_parameters=True, offload_optimizer_state=True
+        )
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_autocast_without_its_weight_cache_is_taken_with_the_weights_on_the_host(
+    tmp_path,
+) -> None:
+    """Where the accelerator's AutocastKwargs turn autocast's weight cache off, bf16=True
+    is taken with the weights on the host, bit for bit with the plain Trainer under the
+    same autocast."""
+    runs = []
+    for name, options in (("plain", None), ("cached", {"offload_parameters": True})):
+        model = tiny_gpt2()
+        trainer = trainer_for(model, tmp_path / name, bf16=True, gradient_accumulation_steps=2)
+        trainer.accelerator.autocast_handler = accelerate.utils.AutocastKwargs(cache_enabled=False)
+        if options is None:
+            trainer.train()
+        else:
+            hf.train(trainer, compression_ratio=1, offload_optimizer_state=True, **options)
+        runs.append((model, grad_norms(trainer)))
+    (plain, plain_norms), (cached, cached_norms) = runs
+    assert weight_gap(plain, cached) == 0.0 and cached_norms == plain_norms
+
+
+def fsdp2_mixed_precision_trainer(rank: int, out: str, folder: str, threads: int) -> None:
+    """``compute_dtype``'s reference: the plain Trainer over the model under FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on each block and
+    the root, on one process (a gloo group, an in-memory store); its weights, whole, and
+    its logged gradient norms to ``out``."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = tiny_gpt2()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    trainer = trainer_for(model, folder, gradient_accumulation_steps=2)
+    trainer.train()
+    weights = [p.full_tensor() for p in model.parameters()]
+    torch.save({"weights": weights, "norms": grad_norms(trainer)}, out)
+    dist.destroy_process_group()
+
+
+def test_compute_dtype_through_train_is_fsdp2_mixed_precision_bit_for_bit(tmp_path) -> None:
+    """The fix the refusal above names: bf16 compute from the fp32 masters on the host,
+    through train(), ends on the weights and logs the gradient norms of the plain Trainer
+    over the model under FSDP2's mixed precision (accumulation, clipping)."""
+    out = str(tmp_path / "fsdp2.pt")
+    threads = torch.get_num_threads()
+    torch.multiprocessing.spawn(
+        fsdp2_mixed_precision_trainer, args=(out, str(tmp_path / "plain"), threads)
+    )
+    reference = torch.load(out, weights_only=True)
+    cached = tiny_gpt2()
+    trainer = trainer_for(cached, tmp_path / "cached", gradient_accumulation_steps=2)
+    hf.train(
+        trainer,
+        compression_ratio=1,
+        offload_parameters=True,
+        offload_optimizer_state=True,
+        compute_dtype=torch.bfloat16,
+    )
+    assert grad_norms(trainer) == reference["norms"] and max(reference["norms"]) > 1.0
+    for expected, param in zip(reference["weights"], cached.parameters(), strict=True):
+        assert param.dtype == torch.float32 and torch.equal(expected, param)
+
+
 def grad_norms(trainer: transformers.Trainer) -> list[float]:
     return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
 

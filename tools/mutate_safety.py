@@ -2734,6 +2734,20 @@ MUTANTS = [
         "                        stacklevel=4,\n",
         "tests/test_stream_order.py -k could_not_be_pinned",
     ),
+    (
+        "hf: bf16/fp16 autocast with the weights on the host refused when train() begins",
+        "gradient_cache/integrations/transformers.py",
+        "    if offload_parameters and precision is not None and autocast_caches_weights:\n",
+        "    if False:\n",
+        "tests/test_transformers.py -k autocast_with_the_weights",
+    ),
+    (
+        "hf: autocast whose AutocastKwargs turn its weight cache off is taken",
+        "gradient_cache/integrations/transformers.py",
+        "        autocast_caches_weights=autocast is None or autocast.cache_enabled is not False,\n",
+        "        autocast_caches_weights=True,\n",
+        "tests/test_transformers.py -k autocast_without",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -78,7 +78,9 @@ def train(
     ``Trainer`` puts the batches on the device itself). Refused before any step: a trainer on
     another device, a model the ``Trainer`` already moved to the device, and
     ``fp16_full_eval``/``bf16_full_eval`` (the ``Trainer`` moves the model when training
-    starts).
+    starts). With the weights on the host, ``bf16=True`` or ``fp16=True`` is refused too,
+    before any step (accelerate's autocast would hold a cast copy of every weight): pass
+    ``compute_dtype=torch.bfloat16`` instead.
     """
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}.")
@@ -93,11 +95,16 @@ def train(
     decorator = optimize(
         compression_ratio, exclude_layers=exclude_layers, verbose=verbose, **options
     )
+    config = decorator.settings.config
+    autocast = trainer.accelerator.autocast_handler  # accelerate's AutocastKwargs, or None
     check_precision(
-        trainer.args, offload_optimizer_state=decorator.settings.config.offload_optimizer_state
+        trainer.args,
+        offload_optimizer_state=config.offload_optimizer_state,
+        offload_parameters=config.offload_parameters,
+        autocast_caches_weights=autocast is None or autocast.cache_enabled is not False,
     )
     # EngineConfig has refused device= without offload_parameters=True, naming the fix.
-    device = decorator.settings.config.device
+    device = config.device
     if device is not None:
         device = _check_set_up_from_host(trainer, torch.device(device))
         decorator = optimize(
@@ -168,11 +175,30 @@ def _check_set_up_from_host(trainer: transformers.Trainer, device: torch.device)
     return target
 
 
-def check_precision(args: transformers.TrainingArguments, *, offload_optimizer_state: bool) -> None:
-    """Refuse ``fp16=True`` with the state offloaded, before any step, as the Lightning
-    callback refuses ``"16-mixed"``: the Trainer's GradScaler unscales every gradient at
-    once (``unscale_`` before clipping), which would need the whole optimizer state on the
-    device at the step; it failed there, after a full forward and backward."""
+def check_precision(
+    args: transformers.TrainingArguments,
+    *,
+    offload_optimizer_state: bool,
+    offload_parameters: bool = False,
+    autocast_caches_weights: bool = True,
+) -> None:
+    """Refuse, before any step, what the first forward or step would refuse later, after
+    the Trainer's set-up: ``fp16=True`` with the state offloaded, as the Lightning callback
+    refuses ``"16-mixed"`` (the Trainer's GradScaler unscales every gradient at once, which
+    would need the whole optimizer state on the device at the step); and ``bf16=True`` or
+    ``fp16=True`` with the weights on the host, where accelerate's autocast keeps a cast
+    copy of every weight until the forward ends (unless its ``AutocastKwargs`` turn that
+    cache off)."""
+    precision = "fp16" if args.fp16 else "bf16" if args.bf16 else None
+    if offload_parameters and precision is not None and autocast_caches_weights:
+        raise ValueError(
+            f"offload_parameters=True cannot run with TrainingArguments({precision}=True): "
+            "the Trainer's autocast keeps a cast copy of every weight it meets until the "
+            "forward ends, so the device would hold the whole model's weights. Set "
+            f"{precision}=False and pass compute_dtype=torch.bfloat16 to train() instead "
+            "(forward and backward in bf16 from the fp32 masters, a block at a time, as "
+            "FSDP2's MixedPrecisionPolicy), or drop offload_parameters."
+        )
     if offload_optimizer_state and args.fp16:
         raise ValueError(
             "offload_optimizer_state=True cannot run with TrainingArguments(fp16=True): the "
