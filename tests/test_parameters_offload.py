@@ -585,14 +585,25 @@ def fsdp2_mixed_precision(
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    model = gpt()
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    train(model, adamw_two_groups(model), data, micro_batches=micro_batches, clip=0.5)
-    torch.save([p.full_tensor() for p in model.parameters()], out)
+    weights = []
+    for model in (gpt(), gpt_reusing_a_block()):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in dict.fromkeys(model.blocks):  # each once: a block may be reused
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        train(model, adamw_two_groups(model), data, micro_batches=micro_batches, clip=0.5)
+        weights.append([p.full_tensor() for p in model.parameters()])
+    torch.save(weights, out)
     dist.destroy_process_group()
+
+
+def gpt_reusing_a_block() -> TinyGPT:
+    """gpt() whose second block runs twice in each forward (a block's weights shared across
+    depths, as ALBERT's): the third block is gone, the fourth runs last."""
+    model = gpt()
+    first, second, _, last = model.blocks
+    model.blocks = torch.nn.ModuleList([first, second, second, last])
+    return model
 
 
 def test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit(tmp_path) -> None:
@@ -605,7 +616,22 @@ def test_a_compute_dtype_is_fsdp2_mixed_precision_on_one_process_bit_for_bit(tmp
     out = str(tmp_path / "fsdp2.pt")
     threads = torch.get_num_threads()
     torch.multiprocessing.spawn(fsdp2_mixed_precision, args=(out, data, micro_batches, threads))
-    reference = torch.load(out, weights_only=True)
+    reference, reusing_reference = torch.load(out, weights_only=True)
+    reusing = gpt_reusing_a_block()
+    train(
+        reusing,
+        adamw_two_groups(reusing),
+        data,
+        manager=gradient_cache.create_gradient_cache(
+            reusing, **STREAMED, compute_dtype=torch.bfloat16, bucket_size_mb=0.02
+        ),
+        micro_batches=micro_batches,
+        clip=0.5,
+    )
+    # A reused block's two uses summed in bf16, as FSDP2's one bf16 parameter gets them
+    # (the cache summed the parts widened, last bits apart).
+    for expected, param in zip(reusing_reference, reusing.parameters(), strict=True):
+        assert torch.equal(expected, param)
     cached = gpt()
     optimizer = adamw_two_groups(cached)
     manager = gradient_cache.create_gradient_cache(

@@ -2748,6 +2748,13 @@ MUTANTS = [
         "        autocast_caches_weights=True,\n",
         "tests/test_transformers.py -k autocast_without",
     ),
+    (
+        "weights: a reused block's parts under a compute_dtype are summed by autograd in bf16",
+        "gradient_cache/engine/capture.py",
+        "        if weights is not None and weights.part_to_come(param):\n",
+        "        if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):\n",
+        "tests/test_parameters_offload.py -k compute_dtype_is_fsdp2",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -55,8 +55,10 @@ class Capture:
         weights = pipeline.weights
         if weights is not None:  # a use before the forward: its accumulator had no hook
             weights.refuse_a_host_gradient(param, grad, in_grad=True)
-        if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):
-            return  # autograd adds the next use's part into .grad: taken whole, as plain's
+        if weights is not None and weights.part_to_come(param):
+            # Autograd adds the next use's part into .grad, in the compute dtype too: taken
+            # whole, as plain's one node (FSDP2's one bf16 parameter) sums them.
+            return
         pending = pipeline.pending
         if pending is not None and pending.siblings_taken and not pipeline.interrupted:
             # Before the cache takes anything: a refusal leaves autograd's accumulation in

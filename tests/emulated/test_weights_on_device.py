@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 from test_parameters_nothing_lost import writing_model
-from test_parameters_offload import STREAMED, adamw_two_groups, gpt
+from test_parameters_offload import STREAMED, adamw_two_groups, gpt, gpt_reusing_a_block
 from test_parameters_offload import batches_on as on
 from torch import nn
 
@@ -295,6 +295,31 @@ def test_a_bf16_compute_dtype_trains_on_the_device_as_on_the_cpu(device) -> None
     manager = gradient_cache.create_gradient_cache(cached, **options, device=device)
     train(cached, on(device), manager)
     same(reference, cached)
+
+
+def test_a_block_reused_under_a_bf16_compute_dtype_trains_on_the_device_as_on_the_cpu(
+    device,
+) -> None:
+    """A block run twice in each forward, two micro-batches a step: on a device each use
+    has a node of its own (the weight's data moved between the uses), whose parts autograd
+    sums in bf16 in .grad, as FSDP2's one bf16 parameter (the CPU run is FSDP2's mixed
+    precision: test_parameters_offload)."""
+    options = {**STREAMED, "compute_dtype": torch.bfloat16, "bucket_size_mb": 0.02}
+
+    def run(where: torch.device) -> nn.Module:
+        model = gpt_reusing_a_block()
+        manager = gradient_cache.create_gradient_cache(
+            model, **options, **({"device": where} if where.type != "cpu" else {})
+        )
+        optimizer = adamw_two_groups(model)
+        for index, (tokens, targets) in enumerate(on(where, 4)):
+            (model(tokens, targets)[1] / 2).backward()
+            if index % 2:
+                manager.step(optimizer, max_grad_norm=0.5)
+                optimizer.zero_grad()
+        return model
+
+    same(run(torch.device("cpu")), run(device))
 
 
 @pytest.mark.parametrize("micro_batches", [2, 3])
