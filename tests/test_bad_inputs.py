@@ -218,6 +218,11 @@ CASES = [
      ValueError, "'0.bias': it is a view of a larger tensor"),
     ("a compute dtype without the weights", "EngineConfig(compute_dtype=torch.bfloat16)",
      ValueError, "acts only with offload_parameters=True"),
+    ("a compute dtype over a sparse embedding",
+     "m = torch.nn.Sequential(torch.nn.Embedding(8, 4, sparse=True), model()); "
+     "create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True, "
+     "compute_dtype=torch.bfloat16)",
+     ValueError, "module '0' (nn.Embedding(sparse=True)) gives one in the compute dtype"),
     ("blocks named by a module, not its list",
      "m = torch.nn.Module(); m.body = torch.nn.Module(); "
      "m.body.layers = torch.nn.ModuleList([model(), model()]); "

@@ -2755,6 +2755,13 @@ MUTANTS = [
         "        if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):\n",
         "tests/test_parameters_offload.py -k compute_dtype_is_fsdp2",
     ),
+    (
+        "weights: a sparse embedding under a compute_dtype refused at creation",
+        "gradient_cache/engine/weights/__init__.py",
+        "    if config.compute_dtype is not None and sparse:\n",
+        "    if False:\n",
+        "tests/test_bad_inputs.py -k sparse",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -91,6 +91,14 @@ def plan(
         )
     if groups:
         return _sharded_modules_or_refusal(model, config)
+    sparse = [n for n, m in model.named_modules() if getattr(m, "sparse", False) is True]
+    if config.compute_dtype is not None and sparse:
+        raise ValueError(
+            f"compute_dtype={config.compute_dtype} cannot be combined with a sparse gradient: "
+            f"module {sparse[0] or type(model).__name__!r} (nn.Embedding(sparse=True)) gives "
+            "one in the compute dtype, which cannot step its fp32 master. Make it dense "
+            "(sparse=False), or drop compute_dtype."
+        )
     devices = sorted({str(p.device) for p in model.parameters()})
     target = None if config.device is None else torch.device(config.device)
     on_it = target is not None and all(
