@@ -99,6 +99,32 @@ def test_a_write_in_forward_under_a_compute_dtype_is_refused_naming_the_paramete
     manager.remove_hooks()
 
 
+def test_a_dropped_forward_keeps_its_compute_copies_until_the_next_backward() -> None:
+    """A validation outside torch.no_grad() under a compute_dtype (docs/options.md): the
+    weights it used read as their bf16 copies until a state_dict() sends them home; a write
+    into them is refused when the next backward ends, naming torch.no_grad()."""
+    data = batches(2)
+    cached = gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, compute_dtype=torch.bfloat16)
+    optimizer = sgd_momentum(cached)
+    train(cached, optimizer, data[:1], manager=manager)
+    masters = {name: p.detach().clone() for name, p in cached.named_parameters()}
+    cached(*data[1])  # dropped: no backward
+    head = cached.ln_f.weight
+    assert head.dtype == torch.bfloat16 and torch.equal(
+        head.float(), masters["ln_f.weight"].bfloat16().float()
+    )
+    assert all(torch.equal(masters[n], v) for n, v in cached.state_dict().items() if n in masters)
+    assert head.dtype == torch.float32  # home
+    cached(*data[1])  # dropped again
+    with torch.no_grad():
+        for param in cached.parameters():
+            param.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"was dropped.*run it under torch\.no_grad\(\)"):
+        cached(*data[0])[1].backward()
+    manager.remove_hooks()
+
+
 def test_a_load_into_a_submodule_after_a_dropped_forward_reaches_training() -> None:
     """A forward with gradients whose output is dropped leaves the rest on the device; a load
     into the head alone (its own load_state_dict) must reach the next use."""

@@ -2762,6 +2762,13 @@ MUTANTS = [
         "    if False:\n",
         "tests/test_bad_inputs.py -k sparse",
     ),
+    (
+        "weights: the bf16 write refusal names a dropped forward and torch.no_grad()",
+        "gradient_cache/engine/weights/masters.py",
+        '            "until the next backward ends: run it under torch.no_grad()."\n',
+        '            "until the next backward ends."\n',
+        "tests/test_parameters_nothing_lost.py -k dropped_forward_keeps",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

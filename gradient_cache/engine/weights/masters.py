@@ -381,7 +381,9 @@ class HostWeights:
             f"compute dtype ({self.compute_dtype}), and their fp32 masters on the host "
             "cannot take a bf16 write exactly (the write is lost). Write them outside the "
             "forward (between steps), keep such state in a buffer (register_buffer), or "
-            "create the cache without compute_dtype."
+            "create the cache without compute_dtype. A forward with gradients whose output "
+            "was dropped (a validation outside torch.no_grad()) keeps its weights in use "
+            "until the next backward ends: run it under torch.no_grad()."
         )
 
     def forget(self, params: Iterable[Param]) -> None:
