@@ -2400,7 +2400,7 @@ MUTANTS = [
     (
         "uses' parts: a block weight's uses taken whole",
         "gradient_cache/engine/capture.py",
-        "        if weights is not None and weights.compute_dtype is None and weights.part_to_come(param):\n",
+        "        if weights is not None and weights.part_to_come(param):\n",
         "        if False:\n",
         "tests/emulated/test_weights_on_device.py::test_two_uses_of_a_block_under_accumulation_sum_as_plain",
     ),
@@ -2723,8 +2723,8 @@ MUTANTS = [
     (
         "users_line: the unstreamed blocks' warning names the user's backward",
         "gradient_cache/engine/weights/stream.py",
-        "            stacklevel=outside_the_package(),\n",
-        "            stacklevel=2,\n",
+        "            UserWarning,\n            stacklevel=outside_the_package(),\n        )\n\n    def _backward_ended",
+        "            UserWarning,\n            stacklevel=2,\n        )\n\n    def _backward_ended",
         "tests/test_parameters_nothing_lost.py::test_blocks_run_through_forward_are_warned_of_by_name",
     ),
     (
