@@ -414,11 +414,7 @@ def test_grad_cleared_by_hand_is_accumulation_to_the_cache_and_discard_gradients
                 for param in model.parameters() if skip != "keep" else ():
                     param.grad = None
                 continue
-            if manager is None:
-                optimizer.step()
-            else:
-                manager.step(optimizer)
-            optimizer.zero_grad()
+            step(model, optimizer, manager)
         return model
 
     assert_same_parameters(run("keep", cached=False), run("by hand", cached=True))
