@@ -235,3 +235,54 @@ def test_a_checkpoint_between_backward_and_a_clipped_step_keeps_the_encodes_norm
     (uninterrupted, expected), (resumed, norms) = run(None), run(2)
     assert norms == expected
     assert_same_parameters(uninterrupted, resumed)
+
+
+@pytest.mark.parametrize("scale_made", ["before the load", "after the load"])
+def test_a_checkpoint_after_an_overflowing_backward_loads_and_its_step_is_skipped(
+    scale_made: str,
+) -> None:
+    """Saved between an fp16 backward that overflowed and the clipped step its GradScaler
+    skips: the encodes' norms are inf or NaN, as the gradients are. The load refused them
+    as damage, and with the loaded scaler's scale made before the cache's load the resumed
+    step stepped the non-finite gradients (two probes). Now it skips, as uninterrupted."""
+
+    def build_run():
+        model = make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        manager = gradient_cache.create_gradient_cache(
+            model, compression_ratio=1, grad_scaler=scaler
+        )
+        return model, manager, torch.optim.AdamW(model.parameters(), lr=1e-2), scaler
+
+    def run(save_at: int | None) -> tuple[torch.nn.Module, list[float]]:
+        model, manager, optimizer, scaler = build_run()
+        scales = []
+        for index, (tokens, targets) in enumerate(batches(4)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_of(model, tokens, targets) * (float("inf") if index == 2 else 1.0)
+            scaler.scale(loss).backward()
+            if index == save_at:
+                saved = save_and_load(model, manager, optimizer)
+                saved["scaler"] = scaler.state_dict()
+                assert not all(n.isfinite() for n in saved["cache"]["pending_norms"].values())
+                manager.remove_hooks()
+                model, manager, optimizer, scaler = build_run()
+                model.load_state_dict(saved["model"])
+                optimizer.load_state_dict(saved["optimizer"])
+                scaler.load_state_dict(saved["scaler"])
+                # A loaded scaler makes its scale at its next scale(), as plain PyTorch's.
+                if scale_made == "before the load":
+                    scaler.scale(torch.zeros(()))
+                manager.load_state_dict(saved["cache"])
+                if scale_made == "after the load":
+                    scaler.scale(torch.zeros(()))
+            manager.step(optimizer, max_grad_norm=1.0)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            optimizer.zero_grad()
+        manager.remove_hooks()
+        return model, scales
+
+    (uninterrupted, expected), (resumed, scales) = run(None), run(2)
+    assert scales == expected and expected[2] < expected[1]  # the overflowed step skipped
+    assert_same_parameters(uninterrupted, resumed)

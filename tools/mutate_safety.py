@@ -2769,6 +2769,27 @@ MUTANTS = [
         '            "until the next backward ends."\n',
         "tests/test_parameters_nothing_lost.py -k dropped_forward_keeps",
     ),
+    (
+        "checkpoint: a loaded payload's non-finite flag",
+        "gradient_cache/engine/checkpoint.py",
+        "                torch.logical_or(found_inf, ~finite, out=found_inf)\n",
+        "                pass\n",
+        "tests/test_checkpoint.py::test_a_checkpoint_after_an_overflowing_backward_loads_and_its_step_is_skipped",
+    ),
+    (
+        "state check: an overflowed step's non-finite norms taken",
+        "gradient_cache/engine/state_check.py",
+        "            or bool(norm < 0)\n",
+        "            or not bool(torch.isfinite(norm) & (norm >= 0))\n",
+        "tests/test_checkpoint.py::test_a_checkpoint_after_an_overflowing_backward_loads_and_its_step_is_skipped",
+    ),
+    (
+        "state check: a norm below zero refused",
+        "gradient_cache/engine/state_check.py",
+        "            or bool(norm < 0)\n",
+        "            or False\n",
+        "tests/test_checkpoint_damage.py",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -123,6 +123,7 @@ def load(pipeline: Pipeline, state: Any) -> None:
     kept = state.get("kept_gradients", {})  # absent: saved before they were carried
     if state["buckets"] or kept:
         pipeline.resume(state["random_state_at_step_start"] if same_kind else None)
+    found_inf = None if pipeline.pending is None else pipeline.pending.found_inf
     for saved_bucket in state["buckets"]:
         # Stored as backward stores any encoded gradient: moved to the device where its
         # encode would have left them, then copied into their host slots.
@@ -132,6 +133,10 @@ def load(pipeline: Pipeline, state: Any) -> None:
                 Encoded(param, payload_from_state(item["payload"]).moved(to_device), None)
                 for param, item in zip(params, saved_bucket, strict=True)
             ]
+            for item in encoded if found_inf is not None else ():
+                # The flag their encodes raised (a loaded scaler's step skips on it).
+                finite = torch.isfinite(item.payload.kept_values()).all()
+                torch.logical_or(found_inf, ~finite, out=found_inf)
         pipeline.launching()  # stored as a launch stores a bucket
         pipeline.capture.store_encoded(encoded, [])
     norms = None if pipeline.pending is None else pipeline.pending.norms

@@ -112,18 +112,19 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
 
 
 def _check_pending_norms(state: dict[str, Any], by_name: dict[str, Any]) -> None:
-    """Each saved norm a finite real number >= 0 on the CPU, of a parameter cached."""
+    """Each saved norm a real number >= 0 on the CPU, of a parameter cached: inf or NaN
+    where the gradients overflowed (a GradScaler's step to skip)."""
     for name, norm in _named_tensors(state.get("pending_norms", {}), "pending_norms", by_name):
         if (
             not isinstance(norm, torch.Tensor)
             or norm.device.type != "cpu"
             or norm.numel() != 1
             or norm.is_complex()
-            or not bool(torch.isfinite(norm) & (norm >= 0))
+            or bool(norm < 0)
         ):
             raise ValueError(
-                f"state['pending_norms'][{name!r}] is {_describe(norm)}; expected a finite "
-                "norm >= 0, a one-element CPU tensor."
+                f"state['pending_norms'][{name!r}] is {_describe(norm)}; expected a norm "
+                ">= 0 (inf or NaN after an overflow), a one-element CPU tensor."
             )
 
 
