@@ -310,7 +310,19 @@ class GradientCacheHookManager:
         self._watch.check_before_step()
         if max_norm is not None:
             self._refuse_a_clip_over_another_cache(optimizer)
-        return self._live_step().step(optimizer, max_norm=max_norm, norm_type=norm, hooks=True)
+        total = self._live_step().step(optimizer, max_norm=max_norm, norm_type=norm, hooks=True)
+        self._mark_what_it_passed_over(optimizer)
+        return total
+
+    def _mark_what_it_passed_over(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients of ``optimizer``'s parameters another cache holds stay there for its own
+        ``step(optimizer)``; plain's ``optimizer.step()`` would have stepped them, so a
+        ``zero_grad()`` dropping them first is refused (`ManagerReads.zeroed`)."""
+        params = {p for group in optimizer.param_groups for p in group["params"]}
+        for step in _steps_of(_attached):
+            pending = step.pipeline.pending
+            if step is not self._step and pending is not None:
+                pending.passed_over |= params & set(_held(step.pipeline))
 
     def _refuse_a_clip_over_another_cache(self, optimizer: torch.optim.Optimizer) -> None:
         """Where another cache holds gradients of ``optimizer``'s parameters too, each would clip
@@ -676,6 +688,7 @@ class ManagerReads:
         optimizers') drops them, as ``zero_grad()`` drops ``.grad``; one holding others' too keeps
         them all (it cannot drop a part of its step)."""
         zeroed: set[torch.Tensor] | None = None  # built once, where a step is pending
+        dropped: list[Pipeline] = []
         for pipeline in (step.pipeline for step in _steps_of(self._managers())):
             if not pipeline.step_pending:  # the common case: zero_grad() after the step
                 # Settle a known GradScaler skip here, outside a hook: the forward's check misses
@@ -684,17 +697,40 @@ class ManagerReads:
                 continue
             if _awaits_its_retry(pipeline):
                 continue
-            held = [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]
+            held = _held(pipeline)
             zeroed = set(parameters()) if zeroed is None else zeroed
             if held and pipeline.pending and set(held) <= pipeline.pending.zeroed_since(zeroed):
-                with pipeline.capture.lock:  # not beside a failed backward's last hook
-                    pipeline.discard()
+                _refuse_to_drop_what_a_step_passed_over(pipeline, pipeline.pending.passed_over)
+                dropped.append(pipeline)
+        for pipeline in dropped:  # none until none is refused
+            with pipeline.capture.lock:  # not beside a failed backward's last hook
+                pipeline.discard()
 
     def _caching(self, parameters: list[torch.Tensor] | None) -> list[OptimizerStep]:
         """The steps caching any of ``parameters`` (None: every one)."""
         return [
             s for s in _steps_of(self._managers()) if parameters is None or s.caches(parameters)
         ]
+
+
+def _held(pipeline: Pipeline) -> list[torch.nn.Parameter]:
+    """The parameters whose gradients ``pipeline`` holds now."""
+    return [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]
+
+
+def _refuse_to_drop_what_a_step_passed_over(
+    pipeline: Pipeline, passed_over: set[torch.Tensor]
+) -> None:
+    if passed_over:
+        names = [pipeline.records[p].name for p in pipeline.records if p in passed_over]
+        raise RuntimeError(
+            f"zero_grad() would drop the gradients this cache holds of {len(names)} "
+            f"parameters ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) whose "
+            "optimizer stepped through another cache's step(optimizer), which steps only the "
+            "gradients that cache holds; plain optimizer.step() would have stepped these too. "
+            "Call this cache's step(optimizer) as well before zero_grad(), or create one "
+            "cache over a torch.nn.ModuleDict of the models."
+        )
 
 
 # Every manager constructed, held weakly; the attached ones answer the gradient readers

@@ -665,3 +665,44 @@ def test_one_optimizer_over_two_caches_clips_by_the_global_norm_or_is_refused() 
     ]
     with pytest.raises(RuntimeError, match=r"2 gradient caches hold .*torch\.nn\.ModuleDict"):
         train(encoder, decoder, caches)
+
+
+@pytest.mark.parametrize("state_on_host", [False, True], ids=["state-on-device", "state-on-host"])
+def test_one_optimizer_over_two_caches_steps_through_each_or_refuses_to_drop_the_rest(
+    state_on_host: bool,
+) -> None:
+    """One optimizer over two models, a cache each: stepping it through one cache left the
+    other's gradients there, and zero_grad() dropped them, so that model never trained,
+    without a word (a probe). That zero_grad() is refused now, dropping nothing; stepping
+    it through both caches trains as plain PyTorch's one optimizer.step()."""
+
+    def models() -> tuple[torch.nn.Module, torch.nn.Module]:
+        torch.manual_seed(0)
+        return torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def train(encoder, head, caches, *, steps: int = 3) -> torch.optim.Optimizer:
+        optimizer = torch.optim.AdamW([*encoder.parameters(), *head.parameters()], lr=1e-2)
+        for x in torch.randn(steps, 4, 8, generator=torch.Generator().manual_seed(1)):
+            head(encoder(x)).square().mean().backward()
+            if not caches:
+                optimizer.step()
+            for cache in caches:
+                cache.step(optimizer)
+            optimizer.zero_grad()
+        return optimizer
+
+    options = {"compression_ratio": 1, "offload_optimizer_state": state_on_host}
+    plain = models()
+    train(*plain, [])
+    cached = models()
+    caches = [gradient_cache.create_gradient_cache(m, **options) for m in cached]
+    train(*cached, caches)
+    for a, b in zip(plain, cached, strict=True):
+        assert_same_parameters(a, b)
+    encoder, head = cached
+    before = [p.detach().clone() for p in head.parameters()]
+    with pytest.raises(RuntimeError, match=r"would drop .* 2 parameters \(weight, bias\)"):
+        train(encoder, head, caches[:1], steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, head.parameters(), strict=True))
+    caches[1].step(torch.optim.SGD(head.parameters(), lr=1.0))  # they are still there
+    assert not any(torch.equal(a, b) for a, b in zip(before, head.parameters(), strict=True))

@@ -2790,6 +2790,20 @@ MUTANTS = [
         "            or False\n",
         "tests/test_checkpoint_damage.py",
     ),
+    (
+        "two caches, one optimizer: a zero_grad() dropping what a step passed over refused",
+        "gradient_cache/manager.py",
+        "                _refuse_to_drop_what_a_step_passed_over(pipeline, pipeline.pending.passed_over)\n",
+        "",
+        "tests/test_api.py::test_one_optimizer_over_two_caches_steps_through_each_or_refuses_to_drop_the_rest",
+    ),
+    (
+        "two caches, one optimizer: the other cache's gradients marked passed over",
+        "gradient_cache/manager.py",
+        "                pending.passed_over |= params & set(_held(step.pipeline))\n",
+        "                pass\n",
+        "tests/test_api.py::test_one_optimizer_over_two_caches_steps_through_each_or_refuses_to_drop_the_rest",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -88,6 +88,9 @@ class PendingStep:
     # and the backwards they came after.
     zeroed: set[torch.Tensor] = field(default_factory=set)
     zeroed_after: frozenset[int] = frozenset()
+    # Its parameters whose optimizer another cache's fused step stepped, passing over the
+    # gradients held here (one optimizer over two models, a cache each): not to be dropped.
+    passed_over: set[torch.Tensor] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         _PENDING.add(self)
