@@ -2772,8 +2772,8 @@ MUTANTS = [
     (
         "checkpoint: a loaded payload's non-finite flag",
         "gradient_cache/engine/checkpoint.py",
-        "                torch.logical_or(found_inf, ~finite, out=found_inf)\n",
-        "                pass\n",
+        "                    torch.logical_or(found_inf, ~finite, out=found_inf)\n",
+        "                    pass\n",
         "tests/test_checkpoint.py::test_a_checkpoint_after_an_overflowing_backward_loads_and_its_step_is_skipped",
     ),
     (

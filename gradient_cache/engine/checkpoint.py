@@ -133,10 +133,10 @@ def load(pipeline: Pipeline, state: Any) -> None:
                 Encoded(param, payload_from_state(item["payload"]).moved(to_device), None)
                 for param, item in zip(params, saved_bucket, strict=True)
             ]
-            for item in encoded if found_inf is not None else ():
-                # The flag their encodes raised (a loaded scaler's step skips on it).
-                finite = torch.isfinite(item.payload.kept_values()).all()
-                torch.logical_or(found_inf, ~finite, out=found_inf)
+            if found_inf is not None:  # the flag their encodes raised (a scaler skips on it)
+                for item in encoded:
+                    finite = torch.isfinite(item.payload.kept_values()).all()
+                    torch.logical_or(found_inf, ~finite, out=found_inf)
         pipeline.launching()  # stored as a launch stores a bucket
         pipeline.capture.store_encoded(encoded, [])
     norms = None if pipeline.pending is None else pipeline.pending.norms
