@@ -167,7 +167,11 @@ def _restore(reader: Callable[..., Any], parameters: list[torch.Tensor] | None) 
 
 def _answers(parameters: list[torch.Tensor]) -> ClipAnswers | None:
     reads = current_reads()
-    return None if reads is None else reads.cache_for(parameters)
+    if reads is None or len(set(parameters)) < len(parameters):
+        # torch counts a parameter listed twice twice in the norm and clips it twice: its
+        # own function, over the gradients restored, does exactly that.
+        return None
+    return reads.cache_for(parameters)
 
 
 def _clip_grad_value(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -252,6 +252,42 @@ def test_a_post_accumulate_grad_hook_sees_the_gradient_where_registered_before()
     manager.remove_hooks()
 
 
+def test_a_scaling_post_accumulate_grad_hook_scales_each_micro_batch_once() -> None:
+    """As training-loop.md says: registered before the cache, a hook scaling ``.grad`` in
+    place gives plain's gradient with one backward, but under accumulation plain's scales
+    the running sum again ((g1·s + g2)·s) and the cache's each micro-batch once."""
+
+    def gradients(micro_batches: int, cached: bool) -> list[torch.Tensor]:
+        def halve(param: torch.Tensor) -> None:
+            param.grad.mul_(0.5)
+
+        model = make_model()
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(halve)
+        manager = (
+            gradient_cache.create_gradient_cache(model, compression_ratio=1) if cached else None
+        )
+        for tokens, targets in batches(micro_batches):
+            loss_of(model, tokens, targets).backward()
+        if manager is not None:
+            manager.apply_gradients()
+            manager.remove_hooks()
+        return [p.grad for p in model.parameters()]
+
+    def alone(index: int) -> list[torch.Tensor]:  # micro-batch ``index``'s gradient, unhooked
+        model = make_model()
+        loss_of(model, *batches(2)[index]).backward()
+        return [p.grad for p in model.parameters()]
+
+    assert all(map(torch.equal, gradients(1, cached=True), gradients(1, cached=False)))
+    first, second = alone(0), alone(1)
+    for cached, plain, g1, g2 in zip(
+        gradients(2, cached=True), gradients(2, cached=False), first, second, strict=True
+    ):
+        assert torch.equal(cached, g1 * 0.5 + g2 * 0.5)
+        assert torch.equal(plain, (g1 * 0.5 + g2) * 0.5)
+
+
 def test_a_plain_optimizer_step_over_cached_gradients_is_refused_before_it_steps() -> None:
     """``optimizer.step()`` where ``hook_manager.step(optimizer)`` belongs: the gradients
     are the cache's, not in ``.grad``, so it would step nothing, silently. Refused before

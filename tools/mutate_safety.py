@@ -2804,6 +2804,13 @@ MUTANTS = [
         "                pass\n",
         "tests/test_api.py::test_one_optimizer_over_two_caches_steps_through_each_or_refuses_to_drop_the_rest",
     ),
+    (
+        "clip readers: a parameter listed twice goes to torch's own function",
+        "gradient_cache/gradient_readers.py",
+        "    if reads is None or len(set(parameters)) < len(parameters):\n",
+        "    if reads is None:\n",
+        "tests/test_custom_loop_readers.py::test_a_parameter_listed_twice_is_counted_and_clipped_twice_as_torch_does",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
