@@ -517,7 +517,9 @@ class GradientCacheHookManager:
     def remove_hooks(self, *, abandon_an_awaited_backward: bool = False) -> None:
         """Put any cached gradients back into ``param.grad`` and detach from the model.
 
-        The manager cannot be used afterwards; calling this twice is harmless. With
+        The manager cannot be used afterwards; calling this twice is harmless. If the device
+        has no room for the gradients it raises ``torch.OutOfMemoryError``, still attached
+        with the rest cached: call it again once memory is free. With
         ``offload_parameters=True`` it raises, changing nothing, between a forward and its backward
         (which would read weights the close moves); ``abandon_an_awaited_backward=True`` closes
         anyway (the integrations at their end, a with-block left on an exception).
@@ -528,15 +530,30 @@ class GradientCacheHookManager:
             # If they cannot be, nothing is detached yet.
             self._weights.close(refuse_an_awaited_backward=not abandon_an_awaited_backward)
             self._weights = None
-        pipeline, self._step = self._step.pipeline, None
-        self._watch.remove()
-        if not _steps_of(_attached):  # the readers' originals return (unless an integration runs)
-            gradient_readers.fall_back_to(None)
+        pipeline = self._step.pipeline
         try:
             pipeline.drain()
             pipeline.restore(list(pipeline.store))
-        finally:
-            pipeline.close()
+        except torch.OutOfMemoryError as error:  # still attached, the rest cached: retried
+            error.add_note(
+                f"remove_hooks() could not put every cached gradient back in .grad on the "
+                f"device: {len(pipeline.store)} stay cached and the cache stays attached, so "
+                "none is lost. Free device memory and call remove_hooks() again "
+                "(gradient_cache.manager_of(model) finds the cache), or drop them first with "
+                "discard_gradients()."
+            )
+            raise
+        except BaseException:
+            self._detach(pipeline)
+            raise
+        self._detach(pipeline)
+
+    def _detach(self, pipeline: Pipeline) -> None:
+        self._step = None
+        self._watch.remove()
+        if not _steps_of(_attached):  # the readers' originals return (unless an integration runs)
+            gradient_readers.fall_back_to(None)
+        pipeline.close()
 
     def __enter__(self) -> GradientCacheHookManager:
         return self

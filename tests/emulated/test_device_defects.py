@@ -17,6 +17,7 @@ from test_parameters_offload import STREAMED, adamw_two_groups, gpt
 from test_parameters_offload import batches_on as on
 
 import gradient_cache
+from gradient_cache.testing import emulated_device
 
 
 def same(plain: torch.nn.Module, cached: torch.nn.Module) -> None:
@@ -371,3 +372,43 @@ def test_a_block_weights_host_gradient_is_refused_before_autograd_accumulates_it
     assert "cpu" not in seen
     manager.discard_gradients()
     manager.remove_hooks()
+
+
+def test_a_close_out_of_memory_keeps_the_rest_cached_for_a_second_close(device) -> None:
+    """A with-block left on the fused step's OutOfMemoryError closes the cache, whose
+    restore of what was left ran out of memory too: those gradients were lost, neither
+    stepped nor in .grad (a probe: 12 of 16). Now that close raises with them still
+    cached; with memory freed, remove_hooks() puts them all in .grad, and a plain
+    optimizer.step() ends the step as plain PyTorch's."""
+
+    def model() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8))).to(device)
+
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 256, generator=generator).to(device) for _ in range(2)]
+    plain = model()
+    # SGD allocates nothing in its step: the restores are what runs out of memory.
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for x in data:
+        plain(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    cached = model()
+    optimizer = torch.optim.SGD(cached.parameters(), lr=0.1)
+    manager = gradient_cache.create_gradient_cache(cached, compression_ratio=1, bucket_size_mb=0.25)
+    cached(data[0]).square().mean().backward()
+    manager.step(optimizer)
+    optimizer.zero_grad()
+    cached(data[1]).square().mean().backward()
+    # Less free than one bucket: the fused step's restore fails, then the close's.
+    emulated_device(capacity_bytes=torch.accelerator.memory_allocated() + 200_000)
+    with pytest.raises(torch.OutOfMemoryError) as raised, manager:
+        manager.step(optimizer)
+    assert "stay cached and the cache stays attached" in "".join(raised.value.__notes__)
+    emulated_device()
+    manager.remove_hooks()
+    optimizer.step()
+    for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
+        assert torch.equal(a, b)
