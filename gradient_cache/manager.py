@@ -535,14 +535,13 @@ class GradientCacheHookManager:
             pipeline.drain()
             pipeline.restore(list(pipeline.store))
         except torch.OutOfMemoryError as error:  # still attached, the rest cached: retried
-            error.add_note(
+            raise torch.OutOfMemoryError(
                 f"remove_hooks() could not put every cached gradient back in .grad on the "
-                f"device: {len(pipeline.store)} stay cached and the cache stays attached, so "
-                "none is lost. Free device memory and call remove_hooks() again "
+                f"device ({error}): {len(pipeline.store)} stay cached and the cache stays "
+                "attached, so none is lost. Free device memory and call remove_hooks() again "
                 "(gradient_cache.manager_of(model) finds the cache), or drop them first with "
                 "discard_gradients()."
-            )
-            raise
+            ) from error
         except BaseException:
             self._detach(pipeline)
             raise
