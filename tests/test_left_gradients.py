@@ -125,3 +125,34 @@ def test_keeping_what_a_step_left_adds_to_it_as_plain_without_zero_grad() -> Non
     run(plain)
     run(cached, gradient_cache.create_gradient_cache(cached, **LOSSLESS))
     assert_same_parameters(plain, cached)
+
+
+@pytest.mark.parametrize("fix", ["keep_gradients", "discard_gradients"])
+def test_the_refused_backward_leaves_nothing_so_its_fix_then_the_backward_is_plain(fix) -> None:
+    """The refused backward's first gradient was already accumulated into ``.grad`` when
+    the cache's hook refused it, and stayed there: the fix the refusal names, then the
+    backward again, counted it twice (a probe). The refusal now takes it out of ``.grad``."""
+
+    def run(model, manager=None) -> list[torch.Tensor]:
+        optimizer = torch.optim.SGD(model.mlp.parameters(), lr=0.1)  # over a part only
+        first, second = batches(2)
+        loss_of(model, *first).backward()
+        manager.step(optimizer) if manager else optimizer.step()
+        optimizer.zero_grad()  # the mlp's; the rest's gradients stay
+        if manager is None:
+            if fix == "discard_gradients":
+                model.zero_grad()
+        else:
+            with pytest.raises(RuntimeError, match="keep_gradients"):
+                loss_of(model, *second).backward()
+            getattr(manager, fix)()
+        loss_of(model, *second).backward()
+        if manager is not None:
+            manager.apply_gradients()
+        return [p.grad for p in model.parameters()]
+
+    plain, cached = make_model(), make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS)
+    for a, b in zip(run(plain), run(cached, manager), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    manager.remove_hooks()

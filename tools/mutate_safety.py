@@ -2818,6 +2818,13 @@ MUTANTS = [
         "        except ImportError as error:\n",
         "tests/emulated/test_device_defects.py::test_a_close_out_of_memory_keeps_the_rest_cached_for_a_second_close",
     ),
+    (
+        "left gradients: the refused backward's part taken out of .grad",
+        "gradient_cache/engine/capture.py",
+        "    param.grad = None\n    raise RuntimeError(\n",
+        "    raise RuntimeError(\n",
+        "tests/test_left_gradients.py::test_the_refused_backward_leaves_nothing_so_its_fix_then_the_backward_is_plain",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -61,9 +61,9 @@ class Capture:
             return
         pending = pipeline.pending
         if pending is not None and pending.siblings_taken and not pipeline.interrupted:
-            # Before the cache takes anything: a refusal leaves autograd's accumulation in
-            # .grad, as a raising backward does.
-            _refuse_adding_to_left_gradients(pipeline, pending)
+            # Before the cache takes anything. The refused backward's part leaves .grad
+            # (the cache held the rest): its fix, then the backward again, counts it once.
+            _refuse_adding_to_left_gradients(pipeline, pending, param)
         if pipeline.deferred_clip is not None:
             # A backward after a clip answered from the cache: plain PyTorch adds to the
             # clipped gradients, so they come back clipped first (a restore, once).
@@ -190,7 +190,9 @@ class Capture:
         return GradientAt.IN_FLIGHT if state is BucketState.LANDING else GradientAt.STORED
 
 
-def _refuse_adding_to_left_gradients(pipeline: Pipeline, pending: PendingStep) -> None:
+def _refuse_adding_to_left_gradients(
+    pipeline: Pipeline, pending: PendingStep, param: Param
+) -> None:
     """Refuse a backward adding to gradients a step left cached beside those it took
     (`PendingStep.siblings_taken`): plain PyTorch leaves them in ``.grad``, where a
     ``zero_grad()`` the cache cannot see may have cleared them."""
@@ -198,6 +200,7 @@ def _refuse_adding_to_left_gradients(pipeline: Pipeline, pending: PendingStep) -
     if not names:
         pending.siblings_taken = False  # nothing was left
         return
+    param.grad = None
     raise RuntimeError(
         f"A backward began while the gradient cache holds gradients of {len(names)} "
         f"parameters ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) that an "
