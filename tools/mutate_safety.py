@@ -2825,6 +2825,20 @@ MUTANTS = [
         "    raise RuntimeError(\n",
         "tests/test_left_gradients.py::test_the_refused_backward_leaves_nothing_so_its_fix_then_the_backward_is_plain",
     ),
+    (
+        "decorator: the last call's cache state loaded by the next call's",
+        "gradient_cache/integrations/decorator.py",
+        "        state = self._carried.pop(module, None)\n",
+        "        state = None\n",
+        "tests/test_decorator.py::test_an_epoch_function_called_again_trains_as_one_long_lived_cache",
+    ),
+    (
+        "decorator: a call's cache state kept at its return",
+        "gradient_cache/integrations/decorator.py",
+        "                    self._carried[root] = manager.state_dict()\n",
+        "                    pass\n",
+        "tests/test_decorator.py::test_an_epoch_function_called_again_trains_as_one_long_lived_cache",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -8,7 +8,8 @@ While the decorated function runs, two process-wide PyTorch hooks are in place:
   stepped a bucket at a time), and ``clip_grad_norm_`` is answered from the cache.
 
 When the function returns or raises, both hooks are removed and every manager is
-detached, which puts any gradient still cached back into ``param.grad``.
+detached, which puts any gradient still cached back into ``param.grad``; each model's cache
+state passes to the next call's manager for it (an epoch function called once an epoch).
 """
 
 from __future__ import annotations
@@ -146,11 +147,16 @@ class GradientCacheDecorator:
                 "are already gone. Decorate the function that runs the training loop."
             )
         settings = self.settings
+        # Each model's cache state (residuals, step count, generators) from one call to the
+        # next: an epoch function called per epoch trains as one long-lived cache.
+        carried: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]] = (
+            weakref.WeakKeyDictionary()
+        )
 
         # functools.wraps sets __wrapped__, through which Metaflow reads the step's source.
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            session = _Session(settings, func.__qualname__)
+            session = _Session(settings, func.__qualname__, carried)
             try:
                 with session:
                     return func(*args, **kwargs)
@@ -197,9 +203,15 @@ def manager_of(model: torch.nn.Module) -> GradientCacheHookManager:
 class _Session:
     """One call of a decorated function: its global hooks, root models and managers."""
 
-    def __init__(self, settings: CacheOptions, name: str) -> None:
+    def __init__(
+        self,
+        settings: CacheOptions,
+        name: str,
+        carried: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Any]],
+    ) -> None:
         self.settings = settings
         self.name = name
+        self._carried = carried  # the decorated function's: each root's state at its last return
         self.managers: dict[torch.nn.Module, GradientCacheHookManager] = {}
         self.summaries: list[dict[str, Any]] = []
         # Every module already handled (cached, skipped, or inside one of those). Weak,
@@ -242,6 +254,10 @@ class _Session:
                 {"model": type(root).__name__, **manager.get_compression_summary()}
                 for root, manager in self.managers.items()
             ]
+            for root, manager in self.managers.items():
+                engine = manager.engine
+                if engine is not None and not engine.step_pending:  # else its close restores
+                    self._carried[root] = manager.state_dict()
         finally:
             try:
                 self._detach_all()
@@ -326,7 +342,21 @@ class _Session:
                 "the whole budget's room. Drop memory_budget, or decorate a function that "
                 "trains one model."
             )
-        self.managers[module] = self.settings.create_manager(module, exclude_layers=patterns)
+        self.managers[module] = manager = self.settings.create_manager(
+            module, exclude_layers=patterns
+        )
+        state = self._carried.pop(module, None)
+        if state is not None:
+            try:
+                manager.load_state_dict(state)
+            except (ValueError, RuntimeError) as error:  # the model changed since (its message)
+                warnings.warn(
+                    f"{self.name}: {type(module).__name__}'s cache starts afresh in this call "
+                    f"(its error-feedback residuals and warm-up from the last call dropped): "
+                    f"{error}",
+                    UserWarning,
+                    stacklevel=3,
+                )
         if self.settings.verbose:
             logger.info(
                 "gradient-cache: caching %s (%d trainable parameters) in %s",
