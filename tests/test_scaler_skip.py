@@ -447,3 +447,30 @@ def test_a_forward_before_update_leaves_the_skip_to_be_learnt_after_it() -> None
         return model
 
     assert_same_parameters(run(with_bad_batch=True), run(with_bad_batch=False))
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "not-kept"])
+def test_a_skipped_step_keeps_the_residual_only_with_the_previous_one_kept(keep: bool) -> None:
+    """As options.md says: a step the scaler skips brings back the residual it replaced,
+    which ``keep_previous_residual=False`` does not keep, so there the residual restarts
+    from zero and what it held back is lost (a probe). Fixed gradients: (p * G).sum()."""
+    torch.manual_seed(0)
+    gradients = [torch.randn(5000) for _ in range(3)]
+    model = torch.nn.Module()
+    model.p = torch.nn.Parameter(torch.zeros(5000))
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    codec = gradient_cache.TopK(residual_dtype="float32", keep_previous_residual=keep)
+    manager = gradient_cache.create_gradient_cache(
+        model, codec=codec, compression_ratio=50, min_compress_numel=1, grad_scaler=scaler
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    for gradient, factor in zip(gradients, (1.0, float("inf"), 1.0), strict=True):
+        scaler.scale((model.p * gradient).sum() * factor).backward()
+        manager.step(optimizer)  # the second, overflowed, skipped
+        scaler.update()
+        optimizer.zero_grad()
+    residual = manager.state_dict()["residuals"]["p"].double()
+    applied = -model.p.detach().double()
+    gap = (applied + residual - (gradients[0] + gradients[2]).double()).abs().max().item()
+    assert (gap < 1e-5) is keep  # kept: every gradient not skipped is applied or held back
+    manager.remove_hooks()
