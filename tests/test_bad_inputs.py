@@ -207,6 +207,10 @@ CASES = [
      "create_gradient_cache(torch.nn.Sequential(model(), model()), offload_optimizer_state=True, "
      "offload_parameters=True, parameter_blocks='layers')", ValueError,
      "parameter_blocks='layers' names no module of Sequential"),
+    ("one block repeated at every depth (ALBERT)",
+     "b = model(); m = torch.nn.Sequential(b, b, b); "
+     "create_gradient_cache(m, offload_optimizer_state=True, offload_parameters=True)",
+     ValueError, "Here Sequential holds one module 3 times"),
     ("the weights with exclude_layers",
      "create_gradient_cache(torch.nn.Sequential(model(), model()), exclude_layers=['0.'], "
      "offload_optimizer_state=True, offload_parameters=True)", ValueError,

@@ -41,6 +41,7 @@ def find_blocks(model: torch.nn.Module, *, name: str | None = None) -> list[torc
             "(Under @gradient_cache.optimize the model is the outermost module called: a "
             "loop calling model.forward(x), or a submodule on its own, makes that submodule "
             "the model; call model(x), or gradient_cache.manager_of(model) first.)"
+            + _one_module_repeated(model)
         )
     # A container most of whose bytes are one child container of blocks wraps that list
     # (nn.Sequential(embed, nn.Sequential(*blocks), head)): its children are not blocks.
@@ -87,8 +88,23 @@ def _named_blocks(model: torch.nn.Module, name: str) -> list[torch.nn.Module]:
             f"parameter_blocks={name!r} names a {type(container).__name__} with "
             f"{len(blocks)} child module(s) holding parameters; the weights stream a "
             "block at a time, so it must hold the model's repeated blocks (two or more)."
+            + _one_module_repeated(container, name)
         )
     return blocks
+
+
+def _one_module_repeated(model: torch.nn.Module, prefix: str = "") -> str:
+    """What to do where a list holds one module several times (ALBERT), else nothing."""
+    for name, module in model.named_modules(prefix=prefix):
+        if isinstance(module, CONTAINERS) and len({id(m) for m in module}) < len(module) > 1:
+            where = repr(name) if name else type(module).__name__
+            return (
+                f" Here {where} holds one module {len(module)} times: one set of weights at "
+                "every depth (as ALBERT's), which the device holds whole, so there is no "
+                "block to stream. Create the cache without offload_parameters "
+                "(offload_optimizer_state=True still puts the optimizer state on the host)."
+            )
+    return ""
 
 
 def _holding(container: torch.nn.Module) -> list[torch.nn.Module]:
