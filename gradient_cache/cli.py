@@ -284,8 +284,22 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         default=None,
         help="with --params: the largest tensor's entries (default 1%% of the count)",
     )
-    plan.add_argument("--param-bytes", type=int, choices=(2, 4), default=4)
-    plan.add_argument("--grad-bytes", type=int, choices=(2, 4), default=4)
+    plan.add_argument(
+        "--param-bytes",
+        type=int,
+        choices=(2, 4),
+        default=4,
+        help="bytes an entry of every parameter: 4 fp32, 2 bf16 or fp16 (default 4); a "
+        "--model's own dtype is not read: for a bf16 model give 2 here and to --grad-bytes",
+    )
+    plan.add_argument(
+        "--grad-bytes",
+        type=int,
+        choices=(2, 4),
+        default=4,
+        help="bytes an entry of every gradient, which has its parameter's dtype (default 4; "
+        "not read from a --model either)",
+    )
     plan.add_argument(
         "--compute-dtype",
         choices=("fp32", "bf16"),
@@ -304,7 +318,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     plan.add_argument("--micro-batches", type=_positive_int, default=1)
     plan.add_argument(
         "--bucket-size-mb",
-        type=float,
+        type=_positive_float,
         default=None,
         help="dense gradient MiB per bucket (default: sized from the model, as the cache "
         "sizes it: an eighth of the gradients, 64 KiB to 4 MiB)",
@@ -321,7 +335,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     plan.add_argument("--tokens", type=_positive_int, default=None, help="tokens per step")
     plan.add_argument(
         "--tflops",
-        type=float,
+        type=_positive_float,
         default=DEFAULT_FLOPS / 1e12,
         help=f"the device's achieved TFLOP/s (default {DEFAULT_FLOPS / 1e12:.0f}: an H200 "
         "at 40%% of its dense bf16 peak)",
@@ -337,7 +351,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
     )
     plan.add_argument(
         "--activations-mib",
-        type=float,
+        type=_non_negative_float,
         default=0.0,
         help="with --memory-budget: the activations at the end of backward, MiB (default 0: "
         "measure them, or the budget keeps too much)",
@@ -474,10 +488,17 @@ def _plan_model(
         model = model_of_factory(args.model)
     except (ImportError, AttributeError, ValueError, TypeError) as error:
         parser.error(f"argument --model: {error}")
+    tensors = trainable_sizes(model)
+    if not tensors:
+        parser.error(
+            f"argument --model: {args.model!r} built a {type(model).__name__} with no "
+            "trainable parameters (none has requires_grad=True), so there are no gradients "
+            "to plan for; give a model that trains, or a count with --params"
+        )
     if not args.offload_parameters:
-        return trainable_sizes(model), None
+        return tensors, None
     try:
-        return trainable_sizes(model), weight_layout(model, name=args.parameter_blocks)
+        return tensors, weight_layout(model, name=args.parameter_blocks)
     except ValueError as error:
         option = "--model" if args.parameter_blocks is None else "--parameter-blocks"
         parser.error(f"argument {option}: {error}")
@@ -556,6 +577,13 @@ def _positive_float(text: str) -> float:
     value = _number(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _number(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
     return value
 
 

@@ -246,8 +246,31 @@ def test_plan_help_documents_every_input(capsys: pytest.CaptureFixture[str]) -> 
             "--parameter-blocks",
         ),
         (
-            ["--model", "torch.nn:Identity", "--offload-parameters"],
+            ["--model", "torch.nn:PReLU", "--offload-parameters"],
             "argument --model: offload_parameters=True found no blocks",
+        ),
+        (
+            ["--model", "torch.nn:Identity"],
+            "argument --model: 'torch.nn:Identity' built a Identity with no trainable parameters",
+        ),
+        (
+            ["--model", "torch.nn:Identity", "--offload-parameters"],
+            "with no trainable parameters",
+        ),
+        (
+            ["--params", "10", "--tokens", "100", "--tflops", "0"],
+            "argument --tflops: '0' is not a finite number > 0",
+        ),
+        (["--params", "10", "--tflops", "-1"], "argument --tflops: '-1' is not a finite number"),
+        (["--params", "10", "--tflops", "nan"], "argument --tflops: 'nan' is not a finite number"),
+        (
+            ["--params", "10", "--bucket-size-mb", "0"],
+            "argument --bucket-size-mb: '0' is not a finite number > 0",
+        ),
+        (["--params", "10", "--bucket-size-mb", "nan"], "argument --bucket-size-mb: 'nan'"),
+        (
+            ["--params", "10", "--memory-budget", "1GiB", "--activations-mib", "-100"],
+            "argument --activations-mib: '-100' is not a finite number >= 0",
         ),
         (
             [*MEDIUM, "--offload-parameters", "--parameter-blocks", "transformer.h"],
@@ -271,6 +294,40 @@ def test_bad_plan_arguments_name_the_option(
         cli.main(["plan", *args])
     assert exit_info.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_plan_refuses_a_model_whose_parameters_are_all_frozen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It raised a bare ValueError of max() over no sizes."""
+    (tmp_path / "plan_frozen_factory.py").write_text(
+        "import torch\n\n\ndef frozen():\n    return torch.nn.Linear(4, 4).requires_grad_(False)\n"
+    )
+    monkeypatch.chdir(tmp_path)  # the factory's module is found in the current folder
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--model", "plan_frozen_factory:frozen"])
+    assert exit_info.value.code == 2
+    assert (
+        "argument --model: 'plan_frozen_factory:frozen' built a Linear with no trainable "
+        "parameters" in capsys.readouterr().err
+    )
+
+
+def test_plan_help_says_a_models_dtype_is_not_read(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "a --model's own dtype is not read: for a bf16 model give 2 here" in help_text
+
+
+def test_a_budget_with_nothing_to_keep_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """SGD keeps no state and top-k's gradients keep their residual: no candidate. It read
+    "kept on the device  (0.0 MiB)"."""
+    args = ["plan", "--params", "100000000", "--optimizer", "sgd", "--codec", "topk"]
+    assert cli.main([*args, "--ratio", "10", "--memory-budget", "10GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "kept on the device nothing: it keeps no gradient compressed with error" in out
+    assert "0.0 MiB cross the link a step" in out
 
 
 def test_plan_shows_what_a_memory_budget_keeps(capsys: pytest.CaptureFixture[str]) -> None:

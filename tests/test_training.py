@@ -689,3 +689,37 @@ def test_a_clip_over_complex_and_real_gradients_is_plain_pytorchs() -> None:
         for optimizer in optimizers:
             optimizer.zero_grad()
     assert_same_parameters(plain, cached)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(codec="int8"),
+        dict(codec="q4"),
+        dict(codec="sign"),
+        dict(codec="topk", compression_ratio=10, min_compress_numel=128),
+        dict(compression_ratio=3),
+        dict(compression_ratio=100),
+    ],
+    ids=["int8", "q4", "sign", "topk", "ladder-3", "ladder-100"],
+)
+def test_complex_gradients_travel_lossless_whatever_the_codec(options: dict) -> None:
+    """The codecs code real entries: int8, q4 and sign dropped a complex gradient's imaginary
+    part (its weights' imaginary parts never moved), top-k raised inside backward. Only the
+    complex weights are cached here: they train as plain PyTorch's, bit for bit."""
+    plain, cached = ComplexWeights(), ComplexWeights()
+    manager = gradient_cache.create_gradient_cache(
+        cached, exclude_layers=["first", "last"], **options
+    )
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (plain, cached)]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(8, 16, generator=generator)
+        for model in (plain, cached):
+            model(x).pow(2).mean().backward()
+        optimizers[0].step()
+        manager.step(optimizers[1])
+        assert {layer.codec for layer in manager.summary().layers.values()} == {"lossless"}
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+    assert_same_parameters(plain, cached)

@@ -71,8 +71,8 @@ class TopK:
             magnitude / 127), about a quarter of fp32's value bytes (the indices stay).
             perf/RESULTS.md has what it costs in validation loss.
 
-    Tensors below ``EngineConfig.min_compress_numel`` (default 16384 for top-k) travel
-    whole and keep no residual.
+    Tensors below ``EngineConfig.min_compress_numel`` (default 16384 for top-k), and complex
+    ones, travel whole and keep no residual.
     """
 
     name: ClassVar[str] = "topk"

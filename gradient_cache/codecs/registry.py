@@ -220,6 +220,10 @@ class Codecs:
 
     def choose(self, numel: int, dtype: torch.dtype, *, min_numel: int | None) -> Codec:
         """The codec of a gradient of ``numel`` entries of ``dtype``."""
+        # The lossy codecs code real entries: their cast to real drops a complex gradient's
+        # imaginary part (the block codecs, int8), or top-k's error feedback fails on it.
+        if dtype.is_complex:
+            return self.lossless
         dense = numel * dtype.itemsize
         fitting = []
         for codec in self.candidates:

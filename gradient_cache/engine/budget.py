@@ -187,10 +187,15 @@ class BudgetDecision:
             if kind in kinds
         ]
         of = " of the weights (the gradients and the state as before)" if "weights" in kinds else ""
+        kept = f"{' and '.join(parts)} ({self.kept_bytes / MIB:.1f} MiB)"
+        if not parts:
+            kept = (
+                "nothing: it keeps no gradient compressed with error feedback (it would lose "
+                "its residual), and no optimizer state is on the host"
+            )
         return (
             f"measured peak {self.measured_peak / MIB:.1f} MiB with everything offloaded, "
-            f"budget {self.budget_bytes / MIB:.1f} MiB: kept on the device "
-            f"{' and '.join(parts)} ({self.kept_bytes / MIB:.1f} MiB); "
+            f"budget {self.budget_bytes / MIB:.1f} MiB: kept on the device {kept}; "
             f"{sum(c.link_bytes for c in self.offloaded) / MIB:.1f} MiB{of} cross the link a step"
         )
 
