@@ -1132,8 +1132,8 @@ MUTANTS = [
     (
         "budget: the decision waits for the second step after the warm-up",
         "gradient_cache/engine/budget.py",
-        "        self.measured_steps = warmup_steps + 2",
-        "        self.measured_steps = 2",
+        "        if pipeline.steps < max(self.warmup_steps, self.first_step) + 2:",
+        "        if pipeline.steps < self.first_step + 2:",
         "tests/test_memory_budget.py::test_the_decision_waits_for_the_second_step_after_the_warm_up",
     ),
     (
@@ -2582,9 +2582,16 @@ MUTANTS = [
     (
         "budget: measured through the second step after the warm-up",
         "gradient_cache/engine/budget.py",
-        "        self.measured_steps = warmup_steps + 2\n",
-        "        self.measured_steps = warmup_steps + 1\n",
+        "        if pipeline.steps < max(self.warmup_steps, self.first_step) + 2:\n",
+        "        if pipeline.steps < max(self.warmup_steps, self.first_step) + 1:\n",
         "tests/emulated/test_budget_on_device.py -k blocks_room",
+    ),
+    (
+        "budget: a resumed manager measures steps of its own, not up to the loaded count",
+        "gradient_cache/engine/budget.py",
+        "        if pipeline.steps < max(self.warmup_steps, self.first_step) + 2:\n",
+        "        if pipeline.steps < self.warmup_steps + 2:\n",
+        "tests/emulated/test_budget_on_device.py -k resumed",
     ),
     (
         "fsdp: the meshes refusal counts meshes, not parameters",

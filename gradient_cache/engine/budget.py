@@ -244,9 +244,10 @@ def decide(
 
 
 class BudgetWatch:
-    """A manager's budget: measures the steps up to the first after the warm-up, then keeps
-    on the device what fits. It keeps its own running maximum of its samples, so an outside
-    reset of the peak statistics (per-step logging) lowers no sample already taken."""
+    """A manager's budget: measures the steps through the second after the warm-up (a
+    resumed run: two of its own at least), then keeps on the device what fits. It keeps its
+    own running maximum of its samples, so an outside reset of the peak statistics
+    (per-step logging) lowers no sample already taken."""
 
     def __init__(
         self,
@@ -263,10 +264,10 @@ class BudgetWatch:
         self.memory = memory
         self.weights = weights
         self.decision: BudgetDecision | None = None
-        # Through the second step after the (lossless) warm-up: the first creates the
-        # optimizer's state in place, while later steps bring the next bucket's state
-        # ahead too (a higher peak: deciding on the first ran out of memory).
-        self.measured_steps = warmup_steps + 2
+        self.warmup_steps = warmup_steps
+        # The pipeline's step count at this watch's first restore: a resumed run's is the
+        # loaded one (deciding on it alone measured no optimizer step).
+        self.first_step: int | None = None
         self.peak = 0  # the running maximum of the samples
         if memory is None:
             self.note = (
@@ -276,7 +277,8 @@ class BudgetWatch:
             logger.info("gradient-cache: %s", self.note)
         else:
             self.note = (
-                f"memory_budget={budget.text!r}: measuring the first {self.measured_steps} steps"
+                f"memory_budget={budget.text!r}: measuring the steps through the second after "
+                "the warm-up (resumed: two of its own at least)"
             )
             memory.reset_peak()
 
@@ -296,7 +298,15 @@ class BudgetWatch:
         """After the measured steps (their state exists, the peak holds them): decide and
         keep what fits; raises before the step's restore if nothing can fit."""
         self.sample()
-        if self.memory is None or self.decision is not None or pipeline.steps < self.measured_steps:
+        if self.memory is None or self.decision is not None:
+            return
+        if self.first_step is None:
+            self.first_step = pipeline.steps
+        # Through the second step after the (lossless) warm-up, and the second of this
+        # watch's own: a first step creates the optimizer's state in place (a resumed run's
+        # new optimizer too), while later steps bring the next bucket's state ahead too (a
+        # higher peak: deciding on the first ran out of memory).
+        if pipeline.steps < max(self.warmup_steps, self.first_step) + 2:
             return
         usable = int(self.memory.total_bytes() * self.memory.process_fraction())
         decision = decide(

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 from helpers import batches, loss_of, make_model
 
 import gradient_cache
-from gradient_cache.engine.budget import AcceleratorMemory, device_memory_of
+from gradient_cache.engine.budget import AcceleratorMemory, BudgetDecision, device_memory_of
 from gradient_cache.testing import emulated_device
 
 MIB = 2**20
@@ -322,3 +323,97 @@ def test_a_budget_with_a_blocks_room_above_the_steady_peak_keeps_it_within_the_c
     assert max(peaks) <= max(offloaded) + block
     plain, _ = stack_run(torch.device("cpu"))
     assert_same_parameters(plain, budgeted)
+
+
+@pytest.mark.parametrize("state_loaded", [True, False], ids=["state loaded", "new optimizer"])
+def test_a_resumed_run_measures_two_steps_of_its_own_and_stays_within_the_budget(
+    device: torch.device, state_loaded: bool
+) -> None:
+    """Resumed from a checkpoint taken after the decision (its step count loaded), the
+    manager measures two steps of its own before deciding, as a fresh one does. It decided
+    at its first restore, from a peak without an optimizer step (AdamW's state comes to
+    the device a bucket at a time), kept more on the device and went over the budget (state
+    loaded: 0.62 MiB for 0.54). With a new optimizer the first of those steps creates the state, a
+    lower peak than the next: one step measured went over too (0.60 MiB). Now the
+    allocator's peak stays within the budget, a loaded state's run measures the
+    uninterrupted run's peak, and each run ends with plain PyTorch's bits."""
+    import io
+
+    gc.collect()  # an earlier test's garbage freed inside the measure would skew it
+    emulated_device(capacity_bytes=CAP)
+    generator = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(8, 16, generator=generator), torch.randn(8, 8, generator=generator))
+        for _ in range(8)
+    ]
+    data = [(x.to(device), y.to(device)) for x, y in data]
+    cut = 4  # steps before the checkpoint: the uninterrupted run decided at the third
+
+    def build(budget: str):
+        model = Stack().to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        manager = gradient_cache.create_gradient_cache(
+            model, memory_budget=budget, **(OPTIONS | {"bucket_size_mb": 0.02})
+        )
+        return model, optimizer, manager
+
+    def run(model, optimizer, manager, steps) -> None:
+        for x, y in steps:
+            for half in (slice(0, 4), slice(4, 8)):
+                (((model(x[half]) - y[half]) ** 2).mean() / 2).backward()
+            if manager is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                optimizer.step()
+            else:
+                manager.step(optimizer, max_grad_norm=CLIP)
+            optimizer.zero_grad()
+
+    plain = Stack().to(device)
+    run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), None, data)
+    # The steady peak with everything offloaded; above it, room for a little.
+    model, optimizer, manager = build("100%")
+    run(model, optimizer, manager, data[: DECIDING_STEP + 1])
+    steady = manager.optimizer_step.budget.decision.measured_peak
+    manager.remove_hooks()
+    del model, optimizer, manager
+    gc.collect()
+    budget = steady + sum(p.nbytes for p in plain.parameters()) // 4
+
+    def the_rest(model, optimizer, manager) -> tuple[int, BudgetDecision]:
+        """The last steps' allocator peak, and the decision."""
+        torch.accelerator.reset_peak_memory_stats()
+        run(model, optimizer, manager, data[cut:])
+        return torch.accelerator.max_memory_reserved(), manager.optimizer_step.budget.decision
+
+    model, optimizer, manager = build(f"{budget}B")
+    run(model, optimizer, manager, data[:cut])
+    buffer = io.BytesIO()
+    torch.save((model.state_dict(), optimizer.state_dict(), manager.state_dict()), buffer)
+    peak, uninterrupted = the_rest(model, optimizer, manager)
+    assert_same_parameters(plain, model)
+    assert uninterrupted.kept and uninterrupted.offloaded  # a budget that binds
+    assert peak <= budget
+    manager.remove_hooks()
+    del model, optimizer, manager
+    gc.collect()
+
+    buffer.seek(0)
+    model_state, optimizer_state, cache_state = torch.load(buffer, map_location="cpu")
+    model, optimizer, manager = build(f"{budget}B")
+    with torch.no_grad():  # a start of its own, which the checkpoint overwrites
+        for param in model.parameters():
+            param.normal_()
+    manager.offload_state_of(optimizer)
+    model.load_state_dict(model_state)
+    if state_loaded:
+        optimizer.load_state_dict(optimizer_state)
+    manager.load_state_dict(cache_state)
+    peak, resumed = the_rest(model, optimizer, manager)
+    assert peak <= budget, f"{peak / MIB:.3f} MiB for {budget / MIB:.3f}"
+    if state_loaded:  # the uninterrupted run's measure, and its bits
+        assert resumed.measured_peak == uninterrupted.measured_peak
+    else:  # plain's, resumed with a new optimizer too
+        plain = Stack().to(device)
+        plain.load_state_dict(model_state)
+        run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), None, data[cut:])
+    assert_same_parameters(plain, model)
