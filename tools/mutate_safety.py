@@ -1882,8 +1882,8 @@ MUTANTS = [
     (
         "shards: a close without room raises with the cache attached",
         "gradient_cache/manager.py",
-        "            self._weights.close(refuse_an_awaited_backward=not abandon_an_awaited_backward)\n            self._weights = None\n        pipeline, self._step = self._step.pipeline, None\n",
-        "            pipeline, self._step = self._step.pipeline, None\n            self._weights.close(refuse_an_awaited_backward=not abandon_an_awaited_backward)\n            self._weights = None\n        else:\n            pipeline, self._step = self._step.pipeline, None\n",
+        "            # If they cannot be, nothing is detached yet.\n            self._weights.close(",
+        "            self._detach(self._step.pipeline)\n            self._weights.close(",
         "tests/test_distributed.py::test_a_close_without_room_for_the_shards_keeps_the_cache",
     ),
     (
@@ -2386,8 +2386,8 @@ MUTANTS = [
     (
         "zero_grad: the discard waits for a gradient hook still running",
         "gradient_cache/manager.py",
-        "                with pipeline.capture.lock:  # not beside a failed backward's last hook\n                    pipeline.discard()\n",
-        "                pipeline.discard()\n",
+        "            with pipeline.capture.lock:  # not beside a failed backward's last hook\n                pipeline.discard()\n",
+        "            pipeline.discard()\n",
         "tests/test_api.py::test_a_zero_grads_discard_waits_for_a_gradient_hook_still_running",
     ),
     (
@@ -2845,6 +2845,13 @@ MUTANTS = [
         "                    self._carried[root] = manager.state_dict()\n",
         "                    pass\n",
         "tests/test_decorator.py::test_an_epoch_function_called_again_trains_as_one_long_lived_cache",
+    ),
+    (
+        "codecs: a complex gradient routed lossless",
+        "gradient_cache/codecs/registry.py",
+        "        if dtype.is_complex:\n            return self.lossless\n",
+        "",
+        "tests/test_training.py::test_complex_gradients_travel_lossless_whatever_the_codec",
     ),
 ]
 
