@@ -413,9 +413,9 @@ MUTANTS = [
         "tests/emulated/test_weights_on_device.py::test_a_backward_naming_the_block_weights_trains_them_as_plain tests/emulated/test_weights_on_device.py::test_autograd_grad_of_every_weight_is_plain_bit_for_bit",
     ),
     (
-        "weights named by a backward: the nodes forgotten at the end of backward",
+        "weights named by a backward: the last backward's nodes forgotten at the next forward",
         "gradient_cache/engine/weights/stream.py",
-        "        self._placement.forget_uses()\n",
+        "        if self._uses_stale:\n            self.forget_uses()\n",
         "",
         "tests/emulated/test_weights_on_device.py::test_autograd_grad_of_every_weight_is_plain_bit_for_bit",
     ),
@@ -2852,6 +2852,41 @@ MUTANTS = [
         "        if dtype.is_complex:\n            return self.lossless\n",
         "",
         "tests/test_training.py::test_complex_gradients_travel_lossless_whatever_the_codec",
+    ),
+    (
+        "weights named by a backward: a retained graph's nodes kept past its backward's end",
+        "gradient_cache/engine/weights/stream.py",
+        "        self._placement.backward_ended()\n",
+        "        self._placement.forget_uses()\n",
+        "tests/emulated/test_weights_on_device.py::test_a_backward_over_a_retained_graph_naming_weights_is_plain",
+    ),
+    (
+        "weights named by a backward: guarded at rest after a backward",
+        "gradient_cache/engine/weights/stream.py",
+        "        self._uses_stale = True\n        self.guarding(True)\n",
+        "        self._uses_stale = True\n",
+        "tests/emulated/test_weights_on_device.py::test_a_backward_over_a_retained_graph_naming_weights_is_plain",
+    ),
+    (
+        "weights named by a backward: the rest's uses recorded at the model's end",
+        "gradient_cache/engine/weights/stream.py",
+        "        self._placement.record_uses(self.units.rest)\n",
+        "",
+        "tests/emulated/test_weights_on_device.py::test_a_backward_over_a_retained_graph_naming_weights_is_plain",
+    ),
+    (
+        "weights named by a backward: the close forgets the recorded nodes",
+        "gradient_cache/engine/weights/stream.py",
+        "        self._handles = []\n        self._placement.forget_uses()\n",
+        "        self._handles = []\n",
+        "tests/emulated/test_weights_on_device.py::test_a_backward_over_a_retained_graph_naming_weights_is_plain",
+    ),
+    (
+        "weights: plain through the fused step",
+        "gradient_cache/engine/weights/stream.py",
+        "        self.guarding(False)\n",
+        "        pass\n",
+        "tests/emulated/test_weights_on_device.py::test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches",
     ),
 ]
 

@@ -18,6 +18,7 @@ from test_parameters_offload import batches_on as on
 from torch import nn
 
 import gradient_cache
+from gradient_cache.engine.weights import at_rest
 from perf.gradient_link import Copies
 
 
@@ -166,6 +167,39 @@ def test_a_second_backward_through_a_retained_graph_is_plain(device, first) -> N
         loss.backward()
 
     trains_as_plain(device, backward)
+
+
+def test_a_backward_over_a_retained_graph_naming_weights_is_plain(device) -> None:
+    """After a backward with ``retain_graph=True`` ended, the weights went home and autograd
+    started new accumulation nodes for them, so a second ``backward(inputs=...)`` or
+    ``autograd.grad`` naming them found none of the graph's: no parameter got a gradient,
+    the rest's neither (a probe; PCGrad's per-task gradients failed). The nodes the forward
+    used stay recorded until the next forward, the weights at rest guarded meanwhile."""
+
+    def halves(model) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        params = list(model.parameters())
+        return params[::2], params[1::2]  # blocks' and the rest's in each
+
+    def backward(model, tokens, targets) -> None:
+        loss = model(tokens, targets)[1]
+        first, second = halves(model)
+        torch.autograd.grad(loss, first, retain_graph=True)
+        loss.backward(inputs=second)
+
+    trains_as_plain(device, backward)
+    plain, cached = gpt().to(device), gpt()
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    tokens, targets = on(device, 1)[0]
+    answers = []
+    for model in (plain, cached):  # two tasks' gradients of one forward (PCGrad)
+        logits, loss = model(tokens, targets)
+        torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        answers.append(torch.autograd.grad(logits.square().mean(), list(model.parameters())))
+    for a, b in zip(*answers, strict=True):
+        assert b.device == device and torch.equal(a.cpu(), b.cpu())
+    manager.remove_hooks()
+    # The close forgets them: kept, they would keep the model alive.
+    assert not any(id(param) in at_rest.USES for param in cached.parameters())
 
 
 def test_a_forward_hook_registered_before_the_cache_reads_the_blocks_weights(device) -> None:
@@ -393,8 +427,8 @@ def test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches(de
     guarded (`at_rest.GuardedAtRest`) yet a Parameter for everything else: a log of its norm
     with gradients on, a write under no_grad, a copy of the model (deepcopy: plain
     parameters, no guard), a pickle of the weight; a use a backward reaches is refused by
-    name. Through backward and the step, and once the hooks are removed, every weight is a
-    plain Parameter."""
+    name. Guarded again from its backward's end; through the step, and once the hooks are
+    removed, every weight is a plain Parameter."""
     model = gpt()
     manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
     tokens, targets = on(device, 1)[0]
@@ -418,7 +452,8 @@ def test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches(de
     with pytest.raises(RuntimeError, match=r"'blocks\.0\.attn\.qkv\.weight' were used outside"):
         (loss + weight.square().sum()).backward()
     model(tokens, targets)[1].backward()
-    assert all(type(p) is nn.Parameter for p in model.parameters())  # backward began
+    # At rest after it, guarded again: a backward over a retained graph may name them.
+    assert not any(type(p) is nn.Parameter for p in model.parameters())
     manager.step(adamw_two_groups(model))
     assert all(type(p) is nn.Parameter for p in model.parameters())
     model(tokens, targets)

@@ -100,6 +100,9 @@ class Placement(Protocol):
     def in_place(self, param: Param, weight: Weight) -> bool:
         """Whether ``param`` still reads where ``weight`` put it."""
 
+    def step_begins(self) -> None:
+        """The fused step begins: what it reads of the weights at rest is plain."""
+
     def close(self, weights: HostWeights) -> None:
         """Every weight back on the device for good, as plain PyTorch keeps it."""
 
@@ -473,6 +476,9 @@ class StepJourney:
     (`optimizer_state.StateJourney`)."""
 
     weights: HostWeights
+
+    def __post_init__(self) -> None:
+        self.weights.placement.step_begins()
 
     def bring(self, params: Sequence[Param]) -> list[Param]:
         self.weights.bring(params, step=True)

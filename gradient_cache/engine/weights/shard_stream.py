@@ -264,6 +264,9 @@ class FsdpShards:
         flat = self._flat_shards.get(param)
         return flat is not None and flat().is_set_to(weight.full)
 
+    def step_begins(self) -> None:
+        """Nothing guarded: a shard's weights are never dressed (`at_rest`)."""
+
     def close(self, weights: HostWeights) -> None:
         """Every shard back on the device for good (one there stays: the newest). Raises
         without room: a shard left on the host would be read freed by FSDP2's next gather."""

@@ -106,7 +106,10 @@ class WeightStream:
         assert isinstance(placement, OwnTensors)  # this stream's (FSDP2's: `ShardStream`)
         self._placement = placement
         if on_device or weights.compute_dtype is not None:
-            placement.guard({param: weights.name(param) for param in trainable})
+            # The rest's too: a later backward over a retained graph naming them (`at_rest`).
+            rest_trainable = [param for param in units.rest if param.requires_grad]
+            guarded = trainable + rest_trainable
+            placement.guard({param: weights.name(param) for param in guarded})
 
     def settled(self, params: Sequence[Param]) -> None:
         """``params`` are on the device for good (`OwnTensors.settle`): plain parameters."""
@@ -121,6 +124,7 @@ class WeightStream:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._placement.forget_uses()
 
     @outside_graphs
     def _model_begins(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
@@ -179,6 +183,7 @@ class WeightStream:
                 metadata = cast("dict[str, Any]", tensor.grad_fn.metadata)  # a dict, typed
                 metadata[_AWAITED] = awaited = _Awaited()  # as a method
                 self._awaiting.append(weakref.ref(awaited))
+        self._placement.record_uses(self.units.rest)
         # Backward starts with the last block run: kept, or brought again where freed.
         self.weights.bring(self._block(self.schedule.last()))
         self._placement.guarding(True)  # what the loss adds to the graph until backward
@@ -333,7 +338,7 @@ class WeightStream:
         if self.end.raised:  # that backward's error said it: no warning beside it
             self._unstreamed.clear()
         self._warn_unstreamed()
-        self._placement.forget_uses()
+        self._placement.backward_ended()
         self.weights.free(self.weights.present())
         self.schedule.learn()  # a framework calling a submodule never ends the model
         self._forwards = 0
@@ -384,7 +389,11 @@ class OwnTensors:
         self.backend = backend
         self.compute_dtype = compute_dtype
         self._guarded: dict[Param, str] = {}  # refuse a use at rest (`at_rest`), by name
-        self._guarding = False  # from a forward's end to its backward's begin
+        # From a forward's end to its backward's begin, and from a backward's end to the
+        # next forward or step (a retained graph's next backward naming the weights).
+        self._guarding = False
+        self._uses_stale = False  # a backward ended: the next forward's uses replace them
+        self._recorded: set[int] = set()  # the weights whose nodes `at_rest.USES` keeps
         self._settled: list[Param] = []  # on the device for good (`settle`)
         self._accumulated: dict[Param, int] = {}  # nodes of a weight's uses run (`part_to_come`)
 
@@ -405,18 +414,35 @@ class OwnTensors:
     def record_uses(self, params: Sequence[Param]) -> None:
         """A forward used ``params``: each guarded one's accumulation node now kept in
         `at_rest.USES` (once: a block run twice without moving has one)."""
+        if self._uses_stale:
+            self.forget_uses()
         for param in params:
             if param.requires_grad and param in self._guarded:
                 edge = get_gradient_edge(param)
+                self._recorded.add(id(param))
                 known = at_rest.USES.setdefault(id(param), [])
                 if all(seen.node is not edge.node for seen in known):
                     known.append(edge)
 
-    def forget_uses(self) -> None:
-        """A backward ended: the nodes `record_uses` kept go."""
-        for param in self._guarded:
-            at_rest.USES.pop(id(param), None)
+    def backward_ended(self) -> None:
+        """The nodes `record_uses` kept stay for a backward over the retained graph (until
+        the next forward records its own), which finds the weights guarded at rest."""
         self._accumulated.clear()
+        self._uses_stale = True
+        self.guarding(True)
+
+    def step_begins(self) -> None:
+        """The weights plain: the step's loops read their fields with no Python call each."""
+        self.guarding(False)
+
+    def forget_uses(self) -> None:
+        """The nodes `record_uses` kept go (a new forward's, or the close: a settled weight
+        is no longer guarded, and its nodes would keep it alive)."""
+        for key in self._recorded:
+            at_rest.USES.pop(key, None)
+        self._recorded.clear()
+        self._accumulated.clear()
+        self._uses_stale = False
 
     def part_to_come(self, param: Param) -> bool:
         """Whether another of ``param``'s recorded nodes this backward runs (a block used
