@@ -308,6 +308,7 @@ class GradientCacheHookManager:
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         self._warn_of_a_missing_grad_scaler()
         self._watch.check_before_step()
+        _warn_of_a_partial_zero_grad(self._live())
         if max_norm is not None:
             self._refuse_a_clip_over_another_cache(optimizer)
         total = self._live_step().step(optimizer, max_norm=max_norm, norm_type=norm, hooks=True)
@@ -732,6 +733,28 @@ class ManagerReads:
 def _held(pipeline: Pipeline) -> list[torch.nn.Parameter]:
     """The parameters whose gradients ``pipeline`` holds now."""
     return [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]
+
+
+def _warn_of_a_partial_zero_grad(pipeline: Pipeline) -> None:
+    """A zero_grad() since the last backward that reached some of the gradients the cache
+    holds, not all: kept (a part of a step cannot be dropped), they are stepped."""
+    pending = pipeline.pending
+    if pending is None or not pending.zeroed or pending.zeroed_after != pending.backwards:
+        return
+    held = _held(pipeline)
+    reached = [pipeline.records[p].name for p in held if p in pending.zeroed]
+    if reached and len(reached) < len(held):
+        warnings.warn(
+            f"zero_grad() since the last backward reached {len(reached)} of the "
+            f"{len(held)} parameters whose gradients this cache holds "
+            f"({', '.join(reached[:3])}{', ...' if len(reached) > 3 else ''}), and the cache "
+            "keeps them all (it cannot drop a part of a step), so this step steps them, "
+            "where plain PyTorch's would not. Call hook_manager.discard_gradients() to drop "
+            "every one, or keep those gradients on the device (exclude_layers=[...]), where "
+            "zero_grad() reaches them.",
+            UserWarning,
+            stacklevel=outside_the_package(),
+        )
 
 
 def _refuse_to_drop_what_a_step_passed_over(

@@ -2888,6 +2888,13 @@ MUTANTS = [
         "        pass\n",
         "tests/emulated/test_weights_on_device.py::test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches",
     ),
+    (
+        "zero_grad over some held gradients: warned at the step",
+        "gradient_cache/manager.py",
+        "        _warn_of_a_partial_zero_grad(self._live())\n",
+        "",
+        "tests/test_api.py::test_a_zero_grad_over_some_of_the_held_gradients_warns_at_the_step",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
