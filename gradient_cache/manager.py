@@ -308,7 +308,7 @@ class GradientCacheHookManager:
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         self._warn_of_a_missing_grad_scaler()
         self._watch.check_before_step()
-        _warn_of_a_partial_zero_grad(self._live())
+        warn_of_a_partial_zero_grad(self._live())
         if max_norm is not None:
             self._refuse_a_clip_over_another_cache(optimizer)
         total = self._live_step().step(optimizer, max_norm=max_norm, norm_type=norm, hooks=True)
@@ -735,7 +735,7 @@ def _held(pipeline: Pipeline) -> list[torch.nn.Parameter]:
     return [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]
 
 
-def _warn_of_a_partial_zero_grad(pipeline: Pipeline) -> None:
+def warn_of_a_partial_zero_grad(pipeline: Pipeline) -> None:
     """A zero_grad() since the last backward that reached some of the gradients the cache
     holds, not all: kept (a part of a step cannot be dropped), they are stepped."""
     pending = pipeline.pending

@@ -749,28 +749,36 @@ def test_a_zero_grad_over_some_of_the_held_gradients_warns_at_the_step() -> None
     """``model.head.zero_grad()`` after backward, to hold the head still: the cache keeps
     every gradient of a pending step (it cannot drop a part), so the step moved the head
     where plain's does not, without a word (a probe). It warns at the step now, naming the
-    fix; an ordinary loop does not warn."""
+    fix, under the decorator too; an ordinary loop does not warn."""
 
-    def run(partial: bool) -> list[warnings.WarningMessage]:
+    def loop(model: torch.nn.Module, step, partial: bool) -> None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for x in torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)):
+            model(x).square().mean().backward()
+            if partial:
+                model[2].zero_grad()
+            step(optimizer)
+            optimizer.zero_grad()
+
+    def run(partial: bool, decorated: bool = False) -> list[warnings.WarningMessage]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
         )
-        manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for x in torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)):
-                model(x).square().mean().backward()
-                if partial:
-                    model[2].zero_grad()
-                manager.step(optimizer)
-                optimizer.zero_grad()
-        manager.remove_hooks()
+            if decorated:
+                steps = gradient_cache.optimize(compression_ratio=1)(loop)
+                steps(model, lambda optimizer: optimizer.step(), partial)
+            else:
+                manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+                loop(model, manager.step, partial)
+                manager.remove_hooks()
         return [w for w in caught if "zero_grad() since the last backward" in str(w.message)]
 
     warned = run(partial=True)
     assert len(warned) == 2 and "reached 2 of the 4 parameters" in str(warned[0].message)
     assert "discard_gradients()" in str(warned[0].message)
     assert warned[0].filename == __file__
-    assert not run(partial=False)
+    assert len(run(partial=True, decorated=True)) == 2
+    assert not run(partial=False) and not run(partial=False, decorated=True)

@@ -2891,7 +2891,14 @@ MUTANTS = [
     (
         "zero_grad over some held gradients: warned at the step",
         "gradient_cache/manager.py",
-        "        _warn_of_a_partial_zero_grad(self._live())\n",
+        "        warn_of_a_partial_zero_grad(self._live())\n",
+        "",
+        "tests/test_api.py::test_a_zero_grad_over_some_of_the_held_gradients_warns_at_the_step",
+    ),
+    (
+        "zero_grad over some held gradients: warned at the integrations' step too",
+        "gradient_cache/integrations/routing.py",
+        "                warn_of_a_partial_zero_grad(step.pipeline)\n",
         "",
         "tests/test_api.py::test_a_zero_grad_over_some_of_the_held_gradients_warns_at_the_step",
     ),

@@ -36,7 +36,7 @@ from torch.optim.optimizer import (
 from ..engine.step import OptimizerStep
 from ..engine.step_hooks import OWN_HOOKS, after_the_closure
 from ..gradient_readers import route_gradient_reads
-from ..manager import GradientCacheHookManager, ManagerReads
+from ..manager import GradientCacheHookManager, ManagerReads, warn_of_a_partial_zero_grad
 
 Managers = Callable[[], Iterable[GradientCacheHookManager]]
 
@@ -105,6 +105,7 @@ class StepRouting:
         steps = [m.optimizer_step for m in self._managers() if m.optimizer_step is not None]
         if self.fused:
             for step in steps:
+                warn_of_a_partial_zero_grad(step.pipeline)
                 step.step_in_call(optimizer)  # hidden what it stepped until `_after_step`
         # Every model's gradients that are left, not only this optimizer's: a backward
         # through two models (a GAN's generator loss through its discriminator) leaves
