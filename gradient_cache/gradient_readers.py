@@ -165,6 +165,23 @@ def _restore(reader: Callable[..., Any], parameters: list[torch.Tensor] | None) 
         reads.restore(reader.__qualname__, parameters)
 
 
+def _restore_listed(reader: Callable[..., Any], parameters: list[torch.Tensor]) -> None:
+    """`_restore` for a clip, whose refusal over a list naming a parameter twice (which
+    only restoring answers as torch does) says so."""
+    try:
+        _restore(reader, parameters)
+    except RuntimeError as error:
+        if len(set(parameters)) == len(parameters):
+            raise
+        raise RuntimeError(
+            f"{reader.__qualname__} over a list naming a parameter twice (a tied weight in "
+            "[*a.parameters(), *b.parameters()]): torch counts and clips it twice, which "
+            "the cache can give only by restoring every gradient, refused here. Pass each "
+            "parameter once (model.parameters()) and it is answered from the cache. "
+            f"({error})"
+        ) from error
+
+
 def _answers(parameters: list[torch.Tensor]) -> ClipAnswers | None:
     reads = current_reads()
     if reads is None or len(set(parameters)) < len(parameters):
@@ -210,7 +227,7 @@ def _clip_grad_norm(function: Callable[..., Any]) -> Callable[..., Any]:
         params = _as_list(parameters)
         cache = _answers(params)
         if cache is None:
-            _restore(function, params)
+            _restore_listed(function, params)
             return function(params, max_norm, norm_type, error_if_nonfinite, foreach)
         with torch.no_grad():
             total = cache.norm(params, float(norm_type))
@@ -237,7 +254,7 @@ def _clip_grads_with_norm(function: Callable[..., Any]) -> Callable[..., Any]:
         params = _as_list(parameters)
         cache = _answers(params)
         if cache is None:
-            _restore(function, params)
+            _restore_listed(function, params)
             function(params, max_norm, total_norm, foreach)
             return
         with torch.no_grad():

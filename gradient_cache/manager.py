@@ -308,7 +308,7 @@ class GradientCacheHookManager:
             raise ValueError(f"Invalid norm_type: {norm_type!r}; expected a number > 0 or inf.")
         self._warn_of_a_missing_grad_scaler()
         self._watch.check_before_step()
-        warn_of_a_partial_zero_grad(self._live())
+        warn_of_a_partial_zero_grad(self._live(), optimizer)
         if max_norm is not None:
             self._refuse_a_clip_over_another_cache(optimizer)
         total = self._live_step().step(optimizer, max_norm=max_norm, norm_type=norm, hooks=True)
@@ -540,7 +540,8 @@ class GradientCacheHookManager:
                 f"remove_hooks() could not put every cached gradient back in .grad on the "
                 f"device ({error}): {len(pipeline.store)} stay cached and the cache stays "
                 "attached, so none is lost. Free device memory and call remove_hooks() again "
-                "(gradient_cache.manager_of(model) finds the cache), or drop them first with "
+                "(under @gradient_cache.optimize: gradient_cache.manager_of(model) finds the "
+                "cache, and the next decorated call closes it first), or drop them first with "
                 "discard_gradients()."
             ) from error
         except BaseException:
@@ -735,14 +736,16 @@ def _held(pipeline: Pipeline) -> list[torch.nn.Parameter]:
     return [p for p, r in pipeline.records.items() if r.gradient in HELD_BY_THE_CACHE]
 
 
-def warn_of_a_partial_zero_grad(pipeline: Pipeline) -> None:
+def warn_of_a_partial_zero_grad(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> None:
     """A zero_grad() since the last backward that reached some of the gradients the cache
-    holds, not all: kept (a part of a step cannot be dropped), they are stepped."""
+    holds, not all: kept (a part of a step cannot be dropped), ``optimizer`` steps those of
+    them it owns. (Another optimizer's, a later zero_grad() may still drop.)"""
     pending = pipeline.pending
     if pending is None or not pending.zeroed or pending.zeroed_after != pending.backwards:
         return
     held = _held(pipeline)
-    reached = [pipeline.records[p].name for p in held if p in pending.zeroed]
+    owned = {p for group in optimizer.param_groups for p in group["params"]}
+    reached = [pipeline.records[p].name for p in held if p in pending.zeroed and p in owned]
     if reached and len(reached) < len(held):
         warnings.warn(
             f"zero_grad() since the last backward reached {len(reached)} of the "

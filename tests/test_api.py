@@ -782,3 +782,16 @@ def test_a_zero_grad_over_some_of_the_held_gradients_warns_at_the_step() -> None
     assert warned[0].filename == __file__
     assert len(run(partial=True, decorated=True)) == 2
     assert not run(partial=False) and not run(partial=False, decorated=True)
+    # Two optimizers, the first's zero_grad() in place of its step: the second's step owns
+    # none of what it dropped, and the second's zero_grad() drops the rest, as plain's.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    manager = gradient_cache.create_gradient_cache(model, compression_ratio=1)
+    first, second = (torch.optim.SGD(model[i].parameters(), lr=0.1) for i in (0, 2))
+    model(torch.randn(8, 16)).square().mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first.zero_grad()
+        manager.step(second)
+        second.zero_grad()
+    manager.remove_hooks()

@@ -91,6 +91,14 @@ def test_a_parameter_listed_twice_is_counted_and_clipped_twice_as_torch_does() -
     assert all(torch.equal(a, b) for a, b in zip(train(cached), expected, strict=True))
     assert_same_parameters(plain, cached)
     hook_manager.remove_hooks()
+    # With the state on the host every gradient cannot come back: refused, naming the repeat.
+    state_on_host = make_model()
+    hook_manager = gradient_cache.create_gradient_cache(
+        state_on_host, **LOSSLESS, offload_optimizer_state=True
+    )
+    with pytest.raises(RuntimeError, match="naming a parameter twice"):
+        train(state_on_host)
+    hook_manager.remove_hooks()
 
 
 def nanogpt_step(

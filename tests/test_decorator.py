@@ -607,3 +607,7 @@ def test_an_epoch_function_called_again_trains_as_one_long_lived_cache(options: 
     calls.norm.weight.requires_grad_(False)  # not the model the last call's cache took
     with pytest.warns(UserWarning, match="cache starts afresh in this call"):
         decorated(calls, optimizer, data[:1])
+    # A call ending between a backward and its step: the state cannot pass, and it says so.
+    pending = gradient_cache.optimize(**options)(lambda m, t: loss_of(m, *t).backward())
+    with pytest.warns(UserWarning, match="ended with a step of TiedLM pending"):
+        pending(calls, data[0])

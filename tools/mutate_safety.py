@@ -2891,16 +2891,51 @@ MUTANTS = [
     (
         "zero_grad over some held gradients: warned at the step",
         "gradient_cache/manager.py",
-        "        warn_of_a_partial_zero_grad(self._live())\n",
+        "        warn_of_a_partial_zero_grad(self._live(), optimizer)\n",
         "",
         "tests/test_api.py::test_a_zero_grad_over_some_of_the_held_gradients_warns_at_the_step",
     ),
     (
         "zero_grad over some held gradients: warned at the integrations' step too",
         "gradient_cache/integrations/routing.py",
-        "                warn_of_a_partial_zero_grad(step.pipeline)\n",
+        "                warn_of_a_partial_zero_grad(step.pipeline, optimizer)\n",
         "",
         "tests/test_api.py::test_a_zero_grad_over_some_of_the_held_gradients_warns_at_the_step",
+    ),
+    (
+        "decorator: a close out of memory leaves its cache to close later",
+        "gradient_cache/integrations/decorator.py",
+        "                _unclosed[root] = manager\n",
+        "                pass\n",
+        "tests/emulated/test_decorator_on_device.py::test_a_close_out_of_memory_at_the_return_leaves_a_cache_to_close_later",
+    ),
+    (
+        "decorator: the next call closes what a close left attached",
+        "gradient_cache/integrations/decorator.py",
+        "                manager.remove_hooks(abandon_an_awaited_backward=True)  # .grad: the last step's\n",
+        "                pass\n",
+        "tests/emulated/test_decorator_on_device.py::test_a_close_out_of_memory_at_the_return_leaves_a_cache_to_close_later",
+    ),
+    (
+        "two optimizers: the partial zero_grad warning only over what this step owns",
+        "gradient_cache/manager.py",
+        " if p in pending.zeroed and p in owned]",
+        " if p in pending.zeroed]",
+        "tests/test_api.py::test_a_zero_grad_over_some_of_the_held_gradients_warns_at_the_step",
+    ),
+    (
+        "clip readers: a list naming a parameter twice refused by name where it cannot restore",
+        "gradient_cache/gradient_readers.py",
+        "        if len(set(parameters)) == len(parameters):\n            raise\n",
+        "        raise\n",
+        "tests/test_custom_loop_readers.py::test_a_parameter_listed_twice_is_counted_and_clipped_twice_as_torch_does",
+    ),
+    (
+        "decorator: a call ending with a step pending says its state does not pass",
+        "gradient_cache/integrations/decorator.py",
+        "                elif engine is not None:  # its close puts the step's gradients in .grad\n",
+        "                elif False:\n",
+        "tests/test_decorator.py::test_an_epoch_function_called_again_trains_as_one_long_lived_cache",
     ),
 ]
 

@@ -42,6 +42,11 @@ FLOW_ARTIFACT = "gradient_cache_summaries"
 
 _active_lock = threading.Lock()
 _active: _Session | None = None  # the hooks are process-wide, so one session at a time
+# Each model's cache a call's close left attached (no room on the device for its gradients):
+# `manager_of` finds it between calls, and the next decorated call closes it first.
+_unclosed: weakref.WeakKeyDictionary[torch.nn.Module, GradientCacheHookManager] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def optimize(
@@ -183,6 +188,8 @@ def manager_of(model: torch.nn.Module) -> GradientCacheHookManager:
                     "cache": cache.state_dict()}, path)
     """
     session = _active
+    if session is None and model in _unclosed:
+        return _unclosed[model]  # a call's close left it attached: remove_hooks() it again
     if session is None:
         raise RuntimeError(
             "gradient_cache.manager_of() works only while a function decorated with "
@@ -234,6 +241,13 @@ class _Session:
                     "the decorator on the outermost training function only."
                 )
             _active = self
+        try:
+            for root, manager in list(_unclosed.items()):
+                manager.remove_hooks(abandon_an_awaited_backward=True)  # .grad: the last step's
+                del _unclosed[root]
+        except BaseException:
+            _active = None
+            raise
         self._handles = [register_module_forward_pre_hook(self._on_forward)]
         # optimizer.step() is the fused step; clip_grad_norm_ & co. answered from the cache.
         self._routing.__enter__()
@@ -256,8 +270,18 @@ class _Session:
             ]
             for root, manager in self.managers.items():
                 engine = manager.engine
-                if engine is not None and not engine.step_pending:  # else its close restores
+                if engine is not None and not engine.step_pending:
                     self._carried[root] = manager.state_dict()
+                elif engine is not None:  # its close puts the step's gradients in .grad
+                    warnings.warn(
+                        f"{self.name} ended with a step of {type(root).__name__} pending "
+                        "(a backward after its last optimizer.step()): its gradients go "
+                        "back to .grad, and its cache state (error-feedback residuals, the "
+                        "step count) does not pass to the next call, whose cache starts "
+                        "afresh. End the function after optimizer.step().",
+                        UserWarning,
+                        stacklevel=3,
+                    )
         finally:
             try:
                 self._detach_all()
@@ -276,12 +300,14 @@ class _Session:
 
     def _detach_all(self) -> None:
         """Detach every manager (each puts its cached gradients back), even if one fails."""
-        managers = list(self.managers.values())
         error: BaseException | None = None
-        for manager in managers:
+        for root, manager in self.managers.items():
             try:
                 # Never refused: the function ended (or raised) with any forward in it.
                 manager.remove_hooks(abandon_an_awaited_backward=True)
+            except torch.OutOfMemoryError as caught:  # attached still: the next call closes it
+                _unclosed[root] = manager
+                error = error or caught
             except BaseException as caught:  # detach the rest, then re-raise the first
                 error = error or caught
         if error is not None:

@@ -105,7 +105,7 @@ class StepRouting:
         steps = [m.optimizer_step for m in self._managers() if m.optimizer_step is not None]
         if self.fused:
             for step in steps:
-                warn_of_a_partial_zero_grad(step.pipeline)
+                warn_of_a_partial_zero_grad(step.pipeline, optimizer)
                 step.step_in_call(optimizer)  # hidden what it stepped until `_after_step`
         # Every model's gradients that are left, not only this optimizer's: a backward
         # through two models (a GAN's generator loss through its discriminator) leaves

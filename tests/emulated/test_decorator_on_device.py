@@ -59,3 +59,54 @@ def test_a_decorated_loop_sets_a_model_up_from_the_host(device) -> None:
     assert decorated(cached, data) == expected
     for (name, a), b in zip(plain.named_parameters(), cached.parameters(), strict=True):
         assert torch.equal(a.cpu(), b.cpu()), name
+
+
+@pytest.mark.parametrize("then", ["manager_of", "the next call"])
+def test_a_close_out_of_memory_at_the_return_leaves_a_cache_to_close_later(device, then) -> None:
+    """The decorated function returns with a step pending (accumulation) and no room for
+    its gradients: its close raises with them cached, and the cache was out of reach once
+    the call was over (`manager_of` refused, the next call was refused as a second cache;
+    a probe). Now `manager_of(model)` finds it between calls, and the next decorated call
+    closes it first; either way the gradients reach .grad and train as plain's."""
+    from gradient_cache.testing import emulated_device
+
+    def model() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8))).to(device)
+
+    generator = torch.Generator().manual_seed(1)
+    data = [torch.randn(8, 256, generator=generator).to(device) for _ in range(3)]
+    plain = model()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for backwards in ([data[0]], [data[1], data[2]]):  # the second step after two backwards
+        for x in backwards:
+            plain(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    cached = model()
+    optimizer = torch.optim.SGD(cached.parameters(), lr=0.1)
+
+    @gradient_cache.optimize(compression_ratio=1, bucket_size_mb=0.25)
+    def first() -> None:
+        cached(data[0]).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        cached(data[1]).square().mean().backward()  # stepped by the next call
+        emulated_device(capacity_bytes=torch.accelerator.memory_allocated() + 200_000)
+
+    @gradient_cache.optimize(compression_ratio=1)
+    def second() -> None:
+        cached(data[2]).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with pytest.raises(torch.OutOfMemoryError, match="manager_of"), pytest.warns(UserWarning):
+        first()  # and its cache state does not pass on: a step was pending
+    emulated_device()
+    if then == "manager_of":
+        gradient_cache.manager_of(cached).remove_hooks()
+        assert all(p.grad is not None for p in cached.parameters())
+    second()
+    for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -1,5 +1,6 @@
-"""A block weight at rest on the host, guarded (`GuardedAtRest`, its class swapped from a
-forward's end to its backward's begin): a use autograd records gets a pre-hook on its node
+"""A weight at rest on the host, guarded (`GuardedAtRest`, its class swapped from a forward's
+end to its backward's begin, and from a backward's end to the next forward or step): a use
+autograd records gets a pre-hook on its node
 that raises by name, on whichever thread reaches it first. ``backward(inputs=)`` and
 ``autograd.grad`` naming a guarded weight get the nodes its uses recorded (`USES`):
 moving ``P.data`` made autograd start a new one. Why: docs/ARCHITECTURE.md, "Traps".
@@ -100,8 +101,8 @@ def _through_recorded_uses(
 def _refusal(names: list[str]) -> Callable[[Any], None]:
     def refuse(grad_outputs: Any) -> None:
         raise RuntimeError(
-            f"Block parameter(s) {', '.join(map(repr, names))} were used outside their "
-            "block's forward, where their weights are on the host (offload_parameters=True): "
+            f"Parameter(s) {', '.join(map(repr, names))} were used outside their module's "
+            "forward, where their weights are on the host (offload_parameters=True): "
             "a regularizer over model.parameters(), or block.forward(x) instead of block(x). "
             "Its backward would compute on the host beside the block's own on the device. "
             "Put a regularizer into the optimizer (weight_decay) or compute it inside the "
