@@ -611,3 +611,28 @@ def test_an_epoch_function_called_again_trains_as_one_long_lived_cache(options: 
     pending = gradient_cache.optimize(**options)(lambda m, t: loss_of(m, *t).backward())
     with pytest.warns(UserWarning, match="ended with a step of TiedLM pending"):
         pending(calls, data[0])
+
+
+def test_a_decorated_closure_lets_its_model_go_without_a_gc_pass() -> None:
+    """The wrapper set its own ``last_summaries`` through a cell holding itself: a cycle, so a
+    decorated function defined in a function kept the models it closes over (on a GPU,
+    their device memory) until a garbage collection."""
+    import gc
+    import weakref
+
+    def decorated(model: nn.Module):
+        @gradient_cache.optimize(**LOSSLESS)
+        def train() -> None:
+            train_loop(model, steps=1)
+
+        return train
+
+    model = make_model()
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        decorated(model)()
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -2937,6 +2937,27 @@ MUTANTS = [
         "                elif False:\n",
         "tests/test_decorator.py::test_an_epoch_function_called_again_trains_as_one_long_lived_cache",
     ),
+    (
+        "weights named by a backward: guarded again after an eval between",
+        "gradient_cache/engine/weights/stream.py",
+        "            self._placement.eval_ended()\n",
+        "",
+        "tests/emulated/test_weights_on_device.py::test_a_backward_over_a_retained_graph_naming_weights_is_plain",
+    ),
+    (
+        "weights named by a backward: another forward's node left out of a grad",
+        "gradient_cache/engine/weights/at_rest.py",
+        '    unused = {"allow_unused": True, "materialize_grads": False} if len(args) <= 6 else {}\n',
+        "    unused = {}\n",
+        "tests/emulated/test_weights_on_device.py::test_a_backward_over_a_retained_graph_naming_weights_is_plain",
+    ),
+    (
+        "decorator: the wrapper holds itself weakly (no cycle keeping a closure's models)",
+        "gradient_cache/integrations/decorator.py",
+        "                this = own()  # weakly",
+        "                this = wrapper  # weakly",
+        "tests/test_decorator.py::test_a_decorated_closure_lets_its_model_go_without_a_gc_pass",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

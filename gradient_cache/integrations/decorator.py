@@ -166,10 +166,13 @@ class GradientCacheDecorator:
                 with session:
                     return func(*args, **kwargs)
             finally:
-                # A function attribute, which no Callable type declares.
-                wrapper.last_summaries = session.summaries  # type: ignore[attr-defined]
+                this = own()  # weakly: a cell holding the wrapper is a cycle (a closure's
+                if this is not None:  # models alive until a collection)
+                    # A function attribute, which no Callable type declares.
+                    this.last_summaries = session.summaries  # type: ignore[attr-defined]
                 _store_on_flow(args, session.summaries)
 
+        own = weakref.ref(wrapper)
         wrapper.last_summaries = []  # type: ignore[attr-defined]  # as above
         return cast(F, wrapper)  # functools.wraps keeps func's signature
 
@@ -311,7 +314,10 @@ class _Session:
             except BaseException as caught:  # detach the rest, then re-raise the first
                 error = error or caught
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:  # this frame, in its traceback, would hold it in a cycle (and the models)
+                error = None
 
     # --- the global hooks ---------------------------------------------------------
 

@@ -191,10 +191,19 @@ def test_a_backward_over_a_retained_graph_naming_weights_is_plain(device) -> Non
     manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
     tokens, targets = on(device, 1)[0]
     answers = []
-    for model in (plain, cached):  # two tasks' gradients of one forward (PCGrad)
-        logits, loss = model(tokens, targets)
-        torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
-        answers.append(torch.autograd.grad(logits.square().mean(), list(model.parameters())))
+    (other, other_targets) = on(device, 2)[1]
+    for model in (plain, cached):
+        params = list(model.parameters())
+        grads = []
+        logits, loss = model(tokens, targets)  # two tasks' gradients of one forward (PCGrad)
+        grads += torch.autograd.grad(loss, params, retain_graph=True)
+        with torch.no_grad():
+            model(other)  # an eval between: the weights are guarded again after it
+        grads += torch.autograd.grad(logits.square().mean(), params)
+        first, second = model(tokens, targets)[1], model(other, other_targets)[1]
+        grads += torch.autograd.grad(first, params)  # a weight's node of the other forward
+        grads += torch.autograd.grad(second, params)  # is not in this graph: left out
+        answers.append(grads)
     for a, b in zip(*answers, strict=True):
         assert b.device == device and torch.equal(a.cpu(), b.cpu())
     manager.remove_hooks()
@@ -475,7 +484,7 @@ def test_a_regularizer_over_every_parameter_raises_never_trains(device, attempt)
     for _ in range(3):
         _, loss = model(tokens, targets)
         penalty = sum(p.square().sum() for p in model.parameters())
-        with pytest.raises(RuntimeError, match=r"Block parameter\(s\) 'blocks\.\d+\."):
+        with pytest.raises(RuntimeError, match=r"Parameter\(s\) 'blocks\.\d+\."):
             (loss + 1e-4 * penalty).backward()
         assert all(p.grad is None or p.grad.device == device for p in model.parameters())
     # The failed backwards' ends never ran: the next forward ends them, and a step trains

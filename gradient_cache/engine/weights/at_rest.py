@@ -87,14 +87,27 @@ def _through_recorded_uses(
             return func(*args, **kwargs)
     groups = [USES.get(id(x), [x]) if isinstance(x, torch.Tensor) else [x] for x in inputs]
     flat = [edge for group in groups for edge in group]
+    # A weight's node another forward recorded (two forwards, each with its own grad) is not
+    # in this graph: asked as unused, refused below only where none of its nodes is.
+    unused = {"allow_unused": True, "materialize_grads": False} if len(args) <= 6 else {}
     with torch._C.DisableTorchFunctionSubclass():
         if not grad:
             return func(*args, **{**kwargs, "inputs": flat})
-        results = iter(func(args[0], flat, *args[2:], **kwargs))
+        results = iter(func(args[0], flat, *args[2:], **{**kwargs, **unused}))
     answers = []
-    for group in groups:
+    for x, group in zip(inputs, groups, strict=True):
         parts = [part for part in (next(results) for _ in group) if part is not None]
-        answers.append(sum(parts[1:], parts[0]) if parts else None)
+        if parts:
+            answers.append(sum(parts[1:], parts[0]))
+        elif kwargs.get("materialize_grads"):
+            answers.append(torch.zeros_like(x))
+        elif kwargs.get("allow_unused") or not unused:
+            answers.append(None)
+        else:  # torch's own refusal
+            raise RuntimeError(
+                "One of the differentiated Tensors appears to not have been used in the "
+                "graph. Set allow_unused=True if this is the desired behavior."
+            )
     return tuple(answers)
 
 

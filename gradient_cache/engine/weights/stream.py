@@ -176,6 +176,7 @@ class WeightStream:
             if torch.is_grad_enabled():
                 self._forwards -= 1  # counted at its begin, and no graph to come back to
             self.weights.free(self.weights.present())  # a backward brings the rest again
+            self._placement.eval_ended()
             return
         for tensor in outputs:
             tensor.register_hook(self._backward_begins)
@@ -434,6 +435,12 @@ class OwnTensors:
     def step_begins(self) -> None:
         """The weights plain: the step's loops read their fields with no Python call each."""
         self.guarding(False)
+
+    def eval_ended(self) -> None:
+        """An eval ran plain (`_model_begins`): guarded again where the last backward's
+        nodes are still kept for a retained graph's next backward."""
+        if self._uses_stale:
+            self.guarding(True)
 
     def forget_uses(self) -> None:
         """The nodes `record_uses` kept go (a new forward's, or the close: a settled weight
