@@ -16,7 +16,9 @@ checkpointing, AdamW), three steps a round, timed as shipped (guarded from the f
 end to the backward's begin) and guarded through the step too (`OwnTensors.guarding` set
 again after each backward, as the first version guarded at all times), alternating within
 one process, ``--rounds`` rounds; one thread. The CPU's timing noise applies: compare the
-ratio, and rerun.
+ratio, and rerun. Since 5a02af9 the shipped window runs from a backward's end too and the
+step undresses the weights first, so the two variants time the same code
+(`perf/guard_window.py` measures what the longer window costs).
 """
 
 from __future__ import annotations
