@@ -13,6 +13,7 @@ import gc
 import pytest
 import torch
 from helpers import batches, loss_of, make_model
+from test_parameters_offload import step
 
 import gradient_cache
 from gradient_cache.engine.budget import AcceleratorMemory, BudgetDecision, device_memory_of
@@ -361,12 +362,7 @@ def test_a_resumed_run_measures_two_steps_of_its_own_and_stays_within_the_budget
         for x, y in steps:
             for half in (slice(0, 4), slice(4, 8)):
                 (((model(x[half]) - y[half]) ** 2).mean() / 2).backward()
-            if manager is None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-                optimizer.step()
-            else:
-                manager.step(optimizer, max_grad_norm=CLIP)
-            optimizer.zero_grad()
+            step(model, optimizer, manager, clip=CLIP)
 
     plain = Stack().to(device)
     run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), None, data)

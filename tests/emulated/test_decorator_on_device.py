@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_device_defects import inputs, linears
 from test_parameters_offload import adamw_two_groups, gpt
 from test_parameters_offload import batches_on as on
 
 import gradient_cache
+from gradient_cache.testing import emulated_device
 
 
 def loop(model: torch.nn.Module, data) -> list[float]:
@@ -68,15 +70,8 @@ def test_a_close_out_of_memory_at_the_return_leaves_a_cache_to_close_later(devic
     the call was over (`manager_of` refused, the next call was refused as a second cache;
     a probe). Now `manager_of(model)` finds it between calls, and the next decorated call
     closes it first; either way the gradients reach .grad and train as plain's."""
-    from gradient_cache.testing import emulated_device
-
-    def model() -> torch.nn.Sequential:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8))).to(device)
-
-    generator = torch.Generator().manual_seed(1)
-    data = [torch.randn(8, 256, generator=generator).to(device) for _ in range(3)]
-    plain = model()
+    data = inputs(device, 3)
+    plain = linears(device)
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
     for backwards in ([data[0]], [data[1], data[2]]):  # the second step after two backwards
         for x in backwards:
@@ -84,7 +79,7 @@ def test_a_close_out_of_memory_at_the_return_leaves_a_cache_to_close_later(devic
         optimizer.step()
         optimizer.zero_grad()
 
-    cached = model()
+    cached = linears(device)
     optimizer = torch.optim.SGD(cached.parameters(), lr=0.1)
 
     @gradient_cache.optimize(compression_ratio=1, bucket_size_mb=0.25)

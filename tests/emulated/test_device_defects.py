@@ -374,20 +374,25 @@ def test_a_block_weights_host_gradient_is_refused_before_autograd_accumulates_it
     manager.remove_hooks()
 
 
+def linears(device: torch.device) -> torch.nn.Sequential:
+    """Eight 256-wide layers (2 MiB): a bucket of 0.25 MiB is a layer's gradients."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8))).to(device)
+
+
+def inputs(device: torch.device, count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 256, generator=generator).to(device) for _ in range(count)]
+
+
 def test_a_close_out_of_memory_keeps_the_rest_cached_for_a_second_close(device) -> None:
     """A with-block left on the fused step's OutOfMemoryError closes the cache, whose
     restore of what was left ran out of memory too: those gradients were lost, neither
     stepped nor in .grad (a probe: 12 of 16). Now that close raises with them still
     cached; with memory freed, remove_hooks() puts them all in .grad, and a plain
     optimizer.step() ends the step as plain PyTorch's."""
-
-    def model() -> torch.nn.Sequential:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8))).to(device)
-
-    generator = torch.Generator().manual_seed(1)
-    data = [torch.randn(8, 256, generator=generator).to(device) for _ in range(2)]
-    plain = model()
+    data = inputs(device, 2)
+    plain = linears(device)
     # SGD allocates nothing in its step: the restores are what runs out of memory.
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
     for x in data:
@@ -395,7 +400,7 @@ def test_a_close_out_of_memory_keeps_the_rest_cached_for_a_second_close(device) 
         optimizer.step()
         optimizer.zero_grad()
 
-    cached = model()
+    cached = linears(device)
     optimizer = torch.optim.SGD(cached.parameters(), lr=0.1)
     manager = gradient_cache.create_gradient_cache(cached, compression_ratio=1, bucket_size_mb=0.25)
     cached(data[0]).square().mean().backward()

@@ -88,7 +88,8 @@ def _through_recorded_uses(
     groups = [USES.get(id(x), [x]) if isinstance(x, torch.Tensor) else [x] for x in inputs]
     flat = [edge for group in groups for edge in group]
     # A weight's node another forward recorded (two forwards, each with its own grad) is not
-    # in this graph: asked as unused, refused below only where none of its nodes is.
+    # in this graph: asked as unused, refused below only where none of its nodes is (unless
+    # the caller gave allow_unused by position, grad's seventh argument: then as given).
     unused = {"allow_unused": True, "materialize_grads": False} if len(args) <= 6 else {}
     with torch._C.DisableTorchFunctionSubclass():
         if not grad:
