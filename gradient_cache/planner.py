@@ -175,6 +175,33 @@ class PlanInputs:
     #: numbers of bytes a parameter.
     layout_optimizers: tuple[str, ...] = LAYOUT_OPTIMIZERS
 
+    def __post_init__(self) -> None:
+        # The CLI's parsers refuse these too; the Python API must not divide by a zero rate
+        # or plan for no parameters and answer with inf, nan or a bare max() error.
+        if not self.tensors or min(self.tensors) < 1:
+            raise ValueError(
+                f"tensors={self.tensors!r}: give the trainable parameters' sizes, each a "
+                "whole number >= 1 (`trainable_sizes(model)`)."
+            )
+        positive = {"flops": self.flops, "link_gbps": self.link_gbps}
+        for name, value in positive.items():
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r}: give a finite rate > 0.")
+        counts = {"micro_batches": self.micro_batches, "tokens_per_step": self.tokens_per_step}
+        for name, count in counts.items():
+            if count is not None and count < 1:
+                raise ValueError(f"{name}={count!r}: give a whole number >= 1.")
+        if not (math.isfinite(self.compression_ratio) and self.compression_ratio >= 1):
+            raise ValueError(
+                f"compression_ratio={self.compression_ratio!r}: give a finite number, 1 "
+                "(lossless) or more."
+            )
+        if self.host_bytes is not None and self.host_bytes < 1:
+            raise ValueError(
+                f"host_bytes={self.host_bytes!r}: give the host RAM in bytes (>= 1), or None "
+                "for what this machine has available now."
+            )
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:

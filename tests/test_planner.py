@@ -6,6 +6,7 @@ tests/test_demo.py checks it against the demo's measured memory too.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from pathlib import Path
 
@@ -294,6 +295,26 @@ def test_bad_plan_arguments_name_the_option(
         cli.main(["plan", *args])
     assert exit_info.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"flops": 0.0}, "flops=0.0: give a finite rate > 0"),
+        ({"link_gbps": math.nan}, "link_gbps=nan: give a finite rate > 0"),
+        ({"micro_batches": 0}, "micro_batches=0: give a whole number >= 1"),
+        ({"tokens_per_step": 0}, "tokens_per_step=0: give a whole number >= 1"),
+        ({"compression_ratio": 0.5}, "compression_ratio=0.5: give a finite number, 1"),
+        ({"host_bytes": 0}, "host_bytes=0: give the host RAM in bytes"),
+        ({"tensors": []}, "tensors=[]: give the trainable parameters' sizes"),
+    ],
+)
+def test_plan_inputs_through_python_refuse_what_the_cli_refuses(
+    options: dict[str, object], expected: str
+) -> None:
+    """`PlanInputs(flops=0)` planned a time floor of inf; no tensors, a bare max() error."""
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        PlanInputs(**{"tensors": [1000], **options})  # type: ignore[arg-type]
 
 
 def test_plan_refuses_a_model_whose_parameters_are_all_frozen(

@@ -2958,6 +2958,20 @@ MUTANTS = [
         "                this = wrapper  # weakly",
         "tests/test_decorator.py::test_a_decorated_closure_lets_its_model_go_without_a_gc_pass",
     ),
+    (
+        "planner: PlanInputs refuses a zero rate through the Python API",
+        "gradient_cache/planner.py",
+        "            if not (math.isfinite(value) and value > 0):\n",
+        "            if not math.isfinite(value):\n",
+        "tests/test_planner.py::test_plan_inputs_through_python_refuse_what_the_cli_refuses",
+    ),
+    (
+        "planner: PlanInputs refuses no tensors",
+        "gradient_cache/planner.py",
+        "        if not self.tensors or min(self.tensors) < 1:\n",
+        "        if False:\n",
+        "tests/test_planner.py::test_plan_inputs_through_python_refuse_what_the_cli_refuses",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
