@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 import gradient_cache
+from gradient_cache.codecs.registry import BLOCK_CODECS
 
-CODECS = ("int8", "q4", "q3", "q2", "sign")
+CODECS = ("int8", *BLOCK_CODECS)
 MAGNITUDES = (1e36, 1e37, 2e37, 3e37, 1e38)
 
 
