@@ -10,8 +10,9 @@ root group). For each variant, one measured step after a warm-up step, on each r
   sampled after every post-accumulate-grad hook (so after the cache took the gradient):
   the distinct storages behind ``param.grad`` (FSDP2's reduce-scatter buffers, whole)
   plus the gradients waiting in the cache's open bucket;
-* step peak: the most gradient bytes set on parameters when ``optimizer.step()`` starts
-  (the fused step calls it once per bucket);
+* step peak: the most gradient bytes set on parameters as the optimizer's update starts,
+  sampled in the optimizer's own ``step`` (a subclass's: the fused step runs it once per
+  bucket, where its step hooks fire once for the whole step, before the first bucket);
 * host held: the cache's ``host_held_mb`` (stored gradients and residuals).
 
 On a GPU the cache adds, during backward, up to ``staging_depth`` launched buckets whose
@@ -67,10 +68,17 @@ def measure(model_size: str, ratio: float | None, fused: bool, batch_size: int) 
     fully_shard(model)
     # The sharded parameters (FSDP2 swaps in unsharded ones between forward and backward).
     sharded = list(model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cache = None if ratio is None else create_gradient_cache(model, compression_ratio=ratio)
     peaks = {"backward": 0, "step": 0}
     measuring = False
+
+    class SampledAdamW(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            if measuring:
+                peaks["step"] = max(peaks["step"], _resident_bytes(_gradients(sharded)))
+            return super().step(closure)
+
+    optimizer = SampledAdamW(model.parameters(), lr=1e-3)
+    cache = None if ratio is None else create_gradient_cache(model, compression_ratio=ratio)
 
     def waiting() -> list[torch.Tensor]:
         # The gradients in the cache's open bucket: still device tensors on a GPU.
@@ -81,13 +89,8 @@ def measure(model_size: str, ratio: float | None, fused: bool, batch_size: int) 
             resident = _resident_bytes(_gradients(sharded) + waiting())
             peaks["backward"] = max(peaks["backward"], resident)
 
-    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if measuring:
-            peaks["step"] = max(peaks["step"], _resident_bytes(_gradients(sharded)))
-
     # Registered after the cache's hooks, so they run after it took each gradient.
     handles = [p.register_post_accumulate_grad_hook(after_hook) for p in sharded]
-    optimizer.register_step_pre_hook(before_step)
     generator = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(GPT_SIZES[model_size].vocab_size, (10_000,), generator=generator)
     for step in range(2):  # a warm-up step (optimizer state), then the measured one

@@ -451,17 +451,23 @@ def _break_reason(text: str) -> str:
 def check_step_device(streamer: Streamer, config: Config) -> dict[str, Any]:
     """(7) Where the user's optimizer steps: its parameters' and state's devices then."""
     streaming = streamer.setup(make_model(config))
-    optimizer = torch.optim.AdamW(streaming.model.parameters(), lr=LR)
     seen: dict[str, set[str]] = {"parameters": set(), "state": set()}
 
-    def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                seen["parameters"].add(str(local(p).device))
-                for value in optimizer.state[p].values():
-                    seen["state"].add(str(local(value).device))
+    class Recorded(torch.optim.AdamW):
+        """Records in its own ``step``, which a fused step runs once a bucket (its step
+        hooks fire once, before the first bucket, where nothing is on the device yet)."""
 
-    optimizer.register_step_pre_hook(record)
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:  # not in the bucket this update steps
+                        continue
+                    seen["parameters"].add(str(local(p).device))
+                    for value in self.state[p].values():
+                        seen["state"].add(str(local(value).device))
+            return super().step(closure)
+
+    optimizer = Recorded(streaming.model.parameters(), lr=LR)
     train(streaming, batches(config, CHECK_STEPS), optimizer=optimizer)
     facts: dict[str, Any] = {name: sorted(devices) for name, devices in seen.items()}
     facts["summary"] = (

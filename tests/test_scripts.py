@@ -52,6 +52,11 @@ def test_fsdp_memory_report_prints_each_rank(tmp_path: Path) -> None:
     plain, fused = by_variant["plain FSDP2", 0], by_variant["cache r=1, fused step", 0]
     assert plain["backward_peak_mib"] == plain["gradient_mib"]  # all of them, to the step
     assert fused["backward_peak_mib"] < plain["backward_peak_mib"]
+    # The step's peak is sampled in each bucket's update (the step hooks fire before the
+    # first bucket, with no gradient in .grad): a bucket's gradients, not none, not all.
+    applied = by_variant["cache r=1, apply + step", 0]
+    assert plain["step_peak_mib"] == applied["step_peak_mib"] == plain["gradient_mib"]
+    assert 0 < fused["step_peak_mib"] < plain["step_peak_mib"]
     assert "| cache r=100, fused step | 1 |" in out
 
 
