@@ -1,6 +1,6 @@
 """Train a tiny GPT sharded with FSDP2 on several processes: plain, and with the cache.
 
-    torchrun --nproc-per-node 2 examples/train_fsdp.py [--steps 20] [--ratio 100]
+    torchrun --nproc-per-node 2 examples/train_fsdp.py [--steps 20] [--ratio 3]
 
 On GPUs each process takes the GPU of its local rank and nccl; without GPUs the processes
 run on the CPU with gloo. The model is `fully_shard`-ed block by block; each rank caches
@@ -86,7 +86,7 @@ def train(ratio: float | None, tokens: torch.Tensor, device: torch.device, args)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--ratio", type=float, default=100)
+    parser.add_argument("--ratio", type=float, default=3)  # the default codec, int8
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)

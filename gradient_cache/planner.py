@@ -508,8 +508,10 @@ def weights_on_host(
     to_host = weights + state + gradients["device to host"]
     rate = inputs.link_gbps * 1e9
     return WeightsOnHost(
-        window_bytes=layout.window() * inputs.param_bytes,
-        rest_bytes=layout.rest * inputs.param_bytes,
+        # Forward and backward compute on the copies that crossed: a unit's device buffer is
+        # in the compute dtype (bf16 wires: 2 bytes an entry), the step's in the masters'.
+        window_bytes=layout.window() * copy_bytes,
+        rest_bytes=layout.rest * copy_bytes,
         # The two buckets at the step (stepped, arriving): their gradients' entries as weights.
         step_bytes=min(weights, int(2 * bucket / inputs.grad_bytes * inputs.param_bytes)),
         host_bytes=(sum(layout.blocks) + layout.rest) * inputs.param_bytes,

@@ -480,6 +480,14 @@ def test_the_window_is_the_rest_and_the_two_largest_consecutive_blocks() -> None
         weights = plan(PlanInputs(tensors=sizes(model), weights=weight_layout(model))).weights
         assert weights is not None and weights.window_bytes == window
         assert weights.host_bytes == sum(p.numel() * 4 for p in model.parameters())
+        # With bf16 wires the window holds them (a unit's buffer in the compute dtype); the
+        # host keeps the fp32 masters (the wires beside them are the layouts table's).
+        inputs = PlanInputs(tensors=sizes(model), weights=weight_layout(model), weight_copy_bytes=2)
+        wired = plan(inputs).weights
+        assert wired is not None and wired.window_bytes == window // 2
+        assert (
+            wired.rest_bytes == weights.rest_bytes // 2 and wired.host_bytes == weights.host_bytes
+        )
 
 
 def test_the_hiding_tokens_against_the_issues_formula() -> None:

@@ -24,7 +24,7 @@ def run(*args: str) -> str:
 
 def test_example_trains_three_ways_and_lossless_matches_plain() -> None:
     out = run("examples/train_small.py", "--steps", "5")
-    assert "cache r=100" in out
+    assert "| cache r=3 |" in out
     assert "max |weight(plain) - weight(cache r=1)| = 0" in out
 
 
@@ -40,7 +40,7 @@ def test_fsdp_example_under_torchrun_matches_plain_fsdp2_at_ratio_1() -> None:
         "3",
     )
     assert "2 processes on cpu" in out
-    assert "| cache r=100 |" in out
+    assert "| cache r=3 |" in out
     assert "cache r=1 against plain FSDP2: max weight difference 0\n" in out
 
 
