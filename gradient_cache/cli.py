@@ -480,6 +480,11 @@ def _plan_model(
     a --model's own, or --params' assumed ones."""
     _check_block_options(parser, args)
     if args.model is None:
+        if args.largest is not None and args.largest > args.params:
+            parser.error(
+                f"argument --largest: {args.largest} entries is more than --params "
+                f"{args.params}: give the largest tensor's entries, at most the count"
+            )
         tensors = tensors_of_count(args.params, largest=args.largest)
         if not args.offload_parameters:
             return tensors, None
@@ -529,7 +534,21 @@ def _check_block_options(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 
 def _check_host_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--host-gib and --host-memory-fraction: only with the table they size."""
+    """--host-gib and --host-memory-fraction: only with the table they size; --compute-dtype
+    only with the weights it casts, and not with a budget (the engine refuses both)."""
+    if args.compute_dtype != "fp32" and not args.offload_parameters:
+        parser.error(
+            f"argument --compute-dtype: {args.compute_dtype} is the weights' copies over the "
+            "link (compute_dtype needs offload_parameters=True): add --offload-parameters, "
+            "or leave it out"
+        )
+    if args.compute_dtype != "fp32" and args.memory_budget is not None:
+        parser.error(
+            f"argument --memory-budget: {args.memory_budget!r} cannot be combined with "
+            f"--compute-dtype {args.compute_dtype}, as the engine refuses memory_budget with "
+            "offload_parameters=True and a compute_dtype (a block the budget keeps would "
+            "compute in its parameters' own dtype): leave one out"
+        )
     for option, value in (
         ("--host-gib", args.host_gib),
         ("--host-memory-fraction", args.host_memory_fraction),
@@ -589,10 +608,10 @@ def _non_negative_float(text: str) -> float:
 
 def _host_gib(text: str) -> float:
     value = _number(text)
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(value) or value * 2**30 < 1:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a finite number of GiB > 0: give the host's RAM, e.g. 1024, "
-            "or leave it out for what this machine has available now"
+            f"{text!r} is not a finite number of GiB of a byte or more: give the host's RAM, "
+            "e.g. 1024, or leave it out for what this machine has available now"
         )
     return value
 

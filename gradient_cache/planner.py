@@ -1062,7 +1062,7 @@ def optimizer_state_bytes(value: str) -> tuple[float, int]:
         per_param, per_tensor = OPTIMIZER_STATE_BYTES[value.lower()]
         return float(per_param), per_tensor
     number = float(value)
-    if not number >= 0:
+    if not (math.isfinite(number) and number >= 0):
         raise ValueError(value)
     return number, 0
 

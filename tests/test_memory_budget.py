@@ -139,10 +139,16 @@ def test_a_decision_midway_trains_bit_for_bit_as_plain() -> None:
 
 
 def test_a_budget_the_offloaded_step_already_passes_raises_with_the_numbers() -> None:
+    """And names the fix where an optimizer brought its state on the device to the cache
+    (a probe: a resumed optimizer's state measured in the first steps, blamed on the
+    budget)."""
     with pytest.raises(
         MemoryBudgetError, match=r"is 99\.0 MiB, and the first steps peaked at 100\.0"
-    ):
+    ) as raised:
         budgeted_run(room=-MIB)
+    assert "call hook_manager.offload_state_of(optimizer) right after creating it" in str(
+        raised.value
+    )
 
 
 def test_on_a_cpu_there_is_nothing_to_budget() -> None:

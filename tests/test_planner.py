@@ -279,9 +279,39 @@ def test_plan_help_documents_every_input(capsys: pytest.CaptureFixture[str]) -> 
         ),
         (
             ["--params", "10", "--offload-parameters", "--host-gib", "-1"],
-            "argument --host-gib: '-1' is not a finite number of GiB > 0: give the host's RAM",
+            "argument --host-gib: '-1' is not a finite number of GiB of a byte or more",
         ),
         (["--params", "10", "--host-gib", "64"], "add --offload-parameters"),
+        (
+            ["--params", "1000", "--offload-parameters", "--host-gib", "1e-12"],
+            "argument --host-gib: '1e-12' is not a finite number of GiB of a byte or more",
+        ),
+        (
+            ["--params", "1000", "--optimizer", "inf"],
+            "argument --optimizer: 'inf' is not one of",
+        ),
+        (
+            ["--params", "1000", "--compute-dtype", "bf16"],
+            "argument --compute-dtype: bf16 is the weights' copies over the link",
+        ),
+        (
+            [
+                "--params",
+                "1000",
+                "--offload-parameters",
+                "--compute-dtype",
+                "bf16",
+                "--memory-budget",
+                "50%",
+                "--device-gib",
+                "1",
+            ],
+            "argument --memory-budget: '50%' cannot be combined with --compute-dtype bf16",
+        ),
+        (
+            ["--params", "100", "--largest", "500"],
+            "argument --largest: 500 entries is more than --params 100",
+        ),
         (
             ["--params", "10", "--offload-parameters", "--host-memory-fraction", "0"],
             "argument --host-memory-fraction: '0' is not a share of the host's RAM in (0, 1]",

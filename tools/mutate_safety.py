@@ -2972,6 +2972,27 @@ MUTANTS = [
         "        if False:\n",
         "tests/test_planner.py::test_plan_inputs_through_python_refuse_what_the_cli_refuses",
     ),
+    (
+        "plan CLI: --compute-dtype needs --offload-parameters",
+        "gradient_cache/cli.py",
+        '    if args.compute_dtype != "fp32" and not args.offload_parameters:\n',
+        "    if False:\n",
+        "tests/test_planner.py::test_bad_plan_arguments_name_the_option",
+    ),
+    (
+        "plan CLI: --compute-dtype with --memory-budget refused as the engine does",
+        "gradient_cache/cli.py",
+        '    if args.compute_dtype != "fp32" and args.memory_budget is not None:\n',
+        "    if False:\n",
+        "tests/test_planner.py::test_bad_plan_arguments_name_the_option",
+    ),
+    (
+        "budget: the refusal names offload_state_of for an optimizer's earlier state",
+        "gradient_cache/engine/budget.py",
+        '            if with_state\n            else ""\n',
+        '            if False\n            else ""\n',
+        "tests/test_memory_budget.py::test_a_budget_the_offloaded_step_already_passes_raises_with_the_numbers",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

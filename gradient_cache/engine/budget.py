@@ -215,11 +215,21 @@ def decide(
         fixes = "raise the budget, "
         if not with_state:
             fixes += "offload the optimizer state (offload_optimizer_state=True), "
+        # An optimizer that had state before the cache (resumed, or stepped plainly) keeps
+        # it on the device until its first fused step: the first steps measured it there.
+        earlier = (
+            " If the optimizer had state on the device before the cache was created, call "
+            "hook_manager.offload_state_of(optimizer) right after creating it, so the first "
+            "steps run without that state."
+            if with_state
+            else ""
+        )
         raise MemoryBudgetError(
             f"memory_budget={budget!r} is {budget_bytes / MIB:.1f} MiB, and the first steps "
             f"peaked at {measured_peak / MIB:.1f} MiB with {everything} offloaded: "
             f"{(measured_peak - budget_bytes) / MIB:.1f} MiB over. To fit: {fixes}compress "
             "more, or lower the activations (smaller micro-batches, activation checkpointing)."
+            f"{earlier}"
         )
 
     def value(c: Candidate) -> tuple[float, bool]:
