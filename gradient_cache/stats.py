@@ -54,10 +54,11 @@ class CompressionSummary:
     cgroup). ``host_pool``: the CUDA backend's pool, None elsewhere.
     ``optimizer_state_host_mb``: host memory held for the optimizer's state
     (``offload_optimizer_state``); ``optimizer_state_moved_mb``: the state bytes the last
-    fused step moved, to the device and back. ``parameters_host_mb``: host memory held
-    for the weights' masters (``offload_parameters``); ``parameters_moved_mb``: the
+    step moved, to the device and back: its fused steps, every optimizer's.
+    ``parameters_host_mb``: host memory held for the weights' masters
+    (``offload_parameters``); ``parameters_moved_mb``: the
     weight bytes the last step moved, to the device and back: its forward and backward
-    passes (every micro-batch's) and its fused step. ``steps``: steps
+    passes (every micro-batch's) and its fused steps, every optimizer's. ``steps``: steps
     restored so far (a step delivered by several optimizers counts once), less those a
     GradScaler skipped (a skip is learnt when the next step begins). ``memory_budget``:
     with one, what it decided after its measured steps (or that there is nothing to budget).
@@ -126,7 +127,7 @@ def compression_summary(
         host_available_mb=available_host_bytes() / MIB,
         host_pool=None if pool is None else PoolSummary(pool.capacity_bytes / MIB, pool.pinned),
         optimizer_state_host_mb=0.0 if states is None else states.host_bytes / MIB,
-        optimizer_state_moved_mb=0.0 if states is None else states.moved_bytes / MIB,
+        optimizer_state_moved_mb=0.0 if states is None else states.moved_last_step / MIB,
         parameters_host_mb=0.0 if weights is None else weights.host_bytes / MIB,
         parameters_moved_mb=0.0 if weights is None else weights.moved_last_step / MIB,
         steps=pipeline.steps,

@@ -1256,9 +1256,9 @@ def test_frozen_block_weights_go_when_their_blocks_backward_is_done() -> None:
     assert max(seen) <= rest + 2 * max(sum(p.nbytes for p in ps) for ps in units.block_params)
 
 
-def test_two_optimizers_report_the_steps_weight_bytes_together() -> None:
-    """Each optimizer's fused step brings its own parameters' weights; the summary's figure
-    is the step's, both together, as with one optimizer over all."""
+def test_two_optimizers_report_the_steps_weight_and_state_bytes_together() -> None:
+    """Each optimizer's fused step brings its own parameters' weights and state; the
+    summary's figures are the step's, both optimizers' together, as with one over all."""
     data = batches(2)
     figures = []
     for split in (False, True):
@@ -1266,14 +1266,18 @@ def test_two_optimizers_report_the_steps_weight_bytes_together() -> None:
         manager = gradient_cache.create_gradient_cache(model, **STREAMED)
         params = list(model.parameters())
         groups = [params[:10], params[10:]] if split else [params]
-        optimizers = [torch.optim.SGD(group, lr=0.05) for group in groups]
+        optimizers = [torch.optim.SGD(group, lr=0.05, momentum=0.9) for group in groups]
         for tokens, targets in data:
             model(tokens, targets)[1].backward()
             for optimizer in optimizers:
                 manager.step(optimizer)
                 optimizer.zero_grad()
-        figures.append(manager.summary().parameters_moved_mb)
-    assert figures[0] == figures[1] > 0
+        summary = manager.summary()
+        figures.append((summary.parameters_moved_mb, summary.optimizer_state_moved_mb))
+    assert figures[0] == figures[1]
+    # The momentum buffers (the parameters' bytes) brought and sent back.
+    assert figures[0][1] * 2**20 == 2 * sum(p.numel() * p.element_size() for p in params)
+    assert figures[0][0] > 0
 
 
 def test_disable_is_refused_with_the_weights_on_the_host() -> None:

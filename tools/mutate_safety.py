@@ -1702,7 +1702,7 @@ MUTANTS = [
         "gradient_cache/engine/weights/masters.py",
         "        if steps != self._counted_step:\n            self.moved_last_step, self._counted_step = 0, steps\n",
         "        if True:\n            self.moved_last_step, self._counted_step = 0, steps\n",
-        "tests/test_parameters_offload.py::test_two_optimizers_report_the_steps_weight_bytes_together",
+        "tests/test_parameters_offload.py::test_two_optimizers_report_the_steps_weight_and_state_bytes_together",
     ),
     (
         "weights: disable() is refused (a gradient would outlive its weights)",
@@ -2992,6 +2992,34 @@ MUTANTS = [
         '            if with_state\n            else ""\n',
         '            if False\n            else ""\n',
         "tests/test_memory_budget.py::test_a_budget_the_offloaded_step_already_passes_raises_with_the_numbers",
+    ),
+    (
+        "optimizer state: a capturable or fused step's scalars to the device, the weights at rest on the host",
+        "gradient_cache/engine/optimizer_state.py",
+        '            beside = bool(group.get("capturable") or group.get("fused"))\n',
+        "            beside = False\n",
+        "tests/emulated/test_weights_on_device.py::test_an_adamw_keeping_its_step_on_the_device_resumes_as_plain",
+    ),
+    (
+        "optimizer state: a foreach step's scalar stays on the host, the weights at rest on the host",
+        "gradient_cache/engine/optimizer_state.py",
+        '                        and (beside or key != "step")\n',
+        "                        and True\n",
+        "tests/emulated/test_weights_on_device.py::test_an_adamw_keeping_its_step_on_the_device_resumes_as_plain",
+    ),
+    (
+        "optimizer state: several optimizers' fused steps count together in the step's moved bytes",
+        "gradient_cache/engine/optimizer_state.py",
+        "        if steps != self._counted_step or id(owned) in self._counted:\n",
+        "        if True:\n",
+        "tests/test_parameters_offload.py::test_two_optimizers_report_the_steps_weight_and_state_bytes_together",
+    ),
+    (
+        "optimizer state: a step that delivered nothing counts its moved bytes anew",
+        "gradient_cache/engine/optimizer_state.py",
+        "        if steps != self._counted_step or id(owned) in self._counted:\n",
+        "        if steps != self._counted_step:\n",
+        "tests/test_memory_budget.py::test_room_to_spare_keeps_everything_on_the_device",
     ),
 ]
 

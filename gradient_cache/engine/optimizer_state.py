@@ -95,14 +95,21 @@ class HostOptimizerState:
     # `StateCopies`: a value in optimizer.state that *is* its host copy is on the host.
     host: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     host_bytes: int = 0
-    # The state bytes the last step moved, to the device and back (counted as it goes).
+    # The state bytes the fused step under way moved, to the device and back (counted as
+    # they go), and those the last step moved: its fused steps', every optimizer's.
     moved_bytes: int = 0
+    moved_last_step: int = 0
+    _counted_step: int = -1  # the step moved_last_step counts
+    _counted: set[int] = field(default_factory=set)  # its optimizers' `StateCopies` (ids)
     # The attached optimizers (weakly) and their hooks' handles, removed by `close`.
     _attached: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     _loading: list[dict[Param, dict[str, torch.Tensor]]] = field(default_factory=list)
     # Parameters whose state stays on the device (a memory budget's decision): brought
     # once more from its host copy, then never sent back.
     on_device: set[Param] = field(default_factory=set)
+    # Whether a parameter's weight rests on the host between steps (offload_parameters,
+    # `Pipeline.carry_weights`): it steps on the device all the same.
+    rests_on_host: Callable[[Param], bool] = lambda param: False
 
     def __post_init__(self) -> None:
         # Where every host copy is cut from (the backend's slabs: pinned on CUDA).
@@ -143,8 +150,30 @@ class HostOptimizerState:
         bring is ordered after the copy (`Backend.release` makes compute wait for it, the
         restore stream waits for compute); the host reads them after `wait_on_host`."""
         self.attach(optimizer)
+        self._scalars_to_device(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.send(optimizer.state, self.state_copies(optimizer), params)
+
+    def _scalars_to_device(self, optimizer: Optimizer) -> None:
+        """The scalar tensors ``load_state_dict`` put beside a parameter at rest on the host
+        to the device it steps on, where plain PyTorch's load puts them: torch's policy puts
+        each beside its parameter but the ``step`` of an optimizer neither capturable nor
+        fused, and a capturable step refuses a ``step`` on the host."""
+        for group in optimizer.param_groups:
+            beside = bool(group.get("capturable") or group.get("fused"))
+            for param in group["params"]:
+                if not self.rests_on_host(param):
+                    continue
+                state = optimizer.state.get(param, {})
+                for key, value in state.items():
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and value.dim() == 0  # a moment loaded beside it is `send`'s
+                        and not offloaded(value)
+                        and value.device == param.device
+                        and (beside or key != "step")
+                    ):
+                        state[key] = value.to(self.backend.device)
 
     def copies_of(self, optimizer: Optimizer) -> Copies:
         """``optimizer``'s host copies (empty if it has none): read-only for callers."""
@@ -225,12 +254,25 @@ class HostOptimizerState:
         return rebuilt(value, iter([leaf.clone() for leaf in leaves(value)]))
 
     def begin_step(self, optimizer: Optimizer) -> StateJourney:
-        """A fused step begins: moved bytes from zero, ``optimizer``'s state on the device sent
-        home (`send_to_host`). Returns the step's journeys of its state."""
+        """A fused step begins: moved bytes from zero (a failed attempt's not counted),
+        ``optimizer``'s state on the device sent home (`send_to_host`). Returns the step's
+        journeys of its state."""
         self.moved_bytes = 0
         self._slabs.expect(p for group in optimizer.param_groups for p in group["params"])
         self.send_to_host(optimizer)
         return StateJourney(self, optimizer.state, self.state_copies(optimizer))
+
+    def step_ended(self, steps: int, owned: StateCopies) -> None:
+        """The fused step of ``owned``'s optimizer completed step ``steps``: its moved bytes
+        are the last step's, added to other optimizers' of the same step (the weights' rule,
+        `HostWeights.step_ended`). A step that delivered no cached gradient (a budget keeps
+        them all) leaves ``steps`` as it was: there, an optimizer stepping again begins the
+        next."""
+        if steps != self._counted_step or id(owned) in self._counted:
+            self.moved_last_step, self._counted_step, self._counted = 0, steps, set()
+        self.moved_last_step += self.moved_bytes
+        self._counted.add(id(owned))
+        self.moved_bytes = 0
 
     def attach(self, optimizer: Optimizer) -> None:
         """From now on ``optimizer.load_state_dict`` puts the offloaded state on the host
@@ -397,7 +439,8 @@ class StateJourney:
                 self.owned.at.pop(param, None)
 
     def step_ended(self, steps: int) -> None:
-        """Nothing to finish: each bucket's state went back as its step ended."""
+        """Each bucket's state went back as its step ended: only the bytes to count."""
+        self.states.step_ended(steps, self.owned)
 
 
 def _held_weakly(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -368,6 +368,8 @@ class Pipeline:
     def carry_weights(self, weights: HostWeights) -> None:
         """The weights on the host travel with the fused step's buckets (`StepJourney`)."""
         self.weights = weights
+        if self.optimizer_state is not None:
+            self.optimizer_state.rests_on_host = weights.rests_on_host
 
     def close(self) -> None:
         """Detach: the hooks removed, the parameters free for another cache, the optimizer

@@ -494,3 +494,51 @@ def test_a_regularizer_over_every_parameter_raises_never_trains(device, attempt)
     model(tokens, targets)[1].backward()
     assert manager.engine.weights.present() == []  # its end ran: nothing kept
     manager.step(optimizer)
+
+
+@pytest.mark.parametrize("kind", ["capturable", "fused", "foreach"])
+@pytest.mark.parametrize("attached", [True, False], ids=["offload_state_of", "first-step"])
+@pytest.mark.parametrize("setup", ["model-on-device", "device="])
+def test_an_adamw_keeping_its_step_on_the_device_resumes_as_plain(
+    device, kind, attached, setup
+) -> None:
+    """A capturable or fused AdamW keeps ``step`` on the device. Its state_dict, read back
+    with map_location="cpu" and loaded into a new optimizer (after ``offload_state_of`` or
+    before the first step): torch's load puts ``step`` beside the parameter, at rest the
+    host master, and the step then asserted; here two more steps equal plain's resumed run
+    on the device bit for bit, weights and state, ``step`` on the device too (a foreach
+    AdamW's on the host, as plain's)."""
+    data = on(device, 4)
+    step_on = torch.device("cpu") if kind == "foreach" else device
+
+    def resumed_run(model, manager=None) -> torch.optim.Optimizer:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
+        for number, (tokens, targets) in enumerate(data):
+            if number == 2:
+                buffer = io.BytesIO()
+                torch.save(optimizer.state_dict(), buffer)
+                buffer.seek(0)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **{kind: True})
+                if manager is not None and attached:
+                    manager.offload_state_of(optimizer)
+                optimizer.load_state_dict(torch.load(buffer, map_location="cpu"))
+            model(tokens, targets)[1].backward()
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+        return optimizer
+
+    plain = gpt().to(device)
+    plain_opt = resumed_run(plain)
+    cached = gpt() if setup == "device=" else gpt().to(device)
+    where = {"device": device} if setup == "device=" else {}
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, **where)
+    cached_opt = resumed_run(cached, manager)
+    same(plain, cached)
+    for p, q in zip(plain.parameters(), cached.parameters(), strict=True):
+        expected, got = plain_opt.state[p], cached_opt.state[q]
+        assert expected["step"].device == got["step"].device == step_on
+        for key in expected:
+            assert torch.equal(expected[key].cpu(), got[key].cpu()), key

@@ -195,6 +195,10 @@ class HostWeights:
         """Whether ``tensor`` (not a Parameter; maybe a `DTensor`) views the masters' slabs."""
         return not isinstance(tensor, Param) and self._slabs.holds(sharding.local(tensor))
 
+    def rests_on_host(self, param: Param) -> bool:
+        """Whether ``param``'s weight is one of these (at rest in its master between steps)."""
+        return param in self._weights
+
     def where(self, param: Param) -> WeightAt:
         return self._weights[param].at
 
