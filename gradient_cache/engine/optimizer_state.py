@@ -168,8 +168,7 @@ class HostOptimizerState:
                 for key, value in state.items():
                     if (
                         isinstance(value, torch.Tensor)
-                        and value.dim() == 0  # a moment loaded beside it is `send`'s
-                        and not offloaded(value)
+                        and not offloaded(value)  # a scalar: a moment beside it is send's
                         and value.device == param.device
                         and (beside or key != "step")
                     ):
