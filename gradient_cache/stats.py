@@ -55,8 +55,8 @@ class CompressionSummary:
     ``optimizer_state_host_mb``: host memory held for the optimizer's state
     (``offload_optimizer_state``); ``optimizer_state_moved_mb``: the state bytes the last
     step moved, to the device and back: its fused steps, every optimizer's.
-    ``parameters_host_mb``: host memory held for the weights' masters
-    (``offload_parameters``); ``parameters_moved_mb``: the
+    ``parameters_host_mb``: host memory held for the weights' masters and, with a
+    ``compute_dtype``, their wires (``offload_parameters``); ``parameters_moved_mb``: the
     weight bytes the last step moved, to the device and back: its forward and backward
     passes (every micro-batch's) and its fused steps, every optimizer's. ``steps``: steps
     restored so far (a step delivered by several optimizers counts once), less those a
