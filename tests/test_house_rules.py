@@ -242,3 +242,21 @@ def test_the_private_member_rule_sees_the_projects_names_only() -> None:
     assert private_imports("from ..engine.fused_step import _clip", module) != []
     assert private_imports("from gradient_cache.manager import _attached", module) != []
     assert private_imports("from ..engine.pipeline import Pipeline", module) == []
+
+
+def test_no_text_file_holds_a_merge_conflicts_markers() -> None:
+    """A conflict resolved in one file and committed with the rest left two sides of
+    docs/summary.md's table in the tree."""
+    markers = ("<<<<<<< ", "=======\n", ">>>>>>> ")
+    folders = ("gradient_cache", "tests", "docs", "perf", "tools", "examples", ".ci")
+    texts = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    for folder in folders:
+        texts += [p for p in (ROOT / folder).rglob("*") if p.suffix in {".py", ".md", ".sh", ""}]
+    marked = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in texts
+        if path.is_file()
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(True), 1)
+        if line.startswith(markers)
+    ]
+    assert marked == []
