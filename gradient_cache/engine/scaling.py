@@ -48,7 +48,11 @@ def check_ready(
     if scaler._scale is None:
         raise RuntimeError(
             "step(optimizer) with a GradScaler that scaled no loss yet (its scale is made by "
-            "the first scaler.scale(loss)): backpropagate scaler.scale(loss), not the loss."
+            "the first scaler.scale(loss)): backpropagate scaler.scale(loss), not the loss. "
+            "A scaler loaded from a checkpoint makes it at its first scale() too: resumed "
+            "between the backward and the step, call scaler.scale(torch.zeros((), "
+            "device=...)) once on the device first (plain PyTorch's scaler.step needs the "
+            "same)."
         )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     fp16 = [p for p in params if p.dtype == torch.float16]
