@@ -201,9 +201,9 @@ def _check(pipeline: Pipeline, state: Any) -> None:
             # A whole compiled model is named as the model; a compiled submodule is not.
             compiled = (
                 " Names with '_orig_mod' come from a submodule wrapped by torch.compile: "
-                "compile the same submodules as when it was saved, or compile the whole "
-                "model instead (the cache names a compiled model's parameters as the "
-                "model's own)."
+                "to load this state, compile the same submodules as when it was saved. "
+                "Runs that compile the whole model instead save plain names (the cache "
+                "names a compiled model's parameters as the model's own)."
             )
         raise ValueError(
             "The checkpoint's gradient cache covers other parameters: "
