@@ -438,7 +438,8 @@ class GradientCacheHookManager:
         saving run goes on (the drain compresses a micro-batch's gradients still on the device,
         which with a lossy codec a run that never saved would have summed with the next one
         exactly). Under FSDP2 it holds this rank's shards: load each into the same rank at the same
-        world size.
+        world size. With a ``grad_scaler``, call it after ``scaler.update()``: before it, a restored
+        step that stepped no optimizer may be one the scaler skipped, and it refuses.
         """
         pipeline = self._live()
         if pipeline.deferred_clip is not None:

@@ -278,6 +278,11 @@ CASES = [
      "s.scale(m(torch.randn(2, 4).half()).sum()).backward(); "
      "c.step(torch.optim.SGD(m.parameters(), lr=0.1))",
      ValueError, "Attempting to unscale FP16 gradients."),
+    ("state_dict() between a skipped step and scaler.update()",
+     "m = model(); s = torch.amp.GradScaler('cpu'); c = create_gradient_cache(m, grad_scaler=s); "
+     "s.scale(m(torch.randn(2, 4)).sum() * math.inf).backward(); "
+     "c.step(torch.optim.SGD(m.parameters(), lr=0.1)); c.state_dict()",
+     RuntimeError, "call state_dict() after scaler.update()"),
 ]  # fmt: skip
 
 

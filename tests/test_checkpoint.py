@@ -286,3 +286,85 @@ def test_a_checkpoint_after_an_overflowing_backward_loads_and_its_step_is_skippe
     (uninterrupted, expected), (resumed, scales) = run(None), run(2)
     assert scales == expected and expected[2] < expected[1]  # the overflowed step skipped
     assert_same_parameters(uninterrupted, resumed)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["apply_gradients", "fused step"])
+def test_state_dict_between_a_skipped_step_and_the_scaler_update_is_refused_unchanged(
+    fused: bool,
+) -> None:
+    """state_dict() between a step the GradScaler skipped and ``scaler.update()`` settled
+    the step as taken (its step count, draws and residuals kept): the saving run trained
+    otherwise than one that never saved (a probe; int8 draws its rounding noise). Now it
+    is refused and the run is the unsaved one bit for bit; a checkpoint after the update
+    resumes bit for bit."""
+
+    def build_run():
+        model = make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        manager = gradient_cache.create_gradient_cache(
+            model, grad_scaler=scaler, min_compress_numel=1
+        )
+        return model, manager, torch.optim.AdamW(model.parameters(), lr=1e-2), scaler
+
+    def run(save: bool) -> tuple[torch.nn.Module, int]:
+        model, manager, optimizer, scaler = build_run()
+        for index, (tokens, targets) in enumerate(batches(6)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_of(model, tokens, targets) * (float("inf") if index == 2 else 1.0)
+            scaler.scale(loss).backward()
+            if fused:
+                manager.step(optimizer)
+            else:
+                manager.apply_gradients()
+                scaler.step(optimizer)
+            if save and index == 2:
+                with pytest.raises(RuntimeError, match=r"after scaler\.update\(\)"):
+                    manager.state_dict()
+            scaler.update()
+            if save and index == 2:  # the documented point: after the update
+                saved = save_and_load(model, manager, optimizer)
+                saved["scaler"] = scaler.state_dict()
+                manager.remove_hooks()
+                model, manager, optimizer, scaler = build_run()
+                model.load_state_dict(saved["model"])
+                optimizer.load_state_dict(saved["optimizer"])
+                scaler.load_state_dict(saved["scaler"])
+                manager.load_state_dict(saved["cache"])
+            optimizer.zero_grad()
+        steps = manager.get_compression_summary()["steps"]
+        manager.remove_hooks()
+        return model, steps
+
+    (unsaved, unsaved_steps), (resumed, steps) = run(False), run(True)
+    assert steps == unsaved_steps == 5  # the skipped step not counted
+    assert_same_parameters(unsaved, resumed)
+
+
+@pytest.mark.parametrize("saved_keep", [True, False], ids=["saved keeping", "saved not keeping"])
+@pytest.mark.parametrize("loaded_keep", [True, False], ids=["loaded keeping", "loaded not"])
+def test_a_mid_step_top_k_state_resumes_under_either_keep_previous_residual(
+    saved_keep: bool, loaded_keep: bool
+) -> None:
+    """A mid-step top-k state saved keeping the previous residual (the pending step's new
+    one beside it) loaded into a manager with ``keep_previous_residual=False`` (an option a
+    load may change) put the loaded pending residual over the newer current one at the
+    step's end (a probe: 0.016 off). Each way now resumes as the uninterrupted run of the
+    loading manager's option (keeping or not trains the same without a discard)."""
+
+    def options(keep: bool) -> dict[str, Any]:
+        return dict(compression_ratio=100, codec="topk", keep_previous_residual=keep)
+
+    reference, reference_manager, optimizer = build(options(loaded_keep))
+    run(reference, reference_manager, optimizer, range(STEPS * MICRO_BATCHES))
+    cut = 2 * MICRO_BATCHES + 1  # the third step's first micro-batch cached
+    model, manager, optimizer = build(options(saved_keep))
+    run(model, manager, optimizer, range(cut))
+    saved = save_and_load(model, manager, optimizer)
+    assert bool(saved["cache"]["pending_residuals"]) is saved_keep
+    manager.remove_hooks()
+    model, manager, optimizer = build(options(loaded_keep))
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    manager.load_state_dict(saved["cache"])
+    run(model, manager, optimizer, range(cut, STEPS * MICRO_BATCHES))
+    assert_same_parameters(reference, model)

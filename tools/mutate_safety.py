@@ -3021,6 +3021,34 @@ MUTANTS = [
         "        if steps != self._counted_step:\n",
         "tests/test_memory_budget.py::test_room_to_spare_keeps_everything_on_the_device",
     ),
+    (
+        "checkpoint: state_dict() before the scaler's verdict refuses, not settles as taken",
+        "gradient_cache/engine/checkpoint.py",
+        "    pipeline.settle_scaled_step(known_only=True)\n",
+        "    pipeline.settle_scaled_step()\n",
+        "tests/test_checkpoint.py::test_state_dict_between_a_skipped_step_and_the_scaler_update_is_refused_unchanged",
+    ),
+    (
+        "checkpoint: a loaded pending residual is current without keep_previous_residual (CPU)",
+        "gradient_cache/engine/residuals.py",
+        "        if not self.keep_previous:  # a pending step's residual is current at once here\n",
+        "        if False:\n",
+        "tests/test_checkpoint.py::test_a_mid_step_top_k_state_resumes_under_either_keep_previous_residual",
+    ),
+    (
+        "checkpoint: a loaded pending residual is current without keep_previous_residual (pinned pool)",
+        "gradient_cache/engine/residuals.py",
+        "            if self.keep_previous:\n                self._target(param).copy_(saved)\n",
+        "            if True:\n                self._target(param).copy_(saved)\n",
+        "tests/emulated/test_checkpoint_on_device.py::test_a_mid_step_top_k_state_resumes_under_either_keep_previous_residual",
+    ),
+    (
+        "checkpoint: a load zeroes the pinned pool's residuals the state lacks",
+        "gradient_cache/engine/residuals.py",
+        "        for residual in self.current().values():\n            residual.zero_()\n",
+        "        for residual in self.current().values():\n            pass\n",
+        "tests/emulated/test_checkpoint_on_device.py::test_a_load_leaves_exactly_the_states_residuals",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -60,7 +60,16 @@ def save(pipeline: Pipeline) -> dict[str, Any]:
     """The pipeline's state; drains first, so every cached gradient is in host memory."""
     if pipeline.interrupted:
         raise RuntimeError(f"state_dict() cannot save the pending step: {ADVICE[INTERRUPTED]}.")
-    pipeline.settle_scaled_step()  # a step the GradScaler skipped is not saved as taken
+    # A step the GradScaler skipped is not saved as taken. Before its verdict is known (no
+    # optimizer stepped, no `scaler.update()` yet), settling would guess "taken" and change
+    # the saving run too: refused, with nothing changed.
+    pipeline.settle_scaled_step(known_only=True)
+    if pipeline.skips is not None and pipeline.skips.unsettled is not None:
+        raise RuntimeError(
+            "state_dict() was called after a restored step that stepped no optimizer (the "
+            "GradScaler may have skipped it) and before scaler.update() told: call "
+            "state_dict() after scaler.update(), as a plain checkpoint of the scaler needs."
+        )
     pipeline.drain()
     pending = pipeline.pending
     norms = {} if pending is None or pending.norms is None else pending.norms.written()

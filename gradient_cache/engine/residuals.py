@@ -73,7 +73,8 @@ class ResidualStore(ABC):
 
     @abstractmethod
     def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
-        """Take ``current`` and ``pending`` (CPU tensors, stored form): nothing is in flight."""
+        """Take ``current`` and ``pending`` (CPU tensors, stored form), and no other residual;
+        without ``keep_previous`` the pending ones as current. Nothing is in flight."""
 
     def held(self) -> list[torch.Tensor]:
         """Every residual held now: current, a pending step's new ones, and those kept."""
@@ -129,6 +130,9 @@ class DeviceResiduals(ResidualStore):
         self._current = {p: r.to(self.device, copy=True) for p, r in current.items()}
         self._pending = {p: r.to(self.device, copy=True) for p, r in pending.items()}
         self._replaced = {}
+        if not self.keep_previous:  # a pending step's residual is current at once here
+            self._current |= self._pending
+            self._pending = {}
 
 
 class HostSlotResiduals(ResidualStore):
@@ -201,9 +205,16 @@ class HostSlotResiduals(ResidualStore):
 
     def load(self, current: dict[Param, torch.Tensor], pending: dict[Param, torch.Tensor]) -> None:
         self._replaced = set()
+        self._pending = set()  # a copy that raises leaves only the loaded ones pending
+        # Only the state's residuals: one it lacks starts at zero, as a new residual (not
+        # what this manager held before the load).
+        for residual in self.current().values():
+            residual.zero_()
         for param, saved in current.items():
             self._current(param).copy_(saved)  # nothing in flight: plain host copies
-        self._pending = set()  # a copy that raises leaves only the loaded ones pending
         for param, saved in pending.items():
-            self._target(param).copy_(saved)
-            self._pending.add(param)
+            if self.keep_previous:
+                self._target(param).copy_(saved)
+                self._pending.add(param)
+            else:  # a pending step's residual is current at once here (there is no spare)
+                self._current(param).copy_(saved)
