@@ -127,7 +127,9 @@ def load(pipeline: Pipeline, state: Any) -> None:
     )
 
     def to_device(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(device)
+        # A copy on the CPU too: the payload is the engine's own, not a view of the caller's
+        # loaded dict (loaded again elsewhere, or edited), and written where it is ordered.
+        return tensor.to(device, copy=True)
 
     kept = state.get("kept_gradients", {})  # absent: saved before they were carried
     if state["buckets"] or kept:

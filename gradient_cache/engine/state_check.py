@@ -7,12 +7,29 @@ naming the first wrong key and what it expected, so a refused state changes noth
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from ..codecs import payload_from_state
-from ..codecs.payloads import NARROW_FLOATS
+from ..codecs import (
+    BlockQuantized,
+    Codec,
+    Int8Values,
+    TopKCodec,
+    block_kernels,
+    index_dtype,
+    payload_from_state,
+)
+from ..codecs.int8_kernels import INT8_BLOCK, int8_blocks_bytes
+from ..codecs.payloads import (
+    NARROW_FLOATS,
+    BlockCodesPayload,
+    DensePayload,
+    Payload,
+    QuantizedPayload,
+    SparsePayload,
+)
+from ..codecs.rotation import ROTATION_BLOCK
 from .layout import contiguous_strides
 from .pipeline import Pipeline
 from .route import Route
@@ -105,10 +122,27 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
                     f"state[{key!r}][{name!r}] holds non-finite values; a residual is always "
                     "finite (a step with inf or NaN restarts it from zero): the file is damaged."
                 )
-    cached = _check_buckets(state["buckets"], by_name, routes)
+    cached = _check_buckets(state["buckets"], by_name, routes, pipeline.config.compute_dtype)
+    _check_residuals_of_cached(state, by_name, routes, cached)
     _check_kept_gradients(state, by_name, cached)
     _check_pending_norms(state, by_name)
     _check_layouts(state, by_name, routes, cached)
+
+
+def _check_residuals_of_cached(
+    state: dict[str, Any], by_name: dict[str, Any], routes: dict[Any, Route], cached: set[str]
+) -> None:
+    """Each cached payload's encode wrote its parameter's residual, where its codec keeps
+    one: a pending one beside the current (keep_previous_residual), else the current."""
+    for name in sorted(cached):
+        route = routes[by_name[name]]
+        key = "pending_residuals" if route.spare_residual else "residuals"
+        if route.codec.residual is not None and name not in state[key]:
+            raise ValueError(
+                f"state[{key!r}] has no entry for {name!r}, whose gradient is cached in "
+                f"state['buckets']: the encode that cached it wrote its residual there. The "
+                "file is damaged or edited: load an intact checkpoint."
+            )
 
 
 def _check_pending_norms(state: dict[str, Any], by_name: dict[str, Any]) -> None:
@@ -209,9 +243,13 @@ def _check_tensor(tensor: Any, where: str, *, shape: tuple[int, ...], dtype: tor
 
 
 def _check_buckets(
-    buckets: Any, by_name: dict[str, Any], routes: dict[torch.nn.Parameter, Route]
+    buckets: Any,
+    by_name: dict[str, Any],
+    routes: dict[torch.nn.Parameter, Route],
+    compute_dtype: torch.dtype | None,
 ) -> set[str]:
-    """Each bucket's payloads readable, each a cached parameter's; returns their names."""
+    """Each bucket's payloads as its route's codec makes them, each a cached parameter's;
+    returns their names. ``compute_dtype``: the manager's (`EngineConfig.compute_dtype`)."""
     if not isinstance(buckets, list):
         raise ValueError(f"state['buckets'] is a {type(buckets).__name__}; expected a list.")
     seen: set[str] = set()
@@ -229,48 +267,180 @@ def _check_buckets(
                     "another bucket caches too."
                 )
             seen.add(name)
-            _check_payload(item["payload"], f"{where} ({name})", routes[by_name[name]])
+            _check_payload(
+                item["payload"], f"{where} ({name})", routes[by_name[name]], compute_dtype
+            )
     return seen
 
 
-def _check_payload(saved: Any, where: str, route: Any) -> None:
+def _check_payload(saved: Any, where: str, route: Route, compute_dtype: torch.dtype | None) -> None:
+    """``saved`` is a payload of ``route``'s codec, every tensor checked before any of it
+    is decoded: a compiled decode trusts their shapes and lengths (a wrong one crashes the
+    process), and a host slot's copy fails halfway through a load."""
     try:
         payload = payload_from_state(saved)
-        tensors = payload.tensors()
-        if any(t.device.type != "cpu" for t in tensors):
-            raise ValueError("a tensor is not on the CPU")
-        if payload.kind == "dense" and len({t.dtype for t in tensors}) > 1:
-            raise ValueError("a dense payload's two micro-batches differ in dtype")
-        values = payload.kept_values()
-        indices = payload.kept_indices()
-    except (KeyError, TypeError, AttributeError, ValueError, RuntimeError, IndexError) as error:
+        payload.tensors()
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
         raise ValueError(
             f"{where}: the saved payload cannot be read ({type(error).__name__}: {error}); "
             "the file is damaged or edited."
         ) from error
-    expected_kept = route.numel if indices is None else indices.numel()
-    if (
-        payload.numel != route.numel
-        or not _carries(values.dtype, payload.kind, route.dtype)
-        or values.numel() != expected_kept
-        or (indices is not None and not _within(indices, route.numel))
-    ):
+    kind = _payload_kind(route.codec)
+    if payload.kind != kind:
         raise ValueError(
-            f"{where}: the payload holds {values.numel()} {values.dtype} values of a "
-            f"{payload.numel}-entry gradient; expected a gradient of {route.numel} "
-            f"{route.dtype} entries, every index below {route.numel}."
+            f"{where} payload['kind'] is {payload.kind!r}; this manager's codec "
+            f"{route.codec.name!r} makes {kind!r} payloads of it: the file is damaged or edited."
         )
+    for field, fits, expected in _payload_fields(payload, route, compute_dtype):
+        if not fits:
+            value = getattr(payload, field)
+            shown = _describe(value) if isinstance(value, torch.Tensor) else repr(value)
+            raise ValueError(
+                f"{where} payload[{field!r}] is {shown:.80}; expected {expected} (a gradient of "
+                f"{route.numel} {route.dtype} entries, codec {route.codec.name!r}): the file "
+                "is damaged or edited."
+            )
 
 
-def _carries(dtype: torch.dtype, kind: str, route_dtype: torch.dtype) -> bool:
-    """Whether a payload's values in ``dtype`` are a gradient of ``route_dtype``: its own,
-    or a compute dtype's lossless one, carried as it came (`capture.Capture._carried`)."""
-    carried = kind == "dense" and dtype in NARROW_FLOATS and route_dtype == torch.float32
-    return dtype == route_dtype or carried
+def _payload_kind(codec: Codec) -> str:
+    """The `Payload.kind` ``codec`` encodes to."""
+    if isinstance(codec, TopKCodec):
+        return "sparse" if codec.quantizer is None else "quantized"
+    if isinstance(codec, BlockQuantized):
+        return "block_codes"
+    return "quantized" if isinstance(codec, Int8Values) else "dense"
 
 
-def _within(indices: torch.Tensor, numel: int) -> bool:
-    return indices.numel() == 0 or bool(indices.min() >= 0 and indices.max() < numel)
+def _payload_fields(
+    payload: Payload, route: Route, compute_dtype: torch.dtype | None
+) -> Iterator[tuple[str, bool, str]]:
+    """(field, whether it is as ``route`` makes it, what it must be) of each of ``payload``'s
+    fields, in order: a tensor's length is checked only once the fields it follows from are."""
+    numel, dtype = route.numel, route.dtype
+    if isinstance(payload, DensePayload):
+        # A compute dtype's gradient crosses as it came (`capture.Capture._carried`).
+        narrow = (
+            compute_dtype if dtype == torch.float32 and compute_dtype in NARROW_FLOATS else None
+        )
+        dtypes = (dtype,) if narrow is None else (dtype, narrow)
+        yield "tensor", _flat(payload.tensor, numel, dtypes), _flat_text(numel, dtypes)
+        if payload.earlier is not None:  # an earlier micro-batch's part: a carried one's
+            same = (narrow,) if narrow is not None and payload.tensor.dtype == narrow else ()
+            yield (
+                "earlier",
+                _flat(payload.earlier, numel, same),
+                (
+                    f"None, or {_flat_text(numel, same)} beside a {narrow} 'tensor'"
+                    if same
+                    else "None (only a compute dtype's gradient has an earlier part)"
+                ),
+            )
+        return
+    yield "numel", _whole(payload.numel) and payload.numel == numel, f"{numel}"
+    if isinstance(payload, BlockCodesPayload):
+        block_codec = cast(BlockQuantized, route.codec)
+        yield "dtype", payload.dtype == dtype, f"{dtype}"
+        yield (
+            "bits",
+            _whole(payload.bits) and payload.bits == block_codec.bits,
+            f"{block_codec.bits}",
+        )
+        yield "rotated", payload.rotated is block_codec.rotate, f"{block_codec.rotate}"
+        size = block_kernels.encoded_bytes(numel, block_codec.bits)
+        yield (
+            "packed",
+            _flat(payload.packed, size, (torch.uint8,)),
+            _flat_text(size, (torch.uint8,)),
+        )
+        blocks = block_kernels.padded_numel(numel) // ROTATION_BLOCK
+        yield "packed", _scales_valid(payload.packed, blocks), _SCALES
+        return
+    if isinstance(payload, SparsePayload | QuantizedPayload):
+        indices = payload.indices
+        topk = route.codec if isinstance(route.codec, TopKCodec) else None
+        yield (
+            "indices",
+            (indices is None) == (topk is None),
+            "None (the int8 codec keeps every entry)" if topk is None else "the kept indices",
+        )
+        if indices is None or topk is None:  # the int8 codec's: every entry
+            kept: Any = numel
+        else:
+            kept = indices.numel() if isinstance(indices, torch.Tensor) else None
+            index = (index_dtype(numel),)
+            yield (
+                "indices",
+                _flat(indices, kept, index) and _counted(topk, numel, dtype, kept),
+                _flat_text(_kept_text(topk, numel, dtype), index),
+            )
+            yield "indices", _unique_within(indices, numel), f"unique indices below {numel}"
+        if isinstance(payload, SparsePayload):
+            yield "values", _flat(payload.values, kept, (dtype,)), _flat_text(kept, (dtype,))
+            return
+        yield "dtype", payload.dtype == dtype, f"{dtype}"
+        yield "count", _whole(payload.count) and payload.count == kept, f"{kept}"
+        size = int8_blocks_bytes(kept)
+        yield (
+            "packed",
+            _flat(payload.packed, size, (torch.uint8,)),
+            _flat_text(size, (torch.uint8,)),
+        )
+        yield "packed", _scales_valid(payload.packed, -(-kept // INT8_BLOCK)), _SCALES
+
+
+_SCALES = "codes followed by block scales >= 0 (the encoder makes no negative one)"
+
+
+def _flat(tensor: Any, numel: Any, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether ``tensor`` is a contiguous 1-D CPU tensor of ``numel`` entries, of ``dtypes``."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.device.type == "cpu"
+        and tensor.dtype in dtypes
+        and tensor.dim() == 1
+        and tensor.numel() == numel
+        and tensor.is_contiguous()
+    )
+
+
+def _flat_text(numel: Any, dtypes: tuple[torch.dtype, ...]) -> str:
+    kinds = " or ".join(str(dtype) for dtype in dtypes)
+    return f"a contiguous 1-D CPU {kinds} tensor of {numel} entries"
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _counted(codec: TopKCodec, numel: int, dtype: torch.dtype, kept: int) -> bool:
+    """Whether top-k ``codec`` may keep ``kept`` entries: exactly its count with the exact
+    selection; the threshold's count varies (all of a non-finite sample's entries, say)."""
+    if codec.encoder.selector.method == "exact":
+        return kept == codec.kept_for(numel, dtype)
+    return kept <= numel
+
+
+def _kept_text(codec: TopKCodec, numel: int, dtype: torch.dtype) -> str:
+    """The entries `_counted` takes, in words."""
+    if codec.encoder.selector.method == "exact":
+        return f"{codec.kept_for(numel, dtype)} (what top-k keeps of {numel})"
+    return f"at most {numel}"
+
+
+def _unique_within(indices: torch.Tensor, numel: int) -> bool:
+    """No index twice (a restore copies each value to its index: a second one would drop
+    the first) and every one below ``numel``."""
+    if indices.numel() == 0:
+        return True
+    within = bool(indices.min() >= 0 and indices.max() < numel)
+    return within and torch.unique(indices).numel() == indices.numel()
+
+
+def _scales_valid(packed: torch.Tensor, blocks: int) -> bool:
+    """Whether the ``blocks`` fp32 scales ending ``packed`` are none negative (NaN is an
+    overflowed gradient's, which a GradScaler skips)."""
+    scales = packed[packed.numel() - 4 * blocks :].view(torch.float32)
+    return not bool((scales < 0).any())
 
 
 def _describe(value: Any) -> str:

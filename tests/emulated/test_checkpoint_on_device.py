@@ -6,6 +6,9 @@ uninterrupted one."""
 
 from __future__ import annotations
 
+import copy
+import re
+
 import pytest
 import torch
 from helpers import (
@@ -195,4 +198,58 @@ def test_a_load_leaves_exactly_the_states_residuals(
     manager.load_state_dict(state)
     assert not any(r.any() for r in manager.state_dict()["residuals"].values())
     run(model, manager, optimizer, range(MICRO_BATCHES), options={})
+    assert_same_parameters(reference, model)
+
+
+def more_kept(payload: dict) -> None:
+    """Four more (value, index) pairs than top-k keeps, each index in range and unique."""
+    taken = set(payload["indices"].tolist())
+    extra = [index for index in range(payload["numel"]) if index not in taken][:4]
+    payload["values"] = torch.cat([payload["values"], torch.zeros(len(extra))])
+    payload["indices"] = torch.cat(
+        [payload["indices"], torch.tensor(extra, dtype=payload["indices"].dtype)]
+    )
+
+
+def more_codes(payload: dict) -> None:
+    payload["packed"] = torch.cat([payload["packed"], torch.zeros(4, dtype=torch.uint8)])
+
+
+@pytest.mark.parametrize(
+    ("recipe", "damage", "excerpt"),
+    [
+        ("top-k error feedback", more_kept, "payload['indices'] is a cpu torch.int32 tensor"),
+        ("default int8", more_codes, "payload['packed'] is a cpu torch.uint8 tensor"),
+    ],
+    ids=["top-k kept more", "int8 codes longer"],
+)
+def test_a_payload_larger_than_its_slot_is_refused_before_the_load_starts(
+    device: torch.device, recipe: str, damage, excerpt: str
+) -> None:
+    """A payload longer than its codec makes would fail its copy into the pinned slot
+    halfway through the load, a step left pending on a slot never written: it is refused
+    by name first, and the same manager then resumes the intact state bit for bit."""
+    options = RECIPES[recipe]
+    reference, reference_manager, reference_optimizer = build(device, options)
+    run(reference, reference_manager, reference_optimizer, range(MICRO_BATCHES), options=options)
+
+    model, manager, optimizer = build(device, options)
+    run(model, manager, optimizer, range(CUT), options=options)
+    saved = save_and_load(model, manager, optimizer)
+    manager.remove_hooks()
+    damaged = copy.deepcopy(saved["cache"])
+    damage(
+        max((i for b in damaged["buckets"] for i in b), key=lambda i: i["payload"]["numel"])[
+            "payload"
+        ]
+    )
+
+    model, manager, optimizer = build(device, options)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    with pytest.raises(ValueError, match=re.escape(excerpt)):
+        manager.load_state_dict(damaged)
+    assert not manager.engine.step_pending
+    manager.load_state_dict(saved["cache"])
+    run(model, manager, optimizer, range(CUT, MICRO_BATCHES), options=options)
     assert_same_parameters(reference, model)
