@@ -133,10 +133,12 @@ def _check_residuals_of_cached(
     state: dict[str, Any], by_name: dict[str, Any], routes: dict[Any, Route], cached: set[str]
 ) -> None:
     """Each cached payload's encode wrote its parameter's residual, where its codec keeps
-    one: a pending one beside the current (keep_previous_residual), else the current."""
+    one: a pending one beside the current where the saving manager kept the previous
+    residual (it saved pending ones), else the current. The loading manager's own option
+    may differ (`residuals.ResidualStore.load` takes either)."""
+    key = "pending_residuals" if state["pending_residuals"] else "residuals"
     for name in sorted(cached):
         route = routes[by_name[name]]
-        key = "pending_residuals" if route.spare_residual else "residuals"
         if route.codec.residual is not None and name not in state[key]:
             raise ValueError(
                 f"state[{key!r}] has no entry for {name!r}, whose gradient is cached in "

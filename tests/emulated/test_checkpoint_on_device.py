@@ -91,18 +91,26 @@ def cpu_tensors(value) -> list[torch.Tensor]:
     return []
 
 
+def reference_and_saved_mid_accumulation(
+    device: torch.device, options: dict
+) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
+    """The uninterrupted run's model; a second run's model and its checkpoint (model,
+    optimizer, cache) saved at `CUT` micro-batches, its manager closed."""
+    reference, reference_manager, reference_optimizer = build(device, options)
+    run(reference, reference_manager, reference_optimizer, range(MICRO_BATCHES), options=options)
+    model, manager, optimizer = build(device, options)
+    run(model, manager, optimizer, range(CUT), options=options)
+    saved = save_and_load(model, manager, optimizer)
+    manager.remove_hooks()
+    return reference, model, saved
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_a_run_resumed_mid_accumulation_continues_bit_for_bit(
     device: torch.device, recipe: str
 ) -> None:
     options = RECIPES[recipe]
-    reference, reference_manager, reference_optimizer = build(device, options)
-    run(reference, reference_manager, reference_optimizer, range(MICRO_BATCHES), options=options)
-
-    model, manager, optimizer = build(device, options)
-    run(model, manager, optimizer, range(CUT), options=options)
-    saved = save_and_load(model, manager, optimizer)
-    manager.remove_hooks()
+    reference, model, saved = reference_and_saved_mid_accumulation(device, options)
     cache = saved["cache"]
     assert cache["buckets"]  # the step's first micro-batch, cached
     assert all(t.device.type == "cpu" for t in cpu_tensors(cache))  # nothing of the device's
@@ -230,13 +238,7 @@ def test_a_payload_larger_than_its_slot_is_refused_before_the_load_starts(
     halfway through the load, a step left pending on a slot never written: it is refused
     by name first, and the same manager then resumes the intact state bit for bit."""
     options = RECIPES[recipe]
-    reference, reference_manager, reference_optimizer = build(device, options)
-    run(reference, reference_manager, reference_optimizer, range(MICRO_BATCHES), options=options)
-
-    model, manager, optimizer = build(device, options)
-    run(model, manager, optimizer, range(CUT), options=options)
-    saved = save_and_load(model, manager, optimizer)
-    manager.remove_hooks()
+    reference, _, saved = reference_and_saved_mid_accumulation(device, options)
     damaged = copy.deepcopy(saved["cache"])
     damage(
         max((i for b in damaged["buckets"] for i in b), key=lambda i: i["payload"]["numel"])[
