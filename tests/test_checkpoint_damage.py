@@ -74,8 +74,10 @@ CASES = [
      "expected a CPU torch.float32 tensor of shape"),
     ("a residual of the wrong dtype", edit_residual(lambda r: r.double()),
      "a cpu torch.float64 tensor"),
-    ("a residual on another device", edit_residual(lambda r: r.to("meta")),
-     "a meta torch.float32 tensor"),
+    ("a residual on another device (torch.load with a map_location)",
+     edit_residual(lambda r: r.to("meta")),
+     "The state holds tensors on meta; `state_dict()` saves CPU tensors: read the checkpoint "
+     "with torch.load(path, map_location='cpu')"),
     ("a non-finite residual", edit_residual(with_infinity), "holds non-finite values"),
     ("a residual for an unknown parameter",
      lambda s: s["residuals"].update(ghost=torch.zeros(3)), "names 'ghost'"),

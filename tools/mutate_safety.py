@@ -3126,6 +3126,13 @@ MUTANTS = [
         "        return kept <= numel\n",
         "tests/emulated/test_checkpoint_on_device.py -k kept",
     ),
+    (
+        "state check: a state with tensors off the CPU names map_location",
+        "gradient_cache/engine/state_check.py",
+        "    if elsewhere:\n",
+        "    if False:\n",
+        "tests/test_checkpoint_damage.py -k map_location",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

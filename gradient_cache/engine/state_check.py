@@ -87,6 +87,12 @@ def _all(values: Any, kind: type) -> bool:
 def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
     """Raise ValueError at the first part of ``state`` `checkpoint.load` could not take
     as it is (settings and parameter names are checked before this)."""
+    elsewhere = sorted({str(t.device) for t in _tensors_in(state) if t.device.type != "cpu"})
+    if elsewhere:
+        raise ValueError(
+            f"The state holds tensors on {', '.join(elsewhere)}; `state_dict()` saves CPU "
+            "tensors: read the checkpoint with torch.load(path, map_location='cpu')."
+        )
     steps = state["steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"state['steps'] is {steps!r}; expected a whole number >= 0.")
@@ -230,6 +236,18 @@ def _named_tensors(entries: Any, key: str, by_name: dict[str, Any]) -> Iterator[
                 "names from state['parameters']."
             )
         yield name, tensor
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value``'s dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors_in(item)
 
 
 def _check_tensor(tensor: Any, where: str, *, shape: tuple[int, ...], dtype: torch.dtype) -> None:
