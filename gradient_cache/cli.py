@@ -425,6 +425,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             f"{', '.join(OPTIMIZER_STATE_BYTES)} or a number of bytes >= 0"
         )
     _check_host_options(parser, args)
+    _check_compute_dtype(parser, args)
     tensors, weights = _plan_model(parser, args)
     host_bytes = None if args.host_gib is None else int(args.host_gib * 2**30)
     fraction = {}
@@ -534,8 +535,21 @@ def _check_block_options(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 
 def _check_host_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--host-gib and --host-memory-fraction: only with the table they size; --compute-dtype
-    only with the weights it casts, and not with a budget (the engine refuses both)."""
+    """--host-gib and --host-memory-fraction: only with the table they size."""
+    for option, value in (
+        ("--host-gib", args.host_gib),
+        ("--host-memory-fraction", args.host_memory_fraction),
+    ):
+        if value is not None and not args.offload_parameters:
+            parser.error(
+                f"argument {option}: {value:g} sizes the host layouts table, printed with "
+                "the weights on the host: add --offload-parameters, or leave it out"
+            )
+
+
+def _check_compute_dtype(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--compute-dtype: only with the weights it casts, and not with a budget (the engine
+    refuses both)."""
     if args.compute_dtype != "fp32" and not args.offload_parameters:
         parser.error(
             f"argument --compute-dtype: {args.compute_dtype} is the weights' copies over the "
@@ -549,15 +563,6 @@ def _check_host_options(parser: argparse.ArgumentParser, args: argparse.Namespac
             "offload_parameters=True and a compute_dtype (a block the budget keeps would "
             "compute in its parameters' own dtype): leave one out"
         )
-    for option, value in (
-        ("--host-gib", args.host_gib),
-        ("--host-memory-fraction", args.host_memory_fraction),
-    ):
-        if value is not None and not args.offload_parameters:
-            parser.error(
-                f"argument {option}: {value:g} sizes the host layouts table, printed with "
-                "the weights on the host: add --offload-parameters, or leave it out"
-            )
 
 
 def _link(args: argparse.Namespace) -> dict[str, Any]:

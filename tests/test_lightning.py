@@ -448,3 +448,31 @@ def test_clipping_by_value_with_the_state_on_the_host_is_refused_at_fit_start() 
     with pytest.raises(ValueError, match="gradient_clip_algorithm='norm'"):
         fit(model, [callback], gradient_clip_val=0.5, gradient_clip_algorithm="value")
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+class WideThroughForward(Wide):
+    """Wide whose training_step calls the module itself, whose forward runs the network."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.mse_loss(self(inputs).float(), targets)
+
+
+def test_a_compute_dtype_needs_the_training_step_to_call_the_module() -> None:
+    """docs/integrations.md: the cache casts the inputs where the module's forward and each
+    block's begin, so `self.net(x)` hands fp32 inputs to bf16 weights and torch raises;
+    `self(x)` trains."""
+    options = dict(
+        compression_ratio=1,
+        offload_optimizer_state=True,
+        offload_parameters=True,
+        compute_dtype=torch.bfloat16,
+    )
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        fit(Wide(), [GradientCacheCallback(**options)], max_steps=2)
+    callback = GradientCacheCallback(**options)
+    fit(WideThroughForward(), [callback], max_steps=2)
+    assert callback.last_summary["steps"] == 2

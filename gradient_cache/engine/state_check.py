@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..codecs import (
     BlockQuantized,
@@ -87,7 +88,8 @@ def _all(values: Any, kind: type) -> bool:
 def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
     """Raise ValueError at the first part of ``state`` `checkpoint.load` could not take
     as it is (settings and parameter names are checked before this)."""
-    elsewhere = sorted({str(t.device) for t in _tensors_in(state) if t.device.type != "cpu"})
+    tensors = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    elsewhere = sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
     if elsewhere:
         raise ValueError(
             f"The state holds tensors on {', '.join(elsewhere)}; `state_dict()` saves CPU "
@@ -236,18 +238,6 @@ def _named_tensors(entries: Any, key: str, by_name: dict[str, Any]) -> Iterator[
                 "names from state['parameters']."
             )
         yield name, tensor
-
-
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value``'s dicts, lists and tuples."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _tensors_in(item)
 
 
 def _check_tensor(tensor: Any, where: str, *, shape: tuple[int, ...], dtype: torch.dtype) -> None:

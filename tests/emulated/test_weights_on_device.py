@@ -15,6 +15,7 @@ import torch
 from test_parameters_nothing_lost import writing_model
 from test_parameters_offload import STREAMED, adamw_two_groups, gpt, gpt_reusing_a_block
 from test_parameters_offload import batches_on as on
+from test_parameters_offload import step as step_and_zero
 from torch import nn
 
 import gradient_cache
@@ -523,11 +524,7 @@ def test_an_adamw_keeping_its_step_on_the_device_resumes_as_plain(
                     manager.offload_state_of(optimizer)
                 optimizer.load_state_dict(torch.load(buffer, map_location="cpu"))
             model(tokens, targets)[1].backward()
-            if manager is None:
-                optimizer.step()
-            else:
-                manager.step(optimizer)
-            optimizer.zero_grad()
+            step_and_zero(model, optimizer, manager)
         return optimizer
 
     plain = gpt().to(device)
