@@ -10,8 +10,11 @@ gradient in flat buckets allocated for the whole run. FSDP2 (``fully_shard``, HS
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from .engine.fsdp_privates import is_fsdp_module
 from .engine.sharding import INSTEAD, fsdp_param_groups
 
 
@@ -48,12 +51,10 @@ def _offloads_to_cpu(group: object) -> bool:
 
 
 def _is_ddp_replicate(module: torch.nn.Module) -> bool:
-    """``torch.distributed._composable.replicate`` (DDP inside); not its FSDP2 namesake."""
-    try:
-        from torch.distributed._composable.contract import _get_registry
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch before 2.6, or without distributed
+    """``torch.distributed._composable.replicate`` (DDP inside); not its FSDP2 namesake.
+    Looked up, not imported: until something has imported the registry, no module is in it."""
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    if contract is None or not hasattr(contract, "_get_registry"):  # torch before 2.6
         return False
-
-    registry = _get_registry(module) or {}
-    return "replicate" in registry and not isinstance(module, FSDPModule)
+    registry = contract._get_registry(module) or {}
+    return "replicate" in registry and not is_fsdp_module(module)

@@ -14,7 +14,6 @@ from types import TracebackType
 from typing import Any, cast
 
 import torch
-from torch._dynamo.eval_frame import OptimizedModule
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -22,6 +21,7 @@ from . import gradient_readers
 from .data_parallel import check_data_parallel
 from .engine import checkpoint, scaling, sharding, weights
 from .engine.budget import BudgetWatch, DeviceMemory, MemoryBudget, device_memory_of
+from .engine.compiled import uncompiled
 from .engine.config import (
     DEFAULT_COMPRESSION_RATIO,
     EngineConfig,
@@ -125,7 +125,7 @@ class GradientCacheHookManager:
             )
 
         # Names as the uncompiled model gives them: checkpoints and exclude_layers mean the same.
-        named = model._orig_mod if isinstance(model, OptimizedModule) else model
+        named = uncompiled(model)
         trainable = [(n, p) for n, p in named.named_parameters() if p.requires_grad]
         if not trainable:
             raise ValueError(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .engine.compiled import outside_graphs
 from .engine.module_hooks import ModuleHook
 from .engine.sharding import is_dtensor
 from .engine.step_state import ADVICE, INTERRUPTED, StepStateError
@@ -70,7 +71,7 @@ class ParameterWatch:
         if model is not None:
             self._check_parameters(model)
 
-    @torch.compiler.disable
+    @outside_graphs
     def _check(self, model: torch.nn.Module, args: object) -> None:
         kind = self._device.type
         if (

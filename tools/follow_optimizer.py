@@ -12,7 +12,8 @@ on a real CPU step, so the figure is measured, not counted by hand:
   the contents of ``*args`` / ``**kwargs``): those are the calls that pass it on;
 * the *current file* is the file of the innermost followed frame on the stack; frames in
   between that do not hold it (torch's own, a closure, a helper given something else) are
-  passed through, as a reader skips them;
+  passed through, as a reader skips them; so are the frames of `engine/compiled.py`'s
+  decorator (``@outside_graphs``, a pass-through as ``torch.compiler.disable``'s was);
 * after every call and return of a followed frame the current file is noted; consecutive
   repeats collapse, so the sequence is the order in which a reader's eyes change file;
 * *entries* of a file are its runs in that sequence; *comebacks* are entries into a file
@@ -132,14 +133,19 @@ def _name(code: CodeType) -> str:
 
 
 def _package_file(frame: FrameType) -> str | None:
-    """The frame's file relative to the package (``engine/pipeline.py``), None outside it."""
+    """The frame's file relative to the package (``engine/pipeline.py``), None outside it
+    or in a pass-through decorator's file."""
     path = pathlib.Path(frame.f_code.co_filename)
     if not path.is_absolute():
         return None
     try:
-        return path.resolve().relative_to(PACKAGE_DIR).as_posix()
+        file = path.resolve().relative_to(PACKAGE_DIR).as_posix()
     except ValueError:
         return None
+    return None if file in PASS_THROUGH else file
+
+
+PASS_THROUGH = {"engine/compiled.py"}
 
 
 def _holds(frame: FrameType, target: object) -> bool:

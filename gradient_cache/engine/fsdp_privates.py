@@ -2,11 +2,14 @@
 no public API for its parameter groups, shards, forward order, prefetch lists or copy-in
 stream. `check_fsdp_privates` refuses at creation a torch without one of `FSDP_PRIVATES`,
 so the reads below have no silent default (docs/ARCHITECTURE.md, "Under FSDP2").
+FSDP2 is looked up, not imported (0.9 s of a process's start): until something has
+imported it, no module is sharded.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
 Param = torch.nn.Parameter
@@ -30,19 +34,20 @@ def set_local(param: torch.Tensor, tensor: torch.Tensor) -> None:
     cast("DTensor", param)._local_tensor = tensor
 
 
+def is_fsdp_module(module: object) -> bool:
+    """Whether ``module`` is one ``fully_shard`` made (an ``FSDPModule``)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
 def fsdp_param_groups(model: torch.nn.Module) -> list[Any]:
     """FSDP2's parameter groups (one per ``fully_shard`` call) under ``model``, read from
     its module state as its own hooks do (there is no public getter)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed: no FSDP2
-        return []
-
     return [
         group
         for module in model.modules()
-        if isinstance(module, FSDPModule)
-        for group in param_groups(module._get_fsdp_state())
+        if is_fsdp_module(module)
+        for group in param_groups(cast("FSDPModule", module)._get_fsdp_state())
     ]
 
 
@@ -130,12 +135,10 @@ class ShardedModule:
 def sharded_modules(model: torch.nn.Module) -> list[ShardedModule]:
     """Each ``fully_shard`` module under ``model`` (itself first, where it is one) with its
     sharded parameters; raises for ``fully_shard([a, b])`` (one state over two modules)."""
-    from torch.distributed.fsdp import FSDPModule
-
     found: list[ShardedModule] = []
     names: list[str] = []
     for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
+        if not is_fsdp_module(module):
             continue
         check_fsdp_privates(module)
         state = module._get_fsdp_state()
@@ -158,13 +161,12 @@ def _refuse_a_root_outside(model: torch.nn.Module, topmost: list[torch.nn.Module
     its prefetch reads shards the cache gave up: a segmentation fault). FSDP2's registry
     ``_module_state_mapping`` is the only way to the modules around ``model``."""
     from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp import FSDPModule
 
     inside = {id(module) for module in model.modules()}
     wanted = {id(module) for module in topmost}
     for outer in list(_module_state_mapping):
         if (
-            isinstance(outer, FSDPModule)
+            is_fsdp_module(outer)
             and id(outer) not in inside
             and any(id(module) in wanted for module in outer.modules())
         ):

@@ -3,24 +3,23 @@
 Under ``fully_shard`` a parameter and its reduce-scattered gradient are `DTensor`s: the
 engine works on the local tensor (this rank's shard, uneven ones included) and restores
 into a `DTensor` of the parameter's mesh and placements. Other tensors pass unchanged.
+``torch.distributed.tensor`` is not imported here (0.9 s of a process's start): until
+something has imported it, no tensor is a `DTensor`.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 
 from .fsdp_privates import fsdp_param_groups
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # a torch built without distributed: no DTensor to meet
-    HAS_DTENSOR = False
-else:
-    HAS_DTENSOR = True
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 # What to do instead of classic DDP: the refusals' common advice.
@@ -33,7 +32,8 @@ INSTEAD = (
 
 
 def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
-    return HAS_DTENSOR and isinstance(tensor, DTensor)
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -53,6 +53,8 @@ def as_grad_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     a gradient that is one already (held in ``.grad``, never cached) as it is."""
     if not is_dtensor(param) or is_dtensor(grad):
         return grad
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
         return DTensor.from_local(
             grad,
@@ -81,6 +83,8 @@ def check_placements(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> 
     sharded = [(n, p) for n, p in named_params if is_dtensor(p)]
     if not sharded:
         return
+    from torch.distributed.tensor import Replicate, Shard
+
     supported = ((Shard(0),), (Replicate(),), (Replicate(), Shard(0)))  # as the refusal names
     for name, param in sharded:
         if tuple(param.placements) not in supported:
@@ -146,6 +150,8 @@ def global_norm(
 def _shard_dims(param: torch.Tensor) -> list[int]:
     if not is_dtensor(param):
         return []
+    from torch.distributed.tensor import Shard
+
     return [d for d, p in enumerate(param.placements) if isinstance(p, Shard)]
 
 

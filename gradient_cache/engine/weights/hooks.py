@@ -38,11 +38,6 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def outside_graphs(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` run eagerly under ``torch.compile`` (a graph break): resizing cannot be traced."""
-    return torch._dynamo.disable(method, recursive=True)
-
-
 def tensors_needing_gradients(output: Any) -> list[torch.Tensor]:
     return [
         t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad

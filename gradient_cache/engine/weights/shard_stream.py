@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .. import fsdp_privates, sharding
+from ..compiled import outside_graphs
 from ..fsdp_privates import ShardedModule
 from .hooks import (
     BackwardEnd,
@@ -20,7 +21,6 @@ from .hooks import (
     in_backward,
     module_hook,
     of_this_backward,
-    outside_graphs,
     tensors_needing_gradients,
 )
 from .masters import HostWeights, Weight, WeightAt

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import get_gradient_edge
 
 from ..backend import Backend
+from ..compiled import outside_graphs
 from ..users_line import outside_the_package
 from . import at_rest
 from .blocks import WeightUnits
@@ -29,7 +30,6 @@ from .hooks import (
     module_hook,
     of_this_backward,
     outputs_needing_gradients,
-    outside_graphs,
     refuse_create_graph,
     tensors_needing_gradients,
 )
