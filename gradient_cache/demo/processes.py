@@ -109,6 +109,10 @@ def _fork_each(requests: Connection) -> None:
     """The forker: each request unpickled here (which imports its modules once, for every
     later child too), then run in a forked child whose reply is passed on a piece at a
     time, then its exit code."""
+    # What a run's torch optimizer imports at its first add_param_group (torch._dynamo, 2.5 s
+    # of a start on two cores, which the package itself does not import): once, for every child.
+    import torch._dynamo  # noqa: F401
+
     with contextlib.suppress(KeyboardInterrupt, BrokenPipeError, EOFError):
         # Ctrl-C reached the demo's process too, which reports it; the demo's process has
         # gone when its end of the pipe has.
