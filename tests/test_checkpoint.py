@@ -368,3 +368,48 @@ def test_a_mid_step_top_k_state_resumes_under_either_keep_previous_residual(
     manager.load_state_dict(saved["cache"])
     run(model, manager, optimizer, range(cut, STEPS * MICRO_BATCHES))
     assert_same_parameters(reference, model)
+
+
+def test_a_state_from_another_kind_of_device_goes_on_where_it_fits_and_says_what_restarts() -> None:
+    """A state as a CUDA run saves it (edited here: its device type, and generator states of
+    a Philox generator's 16 bytes, which a CPU generator refuses) loads on the CPU: the
+    dither's draw counter, the same on every device, goes on; the generators restart from
+    their seeds, named in a warning; a damaged counter is refused as on its own device."""
+    options = dict(compression_ratio=100, codec="topk", value_dtype="int8")
+    model, manager, optimizer = build(options)
+    run(model, manager, optimizer, range(2 * MICRO_BATCHES + 1))  # the third step's first
+    saved = save_and_load(model, manager, optimizer)
+    manager.remove_hooks()
+    cache = saved["cache"]
+    counters = {n: s for n, s in cache["random_state"].items() if n.endswith(".values")}
+    generators = sorted(set(cache["random_state"]) - set(counters))
+    assert counters and generators and cache["random_state_at_step_start"]
+
+    def as_cuda_saved(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        philox = torch.zeros(16, dtype=torch.uint8)
+        return {n: s if n in counters else philox for n, s in state.items()}
+
+    from_cuda = dict(
+        cache,
+        random_device="cuda",
+        random_state=as_cuda_saved(cache["random_state"]),
+        random_state_at_step_start=as_cuda_saved(cache["random_state_at_step_start"]),
+    )
+    model, manager, optimizer = build(options)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    with pytest.warns(UserWarning, match="saved on a 'cuda' device and is loaded on 'cpu'") as seen:
+        manager.load_state_dict(from_cuda)
+    assert len(seen) == 1 and str(generators) in str(seen[0].message)
+    engine = manager.engine
+    assert engine is not None
+    now = engine.codecs.random_state(torch.device("cpu"))
+    assert set(now) == set(counters)  # the generators as new: nothing drawn since the seed
+    assert all(torch.equal(now[n], counters[n]) for n in counters)
+    run(model, manager, optimizer, range(2 * MICRO_BATCHES + 1, STEPS * MICRO_BATCHES))
+
+    damaged = dict(from_cuda, random_state={**from_cuda["random_state"]})
+    damaged["random_state"][next(iter(counters))] = torch.tensor([-1])
+    _, fresh, _ = build(options)
+    with pytest.raises(ValueError, match="draw counter"):
+        fresh.load_state_dict(damaged)

@@ -3133,6 +3133,27 @@ MUTANTS = [
         "    if False:\n",
         "tests/test_checkpoint_damage.py -k map_location",
     ),
+    (
+        "checkpoint: a dither's counter goes on where another kind of device saved it",
+        "gradient_cache/engine/checkpoint.py",
+        "    kept = pipeline.codecs.continuable(device, saved)\n",
+        "    kept: dict[str, torch.Tensor] = {}\n",
+        "tests/emulated/test_checkpoint_on_device.py -k another_kind",
+    ),
+    (
+        "checkpoint: generators restarted by a load on another kind of device are named",
+        "gradient_cache/engine/checkpoint.py",
+        '    if restarted and key == "random_state":\n',
+        "    if False:\n",
+        "tests/test_checkpoint.py -k another_kind",
+    ),
+    (
+        "state check: a damaged dither counter from another kind of device is refused",
+        "gradient_cache/engine/state_check.py",
+        "        if problem is not None and (same_kind or sources[name].portable):\n",
+        "        if problem is not None and same_kind:\n",
+        "tests/test_checkpoint.py -k another_kind",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -50,7 +50,10 @@ def noise_table(device: torch.device) -> torch.Tensor:
 class Dither:
     """Noise windows of at most `WINDOW` entries. The offsets come from a counter-based
     hash of (seed, draw), computed in Python: no tensor operation, so no device
-    synchronisation in a backward hook; the draw counter is the only state."""
+    synchronisation in a backward hook; the draw counter is the only state, the same on
+    every device."""
+
+    portable = True
 
     def __init__(self, seed: int) -> None:
         self.seed = seed

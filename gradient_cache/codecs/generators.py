@@ -8,7 +8,11 @@ import torch
 
 
 class RandomSource(Protocol):
-    """What the engine checkpoints and rewinds of a codec's randomness, per device."""
+    """What the engine checkpoints and rewinds of a codec's randomness, per device.
+    ``portable``: whether a state means the same on every kind of device (a counter), so a
+    checkpoint loaded on another kind of device continues from it."""
+
+    portable: bool
 
     def get_state(self, device: torch.device) -> torch.Tensor | None:
         """The state on ``device`` as a CPU tensor; None if nothing drew there yet."""
@@ -48,7 +52,11 @@ def draw(
 
 
 class DeviceGenerators:
-    """One seeded generator per device, created on first use."""
+    """One seeded generator per device, created on first use. A state is a generator's:
+    another kind of device continues from it only where its generator is of the same kind
+    (the emulated device's is a CPU one), which `state_problem` tells."""
+
+    portable = False
 
     def __init__(self, seed: int) -> None:
         self.seed = seed

@@ -214,9 +214,23 @@ class Codecs:
         return {name: state for name, state in states.items() if state is not None}
 
     def set_random_state(self, device: torch.device, states: dict[str, torch.Tensor]) -> None:
-        """Put back what `random_state` returned."""
+        """Put back what `random_state` returned (a generator it lacks restarts from its seed)."""
         for name, generators in self.random_sources().items():
             generators.set_state(device, states.get(name))
+
+    def continuable(
+        self, device: torch.device, states: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Of ``states``, saved by `random_state` on another kind of device, those ``device``
+        continues from: a portable source's (a dither's draw counter), and a generator's
+        whose state is one ``device``'s generator takes (a CPU one's on the emulated device)."""
+        sources = self.random_sources()
+        return {
+            name: state
+            for name, state in states.items()
+            if name in sources
+            and (sources[name].portable or sources[name].state_problem(device, state) is None)
+        }
 
     def choose(self, numel: int, dtype: torch.dtype, *, min_numel: int | None) -> Codec:
         """The codec of a gradient of ``numel`` entries of ``dtype``."""

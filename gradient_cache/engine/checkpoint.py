@@ -6,6 +6,7 @@ by parameter name, so ``torch.load(weights_only=True)`` reads it; each entry: `s
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from .layout import contiguous_strides
 from .pipeline import Pipeline
 from .records import GradientAt
 from .step_state import ADVICE, INTERRUPTED
+from .users_line import outside_the_package
 
 # 2: generators named by codec ("topk.selection"); the codec among the recipe fields.
 # 3: int8 values draw their rounding noise from a dither (a draw counter, not a generator).
@@ -118,9 +120,8 @@ def load(pipeline: Pipeline, state: Any) -> None:
     device = pipeline.backend.device
     pipeline.restart_at(state["steps"])  # the routes (and pool) the saved step had
     pipeline.compute_norms(state.get("clip_norm_type"))  # absent: saved before it was kept
-    # Generator states are device-specific (a CPU and a CUDA generator's differ in kind).
-    same_kind = state["random_device"] == device.type
-    pipeline.codecs.set_random_state(device, state["random_state"] if same_kind else {})
+    random_state = _continuable(pipeline, state, "random_state")
+    pipeline.codecs.set_random_state(device, random_state)
     pipeline.backend.residuals.load(
         {by_name[name]: saved for name, saved in state["residuals"].items()},
         {by_name[name]: saved for name, saved in state["pending_residuals"].items()},
@@ -133,7 +134,8 @@ def load(pipeline: Pipeline, state: Any) -> None:
 
     kept = state.get("kept_gradients", {})  # absent: saved before they were carried
     if state["buckets"] or kept:
-        pipeline.resume(state["random_state_at_step_start"] if same_kind else None)
+        at_start = "random_state_at_step_start"
+        pipeline.resume(state[at_start] and _continuable(pipeline, state, at_start))
     found_inf = None if pipeline.pending is None else pipeline.pending.found_inf
     for saved_bucket in state["buckets"]:
         # Stored as backward stores any encoded gradient: moved to the device where its
@@ -159,6 +161,30 @@ def load(pipeline: Pipeline, state: Any) -> None:
     for name, grad in kept.items():
         pipeline.capture.add(by_name[name], to_device(grad))
     pipeline.drain()
+
+
+def _continuable(pipeline: Pipeline, state: dict[str, Any], key: str) -> dict[str, torch.Tensor]:
+    """The generator states of ``state[key]`` the loading device continues from: every one
+    where it was saved on this kind of device; else `CodecSet.continuable`'s (a dither's
+    counter; a CPU generator's on the emulated device), the others restarting from their
+    seeds, said once: a CPU and a CUDA generator's states differ in kind."""
+    saved: dict[str, torch.Tensor] = state[key]
+    device = pipeline.backend.device
+    if state["random_device"] == device.type:
+        return saved
+    kept = pipeline.codecs.continuable(device, saved)
+    restarted = sorted(set(saved) - set(kept))
+    if restarted and key == "random_state":
+        warnings.warn(
+            f"The gradient cache's state was saved on a {state['random_device']!r} device and "
+            f"is loaded on {device.type!r}, whose generators cannot take the saved states of "
+            f"{restarted}: they restart from their seeds, so the resumed run rounds "
+            "randomly otherwise than the run that saved it would have. Load it on a "
+            f"{state['random_device']!r} device to continue bit for bit.",
+            UserWarning,
+            stacklevel=outside_the_package(),
+        )
+    return kept
 
 
 def _check(pipeline: Pipeline, state: Any) -> None:

@@ -109,10 +109,10 @@ def check_contents(pipeline: Pipeline, state: dict[str, Any]) -> None:
             "such as 'cpu' or 'cuda'."
         )
     by_name = pipeline.params_by_name()
-    if state["random_device"] == pipeline.backend.device.type:  # else they are not used
-        _check_random_state(pipeline, state, "random_state")
-        if state["random_state_at_step_start"] is not None:
-            _check_random_state(pipeline, state, "random_state_at_step_start")
+    same_kind = state["random_device"] == pipeline.backend.device.type
+    _check_random_state(pipeline, state, "random_state", same_kind=same_kind)
+    if state["random_state_at_step_start"] is not None:
+        _check_random_state(pipeline, state, "random_state_at_step_start", same_kind=same_kind)
     # The routes the saved step had (the warm-up may have ended since): what its parts hold.
     routes = pipeline.plan.at(steps)
     for key in ("residuals", "pending_residuals"):
@@ -208,7 +208,11 @@ def _check_layouts(
             )
 
 
-def _check_random_state(pipeline: Pipeline, state: dict[str, Any], key: str) -> None:
+def _check_random_state(
+    pipeline: Pipeline, state: dict[str, Any], key: str, *, same_kind: bool
+) -> None:
+    """Each saved state is a CPU tensor of a source this manager has, and fits it, but a
+    generator's saved on another kind of device (its generator restarts: `load`)."""
     sources = pipeline.codecs.random_sources()
     states = state[key]
     if not isinstance(states, dict):
@@ -224,7 +228,7 @@ def _check_random_state(pipeline: Pipeline, state: dict[str, Any], key: str) -> 
                 f"state[{key!r}][{name!r}] is {_describe(saved)}; expected a CPU tensor."
             )
         problem = sources[name].state_problem(pipeline.backend.device, saved)
-        if problem is not None:
+        if problem is not None and (same_kind or sources[name].portable):
             raise ValueError(f"state[{key!r}][{name!r}]: {problem}.")
 
 
