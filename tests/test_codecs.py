@@ -16,7 +16,9 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import gradient_cache
 from gradient_cache.codecs import BLOCK_CODECS, LADDER, int8_kernels, make_codec
+from gradient_cache.codecs.dither import WINDOW, Dither
 from gradient_cache.codecs.int8_kernels import (
     CODEC_CHUNK,  # the block codecs' chunk
     INT8_BLOCK,
@@ -354,3 +356,26 @@ def test_the_ladder_lists_codecs_from_largest_to_smallest_payload():
     ]
     assert [c.name for c in codecs.candidates] == list(LADDER)
     assert sizes == sorted(sizes, reverse=True)
+
+
+def test_a_pipelines_dithered_codecs_share_one_noise_table_a_device() -> None:
+    """The ladder's int8, q4, q3 and q2 read windows of the same table (a fixed seed): one
+    4 MiB table a device for all of them (each held its own), listed once among the
+    scratch; another manager's codecs, encoding on their own streams, have their own."""
+
+    def dithers(manager: gradient_cache.GradientCacheHookManager) -> list[Dither]:
+        assert manager.engine is not None
+        sources = manager.engine.codecs.random_sources().values()
+        return [source for source in sources if isinstance(source, Dither)]
+
+    cpu = torch.device("cpu")
+    manager = gradient_cache.create_gradient_cache(torch.nn.Linear(4, 4))
+    own = dithers(manager)
+    assert len(own) == 4
+    assert len({id(dither.table(cpu)) for dither in own}) == 1
+    assert manager.engine is not None
+    scratch = manager.engine.codecs.scratch_tensors()
+    assert [t.numel() for t in scratch].count(4 * WINDOW) == 1
+    other = dithers(gradient_cache.create_gradient_cache(torch.nn.Linear(4, 4)))
+    assert other[0].table(cpu) is not own[0].table(cpu)
+    assert torch.equal(other[0].table(cpu), own[0].table(cpu))

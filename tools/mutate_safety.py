@@ -3154,6 +3154,13 @@ MUTANTS = [
         "        if problem is not None and same_kind:\n",
         "tests/test_checkpoint.py -k another_kind",
     ),
+    (
+        "codecs: a pipeline's dithers share one noise table a device",
+        "gradient_cache/codecs/registry.py",
+        "                source.tables_held = shared\n",
+        "                pass\n",
+        "tests/test_codecs.py -k share",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -17,6 +17,7 @@ import torch
 
 from .base import Codec, shapes_bytes
 from .block import BlockQuantized
+from .dither import Dither, NoiseTables
 from .generators import RandomSource
 from .int8 import Int8Values
 from .lossless import Lossless
@@ -177,6 +178,14 @@ class Codecs:
     candidates: tuple[Codec, ...]
     budget: float | None
 
+    def __post_init__(self) -> None:
+        # One noise table a device for every dither of the pipeline (`NoiseTables`): the
+        # ladder's four lossy codecs held four of the same 4 MiB through a backward.
+        shared = NoiseTables()
+        for source in self.random_sources().values():
+            if isinstance(source, Dither):
+                source.tables_held = shared
+
     @classmethod
     def for_options(cls, config: HasCodec, *, ratio: float, selection: str) -> Codecs:
         """``selection``: "threshold" or "exact" (the backend resolves "auto")."""
@@ -197,6 +206,11 @@ class Codecs:
 
     def all(self) -> list[Codec]:
         return [self.lossless, *self.candidates]
+
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """The codecs' reusable buffers, each once (their dithers share a noise table)."""
+        unique = {id(t): t for codec in self.all() for t in codec.scratch_tensors()}
+        return list(unique.values())
 
     def random_sources(self) -> dict[str, RandomSource]:
         """The codecs' own random generators, by the part that draws from them."""

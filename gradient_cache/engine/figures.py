@@ -54,7 +54,7 @@ def cache_tensors(pipeline: Pipeline) -> CacheTensors:
     weights = pipeline.weights
     return CacheTensors(
         host=host_tensors(pipeline),
-        scratch=tuple(t for codec in pipeline.codecs.all() for t in codec.scratch_tensors()),
+        scratch=tuple(pipeline.codecs.scratch_tensors()),
         waiting=tuple(pipeline.assembler.waiting()),
         weights=() if weights is None else weights.device_tensors(),
     )
