@@ -321,7 +321,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpar
         type=_positive_float,
         default=None,
         help="dense gradient MiB per bucket (default: sized from the model, as the cache "
-        "sizes it: an eighth of the gradients, 64 KiB to 4 MiB)",
+        "sizes it: an eighth of the gradients with the state on the host, a 32nd with the "
+        "weights there too, 64 KiB to 4 MiB)",
     )
     plan.add_argument("--ratio", type=_ratio, default=1.0, help="compression ratio (default 1)")
     plan.add_argument(

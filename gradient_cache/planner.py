@@ -322,13 +322,9 @@ def plan(inputs: PlanInputs) -> Plan:
     # With the state on the host the cache sizes its buckets from the model (`bucket_bytes`).
     state_bucket = state_on_host(config).bucket_bytes(grads) + largest
     step_grads[STATE_ON_HOST] = min(grads, 2 * state_bucket)
-    # offload_optimizer_state: the state of the two buckets at the step (the one stepped,
-    # the one arriving) on the device; scalars (a step counter per tensor) stay there.
     per_param_state = int(numel * inputs.optimizer_state_bytes)
-    bucket_state = int(2 * state_bucket / inputs.grad_bytes * inputs.optimizer_state_bytes)
-    tensor_state = inputs.optimizer_tensor_bytes * len(tensors)
     step_state = {way: state for way in WAYS}
-    step_state[STATE_ON_HOST] = min(per_param_state, bucket_state) + tensor_state
+    step_state[STATE_ON_HOST] = _state_at_step(inputs, state_bucket)
     device = {
         way: {
             "parameters": params,
@@ -368,9 +364,11 @@ def plan(inputs: PlanInputs) -> Plan:
     layouts: tuple[HostLayout, ...] = ()
     if inputs.weights is not None:
         layouts = host_layouts(inputs, store_bytes=(slots, pool))
+        # With the weights on the host too the cache's buckets are smaller still.
+        weights_bucket = weights_on_host_config(config).bucket_bytes(grads) + largest
         weights = weights_on_host(
             inputs,
-            bucket=state_bucket,
+            bucket=weights_bucket,
             gradients=pcie,
             payload=payload,
             per_encode=per_encode,
@@ -380,6 +378,8 @@ def plan(inputs: PlanInputs) -> Plan:
         device[WEIGHTS_ON_HOST] = device[STATE_ON_HOST] | {
             "parameters": weights.window_bytes,
             PARAMETERS_AT_STEP: weights.step_bytes,
+            "optimizer state": _state_at_step(inputs, weights_bucket),
+            GRADIENTS_AT_STEP: min(grads, 2 * weights_bucket),
         }
     return Plan(
         device=device,
@@ -392,6 +392,16 @@ def plan(inputs: PlanInputs) -> Plan:
         weights=weights,
         layouts=layouts,
     )
+
+
+def _state_at_step(inputs: PlanInputs, bucket: int) -> int:
+    """With the state on the host: the state of the two buckets of ``bucket`` gradient bytes
+    at the step (the one stepped, the one arriving) on the device; scalars (a step counter
+    per tensor) stay there."""
+    numel = sum(inputs.tensors)
+    per_param = int(numel * inputs.optimizer_state_bytes)
+    buckets = int(2 * bucket / inputs.grad_bytes * inputs.optimizer_state_bytes)
+    return min(per_param, buckets) + inputs.optimizer_tensor_bytes * len(inputs.tensors)
 
 
 def host_layouts(inputs: PlanInputs, *, store_bytes: tuple[int, int]) -> tuple[HostLayout, ...]:
@@ -781,6 +791,14 @@ def state_on_host(config: EngineConfig) -> EngineConfig:
     )
 
 
+def weights_on_host_config(config: EngineConfig) -> EngineConfig:
+    """``config`` with the state and the weights on the host, as the weights-on-host column
+    runs (its automatic buckets are smaller: `EngineConfig.bucket_bytes`)."""
+    if config.offload_parameters:
+        return config
+    return replace(config, offload_optimizer_state=True, offload_parameters=True)
+
+
 def format_plan(result: Plan, inputs: PlanInputs) -> str:
     """Markdown tables of the plan, then what they leave out."""
     lines = [*_device_table(result), "", *_host_table(result)]
@@ -788,11 +806,14 @@ def format_plan(result: Plan, inputs: PlanInputs) -> str:
     grads = numel * inputs.grad_bytes
     bucket_mb = inputs.config.bucket_bytes(grads) / MIB
     state_bucket_mb = state_on_host(inputs.config).bucket_bytes(grads) / MIB
-    buckets = f"{bucket_mb:.3g} MiB" + (
-        f" ({state_bucket_mb:.3g} MiB with the state on the host)"
-        if state_bucket_mb != bucket_mb
-        else ""
-    )
+    others = []
+    if state_bucket_mb != bucket_mb:
+        others.append(f"{state_bucket_mb:.3g} MiB with the state on the host")
+    if inputs.weights is not None:
+        weights_bucket_mb = weights_on_host_config(inputs.config).bucket_bytes(grads) / MIB
+        if weights_bucket_mb != state_bucket_mb:
+            others.append(f"{weights_bucket_mb:.3g} MiB with the weights there too")
+    buckets = f"{bucket_mb:.3g} MiB" + (f" ({', '.join(others)})" if others else "")
     lines += [
         "",
         f"{numel / 1e6:.1f}M trainable parameters in {len(inputs.tensors)} tensors; "

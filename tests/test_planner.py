@@ -37,6 +37,7 @@ from gradient_cache.planner import (
     WeightLayout,
     WeightsOnHost,
     binding_phase,
+    format_plan,
     host_allowance,
     peak_bytes,
     plan,
@@ -155,6 +156,59 @@ def test_the_state_on_host_columns_buckets_are_the_ones_the_cache_sizes() -> Non
     on_host = figures.device[STATE_ON_HOST]
     assert on_host[GRADIENTS_AT_STEP] == 2 * bucket
     assert on_host["optimizer state"] == 2 * (2 * bucket)
+
+
+class ManyBlocks(torch.nn.Module):
+    """64 blocks of 66 KiB each (4.1 MiB of fp32 weights): several tensors to a bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(128, 128) for _ in range(64))
+
+
+def test_the_weights_on_host_columns_buckets_are_the_ones_the_cache_sizes() -> None:
+    """With the weights on the host too the cache's automatic bucket is a 32nd of the
+    gradients (an eighth made the step's two buckets of weights, gradients and AdamW state
+    the whole fp32 weights, and a model larger than the device ran out of memory): the
+    weights column's step figures follow that bucket, the state column's still an eighth."""
+    model = ManyBlocks()
+    manager = gradient_cache.create_gradient_cache(
+        model, compression_ratio=1, offload_optimizer_state=True, offload_parameters=True
+    )
+    capacity = manager.engine.assembler.capacity_bytes
+    manager.remove_hooks()
+    tensors = sizes(model)
+    grads = 4 * sum(tensors)
+    assert capacity == grads // 32
+    inputs = PlanInputs(
+        tensors=tensors,
+        optimizer_state_bytes=8,
+        optimizer_tensor_bytes=0,
+        weights=weight_layout(model),
+    )
+    figures = plan(inputs)
+    bucket = capacity + 4 * max(tensors)
+    column = figures.device[WEIGHTS_ON_HOST]
+    assert column[GRADIENTS_AT_STEP] == column[PARAMETERS_AT_STEP] == 2 * bucket
+    assert column["optimizer state"] == 2 * (2 * bucket)
+    at_step = column[GRADIENTS_AT_STEP] + column[PARAMETERS_AT_STEP] + column["optimizer state"]
+    assert at_step < grads // 2  # the fp32 weights' bytes are the gradients'
+    state_bucket = grads // 8 + 4 * max(tensors)
+    assert figures.device[STATE_ON_HOST][GRADIENTS_AT_STEP] == 2 * state_bucket
+    assert f"{capacity / MIB:.3g} MiB with the weights there too" in format_plan(figures, inputs)
+
+
+def test_the_automatic_bucket_with_the_weights_on_the_host_keeps_its_bounds() -> None:
+    """A 32nd of the gradients with the weights on the host, within 64 KiB and 4 MiB; an
+    eighth with only the state there; 4 MiB with neither; a set size whatever the rest."""
+    both = EngineConfig(offload_optimizer_state=True, offload_parameters=True)
+    state = EngineConfig(offload_optimizer_state=True)
+    assert both.bucket_bytes(32 * MIB) == MIB and state.bucket_bytes(32 * MIB) == 4 * MIB
+    assert both.bucket_bytes(MIB) == state.bucket_bytes(MIB // 4) == 64 * 1024
+    assert both.bucket_bytes(2**30) == 4 * MIB == EngineConfig().bucket_bytes(32 * MIB)
+    assert both.bucket_bytes(None) == 4 * MIB
+    set_size = EngineConfig(offload_optimizer_state=True, offload_parameters=True, bucket_size_mb=1)
+    assert set_size.bucket_bytes(2**30) == MIB
 
 
 def test_time_floor_compares_the_restore_with_the_compute() -> None:

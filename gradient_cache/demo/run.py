@@ -128,8 +128,8 @@ SCENARIOS = {
             steps=10,
             cap_below_weights=True,
             # Small next to the cap: the step holds two buckets of weights, gradients and
-            # AdamW's two moments (with the library's choice here, 4 MiB, 32 MiB: over twice
-            # the cap).
+            # AdamW's two moments (with the library's choice here, a 32nd of the gradients,
+            # 0.86 MiB: 6.9 MiB, half the cap; docs/saving.md's table is this size's).
             bucket_size_mb=0.5,
         ),
     )

@@ -24,6 +24,11 @@ BACKENDS = ("auto", "cpu", "cuda")
 # small model steps in several buckets, not its whole state at once. Not without the state:
 # small buckets launch encodes while backward's first activations live (a higher peak).
 AUTO_BUCKETS = 8
+# With the weights offloaded too: the step's two buckets bring their weights and AdamW's two
+# moments beside their gradients (16 bytes a parameter), so an eighth would hold the whole
+# fp32 weights at the step (2 x 1/8 x 16 = 4 bytes a parameter); a 32nd holds a quarter, and a
+# model twice the device's size trains with the default.
+AUTO_BUCKETS_WEIGHTS_ON_HOST = 32
 AUTO_BUCKET_MIN_BYTES = 64 * 1024
 AUTO_BUCKET_MAX_MB = 4.0
 #: Once `EngineConfig` fields, now the top-k codec's: `from_options` still takes them.
@@ -61,7 +66,8 @@ class EngineConfig:
             buckets plus the largest gradient) and at the fused step (a bucket or two of
             gradients, and of offloaded state), for more, smaller launches. None (default):
             4 MiB; with ``offload_optimizer_state=True``, an eighth of the cached gradients'
-            bytes within 64 KiB and 4 MiB (`bucket_bytes`).
+            bytes within 64 KiB and 4 MiB (`bucket_bytes`), and with ``offload_parameters=True``
+            too a 32nd (the step's two buckets then hold a quarter of the fp32 weights).
         warmup_steps: Optimizer steps sent uncompressed at the start, as Deep Gradient
             Compression does, while gradients change fastest (perf/RESULTS.md, "Compression
             recipes"). Default 0: a good length depends on the run's, and meanwhile host memory
@@ -277,13 +283,15 @@ class EngineConfig:
     def bucket_bytes(self, gradient_bytes: int | None) -> int:
         """A bucket's capacity for cached gradients of ``gradient_bytes`` dense bytes:
         ``bucket_size_mb`` where set, else 4 MiB, or with the state offloaded an eighth of
-        ``gradient_bytes`` within 64 KiB and 4 MiB (None: 4 MiB)."""
+        ``gradient_bytes`` (with the weights offloaded too, a 32nd) within 64 KiB and 4 MiB
+        (None: 4 MiB)."""
         if self.bucket_size_mb is not None:
             return max(1, int(self.bucket_size_mb * MIB))
         largest = int(AUTO_BUCKET_MAX_MB * MIB)
         if gradient_bytes is None or not self.offload_optimizer_state:
             return largest
-        return min(largest, max(AUTO_BUCKET_MIN_BYTES, gradient_bytes // AUTO_BUCKETS))
+        buckets = AUTO_BUCKETS_WEIGHTS_ON_HOST if self.offload_parameters else AUTO_BUCKETS
+        return min(largest, max(AUTO_BUCKET_MIN_BYTES, gradient_bytes // buckets))
 
     @classmethod
     def from_options(

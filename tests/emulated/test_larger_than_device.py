@@ -93,6 +93,31 @@ def test_a_model_twice_the_cap_trains_from_the_host_bit_for_bit(device: torch.de
         assert b.grad is not None and b.grad.device.type == "cpu" and torch.equal(a.grad, b.grad)
 
 
+def test_the_default_buckets_train_a_model_twice_the_cap_bit_for_bit(device) -> None:
+    """With the weights on the host the automatic bucket is a 32nd of the gradients: the
+    step's two buckets of weights, gradients and AdamW state are a quarter of the fp32
+    weights, so a model twice the device trains with no ``bucket_size_mb`` (with an eighth
+    they were the whole weights: out of memory in backward)."""
+    plain = model()
+    cap = weights_bytes(plain) // 2
+    expected = train(plain, batches(torch.device("cpu")))
+
+    gc.collect()
+    emulated_device(capacity_bytes=cap)
+    torch.accelerator.reset_peak_memory_stats()
+    cached = model()
+    defaults = {name: value for name, value in OPTIONS.items() if name != "bucket_size_mb"}
+    manager = gradient_cache.create_gradient_cache(cached, **defaults, device=device)
+    assert train(cached, batches(device), manager) == expected
+    assert manager.engine.assembler.capacity_bytes == weights_bytes(cached) // 32
+    for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.accelerator.max_memory_allocated() <= cap
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*did not fit on the device")  # the weights stay
+        manager.remove_hooks()
+
+
 def test_a_model_already_on_the_device_is_set_up_as_before(device: torch.device) -> None:
     net = model().to(device)
     blocks = [weights_bytes(block) for block in net.blocks]
