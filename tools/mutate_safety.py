@@ -3161,6 +3161,13 @@ MUTANTS = [
         "                pass\n",
         "tests/test_codecs.py -k share",
     ),
+    (
+        "accelerator: a refill interrupted after its copies queued orders the frees after them",
+        "gradient_cache/engine/accelerator.py",
+        "            compute.wait_stream(self.restore_stream)\n            raise\n",
+        "            raise\n",
+        "tests/emulated/test_device_defects.py -k interrupted",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

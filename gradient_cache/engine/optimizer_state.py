@@ -393,20 +393,22 @@ class StateJourney:
             copies = self.owned.copies[param]
             values = self.state.get(param, {})
             keys += [(param, key, copies[key]) for key in values if key in copies]
-        hosts = [leaf for _, _, host in keys for leaf in leaves(host)]
-        transfer = self.states.backend.start_to_device(hosts)
-        self.states.moved_bytes += nbytes(hosts)
-        for param, _, _ in keys:  # only once started: a failed start leaves them home
-            self.owned.at[param] = StateAt.IN_TRANSIT
         fresh = [param for param in params if not self.state.get(param)]
         # An optimizer may count its step before it raises (Adam's ``step += 1``, then an
-        # out-of-memory error): a retry must find the count as it was.
+        # out-of-memory error): a retry must find the count as it was. Cloned before the
+        # copies start: a clone on a full device (a capturable AdamW's ``step``) that raises
+        # then leaves nothing in transit, which no `Arrival` would put back.
         kept = [
             (param, key, value.clone() if isinstance(value, torch.Tensor) else value)
             for param in params
             for key, value in self.state.get(param, {}).items()
             if not offloaded(value)
         ]
+        hosts = [leaf for _, _, host in keys for leaf in leaves(host)]
+        transfer = self.states.backend.start_to_device(hosts)
+        self.states.moved_bytes += nbytes(hosts)
+        for param, _, _ in keys:  # only once started: a failed start leaves them home
+            self.owned.at[param] = StateAt.IN_TRANSIT
         return Arrival(list(params), fresh, keys, transfer, kept)
 
     def install(self, arrival: Arrival) -> None:

@@ -417,3 +417,49 @@ def test_a_close_out_of_memory_keeps_the_rest_cached_for_a_second_close(device) 
     optimizer.step()
     for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_refill_interrupted_after_its_copies_queued_frees_its_blocks_after_them(
+    device,
+) -> None:
+    """An interrupt inside the weights' refill once its copies are queued (here the event
+    that would mark them done is not made): the bring frees the blocks on the way out, and
+    a pending copy would write into freed memory on a GPU (the emulated device raised that
+    in place of the interrupt: probe N). The frees wait for the copies now; the interrupt
+    reaches the caller and the forward again trains as plain."""
+    data = on(device)
+
+    def run(model, manager=None):
+        optimizer = adamw_two_groups(model)
+        for index, (tokens, targets) in enumerate(data):
+            if manager is not None and index == 1:
+                interrupt_the_next_refill_after_its_copies(manager.engine.weights.backend)
+                with pytest.raises(KeyboardInterrupt):
+                    model(tokens, targets)
+            model(tokens, targets)[1].backward()
+            if manager is None:
+                optimizer.step()
+            else:
+                manager.step(optimizer)
+            optimizer.zero_grad()
+
+    run_as_plain(run, device)
+
+
+def interrupt_the_next_refill_after_its_copies(backend) -> None:
+    """``backend``'s next ``start_refill`` raises KeyboardInterrupt once its copies are
+    queued, where it makes their event."""
+    start_refill, new_event = backend.start_refill, backend.streams.new_event
+
+    def fails(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def interrupted(*args, **kwargs):
+        backend.start_refill = start_refill  # once
+        backend.streams.new_event = fails
+        try:
+            return start_refill(*args, **kwargs)
+        finally:
+            backend.streams.new_event = new_event
+
+    backend.start_refill = interrupted

@@ -13,6 +13,7 @@ from helpers import batches, loss_of, make_model
 
 import gradient_cache
 from gradient_cache.engine.accelerator import AcceleratorBackend
+from gradient_cache.testing import emulated_device
 
 # Small buckets: several buckets a step, so the state moves a bucket at a time.
 OPTIONS = dict(compression_ratio=1, offload_optimizer_state=True, bucket_size_mb=0.004)
@@ -155,3 +156,45 @@ def test_the_state_dict_round_trip_resumes_bit_for_bit(
     train(resumed, resumed_opt, data[3:], manager=manager)
     assert_on_the_host(manager, resumed_opt)
     assert_same_weights_and_state(plain, plain_opt, resumed, resumed_opt)
+
+
+def test_a_device_full_as_a_buckets_state_arrives_is_retried_as_plain(device: torch.device) -> None:
+    """A capturable AdamW keeps its ``step`` on the device, which the bring clones so that a
+    retry finds the count as it was. With the device full just after a bucket's state copies
+    started, that clone ran out of memory, left the bucket marked in transit, and every
+    retry raised torch's "found at least two devices" (probe N). The clone now comes first;
+    the retry, the device freed, steps as plain (no weight decay: plain itself cannot undo
+    one an out-of-memory error interrupted), bit for bit, weights and state."""
+
+    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0, capturable=True)
+
+    data = batches(STEPS)
+    plain = make_model().to(device)
+    plain_opt = make(list(plain.parameters()))
+    train(plain, plain_opt, data)
+
+    cached = make_model().to(device)
+    cached_opt = make(list(cached.parameters()))
+    manager = gradient_cache.create_gradient_cache(cached, **OPTIONS)
+    train(cached, cached_opt, data[:1], manager=manager)  # the state exists from here
+    tokens, targets = (t.to(device) for t in data[1])
+    for half in HALVES:
+        (loss_of(cached, tokens[half], targets[half]) / 2).backward()
+    backend = manager.engine.optimizer_state.backend
+    start = backend.start_to_device
+
+    def fills_the_device(hosts: list[torch.Tensor]):
+        transfer = start(hosts)
+        backend.start_to_device = start  # the first bucket's only
+        emulated_device(capacity_bytes=torch.accelerator.memory_allocated())
+        return transfer
+
+    backend.start_to_device = fills_the_device
+    with pytest.raises(torch.OutOfMemoryError):
+        manager.step(cached_opt, max_grad_norm=CLIP)
+    emulated_device()  # uncapped
+    manager.step(cached_opt, max_grad_norm=CLIP)
+    cached_opt.zero_grad()
+    train(cached, cached_opt, data[2:], manager=manager)
+    assert_same_weights_and_state(plain, plain_opt, cached, cached_opt)
