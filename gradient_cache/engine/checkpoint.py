@@ -165,7 +165,7 @@ def load(pipeline: Pipeline, state: Any) -> None:
 
 def _continuable(pipeline: Pipeline, state: dict[str, Any], key: str) -> dict[str, torch.Tensor]:
     """The generator states of ``state[key]`` the loading device continues from: every one
-    where it was saved on this kind of device; else `CodecSet.continuable`'s (a dither's
+    where it was saved on this kind of device; else `Codecs.continuable`'s (a dither's
     counter; a CPU generator's on the emulated device), the others restarting from their
     seeds, said once: a CPU and a CUDA generator's states differ in kind."""
     saved: dict[str, torch.Tensor] = state[key]
