@@ -794,8 +794,6 @@ def state_on_host(config: EngineConfig) -> EngineConfig:
 def weights_on_host_config(config: EngineConfig) -> EngineConfig:
     """``config`` with the state and the weights on the host, as the weights-on-host column
     runs (its automatic buckets are smaller: `EngineConfig.bucket_bytes`)."""
-    if config.offload_parameters:
-        return config
     return replace(config, offload_optimizer_state=True, offload_parameters=True)
 
 

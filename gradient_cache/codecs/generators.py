@@ -9,8 +9,8 @@ import torch
 
 class RandomSource(Protocol):
     """What the engine checkpoints and rewinds of a codec's randomness, per device.
-    ``portable``: whether a state means the same on every kind of device (a counter), so a
-    checkpoint loaded on another kind of device continues from it."""
+    ``portable``: whether a state means the same on every kind of device (a counter), so
+    one that does not fit is damage (refused) even where another kind of device saved it."""
 
     portable: bool
 

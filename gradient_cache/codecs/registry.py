@@ -236,14 +236,14 @@ class Codecs:
         self, device: torch.device, states: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Of ``states``, saved by `random_state` on another kind of device, those ``device``
-        continues from: a portable source's (a dither's draw counter), and a generator's
-        whose state is one ``device``'s generator takes (a CPU one's on the emulated device)."""
+        continues from: the ones its sources take (a dither's draw counter anywhere; a
+        generator's where ``device``'s generator is of its kind: a CPU one's on the emulated
+        device)."""
         sources = self.random_sources()
         return {
             name: state
             for name, state in states.items()
-            if name in sources
-            and (sources[name].portable or sources[name].state_problem(device, state) is None)
+            if name in sources and sources[name].state_problem(device, state) is None
         }
 
     def choose(self, numel: int, dtype: torch.dtype, *, min_numel: int | None) -> Codec:

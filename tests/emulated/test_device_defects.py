@@ -345,11 +345,7 @@ def test_a_penalty_computed_before_the_forward_is_refused_by_name_and_training_g
                 assert all(p.grad is None or p.grad.device == device for p in model.parameters())
                 manager.discard_gradients()
             model(tokens, targets)[1].backward()
-            if manager is None:
-                optimizer.step()
-            else:
-                manager.step(optimizer)
-            optimizer.zero_grad()
+            step(optimizer, manager)
         if manager is not None:
             manager.remove_hooks()
 
@@ -437,13 +433,18 @@ def test_a_refill_interrupted_after_its_copies_queued_frees_its_blocks_after_the
                 with pytest.raises(KeyboardInterrupt):
                     model(tokens, targets)
             model(tokens, targets)[1].backward()
-            if manager is None:
-                optimizer.step()
-            else:
-                manager.step(optimizer)
-            optimizer.zero_grad()
+            step(optimizer, manager)
 
     run_as_plain(run, device)
+
+
+def step(optimizer: torch.optim.Optimizer, manager=None) -> None:
+    """Plain PyTorch's step (``manager`` None) or the cache's fused one, then zero_grad."""
+    if manager is None:
+        optimizer.step()
+    else:
+        manager.step(optimizer)
+    optimizer.zero_grad()
 
 
 def interrupt_the_next_refill_after_its_copies(backend) -> None:
