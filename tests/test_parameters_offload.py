@@ -18,6 +18,7 @@ import gradient_cache
 from gradient_cache.demo.models import GPTConfig, TinyGPT
 from gradient_cache.engine.hostmem import HostMemoryError
 from gradient_cache.engine.records import StateAt
+from gradient_cache.engine.weights import at_rest
 from gradient_cache.engine.weights.blocks import weight_units
 from gradient_cache.engine.weights.masters import WeightAt, unit_offsets
 
@@ -935,6 +936,48 @@ def test_writes_to_the_masters_reach_the_next_forward_and_a_cast_model_is_refuse
     ):
         loaded(tokens)
     manager.remove_hooks()
+
+
+def test_a_write_through_param_data_at_rest_reaches_the_next_forward_and_step() -> None:
+    """compute_dtype: diffusers' ``EMAModel.copy_to`` writes ``param.data.copy_(...)`` at
+    rest, which moves no version counter; each ``P.data`` a weight at rest hands out is
+    counted, so its bf16 copy is cast again for the next forward instead of kept stale.
+    The reference: the same values written by ``load_state_dict`` into a second cache."""
+    data = batches(3)
+    models = gpt(), gpt()
+    managers = [
+        gradient_cache.create_gradient_cache(model, **STREAMED, compute_dtype=torch.bfloat16)
+        for model in models
+    ]
+    optimizers = [adamw_two_groups(model) for model in models]
+    for model, optimizer, manager in zip(models, optimizers, managers, strict=True):
+        train(model, optimizer, data[:1], manager=manager)  # the wires cast, then stepped
+    written, loaded = models
+    # Between steps every weight at rest counts its P.data reads (plain during the step).
+    assert {type(param) for param in written.parameters()} == {at_rest.WatchedAtRest}
+    tokens, _ = data[1]
+    with torch.no_grad():
+        assert torch.equal(written(tokens)[0], loaded(tokens)[0])  # the wires cast again
+    ema = {
+        name: value * 0.5 + 0.01 if value.is_floating_point() else value
+        for name, value in written.state_dict().items()
+    }
+    loaded.load_state_dict(ema)
+    for name, param in written.named_parameters():
+        param.data.copy_(ema[name])  # at rest: the master, no version counter moved
+    with torch.no_grad():
+        assert torch.equal(written(tokens)[0], loaded(tokens)[0])
+    for param in written.parameters():
+        param.data.mul_(0.5)  # after an eval too
+    with torch.no_grad():
+        for param in loaded.parameters():
+            param.mul_(0.5)
+    for model, optimizer, manager in zip(models, optimizers, managers, strict=True):
+        train(model, optimizer, data[1:], manager=manager)
+    assert_same_parameters(loaded, written)
+    for manager in managers:
+        manager.remove_hooks()
+    assert all(type(param) is torch.nn.Parameter for param in written.parameters())
 
 
 def test_the_compute_copies_are_ordered_on_the_stand_in_streams(

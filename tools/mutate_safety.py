@@ -2225,8 +2225,8 @@ MUTANTS = [
     (
         "weights at rest: a closed cache leaves plain parameters",
         "gradient_cache/engine/weights/stream.py",
-        "            for param in self._guarded:  # a closed cache leaves plain parameters\n                at_rest.dress(param, None)\n",
-        "            for param in self._guarded:  # a closed cache leaves plain parameters\n                pass\n",
+        "            for param in [*self._guarded, *weights.params()]:  # a closed cache: plain ones\n                at_rest.forget(param)\n",
+        "            for param in [*self._guarded, *weights.params()]:  # a closed cache: plain ones\n                pass\n",
         "tests/emulated/test_larger_than_device.py",
     ),
     (
@@ -3167,6 +3167,27 @@ MUTANTS = [
         "            compute.wait_stream(self.restore_stream)\n            raise\n",
         "            raise\n",
         "tests/emulated/test_device_defects.py -k interrupted",
+    ),
+    (
+        "weights at rest: a P.data read is counted (a write through it recasts the wire)",
+        "gradient_cache/engine/weights/at_rest.py",
+        "    if func == _DATA_GET:\n        DATA_READS[id(args[0])] = DATA_READS.get(id(args[0]), 0) + 1\n",
+        "    return\n",
+        "tests/test_parameters_offload.py::test_a_write_through_param_data_at_rest_reaches_the_next_forward_and_step",
+    ),
+    (
+        "weights at rest: a weight whose forward reads a wire is watched at home",
+        "gradient_cache/engine/weights/stream.py",
+        "watched=home and weight.wire is not None and not self._stepping)",
+        "watched=False)",
+        "tests/test_parameters_offload.py::test_a_write_through_param_data_at_rest_reaches_the_next_forward_and_step",
+    ),
+    (
+        "weights at rest: watched again once the step ends",
+        "gradient_cache/engine/weights/stream.py",
+        "        self._stepping = False\n        for param, weight in weights:\n            self._dress(param, weight)\n",
+        "        self._stepping = False\n",
+        "tests/test_parameters_offload.py::test_a_write_through_param_data_at_rest_reaches_the_next_forward_and_step",
     ),
 ]
 

@@ -4,6 +4,11 @@ autograd records gets a pre-hook on its node
 that raises by name, on whichever thread reaches it first. ``backward(inputs=)`` and
 ``autograd.grad`` naming a guarded weight get the nodes its uses recorded (`USES`):
 moving ``P.data`` made autograd start a new one. Why: docs/ARCHITECTURE.md, "Traps".
+
+A weight at rest whose forward reads a cast of its master (a *wire*, ``compute_dtype``) is
+watched (`WatchedAtRest`) while plain: each ``P.data`` it hands out is counted (`DATA_READS`),
+since a write through it moves no version counter and the wire would stay the old cast
+(diffusers' ``EMAModel.copy_to`` writes ``param.data.copy_(...)``).
 """
 
 from __future__ import annotations
@@ -22,10 +27,39 @@ Param = torch.nn.Parameter
 NAMES: dict[int, str] = {}
 #: Each guarded weight's uses' nodes since the last backward (`OwnTensors.record_uses`).
 USES: dict[int, list[GradientEdge]] = {}
+#: How many times each watched or guarded weight at rest handed out ``P.data``, by ``id``.
+DATA_READS: dict[int, int] = {}
+
+_DATA_GET = vars(torch._C.TensorBase)["data"].__get__  # what `P.data` dispatches
 
 
-class GuardedAtRest(torch.nn.Parameter):
-    """A plain ``Parameter`` whose recorded uses refuse their backward (module docstring)."""
+class WatchedAtRest(torch.nn.Parameter):
+    """A plain ``Parameter`` whose ``P.data`` reads are counted (module docstring)."""
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        _count_data_read(func, args)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Param:
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # no read counted
+            result = Param(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        result.__dict__ = copy.deepcopy(self.__dict__, memo)
+        memo[id(self)] = result
+        return result
+
+
+class GuardedAtRest(WatchedAtRest):
+    """A watched ``Parameter`` whose recorded uses refuse their backward (module docstring)."""
 
     @classmethod
     def __torch_function__(
@@ -36,6 +70,7 @@ class GuardedAtRest(torch.nn.Parameter):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        _count_data_read(func, args)
         if func is torch.autograd.backward or func is torch.autograd.grad:
             return _through_recorded_uses(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
@@ -53,26 +88,29 @@ class GuardedAtRest(torch.nn.Parameter):
                     node.register_prehook(_refusal(used))
         return result
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Param:
-        if id(self) in memo:
-            return memo[id(self)]
-        with torch.no_grad():
-            result = Param(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
-        result.__dict__ = copy.deepcopy(self.__dict__, memo)
-        memo[id(self)] = result
-        return result
+
+def _count_data_read(func: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    if func == _DATA_GET:
+        DATA_READS[id(args[0])] = DATA_READS.get(id(args[0]), 0) + 1
 
 
-def dress(param: Param, name: str | None) -> None:
-    """``param`` as a `GuardedAtRest` named ``name``, or (None) a plain ``Parameter`` again;
-    a parameter of another class (a library's subclass) is left as it is."""
-    wanted = Param if name is None else GuardedAtRest
-    if type(param) in (Param, GuardedAtRest) and type(param) is not wanted:
+def dress(param: Param, name: str | None, *, watched: bool = False) -> None:
+    """``param`` as a `GuardedAtRest` named ``name``, or (None) a `WatchedAtRest` where
+    ``watched``, else a plain ``Parameter`` again; a parameter of another class (a library's
+    subclass) is left as it is."""
+    wanted = GuardedAtRest if name is not None else WatchedAtRest if watched else Param
+    if type(param) in (Param, WatchedAtRest, GuardedAtRest) and type(param) is not wanted:
         param.__class__ = wanted
     if name is None:
         NAMES.pop(id(param), None)
     else:
         NAMES[id(param)] = name
+
+
+def forget(param: Param) -> None:
+    """``param`` a plain ``Parameter`` the weights no longer hold (settled, or closed)."""
+    dress(param, None)
+    DATA_READS.pop(id(param), None)
 
 
 def _through_recorded_uses(

@@ -21,6 +21,7 @@ from ..backend import Backend, Transfer
 from ..hostmem import check_host_budget
 from ..layout import gradient_strides
 from ..state_slabs import StateSlabs
+from . import at_rest
 
 Param = torch.nn.Parameter
 
@@ -52,8 +53,8 @@ class Weight:
     full: torch.Tensor  # for the step, the master's dtype (``compute`` under FSDP2)
     unit: Unit | None = None  # whose buffer ``compute`` views (None: memory of its own)
     wire: torch.Tensor | None = None  # the master cast to the compute dtype, on the host
-    wired: tuple[int, int] = (-1, -1)  # (P's, the master's) versions ``wire`` was cast at
-    sent: tuple[int, int] = (-1, -1)  # those its unit's buffer was filled at
+    wired: tuple[int, int, int] = (-1, -1, -1)  # `_versions` when ``wire`` was cast
+    sent: tuple[int, int, int] = (-1, -1, -1)  # those its unit's buffer was filled at
     at: WeightAt = WeightAt.HOST
     in_use: torch.Tensor | None = None  # ``compute`` or ``full``, while not HOST
     arrival: Transfer | None = None
@@ -102,6 +103,9 @@ class Placement(Protocol):
 
     def step_begins(self) -> None:
         """The fused step begins: what it reads of the weights at rest is plain."""
+
+    def step_ends(self, weights: Iterable[tuple[Param, Weight]]) -> None:
+        """The fused step ended (or raised): ``weights`` as between steps."""
 
     def close(self, weights: HostWeights) -> None:
         """Every weight back on the device for good, as plain PyTorch keeps it."""
@@ -426,6 +430,7 @@ class HostWeights:
             self.moved_last_step, self._counted_step = 0, steps
         self.moved_last_step += self.moved_bytes
         self.moved_bytes = 0
+        self.placement.step_ends(self._weights.items())
 
     def masters(self, params: Iterable[Param] | None = None) -> tuple[torch.Tensor, ...]:
         """The masters (of ``params``: every one these weights hold), in host memory."""
@@ -446,6 +451,9 @@ class HostWeights:
 
     def params(self) -> list[Param]:
         return list(self._weights)
+
+    def items(self) -> list[tuple[Param, Weight]]:
+        return list(self._weights.items())
 
     def drop(self, params: Iterable[Param]) -> None:
         """``params`` (whole units, at home) settled on the device are these weights' no more;
@@ -497,6 +505,7 @@ class StepJourney:
     def abandon(self, arrivals: Iterable[list[Param]]) -> None:
         for arrival in arrivals:
             self.weights.forget(arrival)
+        self.weights.placement.step_ends(self.weights.items())
 
     def step_ended(self, steps: int) -> None:
         self.weights.step_ended(steps)
@@ -545,6 +554,7 @@ def _view(region: torch.Tensor, like: torch.Tensor, at: int) -> torch.Tensor:
     return tensor.set_(region.untyped_storage(), offset, like.shape, gradient_strides(like))
 
 
-def _versions(param: Param, weight: Weight) -> tuple[int, int]:
-    """The version counters a write into ``param`` at rest or into its master moves."""
-    return param._version, weight.master._version
+def _versions(param: Param, weight: Weight) -> tuple[int, int, int]:
+    """The version counters a write into ``param`` at rest or into its master moves, and
+    the ``P.data`` reads at rest (a write through one moves neither counter)."""
+    return param._version, weight.master._version, at_rest.DATA_READS.get(id(param), 0)

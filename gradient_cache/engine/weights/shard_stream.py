@@ -267,6 +267,9 @@ class FsdpShards:
     def step_begins(self) -> None:
         """Nothing guarded: a shard's weights are never dressed (`at_rest`)."""
 
+    def step_ends(self, weights: Iterable[tuple[Param, Weight]]) -> None:
+        """Nothing watched: a shard at rest is FSDP2's, on the device (`rest`)."""
+
     def close(self, weights: HostWeights) -> None:
         """Every shard back on the device for good (one there stays: the newest). Raises
         without room: a shard left on the host would be read freed by FSDP2's next gather."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -393,6 +393,7 @@ class OwnTensors:
         # From a forward's end to its backward's begin, and from a backward's end to the
         # next forward or step (a retained graph's next backward naming the weights).
         self._guarding = False
+        self._stepping = False  # from `step_begins` to `step_ends`: nothing watched
         self._uses_stale = False  # a backward ended: the next forward's uses replace them
         self._recorded: set[int] = set()  # the weights whose nodes `at_rest.USES` keeps
         self._settled: list[Param] = []  # on the device for good (`settle`)
@@ -433,8 +434,15 @@ class OwnTensors:
         self.guarding(True)
 
     def step_begins(self) -> None:
-        """The weights plain: the step's loops read their fields with no Python call each."""
+        """The weights plain: the step's loops read their fields with no Python call each
+        (each optimizer step reads every parameter's ``.grad``, a bucket's or not)."""
+        self._stepping = True
         self.guarding(False)
+
+    def step_ends(self, weights: Iterable[tuple[Param, Weight]]) -> None:
+        self._stepping = False
+        for param, weight in weights:
+            self._dress(param, weight)
 
     def eval_ended(self) -> None:
         """An eval ran plain (`_model_begins`): guarded again where the last backward's
@@ -466,12 +474,12 @@ class OwnTensors:
         return False
 
     def _dress(self, param: Param, weight: Weight) -> None:
-        """``param`` guarded while at rest on the host and `guarding`, else plain."""
-        name = self._guarded.get(param)
-        if name is None:
-            return  # never guarded (on the CPU, a rest weight), or no longer (settled)
+        """``param`` at rest on the host: guarded while `guarding` (a weight never guarded:
+        on the CPU, a rest weight), else watched where its forward reads a wire; in use:
+        plain."""
         home = weight.place() is weight.master
-        at_rest.dress(param, name if self._guarding and home else None)
+        name = self._guarded.get(param) if self._guarding and home else None
+        at_rest.dress(param, name, watched=home and weight.wire is not None and not self._stepping)
 
     def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
         """Each parameter must own all its memory: freed and refilled whole, it would take a
@@ -551,7 +559,7 @@ class OwnTensors:
         for param, home in zip(params, homes, strict=True):
             param.data = rebound.get(param, home)
             self._guarded.pop(param, None)
-            at_rest.dress(param, None)
+            at_rest.forget(param)
         weights.drop(params)
         self._settled.extend(params)
 
@@ -580,6 +588,6 @@ class OwnTensors:
                 stacklevel=outside_the_package(),
             )
         finally:
-            for param in self._guarded:  # a closed cache leaves plain parameters
-                at_rest.dress(param, None)
+            for param in [*self._guarded, *weights.params()]:  # a closed cache: plain ones
+                at_rest.forget(param)
             self._guarded.clear()
