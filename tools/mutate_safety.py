@@ -3189,6 +3189,20 @@ MUTANTS = [
         "        self._stepping = False\n",
         "tests/test_parameters_offload.py::test_a_write_through_param_data_at_rest_reaches_the_next_forward_and_step",
     ),
+    (
+        "weights at rest: a copy of a weight at rest is made on its model's device",
+        "gradient_cache/engine/weights/at_rest.py",
+        "            data = self.data.to(COPIES_ON.get(id(self), self.device), copy=True)\n",
+        "            data = self.data.to(self.device, copy=True)\n",
+        "tests/emulated/test_weights_on_device.py::test_an_ema_copy_is_made_on_the_device_and_computes_as_plains",
+    ),
+    (
+        "weights at rest: a weight whose model computes on a device is watched at home",
+        "gradient_cache/engine/weights/stream.py",
+        '        watched = weight.wire is not None or device.type != "cpu"\n',
+        "        watched = weight.wire is not None\n",
+        "tests/emulated/test_weights_on_device.py::test_an_ema_copy_is_made_on_the_device_and_computes_as_plains",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

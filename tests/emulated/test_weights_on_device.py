@@ -437,13 +437,14 @@ def test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches(de
     guarded (`at_rest.GuardedAtRest`) yet a Parameter for everything else: a log of its norm
     with gradients on, a write under no_grad, a copy of the model (deepcopy: plain
     parameters, no guard), a pickle of the weight; a use a backward reaches is refused by
-    name. Guarded again from its backward's end; through the step, and once the hooks are
-    removed, every weight is a plain Parameter."""
+    name. Guarded again from its backward's end; between steps only watched
+    (`at_rest.WatchedAtRest`: its P.data reads counted, a copy made on the device), and
+    once the hooks are removed every weight is a plain Parameter."""
     model = gpt()
     manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
     tokens, targets = on(device, 1)[0]
     weight = model.blocks[0].attn.qkv.weight
-    assert type(weight) is nn.Parameter  # before a forward
+    assert type(weight) is at_rest.WatchedAtRest  # before a forward
     _, loss = model(tokens, targets)
     assert isinstance(weight, nn.Parameter) and type(weight) is not nn.Parameter
     assert weight.norm().item() > 0  # recorded, never backwarded: free
@@ -465,7 +466,7 @@ def test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches(de
     # At rest after it, guarded again: a backward over a retained graph may name them.
     assert not any(type(p) is nn.Parameter for p in model.parameters())
     manager.step(adamw_two_groups(model))
-    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert all(type(p) is at_rest.WatchedAtRest for p in model.parameters())
     model(tokens, targets)
     manager.remove_hooks()
     assert all(type(p) is nn.Parameter for p in model.parameters())
@@ -539,3 +540,38 @@ def test_an_adamw_keeping_its_step_on_the_device_resumes_as_plain(
         assert expected["step"].device == got["step"].device == step_on
         for key in expected:
             assert torch.equal(expected[key].cpu(), got[key].cpu()), key
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "averaged"])
+def test_an_ema_copy_is_made_on_the_device_and_computes_as_plains(device, copier) -> None:
+    """``copy.deepcopy`` or ``AveragedModel`` of a model whose weights rest on the host: the
+    copy is whole on the device, its parameters beside its buffers, as plain PyTorch's copy
+    of a model there (the masters copied on the host beside device buffers computed
+    nowhere), and computes as plain's copy, before and after the close."""
+
+    def copied(model):
+        if copier == "deepcopy":
+            return copy.deepcopy(model)
+        ema = torch.optim.swa_utils.AveragedModel(model)
+        ema.update_parameters(model)
+        return ema
+
+    data = on(device)
+    plain = gpt().to(device)
+    plain.register_buffer("scale", torch.ones(3, device=device))
+    train(plain, data[:2])
+    cached = gpt()
+    cached.register_buffer("scale", torch.ones(3))
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, device=device)
+    train(cached, data[:2], manager)
+    plain_copy, cached_copy = copied(plain), copied(cached)
+    module = cached_copy.module if copier == "averaged" else cached_copy
+    assert {t.device for t in [*module.parameters(), *module.buffers()]} == {device}
+    assert all(type(p) is nn.Parameter for p in module.parameters())
+    tokens, targets = data[2]
+    with torch.no_grad():
+        expected = plain_copy(tokens, targets)[1]
+        assert torch.equal(cached_copy(tokens, targets)[1], expected)
+    manager.remove_hooks()
+    with torch.no_grad():
+        assert torch.equal(cached_copy(tokens, targets)[1], expected)

@@ -5,10 +5,11 @@ that raises by name, on whichever thread reaches it first. ``backward(inputs=)``
 ``autograd.grad`` naming a guarded weight get the nodes its uses recorded (`USES`):
 moving ``P.data`` made autograd start a new one. Why: docs/ARCHITECTURE.md, "Traps".
 
-A weight at rest whose forward reads a cast of its master (a *wire*, ``compute_dtype``) is
-watched (`WatchedAtRest`) while plain: each ``P.data`` it hands out is counted (`DATA_READS`),
-since a write through it moves no version counter and the wire would stay the old cast
-(diffusers' ``EMAModel.copy_to`` writes ``param.data.copy_(...)``).
+A weight at rest whose forward reads a cast of its master (a *wire*, ``compute_dtype``), or
+whose model computes on a device, is watched (`WatchedAtRest`) while not guarded: each
+``P.data`` it hands out is counted (`DATA_READS`), since a write through it moves no version
+counter and the wire would stay the old cast (diffusers' ``EMAModel.copy_to`` writes
+``param.data.copy_(...)``); a copy of it is made on the model's device (`COPIES_ON`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ NAMES: dict[int, str] = {}
 USES: dict[int, list[GradientEdge]] = {}
 #: How many times each watched or guarded weight at rest handed out ``P.data``, by ``id``.
 DATA_READS: dict[int, int] = {}
+#: Where a copy (``copy.deepcopy``, ``AveragedModel``) of each dressed weight at rest is made:
+#: its model's device, where plain PyTorch's copy of the model would be, beside its buffers.
+COPIES_ON: dict[int, torch.device] = {}
 
 _DATA_GET = vars(torch._C.TensorBase)["data"].__get__  # what `P.data` dispatches
 
@@ -52,7 +56,8 @@ class WatchedAtRest(torch.nn.Parameter):
         if id(self) in memo:
             return memo[id(self)]
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # no read counted
-            result = Param(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+            data = self.data.to(COPIES_ON.get(id(self), self.device), copy=True)
+            result = Param(data, self.requires_grad)
         result.__dict__ = copy.deepcopy(self.__dict__, memo)
         memo[id(self)] = result
         return result
@@ -111,6 +116,7 @@ def forget(param: Param) -> None:
     """``param`` a plain ``Parameter`` the weights no longer hold (settled, or closed)."""
     dress(param, None)
     DATA_READS.pop(id(param), None)
+    COPIES_ON.pop(id(param), None)
 
 
 def _through_recorded_uses(

@@ -475,11 +475,14 @@ class OwnTensors:
 
     def _dress(self, param: Param, weight: Weight) -> None:
         """``param`` at rest on the host: guarded while `guarding` (a weight never guarded:
-        on the CPU, a rest weight), else watched where its forward reads a wire; in use:
-        plain."""
+        on the CPU, a rest weight), else watched where its forward reads a wire or its
+        model computes on a device; in use: plain."""
         home = weight.place() is weight.master
         name = self._guarded.get(param) if self._guarding and home else None
-        at_rest.dress(param, name, watched=home and weight.wire is not None and not self._stepping)
+        device = self.backend.device
+        watched = weight.wire is not None or device.type != "cpu"
+        at_rest.dress(param, name, watched=home and watched and not self._stepping)
+        at_rest.COPIES_ON[id(param)] = device
 
     def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
         """Each parameter must own all its memory: freed and refilled whole, it would take a
