@@ -230,7 +230,9 @@ class WeightStream:
                 "meets until the forward ends, so the device would hold the whole model's "
                 "weights. Pass compute_dtype=torch.bfloat16 to the cache instead (forward "
                 "and backward in bf16, a block at a time), or turn autocast's weight cache "
-                f"off: torch.autocast({kind!r}, dtype=..., cache_enabled=False)."
+                f"off: torch.autocast({kind!r}, dtype=..., cache_enabled=False) (without "
+                "activation checkpointing autograd still saves each block's casts for its "
+                "backward: half the blocks' fp32 bytes, python -m perf.autocast_window)."
             )
 
     def _cast(self, args: Any, kwargs: Any) -> Any:
