@@ -3168,6 +3168,41 @@ MUTANTS = [
         "            raise\n",
         "tests/emulated/test_device_defects.py -k interrupted",
     ),
+    (
+        "fused step: a bucket stepped before an interrupt is spent, not stepped again",
+        "gradient_cache/engine/fused_step.py",
+        "        pipeline.skip([p for p in steps.stepped if p in pipeline.store])\n",
+        "",
+        "tests/test_faults.py -k interrupted_fused_step",
+    ),
+    (
+        "fused step: a bucket stepped before an interrupt goes home, not back as it was",
+        "gradient_cache/engine/fused_step.py",
+        "            if self.arrivals and self.arrivals[0][0][0] in stepped:\n",
+        "            if False:\n",
+        "tests/test_faults.py -k interrupted_fused_step",
+    ),
+    (
+        "fused step: a bucket stepped is marked so right after its step",
+        "gradient_cache/engine/fused_step.py",
+        "        stepped.update(params)  # no call of ours in between: an interrupt comes before or after\n",
+        "",
+        "tests/test_faults.py -k interrupted_fused_step",
+    ),
+    (
+        "fused step: an interrupt while a bucket's gradients are assigned leaves none in .grad",
+        "gradient_cache/engine/fused_step.py",
+        "    try:  # an interrupt while they are set leaves none behind (the retry would step it)\n        for param, grad in grads:\n            param.grad = sharding.as_grad_of(param, grad)\n        step_once()\n",
+        "    for param, grad in grads:\n        param.grad = sharding.as_grad_of(param, grad)\n    try:\n        step_once()\n",
+        "tests/test_faults.py -k interrupted_fused_step",
+    ),
+    (
+        "weights: a free interrupted as P goes home still shows P its master",
+        "gradient_cache/engine/weights/masters.py",
+        "                self.placement.show(param, weight)  # (a forward checks); memory kept till reused\n",
+        "",
+        "tests/emulated/test_device_defects.py -k interrupt_in_a_weights_free",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
