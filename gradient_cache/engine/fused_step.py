@@ -3,14 +3,15 @@
 A bucket's payloads leave the cache only after its ``optimizer.step()`` returned, so a
 step whose ``optimizer.step()`` raised before changing anything (an OOM the user catches)
 is finished by calling it again, with plain PyTorch's result: stepped buckets are not
-stepped twice, the first clip is reused.
+stepped twice, the first clip is reused. An interrupt after a bucket's step returned, before
+its payloads left (a signal between our calls), has them leave on the way out (`run`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,7 +50,8 @@ class Journeys:
     copies back start before a new state's host copies are allocated, which may raise."""
 
     travellers: list[Traveller]
-    arrivals: deque[list[Any]] = field(default_factory=deque)
+    # Each bucket's parameters and its travellers' arrivals, oldest first.
+    arrivals: deque[tuple[Sequence[Param], list[Any]]] = field(default_factory=deque)
 
     def bring(self, params: Sequence[Param]) -> None:
         brought: list[Any] = []
@@ -60,22 +62,28 @@ class Journeys:
             for traveller, arrival in zip(self.travellers, brought, strict=False):
                 traveller.abandon([arrival])
             raise
-        self.arrivals.append(brought)
+        self.arrivals.append((params, brought))
 
     def install(self) -> None:
         """The oldest bucket's arrivals, for its step."""
-        for traveller, arrival in zip(self.travellers, self.arrivals[0], strict=True):
+        for traveller, arrival in zip(self.travellers, self.arrivals[0][1], strict=True):
             traveller.install(arrival)
 
     def send_back(self) -> None:
         """The oldest bucket's, after its step."""
-        for traveller, arrival in zip(self.travellers, self.arrivals.popleft(), strict=True):
+        for traveller, arrival in zip(self.travellers, self.arrivals.popleft()[1], strict=True):
             traveller.send_back(arrival)
 
-    def abandon(self) -> None:
-        for i, traveller in enumerate(self.travellers):
-            traveller.abandon(arrivals[i] for arrivals in self.arrivals)
-        self.arrivals.clear()
+    def abandon(self, stepped: Container[Param]) -> None:
+        """A step raised: each arrival's part as before its journey, but the oldest bucket's
+        sent back where its parameters are ``stepped`` (interrupted after its step)."""
+        try:
+            if self.arrivals and self.arrivals[0][0][0] in stepped:
+                self.send_back()
+        finally:
+            for i, traveller in enumerate(self.travellers):
+                traveller.abandon(arrivals[i] for _, arrivals in self.arrivals)
+            self.arrivals.clear()
 
     def step_ended(self, steps: int) -> None:
         for traveller in self.travellers:
@@ -97,6 +105,10 @@ class BucketSteps:
     step_once: Callable[[], object]
     journeys: Journeys  # the weights and optimizer state with the buckets (offloaded)
     hidden: bool  # the held gradients stay out of .grad afterwards (`settle_held`)
+    # The cached parameters whose bucket's optimizer step returned, marked right after it
+    # (`_step_with`): an interrupt before their bucket left the store and went home (a
+    # signal between library calls) must not have the retry step them again.
+    stepped: set[Param] = field(default_factory=set)
 
 
 def run(pipeline: Pipeline, steps: BucketSteps) -> dict[Param, torch.Tensor]:
@@ -108,7 +120,9 @@ def run(pipeline: Pipeline, steps: BucketSteps) -> dict[Param, torch.Tensor]:
         if steps.held:
             _step_held(pipeline, steps)
     except BaseException:
-        steps.journeys.abandon()
+        # Finished as uninterrupted: delivered and spent (`Pipeline.skip`), sent home.
+        pipeline.skip([p for p in steps.stepped if p in pipeline.store])
+        steps.journeys.abandon(steps.stepped | steps.progress.stepped)
         for param, grad in steps.held.items():
             param.grad = grad  # as the retry finds them: `progress` says what was done to them
         for param, at in before.items():  # where they were before the step
@@ -133,7 +147,7 @@ def _step_cached(pipeline: Pipeline, steps: BucketSteps) -> None:
     with contextlib.closing(restoring) as buckets:
         for i, grads in enumerate(buckets):
             steps.journeys.install()
-            _step_with(steps.step_once, grads)
+            _step_with(steps.step_once, grads, steps.stepped)
             if i == 0:
                 # Counted (its residuals current) once an optimizer step went through, idempotent
                 # (a retry's): a step that failed before can still be discarded without a trace.
@@ -153,8 +167,8 @@ def _step_held(pipeline: Pipeline, steps: BucketSteps) -> None:
         journeys.install()
         # A held gradient restored beside its weight at rest on the host (a clip over some
         # of the parameters restores theirs) goes to where the weight was brought.
-        _step_with(steps.step_once, [(param, held[param].to(param.device)) for param in chunk])
-        progress.stepped.update(chunk)
+        grads = [(param, held[param].to(param.device)) for param in chunk]
+        _step_with(steps.step_once, grads, progress.stepped)
         journeys.send_back()
 
 
@@ -218,12 +232,17 @@ def _chunks(params: list[Param], size_bytes: int) -> list[list[Param]]:
     return chunks
 
 
-def _step_with(step_once: Callable[[], object], grads: list[tuple[Param, torch.Tensor]]) -> None:
-    """A step with exactly ``grads`` set; ``param.grad`` is None afterwards."""
-    for param, grad in grads:
-        param.grad = sharding.as_grad_of(param, grad)
-    try:
+def _step_with(
+    step_once: Callable[[], object], grads: list[tuple[Param, torch.Tensor]], stepped: set[Param]
+) -> None:
+    """A step with exactly ``grads`` set, their parameters then added to ``stepped``;
+    ``param.grad`` is None afterwards."""
+    params = [param for param, _ in grads]
+    try:  # an interrupt while they are set leaves none behind (the retry would step it)
+        for param, grad in grads:
+            param.grad = sharding.as_grad_of(param, grad)
         step_once()
+        stepped.update(params)  # no call of ours in between: an interrupt comes before or after
     finally:
         for param, _ in grads:
             param.grad = None

@@ -240,7 +240,8 @@ class Pipeline:
 
     def skip(self, params: Iterable[Param]) -> None:
         """A step the GradScaler skips: the cached gradients of ``params`` are delivered and
-        spent unrestored, as ``scaler.step()`` leaves a skipped step's gradients unused."""
+        spent unrestored, as ``scaler.step()`` leaves a skipped step's gradients unused. Also
+        a fused step's bucket stepped before an interrupt, still cached (`fused_step.run`)."""
         params = [param for param in params if param in self.store]
         self.deliver(params)
         self._spend(params)

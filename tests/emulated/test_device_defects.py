@@ -17,6 +17,7 @@ from test_parameters_offload import STREAMED, adamw_two_groups, gpt
 from test_parameters_offload import batches_on as on
 
 import gradient_cache
+from gradient_cache.engine.weights.masters import WeightAt
 from gradient_cache.testing import emulated_device
 
 
@@ -436,6 +437,40 @@ def test_a_refill_interrupted_after_its_copies_queued_frees_its_blocks_after_the
             step(optimizer, manager)
 
     run_as_plain(run, device)
+
+
+def test_an_interrupt_in_a_weights_free_leaves_it_home_for_the_next_forward(device) -> None:
+    """A KeyboardInterrupt inside the fused step's free of a stepped weight, once its record
+    says it is home but before ``P`` reads its master (a signal: no error comes there). Every
+    later forward was refused ("The model's parameters changed", whose advice did not
+    apply: probe N); now ``P`` reads its master, and the retried step trains as plain."""
+    data = on(device)
+
+    def run(model, manager=None):
+        optimizer = adamw_two_groups(model)
+        for index, (tokens, targets) in enumerate(data):
+            model(tokens, targets)[1].backward()
+            if manager is not None and index == 1:
+                interrupt_the_next_show_at_home(manager.engine.weights.placement)
+                with pytest.raises(KeyboardInterrupt):
+                    manager.step(optimizer)
+            step(optimizer, manager)
+
+    run_as_plain(run, device)
+
+
+def interrupt_the_next_show_at_home(placement) -> None:
+    """``placement``'s next showing of a weight whose record says home (in a free) raises
+    KeyboardInterrupt before it runs, once."""
+    show = placement.show
+
+    def interrupted(param, weight):
+        if weight.at is not WeightAt.HOST:
+            return show(param, weight)
+        del placement.show  # once: the class's again
+        raise KeyboardInterrupt
+
+    placement.show = interrupted
 
 
 def step(optimizer: torch.optim.Optimizer, manager=None) -> None:

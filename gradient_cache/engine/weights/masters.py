@@ -327,7 +327,11 @@ class HostWeights:
             assert weight.in_use is not None  # set with ARRIVING
             in_use = weight.in_use
             weight.at, weight.in_use = WeightAt.HOST, None
-            self.placement.show(param, weight)
+            try:
+                self.placement.show(param, weight)
+            except BaseException:  # an interrupt inside: ``P`` reads its master, as recorded
+                self.placement.show(param, weight)  # (a forward checks); memory kept till reused
+                raise
             unit = weight.unit
             if unit is None or in_use is not weight.compute:
                 self.backend.resize_storage(in_use, 0)
