@@ -72,6 +72,7 @@ def test_a_backward_after_a_fused_step_raised_is_refused_naming_the_state_and_th
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     failure = FailsOnce(optimizer)
     loss_of(model, *DATA[0]).backward()
+    made_before = loss_of(model, *DATA[1])  # its graph made before the step
     failure.arm(1)
     with pytest.raises(torch.OutOfMemoryError):
         manager.step(optimizer, max_grad_norm=0.5)
@@ -81,6 +82,9 @@ def test_a_backward_after_a_fused_step_raised_is_refused_naming_the_state_and_th
         loss_of(model, *DATA[1]).backward()  # the retry would clip it with a stale factor
     # Refused at the forward: nothing of it reached .grad or the cache.
     assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(StepStateError, match=refusal):
+        made_before.backward()  # refused where its gradients would be captured
+    del made_before
     manager.discard_gradients()
     optimizer.zero_grad()
     assert _states(manager) == (IDLE, False)
