@@ -3178,8 +3178,8 @@ MUTANTS = [
     (
         "weights at rest: a weight whose forward reads a wire is watched at home",
         "gradient_cache/engine/weights/stream.py",
-        "watched=home and weight.wire is not None and not self._stepping)",
-        "watched=False)",
+        "        watched = home and not self._stepping and self._watches(param)\n        if name is None",
+        "        watched = False\n        if name is None",
         "tests/test_parameters_offload.py::test_a_write_through_param_data_at_rest_reaches_the_next_forward_and_step",
     ),
     (
@@ -3235,6 +3235,20 @@ MUTANTS = [
         "                self.placement.show(param, weight)  # (a forward checks); memory kept till reused\n",
         "",
         "tests/emulated/test_device_defects.py -k interrupt_in_a_weights_free",
+    ),
+    (
+        "weights at rest: torch's device mismatch at a weight at rest names it",
+        "gradient_cache/engine/weights/at_rest.py",
+        '        if "Expected all tensors to be on the same device" not in str(error):\n',
+        "        if True:\n",
+        "tests/emulated/test_weights_on_device.py::test_blocks_run_through_forward_on_a_device_are_refused_by_name",
+    ),
+    (
+        "weights at rest: a guarded weight at home is watched, not plain, once unguarded",
+        "gradient_cache/engine/weights/stream.py",
+        "            watched = home and not self._stepping and self._watches(param)\n",
+        "            watched = False\n",
+        "tests/emulated/test_weights_on_device.py::test_blocks_run_through_forward_on_a_device_are_refused_by_name",
     ),
 ]
 

@@ -12,7 +12,7 @@ import io
 
 import pytest
 import torch
-from test_parameters_nothing_lost import writing_model
+from test_parameters_nothing_lost import encoder_decoder, writing_model
 from test_parameters_offload import STREAMED, adamw_two_groups, gpt, gpt_reusing_a_block
 from test_parameters_offload import batches_on as on
 from test_parameters_offload import step as step_and_zero
@@ -462,7 +462,12 @@ def test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches(de
     _, loss = model(tokens, targets)
     with pytest.raises(RuntimeError, match=r"'blocks\.0\.attn\.qkv\.weight' were used outside"):
         (loss + weight.square().sum()).backward()
-    model(tokens, targets)[1].backward()
+    _, loss = model(tokens, targets)
+    during = []
+    loss.register_hook(lambda grad: during.append(type(weight)))  # after the cache's own
+    loss.backward()
+    # Not guarded from the backward's begin (its hooks read the weights' fields): watched.
+    assert during == [at_rest.WatchedAtRest]
     # At rest after it, guarded again: a backward over a retained graph may name them.
     assert not any(type(p) is nn.Parameter for p in model.parameters())
     manager.step(adamw_two_groups(model))
@@ -575,3 +580,21 @@ def test_an_ema_copy_is_made_on_the_device_and_computes_as_plains(device, copier
     manager.remove_hooks()
     with torch.no_grad():
         assert torch.equal(cached_copy(tokens, targets)[1], expected)
+
+
+def test_blocks_run_through_forward_on_a_device_are_refused_by_name(device) -> None:
+    """``layer.forward(x)`` skips the hooks that bring the block's weights: on the CPU it is
+    warned of by name at backward; on a device its host weights meet device tensors in
+    forward, where torch's device-mismatch error named no parameter. A weight at rest is
+    watched there, and the error names it and the fix; then ``layer(x)`` trains."""
+    model = encoder_decoder(direct=True)
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
+    tokens = torch.randint(0, 16, (2, 8), device=device)
+    refusal = r"'encoder\.0\.lin\.weight'.* block\.forward\(x\).*\(block\(x\)\)"
+    with pytest.raises(RuntimeError, match=refusal):
+        model(tokens)
+    model.direct = False
+    model(tokens).sum().backward()
+    manager.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    manager.remove_hooks()
+    assert {p.device for p in model.parameters()} == {device}

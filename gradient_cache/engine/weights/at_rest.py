@@ -14,8 +14,9 @@ counter and the wire would stay the old cast (diffusers' ``EMAModel.copy_to`` wr
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 Param = torch.nn.Parameter
 
-#: Each guarded weight's name, by ``id`` (a tensor's ``==`` is elementwise), for the refusal.
+#: Each dressed weight's name, by ``id`` (a tensor's ``==`` is elementwise), for the refusals.
 NAMES: dict[int, str] = {}
 #: Each guarded weight's uses' nodes since the last backward (`OwnTensors.record_uses`).
 USES: dict[int, list[GradientEdge]] = {}
@@ -49,8 +50,9 @@ class WatchedAtRest(torch.nn.Parameter):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         _count_data_read(func, args)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass(), _named_if_met_elsewhere(args, kwargs):
+            return func(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Param:
         if id(self) in memo:
@@ -78,7 +80,7 @@ class GuardedAtRest(WatchedAtRest):
         _count_data_read(func, args)
         if func is torch.autograd.backward or func is torch.autograd.grad:
             return _through_recorded_uses(func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunctionSubclass(), _named_if_met_elsewhere(args, kwargs):
             result = func(*args, **kwargs)
         if torch.is_grad_enabled():
             nodes = {
@@ -94,6 +96,26 @@ class GuardedAtRest(WatchedAtRest):
         return result
 
 
+@contextlib.contextmanager
+def _named_if_met_elsewhere(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """torch's device-mismatch error of an operator given a weight at rest on the host and
+    device tensors, raised again naming the weights and the likely cause."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "Expected all tensors to be on the same device" not in str(error):
+            raise
+        leaves = pytree.tree_leaves((args, kwargs))
+        names = [NAMES.get(id(a), "?") for a in leaves if isinstance(a, WatchedAtRest)]
+        raise RuntimeError(
+            f"Parameter(s) {', '.join(map(repr, names))} at rest on the host "
+            "(offload_parameters=True) met tensors on the device: a block called as "
+            "block.forward(x), which skips the hooks that bring its weights, or a weight used "
+            "outside its module's forward. Call the blocks as modules (block(x)), and use a "
+            "weight inside its module's forward."
+        ) from error
+
+
 def _count_data_read(func: Callable[..., Any], args: tuple[Any, ...]) -> None:
     if func == _DATA_GET:
         DATA_READS[id(args[0])] = DATA_READS.get(id(args[0]), 0) + 1
@@ -106,15 +128,14 @@ def dress(param: Param, name: str | None, *, watched: bool = False) -> None:
     wanted = GuardedAtRest if name is not None else WatchedAtRest if watched else Param
     if type(param) in (Param, WatchedAtRest, GuardedAtRest) and type(param) is not wanted:
         param.__class__ = wanted
-    if name is None:
-        NAMES.pop(id(param), None)
-    else:
+    if name is not None:
         NAMES[id(param)] = name
 
 
 def forget(param: Param) -> None:
     """``param`` a plain ``Parameter`` the weights no longer hold (settled, or closed)."""
     dress(param, None)
+    NAMES.pop(id(param), None)
     DATA_READS.pop(id(param), None)
     COPIES_ON.pop(id(param), None)
 

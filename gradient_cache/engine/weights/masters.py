@@ -101,8 +101,8 @@ class Placement(Protocol):
     def in_place(self, param: Param, weight: Weight) -> bool:
         """Whether ``param`` still reads where ``weight`` put it."""
 
-    def step_begins(self) -> None:
-        """The fused step begins: what it reads of the weights at rest is plain."""
+    def step_begins(self, weights: Iterable[tuple[Param, Weight]]) -> None:
+        """The fused step begins: what it reads of ``weights`` at rest is plain."""
 
     def step_ends(self, weights: Iterable[tuple[Param, Weight]]) -> None:
         """The fused step ended (or raised): ``weights`` as between steps."""
@@ -494,7 +494,7 @@ class StepJourney:
     weights: HostWeights
 
     def __post_init__(self) -> None:
-        self.weights.placement.step_begins()
+        self.weights.placement.step_begins(self.weights.items())
 
     def bring(self, params: Sequence[Param]) -> list[Param]:
         self.weights.bring(params, step=True)

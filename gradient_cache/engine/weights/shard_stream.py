@@ -264,7 +264,7 @@ class FsdpShards:
         flat = self._flat_shards.get(param)
         return flat is not None and flat().is_set_to(weight.full)
 
-    def step_begins(self) -> None:
+    def step_begins(self, weights: Iterable[tuple[Param, Weight]]) -> None:
         """Nothing guarded: a shard's weights are never dressed (`at_rest`)."""
 
     def step_ends(self, weights: Iterable[tuple[Param, Weight]]) -> None:

@@ -110,6 +110,7 @@ class WeightStream:
             rest_trainable = [param for param in units.rest if param.requires_grad]
             guarded = trainable + rest_trainable
             placement.guard({param: weights.name(param) for param in guarded})
+        at_rest.NAMES.update({id(param): weights.name(param) for param in weights.params()})
 
     def settled(self, params: Sequence[Param]) -> None:
         """``params`` are on the device for good (`OwnTensors.settle`): plain parameters."""
@@ -413,7 +414,13 @@ class OwnTensors:
         self._guarding = on
         for param, name in self._guarded.items():
             # Read while plain (``on``): at rest, ``P.data`` is its master, on the CPU.
-            at_rest.dress(param, name if on and param.device.type == "cpu" else None)
+            home = param.device.type == "cpu"
+            watched = home and not self._stepping and self._watches(param)
+            at_rest.dress(param, name if on and home else None, watched=watched)
+
+    def _watches(self, param: Param) -> bool:
+        """Whether ``param`` at home between steps is watched (`at_rest.WatchedAtRest`)."""
+        return self.wire_dtype(param) is not None or self.backend.device.type != "cpu"
 
     def record_uses(self, params: Sequence[Param]) -> None:
         """A forward used ``params``: each guarded one's accumulation node now kept in
@@ -435,11 +442,12 @@ class OwnTensors:
         self._uses_stale = True
         self.guarding(True)
 
-    def step_begins(self) -> None:
+    def step_begins(self, weights: Iterable[tuple[Param, Weight]]) -> None:
         """The weights plain: the step's loops read their fields with no Python call each
         (each optimizer step reads every parameter's ``.grad``, a bucket's or not)."""
-        self._stepping = True
-        self.guarding(False)
+        self._stepping, self._guarding = True, False
+        for param, weight in weights:
+            self._dress(param, weight)
 
     def step_ends(self, weights: Iterable[tuple[Param, Weight]]) -> None:
         self._stepping = False
@@ -481,10 +489,11 @@ class OwnTensors:
         model computes on a device; in use: plain."""
         home = weight.place() is weight.master
         name = self._guarded.get(param) if self._guarding and home else None
-        device = self.backend.device
-        watched = weight.wire is not None or device.type != "cpu"
-        at_rest.dress(param, name, watched=home and watched and not self._stepping)
-        at_rest.COPIES_ON[id(param)] = device
+        watched = home and not self._stepping and self._watches(param)
+        if name is None and not watched and type(param) is Param:
+            return  # plain, and to stay so (in use, or a CPU run's weight without a wire)
+        at_rest.COPIES_ON[id(param)] = self.backend.device
+        at_rest.dress(param, name, watched=watched)
 
     def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
         """Each parameter must own all its memory: freed and refilled whole, it would take a
