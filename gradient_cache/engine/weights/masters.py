@@ -302,7 +302,6 @@ class HostWeights:
         self.bring(params, step=step)
         for param, weight in self._held(params):
             if weight.at is WeightAt.ARRIVING:
-                self._arrived(weight)
                 self._move(param, weight, WeightAt.DEVICE, weight.in_use)
                 weight.version = param._version
             weight.dirty |= step
@@ -317,8 +316,6 @@ class HostWeights:
         for param, weight in held:
             if weight.at is WeightAt.HOST:
                 continue
-            if weight.at is WeightAt.ARRIVING:
-                self._arrived(weight)  # before its memory can be handed on
             assert weight.in_use is not None  # set with ARRIVING
             in_use = weight.in_use
             self._move(param, weight, WeightAt.HOST, None)  # interrupted: memory kept till reused
@@ -334,9 +331,13 @@ class HostWeights:
     def _move(
         self, param: Param, weight: Weight, at: WeightAt, in_use: torch.Tensor | None
     ) -> None:
-        """``weight`` recorded ``at`` (``in_use``) and ``P`` shown where it says, as one: a
-        forward refuses a ``P`` read elsewhere, so an interrupt (a signal) inside the show
-        has it shown again on the way out."""
+        """``weight`` recorded ``at`` (``in_use``), its arrival awaited first (before its memory
+        is read or handed on), and ``P`` shown where it says, as one: a forward refuses a ``P``
+        read elsewhere, so an interrupt (a signal) inside the show shows it again on the way
+        out. No call of ours between the wait and the record: an interrupt there cannot
+        leave it ARRIVING with no arrival."""
+        if weight.at is WeightAt.ARRIVING:
+            self._arrived(weight)
         weight.at, weight.in_use = at, in_use
         try:
             self.placement.show(param, weight)
