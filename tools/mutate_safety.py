@@ -3230,11 +3230,11 @@ MUTANTS = [
         "tests/test_faults.py -k interrupted_fused_step",
     ),
     (
-        "weights: a free interrupted as P goes home still shows P its master",
+        "weights: a move interrupted in its show still shows P where its record says",
         "gradient_cache/engine/weights/masters.py",
-        "                self.placement.show(param, weight)  # (a forward checks); memory kept till reused\n",
-        "",
-        "tests/emulated/test_device_defects.py -k interrupt_in_a_weights_free",
+        "        except BaseException:\n            self.placement.show(param, weight)\n            raise\n",
+        "        except BaseException:\n            raise\n",
+        "tests/emulated/test_device_defects.py -k interrupt_as_a_weight_moves",
     ),
     (
         "weights at rest: torch's device mismatch at a weight at rest names it",

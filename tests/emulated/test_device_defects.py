@@ -439,19 +439,27 @@ def test_a_refill_interrupted_after_its_copies_queued_frees_its_blocks_after_the
     run_as_plain(run, device)
 
 
-def test_an_interrupt_in_a_weights_free_leaves_it_home_for_the_next_forward(device) -> None:
-    """A KeyboardInterrupt inside the fused step's free of a stepped weight, once its record
-    says it is home but before ``P`` reads its master (a signal: no error comes there). Every
-    later forward was refused ("The model's parameters changed", whose advice did not
-    apply: probe N); now ``P`` reads its master, and the retried step trains as plain."""
+@pytest.mark.parametrize("home", [True, False], ids=["home-in-the-step", "arriving-in-a-forward"])
+def test_an_interrupt_as_a_weight_moves_leaves_p_where_its_record_says(device, home) -> None:
+    """A KeyboardInterrupt as a weight moves, once its record says where (home after its
+    step, in the fused step's free; on the device, in a forward's ensure) but before ``P``
+    reads there (a signal: no error comes there). Every later forward was refused ("The
+    model's parameters changed", whose advice did not apply: probe N); now ``P`` reads
+    where its record says, and the retried step (the forward again) trains as plain."""
     data = on(device)
+    at = WeightAt.HOST if home else WeightAt.DEVICE
 
     def run(model, manager=None):
         optimizer = adamw_two_groups(model)
         for index, (tokens, targets) in enumerate(data):
+            interrupting = manager is not None and index == 1
+            if interrupting and not home:
+                interrupt_the_next_show(manager.engine.weights.placement, at)
+                with pytest.raises(KeyboardInterrupt):
+                    model(tokens, targets)
             model(tokens, targets)[1].backward()
-            if manager is not None and index == 1:
-                interrupt_the_next_show_at_home(manager.engine.weights.placement)
+            if interrupting and home:
+                interrupt_the_next_show(manager.engine.weights.placement, at)
                 with pytest.raises(KeyboardInterrupt):
                     manager.step(optimizer)
             step(optimizer, manager)
@@ -459,13 +467,13 @@ def test_an_interrupt_in_a_weights_free_leaves_it_home_for_the_next_forward(devi
     run_as_plain(run, device)
 
 
-def interrupt_the_next_show_at_home(placement) -> None:
-    """``placement``'s next showing of a weight whose record says home (in a free) raises
+def interrupt_the_next_show(placement, at: WeightAt) -> None:
+    """``placement``'s next showing of a weight whose record says ``at`` raises
     KeyboardInterrupt before it runs, once."""
     show = placement.show
 
     def interrupted(param, weight):
-        if weight.at is not WeightAt.HOST:
+        if weight.at is not at:
             return show(param, weight)
         del placement.show  # once: the class's again
         raise KeyboardInterrupt

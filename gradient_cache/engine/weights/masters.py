@@ -306,9 +306,7 @@ class HostWeights:
         self.bring(params, step=step)
         for param, weight in self._held(params):
             if weight.at is WeightAt.ARRIVING:
-                self._arrived(weight)
-                weight.at = WeightAt.DEVICE
-                self.placement.show(param, weight)
+                self._move(param, weight, WeightAt.DEVICE, weight.in_use)
                 weight.version = param._version
             weight.dirty |= step
 
@@ -322,16 +320,9 @@ class HostWeights:
         for param, weight in held:
             if weight.at is WeightAt.HOST:
                 continue
-            if weight.at is WeightAt.ARRIVING:
-                self._arrived(weight)  # before its memory can be handed on
             assert weight.in_use is not None  # set with ARRIVING
             in_use = weight.in_use
-            weight.at, weight.in_use = WeightAt.HOST, None
-            try:
-                self.placement.show(param, weight)
-            except BaseException:  # an interrupt inside: ``P`` reads its master, as recorded
-                self.placement.show(param, weight)  # (a forward checks); memory kept till reused
-                raise
+            self._move(param, weight, WeightAt.HOST, None)  # interrupted: memory kept till reused
             unit = weight.unit
             if unit is None or in_use is not weight.compute:
                 self.backend.resize_storage(in_use, 0)
@@ -340,6 +331,23 @@ class HostWeights:
                 unit.arrival = None
         if refused:
             self._refuse(refused)
+
+    def _move(
+        self, param: Param, weight: Weight, at: WeightAt, in_use: torch.Tensor | None
+    ) -> None:
+        """``weight`` recorded ``at`` (``in_use``), its arrival awaited first (before its memory
+        is read or handed on), and ``P`` shown where it says, as one: a forward refuses a ``P``
+        read elsewhere, so an interrupt (a signal) inside the show shows it again on the way
+        out. No call of ours between the wait and the record: an interrupt there cannot
+        leave it ARRIVING with no arrival."""
+        if weight.at is WeightAt.ARRIVING:
+            self._arrived(weight)
+        weight.at, weight.in_use = at, in_use
+        try:
+            self.placement.show(param, weight)
+        except BaseException:
+            self.placement.show(param, weight)
+            raise
 
     def _written(self, held: list[tuple[Param, Weight]]) -> list[Param]:
         """Those of ``held`` written in place on the device (a renorm, a counter, a load)
