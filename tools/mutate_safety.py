@@ -3250,6 +3250,13 @@ MUTANTS = [
         "            watched = False\n",
         "tests/emulated/test_weights_on_device.py::test_blocks_run_through_forward_on_a_device_are_refused_by_name",
     ),
+    (
+        "weights at rest: watched again however the fused step ends (a skipped one too)",
+        "gradient_cache/engine/step.py",
+        "        finally:\n            weights.placement.step_ends(weights.items())\n",
+        "        finally:\n            pass\n",
+        "tests/test_parameters_offload.py::test_after_a_skipped_step_a_write_through_param_data_still_reaches_the_next_forward",
+    ),
 ]
 
 # Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:

@@ -242,7 +242,7 @@ def _step_with(
         for param, grad in grads:
             param.grad = sharding.as_grad_of(param, grad)
         step_once()
-        stepped.update(params)  # no call of ours in between: an interrupt comes before or after
+        stepped.update(params)  # as the call returns (an interrupt in its own tail is not seen)
     finally:
         for param, _ in grads:
             param.grad = None

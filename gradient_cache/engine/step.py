@@ -218,6 +218,26 @@ class OptimizerStep:
         *,
         hooks: bool,
     ) -> tuple[torch.Tensor | None, dict[Param, torch.Tensor]]:
+        """`_fused_step`, the weights at rest plain through it (its loops read their fields
+        with no Python call each) and as between steps again however it ends (`at_rest`)."""
+        weights = self.pipeline.weights
+        if weights is None:
+            return self._fused_step(optimizer, max_norm, norm_type, step_hooks, hooks=hooks)
+        weights.placement.step_begins(weights.items())
+        try:
+            return self._fused_step(optimizer, max_norm, norm_type, step_hooks, hooks=hooks)
+        finally:
+            weights.placement.step_ends(weights.items())
+
+    def _fused_step(
+        self,
+        optimizer: Optimizer,
+        max_norm: float | None,
+        norm_type: float,
+        step_hooks: StepHooks,
+        *,
+        hooks: bool,
+    ) -> tuple[torch.Tensor | None, dict[Param, torch.Tensor]]:
         """Decide the step (delivered gradients, the clip, a GradScaler's skip), then run
         its buckets (``hooks``: the pre-hooks fired first, unless the step is skipped, and
         the held gradients left in .grad).

@@ -442,7 +442,6 @@ class HostWeights:
             self.moved_last_step, self._counted_step = 0, steps
         self.moved_last_step += self.moved_bytes
         self.moved_bytes = 0
-        self.placement.step_ends(self._weights.items())
 
     def masters(self, params: Iterable[Param] | None = None) -> tuple[torch.Tensor, ...]:
         """The masters (of ``params``: every one these weights hold), in host memory."""
@@ -501,9 +500,6 @@ class StepJourney:
 
     weights: HostWeights
 
-    def __post_init__(self) -> None:
-        self.weights.placement.step_begins(self.weights.items())
-
     def bring(self, params: Sequence[Param]) -> list[Param]:
         self.weights.bring(params, step=True)
         return list(params)
@@ -517,7 +513,6 @@ class StepJourney:
     def abandon(self, arrivals: Iterable[list[Param]]) -> None:
         for arrival in arrivals:
             self.weights.forget(arrival)
-        self.weights.placement.step_ends(self.weights.items())
 
     def step_ended(self, steps: int) -> None:
         self.weights.step_ended(steps)
