@@ -3252,8 +3252,8 @@ MUTANTS = [
     ),
     (
         "weights at rest: watched again however the fused step ends (a skipped one too)",
-        "gradient_cache/engine/step.py",
-        "        finally:\n            weights.placement.step_ends(weights.items())\n",
+        "gradient_cache/engine/weights/masters.py",
+        "        finally:\n            self.placement.step_ends(self._weights.items())\n",
         "        finally:\n            pass\n",
         "tests/test_parameters_offload.py::test_after_a_skipped_step_a_write_through_param_data_still_reaches_the_next_forward",
     ),

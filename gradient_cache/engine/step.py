@@ -5,6 +5,7 @@ Its phases, one module each: docs/ARCHITECTURE.md, "The step, phase by phase".
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 
@@ -65,7 +66,9 @@ class OptimizerStep:
         if self.budget is not None:
             self.budget.before_restore(pipeline)
         step_hooks = StepHooks(optimizer, through_instance=hooks)
-        total_norm, left = self._fused(optimizer, max_norm, norm_type, step_hooks, hooks=hooks)
+        weights = pipeline.weights
+        with contextlib.nullcontext() if weights is None else weights.plain_through_the_step():
+            total_norm, left = self._fused(optimizer, max_norm, norm_type, step_hooks, hooks=hooks)
         self._after_restore(steps_before)
         states = pipeline.optimizer_state
         step_hooks.fire_post_hooks(wait_for_state=None if states is None else states.wait_on_host)
@@ -210,26 +213,6 @@ class OptimizerStep:
             self.budget.measure_from_now()  # before any forward: the steps are measured
 
     def _fused(
-        self,
-        optimizer: Optimizer,
-        max_norm: float | None,
-        norm_type: float,
-        step_hooks: StepHooks,
-        *,
-        hooks: bool,
-    ) -> tuple[torch.Tensor | None, dict[Param, torch.Tensor]]:
-        """`_fused_step`, the weights at rest plain through it (its loops read their fields
-        with no Python call each) and as between steps again however it ends (`at_rest`)."""
-        weights = self.pipeline.weights
-        if weights is None:
-            return self._fused_step(optimizer, max_norm, norm_type, step_hooks, hooks=hooks)
-        weights.placement.step_begins(weights.items())
-        try:
-            return self._fused_step(optimizer, max_norm, norm_type, step_hooks, hooks=hooks)
-        finally:
-            weights.placement.step_ends(weights.items())
-
-    def _fused_step(
         self,
         optimizer: Optimizer,
         max_norm: float | None,

@@ -9,8 +9,9 @@ docs/ARCHITECTURE.md, "The life of a weight".
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -465,6 +466,16 @@ class HostWeights:
 
     def items(self) -> list[tuple[Param, Weight]]:
         return list(self._weights.items())
+
+    @contextlib.contextmanager
+    def plain_through_the_step(self) -> Iterator[None]:
+        """The weights at rest plain through a fused step (its loops read their fields with
+        no Python call each), and as between steps again however it ends (`at_rest`)."""
+        self.placement.step_begins(self._weights.items())
+        try:
+            yield
+        finally:
+            self.placement.step_ends(self._weights.items())
 
     def drop(self, params: Iterable[Param]) -> None:
         """``params`` (whole units, at home) settled on the device are these weights' no more;
