@@ -3199,9 +3199,11 @@ MUTANTS = [
     (
         "weights at rest: a weight whose model computes on a device is watched at home",
         "gradient_cache/engine/weights/stream.py",
-        '        watched = weight.wire is not None or device.type != "cpu"\n',
-        "        watched = weight.wire is not None\n",
+        '        return self.wire_dtype(param) is not None or self.backend.device.type != "cpu"\n',
+        "        return self.wire_dtype(param) is not None\n",
         "tests/emulated/test_weights_on_device.py::test_an_ema_copy_is_made_on_the_device_and_computes_as_plains",
+    ),
+    (
         "fused step: a bucket stepped before an interrupt is spent, not stepped again",
         "gradient_cache/engine/fused_step.py",
         "        pipeline.skip([p for p in steps.stepped if p in pipeline.store])\n",
@@ -3239,8 +3241,8 @@ MUTANTS = [
     (
         "weights at rest: torch's device mismatch at a weight at rest names it",
         "gradient_cache/engine/weights/at_rest.py",
-        '        if "Expected all tensors to be on the same device" not in str(error):\n',
-        "        if True:\n",
+        '    if "Expected all tensors to be on the same device" not in str(error):\n        return\n',
+        "    return\n",
         "tests/emulated/test_weights_on_device.py::test_blocks_run_through_forward_on_a_device_are_refused_by_name",
     ),
     (

@@ -592,7 +592,12 @@ def test_blocks_run_through_forward_on_a_device_are_refused_by_name(device) -> N
     tokens = torch.randint(0, 16, (2, 8), device=device)
     refusal = r"'encoder\.0\.lin\.weight'.* block\.forward\(x\).*\(block\(x\)\)"
     with pytest.raises(RuntimeError, match=refusal):
-        model(tokens)
+        model(tokens)  # the weights as created
+    model.direct = False
+    model(tokens).sum().backward()  # a micro-batch: guarded at rest until the next forward
+    model.direct = True
+    with pytest.raises(RuntimeError, match=refusal):
+        model(tokens)  # the guard lifted at the forward's begin: watched
     model.direct = False
     model(tokens).sum().backward()
     manager.step(torch.optim.SGD(model.parameters(), lr=0.1))

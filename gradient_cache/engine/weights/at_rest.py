@@ -14,9 +14,8 @@ counter and the wire would stay the old cast (diffusers' ``EMAModel.copy_to`` wr
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,9 +49,12 @@ class WatchedAtRest(torch.nn.Parameter):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         _count_data_read(func, args)
-        kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass(), _named_if_met_elsewhere(args, kwargs):
-            return func(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            try:
+                return func(*args, **(kwargs or {}))
+            except RuntimeError as error:
+                _refuse_if_met_elsewhere(error, args, kwargs)
+                raise
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Param:
         if id(self) in memo:
@@ -80,8 +82,12 @@ class GuardedAtRest(WatchedAtRest):
         _count_data_read(func, args)
         if func is torch.autograd.backward or func is torch.autograd.grad:
             return _through_recorded_uses(func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass(), _named_if_met_elsewhere(args, kwargs):
-            result = func(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            try:
+                result = func(*args, **kwargs)
+            except RuntimeError as error:
+                _refuse_if_met_elsewhere(error, args, kwargs)
+                raise
         if torch.is_grad_enabled():
             nodes = {
                 id(t.grad_fn): t.grad_fn
@@ -96,29 +102,27 @@ class GuardedAtRest(WatchedAtRest):
         return result
 
 
-@contextlib.contextmanager
-def _named_if_met_elsewhere(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
-    """torch's device-mismatch error of an operator given a weight at rest on the host and
-    device tensors, raised again naming the weights and the likely cause."""
-    try:
-        yield
-    except RuntimeError as error:
-        if "Expected all tensors to be on the same device" not in str(error):
-            raise
-        leaves = pytree.tree_leaves((args, kwargs))
-        names = [NAMES.get(id(a), "?") for a in leaves if isinstance(a, WatchedAtRest)]
-        raise RuntimeError(
-            f"Parameter(s) {', '.join(map(repr, names))} at rest on the host "
-            "(offload_parameters=True) met tensors on the device: a block called as "
-            "block.forward(x), which skips the hooks that bring its weights, or a weight used "
-            "outside its module's forward. Call the blocks as modules (block(x)), and use a "
-            "weight inside its module's forward."
-        ) from error
-
-
 def _count_data_read(func: Callable[..., Any], args: tuple[Any, ...]) -> None:
     if func == _DATA_GET:
         DATA_READS[id(args[0])] = DATA_READS.get(id(args[0]), 0) + 1
+
+
+def _refuse_if_met_elsewhere(
+    error: RuntimeError, args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> None:
+    """torch's device-mismatch ``error`` of an operator given a weight at rest on the host and
+    device tensors, raised again naming the weights and the likely cause."""
+    if "Expected all tensors to be on the same device" not in str(error):
+        return
+    leaves = pytree.tree_leaves((args, kwargs))
+    names = [NAMES.get(id(a), "?") for a in leaves if isinstance(a, WatchedAtRest)]
+    raise RuntimeError(
+        f"Parameter(s) {', '.join(map(repr, names))} at rest on the host "
+        "(offload_parameters=True) met tensors on the device: a block called as "
+        "block.forward(x), which skips the hooks that bring its weights, or a weight used "
+        "outside its module's forward. Call the blocks as modules (block(x)), and use a "
+        "weight inside its module's forward."
+    ) from error
 
 
 def dress(param: Param, name: str | None, *, watched: bool = False) -> None:
