@@ -150,6 +150,9 @@ def test_autograd_grad_of_every_weight_is_plain_bit_for_bit(device, forwards) ->
         grads = torch.autograd.grad(loss(cached, tokens, targets), list(cached.parameters()))
         for (name, _), a, b in zip(plain.named_parameters(), expected, grads, strict=True):
             assert b.device == device and torch.equal(a.cpu(), b.cpu()), name
+    # The last call's uses only: each forward's nodes replace the last backward's (kept
+    # till then for a retained graph), never pile up call after call.
+    assert len(at_rest.USES[id(cached.blocks[0].attn.qkv.weight)]) == forwards
     assert manager.engine.weights is not None  # held, and attached, until here
 
 
