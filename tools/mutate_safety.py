@@ -3178,8 +3178,8 @@ MUTANTS = [
     (
         "weights at rest: a weight whose forward reads a wire is watched at home",
         "gradient_cache/engine/weights/stream.py",
-        "        watched = home and not self._stepping and self._watches(param)\n        if name is None",
-        "        watched = False\n        if name is None",
+        "        watched = home and not self._stepping and self._watches(param)\n        if not guarded",
+        "        watched = False\n        if not guarded",
         "tests/test_parameters_offload.py::test_a_write_through_param_data_at_rest_reaches_the_next_forward_and_step",
     ),
     (
@@ -3248,8 +3248,8 @@ MUTANTS = [
     (
         "weights at rest: a guarded weight at home is watched, not plain, once unguarded",
         "gradient_cache/engine/weights/stream.py",
-        "            watched = home and not self._stepping and self._watches(param)\n",
-        "            watched = False\n",
+        "                watched = home and not self._stepping and self._watches(param)\n",
+        "                watched = False\n",
         "tests/emulated/test_weights_on_device.py::test_blocks_run_through_forward_on_a_device_are_refused_by_name",
     ),
     (

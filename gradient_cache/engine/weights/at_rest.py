@@ -35,6 +35,10 @@ DATA_READS: dict[int, int] = {}
 COPIES_ON: dict[int, torch.device] = {}
 
 _DATA_GET = vars(torch._C.TensorBase)["data"].__get__  # what `P.data` dispatches
+#: A dressed weight's fields and operators without its ``__torch_function__``: the
+#: subclasses' own calls, and the engine's reads of its weights (a Python call each
+#: otherwise).
+undispatched = torch._C.DisableTorchFunctionSubclass
 
 
 class WatchedAtRest(torch.nn.Parameter):
@@ -49,7 +53,7 @@ class WatchedAtRest(torch.nn.Parameter):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         _count_data_read(func, args)
-        with torch._C.DisableTorchFunctionSubclass():
+        with undispatched():
             try:
                 return func(*args, **(kwargs or {}))
             except RuntimeError as error:
@@ -59,7 +63,7 @@ class WatchedAtRest(torch.nn.Parameter):
     def __deepcopy__(self, memo: dict[int, Any]) -> Param:
         if id(self) in memo:
             return memo[id(self)]
-        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # no read counted
+        with torch.no_grad(), undispatched():  # no read counted
             data = self.data.to(COPIES_ON.get(id(self), self.device), copy=True)
             result = Param(data, self.requires_grad)
         result.__dict__ = copy.deepcopy(self.__dict__, memo)
@@ -79,15 +83,9 @@ class GuardedAtRest(WatchedAtRest):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        _count_data_read(func, args)
         if func is torch.autograd.backward or func is torch.autograd.grad:
             return _through_recorded_uses(func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            try:
-                result = func(*args, **kwargs)
-            except RuntimeError as error:
-                _refuse_if_met_elsewhere(error, args, kwargs)
-                raise
+        result = super().__torch_function__(func, types, args, kwargs)
         if torch.is_grad_enabled():
             nodes = {
                 id(t.grad_fn): t.grad_fn
@@ -125,20 +123,18 @@ def _refuse_if_met_elsewhere(
     ) from error
 
 
-def dress(param: Param, name: str | None, *, watched: bool = False) -> None:
-    """``param`` as a `GuardedAtRest` named ``name``, or (None) a `WatchedAtRest` where
+def dress(param: Param, *, guarded: bool = False, watched: bool = False) -> None:
+    """``param`` as a `GuardedAtRest` where ``guarded``, else a `WatchedAtRest` where
     ``watched``, else a plain ``Parameter`` again; a parameter of another class (a library's
     subclass) is left as it is."""
-    wanted = GuardedAtRest if name is not None else WatchedAtRest if watched else Param
+    wanted = GuardedAtRest if guarded else WatchedAtRest if watched else Param
     if type(param) in (Param, WatchedAtRest, GuardedAtRest) and type(param) is not wanted:
         param.__class__ = wanted
-    if name is not None:
-        NAMES[id(param)] = name
 
 
 def forget(param: Param) -> None:
     """``param`` a plain ``Parameter`` the weights no longer hold (settled, or closed)."""
-    dress(param, None)
+    dress(param)
     NAMES.pop(id(param), None)
     DATA_READS.pop(id(param), None)
     COPIES_ON.pop(id(param), None)
@@ -152,7 +148,7 @@ def _through_recorded_uses(
     grad = func is torch.autograd.grad
     inputs = args[1] if grad else kwargs.get("inputs")
     if inputs is None:  # a whole backward: it reaches the nodes the forward used
-        with torch._C.DisableTorchFunctionSubclass():
+        with undispatched():
             return func(*args, **kwargs)
     groups = [USES.get(id(x), [x]) if isinstance(x, torch.Tensor) else [x] for x in inputs]
     flat = [edge for group in groups for edge in group]
@@ -160,7 +156,7 @@ def _through_recorded_uses(
     # in this graph: asked as unused, refused below only where none of its nodes is (unless
     # the caller gave allow_unused by position, grad's seventh argument: then as given).
     unused = {"allow_unused": True, "materialize_grads": False} if len(args) <= 6 else {}
-    with torch._C.DisableTorchFunctionSubclass():
+    with undispatched():
         if not grad:
             return func(*args, **{**kwargs, "inputs": flat})
         results = iter(func(args[0], flat, *args[2:], **{**kwargs, **unused}))

@@ -575,6 +575,6 @@ def _view(region: torch.Tensor, like: torch.Tensor, at: int) -> torch.Tensor:
 def _versions(param: Param, weight: Weight) -> tuple[int, int, int]:
     """The version counters a write into ``param`` at rest or into its master moves, and
     the ``P.data`` reads at rest (a write through one moves neither counter)."""
-    with torch._C.DisableTorchFunctionSubclass():  # no Python call for a dressed one's field
+    with at_rest.undispatched():
         version = param._version
     return version, weight.master._version, at_rest.DATA_READS.get(id(param), 0)

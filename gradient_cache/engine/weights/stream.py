@@ -107,10 +107,10 @@ class WeightStream:
         self._placement = placement
         if on_device or weights.compute_dtype is not None:
             # The rest's too: a later backward over a retained graph naming them (`at_rest`).
-            rest_trainable = [param for param in units.rest if param.requires_grad]
-            guarded = trainable + rest_trainable
-            placement.guard({param: weights.name(param) for param in guarded})
-        at_rest.NAMES.update({id(param): weights.name(param) for param in weights.params()})
+            placement.guard(trainable + [param for param in units.rest if param.requires_grad])
+        for param in weights.params():  # for the refusals and the copies of dressed weights
+            at_rest.NAMES[id(param)] = weights.name(param)
+            at_rest.COPIES_ON[id(param)] = weights.backend.device
 
     def settled(self, params: Sequence[Param]) -> None:
         """``params`` are on the device for good (`OwnTensors.settle`): plain parameters."""
@@ -307,7 +307,7 @@ class WeightStream:
     def _free_frozen(self, index: int) -> None:
         """Block ``index``'s backward is done: its frozen weights go (no accumulation will)."""
         if self._forwards <= 1 and not self._reused:
-            with _undispatched():
+            with at_rest.undispatched():
                 frozen = [param for param in self._block(index) if not param.requires_grad]
             self.weights.free(frozen)
 
@@ -394,7 +394,7 @@ class OwnTensors:
     def __init__(self, backend: Backend, compute_dtype: torch.dtype | None) -> None:
         self.backend = backend
         self.compute_dtype = compute_dtype
-        self._guarded: dict[Param, str] = {}  # refuse a use at rest (`at_rest`), by name
+        self._guarded: set[Param] = set()  # refuse a use at rest (`at_rest`), by name
         # From a forward's end to its backward's begin, and from a backward's end to the
         # next forward or step (a retained graph's next backward naming the weights).
         self._guarding = False
@@ -404,9 +404,9 @@ class OwnTensors:
         self._settled: list[Param] = []  # on the device for good (`settle`)
         self._accumulated: dict[Param, int] = {}  # nodes of a weight's uses run (`part_to_come`)
 
-    def guard(self, names: dict[Param, str]) -> None:
-        """``names``' weights refuse, by name, a use at rest while `guarding`."""
-        self._guarded.update(names)
+    def guard(self, params: Iterable[Param]) -> None:
+        """``params`` refuse, by name (`at_rest.NAMES`), a use at rest while `guarding`."""
+        self._guarded.update(params)
 
     def guarding(self, on: bool) -> None:
         """The guarded weights at rest guarded (``on``: from a forward's end to its backward's
@@ -414,15 +414,11 @@ class OwnTensors:
         if not on and not self._guarding:
             return  # plain already: `_dress` guards only while guarding
         self._guarding = on
-        with _undispatched():
-            self._dress_guarded(on)
-
-    def _dress_guarded(self, on: bool) -> None:
-        for param, name in self._guarded.items():
-            # Read while plain (``on``): at rest, ``P.data`` is its master, on the CPU.
-            home = param.device.type == "cpu"
-            watched = home and not self._stepping and self._watches(param)
-            at_rest.dress(param, name if on and home else None, watched=watched)
+        with at_rest.undispatched():
+            for param in self._guarded:
+                home = param.device.type == "cpu"  # at rest, ``P.data`` is its master
+                watched = home and not self._stepping and self._watches(param)
+                at_rest.dress(param, guarded=on and home, watched=watched)
 
     def _watches(self, param: Param) -> bool:
         """Whether ``param`` at home between steps is watched (`at_rest.WatchedAtRest`)."""
@@ -494,12 +490,11 @@ class OwnTensors:
         on the CPU, a rest weight), else watched where its forward reads a wire or its
         model computes on a device; in use: plain."""
         home = weight.place() is weight.master
-        name = self._guarded.get(param) if self._guarding and home else None
+        guarded = self._guarding and home and param in self._guarded
         watched = home and not self._stepping and self._watches(param)
-        if name is None and not watched and type(param) is Param:
+        if not guarded and not watched and type(param) is Param:
             return  # plain, and to stay so (in use, or a CPU run's weight without a wire)
-        at_rest.COPIES_ON[id(param)] = self.backend.device
-        at_rest.dress(param, name, watched=watched)
+        at_rest.dress(param, guarded=guarded, watched=watched)
 
     def check(self, named_params: Sequence[tuple[str, Param]]) -> None:
         """Each parameter must own all its memory: freed and refilled whole, it would take a
@@ -554,7 +549,7 @@ class OwnTensors:
         return self.compute_dtype if param.is_floating_point() else None
 
     def show(self, param: Param, weight: Weight) -> None:
-        with _undispatched():
+        with at_rest.undispatched():
             param.data = weight.place()
             self._dress(param, weight)
 
@@ -562,7 +557,7 @@ class OwnTensors:
 
     def in_place(self, param: Param, weight: Weight) -> bool:
         place = weight.place()
-        with _undispatched():
+        with at_rest.undispatched():
             return param.data_ptr() == place.data_ptr() and param.dtype == place.dtype
 
     def settle(self, weights: HostWeights, params: Sequence[Param]) -> None:
@@ -580,7 +575,7 @@ class OwnTensors:
         )
         for param, home in zip(params, homes, strict=True):
             param.data = rebound.get(param, home)
-            self._guarded.pop(param, None)
+            self._guarded.discard(param)
             at_rest.forget(param)
         weights.drop(params)
         self._settled.extend(params)
@@ -613,8 +608,3 @@ class OwnTensors:
             for param in [*self._guarded, *weights.params()]:  # a closed cache: plain ones
                 at_rest.forget(param)
             self._guarded.clear()
-
-
-# The engine's own reads of a dressed weight's fields (`at_rest`) need none of its
-# ``__torch_function__``: a Python call each, about 2 us against 0.1.
-_undispatched = torch._C.DisableTorchFunctionSubclass
