@@ -5,7 +5,9 @@ setting puts tests/ on the path in every import mode."""
 from __future__ import annotations
 
 import gc
+import inspect
 import io
+import sys
 import weakref
 from collections.abc import Callable
 
@@ -363,3 +365,29 @@ def assert_a_closed_manager_lets_the_model_go_without_a_gc_pass(
         assert weight() is None
     finally:
         gc.enable()
+
+
+def interrupt_at(function: Callable[..., object], line: str, *, nth: int = 1) -> Callable[[], None]:
+    """A KeyboardInterrupt raised in ``function`` as it reaches the ``nth`` run of its line
+    whose text (stripped) is ``line``, as a signal (Ctrl-C) lands between two statements.
+    Installed at once through ``sys.settrace``; the returned call removes it."""
+    code = function.__code__
+    lines = inspect.getsourcelines(function)
+    numbers = [lines[1] + i for i, text in enumerate(lines[0]) if text.strip() == line]
+    if len(numbers) != 1:
+        raise ValueError(f"{line!r} is not one line of {function.__qualname__}")
+    runs = 0
+
+    def local(frame, event, arg):
+        nonlocal runs
+        if event == "line" and frame.f_lineno == numbers[0]:
+            runs += 1
+            if runs == nth:
+                raise KeyboardInterrupt
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code is code and runs < nth else None
+
+    sys.settrace(calls)
+    return lambda: sys.settrace(None)

@@ -1447,6 +1447,32 @@ def test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran() ->
     assert manager.engine is None and loss.grad_fn is not None  # closed, its graph alive
 
 
+def test_a_close_after_another_forwards_backward_waits_for_the_first_backward() -> None:
+    """Two forwards, then the second's backward: the first's graph lives and its backward may
+    still come. The second backward forgot every forward's token, so the close went through
+    and the first backward then failed with a bare setStorage error. Each backward now
+    forgets its own forward's: the close is refused until the first backward ran, and the
+    two backwards in reverse order train as plain's."""
+    data = batches(2)
+    models = []
+    for cached in (False, True):
+        model = gpt()
+        optimizer = adamw_two_groups(model)
+        manager = gradient_cache.create_gradient_cache(model, **STREAMED) if cached else None
+        first = model(*data[0])[1] * 1.0
+        second = model(*data[1])[1] * 1.0
+        second.backward()
+        if manager is not None:
+            with pytest.raises(RuntimeError, match="between a forward and its backward"):
+                manager.remove_hooks()
+        first.backward()
+        step(model, optimizer, manager)
+        if manager is not None:
+            manager.remove_hooks()  # both backwards ran: the close goes through
+        models.append(model)
+    assert_same_parameters(*models)
+
+
 def test_a_backward_naming_every_weight_under_a_compute_dtype_is_the_whole_backward() -> None:
     """On the CPU with compute_dtype=torch.bfloat16 a block weight moves between dtypes
     (fp32 master, bf16 in use), which resets its accumulation node as a device change

@@ -485,16 +485,30 @@ MUTANTS = [
     (
         "a close between a forward and its backward: the graph's token",
         "gradient_cache/engine/weights/stream.py",
-        "                self._awaiting.append(weakref.ref(awaited))\n",
+        "        self._awaiting.append(awaited)\n",
         "",
         "tests/test_parameters_offload.py::test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran",
     ),
     (
-        "a close between a forward and its backward: tokens forgotten once it ran",
+        "a close between a forward and its backward: a backward forgets its own forward's token",
         "gradient_cache/engine/weights/stream.py",
-        "        self._forwards = 0\n        self._awaiting = []\n",
-        "        self._forwards = 0\n",
+        "        self._awaiting = [ref for ref in self._awaiting if ref() not in (None, came)]\n",
+        "        self._awaiting = [ref for ref in self._awaiting if ref() is not None]\n",
         "tests/test_parameters_offload.py::test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran",
+    ),
+    (
+        "a close between a forward and its backward: only its own (another's kept)",
+        "gradient_cache/engine/weights/stream.py",
+        "        self._awaiting = [ref for ref in self._awaiting if ref() not in (None, came)]\n",
+        "        self._awaiting = []\n",
+        "tests/test_parameters_offload.py::test_a_close_after_another_forwards_backward_waits_for_the_first_backward",
+    ),
+    (
+        "a close between a forward and its backward: a backward's end forgets no forward",
+        "gradient_cache/engine/weights/stream.py",
+        "        self._forwards = 0\n        self._called = set()",
+        "        self._forwards = 0\n        self._awaiting = []\n        self._called = set()",
+        "tests/test_parameters_offload.py::test_a_close_after_another_forwards_backward_waits_for_the_first_backward",
     ),
     (
         "a close between a forward and its backward: a with-block left on an exception closes",
@@ -1090,8 +1104,8 @@ MUTANTS = [
     (
         "fused step: device gradients already stepped are not stepped again by the retry",
         "gradient_cache/engine/fused_step.py",
-        "        progress.stepped.update(chunk)\n",
-        "",
+        "        [p for p in held if p not in progress.stepped], pipeline.assembler.capacity_bytes\n",
+        "        list(held), pipeline.assembler.capacity_bytes\n",
         "tests/test_memory_budget.py::test_a_failed_step_of_the_kept_gradients_retried_gives_plain_bits",
     ),
     (
@@ -1245,8 +1259,8 @@ MUTANTS = [
     (
         "weights: an arriving weight's memory goes only after its copy (the compute stream waits)",
         "gradient_cache/engine/weights/masters.py",
-        "                self._arrived(weight)  # before its memory can be handed on\n",
-        "                pass\n",
+        "            self._arrived(weight)\n",
+        "            pass\n",
         "tests/test_parameters_offload.py::test_a_forward_that_raises_gives_back_the_block_arriving_after_its_copy",
     ),
     (
@@ -1441,8 +1455,8 @@ MUTANTS = [
     (
         "weights: the refill's copy waits for the compute stream's earlier use of the block",
         "gradient_cache/engine/accelerator.py",
-        "        self.restore_stream.wait_stream(compute)\n        with self.restore_stream:\n            for out, host in pairs:\n",
-        "        with self.restore_stream:\n            for out, host in pairs:\n",
+        "        self.restore_stream.wait_stream(compute)\n        try:\n            with self.restore_stream:\n",
+        "        try:\n            with self.restore_stream:\n",
         "tests/test_parameters_offload.py::test_every_weight_copy_is_ordered_on_the_stand_in_streams",
     ),
     (
@@ -2884,8 +2898,8 @@ MUTANTS = [
     (
         "weights: plain through the fused step",
         "gradient_cache/engine/weights/stream.py",
-        "        self.guarding(False)\n",
-        "        pass\n",
+        "        self._stepping, self._guarding = True, False\n",
+        "        self._stepping = True\n",
         "tests/emulated/test_weights_on_device.py::test_a_weight_at_rest_stays_a_parameter_for_every_use_no_backward_reaches",
     ),
     (
@@ -3164,9 +3178,30 @@ MUTANTS = [
     (
         "accelerator: a refill interrupted after its copies queued orders the frees after them",
         "gradient_cache/engine/accelerator.py",
-        "            compute.wait_stream(self.restore_stream)\n            raise\n",
+        "        self.streams.current_stream(self.device).wait_stream(self.restore_stream)\n",
+        "        pass\n",
+        "tests/emulated/test_device_defects.py -k refill_interrupted",
+    ),
+    (
+        "weights: a bring interrupted part-way or as the refill returns frees after its copies",
+        "gradient_cache/engine/weights/masters.py",
+        "            self.backend.abandon_refills()  # the frees after any copy already queued\n",
+        "",
+        "tests/emulated/test_device_defects.py -k refill_interrupted",
+    ),
+    (
+        "weights: a bring interrupted as the refill returns leaves the records home",
+        "gradient_cache/engine/weights/masters.py",
+        "                weight.at, weight.arrival = WeightAt.HOST, None\n",
+        "                pass\n",
+        "tests/emulated/test_device_defects.py -k refill_interrupted",
+    ),
+    (
+        "optimizer state: a refill interrupted part-way drops its device tensors after the copies",
+        "gradient_cache/engine/backend.py",
+        "            self.abandon_refills()\n            raise\n",
         "            raise\n",
-        "tests/emulated/test_device_defects.py -k interrupted",
+        "tests/emulated/test_device_defects.py -k state_refill_interrupted",
     ),
     (
         "weights at rest: a P.data read is counted (a write through it recasts the wire)",
@@ -3220,7 +3255,7 @@ MUTANTS = [
     (
         "fused step: a bucket stepped is marked so right after its step",
         "gradient_cache/engine/fused_step.py",
-        "        stepped.update(params)  # no call of ours in between: an interrupt comes before or after\n",
+        "        stepped.update(params)  # as the call returns (an interrupt in its own tail is not seen)\n",
         "",
         "tests/test_faults.py -k interrupted_fused_step",
     ),
@@ -3261,10 +3296,18 @@ MUTANTS = [
     ),
 ]
 
-# Mutants no test can kill on an x86 CPU, because there the mutant computes the same bytes:
-# NaN cast to uint8 gives 0, a valid code, so the mask only matters where a cast of NaN
-# gives another byte (C leaves it undefined). Run and reported; a kill is reported too.
-EQUIVALENT_ON_X86 = {"block_kernels: codes masked to their bits (a NaN's byte)"}
+# Mutants no test can kill here, each for its reason. Run and reported; a kill is reported too.
+EQUIVALENT_HERE = {
+    # On an x86 CPU the mutant computes the same bytes: NaN cast to uint8 gives 0, a valid
+    # code, so the mask only matters where a cast of NaN gives another byte (C leaves it
+    # undefined).
+    "block_kernels: codes masked to their bits (a NaN's byte)": platform.machine()
+    in ("x86_64", "AMD64"),
+    # Lightning 2.6's Trainer._run_stage calls the module's zero_grad() before the resumed
+    # first batch, which discards the loaded step's gradients too (the test passes through
+    # it); the callback's own discard keeps plain's result where a Lightning does not.
+    "Lightning: a checkpoint's gradients of a step in progress dropped on load": True,
+}
 
 
 def main() -> int:
@@ -3299,7 +3342,7 @@ def main() -> int:
             lines = r.stdout.strip().splitlines() or ["?"]
             # The first failing test (pytest's short summary), else the result line.
             by = next((x for x in lines if x.startswith(("FAILED ", "ERROR "))), lines[-1])
-            equivalent = label in EQUIVALENT_ON_X86 and platform.machine() in ("x86_64", "AMD64")
+            equivalent = EQUIVALENT_HERE.get(label, False)
             survived += r.returncode == 0 and not equivalent
             verdict = "killed" if r.returncode else "equivalent here" if equivalent else "SURVIVED"
             print(f"{verdict}: {label} [{tests}] -> {by[:200]}")

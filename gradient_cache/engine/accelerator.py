@@ -247,21 +247,20 @@ class AcceleratorBackend(Backend):
         # earlier use of them, and read the host copies only after the copies back that
         # wrote them (compute waited on each: `release`), though the host did not wait.
         self.restore_stream.wait_stream(compute)
-        try:
-            with self.restore_stream:
-                for out, host in pairs:
-                    out.copy_(host, non_blocking=self.pool.is_pinned(host))
-                for out, copied in casts:  # after their copies, in this stream's order
-                    out.copy_(copied)
-            done = self.streams.new_event(self.device)
-            done.record(self.restore_stream)
-            self._unwaited_state["to the device"] = done
-            return Transfer([out for out, _ in pairs] + [out for out, _ in casts], done)
-        except BaseException:
-            # Guarantees the caller's frees of these blocks, queued on the compute stream,
-            # come after the copies queued before the failure (an interrupt part-way).
-            compute.wait_stream(self.restore_stream)
-            raise
+        with self.restore_stream:
+            for out, host in pairs:
+                out.copy_(host, non_blocking=self.pool.is_pinned(host))
+            for out, copied in casts:  # after their copies, in this stream's order
+                out.copy_(copied)
+        done = self.streams.new_event(self.device)
+        done.record(self.restore_stream)
+        self._unwaited_state["to the device"] = done
+        return Transfer([out for out, _ in pairs] + [out for out, _ in casts], done)
+
+    def abandon_refills(self) -> None:
+        # Guarantees the caller's frees of the blocks, queued next on the compute stream,
+        # come after every copy queued to them (an interrupt part-way, or as it returned).
+        self.streams.current_stream(self.device).wait_stream(self.restore_stream)
 
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         # Guarantees the step, queued next on the current stream, reads and updates the

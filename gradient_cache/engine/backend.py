@@ -116,7 +116,11 @@ class Backend(ABC):
             torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=self.device)
             for h in hosts
         ]
-        return self.start_refill(list(zip(outs, hosts, strict=True)))
+        try:
+            return self.start_refill(list(zip(outs, hosts, strict=True)))
+        except BaseException:  # an interrupt part-way: ``outs`` freed after their copies
+            self.abandon_refills()
+            raise
 
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
         """``tensor``'s memory allocated (``nbytes``) or given up (0), on the current
@@ -131,6 +135,10 @@ class Backend(ABC):
         for device, source in copies:
             device.copy_(source)
         return Transfer([device for device, _ in copies])
+
+    def abandon_refills(self) -> None:  # noqa: B027 - on the CPU the copies are done at once
+        """Order work queued from now on (the frees of a refill that failed part-way, or
+        whose `Transfer` never reached its caller) after every refill's copies so far."""
 
     def finish_to_device(self, transfer: Transfer) -> list[torch.Tensor]:
         """The device tensors, safe for work queued from now on to read and write."""

@@ -322,6 +322,22 @@ def test_a_copy_landing_in_a_freed_storage_raises(device: torch.device) -> None:
     assert pending_copies() == 0
 
 
+def test_a_copy_on_a_side_stream_into_a_dropped_device_tensor_raises(
+    device: torch.device,
+) -> None:
+    """On a GPU a dropped tensor's block goes back to the caching allocator for the next
+    allocation on the stream that made it, which a side stream's copy still pending may then
+    overwrite: the landing raises. On the stream that made it, the reuse is ordered after."""
+    _, destination = upload(device, torch.Stream(device="emu"))
+    del destination
+    with pytest.raises(RuntimeError, match="nothing else holds"):
+        torch.accelerator.synchronize()
+    _, destination = upload(device, torch.accelerator.current_stream())  # the maker's stream
+    del destination
+    torch.accelerator.synchronize()
+    assert pending_copies() == 0
+
+
 def test_autocast_linear_is_bf16_and_equals_the_cpus_bit_for_bit(device: torch.device) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(16, 8)

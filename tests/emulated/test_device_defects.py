@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 from typing import ClassVar
 
 import pytest
 import torch
-from helpers import FailsOnce
+from helpers import FailsOnce, interrupt_at
 from test_parameters_offload import STREAMED, adamw_two_groups, gpt
 from test_parameters_offload import batches_on as on
 
 import gradient_cache
-from gradient_cache.engine.weights.masters import WeightAt
+from gradient_cache.engine.weights.masters import HostWeights, WeightAt
 from gradient_cache.testing import emulated_device
 
 
@@ -416,27 +417,76 @@ def test_a_close_out_of_memory_keeps_the_rest_cached_for_a_second_close(device) 
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(
+    "window", ["copies-queued", "as-it-returns", "records-half-set", "records-half-set-in-a-step"]
+)
 def test_a_refill_interrupted_after_its_copies_queued_frees_its_blocks_after_them(
-    device,
+    device, window
 ) -> None:
     """An interrupt inside the weights' refill once its copies are queued (here the event
-    that would mark them done is not made): the bring frees the blocks on the way out, and
-    a pending copy would write into freed memory on a GPU (the emulated device raised that
-    in place of the interrupt: probe N). The frees wait for the copies now; the interrupt
-    reaches the caller and the forward again trains as plain."""
+    that would mark them done is not made), as it returns, or once the bring recorded one
+    weight of several as arriving (in a forward, and in the fused step, where each weight
+    has a tensor of its own): the bring frees the blocks on the way out, and a pending copy
+    would write into freed memory on a GPU (the emulated device raised that in place of the
+    interrupt: probe N; after it returned, the blocks stayed sized with the copies pending,
+    and the next forward failed resizing them). The frees wait for the copies now, the
+    records say home; the interrupt reaches the caller and the call again trains as plain."""
     data = on(device)
+
+    def interrupted(manager, call) -> None:
+        backend, removed = manager.engine.weights.backend, None
+        if window == "as-it-returns":
+            interrupt_as_the_next_refill_returns(backend)
+        elif window.startswith("records-half-set"):
+            line = "weight.at, weight.arrival = WeightAt.ARRIVING, arrival"
+            removed = interrupt_at(HostWeights.bring, line, nth=2)
+        else:
+            interrupt_the_next_refill_after_its_copies(backend)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                call()
+        finally:
+            if removed is not None:
+                removed()
 
     def run(model, manager=None):
         optimizer = adamw_two_groups(model)
+        in_a_step = window.endswith("in-a-step")
         for index, (tokens, targets) in enumerate(data):
-            if manager is not None and index == 1:
-                interrupt_the_next_refill_after_its_copies(manager.engine.weights.backend)
-                with pytest.raises(KeyboardInterrupt):
-                    model(tokens, targets)
+            interrupting = manager is not None and index == 1
+            if interrupting and not in_a_step:
+                interrupted(manager, functools.partial(model, tokens, targets))
             model(tokens, targets)[1].backward()
+            if interrupting and in_a_step:
+                interrupted(manager, lambda: manager.step(optimizer))
             step(optimizer, manager)
 
     run_as_plain(run, device)
+
+
+def test_a_state_refill_interrupted_after_its_copies_queued_is_retried_as_plain(device) -> None:
+    """The same interrupt in the fused step's bring of the optimizer state (the weights on
+    the device): the state's device tensors are dropped on the way out, and freed before
+    their copies land they would be written after the allocator handed them on. The frees
+    wait for the copies; the retried step trains as plain."""
+    data = on(device)
+    models = []
+    for cached in (False, True):
+        model = gpt().to(device)
+        optimizer = adamw_two_groups(model)
+        manager = None
+        if cached:
+            options = dict(compression_ratio=1, offload_optimizer_state=True)
+            manager = gradient_cache.create_gradient_cache(model, **options)
+        for index, (tokens, targets) in enumerate(data):
+            model(tokens, targets)[1].backward()
+            if manager is not None and index == 1:
+                interrupt_the_next_refill_after_its_copies(manager.engine.backend)
+                with pytest.raises(KeyboardInterrupt):
+                    manager.step(optimizer)
+            step(optimizer, manager)
+        models.append(model)
+    same(*models)
 
 
 @pytest.mark.parametrize("home", [True, False], ids=["home-in-the-step", "arriving-in-a-forward"])
@@ -488,6 +538,19 @@ def step(optimizer: torch.optim.Optimizer, manager=None) -> None:
     else:
         manager.step(optimizer)
     optimizer.zero_grad()
+
+
+def interrupt_as_the_next_refill_returns(backend) -> None:
+    """``backend``'s next ``start_refill`` queues its copies and returns, and a
+    KeyboardInterrupt reaches its caller as it returns, once."""
+    start_refill = backend.start_refill
+
+    def interrupted(*args, **kwargs):
+        backend.start_refill = start_refill  # once
+        start_refill(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    backend.start_refill = interrupted
 
 
 def interrupt_the_next_refill_after_its_copies(backend) -> None:

@@ -264,19 +264,24 @@ class HostWeights:
                 for start, host in unit.hosts
             ]
             transfer = self.backend.start_refill(pairs, casts=casts)
-        except BaseException:
-            for device in [unit.buffer for unit in empty] + own:  # nothing started
+            self.moved_bytes += sum(nbytes(host) for _, host in pairs)
+            for unit in empty:
+                unit.arrival = transfer
+            for _, weight in chosen:
+                arrival = transfer if step or weight.unit is None else weight.unit.arrival
+                weight.in_use = weight.full if step else weight.compute
+                same = weight.in_use.dtype == weight.master.dtype
+                weight.exact = step or (weight.wire is None and same)
+                weight.at, weight.arrival = WeightAt.ARRIVING, arrival
+        except BaseException:  # an allocation failed, or an interrupt (a signal) came
+            self.backend.abandon_refills()  # the frees after any copy already queued
+            for unit in empty:
+                unit.arrival = None
+            for _, weight in chosen:
+                weight.at, weight.arrival = WeightAt.HOST, None
+            for device in [unit.buffer for unit in empty] + own:
                 self.backend.resize_storage(device, 0)
             raise
-        self.moved_bytes += sum(nbytes(host) for _, host in pairs)
-        for unit in empty:
-            unit.arrival = transfer
-        for _, weight in chosen:
-            arrival = transfer if step or weight.unit is None else weight.unit.arrival
-            weight.in_use = weight.full if step else weight.compute
-            same = weight.in_use.dtype == weight.master.dtype
-            weight.exact = step or (weight.wire is None and same)
-            weight.at, weight.arrival = WeightAt.ARRIVING, arrival
 
     def _loaded(self, param: Param, weight: Weight) -> torch.Tensor:
         """What fills ``param``'s compute tensor now: its master, or its wire, cast again where

@@ -117,7 +117,7 @@ class WeightStream:
         self._in_blocks.difference_update(params)
 
     def awaited(self) -> bool:
-        """Whether a forward's graph since the last backward lives: its backward may come."""
+        """Whether a forward's graph lives whose backward has not begun: it may come."""
         return any(ref() is not None for ref in self._awaiting)
 
     def remove(self) -> None:
@@ -179,12 +179,15 @@ class WeightStream:
             self.weights.free(self.weights.present())  # a backward brings the rest again
             self._placement.eval_ended()
             return
+        # One token per forward, in its outputs' nodes (alive with the graph, not with a
+        # tensor): a backward's begin forgets its own forward's, not another live one's.
+        awaited = weakref.ref(token := _Awaited())
         for tensor in outputs:
-            tensor.register_hook(self._backward_begins)
-            if tensor.grad_fn is not None:  # lives with the graph, not with this tensor
+            tensor.register_hook(functools.partial(self._backward_begins, awaited))
+            if tensor.grad_fn is not None:
                 metadata = cast("dict[str, Any]", tensor.grad_fn.metadata)  # a dict, typed
-                metadata[_AWAITED] = awaited = _Awaited()  # as a method
-                self._awaiting.append(weakref.ref(awaited))
+                metadata[_AWAITED] = token
+        self._awaiting.append(awaited)
         self._placement.record_uses(self.units.rest)
         # Backward starts with the last block run: kept, or brought again where freed.
         self.weights.bring(self._block(self.schedule.last()))
@@ -192,9 +195,12 @@ class WeightStream:
 
     @outside_graphs
     @of_this_backward
-    def _backward_begins(self, grad: torch.Tensor) -> None:
+    def _backward_begins(self, awaited: weakref.ref[_Awaited], grad: torch.Tensor) -> None:
         """The model's output has its gradient: the rest is read next (again, if retained)."""
-        self._awaiting = []  # it came (if refused, too): a close no longer leaves one to come
+        # It came (if refused, too): a close no longer waits for it; another forward's graph
+        # still alive keeps the close refused until its own backward begins.
+        came = awaited()
+        self._awaiting = [ref for ref in self._awaiting if ref() not in (None, came)]
         refuse_create_graph()
         self._placement.guarding(False)  # the uses before it are recorded, their refusals set
         self.end.queue()
@@ -348,7 +354,6 @@ class WeightStream:
         self.weights.free(self.weights.present())
         self.schedule.learn()  # a framework calling a submodule never ends the model
         self._forwards = 0
-        self._awaiting = []
         self._called = set()  # nor begins it
         self._reused = False
         self._consumers = {}

@@ -82,6 +82,20 @@ void check_storage_holds(const at::Tensor& t, const char* role) {
       "pending, which a GPU would not report. Wait for the copy (event or stream) first.");
 }
 
+// A copy on a side stream into device memory that only the queue still holds: its tensor
+// was dropped before the copy was waited for. On a GPU the caching allocator hands that
+// block on to the next allocation of the stream it was made on (the compute stream), which
+// the side stream's copy may then overwrite. (A copy on the stream that made the block is
+// ordered before its reuse, and is not flagged; stream 0 stands for that stream here.)
+void check_destination_kept(const at::Tensor& dst, c10::StreamId stream) {
+  TORCH_CHECK(
+      stream == 0 || !on_device(dst) || dst.storage().use_count() > 1,
+      "A non_blocking copy on stream ", stream, " landed in device memory that nothing else "
+      "holds: its tensor was dropped while the copy was pending, and on a GPU the caching "
+      "allocator would hand that memory on to the next allocation on another stream. Make the "
+      "current stream wait for the copy (wait_stream / wait_event) before dropping it.");
+}
+
 // Lands the copies of `stream` up to and including sequence number `seq`, in order.
 void land_until(c10::StreamId stream, uint64_t seq) {
   std::lock_guard<std::recursive_mutex> lock(queue_mutex());
@@ -96,6 +110,7 @@ void land_until(c10::StreamId stream, uint64_t seq) {
     queue.landed = copy.seq;
     check_storage_holds(copy.dst, "destination");
     check_storage_holds(copy.src, "source");
+    check_destination_kept(copy.dst, stream);
     copy_now(copy.src, copy.dst);
   }
 }
