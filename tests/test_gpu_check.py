@@ -82,8 +82,15 @@ def on_the_image(*args: str, absent: str = "bitsandbytes,torchao") -> subprocess
     )
 
 
+@functools.cache
+def dry_run(*args: str) -> subprocess.CompletedProcess:
+    """The script's --dry-run on the image (once per arguments: it collects every part's
+    tests, seconds each, and prints the same for every test reading it)."""
+    return on_the_image("--dry-run", *args)
+
+
 def plan(*args: str) -> dict[str, int]:
-    result = on_the_image("--dry-run", *args)
+    result = dry_run(*args)
     assert result.returncode == 0, result.stderr
     return {
         name: int(seconds)
@@ -95,7 +102,7 @@ def plan(*args: str) -> dict[str, int]:
 
 def selections(*args: str) -> dict[str, list[str]]:
     """Each pytest part's test ids, as its --dry-run line counts and lists them."""
-    result = on_the_image("--dry-run", *args)
+    result = dry_run(*args)
     assert result.returncode == 0, result.stderr
     selected: dict[str, list[str]] = {}
     counts: dict[str, int] = {}
@@ -113,7 +120,7 @@ def selections(*args: str) -> dict[str, list[str]]:
 def time_plan(*args: str) -> dict[str, int]:
     """The dry run's last line: the parts' timeouts together, their deadline, the setup's
     timeouts (device query, preflight) and the whole (setup, then the deadline)."""
-    words = on_the_image("--dry-run", *args).stdout.splitlines()[-1].split()
+    words = dry_run(*args).stdout.splitlines()[-1].split()
     return {key: int(value) for key, value in zip(words[::2], words[1::2], strict=True)}
 
 
@@ -173,7 +180,7 @@ def test_each_pytest_part_selects_its_own_tests() -> None:
 
 
 def test_the_preflight_leaves_out_the_peers_whose_packages_are_absent() -> None:
-    errors = on_the_image("--dry-run").stderr
+    errors = dry_run().stderr
     assert "peers_cuda leaves out bnb cache-fused-bnb: bitsandbytes is not installed" in errors
     assert (
         "peers_cuda leaves out cpu-offload cpu-offload-grads torchao: torchao is not installed"
