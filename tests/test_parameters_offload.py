@@ -1447,6 +1447,29 @@ def test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran() ->
     assert manager.engine is None and loss.grad_fn is not None  # closed, its graph alive
 
 
+def test_a_second_loss_through_the_head_called_alone_is_plain() -> None:
+    """An auxiliary loss through the final norm and the head called on their own between the
+    model's forward and its backward, backwarded after the model's loss: that backward's end
+    freed the head's weights and the second backward failed with a bare setStorage error
+    (probe A). It now brings the rest as a backward through the model's output does:
+    plain's result."""
+    data = batches(2)
+    features = torch.randn(2, 16, CONFIG.d_model, generator=torch.Generator().manual_seed(5))
+    models = []
+    for cached in (False, True):
+        model = gpt()
+        optimizer = adamw_two_groups(model)
+        manager = gradient_cache.create_gradient_cache(model, **STREAMED) if cached else None
+        for tokens, targets in data:
+            loss = model(tokens, targets)[1]
+            auxiliary = model.lm_head(model.ln_f(features)).square().mean()
+            loss.backward()
+            auxiliary.backward()
+            step(model, optimizer, manager)
+        models.append(model)
+    assert_same_parameters(*models)
+
+
 def test_a_close_after_another_forwards_backward_waits_for_the_first_backward() -> None:
     """Two forwards, then the second's backward: the first's graph lives and its backward may
     still come. The second backward forgot every forward's token, so the close went through

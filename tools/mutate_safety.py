@@ -511,6 +511,20 @@ MUTANTS = [
         "tests/test_parameters_offload.py::test_a_close_after_another_forwards_backward_waits_for_the_first_backward",
     ),
     (
+        "weights: a submodule of the rest called alone begins its backward as the model's does",
+        "gradient_cache/engine/weights/stream.py",
+        "        if outputs:\n            self._awaits_a_backward(outputs)\n",
+        "",
+        "tests/emulated/test_weights_on_device.py -k second_loss",
+    ),
+    (
+        "weights: a submodule of the rest called alone casts its inputs to the compute dtype",
+        "gradient_cache/engine/weights/stream.py",
+        "        cast = self._cast(args, {})  # called on its own: its inputs as the model's\n        return None if cast is None else cast[0]\n",
+        "        return None\n",
+        "tests/emulated/test_weights_on_device.py -k takes_the_compute_dtype",
+    ),
+    (
         "a close between a forward and its backward: a with-block left on an exception closes",
         "gradient_cache/manager.py",
         "        self.remove_hooks(abandon_an_awaited_backward=exc_type is not None)\n",

@@ -131,6 +131,56 @@ def test_two_uses_of_a_block_under_accumulation_sum_as_plain(device) -> None:
     trains_as_plain(device, backward)
 
 
+@pytest.mark.parametrize("when", ["between", "before"])
+def test_a_second_loss_through_the_rest_called_alone_is_plain(device, when) -> None:
+    """An auxiliary loss through the final norm and the head called on their own (between
+    the model's forward and its backward, or before the forward), backwarded after the
+    model's loss: that first backward's end gave the rest's weights up, and the second
+    backward read them at rest (here a device mismatch in layer norm's backward, on the CPU
+    a bare setStorage error: probe A). A submodule of the rest called alone now begins its
+    backward as the model's output does, bringing the rest."""
+    features = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(5)).to(device)
+
+    def backward(model, tokens, targets) -> None:
+        auxiliary = None
+        if when == "before":
+            auxiliary = model.lm_head(model.ln_f(features)).square().mean()
+        loss = model(tokens, targets)[1]
+        if when == "between":
+            auxiliary = model.lm_head(model.ln_f(features)).square().mean()
+        loss.backward()
+        auxiliary.backward()
+
+    trains_as_plain(device, backward)
+
+
+def test_a_submodule_of_the_rest_called_alone_takes_the_compute_dtype(device) -> None:
+    """With compute_dtype=torch.bfloat16 the model's and each block's floating inputs are
+    cast (FSDP2's ``cast_forward_inputs``); the final norm called on its own met its fp32
+    input with bf16 weights and raised torch's "mixed dtype" (probe A). Its inputs are cast
+    as the model's: the bf16 layer norm written out on the masters' casts, and a backward
+    through it runs and steps."""
+    features = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(5))
+    model = gpt()
+    norm = model.ln_f
+    expected = nn.functional.layer_norm(
+        features.bfloat16(),
+        norm.normalized_shape,
+        norm.weight.detach().bfloat16(),
+        norm.bias.detach().bfloat16(),
+        norm.eps,
+    )
+    optimizer = adamw_two_groups(model)
+    manager = gradient_cache.create_gradient_cache(
+        model, **STREAMED, device=device, compute_dtype=torch.bfloat16
+    )
+    normed = model.ln_f(features.to(device))
+    assert normed.dtype == torch.bfloat16 and torch.equal(normed.cpu(), expected)
+    normed.float().square().mean().backward()
+    manager.step(optimizer)
+    assert not torch.equal(norm.weight.detach().cpu(), torch.ones(32))  # stepped from its init
+
+
 @pytest.mark.parametrize("forwards", [1, 2], ids=["one-forward", "two-forwards"])
 def test_autograd_grad_of_every_weight_is_plain_bit_for_bit(device, forwards) -> None:
     """``torch.autograd.grad(loss, model.parameters())`` gives every weight's gradient as

@@ -155,16 +155,28 @@ class WeightStream:
         )
 
     @outside_graphs
-    def _rest_module_begins(self, params: list[Param], module: torch.nn.Module, args: Any) -> None:
+    def _rest_module_begins(self, params: list[Param], module: torch.nn.Module, args: Any) -> Any:
         self.weights.ensure(params)
+        if self._in_model or in_backward():
+            return None
+        cast = self._cast(args, {})  # called on its own: its inputs as the model's
+        return None if cast is None else cast[0]
 
     @outside_graphs
     def _rest_module_ends(
         self, params: list[Param], module: torch.nn.Module, args: Any, output: Any
     ) -> None:
-        """An eval through a submodule alone: nothing comes back for its weights."""
-        if not self._in_model and not in_backward() and not torch.is_grad_enabled():
+        """A submodule of the rest called on its own (a second loss through the head): its
+        backward brings the rest as the model's does, however many backwards end before it
+        (each frees the weights). An eval: nothing comes back for its weights."""
+        if self._in_model or in_backward():
+            return
+        if not torch.is_grad_enabled():
             self.weights.free(params)
+            return
+        outputs = outputs_needing_gradients(output)
+        if outputs:
+            self._awaits_a_backward(outputs)
 
     @outside_graphs
     def _model_ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -179,8 +191,16 @@ class WeightStream:
             self.weights.free(self.weights.present())  # a backward brings the rest again
             self._placement.eval_ended()
             return
-        # One token per forward, in its outputs' nodes (alive with the graph, not with a
-        # tensor): a backward's begin forgets its own forward's, not another live one's.
+        self._awaits_a_backward(outputs)
+        self._placement.record_uses(self.units.rest)
+        # Backward starts with the last block run: kept, or brought again where freed.
+        self.weights.bring(self._block(self.schedule.last()))
+        self._placement.guarding(True)  # what the loss adds to the graph until backward
+
+    def _awaits_a_backward(self, outputs: list[torch.Tensor]) -> None:
+        """A backward reaching any of ``outputs`` begins with `_backward_begins`. One token
+        for them, in their nodes (alive with the graph, not with a tensor): a close waits
+        for it, and a backward's begin forgets its own forward's, not another live one's."""
         awaited = weakref.ref(token := _Awaited())
         for tensor in outputs:
             tensor.register_hook(functools.partial(self._backward_begins, awaited))
@@ -188,10 +208,6 @@ class WeightStream:
                 metadata = cast("dict[str, Any]", tensor.grad_fn.metadata)  # a dict, typed
                 metadata[_AWAITED] = token
         self._awaiting.append(awaited)
-        self._placement.record_uses(self.units.rest)
-        # Backward starts with the last block run: kept, or brought again where freed.
-        self.weights.bring(self._block(self.schedule.last()))
-        self._placement.guarding(True)  # what the loss adds to the graph until backward
 
     @outside_graphs
     @of_this_backward
