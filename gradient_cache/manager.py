@@ -32,7 +32,7 @@ from .engine.factory import BackendFactory, create_backend
 from .engine.figures import CacheTensors, cache_tensors
 from .engine.pipeline import Pipeline
 from .engine.records import HELD_BY_THE_CACHE
-from .engine.step import OptimizerStep
+from .engine.step import OptimizerStep, lbfgs_needs
 from .engine.step_hooks import OWN_HOOKS, after_the_closure
 from .engine.users_line import outside_the_package
 from .model_watch import ParameterWatch
@@ -284,18 +284,10 @@ class GradientCacheHookManager:
             )
         if isinstance(optimizer, torch.optim.LBFGS):
             # The closure's own backwards are cached again: the restore belongs inside it.
-            how = (
-                "With offload_optimizer_state=True it cannot run: drop that option (the "
-                "gradients are still offloaded)."
-                if self.config.offload_optimizer_state
-                else "Call optimizer.step(closure) yourself with hook_manager.apply_gradients() "
-                "inside the closure, after its loss.backward(), or run the loop under "
-                "@gradient_cache.optimize(), which hands LBFGS the closure's gradients."
-            )
             raise TypeError(
                 "step(optimizer) cannot step LBFGS: it steps one bucket at a time, while LBFGS "
                 "updates all its parameters along one direction with a line search that "
-                f"re-evaluates the loss (closure). {how}"
+                f"re-evaluates the loss (closure). {lbfgs_needs(self.config)}"
             )
         max_norm = None if max_grad_norm is None else _positive_or_inf(max_grad_norm)
         if max_norm is None and max_grad_norm is not None:

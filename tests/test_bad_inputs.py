@@ -155,6 +155,15 @@ CASES = [
      "m = model(); c = create_gradient_cache(m, offload_optimizer_state=True); "
      "c.step(torch.optim.LBFGS(m.parameters()))",
      TypeError, "With offload_optimizer_state=True it cannot run"),
+    ("a parameter frozen at creation unfrozen after it (progressive unfreezing)",
+     "m = model(); m.bias.requires_grad_(False); c = create_gradient_cache(m); "
+     "m.bias.requires_grad_(True); m(torch.randn(2, 4)).sum().backward()",
+     RuntimeError, "('bias' added or unfrozen)"),
+    ("LBFGS's own step over gradients the cache holds, the state on the host",
+     "m = model(); c = create_gradient_cache(m, offload_optimizer_state=True); "
+     "o = torch.optim.LBFGS(m.parameters()); "
+     "o.step(lambda: m(torch.randn(2, 4)).sum().backward())",
+     RuntimeError, "With offload_optimizer_state=True it cannot run: create the cache without"),
     ("clip norm NaN", "cache.step(sgd, max_grad_norm=math.nan)", ValueError,
      "Invalid max_grad_norm: nan; expected a number > 0"),
     ("clip norm negative", "cache.step(sgd, max_grad_norm=-1)", ValueError,

@@ -259,3 +259,38 @@ def test_a_batch_skipped_after_its_norm_was_read_leaves_no_trace(codec: dict) ->
         return model
 
     assert_same_parameters(run(skip=False), run(skip=True))
+
+
+def test_sam_reading_its_gradients_after_apply_gradients_trains_as_plain() -> None:
+    """SAM (sharpness-aware minimization) reads ``.grad`` after its first backward to move
+    the weights up the gradient, then steps on the second backward's gradients there. With
+    the cache ``.grad`` is None after backward (the cache holds it), so a loop skipping None
+    gradients never moved the weights, silently (probe A: plain SGD's result, 0.064 off):
+    docs/training-loop.md says to call ``apply_gradients()`` after each backward whose
+    gradients the loop reads. Done so, SAM trains as plain, bit for bit."""
+    data = batches(3)
+
+    def sam(model: nn.Module, apply: object) -> None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for tokens, targets in data:
+            loss_of(model, tokens, targets).backward()
+            apply()
+            params = [p for p in model.parameters() if p.grad is not None]
+            with torch.no_grad():
+                norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+                moves = [0.05 * p.grad / (norm + 1e-12) for p in params]
+                torch._foreach_add_(params, moves)
+            optimizer.zero_grad()
+            loss_of(model, tokens, targets).backward()
+            apply()
+            with torch.no_grad():
+                torch._foreach_sub_(params, moves)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    plain = make_model()
+    sam(plain, lambda: None)
+    cached = make_model()
+    manager = gradient_cache.create_gradient_cache(cached, **LOSSLESS)
+    sam(cached, manager.apply_gradients)
+    assert_same_parameters(plain, cached)

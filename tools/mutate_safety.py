@@ -525,6 +525,13 @@ MUTANTS = [
         "tests/emulated/test_weights_on_device.py -k takes_the_compute_dtype",
     ),
     (
+        "LBFGS's own step over held gradients names what it needs, not the fused step",
+        "gradient_cache/engine/step.py",
+        "        if held and isinstance(optimizer, torch.optim.LBFGS):\n",
+        "        if False:\n",
+        "tests/test_bad_inputs.py",
+    ),
+    (
         "a close between a forward and its backward: a with-block left on an exception closes",
         "gradient_cache/manager.py",
         "        self.remove_hooks(abandon_an_awaited_backward=exc_type is not None)\n",

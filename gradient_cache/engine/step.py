@@ -14,6 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import fused_step, scaling, sharding
 from .budget import BudgetWatch
+from .config import EngineConfig
 from .fused_step import BucketSteps, Journeys, Traveller
 from .norms import StepNorms, clip_factor, clip_grad_norm_order, clip_order, gradient_norm
 from .pipeline import Pipeline, refuse_taken
@@ -25,6 +26,24 @@ from .weights.masters import StepJourney
 
 Param = torch.nn.Parameter
 Optimizer = torch.optim.Optimizer
+
+
+def lbfgs_needs(config: EngineConfig) -> str:
+    """How LBFGS runs with a cache made with ``config``: its line search re-evaluates the
+    loss (the closure) and moves every parameter along one direction, so it steps with all
+    its gradients in ``.grad`` and its whole state on the device, never a bucket at a time."""
+    if config.offload_optimizer_state:
+        also = " and offload_parameters, which needs it" if config.offload_parameters else ""
+        return (
+            f"With offload_optimizer_state=True it cannot run: create the cache without it{also} "
+            "(the gradients are still offloaded), then call optimizer.step(closure) with "
+            "hook_manager.apply_gradients() inside the closure, after its loss.backward()."
+        )
+    return (
+        "Call optimizer.step(closure) yourself with hook_manager.apply_gradients() inside the "
+        "closure, after its loss.backward(), or run the loop under @gradient_cache.optimize(), "
+        "which hands LBFGS the closure's gradients."
+    )
 
 
 class OptimizerStep:
@@ -169,6 +188,9 @@ class OptimizerStep:
             for param in group["params"]
             if param in records and records[param].gradient in HELD_BY_THE_CACHE
         ]
+        if held and isinstance(optimizer, torch.optim.LBFGS):
+            needs = lbfgs_needs(self.pipeline.config)
+            raise RuntimeError(f"LBFGS.step() while the gradient cache holds gradients. {needs}")
         if held:
             apply = self.pipeline.optimizer_state is None  # else apply_gradients is refused
             or_apply = ", or hook_manager.apply_gradients() before it" if apply else ""
