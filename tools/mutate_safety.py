@@ -532,6 +532,13 @@ MUTANTS = [
         "tests/test_bad_inputs.py",
     ),
     (
+        "weights at rest: a gradient assigned across devices or dtypes refused by name",
+        "gradient_cache/engine/weights/at_rest.py",
+        '    if "attempting to assign a gradient" in str(error):\n',
+        "    if False:\n",
+        "tests/emulated/test_weights_on_device.py -k assigned_to_a_weight_at_rest",
+    ),
+    (
         "a close between a forward and its backward: a with-block left on an exception closes",
         "gradient_cache/manager.py",
         "        self.remove_hooks(abandon_an_awaited_backward=exc_type is not None)\n",

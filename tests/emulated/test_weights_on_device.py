@@ -206,6 +206,24 @@ def test_autograd_grad_of_every_weight_is_plain_bit_for_bit(device, forwards) ->
     assert manager.engine.weights is not None  # held, and attached, until here
 
 
+def test_a_gradient_of_autograd_grad_assigned_to_a_weight_at_rest_is_refused_by_name(
+    device,
+) -> None:
+    """``autograd.grad``'s gradients are the weights' compute tensors', on the device, while
+    a weight at rest is its host master: ``p.grad = g`` raised torch's bare "assign a
+    gradient with device type" (probe A). Refused naming the weight and the route that
+    trains (the cache taking the gradients from a backward)."""
+    model = gpt()
+    manager = gradient_cache.create_gradient_cache(model, **STREAMED, device=device)
+    tokens, targets = on(device, 1)[0]
+    weight = model.blocks[1].attn.qkv.weight
+    (grad,) = torch.autograd.grad(model(tokens, targets)[1], [weight])
+    assert grad.device == device
+    with pytest.raises(RuntimeError, match=r"'blocks.1.attn.qkv.weight'.grad = .*inputs="):
+        weight.grad = grad
+    assert weight.grad is None and manager.engine is not None  # held, and attached, until here
+
+
 @pytest.mark.parametrize("first", ["backward", "autograd.grad"])
 def test_a_second_backward_through_a_retained_graph_is_plain(device, first) -> None:
     """A backward (or ``autograd.grad``) with ``retain_graph=True``, then a whole

@@ -109,11 +109,20 @@ def _refuse_if_met_elsewhere(
     error: RuntimeError, args: tuple[Any, ...], kwargs: dict[str, Any] | None
 ) -> None:
     """torch's device-mismatch ``error`` of an operator given a weight at rest on the host and
-    device tensors, raised again naming the weights and the likely cause."""
-    if "Expected all tensors to be on the same device" not in str(error):
-        return
+    device tensors, or of a gradient assigned to it, raised again naming the weights and the
+    likely cause."""
     leaves = pytree.tree_leaves((args, kwargs))
     names = [NAMES.get(id(a), "?") for a in leaves if isinstance(a, WatchedAtRest)]
+    if "attempting to assign a gradient" in str(error):
+        raise RuntimeError(
+            f"{' '.join(map(repr, names))}.grad = ...: the weight is at rest on the host "
+            "(offload_parameters=True), and a gradient autograd computed for it "
+            "(torch.autograd.grad) is its compute tensor's, on the device or in the "
+            "compute_dtype. Let the cache take the gradients: loss.backward() or "
+            "torch.autograd.backward(loss, inputs=[...]), then hook_manager.step(optimizer)."
+        ) from error
+    if "Expected all tensors to be on the same device" not in str(error):
+        return
     raise RuntimeError(
         f"Parameter(s) {', '.join(map(repr, names))} at rest on the host "
         "(offload_parameters=True) met tensors on the device: a block called as "
