@@ -120,6 +120,11 @@ def run(pipeline: Pipeline, steps: BucketSteps) -> dict[Param, torch.Tensor]:
         if steps.held:
             _step_held(pipeline, steps)
     except BaseException:
+        # Cached gradients are never in .grad: none left there by a `_step_with` whose
+        # clearing loop a signal cut short (the retry would take it for a device gradient).
+        for bucket in steps.buckets:
+            for param in bucket:
+                param.grad = None
         # Finished as uninterrupted: delivered and spent (`Pipeline.skip`), sent home.
         pipeline.skip([p for p in steps.stepped if p in pipeline.store])
         steps.journeys.abandon(steps.stepped | steps.progress.stepped)

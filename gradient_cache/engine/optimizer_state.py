@@ -406,10 +406,16 @@ class StateJourney:
         ]
         hosts = [leaf for _, _, host in keys for leaf in leaves(host)]
         transfer = self.states.backend.start_to_device(hosts)
-        self.states.moved_bytes += nbytes(hosts)
-        for param, _, _ in keys:  # only once started: a failed start leaves them home
-            self.owned.at[param] = StateAt.IN_TRANSIT
-        return Arrival(list(params), fresh, keys, transfer, kept)
+        try:
+            self.states.moved_bytes += nbytes(hosts)
+            for param, _, _ in keys:  # only once started: a failed start leaves them home
+                self.owned.at[param] = StateAt.IN_TRANSIT
+            return Arrival(list(params), fresh, keys, transfer, kept)
+        except BaseException:  # an interrupt (a signal): no `Arrival` will put them back
+            self.states.backend.abandon_refills()  # the copies' memory dropped after them
+            for param, _, _ in keys:
+                self.owned.at[param] = StateAt.HOST
+            raise
 
     def install(self, arrival: Arrival) -> None:
         """Put the brought tensors in the optimizer's state, safe for its step to use."""

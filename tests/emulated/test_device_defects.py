@@ -18,6 +18,7 @@ from test_parameters_offload import STREAMED, adamw_two_groups, gpt
 from test_parameters_offload import batches_on as on
 
 import gradient_cache
+from gradient_cache.engine.optimizer_state import StateJourney
 from gradient_cache.engine.weights.masters import HostWeights, WeightAt
 from gradient_cache.testing import emulated_device
 
@@ -464,11 +465,15 @@ def test_a_refill_interrupted_after_its_copies_queued_frees_its_blocks_after_the
     run_as_plain(run, device)
 
 
-def test_a_state_refill_interrupted_after_its_copies_queued_is_retried_as_plain(device) -> None:
+@pytest.mark.parametrize("window", ["copies-queued", "records-in-transit"])
+def test_a_state_refill_interrupted_after_its_copies_queued_is_retried_as_plain(
+    device, window
+) -> None:
     """The same interrupt in the fused step's bring of the optimizer state (the weights on
-    the device): the state's device tensors are dropped on the way out, and freed before
-    their copies land they would be written after the allocator handed them on. The frees
-    wait for the copies; the retried step trains as plain."""
+    the device), with its copies queued, or once it recorded the state in transit, before
+    the arrival that would put it back was made (probe B: the retry stepped AdamW with its
+    host tensors, a device mismatch). The device tensors are dropped after their copies and
+    the records say home; the retried step trains as plain."""
     data = on(device)
     models = []
     for cached in (False, True):
@@ -481,12 +486,41 @@ def test_a_state_refill_interrupted_after_its_copies_queued_is_retried_as_plain(
         for index, (tokens, targets) in enumerate(data):
             model(tokens, targets)[1].backward()
             if manager is not None and index == 1:
-                interrupt_the_next_refill_after_its_copies(manager.engine.backend)
-                with pytest.raises(KeyboardInterrupt):
-                    manager.step(optimizer)
+                removed = None
+                if window == "copies-queued":
+                    interrupt_the_next_refill_after_its_copies(manager.engine.backend)
+                else:
+                    line = "return Arrival(list(params), fresh, keys, transfer, kept)"
+                    removed = interrupt_at(StateJourney.bring, line)
+                try:
+                    with pytest.raises(KeyboardInterrupt):
+                        manager.step(optimizer)
+                finally:
+                    if removed is not None:
+                        removed()
             step(optimizer, manager)
         models.append(model)
     same(*models)
+
+
+def test_a_forward_interrupted_as_a_units_memory_goes_is_retried_as_plain(device) -> None:
+    """A signal as a block's buffer is given up at its forward's end, once its memory went
+    (Python checks for signals as the call returns): the unit still said it had arrived,
+    and the retried forward read a freed buffer ("the storage was freed (resize_) and not
+    refilled": probe B). The arrival is forgotten first; the retry trains as plain."""
+    data = on(device)
+
+    def run(model, manager=None):
+        optimizer = adamw_two_groups(model)
+        for index, (tokens, targets) in enumerate(data):
+            if manager is not None and index == 1:
+                interrupt_as_the_next_free_returns(manager.engine.weights.backend)
+                with pytest.raises(KeyboardInterrupt):
+                    model(tokens, targets)
+            model(tokens, targets)[1].backward()
+            step(optimizer, manager)
+
+    run_as_plain(run, device)
 
 
 @pytest.mark.parametrize("home", [True, False], ids=["home-in-the-step", "arriving-in-a-forward"])
@@ -538,6 +572,20 @@ def step(optimizer: torch.optim.Optimizer, manager=None) -> None:
     else:
         manager.step(optimizer)
     optimizer.zero_grad()
+
+
+def interrupt_as_the_next_free_returns(backend) -> None:
+    """``backend``'s next ``resize_storage(tensor, 0)`` frees the memory, and a
+    KeyboardInterrupt reaches its caller as it returns, once."""
+    resize = backend.resize_storage
+
+    def interrupted(tensor, nbytes):
+        resize(tensor, nbytes)
+        if nbytes == 0:
+            del backend.resize_storage  # once: the class's again
+            raise KeyboardInterrupt
+
+    backend.resize_storage = interrupted
 
 
 def interrupt_as_the_next_refill_returns(backend) -> None:

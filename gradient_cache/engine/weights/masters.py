@@ -333,8 +333,10 @@ class HostWeights:
             if unit is None or in_use is not weight.compute:
                 self.backend.resize_storage(in_use, 0)
             elif all(self._weights[m].at is WeightAt.HOST for m in unit.members):
-                self.backend.resize_storage(unit.buffer, 0)  # its last member in use gone
+                # Its last member in use gone. The arrival forgotten first: an interrupt as
+                # the memory goes leaves a unit the next bring refills, not one it trusts.
                 unit.arrival = None
+                self.backend.resize_storage(unit.buffer, 0)
         if refused:
             self._refuse(refused)
 
