@@ -246,26 +246,10 @@ def test_an_interrupted_fused_step_retried_gives_plains_result(
     """A KeyboardInterrupt inside step(optimizer) at a point only a signal reaches, then the
     docs' recovery (step(optimizer) again): AdamW's weights and state are plain's, bit for
     bit, and the step is counted once (probe N: a bucket stepped twice, 0.0157 off plain)."""
-    options, where = WINDOWS[window]
-    plain, cached = make_model(), make_model()
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
-    manager = gradient_cache.create_gradient_cache(cached, **options)
-    owner, name, choice = where
+    options, (owner, name, choice) = WINDOWS[window]
     interrupt = Interrupt(monkeypatch, owner, name, **choice)
-    for index, (tokens, targets) in enumerate(batches(3)):
-        loss_of(plain, tokens, targets).backward()
-        plain_opt.step()
-        plain_opt.zero_grad()
-        loss_of(cached, tokens, targets).backward()
-        if index == 1:
-            interrupt.arm(interrupt.calls)
-            with pytest.raises(KeyboardInterrupt):
-                manager.step(cached_opt)
-            assert interrupt.left is None  # it struck
-        manager.step(cached_opt)
-        cached_opt.zero_grad()
-    assert_same_state(plain_opt, cached_opt, plain, cached)
+    manager = retried_as_plain(options, lambda: interrupt.arm(interrupt.calls))
+    assert interrupt.left is None  # it struck
     assert manager.get_compression_summary()["steps"] == 3
 
 
@@ -279,6 +263,17 @@ def test_a_fused_step_interrupted_clearing_a_buckets_gradients_retried_is_plain(
     (the loop's jump back, where Python checks for signals): those not yet cleared stayed,
     and the retry took them for device gradients and stepped them again (probe B: 0.019 off
     plain, silently). The way out clears every bucket's; the retry gives plain's bits."""
+    retried_as_plain(
+        options, lambda: interrupt_at(fused_step._step_with, "param.grad = None", nth=2)
+    )
+
+
+def retried_as_plain(
+    options: dict[str, Any], arm: Callable[[], Callable[[], None] | None]
+) -> gradient_cache.GradientCacheHookManager:
+    """Three AdamW steps of plain PyTorch and of the cache made with ``options``, the second
+    fused step interrupted where ``arm()`` (its return, if any, removes it) says, then called
+    again: the weights and state equal, bit for bit. Returns the manager."""
     plain, cached = make_model(), make_model()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
@@ -289,12 +284,14 @@ def test_a_fused_step_interrupted_clearing_a_buckets_gradients_retried_is_plain(
         plain_opt.zero_grad()
         loss_of(cached, tokens, targets).backward()
         if index == 1:
-            removed = interrupt_at(fused_step._step_with, "param.grad = None", nth=2)
+            removed = arm()
             try:
                 with pytest.raises(KeyboardInterrupt):
                     manager.step(cached_opt)
             finally:
-                removed()
+                if removed is not None:
+                    removed()
         manager.step(cached_opt)
         cached_opt.zero_grad()
     assert_same_state(plain_opt, cached_opt, plain, cached)
+    return manager
