@@ -1511,8 +1511,8 @@ MUTANTS = [
     (
         "weights: the refill's copy waits for the compute stream's earlier use of the block",
         "gradient_cache/engine/accelerator.py",
-        "        self.restore_stream.wait_stream(compute)\n        try:\n            with self.restore_stream:\n",
-        "        try:\n            with self.restore_stream:\n",
+        "        self.restore_stream.wait_stream(compute)\n        with self.restore_stream:\n            for out, host in pairs:\n",
+        "        with self.restore_stream:\n            for out, host in pairs:\n",
         "tests/test_parameters_offload.py::test_every_weight_copy_is_ordered_on_the_stand_in_streams",
     ),
     (
@@ -1735,8 +1735,8 @@ MUTANTS = [
     (
         "weights: a failed bring gives its device memory back",
         "gradient_cache/engine/weights/masters.py",
-        "            for device in [unit.buffer for unit in empty] + own:  # nothing started\n                self.backend.resize_storage(device, 0)\n",
-        "            pass\n",
+        "            for device in [unit.buffer for unit in empty] + own:\n                self.backend.resize_storage(device, 0)\n            raise\n",
+        "            raise\n",
         "tests/test_parameters_offload.py::test_a_failed_bring_in_the_step_leaves_weights_and_state_home",
     ),
     (
@@ -1812,8 +1812,8 @@ MUTANTS = [
     (
         "weights: a rest module's eval outside the model's forward frees its weights",
         "gradient_cache/engine/weights/stream.py",
-        "        if not self._in_model and not in_backward() and not torch.is_grad_enabled():\n            self.weights.free(params)\n",
-        "",
+        "        if not torch.is_grad_enabled():\n            self.weights.free(params)\n            return\n",
+        "        if not torch.is_grad_enabled():\n            return\n",
         "tests/test_parameters_offload.py::test_through_a_submodule_an_eval_then_a_load_reaches_training_and_the_window_holds",
     ),
     (
@@ -3363,6 +3363,12 @@ EQUIVALENT_HERE = {
     # first batch, which discards the loaded step's gradients too (the test passes through
     # it); the callback's own discard keeps plain's result where a Lightning does not.
     "Lightning: a checkpoint's gradients of a step in progress dropped on load": True,
+    # `fused_step.run`'s way out spends a stepped bucket still in the store
+    # (`Pipeline.skip`), so a send back that raises before the spend leaves none to step
+    # twice either way: the order is kept so that the store never holds a bucket whose
+    # state went home.
+    "optimizer state: a bucket's state goes back only once its payloads are spent (a failed "
+    "send does not step it twice)": True,
 }
 
 
