@@ -675,6 +675,42 @@ def written_out_bf16_training(data: list, micro_batches: int) -> torch.nn.Module
     return masters
 
 
+def test_a_block_called_for_a_second_loss_under_a_compute_dtype_trains_as_written_out() -> None:
+    """On a CPU run with compute_dtype the weights in use are host tensors too, in bf16: the
+    guard set at the forward's end took the last block's, still in use, for weights at rest,
+    and refused that block called as a module for a second loss as "block.forward(x)"
+    (probe A). At rest is told by the dtype too: each backward trains as written out in
+    plain PyTorch (each one's bf16 gradients widened and summed in fp32, FSDP2's way)."""
+    data = batches(2)
+    features = torch.randn(2, 16, CONFIG.d_model, generator=torch.Generator().manual_seed(5))
+
+    def losses(model, tokens, targets, inputs) -> list[torch.Tensor]:
+        loss = model(tokens, targets)[1]  # the last block kept in use for backward
+        return [loss, model.blocks[-1](inputs).float().square().mean()]
+
+    masters = gpt()
+    optimizer = adamw_two_groups(masters)
+    for tokens, targets in data:
+        low = gpt().to(torch.bfloat16)
+        low.load_state_dict(masters.state_dict())  # cast to bf16 as it is copied
+        for loss in losses(low, tokens, targets, features.bfloat16()):
+            loss.backward()
+            for master, param in zip(masters.parameters(), low.parameters(), strict=True):
+                if param.grad is not None:
+                    widened = param.grad.float()
+                    master.grad = widened if master.grad is None else master.grad + widened
+                    param.grad = None
+        step(masters, optimizer)
+    cached = gpt()
+    optimizer = adamw_two_groups(cached)
+    manager = gradient_cache.create_gradient_cache(cached, **STREAMED, compute_dtype=torch.bfloat16)
+    for tokens, targets in data:
+        for loss in losses(cached, tokens, targets, features):  # the block casts its input
+            loss.backward()
+        step(cached, optimizer, manager)
+    assert_same_parameters(masters, cached)
+
+
 @pytest.mark.parametrize("micro_batches", [1, 2, 3])
 def test_bf16_gradients_cross_as_they_came_and_train_as_written_out(micro_batches) -> None:
     """compute_dtype=torch.bfloat16, lossless: a micro-batch's gradient with nothing to

@@ -567,6 +567,13 @@ MUTANTS = [
         "tests/emulated/test_device_defects.py -k units_memory",
     ),
     (
+        "weights: guarded at rest only, told by the dtype on a CPU run with a compute dtype",
+        "gradient_cache/engine/weights/stream.py",
+        '                home = param.device.type == "cpu" and param.dtype != self.compute_dtype\n',
+        '                home = param.device.type == "cpu"\n',
+        "tests/test_parameters_offload.py -k second_loss_under_a_compute_dtype",
+    ),
+    (
         "a close between a forward and its backward: a with-block left on an exception closes",
         "gradient_cache/manager.py",
         "        self.remove_hooks(abandon_an_awaited_backward=exc_type is not None)\n",

@@ -437,7 +437,9 @@ class OwnTensors:
         self._guarding = on
         with at_rest.undispatched():
             for param in self._guarded:
-                home = param.device.type == "cpu"  # at rest, ``P.data`` is its master
+                # At rest ``P.data`` is its master: on the host, not in the compute dtype
+                # (on a CPU run, a weight in use is the host's too, in that dtype).
+                home = param.device.type == "cpu" and param.dtype != self.compute_dtype
                 watched = home and not self._stepping and self._watches(param)
                 at_rest.dress(param, guarded=on and home, watched=watched)
 
