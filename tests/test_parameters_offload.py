@@ -1481,6 +1481,8 @@ def test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran() ->
         loss = again(*data[0])[1]
         raise ValueError("the user's")
     assert manager.engine is None and loss.grad_fn is not None  # closed, its graph alive
+    with pytest.raises(RuntimeError, match="before remove_hooks"):  # a bare setStorage error
+        loss.backward()
 
 
 def test_a_second_loss_through_the_head_called_alone_is_plain() -> None:

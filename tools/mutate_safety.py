@@ -574,6 +574,13 @@ MUTANTS = [
         "tests/test_parameters_offload.py -k second_loss_under_a_compute_dtype",
     ),
     (
+        "a close between a forward and its backward: the abandoned backward refused by name",
+        "gradient_cache/engine/weights/stream.py",
+        "        if self._removed:\n",
+        "        if False:\n",
+        "tests/test_parameters_offload.py::test_a_close_between_a_forward_and_its_backward_is_refused_until_it_ran",
+    ),
+    (
         "a close between a forward and its backward: a with-block left on an exception closes",
         "gradient_cache/manager.py",
         "        self.remove_hooks(abandon_an_awaited_backward=exc_type is not None)\n",

@@ -54,6 +54,7 @@ class WeightStream:
         self._reused = False  # a block ran twice since the last backward ended
         self._running: dict[int, _Entered] = {}  # a running block's inputs
         self._in_model = False  # inside the model's own forward
+        self._removed = False  # closed: a forward's output left then has its hooks still
         # Each block output of this forward (weakly, by id) and the blocks that took it as
         # an input: its gradient ends their backward (`_free_frozen`).
         self._consumers: dict[int, tuple[weakref.ref[torch.Tensor], list[int]]] = {}
@@ -125,6 +126,7 @@ class WeightStream:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._removed = True
         self._placement.forget_uses()
 
     @outside_graphs
@@ -213,6 +215,12 @@ class WeightStream:
     @of_this_backward
     def _backward_begins(self, awaited: weakref.ref[_Awaited], grad: torch.Tensor) -> None:
         """The model's output has its gradient: the rest is read next (again, if retained)."""
+        if self._removed:
+            raise RuntimeError(
+                "A backward through a forward run before remove_hooks(): the close moved the "
+                "weights that forward saved for it (offload_parameters=True). Run the "
+                "forward again after the close, or its backward before it."
+            )
         # It came (if refused, too): a close no longer waits for it; another forward's graph
         # still alive keeps the close refused until its own backward begins.
         came = awaited()
