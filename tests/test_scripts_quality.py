@@ -28,6 +28,8 @@ def summarized(
     return capsys.readouterr().out
 
 
+# r100's cache warns that top-k takes some tensors (the script's own stderr, as ever).
+@pytest.mark.filterwarnings("ignore:compression_ratio=100")
 def test_quality_timing_prints_its_table(capsys: pytest.CaptureFixture) -> None:
     """In this process (``--time`` trains there, no runs' processes): the benchmark's test
     below runs the script through ``python -m``, and a second interpreter only added the
