@@ -45,12 +45,14 @@ def test_quality_benchmark_pairs_seeds_and_counts_bytes(
 ) -> None:
     """A few steps of the quality benchmark: lossless equals plain, bytes follow the recipe.
     One runs' process (--jobs 1): a second only added its own start, importing torch and
-    the package, on CI's two cores that the other worker keeps busy."""
+    the package, on CI's two cores that the other worker keeps busy. Two validation
+    batches, not 32: the 32 took 1.5 s of a run's 1.9 s, and two tell lossless's loss
+    (plain's, to the bit) from the compressed one's as well."""
     out_json = tmp_path / "quality.json"
     out = run(
         "-m", "perf.quality", "--settings", "r1", "r100-ef-int8", "--optimizers", "adamw",
-        "--seeds", "0", "1", "--steps", "2", "--jobs", "1", "--any-corpus",
-        "--out", str(out_json),
+        "--seeds", "0", "1", "--steps", "2", "--jobs", "1", "--val-batches", "2",
+        "--any-corpus", "--out", str(out_json),
     )  # fmt: skip
     report = json.loads(out_json.read_text())
     assert len(report["runs"]) == 2 * 3  # plain is always run, to pair with
