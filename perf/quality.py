@@ -193,7 +193,7 @@ def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
-def validation_loss(model: TinyGPT, val: torch.Tensor) -> float:
+def validation_loss(model: TinyGPT, val: torch.Tensor, batches: int = VAL_BATCHES) -> float:
     generator = torch.Generator().manual_seed(VAL_SEED)
     with torch.no_grad():
         return statistics.fmean(
@@ -202,7 +202,7 @@ def validation_loss(model: TinyGPT, val: torch.Tensor) -> float:
                     val, batch_size=BATCH_SIZE, seq_len=model.config.seq_len, generator=generator
                 )
             )[1].item()
-            for _ in range(VAL_BATCHES)
+            for _ in range(batches)
         )
 
 
@@ -236,7 +236,7 @@ def train_run(job: dict) -> dict:
     for step in range(1, job["steps"] + 1):
         train_step(model, manager, optimizer, train, generator)
         if step % EVAL_EVERY == 0 or step == job["steps"]:
-            curve[step] = validation_loss(model, val)
+            curve[step] = validation_loss(model, val, job.get("val_batches", VAL_BATCHES))
     if manager is not None:
         manager.remove_hooks()
     return {
@@ -367,6 +367,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--lr", type=float, help="override the tuned learning rate")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one thread each")
+    parser.add_argument(
+        "--val-batches",
+        type=int,
+        default=VAL_BATCHES,
+        help=f"validation batches of {BATCH_SIZE} each loss averages (default {VAL_BATCHES})",
+    )
     parser.add_argument("--out", type=Path, default=Path("quality.json"))
     parser.add_argument(
         "--without-plain",
@@ -423,6 +429,7 @@ def main(argv: list[str] | None = None) -> None:
             "steps": args.steps,
             "model": args.model,
             "lr": args.lr or LEARNING_RATES[o],
+            "val_batches": args.val_batches,
             "check_hash": not args.any_corpus,
         }
         for o in args.optimizers

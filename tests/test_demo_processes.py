@@ -4,6 +4,7 @@ reported in the demo's process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -14,9 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from gradient_cache.demo.processes import fresh_processes
+from gradient_cache.demo import processes
 
 MIB = 1 << 20
+
+
+def fresh_processes() -> contextlib.AbstractContextManager[processes.InFreshProcess]:
+    """The demo's, its forker importing nothing ahead: these runs make no optimizer, and
+    what a demo's forker imports for its runs' (`processes.PRELOAD`, torch._dynamo) cost
+    this file's four forkers 4 to 9 s of CPU in all."""
+    return processes.fresh_processes(preload=())
 
 
 def peak_rss_after(allocated_mib: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import multiprocessing
 import os
 import pickle
@@ -29,20 +30,25 @@ from typing import Any
 InFreshProcess = Callable[..., Any]
 
 CHUNK = 1 << 20  # a run's reply crosses the forker in pieces of this many bytes
+# What a run's torch optimizer imports at its first add_param_group (torch._dynamo, 2.5 s
+# of a start on two cores, which the package itself does not import): the forker imports
+# it once, for every child.
+PRELOAD = ("torch._dynamo",)
 _PIECE, _ENDED = b"p", b"e"  # the forker's messages: a piece of the reply, the exit code
 
 
 @contextlib.contextmanager
-def fresh_processes() -> Iterator[InFreshProcess]:
+def fresh_processes(*, preload: tuple[str, ...] = PRELOAD) -> Iterator[InFreshProcess]:
     """Yields ``run(function, *args)``: ``function(*args)`` in a fresh process, its result
     returned, its error raised here with the traceback from that process as the cause. If
-    the demo's process raises while a run is in flight, the run is stopped, not waited for."""
+    the demo's process raises while a run is in flight, the run is stopped, not waited for.
+    ``preload``: the modules the forker imports before its first run (Linux)."""
     if not sys.platform.startswith("linux"):
         yield _spawned
         return
     spawn = multiprocessing.get_context("spawn")
     requests, theirs = spawn.Pipe()
-    forker = spawn.Process(target=_fork_each, args=(theirs,))
+    forker = spawn.Process(target=_fork_each, args=(theirs, preload))
     forker.start()
     theirs.close()
 
@@ -105,13 +111,12 @@ class _RemoteTraceback(Exception):
     """The traceback text of an error raised in a run's process."""
 
 
-def _fork_each(requests: Connection) -> None:
-    """The forker: each request unpickled here (which imports its modules once, for every
-    later child too), then run in a forked child whose reply is passed on a piece at a
-    time, then its exit code."""
-    # What a run's torch optimizer imports at its first add_param_group (torch._dynamo, 2.5 s
-    # of a start on two cores, which the package itself does not import): once, for every child.
-    import torch._dynamo  # noqa: F401
+def _fork_each(requests: Connection, preload: tuple[str, ...]) -> None:
+    """The forker: ``preload`` imported, each request unpickled here (which imports its
+    modules once, for every later child too), then run in a forked child whose reply is
+    passed on a piece at a time, then its exit code."""
+    for name in preload:
+        importlib.import_module(name)
 
     with contextlib.suppress(KeyboardInterrupt, BrokenPipeError, EOFError):
         # Ctrl-C reached the demo's process too, which reports it; the demo's process has

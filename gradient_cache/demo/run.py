@@ -168,6 +168,9 @@ class DemoSettings:
     # where a run is; ``device`` is then the CPU it runs on. Installed in each run's
     # process, never in the caller's (it is for the whole process, for good).
     emulated: bool = False
+    # The validation batches each run evaluates at its end, VAL_BATCHES as the settings are
+    # made (the runs' processes import this module anew: a test lowers it before, here).
+    val_batches: int = field(default_factory=lambda: VAL_BATCHES)
 
     @property
     def device_label(self) -> str:
@@ -429,7 +432,7 @@ def _train(variant: Variant, settings: DemoSettings) -> RunResult:
         make_batches(
             val_tokens, batch_size=VAL_BATCH_SIZE, seq_len=config.seq_len, generator=val_generator
         )
-        for _ in range(VAL_BATCHES)
+        for _ in range(settings.val_batches)
     ]
     scenario = SCENARIOS[settings.scenario]
     torch.manual_seed(settings.seed)
