@@ -326,13 +326,22 @@ def test_a_copy_on_a_side_stream_into_a_dropped_device_tensor_raises(
     device: torch.device,
 ) -> None:
     """On a GPU a dropped tensor's block goes back to the caching allocator for the next
-    allocation on the stream that made it, which a side stream's copy still pending may then
-    overwrite: the landing raises. On the stream that made it, the reuse is ordered after."""
-    _, destination = upload(device, torch.Stream(device="emu"))
+    allocation on the stream that made it, which a copy still pending on another stream may
+    then overwrite: the landing raises. Not where the reuse is ordered after the copy: the
+    copy on the stream that made the block, or the block named to the copy's stream by
+    ``record_stream`` (review R13: both were flagged)."""
+    side = torch.Stream(device="emu")
+    _, destination = upload(device, side)
     del destination
     with pytest.raises(RuntimeError, match="nothing else holds"):
         torch.accelerator.synchronize()
     _, destination = upload(device, torch.accelerator.current_stream())  # the maker's stream
+    del destination
+    _, destination = upload(device, side)
+    destination.record_stream(side)
+    del destination
+    with side:
+        _, destination = upload(device, side)  # made on the side stream
     del destination
     torch.accelerator.synchronize()
     assert pending_copies() == 0

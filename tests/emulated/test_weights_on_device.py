@@ -158,8 +158,8 @@ def test_a_submodule_of_the_rest_called_alone_takes_the_compute_dtype(device) ->
     """With compute_dtype=torch.bfloat16 the model's and each block's floating inputs are
     cast (FSDP2's ``cast_forward_inputs``); the final norm called on its own met its fp32
     input with bf16 weights and raised torch's "mixed dtype" (probe A). Its inputs are cast
-    as the model's: the bf16 layer norm written out on the masters' casts, and a backward
-    through it runs and steps."""
+    as the model's, by position or keyword, and in a checkpointed call's rerun: the bf16
+    layer norm written out on the masters' casts, and a backward through it runs and steps."""
     features = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(5))
     model = gpt()
     norm = model.ln_f
@@ -176,7 +176,11 @@ def test_a_submodule_of_the_rest_called_alone_takes_the_compute_dtype(device) ->
     )
     normed = model.ln_f(features.to(device))
     assert normed.dtype == torch.bfloat16 and torch.equal(normed.cpu(), expected)
-    normed.float().square().mean().backward()
+    by_name = model.ln_f(input=features.to(device))  # a keyword input too (review R13)
+    assert torch.equal(by_name.cpu(), expected)
+    # Checkpointed: its rerun in backward casts alike (it recomputed in fp32: R13).
+    rerun = torch.utils.checkpoint.checkpoint(model.ln_f, features.to(device), use_reentrant=False)
+    (normed.float().square().mean() + rerun.float().square().mean()).backward()
     manager.step(optimizer)
     assert not torch.equal(norm.weight.detach().cpu(), torch.ones(32))  # stepped from its init
 
@@ -221,6 +225,9 @@ def test_a_gradient_of_autograd_grad_assigned_to_a_weight_at_rest_is_refused_by_
     assert grad.device == device
     with pytest.raises(RuntimeError, match=r"'blocks.1.attn.qkv.weight'.grad = .*inputs="):
         weight.grad = grad
+    with pytest.raises(RuntimeError, match="same size") as wrong_shape:  # the user's own
+        weight.grad = torch.zeros(3)
+    assert "autograd.grad" not in str(wrong_shape.value)
     assert weight.grad is None and manager.engine is not None  # held, and attached, until here
 
 

@@ -15,6 +15,7 @@ counter and the wire would stay the old cast (diffusers' ``EMAModel.copy_to`` wr
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -113,7 +114,7 @@ def _refuse_if_met_elsewhere(
     likely cause."""
     leaves = pytree.tree_leaves((args, kwargs))
     names = [NAMES.get(id(a), "?") for a in leaves if isinstance(a, WatchedAtRest)]
-    if "attempting to assign a gradient" in str(error):
+    if re.search("assign a gradient with (device type|dtype)", str(error)):  # not a shape
         raise RuntimeError(
             f"{' '.join(map(repr, names))}.grad = ...: the weight is at rest on the host "
             "(offload_parameters=True), and a gradient autograd computed for it "

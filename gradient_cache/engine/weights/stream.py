@@ -49,7 +49,7 @@ class WeightStream:
         # Forwards with gradients since the last backward ended (a dropped output counts).
         self._forwards = 0
         # A token in each model output's node since then, weakly (`awaited`).
-        self._awaiting: list[weakref.ref[_Awaited]] = []
+        self._awaiting: weakref.WeakSet[_Awaited] = weakref.WeakSet()
         self._called: set[int] = set()  # the blocks this forward ran
         self._reused = False  # a block ran twice since the last backward ended
         self._running: dict[int, _Entered] = {}  # a running block's inputs
@@ -82,7 +82,9 @@ class WeightStream:
             rest_own = [p for p in module.parameters(recurse=False) if p in rest]
             if rest_own and module is not model:
                 self._handles += [
-                    module.register_forward_pre_hook(hook(self._rest_module_begins, rest_own)),
+                    module.register_forward_pre_hook(
+                        hook(self._rest_module_begins, rest_own), with_kwargs=True
+                    ),
                     module.register_forward_hook(
                         hook(self._rest_module_ends, rest_own), always_call=True
                     ),
@@ -119,7 +121,7 @@ class WeightStream:
 
     def awaited(self) -> bool:
         """Whether a forward's graph lives whose backward has not begun: it may come."""
-        return any(ref() is not None for ref in self._awaiting)
+        return len(self._awaiting) > 0
 
     def remove(self) -> None:
         """The hooks removed; the weights stay where they are."""
@@ -157,12 +159,13 @@ class WeightStream:
         )
 
     @outside_graphs
-    def _rest_module_begins(self, params: list[Param], module: torch.nn.Module, args: Any) -> Any:
+    def _rest_module_begins(
+        self, params: list[Param], module: torch.nn.Module, args: Any, kwargs: Any
+    ) -> Any:
         self.weights.ensure(params)
-        if self._in_model or in_backward():
-            return None
-        cast = self._cast(args, {})  # called on its own: its inputs as the model's
-        return None if cast is None else cast[0]
+        # Called on its own (a checkpointed call's rerun in backward too): its inputs as
+        # the model's; inside the model's forward they are the compute dtype's already.
+        return None if self._in_model else self._cast(args, kwargs)
 
     @outside_graphs
     def _rest_module_ends(
@@ -203,13 +206,15 @@ class WeightStream:
         """A backward reaching any of ``outputs`` begins with `_backward_begins`. One token
         for them, in their nodes (alive with the graph, not with a tensor): a close waits
         for it, and a backward's begin forgets its own forward's, not another live one's."""
-        awaited = weakref.ref(token := _Awaited())
+        token = _Awaited()
+        awaited = weakref.ref(token)
         for tensor in outputs:
+            if tensor.grad_fn is None:
+                continue  # a leaf (a parameter returned as is): a hook would stay on it
             tensor.register_hook(functools.partial(self._backward_begins, awaited))
-            if tensor.grad_fn is not None:
-                metadata = cast("dict[str, Any]", tensor.grad_fn.metadata)  # a dict, typed
-                metadata[_AWAITED] = token
-        self._awaiting.append(awaited)
+            metadata = cast("dict[str, Any]", tensor.grad_fn.metadata)  # a dict, typed
+            metadata[_AWAITED] = token
+        self._awaiting.add(token)
 
     @outside_graphs
     @of_this_backward
@@ -222,9 +227,10 @@ class WeightStream:
                 "forward again after the close, or its backward before it."
             )
         # It came (if refused, too): a close no longer waits for it; another forward's graph
-        # still alive keeps the close refused until its own backward begins.
+        # still alive keeps the close refused until its own backward begins, or one ends.
         came = awaited()
-        self._awaiting = [ref for ref in self._awaiting if ref() not in (None, came)]
+        if came is not None:
+            self._awaiting.discard(came)
         refuse_create_graph()
         self._placement.guarding(False)  # the uses before it are recorded, their refusals set
         self.end.queue()
@@ -378,6 +384,10 @@ class WeightStream:
         self.weights.free(self.weights.present())
         self.schedule.learn()  # a framework calling a submodule never ends the model
         self._forwards = 0
+        # A forward before it whose backward is still to come no longer holds a close back
+        # (its output kept for a metric, never backwarded, is common); if its backward
+        # comes after a close it is refused by name (`_removed`).
+        self._awaiting.clear()
         self._called = set()  # nor begins it
         self._reused = False
         self._consumers = {}

@@ -82,14 +82,15 @@ void check_storage_holds(const at::Tensor& t, const char* role) {
       "pending, which a GPU would not report. Wait for the copy (event or stream) first.");
 }
 
-// A copy on a side stream into device memory that only the queue still holds: its tensor
-// was dropped before the copy was waited for. On a GPU the caching allocator hands that
-// block on to the next allocation of the stream it was made on (the compute stream), which
-// the side stream's copy may then overwrite. (A copy on the stream that made the block is
-// ordered before its reuse, and is not flagged; stream 0 stands for that stream here.)
+// A copy into device memory that only the queue still holds: its tensor was dropped before
+// the copy was waited for. On a GPU the caching allocator hands that block on to the next
+// allocation of the stream it was made on, which a copy on another stream may then
+// overwrite. A copy on the stream that made the block, or a block `record_stream` named, is
+// ordered before its reuse, and is not flagged.
 void check_destination_kept(const at::Tensor& dst, c10::StreamId stream) {
   TORCH_CHECK(
-      stream == 0 || !on_device(dst) || dst.storage().use_count() > 1,
+      !on_device(dst) || dst.storage().use_count() > 1 ||
+          reuse_ordered_after(dst.storage().data_ptr(), stream),
       "A non_blocking copy on stream ", stream, " landed in device memory that nothing else "
       "holds: its tensor was dropped while the copy was pending, and on a GPU the caching "
       "allocator would hand that memory on to the next allocation on another stream. Make the "
@@ -250,8 +251,9 @@ struct Guard final : public c10::impl::DeviceGuardImplInterface {
     land_all();
   }
 
-  void recordDataPtrOnStream(const c10::DataPtr& /*p*/, const c10::Stream& /*s*/)
-      const override {}
+  void recordDataPtrOnStream(const c10::DataPtr& p, const c10::Stream& /*s*/) const override {
+    record_use_on_stream(p);
+  }
 
   double elapsedTime(void* start, void* end, const c10::DeviceIndex /*d*/) const override {
     TORCH_CHECK(start != nullptr && end != nullptr, "Both events must be recorded.");

@@ -35,6 +35,12 @@ int64_t capacity();
 // The stream current on this thread (thread-local, as CUDA's).
 c10::StreamId current_stream();
 
+// Whether a GPU's caching allocator would hand a device block on to another allocation only
+// after `stream`'s work: the block was made on `stream`, or `record_stream` named it (to
+// any stream: not told apart here). Device blocks only (a DataPtr of `device_allocator()`).
+bool reuse_ordered_after(const c10::DataPtr& data, c10::StreamId stream);
+void record_use_on_stream(const c10::DataPtr& data); // `Tensor.record_stream`
+
 // Pending copies. A non_blocking copy is queued on the current stream and runs ("lands")
 // only when something orders after it; until then its destination keeps its old bytes.
 void enqueue_copy(const at::Tensor& src, const at::Tensor& dst);

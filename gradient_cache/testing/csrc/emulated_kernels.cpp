@@ -241,8 +241,12 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
       c10::DispatchKeySet(c10::DispatchKey::CPU), cpu_view(self));
 }
 
-void record_stream(at::Tensor& /*self*/, c10::Stream /*stream*/) {
-  // A pending copy holds its tensors until it lands, so there is nothing to record.
+void record_stream(at::Tensor& self, c10::Stream /*stream*/) {
+  // A pending copy holds its tensors until it lands; recorded, a dropped destination is not
+  // flagged when its copy lands (a GPU would hold the block back for that stream).
+  if (on_device(self)) {
+    record_use_on_stream(self.storage().data_ptr());
+  }
 }
 
 // `param.data = tensor` across the CPU and this device: allowed as between the CPU and

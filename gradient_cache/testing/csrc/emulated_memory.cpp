@@ -2,6 +2,8 @@
 // memory its non_blocking copies know.
 #include "emulated_device.h"
 
+#include <atomic>
+
 #include <ATen/core/CachingHostAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -23,6 +25,16 @@ using c10::CachingAllocator::StatType;
 
 // Host RAM, counted and capped. No caching: each tensor's bytes are allocated and freed
 // as it lives, so `allocated` is what live tensors hold (CUDA's memory_allocated()).
+// A device allocation: its memory, the stream current when it was made (a GPU's caching
+// allocator hands a freed block on to that stream's next allocation) and whether
+// `record_stream` named it to another stream (the hand-on then waits for that stream).
+struct DeviceBlock {
+  void* ptr;
+  size_t nbytes;
+  c10::StreamId stream;
+  std::atomic<bool> recorded{false};
+};
+
 class DeviceMemory final : public c10::DeviceAllocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
@@ -50,11 +62,11 @@ class DeviceMemory final : public c10::DeviceAllocator {
       // Bytes nothing wrote read as NaN (0xFF...), so a read before a copy lands shows.
       std::memset(ptr, 0xFF, nbytes);
     }
-    return {ptr, new Block{ptr, nbytes}, &DeviceMemory::release, device()};
+    return {ptr, new DeviceBlock{ptr, nbytes, current_stream()}, &DeviceMemory::release, device()};
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
-    return nullptr; // the context (a Block) is not the data pointer
+    return nullptr; // the context (a DeviceBlock) is not the data pointer
   }
 
   void copy_data(void* dst, const void* src, std::size_t count) const override {
@@ -67,7 +79,9 @@ class DeviceMemory final : public c10::DeviceAllocator {
 
   void emptyCache(c10::MempoolId_t /*pool*/) override {}
 
-  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {}
+  void recordStream(const c10::DataPtr& ptr, c10::Stream /*stream*/) override {
+    record_use_on_stream(ptr);
+  }
 
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex /*d*/) override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -112,11 +126,6 @@ class DeviceMemory final : public c10::DeviceAllocator {
   }
 
  private:
-  struct Block {
-    void* ptr;
-    size_t nbytes;
-  };
-
   static void release(void* context);
 
   // Every pool counts the same bytes: there is no cache, so reserved == allocated.
@@ -159,7 +168,7 @@ DeviceMemory& device_memory() {
 }
 
 void DeviceMemory::release(void* context) {
-  auto* block = static_cast<Block*>(context);
+  auto* block = static_cast<DeviceBlock*>(context);
   if (block->ptr != nullptr) {
     c10::free_cpu(block->ptr);
   }
@@ -275,6 +284,18 @@ void PinnedMemory::release(void* ptr) {
 }
 
 } // namespace
+
+bool reuse_ordered_after(const c10::DataPtr& data, c10::StreamId stream) {
+  const auto* block = static_cast<const DeviceBlock*>(data.get_context());
+  return block == nullptr || block->stream == stream || block->recorded.load();
+}
+
+void record_use_on_stream(const c10::DataPtr& data) {
+  auto* block = static_cast<DeviceBlock*>(data.get_context());
+  if (block != nullptr) {
+    block->recorded.store(true);
+  }
+}
 
 c10::Allocator* device_allocator() {
   return &device_memory();
