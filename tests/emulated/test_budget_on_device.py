@@ -413,3 +413,20 @@ def test_a_resumed_run_measures_two_steps_of_its_own_and_stays_within_the_budget
         plain.load_state_dict(model_state)
         run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), None, data[cut:])
     assert_same_parameters(plain, model)
+
+
+def test_the_clips_norms_are_summed_grouped_by_the_gradients_device(device: torch.device) -> None:
+    """``clip_grad_norm_(model.parameters())`` groups the gradients by their device and dtype;
+    a weight at rest is a host parameter whose gradient (and its norm) is on the device.
+    Grouped by the parameters, a budget's resident weights (the rest, the first blocks)
+    went before the blocks at rest, an order plain never sums in (the budget test's sums
+    happened to agree, and a mutant survived)."""
+    from gradient_cache.engine.norms import clip_grad_norm_order
+
+    at_rest, resident, also_at_rest = (
+        torch.nn.Parameter(torch.zeros(2, device=on)) for on in ("cpu", device, "cpu")
+    )
+    params = [at_rest, resident, also_at_rest]
+    norms = {param: torch.tensor(float(i), device=device) for i, param in enumerate(params)}
+    order = {param: i for i, param in enumerate(params)}
+    assert [param for param, _ in clip_grad_norm_order(norms, order)] == params
