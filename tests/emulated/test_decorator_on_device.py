@@ -63,13 +63,15 @@ def test_a_decorated_loop_sets_a_model_up_from_the_host(device) -> None:
         assert torch.equal(a.cpu(), b.cpu()), name
 
 
-@pytest.mark.parametrize("then", ["manager_of", "the next call"])
+@pytest.mark.parametrize("then", ["manager_of", "the next call", "the next call, one kept"])
 def test_a_close_out_of_memory_at_the_return_leaves_a_cache_to_close_later(device, then) -> None:
     """The decorated function returns with a step pending (accumulation) and no room for
     its gradients: its close raises with them cached, and the cache was out of reach once
     the call was over (`manager_of` refused, the next call was refused as a second cache;
     a probe). Now `manager_of(model)` finds it between calls, and the next decorated call
-    closes it first; either way the gradients reach .grad and train as plain's."""
+    closes it first, also where the user holds it (dropped, its collection closed it as
+    well, and a mutant deleting the call's close survived); either way the gradients reach
+    .grad and train as plain's."""
     data = inputs(device, 3)
     plain = linears(device)
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
@@ -99,9 +101,12 @@ def test_a_close_out_of_memory_at_the_return_leaves_a_cache_to_close_later(devic
     with pytest.raises(torch.OutOfMemoryError, match="manager_of"), pytest.warns(UserWarning):
         first()  # and its cache state does not pass on: a step was pending
     emulated_device()
+    kept = gradient_cache.manager_of(cached)  # held: no collection closes it for the call
     if then == "manager_of":
-        gradient_cache.manager_of(cached).remove_hooks()
+        kept.remove_hooks()
         assert all(p.grad is not None for p in cached.parameters())
+    if then == "the next call":
+        del kept  # dropped: a collection would close it too
     second()
     for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
         assert torch.equal(a, b)
