@@ -4,12 +4,13 @@ setting puts tests/ on the path in every import mode."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import io
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -367,10 +368,11 @@ def assert_a_closed_manager_lets_the_model_go_without_a_gc_pass(
         gc.enable()
 
 
-def interrupt_at(function: Callable[..., object], line: str, *, nth: int = 1) -> Callable[[], None]:
-    """A KeyboardInterrupt raised in ``function`` as it reaches the ``nth`` run of its line
-    whose text (stripped) is ``line``, as a signal (Ctrl-C) lands between two statements.
-    Installed at once through ``sys.settrace``; the returned call removes it."""
+@contextlib.contextmanager
+def interrupt_at(function: Callable[..., object], line: str, *, nth: int = 1) -> Iterator[None]:
+    """Within it, a KeyboardInterrupt raised in ``function`` as it reaches the ``nth`` run of
+    its line whose text (stripped) is ``line``, as a signal (Ctrl-C) lands between two
+    statements (through ``sys.settrace``)."""
     code = function.__code__
     lines = inspect.getsourcelines(function)
     numbers = [lines[1] + i for i, text in enumerate(lines[0]) if text.strip() == line]
@@ -390,4 +392,7 @@ def interrupt_at(function: Callable[..., object], line: str, *, nth: int = 1) ->
         return local if frame.f_code is code and runs < nth else None
 
     sys.settrace(calls)
-    return lambda: sys.settrace(None)
+    try:
+        yield
+    finally:
+        sys.settrace(None)

@@ -7,6 +7,7 @@ that never saw that batch ends: plain PyTorch at ratio 1, the same cache at rati
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -248,7 +249,8 @@ def test_an_interrupted_fused_step_retried_gives_plains_result(
     bit, and the step is counted once (probe N: a bucket stepped twice, 0.0157 off plain)."""
     options, (owner, name, choice) = WINDOWS[window]
     interrupt = Interrupt(monkeypatch, owner, name, **choice)
-    manager = retried_as_plain(options, lambda: interrupt.arm(interrupt.calls))
+    armed = lambda: contextlib.nullcontext(interrupt.arm(interrupt.calls))  # noqa: E731
+    manager = retried_as_plain(options, armed)
     assert interrupt.left is None  # it struck
     assert manager.get_compression_summary()["steps"] == 3
 
@@ -269,11 +271,11 @@ def test_a_fused_step_interrupted_clearing_a_buckets_gradients_retried_is_plain(
 
 
 def retried_as_plain(
-    options: dict[str, Any], arm: Callable[[], Callable[[], None] | None]
+    options: dict[str, Any], armed: Callable[[], contextlib.AbstractContextManager[object]]
 ) -> gradient_cache.GradientCacheHookManager:
     """Three AdamW steps of plain PyTorch and of the cache made with ``options``, the second
-    fused step interrupted where ``arm()`` (its return, if any, removes it) says, then called
-    again: the weights and state equal, bit for bit. Returns the manager."""
+    fused step interrupted within ``armed()``, then called again: the weights and state
+    equal, bit for bit. Returns the manager."""
     plain, cached = make_model(), make_model()
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     cached_opt = torch.optim.AdamW(cached.parameters(), lr=1e-2)
@@ -284,13 +286,8 @@ def retried_as_plain(
         plain_opt.zero_grad()
         loss_of(cached, tokens, targets).backward()
         if index == 1:
-            removed = arm()
-            try:
-                with pytest.raises(KeyboardInterrupt):
-                    manager.step(cached_opt)
-            finally:
-                if removed is not None:
-                    removed()
+            with armed(), pytest.raises(KeyboardInterrupt):
+                manager.step(cached_opt)
         manager.step(cached_opt)
         cached_opt.zero_grad()
     assert_same_state(plain_opt, cached_opt, plain, cached)

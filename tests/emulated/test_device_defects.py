@@ -5,6 +5,7 @@ device a gradient on the device assigned to a parameter on the host raises, as o
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -435,20 +436,16 @@ def test_a_refill_interrupted_after_its_copies_queued_frees_its_blocks_after_the
     data = on(device)
 
     def interrupted(manager, call) -> None:
-        backend, removed = manager.engine.weights.backend, None
+        backend, armed = manager.engine.weights.backend, contextlib.nullcontext()
         if window == "as-it-returns":
             interrupt_as_the_next_refill_returns(backend)
         elif window.startswith("records-half-set"):
             line = "weight.at, weight.arrival = WeightAt.ARRIVING, arrival"
-            removed = interrupt_at(HostWeights.bring, line, nth=2)
+            armed = interrupt_at(HostWeights.bring, line, nth=2)
         else:
             interrupt_the_next_refill_after_its_copies(backend)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                call()
-        finally:
-            if removed is not None:
-                removed()
+        with armed, pytest.raises(KeyboardInterrupt):
+            call()
 
     def run(model, manager=None):
         optimizer = adamw_two_groups(model)
@@ -486,18 +483,14 @@ def test_a_state_refill_interrupted_after_its_copies_queued_is_retried_as_plain(
         for index, (tokens, targets) in enumerate(data):
             model(tokens, targets)[1].backward()
             if manager is not None and index == 1:
-                removed = None
+                armed = contextlib.nullcontext()
                 if window == "copies-queued":
                     interrupt_the_next_refill_after_its_copies(manager.engine.backend)
                 else:
                     line = "return Arrival(list(params), fresh, keys, transfer, kept)"
-                    removed = interrupt_at(StateJourney.bring, line)
-                try:
-                    with pytest.raises(KeyboardInterrupt):
-                        manager.step(optimizer)
-                finally:
-                    if removed is not None:
-                        removed()
+                    armed = interrupt_at(StateJourney.bring, line)
+                with armed, pytest.raises(KeyboardInterrupt):
+                    manager.step(optimizer)
             step(optimizer, manager)
         models.append(model)
     same(*models)
